@@ -1,0 +1,161 @@
+"""One frozen config tree. Each component receives the narrowest sub-config it needs.
+
+Values only known at run time (the number of KV blocks after profiling) are not patched in here;
+they travel as separate results (see ``omniserve.worker.worker.KVCacheSpec``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "half": "float16"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    """Local directory of a Hugging Face checkpoint (config.json, safetensors, tokenizer)."""
+    architecture: str
+    """The checkpoint's ``architectures[0]``; selects the model class through the registry."""
+    max_model_len: int
+    """Longest sequence (prompt + output) a request may reach."""
+    tokenizer: str
+    """Directory of the tokenizer (defaults to ``model``)."""
+    dtype: str = "auto"
+    """"auto" (bf16 on GPU, fp32 on CPU), "float32", "bfloat16" or "float16"."""
+    device: str = "auto"
+    """"auto" (CUDA when present), "cpu" or "cuda"."""
+    seed: int = 0
+    """Seed for the engine's global RNG (requests may bring their own)."""
+    served_model_name: str = ""
+    """The name clients use; defaults to ``model``."""
+
+    @staticmethod
+    def from_path(model: str, *, tokenizer: str | None = None, max_model_len: int | None = None,
+                  **kwargs: object) -> ModelConfig:
+        """Read config.json and resolve the derived fields; raise a precise error if unusable."""
+        path = Path(model).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"Model path {model!r} is not a directory. omniserve loads Hugging Face checkpoints "
+                "from a local directory (no hub downloads).")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file} is missing: not a Hugging Face checkpoint dir.")
+        hf_config = json.loads(config_file.read_text())
+        architectures = hf_config.get("architectures") or []
+        if not architectures:
+            raise ValueError(f"{config_file} names no 'architectures'; cannot pick a model class.")
+        derived_len = _derive_max_model_len(hf_config)
+        if max_model_len is None:
+            max_model_len = derived_len
+        elif derived_len is not None and max_model_len > derived_len:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's maximum "
+                             f"({derived_len}, from config.json).")
+        if max_model_len is None:
+            raise ValueError(f"{config_file} gives no max_position_embeddings; pass max_model_len.")
+        return ModelConfig(model=str(path), architecture=architectures[0], max_model_len=max_model_len,
+                           tokenizer=str(Path(tokenizer).expanduser()) if tokenizer else str(path),
+                           **kwargs)  # type: ignore[arg-type]
+
+    def __post_init__(self) -> None:
+        dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
+        object.__setattr__(self, "dtype", dtype)  # normalising an alias, not patching state
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def _derive_max_model_len(hf_config: dict) -> int | None:
+    # Multimodal checkpoints nest the decoder config (text_config, thinker_config.text_config).
+    for cfg in (hf_config, hf_config.get("text_config") or {},
+                (hf_config.get("thinker_config") or {}).get("text_config") or {}):
+        if cfg.get("max_position_embeddings"):
+            return int(cfg["max_position_embeddings"])
+    return None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory_bytes: int | None = None
+    """Memory for the KV cache across all layers; None: a device-dependent default."""
+    num_blocks_override: int | None = None
+    """Exact number of KV blocks (tests use it to force preemption)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prefixes across requests."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive.")
+        if self.num_blocks_override is not None and self.num_blocks_override < 1:
+            raise ValueError("num_blocks_override must be >= 1.")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one step (prefill chunks + decodes)."""
+    max_model_len: int = 4096
+    """Copied from ModelConfig so the scheduler needs nothing else."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps; when off a prompt must fit one step's budget."""
+    long_prefill_token_threshold: int = 0
+    """Cap on one request's prefill tokens per step (0: no cap), so decodes keep flowing."""
+    max_num_encoder_input_tokens: int = 8192
+    """Encoder compute budget of one step, in embeddings."""
+    encoder_cache_size: int = 8192
+    """Capacity of the encoder-output cache, in embeddings."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len "
+                f"({self.max_model_len}) needs chunked prefill; enable it or raise the budget.")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    """None/"uni" (one worker in process), "mp" (worker processes) or "ray"."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class OmniConfig:
+    """The root: every sub-config of one engine."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)

@@ -1,0 +1,186 @@
+"""KVCacheManager: which KV blocks each request owns, and prefix caching by chained block hashes.
+
+The scheduler speaks tokens (how many to compute, how many were found cached); this module turns
+them into blocks and hides the ``BlockPool`` behind ``KVCacheBlocks``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from omniserve.core.block_pool import BlockPool, KVCacheBlock
+from omniserve.core.request import Request
+
+# Parent of a request's first block. A fixed value keeps hashes identical across processes
+# and restarts (Python's hash() of str is salted per process).
+ROOT_BLOCK_HASH = 0
+_HASH_BYTES = 32
+
+
+def block_extra_keys(request: Request, start: int, end: int) -> tuple:
+    """What besides token ids decides the KV of tokens [start, end).
+
+    Multimodal placeholders share one token id per modality, so a block covering part of an
+    image must also mix in that item's content hash and its offset within the block; until
+    requests carry multimodal features, token ids alone decide the KV.
+    """
+    return ()
+
+
+def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple) -> int:
+    """sha256 over (parent, tokens, extra keys): each hash covers the whole prefix up to here."""
+    payload = msgspec.msgpack.encode((list(token_ids), extra_keys))
+    digest = hashlib.sha256(parent_hash.to_bytes(_HASH_BYTES, "big") + payload).digest()
+    return int.from_bytes(digest, "big")
+
+
+def update_block_hashes(request: Request, block_size: int) -> None:
+    """Extend ``request.block_hashes`` over every block that became full since the last call."""
+    token_ids = request.all_token_ids
+    num_full_blocks = len(token_ids) // block_size
+    hashes = request.block_hashes
+    parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+    for i in range(len(hashes), num_full_blocks):
+        start, end = i * block_size, (i + 1) * block_size
+        extra_keys = block_extra_keys(request, start, end)
+        parent = hash_block_tokens(parent, token_ids[start:end], extra_keys)
+        hashes.append(parent)
+
+
+@dataclass
+class KVCacheBlocks:
+    """Blocks handed between the manager and the scheduler; the scheduler only reads their ids."""
+
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+
+    def get_block_ids(self) -> list[int]:
+        return [block.block_id for block in self.blocks]
+
+
+class KVCacheManager:
+    """Allocates blocks per request and shares full blocks between requests with equal prefixes.
+
+    Counters ``prefix_cache_queries`` / ``prefix_cache_hits`` are cumulative prompt tokens looked
+    up / found, counted once per request when it is first admitted (a resumed request finding its
+    own blocks again would inflate the hit rate).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        # req_id -> the request's blocks, in token order
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # req_id -> how many leading blocks of the request were offered to the prefix cache
+        self.req_to_num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use."""
+        return self.block_pool.usage
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Hash the request's newly full blocks (nothing to do when caching is off)."""
+        if self.enable_caching:
+            update_block_hashes(request, self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest cached prefix of a request with no blocks yet: (blocks, number of tokens).
+
+        Capped at ``num_tokens - 1`` so the last token is always computed and yields logits.
+        Requests asking for prompt logprobs need every position's logits, so they never hit.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return KVCacheBlocks(), 0
+        max_num_blocks = (request.num_tokens - 1) // self.block_size
+        hit_blocks = []
+        for block_hash in request.block_hashes[:max_num_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hit_blocks.append(block)
+        return KVCacheBlocks(hit_blocks), len(hit_blocks) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+    ) -> KVCacheBlocks | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+
+        ``new_computed_blocks`` / ``num_new_computed_tokens`` are a prefix hit from
+        ``get_computed_blocks`` (only for a request with no blocks yet). Returns the newly
+        allocated blocks, or None, changing nothing, when the pool cannot supply them.
+        Full blocks are offered to the prefix cache right away, before the step runs, so a
+        request admitted later in the same step can already share them.
+        """
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}.")
+        hit_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else []
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id, [])
+        num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_blocks_needed = -(-num_tokens_after // self.block_size)
+        num_new_blocks = max(num_blocks_needed - len(req_blocks) - len(hit_blocks), 0)
+        # Hits sitting in the free queue stop being free when revived.
+        num_revived = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
+            return None
+
+        if req_id not in self.req_to_blocks:
+            self.req_to_blocks[req_id] = req_blocks
+            self.req_to_num_cached_blocks[req_id] = len(hit_blocks)
+            if self.enable_caching and request.num_preemptions == 0:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_new_computed_tokens
+        self.block_pool.touch(hit_blocks)
+        req_blocks.extend(hit_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, req_blocks, num_tokens_after)
+        return KVCacheBlocks(new_blocks)
+
+    def _cache_full_blocks(
+        self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int
+    ) -> None:
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        num_cached = self.req_to_num_cached_blocks[request.request_id]
+        for i in range(num_cached, num_full):
+            self.block_pool.cache_block(req_blocks[i], request.block_hashes[i])
+        self.req_to_num_cached_blocks[request.request_id] = max(num_cached, num_full)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so its tail is evicted first.
+
+        ``request.num_computed_tokens`` must still count the tokens whose KV was written: a
+        request preempted in the step that allocated its blocks never computed them, so blocks
+        cached optimistically past that point are uncached before they could serve a hit.
+        """
+        req_blocks = self.req_to_blocks.pop(request.request_id, None)
+        num_cached = self.req_to_num_cached_blocks.pop(request.request_id, 0)
+        if req_blocks is None:
+            return
+        num_written = request.num_computed_tokens // self.block_size
+        for block in req_blocks[num_written:num_cached]:
+            self.block_pool.uncache_block(block)
+        self.block_pool.free_blocks(reversed(req_blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached content and zero the hit counters; False while blocks are in use."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        return True

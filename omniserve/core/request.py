@@ -1,0 +1,95 @@
+"""The scheduler's view of a request. Pure Python (no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from omniserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that every status after PREEMPTED is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+# Finished status -> the API's finish_reason.
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    Progress is one counter, ``num_computed_tokens``, against ``num_tokens``: a request is "in
+    prefill" only in the sense that the gap is large. That covers chunked prefill, prefix-cache hits
+    and resumption after preemption with no phase flags.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float = 0.0
+    max_tokens: int = 0
+    """Resolved cap on output tokens (sampling max_tokens or what max_model_len leaves)."""
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Prompt tokens served from the prefix cache at first schedule (-1: not scheduled yet)."""
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    """Chained hashes of this request's full blocks, extended as tokens arrive."""
+    _output_token_ids: list[int] = field(default_factory=list)
+    _all_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return tuple(self._output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + output ids. Read only: change them through ``append_output_token_ids``."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    def get_finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

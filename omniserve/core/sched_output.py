@@ -1,0 +1,94 @@
+"""The two messages between the scheduler and the workers. Pure Python, serialisable.
+
+``SchedulerOutput`` goes to the workers each step: the full data of newly scheduled requests once,
+then only deltas, because workers keep their own copy of each running request.
+``ModelRunnerOutput`` comes back with what was sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omniserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen (or must rebuild after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens generated before a preemption (empty for a fresh request)."""
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None = None
+    """Needed by the sampler to hold eos back until min_tokens."""
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the workers already hold; parallel lists indexed alike."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    """Blocks appended to each request's block table this step (often empty)."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """req_id -> number of tokens computed for it this step."""
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    """req_ids finished or aborted since the last step: workers drop their state."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+    """req_ids preempted this step: workers drop their state; they return as new requests."""
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> indices of the multimodal items to encode this step."""
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    """Encoder outputs (by item hash) the workers may drop."""
+
+    @staticmethod
+    def make_empty() -> SchedulerOutput:
+        return SchedulerOutput([], CachedRequestData(), {}, 0)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsLists:
+    """Logprobs of a run of positions: per position, the chosen token first, then the top-k.
+
+    ``token_ids[i][0]`` is the sampled (or, for prompts, the actual next) token; ``ranks[i]`` is its
+    rank in the distribution (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step produced, per scheduled request."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    """Per request in ``req_ids``: the tokens sampled (empty while a prefill is still partial)."""
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    """req_id -> logprobs of the sampled tokens (only requests that asked)."""
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    """req_id -> logprobs of the prompt positions computed this step (only requests that asked)."""

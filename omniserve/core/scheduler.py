@@ -1,0 +1,329 @@
+"""Scheduler: continuous batching over ``waiting`` and ``running`` with a per-step token budget.
+
+There are no prefill and decode phases. Each step hands every request up to
+``num_tokens - num_computed_tokens`` tokens, so one rule covers chunked prefill, prefix-cache hits,
+decoding and resumption after preemption. Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from omniserve.config import CacheConfig, SchedulerConfig
+from omniserve.core.kv_cache_manager import KVCacheManager
+from omniserve.core.request import Request, RequestStatus
+from omniserve.core.sched_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from omniserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+_STATUS_TO_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass(slots=True)
+class _ScheduledRequest:
+    """What ``schedule()`` decided for one request; the output's dicts are built from these."""
+
+    request: Request
+    num_new_tokens: int
+    new_block_ids: list[int]
+    is_new: bool
+    """Workers have not seen it: admitted from waiting (fresh or resumed after preemption)."""
+
+
+class Scheduler:
+    """Decides which requests run each step and how many tokens each computes.
+
+    Order within a step: RUNNING requests in list order (preempting the newest running request by
+    recompute when KV blocks run out), then WAITING requests FCFS while budget and seats remain
+    and nothing was preempted this step.
+    """
+
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if num_blocks < blocks_per_seq:
+            # A request that outgrows the whole pool would preempt itself forever.
+            raise ValueError(
+                f"{num_blocks} KV blocks of {self.block_size} tokens cannot hold one "
+                f"max_model_len={self.max_model_len} sequence ({blocks_per_seq} blocks)."
+            )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, cache_config.enable_prefix_caching
+        )
+        # req_id -> every unfinished request (waiting, running or preempted)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished or aborted since the last schedule(); workers drop their state for these.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out ----
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already scheduled.")
+        if not 0 < request.num_tokens <= self.max_model_len:
+            raise ValueError(
+                f"Request {request.request_id!r} has {request.num_tokens} prompt "
+                f"tokens; needs 1..max_model_len ({self.max_model_len})."
+            )
+        self.kv_cache_manager.update_block_hashes(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
+        """Finish requests from outside (abort); unknown or finished ids are ignored.
+
+        Produces no output: whoever asked already knows.
+        """
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status!r} is not a finished status.")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> dict[str, float]:
+        """Gauges (running, waiting, KV usage) and cumulative counters."""
+        kv = self.kv_cache_manager
+        return {
+            "num_running": float(len(self.running)),
+            "num_waiting": float(len(self.waiting)),
+            "kv_cache_usage": kv.usage,
+            "prefix_cache_queries": float(kv.prefix_cache_queries),
+            "prefix_cache_hits": float(kv.prefix_cache_hits),
+            "num_preemptions": float(self.num_preemptions),
+        }
+
+    # ---- one step ----
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, then advance them optimistically."""
+        # req_id -> record, in scheduling order (running first, then admitted)
+        scheduled: dict[str, _ScheduledRequest] = {}
+        preempted: list[Request] = []
+        token_budget = self._schedule_running(scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(scheduled, token_budget)
+        output = self._make_output(scheduled, preempted)
+        # Optimistic: the step will compute these tokens (vLLM's _update_after_schedule).
+        for record in scheduled.values():
+            record.request.num_computed_tokens += record.num_new_tokens
+        return output
+
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if self.scheduler_config.enable_chunked_prefill and 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        # Positions stay below max_model_len (the front end keeps prompts within it).
+        num_new_tokens = min(num_new_tokens, self.max_model_len - num_computed_tokens)
+        return min(num_new_tokens, token_budget)
+
+    def _schedule_running(
+        self, scheduled: dict[str, _ScheduledRequest], preempted: list[Request]
+    ) -> int:
+        """Schedule RUNNING requests in order, preempting from the back; return budget left."""
+        token_budget = self.scheduler_config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = self._num_new_tokens(
+                request, request.num_computed_tokens, token_budget
+            )
+            if num_new_tokens <= 0:
+                index += 1
+                continue
+            while (
+                new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            ) is None:
+                # NOTE: victims come from the back, past this cursor, so none was scheduled yet
+                # this step: there are no tokens or blocks of this step to give back.
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # the request preempted itself; it was the last one running
+            scheduled[request.request_id] = _ScheduledRequest(
+                request, num_new_tokens, new_blocks.get_block_ids(), is_new=False
+            )
+            token_budget -= num_new_tokens
+            index += 1
+        return token_budget
+
+    def _preempt(self, request: Request) -> None:
+        # NOTE: free() before resetting num_computed_tokens: it tells which blocks were written.
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, scheduled: dict[str, _ScheduledRequest], token_budget: int) -> None:
+        """Admit WAITING requests FCFS; the first that cannot run this step stops admission."""
+        config = self.scheduler_config
+        kv = self.kv_cache_manager
+        while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = self._num_new_tokens(request, num_hit_tokens, token_budget)
+            if (
+                not config.enable_chunked_prefill
+                and num_new_tokens < request.num_tokens - num_hit_tokens
+            ):
+                break  # the whole prompt must run in one step; it waits for a fuller budget
+            new_blocks = kv.allocate_slots(request, num_new_tokens, num_hit_tokens, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.running.append(request)
+            scheduled[request.request_id] = _ScheduledRequest(
+                request, num_new_tokens, kv.get_block_ids(request.request_id), is_new=True
+            )
+            token_budget -= num_new_tokens
+
+    def _make_output(
+        self, scheduled: dict[str, _ScheduledRequest], preempted: list[Request]
+    ) -> SchedulerOutput:
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        for req_id, record in scheduled.items():
+            request = record.request
+            if record.is_new:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=req_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=record.new_block_ids,
+                        num_computed_tokens=request.num_computed_tokens,
+                        eos_token_id=request.eos_token_id,
+                    )
+                )
+            else:
+                cached.req_ids.append(req_id)
+                cached.new_block_ids.append(record.new_block_ids)
+                cached.num_computed_tokens.append(request.num_computed_tokens)
+        num_scheduled_tokens = {req_id: r.num_new_tokens for req_id, r in scheduled.items()}
+        finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids={request.request_id for request in preempted},
+        )
+
+    # ---- after the step ----
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append sampled tokens, check stops, free finished requests, report what is new."""
+        runner = model_runner_output
+        req_id_to_index = {req_id: i for i, req_id in enumerate(runner.req_ids)}
+        outputs: list[EngineCoreOutput] = []
+        num_finished = 0
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None:  # finished (aborted) while the step ran
+                continue
+            index = req_id_to_index.get(req_id)
+            sampled = runner.sampled_token_ids[index] if index is not None else []
+            new_token_ids = self._append_and_check_stop(request, sampled)
+            prompt_logprobs = runner.prompt_logprobs.get(req_id)
+            if new_token_ids or request.is_finished or prompt_logprobs is not None:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=runner.logprobs.get(req_id),
+                        new_prompt_logprobs=prompt_logprobs,
+                        finish_reason=_STATUS_TO_FINISH_REASON.get(request.status),
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens,
+                    )
+                )
+            if request.is_finished:
+                self._free_request(request)
+                num_finished += 1
+            else:
+                self.kv_cache_manager.update_block_hashes(request)
+        if num_finished:
+            self.running = [request for request in self.running if not request.is_finished]
+        return EngineCoreOutputs(outputs=outputs)
+
+    def _append_and_check_stop(self, request: Request, sampled: list[int]) -> list[int]:
+        """Append tokens one by one; stop at the first that finishes the request."""
+        for count, token_id in enumerate(sampled, start=1):
+            request.append_output_token_ids([token_id])
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                request.status = status
+                return sampled[:count]
+        return list(sampled)
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        """A stop token ends the request only once more than ``min_tokens`` are out; length
+        limits always apply. A stop token wins over a length limit reached on the same token."""
+        params = request.sampling_params
+        if request.num_output_tokens > params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None

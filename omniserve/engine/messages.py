@@ -1,0 +1,60 @@
+"""Messages between the front end (LLMEngine / AsyncLLM) and the engine core.
+
+msgspec structs, so the same shapes cross a process boundary (ZMQ) without pickling. Pure Python.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from omniserve.core.sched_output import LogprobsLists
+from omniserve.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Compact on the wire; ``str()`` gives the OpenAI finish_reason."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A tokenized, validated request, ready for the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    max_tokens: int
+    """Resolved output cap (never None here)."""
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One batch of outputs from the engine core (one step, or abort acknowledgements)."""
+
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0
+    scheduler_stats: dict[str, float] | None = None

@@ -1,0 +1,40 @@
+"""Every environment variable omniserve reads, in one place (style.md §7.9)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _user_dir(env_name: str, xdg_name: str, default: str) -> Path:
+    explicit = os.environ.get(env_name)
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get(xdg_name) or str(Path.home() / default)
+    return Path(base).expanduser() / "omniserve"
+
+
+def cache_dir() -> Path:
+    """Where built tiny checkpoints and other caches live (``OMNISERVE_CACHE_DIR``)."""
+    return _user_dir("OMNISERVE_CACHE_DIR", "XDG_CACHE_HOME", ".cache")
+
+
+def config_dir() -> Path:
+    """Where the user's model registry file lives (``OMNISERVE_CONFIG_DIR``)."""
+    return _user_dir("OMNISERVE_CONFIG_DIR", "XDG_CONFIG_HOME", ".config")
+
+
+def device_override() -> str | None:
+    """Force a device ("cpu", "cuda") regardless of what is available (``OMNISERVE_DEVICE``)."""
+    return os.environ.get("OMNISERVE_DEVICE") or None
+
+
+def engine_multiprocessing() -> bool:
+    """Run the engine core in its own process (``OMNISERVE_ENABLE_MULTIPROCESSING``, default on)."""
+    return os.environ.get("OMNISERVE_ENABLE_MULTIPROCESSING", "1") not in ("0", "false", "False")
+
+
+def num_threads() -> int | None:
+    """Torch intra-op threads for CPU workers (``OMNISERVE_NUM_THREADS``); None keeps torch's."""
+    value = os.environ.get("OMNISERVE_NUM_THREADS")
+    return int(value) if value else None

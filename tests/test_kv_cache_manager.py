@@ -1,0 +1,186 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from omniserve.core.kv_cache_manager import (
+    ROOT_BLOCK_HASH,
+    KVCacheManager,
+    hash_block_tokens,
+    update_block_hashes,
+)
+from omniserve.core.request import Request
+from tests.utils import make_request
+
+BLOCK_SIZE = 4
+
+
+def _request(req_id: str, prompt: list[int], **kwargs: object) -> Request:
+    request = make_request(req_id, prompt, **kwargs)  # type: ignore[arg-type]
+    update_block_hashes(request, BLOCK_SIZE)
+    return request
+
+
+def _admit(kv: KVCacheManager, request: Request) -> int:
+    """Prefix lookup + allocation for the whole prompt, then mark it computed; return hit tokens."""
+    hit_blocks, num_hit = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit_blocks)
+    request.num_computed_tokens = request.num_tokens
+    return num_hit
+
+
+def test_block_hash_is_process_independent() -> None:
+    code = (
+        "from omniserve.core.kv_cache_manager import hash_block_tokens as h; "
+        "print(h(h(0, [1, 2, 3, 4], ()), [5, 6, 7, 8], (('img', 3),)))"
+    )
+    expected = hash_block_tokens(
+        hash_block_tokens(0, [1, 2, 3, 4], ()), [5, 6, 7, 8], (("img", 3),)
+    )
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.getcwd(),
+        )
+        assert int(result.stdout) == expected
+
+
+def test_hashes_are_chained_and_extended_incrementally() -> None:
+    assert hash_block_tokens(1, [1, 2], ()) != hash_block_tokens(2, [1, 2], ())
+    assert hash_block_tokens(0, [1, 2], ()) != hash_block_tokens(0, [1, 2], ("x",))
+    request = _request("a", list(range(10, 20)))  # 10 tokens: 2 full blocks
+    assert len(request.block_hashes) == 2
+    first = hash_block_tokens(ROOT_BLOCK_HASH, [10, 11, 12, 13], ())
+    assert request.block_hashes[0] == first
+    assert request.block_hashes[1] == hash_block_tokens(first, [14, 15, 16, 17], ())
+    request.append_output_token_ids([20])
+    update_block_hashes(request, BLOCK_SIZE)
+    assert len(request.block_hashes) == 2  # third block still partial
+    request.append_output_token_ids([21])
+    update_block_hashes(request, BLOCK_SIZE)
+    fresh = _request("b", list(range(10, 22)))
+    assert request.block_hashes == fresh.block_hashes
+
+
+def test_identical_prompt_reuses_full_blocks_and_counts_hits() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
+    prompt = list(range(100, 110))  # 2 full blocks + 2 tokens
+    a = _request("a", prompt)
+    assert _admit(kv, a) == 0
+    b = _request("b", prompt)
+    assert _admit(kv, b) == 8
+    ids_a, ids_b = kv.get_block_ids("a"), kv.get_block_ids("b")
+    assert ids_a[:2] == ids_b[:2]
+    assert ids_a[2] != ids_b[2]  # the partial last block is never shared
+    assert len(set(ids_a + ids_b)) == 4
+    assert kv.prefix_cache_queries == 20 and kv.prefix_cache_hits == 8
+    assert kv.usage == pytest.approx(4 / 16)
+
+
+def test_hit_is_capped_below_the_last_token() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
+    prompt = list(range(100, 108))  # exactly 2 blocks
+    _admit(kv, _request("a", prompt))
+    _, num_hit = kv.get_computed_blocks(_request("b", prompt))
+    assert num_hit == 4  # 8 would leave nothing to compute and no logits
+
+
+def test_partial_block_content_is_not_a_hit() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
+    _admit(kv, _request("a", list(range(100, 106))))  # 1 full block + 2 tokens
+    _, num_hit = kv.get_computed_blocks(_request("b", list(range(100, 108)) + [1]))
+    assert num_hit == 4
+
+
+@pytest.mark.parametrize("caching, prompt_logprobs", [(False, None), (True, 1)])
+def test_no_hits_without_caching_or_with_prompt_logprobs(
+    caching: bool, prompt_logprobs: int | None
+) -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, enable_caching=caching)
+    prompt = list(range(100, 110))
+    _admit(kv, _request("a", prompt))
+    hit_blocks, num_hit = kv.get_computed_blocks(
+        _request("b", prompt, prompt_logprobs=prompt_logprobs)
+    )
+    assert num_hit == 0 and hit_blocks.get_block_ids() == []
+
+
+def test_allocate_returns_only_new_blocks_and_none_when_full() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=BLOCK_SIZE)
+    a = _request("a", list(range(100, 106)))
+    new = kv.allocate_slots(a, 6)
+    assert new is not None and new.get_block_ids() == [0, 1]
+    a.num_computed_tokens = 6
+    assert kv.allocate_slots(a, 2).get_block_ids() == []  # still fits in block 1
+    a.num_computed_tokens = 8
+    assert kv.allocate_slots(a, 1).get_block_ids() == [2]
+    a.num_computed_tokens = 9
+    b = _request("b", list(range(200, 204)))
+    assert kv.allocate_slots(b, 4) is None
+    assert kv.get_block_ids("b") == [] and kv.block_pool.num_free_blocks == 0
+    with pytest.raises(ValueError):
+        kv.allocate_slots(a, 0)
+
+
+def test_revived_hits_count_against_free_blocks() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=BLOCK_SIZE)
+    prompt = list(range(100, 109))  # 2 full blocks + 1 token
+    a = _request("a", prompt)
+    _admit(kv, a)
+    kv.free(a)
+    assert kv.block_pool.num_free_blocks == 3
+    hog = _request("hog", [1, 2, 3])
+    # The evicted-first block is a's uncached tail; a's two cached blocks survive.
+    assert kv.allocate_slots(hog, 3).get_block_ids() == [2]
+    b = _request("b", prompt)
+    hit_blocks, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 8
+    # Reviving 2 blocks leaves 0 free: the third block b needs does not fit.
+    assert kv.allocate_slots(b, 1, num_hit, hit_blocks) is None
+    kv.free(hog)
+    assert kv.allocate_slots(b, 1, num_hit, hit_blocks).get_block_ids() == [2]
+    assert kv.get_block_ids("b") == [0, 1, 2]
+
+
+def test_free_releases_everything_tail_first() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    a = _request("a", list(range(100, 112)))  # 3 full blocks, all cached
+    _admit(kv, a)
+    kv.free(a)
+    kv.free(a)  # idempotent
+    assert kv.block_pool.num_free_blocks == 8
+    assert kv.get_block_ids("a") == []
+    assert kv.block_pool.free_block_queue.block_ids()[-3:] == [2, 1, 0]
+
+
+def test_blocks_cached_but_never_computed_are_uncached_on_free() -> None:
+    """A request preempted in the step that allocated its blocks never wrote their KV."""
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    a = _request("a", list(range(100, 112)))
+    kv.allocate_slots(a, 4)
+    a.num_computed_tokens = 4  # step 1 ran: block 0 written
+    kv.allocate_slots(a, 8)  # step 2 scheduled (blocks 1, 2 cached optimistically) ...
+    kv.free(a)  # ... but preempted before it ran
+    b = _request("b", list(range(100, 112)))
+    _, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 4
+
+
+def test_reset_prefix_cache_refuses_while_in_use() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    prompt = list(range(100, 110))
+    a = _request("a", prompt)
+    _admit(kv, a)
+    assert kv.reset_prefix_cache() is False
+    kv.free(a)
+    assert kv.reset_prefix_cache() is True
+    assert kv.prefix_cache_queries == 0
+    assert kv.get_computed_blocks(_request("b", prompt))[1] == 0

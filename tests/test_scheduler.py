@@ -1,0 +1,399 @@
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from omniserve.core.request import RequestStatus
+from omniserve.core.sched_output import SchedulerOutput
+from omniserve.core.scheduler import Scheduler
+from omniserve.engine.messages import EngineCoreOutput, FinishReason
+from tests.utils import (
+    EOS_TOKEN_ID,
+    make_request,
+    make_requests,
+    make_runner_output,
+    make_scheduler,
+    run_to_completion,
+)
+
+
+def _step(scheduler: Scheduler, **runner_kwargs: object) -> dict[str, EngineCoreOutput]:
+    scheduler_output = scheduler.schedule()
+    runner_output = make_runner_output(scheduler, scheduler_output, **runner_kwargs)
+    outputs = scheduler.update_from_output(scheduler_output, runner_output).outputs
+    return {output.request_id: output for output in outputs}
+
+
+def _assert_all_blocks_free(scheduler: Scheduler) -> None:
+    kv = scheduler.kv_cache_manager
+    assert kv.block_pool.num_free_blocks == kv.block_pool.num_blocks
+    assert kv.req_to_blocks == {} and kv.usage == 0.0
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_token_budget_and_chunked_prefill() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=32)
+    long, *short = make_requests(1, 100, prefix="long") + make_requests(3, 10)
+    for request in [long, *short]:
+        scheduler.add_request(request)
+    chunks = []
+    while scheduler.has_unfinished_requests():
+        scheduler_output = scheduler.schedule()
+        counts = scheduler_output.num_scheduled_tokens
+        assert 0 < scheduler_output.total_num_scheduled_tokens <= 32
+        assert sum(counts.values()) == scheduler_output.total_num_scheduled_tokens
+        if long.num_output_tokens == 0 and long.request_id in counts:
+            chunks.append(counts[long.request_id])
+        runner_output = make_runner_output(scheduler, scheduler_output)
+        scheduler.update_from_output(scheduler_output, runner_output)
+    assert chunks[0] == 32 and len(chunks) > 3  # the long prompt ran in several chunks
+    assert sum(chunks) == 100
+    assert long.output_token_ids == tuple(range(1, 17))
+    _assert_all_blocks_free(scheduler)
+
+
+def test_chunks_report_computed_tokens_before_the_step() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=32, block_size=16)
+    scheduler.add_request(make_request("a", list(range(1000, 1070))))  # 70 tokens
+    first = scheduler.schedule()
+    assert [r.num_computed_tokens for r in first.scheduled_new_reqs] == [0]
+    assert first.scheduled_new_reqs[0].block_ids == [0, 1]
+    scheduler.update_from_output(first, make_runner_output(scheduler, first))
+    second = scheduler.schedule()
+    cached = second.scheduled_cached_reqs
+    assert cached.req_ids == ["a"] and cached.num_computed_tokens == [32]
+    assert cached.new_block_ids == [[2, 3]]
+    assert second.num_scheduled_tokens == {"a": 32}
+
+
+def test_long_prefill_threshold_caps_each_chunk() -> None:
+    scheduler = make_scheduler(long_prefill_token_threshold=8)
+    scheduler.add_request(make_request("a", list(range(1000, 1020))))
+    chunks = []
+    for _ in range(3):
+        so = scheduler.schedule()
+        chunks.append(so.num_scheduled_tokens["a"])
+        scheduler.update_from_output(so, make_runner_output(scheduler, so))
+    assert chunks == [8, 8, 4]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_budget_it_fits() -> None:
+    scheduler = make_scheduler(
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        enable_chunked_prefill=False,
+        long_prefill_token_threshold=8,
+    )
+    a, b = make_requests(2, 40)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    first = scheduler.schedule()
+    assert first.num_scheduled_tokens == {a.request_id: 40}  # b does not fit the 24 left
+    assert [r.request_id for r in scheduler.waiting] == [b.request_id]
+    scheduler.update_from_output(first, make_runner_output(scheduler, first))
+    second = scheduler.schedule()
+    assert second.num_scheduled_tokens == {a.request_id: 1, b.request_id: 40}
+
+
+def test_max_num_seqs_limits_running_requests() -> None:
+    scheduler = make_scheduler(max_num_seqs=2)
+    requests = make_requests(5, 10, max_tokens=3)
+    for request in requests:
+        scheduler.add_request(request)
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        assert len(so.num_scheduled_tokens) <= 2 and len(scheduler.running) <= 2
+        scheduler.update_from_output(so, make_runner_output(scheduler, so))
+    assert all(r.output_token_ids == (1, 2, 3) for r in requests)
+    _assert_all_blocks_free(scheduler)
+
+
+def test_preempted_request_resumes_and_completes() -> None:
+    # 2 requests growing to 24 tokens = 6 blocks each; the pool has 8.
+    scheduler = make_scheduler(block_size=4, num_blocks=8, max_model_len=32)
+    a, b = make_requests(2, 12, max_tokens=12)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    outputs: dict[str, list[int]] = {a.request_id: [], b.request_id: []}
+    preempted_at = resumed = None
+    for step in range(100):
+        if not scheduler.has_unfinished_requests():
+            break
+        so = scheduler.schedule()
+        if so.preempted_req_ids and preempted_at is None:
+            preempted_at = step
+            assert so.preempted_req_ids == {b.request_id}  # the last running request
+            assert scheduler.waiting[0] is b and b.status == RequestStatus.PREEMPTED
+            assert scheduler.kv_cache_manager.get_block_ids(b.request_id) == []
+            assert b.request_id not in so.num_scheduled_tokens
+        if preempted_at is not None and resumed is None and so.scheduled_new_reqs:
+            (resumed,) = so.scheduled_new_reqs
+            assert resumed.req_id == b.request_id
+            assert resumed.output_token_ids == outputs[b.request_id]
+            assert resumed.prompt_token_ids == b.prompt_token_ids
+            assert resumed.eos_token_id == EOS_TOKEN_ID
+            # Its own freed blocks were still cached: only the tail is recomputed.
+            assert resumed.num_computed_tokens > 0
+            num_tokens_after = resumed.num_computed_tokens + so.num_scheduled_tokens[b.request_id]
+            assert len(resumed.block_ids) == -(-num_tokens_after // 4)
+            assert resumed.block_ids == scheduler.kv_cache_manager.get_block_ids(b.request_id)
+        runner_output = make_runner_output(scheduler, so)
+        for output in scheduler.update_from_output(so, runner_output).outputs:
+            outputs[output.request_id].extend(output.new_token_ids)
+    assert preempted_at is not None and resumed is not None
+    assert outputs == {a.request_id: list(range(1, 13)), b.request_id: list(range(1, 13))}
+    assert b.num_preemptions >= 1
+    assert scheduler.make_stats()["num_preemptions"] == scheduler.num_preemptions >= 1
+    _assert_all_blocks_free(scheduler)
+
+
+def test_second_identical_prompt_hits_the_prefix_cache() -> None:
+    scheduler = make_scheduler(block_size=16)
+    first, second = make_requests(2, 40, same_prompt=True, max_tokens=2)
+    scheduler.add_request(first)
+    run_to_completion(scheduler)
+    scheduler.add_request(second)
+    so = scheduler.schedule()
+    (new,) = so.scheduled_new_reqs
+    assert new.num_computed_tokens == 32 and so.num_scheduled_tokens == {second.request_id: 8}
+    assert second.num_cached_tokens == 32
+    (output,) = scheduler.update_from_output(so, make_runner_output(scheduler, so)).outputs
+    assert output.num_cached_tokens == 32 and output.new_token_ids == [1]
+    stats = scheduler.make_stats()
+    assert stats["prefix_cache_queries"] == 80 and stats["prefix_cache_hits"] == 32
+    assert scheduler.reset_prefix_cache() is False  # second still holds blocks
+
+
+def test_identical_prompts_admitted_together_share_blocks() -> None:
+    scheduler = make_scheduler(block_size=16)
+    first, second = make_requests(2, 33, same_prompt=True)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens == {first.request_id: 33, second.request_id: 1}
+    block_ids = [r.block_ids for r in so.scheduled_new_reqs]
+    assert block_ids[0][:2] == block_ids[1][:2] and block_ids[0][2] != block_ids[1][2]
+
+
+def _generate(
+    tokens: list[int], *, prompt_len: int = 8, max_model_len: int = 1024, **request_kwargs: object
+) -> EngineCoreOutput:
+    """Run one request whose i-th sampled token is tokens[i]; return its last output."""
+    scheduler = make_scheduler(max_model_len=max_model_len)
+    request = make_request("r", list(range(1000, 1000 + prompt_len)), **request_kwargs)
+    scheduler.add_request(request)
+    generated: list[int] = []
+    output = None
+    while scheduler.has_unfinished_requests():
+        outputs = _step(scheduler, next_token=lambda r: tokens[r.num_output_tokens])
+        output = outputs["r"]
+        generated.extend(output.new_token_ids)
+    assert output is not None and output.finished
+    assert list(request.output_token_ids) == generated
+    _assert_all_blocks_free(scheduler)
+    return EngineCoreOutput(
+        "r", generated, finish_reason=output.finish_reason, stop_reason=output.stop_reason
+    )
+
+
+@pytest.mark.parametrize(
+    "tokens, kwargs, expected, reason, stop_reason",
+    [
+        ([5, EOS_TOKEN_ID, 6, 7], {}, [5, EOS_TOKEN_ID], FinishReason.STOP, None),
+        (
+            [5, EOS_TOKEN_ID, 6, 7],
+            {"ignore_eos": True, "max_tokens": 4},
+            [5, EOS_TOKEN_ID, 6, 7],
+            FinishReason.LENGTH,
+            None,
+        ),
+        ([5, 6, 7], {"stop_token_ids": [6, 9]}, [5, 6], FinishReason.STOP, 6),
+        ([5, 6, 7], {"max_tokens": 2}, [5, 6], FinishReason.LENGTH, None),
+        (
+            [EOS_TOKEN_ID, 9, EOS_TOKEN_ID, 5],
+            {"min_tokens": 2, "stop_token_ids": [9]},
+            [EOS_TOKEN_ID, 9, EOS_TOKEN_ID],
+            FinishReason.STOP,
+            None,
+        ),
+        ([5, EOS_TOKEN_ID], {"max_tokens": 2}, [5, EOS_TOKEN_ID], FinishReason.STOP, None),
+        ([5, 6, 7, 8], {"max_model_len": 10}, [5, 6], FinishReason.LENGTH, None),
+    ],
+)
+def test_stop_conditions(
+    tokens: list[int],
+    kwargs: dict,
+    expected: list[int],
+    reason: FinishReason,
+    stop_reason: int | None,
+) -> None:
+    output = _generate(tokens, **kwargs)
+    assert output.new_token_ids == expected
+    assert output.finish_reason == reason and output.stop_reason == stop_reason
+
+
+def test_abort_frees_blocks_and_reports_finished_ids() -> None:
+    scheduler = make_scheduler(max_num_seqs=1)
+    a, b, c = make_requests(3, 20)
+    for request in (a, b, c):
+        scheduler.add_request(request)
+    so = scheduler.schedule()
+    assert list(so.num_scheduled_tokens) == [a.request_id]
+    runner_output = make_runner_output(scheduler, so)
+    scheduler.finish_requests([a.request_id, "unknown"], RequestStatus.FINISHED_ABORTED)
+    # The step was already running: its result for a is dropped without an output.
+    outputs = scheduler.update_from_output(so, runner_output).outputs
+    assert outputs == [] and a.status == RequestStatus.FINISHED_ABORTED
+    scheduler.finish_requests(c.request_id, RequestStatus.FINISHED_ABORTED)
+    so = scheduler.schedule()
+    assert so.finished_req_ids == {a.request_id, c.request_id}
+    assert list(so.num_scheduled_tokens) == [b.request_id]
+    assert scheduler.get_num_unfinished_requests() == 1
+    scheduler.finish_requests([b.request_id], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.schedule().finished_req_ids == {b.request_id}
+    _assert_all_blocks_free(scheduler)
+    with pytest.raises(ValueError):
+        scheduler.finish_requests("x", RequestStatus.RUNNING)
+
+
+def test_prompt_logprobs_are_emitted_on_partial_prefill_steps() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request("a", list(range(1000, 1012)), prompt_logprobs=1))
+    first = _step(scheduler, prompt_logprobs=True)["a"]
+    assert first.new_token_ids == [] and not first.finished
+    assert first.new_prompt_logprobs is not None and len(first.new_prompt_logprobs.ranks) == 8
+    second = _step(scheduler, prompt_logprobs=True)["a"]
+    assert second.new_token_ids == [1] and len(second.new_prompt_logprobs.ranks) == 4
+
+
+def test_add_request_validates() -> None:
+    scheduler = make_scheduler(max_model_len=16)
+    scheduler.add_request(make_request("a", [1, 2]))
+    with pytest.raises(ValueError, match="already"):
+        scheduler.add_request(make_request("a", [1, 2]))
+    with pytest.raises(ValueError, match="max_model_len"):
+        scheduler.add_request(make_request("b", list(range(17))))
+    with pytest.raises(ValueError, match="cannot hold"):
+        make_scheduler(max_model_len=64, block_size=16, num_blocks=3)
+
+
+class _FakeWorker:
+    """Mirrors a model runner: block tables rebuilt from step outputs only, and the token each
+    KV slot holds, so every computed position can be checked to read its own request's token
+    (prefix sharing, preemption and resumption included)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.block_size = scheduler.block_size
+        self.scheduler = scheduler
+        self.block_tables: dict[str, list[int]] = {}
+        self.slots = [
+            [None] * self.block_size
+            for _ in range(scheduler.kv_cache_manager.block_pool.num_blocks)
+        ]
+
+    def execute(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.block_tables.pop(req_id, None)
+        num_computed = {}
+        for new in so.scheduled_new_reqs:
+            self.block_tables[new.req_id] = list(new.block_ids)
+            num_computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids, computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            self.block_tables[req_id].extend(block_ids)
+            num_computed[req_id] = computed
+        bs = self.block_size
+        for req_id, num_tokens in so.num_scheduled_tokens.items():
+            token_ids = self.scheduler.requests[req_id].all_token_ids
+            table = self.block_tables[req_id]
+            assert table == self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            start = num_computed[req_id]
+            for pos in range(start):
+                assert self.slots[table[pos // bs]][pos % bs] == token_ids[pos]
+            for pos in range(start, start + num_tokens):
+                self.slots[table[pos // bs]][pos % bs] = token_ids[pos]
+
+
+def _check_invariants(scheduler: Scheduler, so: SchedulerOutput) -> None:
+    config = scheduler.scheduler_config
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    assert so.total_num_scheduled_tokens <= config.max_num_batched_tokens
+    assert all(n > 0 for n in so.num_scheduled_tokens.values())
+    assert len(scheduler.running) <= config.max_num_seqs
+    running_ids = [r.request_id for r in scheduler.running]
+    waiting_ids = [r.request_id for r in scheduler.waiting]
+    assert sorted(running_ids + waiting_ids) == sorted(scheduler.requests)
+    assert set(kv.req_to_blocks) == set(running_ids)
+    owners = Counter()
+    for req_id, blocks in kv.req_to_blocks.items():
+        request = scheduler.requests[req_id]
+        assert len(set(map(id, blocks))) == len(blocks)
+        assert len(blocks) == -(-request.num_computed_tokens // scheduler.block_size)
+        for i, block in enumerate(blocks):
+            owners[block.block_id] += 1
+            if block.block_hash is not None:
+                assert block.block_hash == request.block_hashes[i]
+    for block in pool.blocks:
+        assert block.ref_cnt == owners[block.block_id]
+        assert owners[block.block_id] <= 1 or block.block_hash is not None  # only cached sharing
+    free_ids = pool.free_block_queue.block_ids()
+    assert sorted(free_ids) == [b.block_id for b in pool.blocks if b.ref_cnt == 0]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_randomized_stress_keeps_invariants_and_frees_everything(seed: int) -> None:
+    rng = random.Random(seed)
+    scheduler = make_scheduler(
+        block_size=4,
+        num_blocks=10,
+        max_model_len=24,
+        max_num_batched_tokens=16,
+        max_num_seqs=6,
+        long_prefill_token_threshold=rng.choice([0, 6]),
+    )
+    worker = _FakeWorker(scheduler)
+    prefixes = [[rng.randrange(1, 50) for _ in range(12)] for _ in range(3)]
+    num_added = 0
+    for step in range(400):
+        if step < 300 and rng.random() < 0.4:
+            prompt = rng.choice(prefixes)[: rng.randrange(0, 12)]
+            prompt += [rng.randrange(1, 50) for _ in range(rng.randrange(1, 5))]
+            scheduler.add_request(
+                make_request(
+                    f"r{num_added}",
+                    prompt,
+                    max_tokens=rng.randrange(1, 13),
+                    prompt_logprobs=1 if rng.random() < 0.1 else None,
+                )
+            )
+            num_added += 1
+        if scheduler.requests and rng.random() < 0.03:
+            scheduler.finish_requests(
+                rng.choice(list(scheduler.requests)), RequestStatus.FINISHED_ABORTED
+            )
+        if not scheduler.has_unfinished_requests():
+            continue
+        so = scheduler.schedule()
+        _check_invariants(scheduler, so)
+        worker.execute(so)
+        runner_output = make_runner_output(
+            scheduler,
+            so,
+            next_token=lambda r: EOS_TOKEN_ID if rng.random() < 0.05 else rng.randrange(1, 50),
+        )
+        if so.num_scheduled_tokens and rng.random() < 0.03:  # abort while the step runs
+            scheduler.finish_requests(
+                rng.choice(list(so.num_scheduled_tokens)), RequestStatus.FINISHED_ABORTED
+            )
+        for output in scheduler.update_from_output(so, runner_output).outputs:
+            assert output.request_id not in scheduler.requests or not output.finished
+    stats = scheduler.make_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ABORTED)
+    scheduler.schedule()
+    _assert_all_blocks_free(scheduler)
