@@ -1,0 +1,13 @@
+"""Offline builder of tiny random-weight Hugging Face checkpoints for tests and benchmarks.
+
+`build_tiny_checkpoint("Qwen3ForCausalLM")` writes config, safetensors weights (names as in real
+checkpoints, via transformers' own `save_pretrained`), generation config and a locally trained
+byte-level BPE tokenizer with the family's special tokens and chat template (design.md §6).
+"""
+
+from __future__ import annotations
+
+from omniserve.checkpoint_builder.builder import build_tiny_checkpoint
+from omniserve.checkpoint_builder.specs import SUPPORTED_ARCHITECTURES
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "build_tiny_checkpoint"]

@@ -1,0 +1,48 @@
+"""Suite-wide setup: Hugging Face offline, a reusable tiny-checkpoint cache, the `gpu` marker."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# NOTE: set before anything imports huggingface_hub, which reads these once at import time.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# Checkpoints are keyed by their inputs, so reruns (and CI caches of .pytest_cache) reuse them.
+os.environ.setdefault(
+    "OMNISERVE_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "omniserve")
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return  # keep torch-free test runs free of the torch import
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint() -> Callable[..., Path]:
+    """Factory `tiny_checkpoint(arch, size=..., seed=..., overrides=...) -> Path`, memoized."""
+    from omniserve.checkpoint_builder import build_tiny_checkpoint
+
+    built: dict[str, Path] = {}
+
+    def build(architecture: str, **kwargs: Any) -> Path:
+        key = json.dumps([architecture, kwargs], sort_keys=True, default=repr)
+        if key not in built:
+            built[key] = build_tiny_checkpoint(architecture, **kwargs)
+        return built[key]
+
+    return build
