@@ -1,0 +1,213 @@
+"""The decoder shared by the Llama / Qwen2 / Qwen3 (incl. MoE) family.
+
+Members differ only in biases, a per-head q/k RMSNorm and the MLP of a layer, so a model file is a
+``DecoderSpec`` plus, for MoE, a ``make_mlp`` override. Module and parameter names follow the
+Hugging Face checkpoints (``model.layers.N.self_attn...``, ``lm_head``), except the fused
+``qkv_proj`` / ``gate_up_proj``, which ``load_weights`` fills from the separate checkpoint matrices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from omniserve.attention import Attention
+from omniserve.layers.activation import get_act_and_mul
+from omniserve.layers.layernorm import RMSNorm
+from omniserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from omniserve.layers.rotary_embedding import apply_rotary_emb, get_rope
+from omniserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from omniserve.layers.weight_utils import (
+    StackedParams,
+    WeightRoute,
+    load_weights_by_route,
+    route_stacked,
+)
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What distinguishes the members of the family."""
+
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """The window of one layer, with transformers' rules: per ``layer_types`` when the config has
+    them (Qwen2/Qwen3), else the global ``sliding_window`` (None unless enabled)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
+    return getattr(config, "sliding_window", None)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=spec.qkv_bias,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, bias=spec.o_bias
+        )
+        self.num_heads = self.qkv_proj.num_heads  # per rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.attn = Attention(
+            self.num_heads,
+            head_dim,
+            head_dim**-0.5,
+            self.num_kv_heads,
+            sliding_window=sliding_window_of(config, layer_idx),
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        out = self.attn(q.flatten(1), k.flatten(1), v)  # [num_tokens, num_heads * head_dim]
+        return self.o_proj(out)
+
+
+class DecoderMLP(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, intermediate_size: int, bias: bool = False
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [intermediate_size, intermediate_size], bias=bias
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = get_act_and_mul(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, spec: DecoderSpec, layer_idx: int, mlp: nn.Module
+    ) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, spec, layer_idx)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        # Same operation order as transformers (separate residual adds) for matching bf16 numerics.
+        attn_out = self.self_attn(self.input_layernorm(hidden_states), cos, sin)
+        hidden_states = hidden_states + attn_out
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the layer stack and the final norm (``model.*`` in the checkpoint)."""
+
+    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, mlps: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, spec, i, mlp) for i, mlp in enumerate(mlps)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = get_rope(config, head_dim_of(config))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if inputs_embeds is None:
+            if input_ids is None:
+                raise ValueError("Pass input_ids or inputs_embeds.")
+            inputs_embeds = self.embed_tokens(input_ids)
+        hidden_states = inputs_embeds  # [num_tokens, hidden_size]
+        cos, sin = self.rotary_emb(positions, hidden_states.dtype)  # [num_tokens, rotary_dim]
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cos, sin)
+        return self.norm(hidden_states)
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of the family's ``*ForCausalLM`` classes; subclasses give ``decoder_spec``."""
+
+    stacked_params: ClassVar[StackedParams] = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        spec = self.decoder_spec(config)
+        mlps = [self.make_mlp(config, spec, i) for i in range(config.num_hidden_layers)]
+        self.model = DecoderModel(config, spec, mlps)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def decoder_spec(config: PretrainedConfig) -> DecoderSpec:
+        raise NotImplementedError
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, spec: DecoderSpec, layer_idx: int) -> nn.Module:
+        return DecoderMLP(config, config.intermediate_size, bias=spec.mlp_bias)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)  # [num_tokens, hidden_size]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()  # [num_tokens, vocab_size]
+
+    def route_weight(self, name: str) -> WeightRoute | None:
+        """Checkpoint key -> (parameter, shard); None skips keys that carry no parameter."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        return route_stacked(name, self.stacked_params)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_weights_by_route(self, weights, self.route_weight)

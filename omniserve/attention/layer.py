@@ -1,0 +1,81 @@
+"""Attention: the one layer that touches the paged KV cache.
+
+Models compute q/k/v (with rotary embedding applied) and call this layer; it reads the step's
+metadata from the forward context, writes the new keys/values into its cache and attends through
+the selected backend. Head counts here are per tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from omniserve.attention.selector import get_attention_backend
+from omniserve.attention.torch_backend import causal_attention
+from omniserve.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Causal self-attention over the paged cache of one decoder layer."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})."
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.backend = get_attention_backend()
+        # Set by the model runner after profiling:
+        # [2, num_blocks, block_size, num_kv_heads, head_size]; a plain attribute, not a buffer,
+        # so it stays out of state_dict and weight loading.
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, H*D], k/v [N, KVH*D] -> [N, H*D]."""
+        q = q.view(-1, self.num_heads, self.head_size)  # [num_tokens, num_heads, head_size]
+        k = k.view(-1, self.num_kv_heads, self.head_size)  # [num_tokens, num_kv_heads, head_size]
+        v = v.view(-1, self.num_kv_heads, self.head_size)
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:
+            out = causal_attention(q, k, v, scale=self.scale, sliding_window=self.sliding_window)
+        elif self.kv_cache is None:
+            raise RuntimeError(
+                "Attention.kv_cache is not set; allocate the KV cache before "
+                "running a forward with attention metadata."
+            )
+        else:
+            out = self.backend.forward(
+                q,
+                k,
+                v,
+                self.kv_cache,
+                metadata,
+                scale=self.scale,
+                sliding_window=self.sliding_window,
+            )
+        return out.reshape(-1, self.num_heads * self.head_size)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_size={self.head_size}, sliding_window={self.sliding_window}, "
+            f"backend={self.backend.name}"
+        )
+
+
+def get_attention_layers(model: nn.Module) -> list[Attention]:
+    """Every Attention layer of ``model`` in registration order (= layer order)."""
+    return [module for module in model.modules() if isinstance(module, Attention)]

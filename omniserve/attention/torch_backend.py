@@ -1,0 +1,287 @@
+"""Paged attention in plain PyTorch: the CPU backend, and the reference for GPU kernels.
+
+Work per step is split by request kind. All decodes (query length 1) go through one padded gather of
+their keys and one ``scaled_dot_product_attention`` call; grouped-query attention is handled by
+viewing the query heads as ``[num_kv_heads, group]`` so keys are never repeated. Each prefill chunk
+gets one SDPA call; a first chunk attends its fresh keys with ``is_causal`` and skips the gather.
+The index tensors for this (``_BatchPlan``) are built once per step and reused by every layer, and
+gathered keys/values land in one reused workspace (at most the largest gather of a step: a decode
+chunk, or the longest prefill's history).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from omniserve.attention.base import AttentionBackend
+from omniserve.attention.metadata import AttentionMetadata
+
+# Decodes are gathered in chunks of at most this many (request, key position) pairs so one step's
+# padded key copy stays bounded (32k positions x 1k head elements x 4 bytes = 128 MiB for K).
+_DECODE_KEYS_PER_CHUNK = 1 << 15
+
+
+def write_to_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter new keys/values ([num_tokens, num_kv_heads, head_size]) to their slots."""
+    kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+@dataclass
+class _DecodeChunk:
+    token_indices: torch.Tensor  # [n] int64: the decode tokens' rows in the flattened batch
+    key_slots: torch.Tensor  # [n, max_len] int64: cache slot of each key position (padded)
+    key_mask: torch.Tensor  # [n, 1, 1, max_len] bool: position is visible to the query
+
+
+@dataclass
+class _PrefillSeq:
+    start: int  # first row of the chunk in the flattened batch
+    end: int
+    key_slots: torch.Tensor | None  # [seq_len] int64; None: no cached context, use the new keys
+    mask: torch.Tensor | None  # [query_len, seq_len] bool; None: plain causal (is_causal)
+
+
+@dataclass
+class _BatchPlan:
+    decode_chunks: list[_DecodeChunk] = field(default_factory=list)
+    prefills: list[_PrefillSeq] = field(default_factory=list)
+
+
+def _slots(
+    block_table_rows: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Cache slots of ``positions`` ([L]) for each block-table row ([n, max_blocks]) -> [n, L]."""
+    block_ids = block_table_rows[:, positions // block_size].long()
+    return block_ids * block_size + positions % block_size
+
+
+def _plan_decodes(
+    md: AttentionMetadata,
+    decode_reqs: list[int],
+    token_starts: list[int],
+    block_size: int,
+    sliding_window: int | None,
+) -> list[_DecodeChunk]:
+    device = md.block_table.device
+    # Sorting by length keeps requests of similar length together, so padding stays small.
+    decode_reqs = sorted(decode_reqs, key=lambda r: md.seq_lens_cpu[r])
+    groups: list[list[int]] = []
+    for r in decode_reqs:
+        if groups and (len(groups[-1]) + 1) * md.seq_lens_cpu[r] <= _DECODE_KEYS_PER_CHUNK:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    chunks = []
+    for group in groups:
+        rows = torch.tensor(group, device=device)
+        max_len = max(md.seq_lens_cpu[r] for r in group)
+        positions = torch.arange(max_len, device=device)  # [L]
+        seq_lens = torch.tensor([md.seq_lens_cpu[r] for r in group], device=device)[:, None]
+        mask = positions[None, :] < seq_lens  # [n, L]
+        if sliding_window is not None:
+            mask &= positions[None, :] >= seq_lens - sliding_window
+        token_indices = torch.tensor([token_starts[r] for r in group], device=device)
+        chunks.append(
+            _DecodeChunk(
+                token_indices=token_indices,
+                key_slots=_slots(md.block_table[rows], positions, block_size),
+                key_mask=mask[:, None, None, :],
+            )
+        )
+    return chunks
+
+
+def _plan_prefill(
+    md: AttentionMetadata, req: int, start: int, block_size: int, sliding_window: int | None
+) -> _PrefillSeq:
+    query_len, seq_len = md.query_lens_cpu[req], md.seq_lens_cpu[req]
+    num_context = seq_len - query_len
+    device = md.block_table.device
+    key_slots = None
+    if num_context > 0:
+        key_slots = _slots(
+            md.block_table[req : req + 1], torch.arange(seq_len, device=device), block_size
+        )[0]
+    mask = None
+    if num_context > 0 or sliding_window is not None:
+        key_pos = torch.arange(seq_len, device=device)[None, :]  # [1, S]
+        query_pos = torch.arange(num_context, seq_len, device=device)[:, None]  # [Q, 1]
+        mask = key_pos <= query_pos
+        if sliding_window is not None:
+            mask &= key_pos > query_pos - sliding_window
+    return _PrefillSeq(start, start + query_len, key_slots, mask)
+
+
+def _plan_batch(md: AttentionMetadata, block_size: int, sliding_window: int | None) -> _BatchPlan:
+    plan = _BatchPlan()
+    decode_reqs, token_starts = [], []
+    start = 0
+    for req, query_len in enumerate(md.query_lens_cpu):
+        token_starts.append(start)
+        if query_len == 1:
+            decode_reqs.append(req)
+        elif query_len > 1:
+            plan.prefills.append(_plan_prefill(md, req, start, block_size, sliding_window))
+        start += query_len
+    if decode_reqs:
+        plan.decode_chunks = _plan_decodes(
+            md, decode_reqs, token_starts, block_size, sliding_window
+        )
+    return plan
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """SDPA over the paged cache; one instance is shared by all layers of a model."""
+
+    name: ClassVar[str] = "torch"
+
+    def __init__(self) -> None:
+        # NOTE: plans are keyed by the identity of the step's metadata object (the runner builds a
+        # fresh one per step and never mutates it); holding the reference keeps the id unique.
+        self._planned_for: AttentionMetadata | None = None
+        self._plans: dict[tuple[int, int | None], _BatchPlan] = {}
+        # Reused destination of the key/value gathers: a fresh multi-MiB tensor per layer costs
+        # more in page faults than the copy itself on CPU.
+        self._workspace: torch.Tensor | None = None
+
+    def _plan(
+        self, md: AttentionMetadata, block_size: int, sliding_window: int | None
+    ) -> _BatchPlan:
+        if md is not self._planned_for:
+            self._planned_for, self._plans = md, {}
+        key = (block_size, sliding_window)
+        if key not in self._plans:
+            self._plans[key] = _plan_batch(md, block_size, sliding_window)
+        return self._plans[key]
+
+    def _gather(
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values at ``slots`` -> two ``[*slots.shape, num_kv_heads, head_size]`` views of
+        the workspace, valid until the next gather."""
+        row_shape = key_cache.shape[1:]
+        numel = slots.numel() * key_cache[0].numel()
+        ws = self._workspace
+        stale = ws is None or ws.dtype != key_cache.dtype or ws.device != key_cache.device
+        if stale or ws.numel() < 2 * numel:
+            with torch.inference_mode(False):  # a normal tensor is writable in and out of it
+                ws = self._workspace = key_cache.new_empty(2 * numel)
+        flat_slots = slots.flatten()
+        k = torch.index_select(key_cache, 0, flat_slots, out=ws[:numel].view(-1, *row_shape))
+        v = torch.index_select(
+            value_cache, 0, flat_slots, out=ws[numel : 2 * numel].view(-1, *row_shape)
+        )
+        return k.view(*slots.shape, *row_shape), v.view(*slots.shape, *row_shape)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        plan = self._plan(metadata, kv_cache.shape[2], sliding_window)
+        key_cache = kv_cache[0].flatten(0, 1)  # [num_slots, num_kv_heads, head_size]
+        value_cache = kv_cache[1].flatten(0, 1)
+        out = torch.empty_like(query)  # [num_tokens, num_heads, head_size]
+        for chunk in plan.decode_chunks:
+            k, v = self._gather(key_cache, value_cache, chunk.key_slots)  # [n, L, KVH, D]
+            out.index_copy_(0, chunk.token_indices, _decode(query, k, v, chunk, scale))
+        for seq in plan.prefills:
+            q = query[seq.start : seq.end]  # [Q, num_heads, head_size]
+            if seq.key_slots is None:  # no cached context: the new keys are the whole sequence
+                k, v = key[seq.start : seq.end], value[seq.start : seq.end]
+            else:
+                k, v = self._gather(key_cache, value_cache, seq.key_slots)  # [S, KVH, D]
+            out[seq.start : seq.end] = _attend(q, k.to(q.dtype), v.to(q.dtype), seq.mask, scale)
+        return out
+
+
+def _decode(
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: _DecodeChunk, scale: float
+) -> torch.Tensor:
+    """One SDPA call for a chunk of decodes; k/v ``[n, L, num_kv_heads, head_size]`` (padded)."""
+    q = query[chunk.token_indices]  # [n, num_heads, head_size]
+    n, num_heads, head_size = q.shape
+    num_kv_heads = k.shape[2]
+    # Query head h reads KV head h // group: view the heads as [num_kv_heads, group] and let the
+    # group play the role of the query-length axis, so one KV head serves its whole group.
+    q = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_size)
+    k = k.transpose(1, 2).to(q.dtype)  # [n, num_kv_heads, L, head_size]
+    v = v.transpose(1, 2).to(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.key_mask, scale=scale)
+    return out.reshape(n, num_heads, head_size)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """q [Q, H, D], k/v [S, num_kv_heads, D]; mask [Q, S] (None: causal) -> [Q, H, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """All tokens as one causal sequence without a cache: the dummy (profile) forward."""
+    mask = None
+    if sliding_window is not None:
+        pos = torch.arange(query.shape[0], device=query.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
+    return _attend(query, key, value, mask, scale)
+
+
+def reference_attention(
+    query: torch.Tensor,
+    query_lens: list[int],
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Naive ground truth: one request, one query token at a time, over contiguous histories.
+
+    ``keys[r]``/``values[r]`` are request r's full ``[seq_len, num_kv_heads, head_size]`` history
+    (its last ``query_lens[r]`` rows are the new tokens). No paging, no batching, no SDPA.
+    """
+    num_heads = query.shape[1]
+    out = torch.empty_like(query)
+    row = 0
+    for query_len, k, v in zip(query_lens, keys, values, strict=True):
+        group = num_heads // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [S, H, D]
+        for i in range(query_len):
+            pos = k.shape[0] - query_len + i
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            scores = torch.einsum("hd,shd->hs", query[row], k[lo : pos + 1]) * scale
+            probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)  # [H, s]
+            out[row] = torch.einsum("hs,shd->hd", probs, v[lo : pos + 1])
+            row += 1
+    return out

@@ -1,0 +1,22 @@
+"""Gated activations over a fused ``[gate | up]`` projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of width 2d: the SwiGLU of Llama/Qwen MLPs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def get_act_and_mul(hidden_act: str) -> nn.Module:
+    """The gated activation for a config's ``hidden_act``; only SwiGLU so far."""
+    if hidden_act != "silu":
+        raise ValueError(f"hidden_act={hidden_act!r} is not supported (only 'silu').")
+    return SiluAndMul()

@@ -1,0 +1,129 @@
+"""Mixture-of-experts: top-k routing and the expert computation (torch reference path).
+
+Expert weights are stacked, ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (the layout
+transformers keeps in memory), and loaded from the per-expert checkpoint keys
+``experts.{e}.gate_proj/up_proj/down_proj.weight``. Under tensor parallelism each rank holds a slice
+of every expert's intermediate dimension and the outputs are summed across ranks.
+
+The CPU path groups token-expert pairs by expert and runs one matmul pair per expert that
+received tokens, accumulating with ``index_add_``; idle experts cost nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omniserve.layers.tp import divide, get_tp_rank, get_tp_size, tp_all_reduce
+from omniserve.layers.weight_utils import WeightRoute, set_weight_loader
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32, top-k, optional renormalisation -> (weights, expert ids), ``[N, top_k]``.
+
+    The weights are cast back to the logits' dtype, as transformers does.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [N, num_experts]
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights.to(router_logits.dtype), topk_ids
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``sum_k w_k * down_e(silu(gate_e x) * up_e x)`` over each token's selected experts.
+
+    x ``[N, H]``; gate_up_proj ``[E, 2I, H]``; down_proj ``[E, H, I]``; topk_* ``[N, top_k]``.
+    """
+    out = torch.zeros_like(x)  # [N, H]
+    flat_ids = topk_ids.flatten()  # [N * top_k]
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    token_of_pair = order // topk_ids.shape[1]  # [N * top_k] token of each sorted pair
+    weight_of_pair = topk_weights.flatten()[order]
+    start = 0
+    for expert_id, count in enumerate(counts):
+        if count == 0:
+            continue
+        tokens = token_of_pair[start : start + count]
+        gate, up = F.linear(x[tokens], gate_up_proj[expert_id]).chunk(2, dim=-1)  # [n, I] each
+        expert_out = F.linear(F.silu(gate) * up, down_proj[expert_id])  # [n, H]
+        out.index_add_(0, tokens, expert_out * weight_of_pair[start : start + count, None])
+        start += count
+    return out
+
+
+class FusedMoE(nn.Module):
+    """The experts of one MoE layer (routing is the caller's: it owns the router's semantics)."""
+
+    _EXPERT_KEY: ClassVar[re.Pattern[str]] = re.compile(
+        r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+    )
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size)
+        local = self.intermediate_size_per_partition
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
+        experts = range(num_experts)
+        set_weight_loader(
+            self.gate_up_proj,
+            self.weight_loader,
+            {(e, s) for e in experts for s in ("gate_proj", "up_proj")},
+        )
+        set_weight_loader(self.down_proj, self.weight_loader, {(e, "down_proj") for e in experts})
+
+    @classmethod
+    def route_expert_weight(cls, name: str) -> WeightRoute | None:
+        """``...experts.3.up_proj.weight`` -> ``(...experts.gate_up_proj, (3, "up_proj"))``."""
+        match = cls._EXPERT_KEY.match(name)
+        if match is None:
+            return None
+        proj = match["proj"]
+        param = "down_proj" if proj == "down_proj" else "gate_up_proj"
+        return f"{match['prefix']}.{param}", (int(match["expert"]), proj)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, proj: str
+    ) -> None:
+        local = self.intermediate_size_per_partition
+        # Checkpoint matrices: gate/up [I, H], down [H, I]; this rank keeps slice tp_rank of I.
+        shard_dim = 1 if proj == "down_proj" else 0
+        expected = (
+            (self.hidden_size, self.intermediate_size)
+            if proj == "down_proj"
+            else (self.intermediate_size, self.hidden_size)
+        )
+        if tuple(loaded.shape) != expected:
+            raise ValueError(
+                f"Shape mismatch for expert {expert_id} {proj}: expected {expected}, "
+                f"got {tuple(loaded.shape)}."
+            )
+        shard = loaded.narrow(shard_dim, self.tp_rank * local, local)
+        target = param.data[expert_id]
+        if proj != "down_proj":
+            target = target.narrow(0, 0 if proj == "gate_proj" else local, local)
+        target.copy_(shard)
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        out = fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return tp_all_reduce(out) if self.tp_size > 1 else out

@@ -1,0 +1,166 @@
+"""Linear layers that shard themselves across tensor-parallel ranks.
+
+Column-parallel layers split the output dimension (each rank computes a slice of the features);
+row-parallel layers split the input dimension and sum the partial products across ranks. Fused
+layers (q/k/v, gate/up) hold several checkpoint matrices in one weight so one matmul serves them
+all; their ``weight_loader`` takes a shard id naming which checkpoint matrix is being written.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omniserve.layers.tp import divide, get_tp_rank, get_tp_size, tp_all_reduce
+from omniserve.layers.weight_utils import default_weight_loader, set_weight_loader
+
+
+def _check_shape(param: torch.Tensor, expected: tuple[int, ...], loaded: torch.Tensor) -> None:
+    if tuple(loaded.shape) != expected:
+        raise ValueError(
+            f"Shape mismatch: expected checkpoint shape {expected} for a parameter "
+            f"of local shape {tuple(param.shape)}, got {tuple(loaded.shape)}."
+        )
+
+
+class ReplicatedLinear(nn.Module):
+    """A full copy on every rank (small matrices such as an MoE router)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's rows (output features) split evenly across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = divide(output_size, self.tp_size)
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size))
+        self.bias = nn.Parameter(torch.empty(self.output_size_per_partition)) if bias else None
+        for param in (self.weight, self.bias):
+            if param is not None:
+                set_weight_loader(param, self.weight_loader, self._shard_ids())
+
+    def _shard_ids(self) -> set[tuple[object, ...]] | None:
+        return None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        _check_shape(param, (self.output_size, *param.shape[1:]), loaded)
+        size = self.output_size_per_partition
+        param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [*, output_size_per_partition]
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices side by side (gate_proj + up_proj), shard id = index."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def _shard_ids(self) -> set[tuple[object, ...]]:
+        return {(i,) for i in range(len(self.output_sizes))}
+
+    def weight_loader(
+        self,
+        param: nn.Parameter,
+        loaded: torch.Tensor,  # type: ignore[override]
+        shard_id: int,
+    ) -> None:
+        _check_shape(param, (self.output_sizes[shard_id], *param.shape[1:]), loaded)
+        size = divide(self.output_sizes[shard_id], self.tp_size)
+        offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; output layout per rank is ``[q | k | v]``.
+
+    Query heads split across ranks; KV heads split too, or are replicated when there are fewer
+    KV heads than ranks (each rank then holds the one KV head its query heads read).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+    ) -> None:
+        tp_size = get_tp_size()
+        self.head_size = head_size
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.num_kv_head_replicas = 1
+        self.q_size = self.num_heads * head_size  # per rank
+        self.kv_size = self.num_kv_heads * head_size
+        self.total_sizes = {
+            "q": total_num_heads * head_size,
+            "k": total_num_kv_heads * head_size,
+            "v": total_num_kv_heads * head_size,
+        }
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp_size, bias)
+
+    def _shard_ids(self) -> set[tuple[object, ...]]:
+        return {("q",), ("k",), ("v",)}
+
+    def weight_loader(
+        self,
+        param: nn.Parameter,
+        loaded: torch.Tensor,  # type: ignore[override]
+        shard_id: str,
+    ) -> None:
+        _check_shape(param, (self.total_sizes[shard_id], *param.shape[1:]), loaded)
+        if shard_id == "q":
+            offset, size, source_index = 0, self.q_size, self.tp_rank
+        else:
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, source_index = self.kv_size, self.tp_rank // self.num_kv_head_replicas
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, source_index * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's columns (input features) split; partial sums are all-reduced.
+
+    The input arrives already split (the output of a column-parallel layer), so no scatter is
+    needed. The bias is added once, after the reduction.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size = input_size
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition))
+        set_weight_loader(self.weight, self.weight_loader)
+        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+        if self.bias is not None:
+            set_weight_loader(self.bias, default_weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        _check_shape(param, (param.shape[0], self.input_size), loaded)
+        size = self.input_size_per_partition
+        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = tp_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

@@ -1,0 +1,97 @@
+"""Rotary position embedding (RoPE), neox style (rotate_half), computed as transformers does.
+
+Frequencies come from the config's ``rope_parameters`` (transformers 5.x): the default formula, or
+``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` for linear / llama3 / yarn scaling, so
+scaled variants match HF by construction. ``cos``/``sin`` are computed once per forward from the
+positions and shared by every layer.
+
+Extension point for M-RoPE (Qwen2-VL and later): subclass ``RotaryEmbedding`` and override
+``forward`` to accept ``positions`` of shape ``[3, num_tokens]`` (temporal, height, width) and
+return the same ``[num_tokens, rotary_dim]`` cos/sin, assembled per frequency section;
+``apply_rotary_emb`` and the layers stay unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+# Static scalings only: "dynamic" and "longrope" change frequencies with the batch's longest
+# sequence, which has no single meaning in a continuously batched step.
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class RotaryEmbedding(nn.Module):
+    """positions -> (cos, sin), each ``[num_tokens, rotary_dim]``."""
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        inv_freq: torch.Tensor,
+        attention_scaling: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.attention_scaling = attention_scaling
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [rotary_dim // 2]
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq  # [num_tokens, rotary_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, rotary_dim]
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``rotary_dim`` features of each head of x ``[tokens, heads, head_size]``."""
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [num_tokens, 1, rotary_dim]
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def _default_inv_freq(rope_theta: float, dim: int) -> torch.Tensor:
+    # Same expression as transformers' compute_default_rope_parameters, for identical floats.
+    return 1.0 / (rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def get_rope(config: Any, head_size: int) -> RotaryEmbedding:
+    """Build the rotary embedding a (text) config describes."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or "rope_type" not in params:
+        raise ValueError(
+            f"Config has no usable rope_parameters ({params!r}); per-layer-type "
+            "rope parameters are not supported."
+        )
+    rope_type = params["rope_type"]
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type={rope_type!r} is not supported; supported: "
+            f"{', '.join(_SUPPORTED_ROPE_TYPES)}."
+        )
+    rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
+    if rope_type == "default":
+        inv_freq, attention_scaling = _default_inv_freq(params["rope_theta"], rotary_dim), 1.0
+    else:
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    if inv_freq.shape[0] * 2 != rotary_dim:
+        raise ValueError(
+            f"RoPE produced {inv_freq.shape[0]} frequencies for rotary_dim "
+            f"{rotary_dim}; check head_dim / partial_rotary_factor in the config."
+        )
+    return RotaryEmbedding(head_size, rotary_dim, inv_freq, attention_scaling)

@@ -1,0 +1,1 @@
+"""Multimodal processors, one module per model family (registered with their models)."""

@@ -1,0 +1,258 @@
+"""The torch paged-attention backend against a naive per-token reference on contiguous histories."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from omniserve.attention import Attention, AttentionMetadata, get_attention_layers, torch_backend
+from omniserve.attention.torch_backend import (
+    TorchAttentionBackend,
+    causal_attention,
+    reference_attention,
+)
+from omniserve.forward_context import get_forward_context, set_forward_context
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor  # [N, H, D]
+    key: torch.Tensor  # [N, KVH, D] new tokens only
+    value: torch.Tensor
+    kv_cache: torch.Tensor
+    metadata: AttentionMetadata
+    histories: list[tuple[torch.Tensor, torch.Tensor]]  # per request: full [S, KVH, D] k and v
+
+
+def make_batch(
+    specs: list[tuple[int, int]],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int = 16,
+    block_size: int = 4,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Batch:
+    """specs: (num_context_tokens already cached, query_len) per request, in batch order."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = [-(-(c + q) // block_size) for c, q in specs]
+    num_blocks = sum(blocks_needed) + 3
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)  # blocks of a request are scattered, not contiguous
+    kv_cache = torch.randn(
+        2, num_blocks, block_size, num_kv_heads, head_size, generator=gen, dtype=dtype
+    )  # garbage in unused slots must never be read
+    max_blocks = max(blocks_needed)
+    block_table = torch.zeros(len(specs), max_blocks, dtype=torch.int32)
+    histories, new_k, new_v, slots, queries = [], [], [], [], []
+    for r, ((num_context, query_len), n_blocks) in enumerate(
+        zip(specs, blocks_needed, strict=True)
+    ):
+        block_ids = [pool.pop() for _ in range(n_blocks)]
+        block_table[r, :n_blocks] = torch.tensor(block_ids, dtype=torch.int32)
+        seq_len = num_context + query_len
+        k = torch.randn(seq_len, num_kv_heads, head_size, generator=gen, dtype=dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen, dtype=dtype)
+        histories.append((k, v))
+        for t in range(seq_len):
+            slot = block_ids[t // block_size] * block_size + t % block_size
+            if t < num_context:  # written by earlier steps
+                kv_cache[0, slot // block_size, slot % block_size] = k[t]
+                kv_cache[1, slot // block_size, slot % block_size] = v[t]
+            else:
+                slots.append(slot)
+        new_k.append(k[num_context:])
+        new_v.append(v[num_context:])
+        queries.append(torch.randn(query_len, num_heads, head_size, generator=gen, dtype=dtype))
+    query_lens = [q for _, q in specs]
+    seq_lens = [c + q for c, q in specs]
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor(
+            [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32
+        ),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    return Batch(
+        torch.cat(queries), torch.cat(new_k), torch.cat(new_v), kv_cache, metadata, histories
+    )
+
+
+def run_and_compare(batch: Batch, *, sliding_window: int | None = None, atol: float = 1e-5) -> None:
+    scale = batch.query.shape[-1] ** -0.5
+    out = TorchAttentionBackend().forward(
+        batch.query,
+        batch.key,
+        batch.value,
+        batch.kv_cache,
+        batch.metadata,
+        scale=scale,
+        sliding_window=sliding_window,
+    )
+    expected = reference_attention(
+        batch.query,
+        batch.metadata.query_lens_cpu,
+        [k for k, _ in batch.histories],
+        [v for _, v in batch.histories],
+        scale=scale,
+        sliding_window=sliding_window,
+    )
+    torch.testing.assert_close(out, expected, atol=atol, rtol=0)
+    # The new tokens landed in their slots.
+    flat_k = batch.kv_cache[0].flatten(0, 1)
+    torch.testing.assert_close(flat_k[batch.metadata.slot_mapping], batch.key, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 1)])
+def test_mixed_batch_matches_reference(num_heads: int, num_kv_heads: int) -> None:
+    # decode, first prefill chunk, later chunk, decode at a block boundary, prefix-cache hit
+    specs = [(9, 1), (0, 7), (5, 6), (8, 1), (12, 3), (0, 1), (3, 1)]
+    run_and_compare(make_batch(specs, num_heads=num_heads, num_kv_heads=num_kv_heads))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mixed_batches(seed: int) -> None:
+    rng = random.Random(seed)
+    specs = []
+    for _ in range(rng.randint(1, 8)):
+        if rng.random() < 0.5:
+            specs.append((rng.randint(0, 30), 1))  # decode
+        else:
+            specs.append((rng.choice([0, 0, rng.randint(1, 30)]), rng.randint(2, 20)))
+    rng.shuffle(specs)
+    block_size = rng.choice([1, 4, 16])
+    run_and_compare(
+        make_batch(specs, num_heads=8, num_kv_heads=2, block_size=block_size, seed=seed)
+    )
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 8])
+def test_block_boundaries(block_size: int) -> None:
+    # sequences ending exactly on, just before and just after a block boundary
+    specs = [
+        (2 * block_size - 1, 1),
+        (2 * block_size, 1),
+        (block_size - 1, 2),
+        (block_size, block_size),
+        (0, 3 * block_size),
+    ]
+    run_and_compare(make_batch(specs, num_heads=4, num_kv_heads=2, block_size=block_size))
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_sliding_window(window: int) -> None:
+    specs = [(10, 1), (0, 9), (6, 5), (2, 1)]
+    run_and_compare(make_batch(specs, num_heads=4, num_kv_heads=2), sliding_window=window)
+
+
+def test_decodes_split_into_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch_backend, "_DECODE_KEYS_PER_CHUNK", 24)
+    specs = [(n, 1) for n in (3, 17, 9, 22, 1, 11, 5)]
+    batch = make_batch(specs, num_heads=4, num_kv_heads=2)
+    plan = torch_backend._plan_batch(batch.metadata, 4, None)
+    assert len(plan.decode_chunks) > 1 and not plan.prefills
+    run_and_compare(batch)
+
+
+def test_plan_is_shared_across_layers() -> None:
+    batch = make_batch([(5, 1), (0, 4)], num_heads=4, num_kv_heads=2)
+    backend = TorchAttentionBackend()
+    first = backend._plan(batch.metadata, 4, None)
+    assert backend._plan(batch.metadata, 4, None) is first
+    assert backend._plan(batch.metadata, 4, 2) is not first
+    other = make_batch([(5, 1), (0, 4)], num_heads=4, num_kv_heads=2)
+    assert backend._plan(other.metadata, 4, None) is not first
+
+
+def test_bfloat16_close_to_fp32_reference() -> None:
+    batch = make_batch([(7, 1), (3, 5), (0, 6)], num_heads=8, num_kv_heads=2, dtype=torch.bfloat16)
+    run_and_compare(batch, atol=3e-2)
+
+
+def test_causal_attention_without_cache() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(11, h, 8, generator=gen) for h in (6, 2, 2))
+    for window in (None, 4):
+        out = causal_attention(q, k, v, scale=0.3, sliding_window=window)
+        expected = reference_attention(q, [11], [k], [v], scale=0.3, sliding_window=window)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_attention_layer_uses_forward_context() -> None:
+    batch = make_batch([(4, 1), (0, 5)], num_heads=4, num_kv_heads=2)
+    model = torch.nn.ModuleList([Attention(4, 16, 0.25, num_kv_heads=2) for _ in range(2)])
+    layers = get_attention_layers(model)
+    assert layers == list(model)
+    layer = layers[0]
+    q, k, v = batch.query.flatten(1), batch.key.flatten(1), batch.value.flatten(1)
+    with pytest.raises(RuntimeError, match="forward context"):
+        layer(q, k, v)
+    with set_forward_context(batch.metadata):
+        with pytest.raises(RuntimeError, match="kv_cache"):
+            layer(q, k, v)
+        layer.kv_cache = batch.kv_cache
+        out = layer(q, k, v)
+    expected = reference_attention(
+        batch.query,
+        [1, 5],
+        [h[0] for h in batch.histories],
+        [h[1] for h in batch.histories],
+        scale=0.25,
+    )
+    torch.testing.assert_close(out, expected.flatten(1), atol=1e-5, rtol=0)
+
+
+def test_forward_context_refuses_nesting() -> None:
+    with set_forward_context(None):
+        assert get_forward_context().attn_metadata is None
+        with pytest.raises(RuntimeError, match="nest"):
+            with set_forward_context(None):
+                pass
+    with pytest.raises(RuntimeError):
+        get_forward_context()
+
+
+def test_metadata_validates_lengths() -> None:
+    with pytest.raises(ValueError, match="slot_mapping"):
+        AttentionMetadata(
+            query_start_loc=torch.tensor([0, 2], dtype=torch.int32),
+            seq_lens=torch.tensor([2], dtype=torch.int32),
+            block_table=torch.zeros(1, 1, dtype=torch.int32),
+            slot_mapping=torch.tensor([0], dtype=torch.int64),
+            query_lens_cpu=[2],
+            seq_lens_cpu=[2],
+        )
+
+
+def test_gather_workspace_survives_grad_modes() -> None:
+    # The runner runs under inference_mode, tests under no_grad; the shared workspace serves both.
+    backend = TorchAttentionBackend()
+    small = make_batch([(6, 1), (3, 4)], num_heads=4, num_kv_heads=2)
+    large = make_batch([(40, 1), (30, 5)], num_heads=4, num_kv_heads=2, seed=1)
+    scale = 0.25
+    with torch.inference_mode():
+        backend.forward(
+            small.query, small.key, small.value, small.kv_cache, small.metadata, scale=scale
+        )
+    workspace = backend._workspace
+    with torch.no_grad():
+        out = backend.forward(
+            large.query, large.key, large.value, large.kv_cache, large.metadata, scale=scale
+        )
+    assert backend._workspace is not workspace  # grown for the longer sequences
+    expected = reference_attention(
+        large.query,
+        large.metadata.query_lens_cpu,
+        [k for k, _ in large.histories],
+        [v for _, v in large.histories],
+        scale=scale,
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
