@@ -1,0 +1,70 @@
+"""LLMEngine: the synchronous front end (processor -> engine core -> output processor)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AutoConfig
+
+from omniserve.config import OmniConfig
+from omniserve.engine.arg_utils import EngineArgs
+from omniserve.engine.core_client import EngineCoreClient
+from omniserve.engine.output_processor import OutputProcessor
+from omniserve.engine.processor import Processor
+from omniserve.inputs.data import PromptType
+from omniserve.outputs import RequestOutput
+from omniserve.sampling_params import SamplingParams
+from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: OmniConfig) -> None:
+        self.config = config
+        model_config = config.model_config
+        self.tokenizer = get_tokenizer(model_config.tokenizer)
+        hf_config = AutoConfig.from_pretrained(model_config.model, local_files_only=True)
+        self.processor = Processor(model_config, self.tokenizer,
+                                   hf_config.get_text_config().vocab_size,
+                                   get_eos_token_ids(model_config.model, self.tokenizer))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCoreClient.make_client(config)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_config())
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; raises ValueError/TypeError for bad input."""
+        processed = self.processor.process_inputs(request_id, prompt, params, arrival_time)
+        children = [r.request_id for r in processed.engine_requests]
+        self.output_processor.add_request(
+            request_id, processed.prompt, processed.prompt_token_ids, params,
+            children if params.n > 1 else None)
+        for request in processed.engine_requests:
+            self.engine_core.add_request(request)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.get_output()
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,94 @@
+"""Processor: validate a request against the model and turn it into ``EngineCoreRequest``s.
+
+Runs in the front-end process. ``n > 1`` fans out here into ``n`` child requests with ``n=1``
+so that the engine core only ever sees single-sequence requests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from omniserve.config import ModelConfig
+from omniserve.engine.messages import EngineCoreRequest
+from omniserve.inputs.data import PromptType
+from omniserve.inputs.preprocess import InputPreprocessor
+from omniserve.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class ProcessedRequest:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    engine_requests: list[EngineCoreRequest]
+    """One per sequence: a single request for n == 1, else the children."""
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    return f"{index}_{parent_id}"
+
+
+class Processor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, vocab_size: int,
+                 eos_token_ids: list[int]) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.input_preprocessor = InputPreprocessor(tokenizer)
+
+    def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       arrival_time: float | None = None) -> ProcessedRequest:
+        """Tokenize and validate; raise ``ValueError``/``TypeError`` naming the problem."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"Expected SamplingParams, got {type(params).__name__}.")
+        self._validate_params(params)
+        inputs = self.input_preprocessor.preprocess(prompt)
+        token_ids = inputs.prompt_token_ids
+        self._validate_prompt(token_ids)
+        max_len = self.model_config.max_model_len
+        max_tokens = max_len - len(token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(params.max_tokens, max_tokens)
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        if not params.ignore_eos and len(self.eos_token_ids) > 1:
+            # Checkpoints often list several eos ids (e.g. <|im_end|> and <|endoftext|>);
+            # all of them end generation, as in transformers' generate.
+            extra = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
+            params = params.clone(stop_token_ids=params.stop_token_ids + extra)
+        arrival = arrival_time if arrival_time is not None else time.time()
+        if params.n == 1:
+            children = [(request_id, params)]
+        else:
+            children = [(child_request_id(request_id, i),
+                         params.clone(n=1, seed=None if params.seed is None else params.seed + i))
+                        for i in range(params.n)]
+        requests = [EngineCoreRequest(rid, token_ids, p, eos, arrival, max_tokens)
+                    for rid, p in children]
+        return ProcessedRequest(inputs.prompt, token_ids, requests)
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"Requested {name}={value}, but at most {MAX_LOGPROBS} "
+                                 "logprobs per token are supported.")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary "
+                             f"(size {self.vocab_size}).")
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("The prompt is empty.")
+        max_id = max(token_ids)
+        if max_id >= self.vocab_size or min(token_ids) < 0:
+            raise ValueError(f"Token id {max_id if max_id >= self.vocab_size else min(token_ids)} "
+                             f"is out of vocabulary (size {self.vocab_size}).")
+        max_len = self.model_config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(f"The prompt is {len(token_ids)} tokens long, which leaves no room to "
+                             f"generate within max_model_len={max_len}.")

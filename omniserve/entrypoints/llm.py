@@ -1,0 +1,102 @@
+"""LLM: vLLM's offline API (``LLM(model=dir).generate(prompts, params)``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from omniserve.engine.arg_utils import EngineArgs
+from omniserve.engine.llm_engine import LLMEngine
+from omniserve.entrypoints.chat_utils import apply_chat_template, parse_chat_messages
+from omniserve.inputs.data import PromptType
+from omniserve.outputs import RequestOutput
+from omniserve.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate for a batch of prompts with continuous batching, offline."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"Got {len(params)} sampling params for {len(prompts)} prompts.")
+        request_ids = self._add_requests(prompts, params)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Render each conversation with the chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = apply_chat_template(
+                tokenizer, parse_chat_messages(conversation), chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs)
+            # The template already holds any BOS; do not let the tokenizer add another.
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        request_ids: list[str] = []
+        try:
+            for prompt, param in zip(prompts, params, strict=True):
+                request_id = str(next(self._request_counter))
+                self.llm_engine.add_request(request_id, prompt, param)
+                request_ids.append(request_id)
+        except Exception:
+            # One bad prompt rejects the call; leave the engine clean for the next one.
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return request_ids
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            # Ctrl-C or an engine failure: do not leave these requests running.
+            self.llm_engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()

@@ -1,0 +1,72 @@
+"""Executor: fans engine-core calls out to the workers (one in process, or several)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal, overload
+
+from omniserve.config import OmniConfig
+from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    def __init__(self, config: OmniConfig) -> None:
+        self.config = config
+        # One thread, so non-blocking steps reach the workers in submission order.
+        self._step_pool: ThreadPoolExecutor | None = None
+
+    @staticmethod
+    def get_class(config: OmniConfig) -> type[Executor]:
+        parallel = config.parallel_config
+        backend = parallel.distributed_executor_backend or "uni"
+        if backend == "uni" and parallel.world_size == 1:
+            from omniserve.executor.uniproc import UniProcExecutor
+
+            return UniProcExecutor
+        raise ValueError(f"Executor backend {backend!r} with world size {parallel.world_size} "
+                         "is not available in this build (tensor parallelism: --tensor-parallel-size"
+                         " 1 only).")
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """Call ``method`` on every worker; return their results in rank order."""
+
+    def determine_num_kv_blocks(self) -> int:
+        return min(self.collective_rpc("determine_num_kv_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the engine core may keep in flight (> 1 enables its batch queue)."""
+        return self.config.parallel_config.pipeline_parallel_size
+
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
+                      ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run one step on the workers. ``non_block=True`` returns a Future at once, so the
+        engine core can schedule the next batch while this one runs."""
+        if not non_block:
+            return self._execute_model(scheduler_output)
+        if self._step_pool is None:
+            self._step_pool = ThreadPoolExecutor(1, thread_name_prefix="omniserve-step")
+        return self._step_pool.submit(self._execute_model, scheduler_output)
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # Every rank computes the same sampled tokens; rank 0's answer is the one used.
+        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+
+    def shutdown(self) -> None:
+        """Release workers; subclasses that own processes extend this and call super()."""
+        if self._step_pool is not None:
+            self._step_pool.shutdown(wait=True, cancel_futures=True)
+            self._step_pool = None

@@ -1,0 +1,18 @@
+"""UniProcExecutor: a single worker in the engine-core process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omniserve.config import OmniConfig
+from omniserve.executor.abstract import Executor
+from omniserve.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: OmniConfig) -> None:
+        super().__init__(config)
+        self.worker = Worker(config, rank=0)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]

@@ -1,0 +1,104 @@
+"""The worker's persistent batch: per-request state kept across steps, updated by deltas.
+
+Consecutive steps share most requests, so token ids, block tables and sampling knobs live in
+preallocated numpy rows (one row per request) that each step indexes, instead of being rebuilt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from omniserve.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class CachedRequestState:
+    """The worker's copy of one running request."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_id: int | None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class InputBatch:
+    """Rows of request state. Rows are reused after a request leaves; no condensing needed
+    because every step addresses its requests by an explicit row index array."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Sampling knobs, one value per row.
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.states: list[CachedRequestState | None] = [None] * max_num_reqs
+        self.req_id_to_row: dict[str, int] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives the lowest
+
+    def add_request(self, state: CachedRequestState, block_ids: list[int],
+                    num_computed_tokens: int) -> int:
+        if not self._free_rows:
+            raise RuntimeError("InputBatch is full; the scheduler exceeded max_num_seqs.")
+        row = self._free_rows.pop()
+        self.req_id_to_row[state.req_id] = row
+        self.states[row] = state
+        tokens = state.prompt_token_ids + state.output_token_ids
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = state.num_prompt_tokens
+        self.num_computed_tokens[row] = num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_block_ids(row, block_ids)
+        params = state.sampling_params
+        self.temperature[row] = params.temperature
+        self.top_p[row] = params.top_p
+        self.top_k[row] = params.top_k
+        self.min_p[row] = params.min_p
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
+        return row
+
+    def remove_request(self, req_id: str) -> None:
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is None:
+            return
+        self.states[row] = None
+        self._free_rows.append(row)
+        self._free_rows.sort(reverse=True)
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        if block_ids:
+            start = int(self.num_blocks[row])
+            self.block_table[row, start : start + len(block_ids)] = block_ids
+            self.num_blocks[row] = start + len(block_ids)
+
+    def append_token(self, row: int, token_id: int) -> None:
+        state = self.states[row]
+        assert state is not None
+        self.token_ids[row, self.num_tokens[row]] = token_id
+        self.num_tokens[row] += 1
+        state.output_token_ids.append(token_id)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_row)

@@ -1,0 +1,229 @@
+"""ModelRunner: one scheduler step -> flattened inputs -> forward -> logits -> sampled tokens.
+
+Tokens of all scheduled requests are laid end to end with no padding; attention finds each
+request's history through its block table. Logits are computed only where a token is sampled
+(the last position of a request whose known tokens are all in the KV cache after this step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from omniserve.attention.layer import get_attention_layers
+from omniserve.attention.metadata import AttentionMetadata
+from omniserve.config import CacheConfig, SchedulerConfig
+from omniserve.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from omniserve.forward_context import set_forward_context
+from omniserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
+from omniserve.worker.input_batch import CachedRequestState, InputBatch
+
+
+@dataclass
+class StepInputs:
+    """The flattened batch of one step."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # [num_reqs] batch row of each scheduled request
+    query_lens: np.ndarray  # [num_reqs]
+    positions: np.ndarray  # [num_tokens]
+    input_ids: torch.Tensor  # [num_tokens]
+    attn_metadata: AttentionMetadata
+    sample_mask: np.ndarray  # [num_reqs] bool: this step samples a token for the request
+    logits_indices: torch.Tensor  # [num_sampled] flattened-token index of each sampling position
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, scheduler_config: SchedulerConfig,
+                 cache_config: CacheConfig, vocab_size: int, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = cache_config.block_size
+        self.vocab_size = vocab_size
+        max_len = scheduler_config.max_model_len
+        self.max_num_blocks_per_req = -(-max_len // self.block_size)
+        self.input_batch = InputBatch(scheduler_config.max_num_seqs, max_len,
+                                      self.max_num_blocks_per_req)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- KV cache -------------------------------------------------------------------------
+    def kv_cache_bytes_per_block(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
+                   for layer in get_attention_layers(self.model))
+
+    def initialize_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
+        """Allocate one paged cache per attention layer and hand it to the layer."""
+        self.kv_caches = []
+        for layer in get_attention_layers(self.model):
+            # [2 (k, v), num_blocks, block_size, num_kv_heads, head_size]; zeroed so that padded
+            # slots read by batched decode are finite (they are masked, but NaN * 0 is NaN).
+            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads,
+                                layer.head_size, dtype=dtype, device=self.device)
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ---- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [])
+        step = self._prepare_inputs(scheduler_output)
+        positions = torch.from_numpy(step.positions).to(self.device)
+        with set_forward_context(step.attn_metadata):
+            hidden_states = self.model(step.input_ids, positions)  # [num_tokens, hidden]
+        logits = self.model.compute_logits(hidden_states[step.logits_indices])  # [S, vocab]
+        sample_rows = step.rows[step.sample_mask]
+        sampler_output = self.sampler(logits, self._sampling_metadata(sample_rows))
+        sampled = sampler_output.sampled_token_ids.tolist()
+        output = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
+        sampled_iter = iter(range(len(sampled)))
+        for i, req_id in enumerate(step.req_ids):
+            if not step.sample_mask[i]:
+                continue
+            j = next(sampled_iter)
+            row = int(step.rows[i])
+            self.input_batch.append_token(row, sampled[j])
+            output.sampled_token_ids[i] = [sampled[j]]
+            state = self.input_batch.states[row]
+            assert state is not None
+            if state.sampling_params.logprobs is not None and sampler_output.logprobs is not None:
+                output.logprobs[req_id] = sampler_output.logprobs.to_lists(
+                    j, state.sampling_params.logprobs)
+        output.prompt_logprobs = self._prompt_logprobs(step, hidden_states)
+        return output
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            batch.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            batch.remove_request(new.req_id)  # a resumed request is rebuilt from scratch
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None and not params.greedy:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            state = CachedRequestState(new.req_id, list(new.prompt_token_ids),
+                                       list(new.output_token_ids), params, generator,
+                                       new.eos_token_id)
+            batch.add_request(state, new.block_ids, new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                   cached.num_computed_tokens, strict=True):
+            row = batch.req_id_to_row[req_id]
+            batch.append_block_ids(row, block_ids)
+            batch.num_computed_tokens[row] = num_computed
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        batch = self.input_batch
+        req_ids = list(so.num_scheduled_tokens)
+        rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), np.int64, len(req_ids))
+        query_lens = np.fromiter(so.num_scheduled_tokens.values(), np.int64, len(req_ids))
+        num_computed = batch.num_computed_tokens[rows]
+        cu_query = np.cumsum(query_lens)
+        num_tokens = int(cu_query[-1])
+        token_req = np.repeat(np.arange(len(req_ids)), query_lens)  # [num_tokens] request index
+        offsets = np.arange(num_tokens) - np.repeat(cu_query - query_lens, query_lens)
+        positions = num_computed[token_req] + offsets  # [num_tokens]
+        token_rows = rows[token_req]
+        input_ids = batch.token_ids[token_rows, positions]
+        block_ids = batch.block_table[token_rows, positions // self.block_size]
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        seq_lens = num_computed + query_lens
+        # A request samples when this step reaches the end of its known tokens; a partial
+        # prefill does not (and must not advance its seeded generator).
+        sample_mask = seq_lens == batch.num_tokens[rows]
+        max_blocks = int(-(-seq_lens.max() // self.block_size))
+        dev = self.device
+        attn_metadata = AttentionMetadata(
+            query_start_loc=torch.from_numpy(np.concatenate(([0], cu_query))).to(
+                dev, torch.int32),
+            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
+            block_table=torch.from_numpy(batch.block_table[rows, :max_blocks]).to(
+                dev, torch.int32),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return StepInputs(
+            req_ids=req_ids, rows=rows, query_lens=query_lens, positions=positions,
+            input_ids=torch.from_numpy(input_ids).to(dev), attn_metadata=attn_metadata,
+            sample_mask=sample_mask,
+            logits_indices=torch.from_numpy(cu_query[sample_mask] - 1).to(dev))
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        batch = self.input_batch
+        states = [batch.states[r] for r in rows]
+        temperature = batch.temperature[rows]
+        greedy = temperature < 1e-5
+        top_p, top_k, min_p = batch.top_p[rows], batch.top_k[rows], batch.min_p[rows]
+        presence = batch.presence_penalty[rows]
+        frequency = batch.frequency_penalty[rows]
+        repetition = batch.repetition_penalty[rows]
+        no_penalties = not (presence.any() or frequency.any() or (repetition != 1.0).any())
+        prompt_token_ids = None
+        if not no_penalties:
+            max_prompt = int(batch.num_prompt_tokens[rows].max())
+            prompt = batch.token_ids[rows, :max_prompt].copy()
+            prompt[np.arange(max_prompt)[None, :] >= batch.num_prompt_tokens[rows][:, None]] = (
+                self.vocab_size)
+            prompt_token_ids = torch.from_numpy(prompt).to(self.device)
+        generators, min_tokens = {}, {}
+        max_num_logprobs = None
+        for i, state in enumerate(states):
+            assert state is not None
+            params = state.sampling_params
+            if state.generator is not None:
+                generators[i] = state.generator
+            if params.logprobs is not None:
+                max_num_logprobs = max(max_num_logprobs or 0, params.logprobs)
+            if len(state.output_token_ids) < params.min_tokens:
+                blocked = set(params.stop_token_ids)
+                if state.eos_token_id is not None:
+                    blocked.add(state.eos_token_id)
+                min_tokens[i] = (params.min_tokens, blocked)
+
+        def tensor(values: np.ndarray, skip: bool) -> torch.Tensor | None:
+            return None if skip else torch.from_numpy(values).to(self.device)
+
+        return SamplingMetadata(
+            temperature=torch.from_numpy(temperature).to(self.device),
+            all_greedy=bool(greedy.all()), all_random=not bool(greedy.any()),
+            top_p=tensor(top_p, bool((top_p >= 1.0).all())),
+            top_k=tensor(top_k, not top_k.any()),
+            min_p=tensor(min_p, not min_p.any()),
+            generators=generators, max_num_logprobs=max_num_logprobs,
+            no_penalties=no_penalties,
+            presence_penalties=torch.from_numpy(presence).to(self.device),
+            frequency_penalties=torch.from_numpy(frequency).to(self.device),
+            repetition_penalties=torch.from_numpy(repetition).to(self.device),
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=[s.output_token_ids for s in states],  # type: ignore[union-attr]
+            min_tokens=min_tokens)
+
+    def _prompt_logprobs(self, step: StepInputs,
+                         hidden_states: torch.Tensor) -> dict[str, LogprobsLists]:
+        """Logprobs of each prompt token given its prefix, for the prompt positions of this step."""
+        batch = self.input_batch
+        result: dict[str, LogprobsLists] = {}
+        start = 0
+        for i, req_id in enumerate(step.req_ids):
+            row, q = int(step.rows[i]), int(step.query_lens[i])
+            state = batch.states[row]
+            assert state is not None
+            k = state.sampling_params.prompt_logprobs
+            first = int(step.positions[start]) if q else 0
+            if k is not None and first + 1 < state.num_prompt_tokens:
+                # Position p predicts prompt token p + 1; stop before the sampling position.
+                count = min(q, state.num_prompt_tokens - 1 - first)
+                targets = torch.from_numpy(
+                    batch.token_ids[row, first + 1 : first + 1 + count]).to(self.device)
+                logits = self.model.compute_logits(hidden_states[start : start + count])
+                result[req_id] = compute_logprobs(logits, targets, k).to_lists_all(k)
+            start += q
+        return result
