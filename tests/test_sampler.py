@@ -1,0 +1,325 @@
+"""Sampler: greedy, truncation (top-k / top-p / min-p), seeds, penalties, min_tokens, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from omniserve.layers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_penalties,
+    compute_logprobs,
+)
+from omniserve.sampling_params import SamplingParams
+
+
+def make_metadata(
+    params: list[SamplingParams],
+    *,
+    prompts: list[list[int]] | None = None,
+    outputs: list[list[int]] | None = None,
+    vocab_size: int = 100,
+    eos_token_id: int | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+) -> SamplingMetadata:
+    """SamplingMetadata the way the model runner builds it, from plain per-row params."""
+    outputs = outputs if outputs is not None else [[] for _ in params]
+    if generators is None:
+        generators = {
+            i: torch.Generator().manual_seed(p.seed)
+            for i, p in enumerate(params)
+            if p.seed is not None and not p.greedy
+        }
+
+    def column(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in params], dtype=dtype)
+
+    top_p, top_k, min_p = column("top_p"), column("top_k", torch.long), column("min_p")
+    no_penalties = all(
+        p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
+        for p in params
+    )
+    prompt_token_ids = None
+    if prompts is not None and not no_penalties:
+        width = max(map(len, prompts))
+        prompt_token_ids = torch.tensor([p + [vocab_size] * (width - len(p)) for p in prompts])
+    min_tokens = {}
+    for i, p in enumerate(params):
+        blocked = set(p.stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
+        if len(outputs[i]) < p.min_tokens:
+            min_tokens[i] = (p.min_tokens, blocked)
+    logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingMetadata(
+        temperature=column("temperature"),
+        all_greedy=all(p.greedy for p in params),
+        all_random=not any(p.greedy for p in params),
+        top_p=None if bool((top_p >= 1).all()) else top_p,
+        top_k=None if not bool(top_k.any()) else top_k,
+        min_p=None if not bool(min_p.any()) else min_p,
+        generators=generators,
+        max_num_logprobs=max(logprobs) if logprobs else None,
+        no_penalties=no_penalties,
+        presence_penalties=column("presence_penalty"),
+        frequency_penalties=column("frequency_penalty"),
+        repetition_penalties=column("repetition_penalty"),
+        prompt_token_ids=prompt_token_ids,
+        output_token_ids=outputs,
+        min_tokens=min_tokens,
+    )
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], **kwargs) -> torch.Tensor:
+    metadata = make_metadata(params, vocab_size=logits.shape[1], **kwargs)
+    return Sampler()(logits.clone(), metadata).sampled_token_ids
+
+
+def test_greedy_is_argmax_in_mixed_batch() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 500)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5)] * 3
+    tokens = sample(logits, params)
+    assert tokens[0::2].tolist() == logits[0::2].argmax(-1).tolist()
+    all_greedy = sample(logits, [SamplingParams(temperature=0.0)] * 6)
+    assert all_greedy.tolist() == logits.argmax(-1).tolist()
+
+
+def _frequencies(logits_row: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
+    """Empirical token distribution from ``draws`` independent rows in one batch."""
+    tokens = sample(logits_row.repeat(draws, 1), [params] * draws)
+    return torch.bincount(tokens, minlength=logits_row.numel()).float() / draws
+
+
+def _assert_matches(freq: torch.Tensor, expected: torch.Tensor, draws: int) -> None:
+    assert bool((freq[expected == 0] == 0).all()), "a truncated token was sampled"
+    tolerance = 5 * torch.sqrt(expected * (1 - expected) / draws) + 1e-3  # 5 sigma
+    assert bool(((freq - expected).abs() <= tolerance).all()), (freq, expected)
+
+
+PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+
+
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        (SamplingParams(), [0, 1, 2, 3, 4, 5]),
+        (SamplingParams(top_k=2), [0, 1]),
+        (SamplingParams(top_p=0.7), [0, 1, 2]),  # mass before token 2 is 0.65 < 0.7
+        (SamplingParams(min_p=0.3), [0, 1, 2]),  # p >= 0.3 * 0.4 = 0.12
+        (SamplingParams(top_k=4, top_p=0.75), [0, 1, 2]),  # top-p over the renormalized top 4
+        (SamplingParams(min_p=0.2, top_p=0.9), [0, 1, 2, 3]),
+    ],
+)
+def test_truncation_keeps_exactly_the_allowed_tokens(
+    params: SamplingParams, allowed: list[int]
+) -> None:
+    torch.manual_seed(1)
+    draws = 20000
+    freq = _frequencies(PROBS.log(), params, draws)
+    expected = torch.zeros_like(PROBS)
+    expected[allowed] = PROBS[allowed] / PROBS[allowed].sum()
+    _assert_matches(freq, expected, draws)
+
+
+def test_temperature_reshapes_the_distribution() -> None:
+    torch.manual_seed(2)
+    draws = 20000
+    freq = _frequencies(PROBS.log(), SamplingParams(temperature=0.5), draws)
+    sharpened = PROBS**2
+    _assert_matches(freq, sharpened / sharpened.sum(), draws)
+
+
+def test_large_vocab_paths_respect_truncation() -> None:
+    """Near-flat logits: nuclei larger than every topk probe force the full-vocab paths."""
+    torch.manual_seed(3)
+    vocab, draws = 40_000, 200
+    logits = torch.randn(vocab) * 0.05
+    order = logits.argsort(descending=True)
+    probs = logits.softmax(-1)
+    for params, allowed_count in [
+        (SamplingParams(top_p=0.5), int(((probs[order].cumsum(0) - probs[order]) < 0.5).sum())),
+        (SamplingParams(min_p=0.8), int((probs >= 0.8 * probs.max()).sum())),
+        (SamplingParams(top_k=1500), 1500),
+    ]:
+        tokens = sample(logits.repeat(draws, 1), [params] * draws)
+        rank_of = torch.empty(vocab, dtype=torch.long)
+        rank_of[order] = torch.arange(vocab)
+        assert allowed_count > 16_384 or params.top_k  # more than the largest topk probe
+        assert int(rank_of[tokens].max()) < allowed_count, params
+        assert len(set(tokens.tolist())) > 100  # still random within the allowed set
+
+
+def test_seeded_rows_reproduce_regardless_of_batch() -> None:
+    torch.manual_seed(4)
+    vocab = 2000
+    target = torch.randn(vocab)
+    seeded = SamplingParams(seed=1234, top_p=0.9)
+    alone = sample(target[None], [seeded])
+    torch.manual_seed(99)  # the global RNG must not matter
+    again = sample(target[None], [seeded])
+    others = torch.randn(5, vocab)
+    batch = torch.cat([others[:2], target[None], others[2:]])
+    mixed = sample(
+        batch,
+        [
+            SamplingParams(temperature=0.0),
+            SamplingParams(top_k=1500),
+            seeded,
+            SamplingParams(),
+            SamplingParams(min_p=0.1, seed=7),
+            SamplingParams(temperature=0.7),
+        ],
+    )
+    assert alone.item() == again.item() == mixed[2].item()
+    for params in (
+        SamplingParams(seed=5),
+        SamplingParams(seed=5, top_k=3),
+        SamplingParams(seed=5, min_p=0.2),
+    ):
+        runs = [
+            sample(torch.cat([others[:k], target[None]]), [SamplingParams()] * k + [params])
+            for k in range(4)
+        ]
+        assert len({int(run[-1]) for run in runs}) == 1, params
+
+
+def test_seeded_sequence_differs_across_steps_and_seeds() -> None:
+    logits = torch.zeros(1, 1000)  # uniform: every draw is informative
+    generator = torch.Generator().manual_seed(0)
+    steps = [
+        sample(logits, [SamplingParams(seed=0)], generators={0: generator}).item() for _ in range(5)
+    ]
+    assert len(set(steps)) > 1
+    first_tokens = {sample(logits, [SamplingParams(seed=s)]).item() for s in range(10)}
+    assert len(first_tokens) > 1
+
+
+def test_penalties_match_hand_computed_values() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0], [2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    params = [
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(),
+    ]  # untouched row
+    metadata = make_metadata(
+        params, prompts=[[0, 1], [0, 1, 2]], outputs=[[2, 2, 1, 2], [3, 3]], vocab_size=6
+    )
+    apply_penalties(logits, metadata)
+    # Row 0: repetition on prompt+output tokens {0, 1, 2}; counts in output: 2 -> 3, 1 -> 1.
+    expected = [
+        2.0 / 2,  # seen in prompt only: repetition, no frequency/presence
+        -1.0 * 2 - 0.5 * 1 - 0.25,  # negative: multiplied; once in output
+        0.5 / 2 - 0.5 * 3 - 0.25,  # three times in output
+        3.0,
+        -2.0,
+        1.0,
+    ]  # never seen
+    assert logits[0].tolist() == pytest.approx(expected)
+    assert logits[1].tolist() == pytest.approx([2.0, -1.0, 0.5, 3.0, -2.0, 1.0])
+
+
+def test_penalties_without_prompt_or_output_tokens() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    metadata = make_metadata(
+        [SamplingParams(frequency_penalty=1.0)], prompts=None, outputs=[[]], vocab_size=3
+    )
+    apply_penalties(logits, metadata)
+    assert logits.tolist() == [[1.0, 2.0, 3.0]]
+
+
+def test_penalties_change_the_greedy_choice() -> None:
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    greedy = SamplingParams(temperature=0.0)
+    assert sample(logits, [greedy]).item() == 0
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=1.1)
+    assert sample(logits, [penalized], prompts=[[0]], outputs=[[]]).item() == 1  # 2/1.1 < 1.9
+    freq = SamplingParams(temperature=0.0, frequency_penalty=0.06)
+    assert sample(logits, [freq], prompts=[[0]], outputs=[[0]]).item() == 0  # 1.94 > 1.9
+    assert sample(logits, [freq], prompts=[[2]], outputs=[[0, 0]]).item() == 1  # 1.88 < 1.9
+
+
+def test_min_tokens_blocks_eos_and_stop_ids() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]])
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1])
+    assert sample(logits, [params], outputs=[[3]], eos_token_id=0).item() == 2
+    assert sample(logits, [params], outputs=[[3, 3]], eos_token_id=0).item() == 0
+    random_rows = [SamplingParams(min_tokens=3)] * 200
+    tokens = sample(
+        torch.tensor([[9.0, 0.0, 0.0]]).repeat(200, 1),
+        random_rows,
+        outputs=[[]] * 200,
+        eos_token_id=0,
+    )
+    assert 0 not in tokens.tolist()
+
+
+def test_logprobs_are_raw_with_ranks_and_top_k() -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(4, 50)
+    raw = torch.log_softmax(logits, -1)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.5),
+        SamplingParams(temperature=0.8, top_k=10, logprobs=1),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, min_tokens=5),
+    ]
+    metadata = make_metadata(
+        params,
+        prompts=[[int(logits[0].argmax())], [1], [2], [3]],
+        outputs=[[], [], [], []],
+        vocab_size=50,
+        eos_token_id=int(logits[3].argmax()),
+    )
+    out = Sampler()(logits.clone(), metadata)
+    assert out.logprobs is not None
+    sampled = out.sampled_token_ids
+    assert out.logprobs.token_ids.shape == (4, 4)
+    assert out.logprobs.token_ids[:, 0].tolist() == sampled.tolist()
+    for row in range(4):
+        chosen = int(sampled[row])
+        assert out.logprobs.logprobs[row, 0].item() == pytest.approx(raw[row, chosen].item())
+        assert out.logprobs.ranks[row].item() == int((raw[row] >= raw[row, chosen]).sum())
+        top = raw[row].topk(3)
+        assert out.logprobs.token_ids[row, 1:].tolist() == top.indices.tolist()
+        assert out.logprobs.logprobs[row, 1:].tolist() == pytest.approx(top.values.tolist())
+    # Penalized / blocked greedy rows did not pick the raw argmax; their rank shows it.
+    assert out.logprobs.ranks[0].item() > 1 and out.logprobs.ranks[3].item() > 1
+    assert out.logprobs.ranks[2].item() == 1
+
+    lists = out.logprobs.to_lists(1, 1)
+    assert lists.token_ids == [[int(sampled[1]), int(raw[1].argmax())]]
+    assert lists.ranks == [out.logprobs.ranks[1].item()]
+    assert len(out.logprobs.to_lists(0, 3).logprobs[0]) == 4
+
+
+def test_compute_logprobs_for_prompt_positions() -> None:
+    torch.manual_seed(6)
+    logits = torch.randn(5, 30)
+    targets = torch.tensor([3, 7, 7, 0, 29])
+    lists = compute_logprobs(logits, targets, 2).to_lists_all(2)
+    raw = torch.log_softmax(logits, -1)
+    assert [ids[0] for ids in lists.token_ids] == targets.tolist()
+    assert all(len(ids) == 3 for ids in lists.token_ids)
+    for i, target in enumerate(targets.tolist()):
+        assert lists.logprobs[i][0] == pytest.approx(raw[i, target].item())
+        assert lists.ranks[i] == int((raw[i] >= raw[i, target]).sum())
+        assert lists.token_ids[i][1:] == raw[i].topk(2).indices.tolist()
+    zero = compute_logprobs(logits, targets, 0).to_lists_all(0)
+    assert zero.token_ids == [[t] for t in targets.tolist()]
+    assert math.isclose(sum(math.exp(v) for v in raw[0].tolist()), 1.0, rel_tol=1e-5)
+
+
+def test_seeded_row_same_token_on_candidate_and_full_vocab_paths() -> None:
+    """A top-p nucleus of ~16.8k tokens fits no topk probe when alone (full-vocab sort) but fits
+    when a top_k=18000 row enlarges the candidates; the token must not change."""
+    vocab = 20_000
+    logits = (-5e-5 * torch.arange(vocab, dtype=torch.float32))[
+        torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+    ]
+    other = torch.randn(1, vocab)
+    for seed in range(8):
+        params = SamplingParams(seed=seed, top_p=0.9)
+        alone = sample(logits[None], [params])
+        batched = sample(torch.cat([other, logits[None]]), [SamplingParams(top_k=18_000), params])
+        assert alone.item() == batched[1].item()
