@@ -1,0 +1,152 @@
+"""The offline API end to end: sampling features, n > 1, stop strings, prompt logprobs, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from omniserve import LLM, SamplingParams
+from tests.hf_reference import make_prompts
+
+ARCH = "Qwen3ForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint(ARCH))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(model_dir, dtype="float32", max_model_len=512)
+
+
+def test_string_prompts_and_chat(llm):
+    outputs = llm.generate(["Hello, my name is", "The sky is"],
+                           SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]
+    tokenizer = llm.get_tokenizer()
+    assert outputs[0].prompt_token_ids == tokenizer("Hello, my name is").input_ids
+    assert outputs[0].outputs[0].text == tokenizer.decode(outputs[0].outputs[0].token_ids)
+    assert outputs[0].outputs[0].finish_reason == "length"
+    chat = llm.chat([{"role": "user", "content": "Hi there"}],
+                    SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
+    assert "<|im_start|>user\nHi there<|im_end|>\n" in chat.prompt
+    assert chat.prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_n_and_seed_reproducible_across_batches(llm, model_dir):
+    prompt = {"prompt_token_ids": make_prompts(model_dir, [12])[0]}
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, n=3, seed=7, max_tokens=12)
+    alone = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert [c.index for c in alone.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in alone.outputs}) > 1  # children draw differently
+    others = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [5, 30, 60], seed=3)]
+    mixed = llm.generate(others + [prompt], [SamplingParams(temperature=0.7, max_tokens=20)] * 3
+                         + [params], use_tqdm=False)[-1]
+    assert [c.token_ids for c in mixed.outputs] == [c.token_ids for c in alone.outputs]
+
+
+def test_stop_strings_and_stop_tokens(llm, model_dir):
+    prompt = {"prompt_token_ids": make_prompts(model_dir, [20])[0]}
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16),
+                        use_tqdm=False)[0].outputs[0]
+    stop = free.text[5:9]
+    assert stop.strip()
+    cut = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.text == free.text[: free.text.index(stop)]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    kept = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, stop=[stop],
+                                               include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == free.text[: free.text.index(stop) + len(stop)]
+    stop_id = free.token_ids[3]
+    by_token = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16,
+                                                   stop_token_ids=[stop_id]),
+                            use_tqdm=False)[0].outputs[0]
+    assert by_token.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+    assert by_token.stop_reason == stop_id and by_token.finish_reason == "stop"
+
+
+def test_min_tokens_and_ignore_eos(llm, model_dir):
+    prompt = {"prompt_token_ids": make_prompts(model_dir, [10])[0]}
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12),
+                        use_tqdm=False)[0].outputs[0]
+    first = free.token_ids[0]
+    held = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, min_tokens=3,
+                                               stop_token_ids=[first]),
+                        use_tqdm=False)[0].outputs[0]
+    assert first not in held.token_ids[:3]
+    eos = llm.get_tokenizer().convert_tokens_to_ids("<|im_end|>")
+    forced = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert len(forced.token_ids) == 40 and forced.finish_reason == "length"
+    assert eos is not None
+
+
+def test_prompt_logprobs_match_hf(model_dir):
+    prompt = make_prompts(model_dir, [40])[0]
+    # A small token budget makes prompt logprobs arrive over several chunked-prefill steps.
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=16, max_num_seqs=2)
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3),
+                       use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert prompt[pos] in entry and len(entry) >= 3
+        for token_id, logprob in entry.items():
+            assert abs(logprob.logprob - ref[pos - 1, token_id].item()) < 1e-4
+        best = int(ref[pos - 1].argmax())
+        assert best in entry and entry[best].rank == 1
+
+
+def test_bad_input_is_rejected_and_engine_keeps_serving(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [5] * 600}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.generate({"prompt_token_ids": [10**7]}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.generate("hi", SamplingParams(logprobs=1000), use_tqdm=False)
+    # A bad prompt in a batch rejects the call without leaving its good prompts running.
+    with pytest.raises(ValueError):
+        llm.generate(["fine", {"prompt_token_ids": [5] * 600}], params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(llm.generate(["still works"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_bad_model_dirs(tmp_path, model_dir):
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        LLM(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(str(tmp_path))
+    unknown = tmp_path / "unknown"
+    shutil.copytree(model_dir, unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (unknown / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="NoSuchModelForCausalLM.*not supported"):
+        LLM(str(unknown), dtype="float32")
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(model_dir, no_weights)
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises((FileNotFoundError, ValueError), match="safetensors"):
+        LLM(str(no_weights), dtype="float32")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(model_dir, max_model_len=10**7)
