@@ -25,8 +25,8 @@ class Executor(ABC):
 
             return UniProcExecutor
         raise ValueError(f"Executor backend {backend!r} with world size {parallel.world_size} "
-                         "is not available in this build (tensor parallelism: --tensor-parallel-size"
-                         " 1 only).")
+                         "is not available in this build (tensor parallelism: "
+                         "--tensor-parallel-size 1 only).")
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:

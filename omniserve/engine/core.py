@@ -1,0 +1,343 @@
+"""EngineCore: the schedule -> execute -> update loop; EngineCoreProc runs it in its own process."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, NoReturn
+
+import msgspec
+import zmq
+
+from omniserve.config import OmniConfig
+from omniserve.core.request import Request, RequestStatus
+from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from omniserve.core.scheduler import Scheduler
+from omniserve.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from omniserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from omniserve.executor.abstract import Executor
+from omniserve.plugins import load_plugins
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler and the executor. Only the scheduler owns request state."""
+
+    def __init__(self, config: OmniConfig, executor_class: type[Executor] | None = None) -> None:
+        self.config = config
+        executor_class = executor_class or Executor.get_class(config)
+        self.model_executor = executor_class(config)
+        num_blocks = self.model_executor.determine_num_kv_blocks()
+        self.model_executor.initialize_kv_cache(num_blocks)
+        self.num_kv_blocks = num_blocks
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        # Batches in flight, newest first (only used when the executor runs several at once).
+        self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request(
+            request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+            sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time, max_tokens=request.max_tokens))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one step; return what it produced (empty when there was nothing to run)."""
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(timestamp=time.time())
+        scheduler_output = self.scheduler.schedule()
+        model_output = self.model_executor.execute_model(scheduler_output)
+        return self._update_from_output(scheduler_output, model_output)
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs | None:
+        """Keep up to ``batch_queue_size`` batches in flight (pipeline parallelism).
+
+        Schedules a new batch while the queue has room and there is work; blocks on the oldest
+        batch only when the queue is full, when nothing new could be scheduled, or when the newest
+        batch already finished. Returns None when it only scheduled.
+        """
+        if (len(self.batch_queue) < self.batch_queue_size
+                and self.scheduler.has_unfinished_requests()):
+            so = self.scheduler.schedule()
+            # An empty schedule still carries finished/preempted ids the workers must see.
+            if not so.is_empty or so.finished_req_ids or so.preempted_req_ids:
+                future = self.model_executor.execute_model(so, non_block=True)
+                self.batch_queue.appendleft((future, so))
+                if (not so.is_empty and not future.done()
+                        and len(self.batch_queue) < self.batch_queue_size):
+                    return None
+        if not self.batch_queue:
+            return None
+        future, scheduler_output = self.batch_queue.pop()
+        return self._update_from_output(scheduler_output, future.result())
+
+    def _update_from_output(self, scheduler_output: SchedulerOutput,
+                            model_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs.timestamp = time.time()
+        outputs.scheduler_stats = self.scheduler.make_stats()
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, float]:
+        """Scheduler gauges and counters, plus the KV cache size (a utility for clients/tests)."""
+        return {**self.scheduler.make_stats(), "num_kv_blocks": float(self.num_kv_blocks)}
+
+    def shutdown(self) -> None:
+        self.model_executor.shutdown()
+
+
+# ---- the process boundary -------------------------------------------------------------------
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of every client -> engine message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+
+
+class EngineCoreOutputType(bytes, enum.Enum):
+    """First frame of every engine -> client message."""
+
+    OUTPUTS = b"\x00"
+    UTILITY = b"\x01"
+
+
+class UtilityRequest(msgspec.Struct, array_like=True):
+    call_id: int
+    method: str
+    args: list[Any]
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+    """Set when the call raised: the exception's type and message."""
+
+
+# Methods a client may call by name; everything else on the class (step, shutdown, internals) is
+# driven by the busy loop itself.
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "has_unfinished_requests"})
+_POLL_MS = 100
+_PARENT_DEATH_GRACE_S = 10.0
+_IO_FAILED = None
+"""Request type the I/O threads put on the input queue when they fail (payload: the exception)."""
+
+
+class EngineCoreProc(EngineCore):
+    """EngineCore in a background process: input thread -> busy loop -> output thread.
+
+    The I/O threads do the socket work and the msgpack (de)serialization, which release the GIL,
+    so they overlap the model's forward. Only the busy loop touches the scheduler.
+    """
+
+    def __init__(self, config: OmniConfig, input_address: str, output_address: str,
+                 executor_class: type[Executor] | None = None) -> None:
+        super().__init__(config, executor_class)
+        self.input_queue: queue.Queue[tuple[EngineCoreRequestType | None, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[tuple[EngineCoreOutputType, Any] | None] = queue.Queue()
+        self._shutdown_requested = False
+        self._stop_io = threading.Event()
+        self._step_fn = self.step if self.batch_queue_size == 1 else self.step_with_batch_queue
+        # Sockets are made here, so an address problem fails start-up; each is then used only by
+        # its own thread. The engine binds its input (clients connect and queue while it starts).
+        self._zmq_ctx = zmq.Context()
+        input_socket = self._zmq_ctx.socket(zmq.PULL)
+        input_socket.bind(input_address)
+        output_socket = self._zmq_ctx.socket(zmq.PUSH)
+        output_socket.connect(output_address)
+        self._io_threads = [
+            threading.Thread(target=self._process_input_socket, args=(input_socket,),
+                             name="omniserve-core-input", daemon=True),
+            threading.Thread(target=self._process_output_socket, args=(output_socket,),
+                             name="omniserve-core-output", daemon=True)]
+        for thread in self._io_threads:
+            thread.start()
+
+    @staticmethod
+    def run_engine_core(config: OmniConfig, input_address: str, output_address: str,
+                        ready_pipe: multiprocessing.connection.Connection,
+                        ipc_dir: str | None = None) -> NoReturn:
+        """Entry point of the engine process: start, report READY (or the error), serve.
+
+        ``ipc_dir`` holds the sockets; the engine removes it if its parent dies without cleanup.
+        """
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        try:
+            load_plugins()
+            engine = EngineCoreProc(config, input_address, output_address)
+        except BaseException as exc:
+            # The exception's kind and message travel too, so that a user mistake (a bad path,
+            # an unknown architecture) surfaces in the parent as the same precise exception.
+            ready_pipe.send(("FAILED", (traceback.format_exc(), type(exc).__name__, str(exc))))
+            ready_pipe.close()
+            sys.exit(1)
+        ready_pipe.send(("READY", engine.num_kv_blocks))
+        ready_pipe.close()
+        _shutdown_when_parent_dies(engine, ipc_dir)
+        exit_code = 0
+        try:
+            engine.run_busy_loop()
+        except SystemExit:
+            logger.info("Engine core received SIGTERM; shutting down.")
+        except BaseException:
+            logger.exception("Engine core failed; the client will report EngineDeadError.")
+            exit_code = 1
+        finally:
+            engine.shutdown()
+        sys.exit(exit_code)
+
+    def run_busy_loop(self) -> None:
+        """Until SHUTDOWN: take new input (blocking while idle), step, hand off the outputs."""
+        while not self._shutdown_requested:
+            self._process_input_queue()
+            if self._shutdown_requested or not self._has_work():
+                continue
+            outputs = self._step_fn()
+            if outputs is not None and outputs.outputs:
+                self.output_queue.put((EngineCoreOutputType.OUTPUTS, outputs))
+
+    def _has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+
+    def _process_input_queue(self) -> None:
+        block = not self._has_work()
+        while not self._shutdown_requested:
+            try:
+                request_type, payload = self.input_queue.get(block=block)
+            except queue.Empty:
+                return
+            self._handle_input(request_type, payload)
+            block = False
+
+    def _handle_input(self, request_type: EngineCoreRequestType | None, payload: Any) -> None:
+        if request_type is EngineCoreRequestType.ADD:
+            try:
+                self.add_request(payload)
+            except Exception as exc:
+                # The front end validates requests; one that still fails here ends at once
+                # instead of leaving its caller waiting.
+                logger.error("Rejected request %s: %s", payload.request_id, exc)
+                self.output_queue.put((EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(
+                    outputs=[EngineCoreOutput(request_id=payload.request_id, new_token_ids=[],
+                                              finish_reason=FinishReason.ABORT)],
+                    timestamp=time.time())))
+        elif request_type is EngineCoreRequestType.ABORT:
+            self.abort_requests(payload)
+        elif request_type is EngineCoreRequestType.UTILITY:
+            self._run_utility(payload)
+        elif request_type is EngineCoreRequestType.SHUTDOWN:
+            self._shutdown_requested = True
+        else:
+            raise RuntimeError("An engine core I/O thread failed.") from payload
+
+    def _run_utility(self, request: UtilityRequest) -> None:
+        try:
+            if request.method not in UTILITY_METHODS:
+                raise AttributeError(f"{request.method!r} is not an engine core utility; "
+                                     f"available: {sorted(UTILITY_METHODS)}.")
+            output = UtilityOutput(request.call_id,
+                                   result=getattr(self, request.method)(*request.args))
+        except Exception as exc:
+            output = UtilityOutput(request.call_id, error=f"{type(exc).__name__}: {exc}")
+        self.output_queue.put((EngineCoreOutputType.UTILITY, output))
+
+    def _process_input_socket(self, socket: zmq.Socket) -> None:
+        decoders = {EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+                    EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+                    EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest)}
+        try:
+            while not self._stop_io.is_set():
+                if not socket.poll(_POLL_MS):
+                    continue
+                type_frame, *frames = socket.recv_multipart(copy=False)
+                request_type = EngineCoreRequestType(type_frame.bytes)
+                decoder = decoders.get(request_type)
+                payload = decoder.decode([f.buffer for f in frames]) if decoder else None
+                self.input_queue.put((request_type, payload))
+        except Exception as exc:
+            logger.exception("Engine core input thread failed.")
+            self.input_queue.put((_IO_FAILED, exc))
+        finally:
+            socket.close(linger=0)
+
+    def _process_output_socket(self, socket: zmq.Socket) -> None:
+        encoder = MsgpackEncoder()
+        try:
+            while (item := self.output_queue.get()) is not None:
+                output_type, payload = item
+                try:
+                    frames = encoder.encode(payload)
+                except TypeError as exc:  # a utility returned something that cannot travel
+                    if output_type is not EngineCoreOutputType.UTILITY:
+                        raise
+                    frames = encoder.encode(UtilityOutput(payload.call_id, error=str(exc)))
+                socket.send_multipart([output_type.value, *frames], copy=False)
+        except Exception as exc:
+            logger.exception("Engine core output thread failed.")
+            self.input_queue.put((_IO_FAILED, exc))
+        finally:
+            socket.close(linger=0)
+
+    def shutdown(self) -> None:
+        """Stop the executor, then the I/O threads; outputs not yet sent are dropped."""
+        super().shutdown()
+        self._stop_io.set()
+        self.output_queue.put(None)
+        for thread in self._io_threads:
+            thread.join(timeout=2.0)
+        self._zmq_ctx.destroy(linger=0)
+
+
+def _exit_on_signal(signum: int, frame: object) -> NoReturn:
+    raise SystemExit(128 + signum)
+
+
+def _shutdown_when_parent_dies(engine: EngineCoreProc, ipc_dir: str | None) -> None:
+    """A parent killed without cleanup (SIGKILL, OOM) must not leave this process (or its socket
+    directory) behind."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        logger.warning("The front-end process died; the engine core is shutting down.")
+        engine.input_queue.put((EngineCoreRequestType.SHUTDOWN, None))
+        if ipc_dir is not None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+        time.sleep(_PARENT_DEATH_GRACE_S)
+        os._exit(1)  # the graceful path did not finish in time
+
+    threading.Thread(target=watch, name="omniserve-parent-watch", daemon=True).start()

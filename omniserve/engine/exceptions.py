@@ -1,0 +1,22 @@
+"""Errors the front end raises about the engine core (as opposed to errors in a request's input)."""
+
+from __future__ import annotations
+
+
+class EngineGenerateError(Exception):
+    """One request failed inside the engine; the engine itself is still healthy."""
+
+
+class EngineDeadError(Exception):
+    """The engine core process is gone. Every in-flight and later call fails with this; a new
+    engine must be started."""
+
+    def __init__(self, message: str = "The engine core process died unexpectedly.") -> None:
+        super().__init__(message)
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core process failed while starting (loading the model, sizing the KV cache).
+
+    The message carries the child's traceback, so the cause is visible in the parent.
+    """
