@@ -20,7 +20,15 @@ _LAZY = {
     "LLMEngine": "omniserve.engine.llm_engine",
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = [
+    "__version__",
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineArgs",
+    "LLMEngine",
+]
 
 if TYPE_CHECKING:
     from omniserve.engine.arg_utils import EngineArgs

@@ -11,8 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
-                  "half": "float16"}
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+}
 
 
 @dataclass(frozen=True)
@@ -35,14 +40,21 @@ class ModelConfig:
     """The name clients use; defaults to ``model``."""
 
     @staticmethod
-    def from_path(model: str, *, tokenizer: str | None = None, max_model_len: int | None = None,
-                  **kwargs: object) -> ModelConfig:
+    def from_path(
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        max_model_len: int | None = None,
+        **kwargs: object,
+    ) -> ModelConfig:
         """Read config.json and resolve the derived fields; raise a precise error if unusable."""
         path = Path(model).expanduser()
         if not path.is_dir():
             raise FileNotFoundError(
-                f"Model path {model!r} is not a directory. omniserve loads Hugging Face checkpoints "
-                "from a local directory (no hub downloads).")
+                f"Model path {model!r} is not a directory. omniserve loads Hugging Face "
+                "checkpoints "
+                "from a local directory (no hub downloads)."
+            )
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file} is missing: not a Hugging Face checkpoint dir.")
@@ -54,13 +66,19 @@ class ModelConfig:
         if max_model_len is None:
             max_model_len = derived_len
         elif derived_len is not None and max_model_len > derived_len:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's maximum "
-                             f"({derived_len}, from config.json).")
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's maximum "
+                f"({derived_len}, from config.json)."
+            )
         if max_model_len is None:
             raise ValueError(f"{config_file} gives no max_position_embeddings; pass max_model_len.")
-        return ModelConfig(model=str(path), architecture=architectures[0], max_model_len=max_model_len,
-                           tokenizer=str(Path(tokenizer).expanduser()) if tokenizer else str(path),
-                           **kwargs)  # type: ignore[arg-type]
+        return ModelConfig(
+            model=str(path),
+            architecture=architectures[0],
+            max_model_len=max_model_len,
+            tokenizer=str(Path(tokenizer).expanduser()) if tokenizer else str(path),
+            **kwargs,
+        )  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -79,8 +97,11 @@ class ModelConfig:
 
 def _derive_max_model_len(hf_config: dict) -> int | None:
     # Multimodal checkpoints nest the decoder config (text_config, thinker_config.text_config).
-    for cfg in (hf_config, hf_config.get("text_config") or {},
-                (hf_config.get("thinker_config") or {}).get("text_config") or {}):
+    for cfg in (
+        hf_config,
+        hf_config.get("text_config") or {},
+        (hf_config.get("thinker_config") or {}).get("text_config") or {},
+    ):
         if cfg.get("max_position_embeddings"):
             return int(cfg["max_position_embeddings"])
     return None
@@ -130,7 +151,8 @@ class SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len "
-                f"({self.max_model_len}) needs chunked prefill; enable it or raise the budget.")
+                f"({self.max_model_len}) needs chunked prefill; enable it or raise the budget."
+            )
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,24 @@ class _ModelRegistry:
     def __init__(self) -> None:
         self._entries: dict[str, ModelEntry] = {}
 
-    def register_model(self, architecture: str, target: str | type, *, source: str = "built-in",
-                       overwrite: bool = True) -> None:
+    def register_model(
+        self,
+        architecture: str,
+        target: str | type,
+        *,
+        source: str = "built-in",
+        overwrite: bool = True,
+    ) -> None:
         """Map ``architecture`` to a class or a lazy "module:Class" path."""
         if not isinstance(target, str):
             target = f"{target.__module__}:{target.__qualname__}"
         if ":" not in target:
             raise ValueError(f"Model target {target!r} must look like 'package.module:Class'.")
         if not overwrite and architecture in self._entries:
-            raise ValueError(f"Architecture {architecture!r} is already registered "
-                             f"(by {self._entries[architecture].source}).")
+            raise ValueError(
+                f"Architecture {architecture!r} is already registered "
+                f"(by {self._entries[architecture].source})."
+            )
         self._entries[architecture] = ModelEntry(architecture, target, source)
 
     def get_supported_archs(self) -> list[str]:
@@ -49,16 +57,20 @@ class _ModelRegistry:
         entry = self._entries.get(architecture)
         if entry is None:
             supported = ", ".join(self.get_supported_archs()) or "none"
-            raise ValueError(f"Model architecture {architecture!r} is not supported. "
-                             f"Supported architectures: {supported}. Register a plugin with "
-                             "`omniserve register-model`.")
+            raise ValueError(
+                f"Model architecture {architecture!r} is not supported. "
+                f"Supported architectures: {supported}. Register a plugin with "
+                "`omniserve register-model`."
+            )
         module_name, _, class_name = entry.target.partition(":")
         try:
             module = importlib.import_module(module_name)
             return getattr(module, class_name)
         except (ImportError, AttributeError) as exc:
-            raise ValueError(f"Cannot import {entry.target!r} for architecture {architecture!r} "
-                             f"(from {entry.source}): {exc}") from exc
+            raise ValueError(
+                f"Cannot import {entry.target!r} for architecture {architecture!r} "
+                f"(from {entry.source}): {exc}"
+            ) from exc
 
 
 ModelRegistry = _ModelRegistry()

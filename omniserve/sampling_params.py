@@ -74,7 +74,9 @@ class SamplingParams:
             fail("top_k", "0 or -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "in [0, 1]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             fail("max_tokens", "an integer >= 1")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             fail("min_tokens", "an integer >= 0")

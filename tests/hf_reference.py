@@ -14,17 +14,24 @@ class ReferenceOutput:
     logprobs: list[torch.Tensor]  # per generated token: the full log_softmax of the raw logits
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[ReferenceOutput]:
+def hf_greedy(
+    model_dir: str, prompts: list[list[int]], max_new_tokens: int
+) -> list[ReferenceOutput]:
     """Greedy-decode each prompt alone (no padding) with ``generate``; keep raw-logit logprobs."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     results = []
     with torch.inference_mode():
         for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
-                                 do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-            generated = out.sequences[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+            generated = out.sequences[0, len(ids) :].tolist()
             logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
             results.append(ReferenceOutput(generated, logprobs[: len(generated)]))
     return results
@@ -33,8 +40,10 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
 def make_prompts(model_dir: str, lengths: list[int], seed: int = 0) -> list[list[int]]:
     """Token-id prompts of the given lengths, from varied text so the model sees real tokens."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    words = ("the quick brown fox jumps over a lazy dog while serving models on cpu with paged "
-             "attention and continuous batching makes throughput high café 日本語 ").split()
+    words = (
+        "the quick brown fox jumps over a lazy dog while serving models on cpu with paged "
+        "attention and continuous batching makes throughput high café 日本語 "
+    ).split()
     gen = torch.Generator().manual_seed(seed)
     prompts = []
     for length in lengths:
@@ -46,16 +55,19 @@ def make_prompts(model_dir: str, lengths: list[int], seed: int = 0) -> list[list
     return prompts
 
 
-def assert_matches_reference(outputs: list, reference: list[ReferenceOutput],
-                             atol: float = 1e-4) -> None:
+def assert_matches_reference(
+    outputs: list, reference: list[ReferenceOutput], atol: float = 1e-4
+) -> None:
     """Greedy tokens identical; the sampled token's logprob and the top logprobs close."""
     for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
         completion = out.outputs[0]
         assert completion.token_ids == ref.token_ids, (
-            f"prompt {i}: tokens differ\n ours {completion.token_ids}\n  hf  {ref.token_ids}")
+            f"prompt {i}: tokens differ\n ours {completion.token_ids}\n  hf  {ref.token_ids}"
+        )
         assert completion.logprobs is not None and len(completion.logprobs) == len(ref.logprobs)
         for pos, (ours, ref_lp) in enumerate(zip(completion.logprobs, ref.logprobs, strict=True)):
             for token_id, logprob in ours.items():
                 expected = ref_lp[token_id].item()
                 assert abs(logprob.logprob - expected) < atol, (
-                    f"prompt {i} position {pos} token {token_id}: {logprob.logprob} vs {expected}")
+                    f"prompt {i} position {pos} token {token_id}: {logprob.logprob} vs {expected}"
+                )

@@ -11,8 +11,13 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMNISERVE_ENABLE_MULTIPROCESSING": 
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "omniserve.entrypoints.cli", *args],
-                          capture_output=True, text=True, env=ENV, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "omniserve.entrypoints.cli", *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
 
 
 def test_make_tiny_and_generate(tmp_path):
@@ -21,8 +26,16 @@ def test_make_tiny_and_generate(tmp_path):
     assert made.returncode == 0, made.stderr
     assert made.stdout.strip() == str(out)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
-    gen = _run("generate", str(out), "--prompt", "Once upon a time", "--max-tokens", "5",
-               "--dtype", "float32")
+    gen = _run(
+        "generate",
+        str(out),
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "5",
+        "--dtype",
+        "float32",
+    )
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("'Once upon a time' -> ")
 
@@ -30,8 +43,7 @@ def test_make_tiny_and_generate(tmp_path):
 def test_models_lists_the_zoo():
     listed = _run("models")
     assert listed.returncode == 0, listed.stderr
-    for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM",
-                 "Qwen3MoeForCausalLM"):
+    for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM"):
         assert arch in listed.stdout
 
 

@@ -12,8 +12,7 @@ import pytest
 from omniserve import LLM, SamplingParams
 from tests.hf_reference import assert_matches_reference, hf_greedy, make_prompts
 
-ARCHITECTURES = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM",
-                 "Qwen3MoeForCausalLM"]
+ARCHITECTURES = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM"]
 PROMPT_LENGTHS = [3, 9, 17, 31, 40, 64, 100, 150]
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5)
@@ -56,8 +55,13 @@ def test_matches_hf_with_prefix_cache_hits(case):
 def test_matches_hf_under_preemption(case):
     model_dir, prompts, reference = case
     # 16 blocks of 16 tokens hold one 256-token sequence but not the whole batch at once.
-    llm, outputs = _generate(model_dir, prompts, max_model_len=256, num_gpu_blocks_override=16,
-                             enable_prefix_caching=False)
+    llm, outputs = _generate(
+        model_dir,
+        prompts,
+        max_model_len=256,
+        num_gpu_blocks_override=16,
+        enable_prefix_caching=False,
+    )
     assert llm.llm_engine.engine_core.call_utility("get_stats")["num_preemptions"] > 0
     assert_matches_reference(outputs, reference)
 

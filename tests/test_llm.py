@@ -26,15 +26,21 @@ def llm(model_dir) -> LLM:
 
 
 def test_string_prompts_and_chat(llm):
-    outputs = llm.generate(["Hello, my name is", "The sky is"],
-                           SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    outputs = llm.generate(
+        ["Hello, my name is", "The sky is"],
+        SamplingParams(temperature=0.0, max_tokens=8),
+        use_tqdm=False,
+    )
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]
     tokenizer = llm.get_tokenizer()
     assert outputs[0].prompt_token_ids == tokenizer("Hello, my name is").input_ids
     assert outputs[0].outputs[0].text == tokenizer.decode(outputs[0].outputs[0].token_ids)
     assert outputs[0].outputs[0].finish_reason == "length"
-    chat = llm.chat([{"role": "user", "content": "Hi there"}],
-                    SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
+    chat = llm.chat(
+        [{"role": "user", "content": "Hi there"}],
+        SamplingParams(temperature=0.0, max_tokens=4),
+        use_tqdm=False,
+    )[0]
     assert "<|im_start|>user\nHi there<|im_end|>\n" in chat.prompt
     assert chat.prompt.endswith("<|im_start|>assistant\n")
 
@@ -46,45 +52,60 @@ def test_n_and_seed_reproducible_across_batches(llm, model_dir):
     assert [c.index for c in alone.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in alone.outputs}) > 1  # children draw differently
     others = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [5, 30, 60], seed=3)]
-    mixed = llm.generate(others + [prompt], [SamplingParams(temperature=0.7, max_tokens=20)] * 3
-                         + [params], use_tqdm=False)[-1]
+    mixed = llm.generate(
+        others + [prompt],
+        [SamplingParams(temperature=0.7, max_tokens=20)] * 3 + [params],
+        use_tqdm=False,
+    )[-1]
     assert [c.token_ids for c in mixed.outputs] == [c.token_ids for c in alone.outputs]
 
 
 def test_stop_strings_and_stop_tokens(llm, model_dir):
     prompt = {"prompt_token_ids": make_prompts(model_dir, [20])[0]}
-    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16),
-                        use_tqdm=False)[0].outputs[0]
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[
+        0
+    ].outputs[0]
     stop = free.text[5:9]
     assert stop.strip()
-    cut = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    cut = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=16, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert cut.text == free.text[: free.text.index(stop)]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
-    kept = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, stop=[stop],
-                                               include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        prompt,
+        SamplingParams(
+            temperature=0.0, max_tokens=16, stop=[stop], include_stop_str_in_output=True
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text == free.text[: free.text.index(stop) + len(stop)]
     stop_id = free.token_ids[3]
-    by_token = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16,
-                                                   stop_token_ids=[stop_id]),
-                            use_tqdm=False)[0].outputs[0]
+    by_token = llm.generate(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert by_token.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
     assert by_token.stop_reason == stop_id and by_token.finish_reason == "stop"
 
 
 def test_min_tokens_and_ignore_eos(llm, model_dir):
     prompt = {"prompt_token_ids": make_prompts(model_dir, [10])[0]}
-    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12),
-                        use_tqdm=False)[0].outputs[0]
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[
+        0
+    ].outputs[0]
     first = free.token_ids[0]
-    held = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, min_tokens=3,
-                                               stop_token_ids=[first]),
-                        use_tqdm=False)[0].outputs[0]
+    held = llm.generate(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=3, stop_token_ids=[first]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert first not in held.token_ids[:3]
     eos = llm.get_tokenizer().convert_tokens_to_ids("<|im_end|>")
-    forced = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0]
+    forced = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(forced.token_ids) == 40 and forced.finish_reason == "length"
     assert eos is not None
 
@@ -93,9 +114,11 @@ def test_prompt_logprobs_match_hf(model_dir):
     prompt = make_prompts(model_dir, [40])[0]
     # A small token budget makes prompt logprobs arrive over several chunked-prefill steps.
     llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=16, max_num_seqs=2)
-    out = llm.generate({"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3),
+        use_tqdm=False,
+    )[0]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)

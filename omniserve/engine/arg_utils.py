@@ -9,12 +9,23 @@ from dataclasses import dataclass
 
 from omniserve.config import CacheConfig, ModelConfig, OmniConfig, ParallelConfig, SchedulerConfig
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
-          "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+}
 
 
 def parse_bytes(value: str | int | None) -> int | None:
-    """"4GiB", "512MiB", "1e9" or an int -> bytes."""
+    """ "4GiB", "512MiB", "1e9" or an int -> bytes."""
     if value is None or isinstance(value, int):
         return value
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
@@ -47,30 +58,44 @@ class EngineArgs:
 
     def create_config(self, *, default_batched_tokens: int = 8192) -> OmniConfig:
         model_config = ModelConfig.from_path(
-            self.model, tokenizer=self.tokenizer, max_model_len=self.max_model_len,
-            dtype=self.dtype, device=self.device, seed=self.seed,
-            served_model_name=self.served_model_name or "")
+            self.model,
+            tokenizer=self.tokenizer,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            device=self.device,
+            seed=self.seed,
+            served_model_name=self.served_model_name or "",
+        )
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
         if batched is None:
-            batched = default_batched_tokens if self.enable_chunked_prefill else max(
-                default_batched_tokens, max_len)
+            batched = (
+                default_batched_tokens
+                if self.enable_chunked_prefill
+                else max(default_batched_tokens, max_len)
+            )
         return OmniConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_bytes=parse_bytes(self.kv_cache_memory),
                 num_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=self.enable_prefix_caching),
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
-                max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill,
-                long_prefill_token_threshold=self.long_prefill_token_threshold),
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=batched,
+                max_model_len=max_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+            ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 data_parallel_size=self.data_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend))
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
+        )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -78,31 +103,66 @@ class EngineArgs:
         group = parser.add_argument_group("engine")
         add = group.add_argument
         add("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
-        add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-            help="Weights and activations dtype; auto = bf16 on GPU, fp32 on CPU.")
+        add(
+            "--dtype",
+            default="auto",
+            choices=["auto", "float32", "bfloat16", "float16"],
+            help="Weights and activations dtype; auto = bf16 on GPU, fp32 on CPU.",
+        )
         add("--device", default="auto", help="auto (CUDA when present), cpu or cuda.")
         add("--seed", type=int, default=0, help="Engine RNG seed.")
-        add("--max-model-len", type=int, default=None,
-            help="Longest prompt + output (default: the model's max_position_embeddings).")
+        add(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="Longest prompt + output (default: the model's max_position_embeddings).",
+        )
         add("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
-        add("--kv-cache-memory", default=None,
-            help="KV-cache memory, e.g. 4GiB (default: 4GiB on CPU, 90%% of free on GPU).")
-        add("--num-gpu-blocks-override", type=int, default=None,
-            help="Exact number of KV blocks (testing).")
-        add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-            help="Reuse KV blocks of shared prefixes.")
+        add(
+            "--kv-cache-memory",
+            default=None,
+            help="KV-cache memory, e.g. 4GiB (default: 4GiB on CPU, 90%% of free on GPU).",
+        )
+        add(
+            "--num-gpu-blocks-override",
+            type=int,
+            default=None,
+            help="Exact number of KV blocks (testing).",
+        )
+        add(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="Reuse KV blocks of shared prefixes.",
+        )
         add("--max-num-seqs", type=int, default=256, help="Most requests running at once.")
-        add("--max-num-batched-tokens", type=int, default=None,
-            help="Token budget per step (default 8192 offline, 2048 for the server).")
-        add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-            help="Split long prompts across steps.")
-        add("--long-prefill-token-threshold", type=int, default=0,
-            help="Cap one request's prefill tokens per step (0: no cap).")
+        add(
+            "--max-num-batched-tokens",
+            type=int,
+            default=None,
+            help="Token budget per step (default 8192 offline, 2048 for the server).",
+        )
+        add(
+            "--enable-chunked-prefill",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="Split long prompts across steps.",
+        )
+        add(
+            "--long-prefill-token-threshold",
+            type=int,
+            default=0,
+            help="Cap one request's prefill tokens per step (0: no cap).",
+        )
         add("--tensor-parallel-size", "-tp", type=int, default=1, help="Tensor-parallel ranks.")
         add("--pipeline-parallel-size", "-pp", type=int, default=1, help="Pipeline stages.")
         add("--data-parallel-size", "-dp", type=int, default=1, help="Engine replicas.")
-        add("--distributed-executor-backend", default=None, choices=[None, "uni", "mp", "ray"],
-            help="How workers run (default: uni for one rank, mp for more).")
+        add(
+            "--distributed-executor-backend",
+            default=None,
+            choices=[None, "uni", "mp", "ray"],
+            help="How workers run (default: uni for one rank, mp for more).",
+        )
         return parser
 
     @classmethod

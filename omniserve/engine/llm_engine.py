@@ -23,9 +23,12 @@ class LLMEngine:
         model_config = config.model_config
         self.tokenizer = get_tokenizer(model_config.tokenizer)
         hf_config = AutoConfig.from_pretrained(model_config.model, local_files_only=True)
-        self.processor = Processor(model_config, self.tokenizer,
-                                   hf_config.get_text_config().vocab_size,
-                                   get_eos_token_ids(model_config.model, self.tokenizer))
+        self.processor = Processor(
+            model_config,
+            self.tokenizer,
+            hf_config.get_text_config().vocab_size,
+            get_eos_token_ids(model_config.model, self.tokenizer),
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCoreClient.make_client(config)
 
@@ -36,14 +39,23 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
         """Validate and queue a request; raises ValueError/TypeError for bad input."""
         processed = self.processor.process_inputs(request_id, prompt, params, arrival_time)
         children = [r.request_id for r in processed.engine_requests]
         self.output_processor.add_request(
-            request_id, processed.prompt, processed.prompt_token_ids, params,
-            children if params.n > 1 else None)
+            request_id,
+            processed.prompt,
+            processed.prompt_token_ids,
+            params,
+            children if params.n > 1 else None,
+        )
         for request in processed.engine_requests:
             self.engine_core.add_request(request)
 

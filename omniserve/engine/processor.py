@@ -32,16 +32,22 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 
 class Processor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, vocab_size: int,
-                 eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
+    ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.input_preprocessor = InputPreprocessor(tokenizer)
 
-    def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       arrival_time: float | None = None) -> ProcessedRequest:
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> ProcessedRequest:
         """Tokenize and validate; raise ``ValueError``/``TypeError`` naming the problem."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Expected SamplingParams, got {type(params).__name__}.")
@@ -63,32 +69,44 @@ class Processor:
         if params.n == 1:
             children = [(request_id, params)]
         else:
-            children = [(child_request_id(request_id, i),
-                         params.clone(n=1, seed=None if params.seed is None else params.seed + i))
-                        for i in range(params.n)]
-        requests = [EngineCoreRequest(rid, token_ids, p, eos, arrival, max_tokens)
-                    for rid, p in children]
+            children = [
+                (
+                    child_request_id(request_id, i),
+                    params.clone(n=1, seed=None if params.seed is None else params.seed + i),
+                )
+                for i in range(params.n)
+            ]
+        requests = [
+            EngineCoreRequest(rid, token_ids, p, eos, arrival, max_tokens) for rid, p in children
+        ]
         return ProcessedRequest(inputs.prompt, token_ids, requests)
 
     def _validate_params(self, params: SamplingParams) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(f"Requested {name}={value}, but at most {MAX_LOGPROBS} "
-                                 "logprobs per token are supported.")
+                raise ValueError(
+                    f"Requested {name}={value}, but at most {MAX_LOGPROBS} "
+                    "logprobs per token are supported."
+                )
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary "
-                             f"(size {self.vocab_size}).")
+            raise ValueError(
+                f"stop_token_ids {bad} are outside the vocabulary (size {self.vocab_size})."
+            )
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("The prompt is empty.")
         max_id = max(token_ids)
         if max_id >= self.vocab_size or min(token_ids) < 0:
-            raise ValueError(f"Token id {max_id if max_id >= self.vocab_size else min(token_ids)} "
-                             f"is out of vocabulary (size {self.vocab_size}).")
+            raise ValueError(
+                f"Token id {max_id if max_id >= self.vocab_size else min(token_ids)} "
+                f"is out of vocabulary (size {self.vocab_size})."
+            )
         max_len = self.model_config.max_model_len
         if len(token_ids) >= max_len:
-            raise ValueError(f"The prompt is {len(token_ids)} tokens long, which leaves no room to "
-                             f"generate within max_model_len={max_len}.")
+            raise ValueError(
+                f"The prompt is {len(token_ids)} tokens long, which leaves no room to "
+                f"generate within max_model_len={max_len}."
+            )

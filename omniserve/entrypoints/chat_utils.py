@@ -43,22 +43,32 @@ def _part_text(i: int, j: int, part: Any) -> str:
         if not isinstance(text, str):
             raise ChatTemplateError(f"messages[{i}].content[{j}] ({kind}) has no text.")
         return text
-    raise ChatTemplateError(f"messages[{i}].content[{j}]: content part type {kind!r} is not "
-                            "supported by this model.")
+    raise ChatTemplateError(
+        f"messages[{i}].content[{j}]: content part type {kind!r} is not supported by this model."
+    )
 
 
-def apply_chat_template(tokenizer: Any, conversation: list[dict[str, Any]], *,
-                        chat_template: str | None = None, add_generation_prompt: bool = True,
-                        continue_final_message: bool = False,
-                        chat_template_kwargs: dict[str, Any] | None = None) -> str:
+def apply_chat_template(
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("The tokenizer has no chat template; pass --chat-template.")
     if add_generation_prompt and continue_final_message:
         raise ChatTemplateError("add_generation_prompt and continue_final_message are exclusive.")
     try:
         return tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, tokenize=False,
+            conversation,
+            chat_template=chat_template,
+            tokenize=False,
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}),
+        )
     except Exception as exc:  # jinja errors are many types; all mean "cannot render"
         raise ChatTemplateError(f"Cannot apply the chat template: {exc}") from exc

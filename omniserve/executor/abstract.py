@@ -24,9 +24,11 @@ class Executor(ABC):
             from omniserve.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor
-        raise ValueError(f"Executor backend {backend!r} with world size {parallel.world_size} "
-                         "is not available in this build (tensor parallelism: "
-                         "--tensor-parallel-size 1 only).")
+        raise ValueError(
+            f"Executor backend {backend!r} with world size {parallel.world_size} "
+            "is not available in this build (tensor parallelism: "
+            "--tensor-parallel-size 1 only)."
+        )
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
@@ -44,15 +46,20 @@ class Executor(ABC):
         return self.config.parallel_config.pipeline_parallel_size
 
     @overload
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: Literal[False] = False
+    ) -> ModelRunnerOutput: ...
 
     @overload
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: Literal[True]
+    ) -> Future[ModelRunnerOutput]: ...
 
-    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False,
-                      ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        non_block: bool = False,
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         """Run one step on the workers. ``non_block=True`` returns a Future at once, so the
         engine core can schedule the next batch while this one runs."""
         if not non_block:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, NotRequired, TypedDict
 
 
-
 class TextPrompt(TypedDict):
     prompt: str
     multi_modal_data: NotRequired[dict[str, Any]]

@@ -54,8 +54,9 @@ class InputBatch:
         self.req_id_to_row: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives the lowest
 
-    def add_request(self, state: CachedRequestState, block_ids: list[int],
-                    num_computed_tokens: int) -> int:
+    def add_request(
+        self, state: CachedRequestState, block_ids: list[int], num_computed_tokens: int
+    ) -> int:
         if not self._free_rows:
             raise RuntimeError("InputBatch is full; the scheduler exceeded max_num_seqs.")
         row = self._free_rows.pop()

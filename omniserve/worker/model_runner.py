@@ -37,24 +37,33 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, scheduler_config: SchedulerConfig,
-                 cache_config: CacheConfig, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.device = device
         self.block_size = cache_config.block_size
         self.vocab_size = vocab_size
         max_len = scheduler_config.max_model_len
         self.max_num_blocks_per_req = -(-max_len // self.block_size)
-        self.input_batch = InputBatch(scheduler_config.max_num_seqs, max_len,
-                                      self.max_num_blocks_per_req)
+        self.input_batch = InputBatch(
+            scheduler_config.max_num_seqs, max_len, self.max_num_blocks_per_req
+        )
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
-                   for layer in get_attention_layers(self.model))
+        return sum(
+            2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
+            for layer in get_attention_layers(self.model)
+        )
 
     def initialize_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         """Allocate one paged cache per attention layer and hand it to the layer."""
@@ -62,8 +71,15 @@ class ModelRunner:
         for layer in get_attention_layers(self.model):
             # [2 (k, v), num_blocks, block_size, num_kv_heads, head_size]; zeroed so that padded
             # slots read by batched decode are finite (they are masked, but NaN * 0 is NaN).
-            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads,
-                                layer.head_size, dtype=dtype, device=self.device)
+            cache = torch.zeros(
+                2,
+                num_blocks,
+                self.block_size,
+                layer.num_kv_heads,
+                layer.head_size,
+                dtype=dtype,
+                device=self.device,
+            )
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
@@ -94,7 +110,8 @@ class ModelRunner:
             assert state is not None
             if state.sampling_params.logprobs is not None and sampler_output.logprobs is not None:
                 output.logprobs[req_id] = sampler_output.logprobs.to_lists(
-                    j, state.sampling_params.logprobs)
+                    j, state.sampling_params.logprobs
+                )
         output.prompt_logprobs = self._prompt_logprobs(step, hidden_states)
         return output
 
@@ -108,13 +125,19 @@ class ModelRunner:
             generator = None
             if params.seed is not None and not params.greedy:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            state = CachedRequestState(new.req_id, list(new.prompt_token_ids),
-                                       list(new.output_token_ids), params, generator,
-                                       new.eos_token_id)
+            state = CachedRequestState(
+                new.req_id,
+                list(new.prompt_token_ids),
+                list(new.output_token_ids),
+                params,
+                generator,
+                new.eos_token_id,
+            )
             batch.add_request(state, new.block_ids, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
-        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                                   cached.num_computed_tokens, strict=True):
+        for req_id, block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
             row = batch.req_id_to_row[req_id]
             batch.append_block_ids(row, block_ids)
             batch.num_computed_tokens[row] = num_computed
@@ -141,20 +164,23 @@ class ModelRunner:
         max_blocks = int(-(-seq_lens.max() // self.block_size))
         dev = self.device
         attn_metadata = AttentionMetadata(
-            query_start_loc=torch.from_numpy(np.concatenate(([0], cu_query))).to(
-                dev, torch.int32),
+            query_start_loc=torch.from_numpy(np.concatenate(([0], cu_query))).to(dev, torch.int32),
             seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
-            block_table=torch.from_numpy(batch.block_table[rows, :max_blocks]).to(
-                dev, torch.int32),
+            block_table=torch.from_numpy(batch.block_table[rows, :max_blocks]).to(dev, torch.int32),
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             query_lens_cpu=query_lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
         return StepInputs(
-            req_ids=req_ids, rows=rows, query_lens=query_lens, positions=positions,
-            input_ids=torch.from_numpy(input_ids).to(dev), attn_metadata=attn_metadata,
+            req_ids=req_ids,
+            rows=rows,
+            query_lens=query_lens,
+            positions=positions,
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            attn_metadata=attn_metadata,
             sample_mask=sample_mask,
-            logits_indices=torch.from_numpy(cu_query[sample_mask] - 1).to(dev))
+            logits_indices=torch.from_numpy(cu_query[sample_mask] - 1).to(dev),
+        )
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         batch = self.input_batch
@@ -171,7 +197,8 @@ class ModelRunner:
             max_prompt = int(batch.num_prompt_tokens[rows].max())
             prompt = batch.token_ids[rows, :max_prompt].copy()
             prompt[np.arange(max_prompt)[None, :] >= batch.num_prompt_tokens[rows][:, None]] = (
-                self.vocab_size)
+                self.vocab_size
+            )
             prompt_token_ids = torch.from_numpy(prompt).to(self.device)
         generators, min_tokens = {}, {}
         max_num_logprobs = None
@@ -193,21 +220,25 @@ class ModelRunner:
 
         return SamplingMetadata(
             temperature=torch.from_numpy(temperature).to(self.device),
-            all_greedy=bool(greedy.all()), all_random=not bool(greedy.any()),
+            all_greedy=bool(greedy.all()),
+            all_random=not bool(greedy.any()),
             top_p=tensor(top_p, bool((top_p >= 1.0).all())),
             top_k=tensor(top_k, not top_k.any()),
             min_p=tensor(min_p, not min_p.any()),
-            generators=generators, max_num_logprobs=max_num_logprobs,
+            generators=generators,
+            max_num_logprobs=max_num_logprobs,
             no_penalties=no_penalties,
             presence_penalties=torch.from_numpy(presence).to(self.device),
             frequency_penalties=torch.from_numpy(frequency).to(self.device),
             repetition_penalties=torch.from_numpy(repetition).to(self.device),
             prompt_token_ids=prompt_token_ids,
             output_token_ids=[s.output_token_ids for s in states],  # type: ignore[union-attr]
-            min_tokens=min_tokens)
+            min_tokens=min_tokens,
+        )
 
-    def _prompt_logprobs(self, step: StepInputs,
-                         hidden_states: torch.Tensor) -> dict[str, LogprobsLists]:
+    def _prompt_logprobs(
+        self, step: StepInputs, hidden_states: torch.Tensor
+    ) -> dict[str, LogprobsLists]:
         """Logprobs of each prompt token given its prefix, for the prompt positions of this step."""
         batch = self.input_batch
         result: dict[str, LogprobsLists] = {}
@@ -221,8 +252,9 @@ class ModelRunner:
             if k is not None and first + 1 < state.num_prompt_tokens:
                 # Position p predicts prompt token p + 1; stop before the sampling position.
                 count = min(q, state.num_prompt_tokens - 1 - first)
-                targets = torch.from_numpy(
-                    batch.token_ids[row, first + 1 : first + 1 + count]).to(self.device)
+                targets = torch.from_numpy(batch.token_ids[row, first + 1 : first + 1 + count]).to(
+                    self.device
+                )
                 logits = self.model.compute_logits(hidden_states[start : start + count])
                 result[req_id] = compute_logprobs(logits, targets, k).to_lists_all(k)
             start += q

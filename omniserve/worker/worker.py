@@ -66,8 +66,9 @@ class Worker:
         load_model_weights(model, model_config.model)
         model.eval()
         vocab_size = self.hf_config.get_text_config().vocab_size
-        self.model_runner = ModelRunner(model, config.scheduler_config, config.cache_config,
-                                        vocab_size, self.device)
+        self.model_runner = ModelRunner(
+            model, config.scheduler_config, config.cache_config, vocab_size, self.device
+        )
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit the memory budget, but no more than the scheduler could ever use."""
@@ -77,13 +78,15 @@ class Worker:
             num_blocks = cache.num_blocks_override
         else:
             per_block = self.model_runner.kv_cache_bytes_per_block(self.dtype)
-            num_blocks = min(self._kv_budget_bytes() // per_block,
-                             sched.max_num_seqs * blocks_per_seq + 1)
+            num_blocks = min(
+                self._kv_budget_bytes() // per_block, sched.max_num_seqs * blocks_per_seq + 1
+            )
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"The KV cache holds {num_blocks} blocks of {cache.block_size} tokens, fewer than "
                 f"one max_model_len={sched.max_model_len} sequence needs ({blocks_per_seq}). "
-                "Raise --kv-cache-memory or lower --max-model-len.")
+                "Raise --kv-cache-memory or lower --max-model-len."
+            )
         return int(num_blocks)
 
     def _kv_budget_bytes(self) -> int:
@@ -99,8 +102,9 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks, self.dtype)
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks,
-                    self.config.cache_config.block_size)
+        logger.info(
+            "KV cache: %d blocks of %d tokens", num_blocks, self.config.cache_config.block_size
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
