@@ -102,7 +102,7 @@ class EngineArgs:
         """Engine flags, spelled as vLLM spells them; ``--help`` shows every default."""
         group = parser.add_argument_group("engine")
         add = group.add_argument
-        add("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
+        add("--tokenizer", default=None, help="Tokenizer directory; None: the model's.")
         add(
             "--dtype",
             default="auto",
@@ -115,13 +115,13 @@ class EngineArgs:
             "--max-model-len",
             type=int,
             default=None,
-            help="Longest prompt + output (default: the model's max_position_embeddings).",
+            help="Longest prompt + output; None: the model's max_position_embeddings.",
         )
         add("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
         add(
             "--kv-cache-memory",
             default=None,
-            help="KV-cache memory, e.g. 4GiB (default: 4GiB on CPU, 90%% of free on GPU).",
+            help="KV-cache memory, e.g. 4GiB; None: 4GiB on CPU, 90%% of the GPU's free memory.",
         )
         add(
             "--num-gpu-blocks-override",
@@ -140,7 +140,7 @@ class EngineArgs:
             "--max-num-batched-tokens",
             type=int,
             default=None,
-            help="Token budget per step (default 8192 offline, 2048 for the server).",
+            help="Token budget per step; None: 8192 offline, 2048 for the server.",
         )
         add(
             "--enable-chunked-prefill",
@@ -161,7 +161,7 @@ class EngineArgs:
             "--distributed-executor-backend",
             default=None,
             choices=[None, "uni", "mp", "ray"],
-            help="How workers run (default: uni for one rank, mp for more).",
+            help="How workers run; None: uni for one rank, mp for more.",
         )
         return parser
 

@@ -1,0 +1,168 @@
+"""AsyncLLM: the asyncio front end used by the API server.
+
+Requests are processed (tokenized, validated) here, sent to the engine-core process, and their
+outputs are pulled by one background task (``_run_output_handler``) that detokenizes and puts each
+``RequestOutput`` on its request's queue. A consumer that goes away aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from transformers import AutoConfig
+
+from omniserve.config import OmniConfig
+from omniserve.engine.arg_utils import EngineArgs
+from omniserve.engine.core_client import AsyncMPClient
+from omniserve.engine.exceptions import EngineDeadError
+from omniserve.engine.output_processor import OutputProcessor
+from omniserve.engine.processor import Processor
+from omniserve.inputs.data import PromptType
+from omniserve.outputs import RequestOutput
+from omniserve.sampling_params import SamplingParams
+from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class RequestOutputCollector:
+    """One request's outputs, handed from the output handler to the consumer.
+
+    ``put`` never blocks; the consumer gets outputs in order, or the exception that ended them.
+    """
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def get(self) -> RequestOutput:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class AsyncLLM:
+    def __init__(self, config: OmniConfig, stat_loggers: list[Any] | None = None) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = get_tokenizer(self.model_config.tokenizer)
+        hf_config = AutoConfig.from_pretrained(self.model_config.model, local_files_only=True)
+        self.processor = Processor(
+            self.model_config,
+            self.tokenizer,
+            hf_config.get_text_config().vocab_size,
+            get_eos_token_ids(self.model_config.model, self.tokenizer),
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = AsyncMPClient(config)
+        self.stat_loggers = list(stat_loggers or [])
+        self._output_handler: asyncio.Task | None = None
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        return cls(engine_args.create_config(default_batched_tokens=2048), **kwargs)
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    async def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> RequestOutputCollector:
+        """Validate and submit; raises ValueError/TypeError for bad input, EngineDeadError."""
+        if self.dead_error is not None:
+            raise EngineDeadError("The engine core is dead.") from self.dead_error
+        self._ensure_output_handler()
+        processed = self.processor.process_inputs(request_id, prompt, params, arrival_time)
+        collector = RequestOutputCollector()
+        children = [r.request_id for r in processed.engine_requests]
+        self.output_processor.add_request(
+            request_id,
+            processed.prompt,
+            processed.prompt_token_ids,
+            params,
+            children if params.n > 1 else None,
+            queue=collector,
+        )
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_new_requests(processed.engine_requests)
+        for request in processed.engine_requests:
+            await self.engine_core.add_request_async(request)
+        return collector
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs until it finishes; aborts it if the consumer leaves."""
+        collector = await self.add_request(request_id, prompt, sampling_params)
+        finished = False
+        try:
+            while not finished:
+                output = await collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        child_ids = self.output_processor.abort_requests(ids)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_aborted(child_ids)
+        if child_ids and self.dead_error is None:
+            await self.engine_core.abort_requests_async(child_ids)
+
+    def _ensure_output_handler(self) -> None:
+        if self._output_handler is None or self._output_handler.done():
+            self._output_handler = asyncio.get_running_loop().create_task(
+                self._run_output_handler()
+            )
+
+    async def _run_output_handler(self) -> None:
+        """Pull engine outputs, detokenize, fan out to request queues; record stats."""
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                if processed.reqs_to_abort:
+                    await self.engine_core.abort_requests_async(processed.reqs_to_abort)
+                for stat_logger in self.stat_loggers:
+                    stat_logger.record(outputs, processed)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # engine death: fail every in-flight request, loudly
+            logger.error("Engine output handler stopped: %r", exc)
+            self.dead_error = exc
+            error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(str(exc))
+            self.output_processor.propagate_error(error)
+
+    async def check_health(self) -> None:
+        if self.dead_error is not None or not self.engine_core.is_alive():
+            raise EngineDeadError("The engine core is dead.")
+
+    async def get_stats(self) -> dict[str, float]:
+        """The scheduler's gauges and counters now (an idle engine sends no step stats)."""
+        return await self.engine_core.call_utility_async("get_stats")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    def shutdown(self) -> None:
+        if self._output_handler is not None:
+            self._output_handler.cancel()
+        self.engine_core.shutdown()

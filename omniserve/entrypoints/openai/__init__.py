@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: request/response models, serving classes and the app."""

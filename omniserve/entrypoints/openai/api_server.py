@@ -1,0 +1,301 @@
+"""The OpenAI-compatible HTTP server: ``build_app(engine, args)`` and ``run_server(args)``.
+
+Every error leaves in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; request
+validation failures are 400s (FastAPI's default would be 422). A client that disconnects aborts its
+request: non-streaming handlers race a disconnect listener (``with_cancellation``), and streams stop
+through ``EventStreamResponse``. Both end up closing ``AsyncLLM.generate``, which aborts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import anyio
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from omniserve import __version__
+from omniserve.engine.arg_utils import EngineArgs
+from omniserve.engine.async_llm import AsyncLLM
+from omniserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from omniserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from omniserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from omniserve.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    ServingError,
+    to_serving_error,
+)
+from omniserve.metrics import PrometheusStatLogger
+
+STATS_TIMEOUT_S = 2.0
+"""How long /metrics waits for fresh scheduler stats before serving the last ones."""
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE that stops the moment the client goes away, even between tokens.
+
+    Starlette only notices a disconnect when a write fails; here a listener races the stream,
+    and the body iterator is always closed, so the generator's ``finally`` (the abort) runs now.
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client vanished mid-write
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def with_cancellation(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Any]:
+    """Cancel the handler (and so abort its request) if the client disconnects first."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args: Any, **kwargs: Any) -> Response | None:
+        handler_task = asyncio.ensure_future(handler(*args, **kwargs))
+        disconnect_task = asyncio.ensure_future(_wait_for_disconnect(kwargs["raw_request"]))
+        try:
+            await asyncio.wait([handler_task, disconnect_task],
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect_task.cancel()
+            if not handler_task.done():
+                handler_task.cancel()  # the client left first, or the server is stopping
+        return handler_task.result() if handler_task.done() else None  # None: nobody listens
+
+    return wrapper
+
+
+def error_json(error: ServingError) -> JSONResponse:
+    return JSONResponse(error.to_response().model_dump(), status_code=error.status)
+
+
+def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """pydantic's errors as one 400: "field: problem; ...", ``param`` = the first bad field."""
+    problems, fields = [], []
+    for error in exc.errors():
+        if error.get("type") == "json_invalid":
+            return error_json(ServingError(
+                f"Malformed JSON body: {error.get('ctx', {}).get('error', 'cannot parse')}."))
+        field = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        problems.append(f"{field}: {message}" if field else message)
+        fields.append(field)
+    return error_json(ServingError("; ".join(problems) or "Invalid request.",
+                                   param=next((f for f in fields if f), None)))
+
+
+def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    status = HTTPStatus(exc.status_code)
+    return error_json(ServingError(str(exc.detail), status))
+
+
+def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    return error_json(to_serving_error(exc))  # logs anything that is not a client mistake
+
+
+class APIKeyMiddleware:
+    """Bearer-token auth on the API routes; /health, /version and /metrics stay open.
+
+    Plain ASGI (not BaseHTTPMiddleware) so it runs before the body is read and leaves
+    ``receive`` untouched for the disconnect listeners.
+    """
+
+    PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED_PREFIXES):
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(),
+                                                                        self.api_key):
+                error = ServingError("Invalid or missing API key.", HTTPStatus.UNAUTHORIZED)
+                await error_json(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file path, or the Jinja template itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
+
+
+def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
+    """The FastAPI app over a running engine; ``args`` are the ``serve`` flags.
+
+    The app owns the engine from here on: the server's shutdown stops it.
+    """
+    names = list(getattr(args, "served_model_name", None) or [engine.model_config.name])
+    chat_template = load_chat_template(getattr(args, "chat_template", None))
+    chat = OpenAIServingChat(engine, names, chat_template)
+    completion = OpenAIServingCompletion(engine, names, chat_template)
+    stat_logger = next((s for s in engine.stat_loggers if isinstance(s, PrometheusStatLogger)),
+                       None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Here, not after uvicorn returns: uvicorn re-raises SIGTERM on exit, which would kill
+        # the process before any later cleanup ran.
+        engine.shutdown()
+
+    app = FastAPI(title="omniserve", version=__version__, lifespan=lifespan)
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ServingError, lambda _, exc: error_json(exc))  # type: ignore
+    app.add_exception_handler(Exception, _unexpected_error)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine.check_health()
+        except Exception as exc:
+            return error_json(to_serving_error(exc))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if stat_logger is None:
+            raise ServingError("Metrics are not enabled.", HTTPStatus.NOT_FOUND)
+        if not engine.errored:
+            with contextlib.suppress(Exception):  # a dead or busy engine keeps the last stats
+                stats = await asyncio.wait_for(engine.get_stats(), STATS_TIMEOUT_S)
+                stat_logger.record_scheduler_stats(stats)
+        body, content_type = stat_logger.render()
+        return Response(body, media_type=content_type)
+
+    app.include_router(_api_router(engine, chat, completion, names))
+    if getattr(args, "api_key", None):
+        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    return app
+
+
+def _api_router(engine: AsyncLLM, chat: OpenAIServingChat,
+                completion: OpenAIServingCompletion, names: list[str]) -> APIRouter:
+    router = APIRouter()
+    max_model_len = engine.model_config.max_model_len
+
+    def respond(result: Any) -> Response:
+        if isinstance(result, AsyncIterator):
+            return EventStreamResponse(result)
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    @router.get("/v1/models")
+    async def show_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=engine.model_config.model,
+                                         max_model_len=max_model_len) for name in names])
+
+    @router.post("/v1/chat/completions")
+    @with_cancellation
+    async def create_chat_completion(request: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        return respond(await chat.create_chat_completion(request))
+
+    @router.post("/v1/completions")
+    @with_cancellation
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return respond(await completion.create_completion(request))
+
+    @router.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        return _tokenize(completion, request)
+
+    @router.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        completion.check_model(request.model)
+        try:
+            return DetokenizeResponse(prompt=completion.tokenizer.decode(request.tokens))
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise ServingError(f"Cannot detokenize: {exc}", param="tokens") from exc
+
+    return router
+
+
+def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> TokenizeResponse:
+    serving.check_model(request.model)
+    try:
+        if isinstance(request, TokenizeChatRequest):
+            prompt = serving.render_chat(
+                request.messages, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template_kwargs=request.chat_template_kwargs)
+        else:
+            prompt = serving.tokenize_text(request.prompt, request.add_special_tokens)
+    except ValueError as exc:
+        raise to_serving_error(exc) from exc
+    ids = prompt.token_ids
+    strs = serving.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids,
+                            token_strs=strs)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Start the engine, then serve until SIGINT/SIGTERM; always stop the engine."""
+    names = args.served_model_name
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.served_model_name = names[0] if names else None
+    stat_logger = PrometheusStatLogger(names[0] if names else args.model)
+    engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger])
+    try:
+        app = build_app(engine, args)
+        config = uvicorn.Config(app, host=args.host, port=args.port,
+                                log_level=args.uvicorn_log_level, timeout_keep_alive=5)
+        await uvicorn.Server(config).serve()
+    finally:
+        engine.shutdown()
+
+
+def run_server(args: argparse.Namespace) -> None:
+    asyncio.run(serve(args))

@@ -1,0 +1,184 @@
+"""POST /v1/completions: one or more prompts (text or token ids) -> OpenAI text completions.
+
+Choice ``index`` is ``prompt_index * n + sample_index``, as in OpenAI's API, so a batch of prompts
+comes back in one response (or one stream) with every choice addressable.
+"""
+
+from __future__ import annotations
+
+import time
+
+from omniserve.entrypoints.openai.protocol import (
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from omniserve.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    EnginePrompt,
+    EventStream,
+    OpenAIServing,
+    OutputStream,
+    clamp_logprob,
+    merge_async_iterators,
+    sse_event,
+    to_serving_error,
+)
+from omniserve.outputs import Logprob, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(
+            self, request: CompletionRequest) -> CompletionResponse | EventStream:
+        """A full response, or (``stream=true``) the SSE events of one.
+
+        Raises ``ServingError`` for anything wrong with the request, before any output is sent.
+        """
+        self.check_model(request.model)
+        self.check_engine()
+        prompts = [self._to_engine_prompt(p) for p in _split_prompts(request.prompt)]
+        # Every prompt gets the same params; the longest prompt decides the context-length check.
+        longest = max(len(p.token_ids) for p in prompts)
+        # echo with logprobs reports the prompt's logprobs too (as OpenAI does).
+        params = self.sampling_params(
+            request, longest, max_tokens=request.output_limit, logprobs=request.num_logprobs,
+            prompt_logprobs=request.num_logprobs if request.echo else None)
+        if request.max_tokens is None:
+            params = params.clone(max_tokens=None)  # each prompt runs to its own context limit
+        request_id = self.new_request_id("cmpl")
+        generators = await self.start_generation(prompts, params, request_id)
+        if request.stream:
+            return self._stream(request, request_id, prompts, generators)
+        return await self._full(request, request_id, prompts, generators)
+
+    def _to_engine_prompt(self, prompt: str | list[int]) -> EnginePrompt:
+        if isinstance(prompt, str):
+            engine_prompt = self.tokenize_text(prompt)
+            if not engine_prompt.token_ids:
+                raise to_serving_error(ValueError("The prompt is empty."))
+            return engine_prompt
+        return self.check_token_ids(prompt)
+
+    async def _full(self, request: CompletionRequest, request_id: str,
+                    prompts: list[EnginePrompt],
+                    generators: list[OutputStream]) -> CompletionResponse:
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async for i, output in merge_async_iterators(*generators):
+                finals[i] = output
+        except Exception as exc:
+            raise to_serving_error(exc) from exc
+        choices: list[CompletionResponseChoice] = []
+        num_generated = 0
+        for i, final in enumerate(finals):
+            assert final is not None and final.finished, "a FINAL_ONLY request ends with its output"
+            for out in sorted(final.outputs, key=lambda o: o.index):
+                num_generated += len(out.token_ids)
+                text, logprobs = out.text, None
+                if request.echo:
+                    text = self._prompt_text(prompts[i]) + text
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(request, final, out.token_ids, out.logprobs or [],
+                                              echo=request.echo, offset=0)
+                choices.append(CompletionResponseChoice(
+                    index=i * request.n + out.index, text=text, logprobs=logprobs,
+                    finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+        usage = self.usage(sum(len(p.token_ids) for p in prompts), num_generated)
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                  usage=usage)
+
+    async def _stream(self, request: CompletionRequest, request_id: str,
+                      prompts: list[EnginePrompt],
+                      generators: list[OutputStream]) -> EventStream:
+        created = int(time.time())
+        options = request.stream_options
+        num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        num_generated = 0
+        echoed: set[int] = set()  # choice indices whose prompt was already echoed
+        offsets: dict[int, int] = {}  # choice index -> text offset of its next logprobs token
+
+        def chunk(choices: list[CompletionResponseChoice], usage: UsageInfo | None = None) -> str:
+            return sse_event(CompletionStreamResponse(
+                id=request_id, created=created, model=self.model_name, choices=choices,
+                usage=usage))
+
+        outputs = merge_async_iterators(*generators)
+        try:
+            async for i, output in outputs:
+                for out in output.outputs:
+                    index = i * request.n + out.index
+                    num_generated += len(out.token_ids)
+                    text, echo = out.text, request.echo and index not in echoed
+                    if echo:
+                        echoed.add(index)
+                        text = self._prompt_text(prompts[i]) + text
+                    logprobs = None
+                    if request.logprobs is not None and (out.token_ids or echo):
+                        logprobs = self._logprobs(request, output, out.token_ids,
+                                                  out.logprobs or [], echo=echo,
+                                                  offset=offsets.get(index, 0))
+                        offsets[index] = _end_offset(logprobs, offsets.get(index, 0))
+                    if not (text or out.finish_reason or logprobs):
+                        continue
+                    running = (self.usage(num_prompt_tokens, num_generated)
+                               if options and options.continuous_usage_stats else None)
+                    yield chunk([CompletionResponseChoice(
+                        index=index, text=text, logprobs=logprobs,
+                        finish_reason=out.finish_reason, stop_reason=out.stop_reason)], running)
+            if options and options.include_usage:
+                yield chunk([], self.usage(num_prompt_tokens, num_generated))
+        except Exception as exc:  # e.g. the engine died mid-stream: tell the client in-band
+            yield sse_event(to_serving_error(exc).to_response())
+        finally:
+            await outputs.aclose()  # aborts every unfinished prompt
+        yield SSE_DONE
+
+    def _prompt_text(self, prompt: EnginePrompt) -> str:
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+
+    def _logprobs(self, request: CompletionRequest, output: RequestOutput, token_ids: list[int],
+                  logprobs: list[dict[int, Logprob]], *, echo: bool,
+                  offset: int) -> CompletionLogprobs:
+        """OpenAI's completions shape; with echo the prompt's tokens come first."""
+        k = request.logprobs or 0
+        positions: list[tuple[int, dict[int, Logprob] | None]] = []
+        if echo:
+            prompt_logprobs = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+            positions += zip(output.prompt_token_ids, prompt_logprobs, strict=False)
+        positions += zip(token_ids, logprobs, strict=False)
+        result = CompletionLogprobs()
+        for token_id, position in positions:
+            chosen = position.get(token_id) if position else None
+            text = self.token_text(token_id, chosen)
+            result.tokens.append(text)
+            result.text_offset.append(offset)
+            offset += len(text)
+            result.token_logprobs.append(clamp_logprob(chosen.logprob) if chosen else None)
+            if position is None:
+                result.top_logprobs.append(None)
+                continue
+            # vLLM's shape: the top k plus the chosen token, keyed by text.
+            top = {self.token_text(t, lp): clamp_logprob(lp.logprob)
+                   for t, lp in self.top_entries(position, k)}
+            if chosen is not None:
+                top.setdefault(text, clamp_logprob(chosen.logprob))
+            result.top_logprobs.append(top)
+        return result
+
+
+def _end_offset(logprobs: CompletionLogprobs, start: int) -> int:
+    if not logprobs.tokens:
+        return start
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+
+
+def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's four prompt forms -> a list of single prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]

@@ -1,0 +1,275 @@
+"""What chat and completions share: errors, request ids, prompt limits, the sampling mapping.
+
+Every request error is decided here, once, so both endpoints answer a mistake the same way: a
+``ServingError`` carries the HTTP status and the OpenAI error fields, and ``to_serving_error`` maps
+engine exceptions (``ValueError`` -> 400, ``EngineDeadError`` -> 503) onto it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+from omniserve.engine.async_llm import AsyncLLM
+from omniserve.engine.exceptions import EngineDeadError
+from omniserve.entrypoints.chat_utils import apply_chat_template, parse_chat_messages
+from omniserve.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    SamplingRequest,
+    UsageInfo,
+)
+from omniserve.outputs import Logprob, RequestOutput
+from omniserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+OutputStream = AsyncGenerator[RequestOutput, None]
+"""One prompt's outputs (``AsyncLLM.generate``); closing it aborts the request."""
+EventStream = AsyncGenerator[str, None]
+"""A streamed response's server-sent events."""
+
+# The OpenAI SDK's exception names where it has one; else the status phrase ("NotFoundError").
+_ERROR_TYPES = {HTTPStatus.UNAUTHORIZED: "AuthenticationError"}
+
+
+class ServingError(Exception):
+    """A request the server refuses, with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+    def to_response(self) -> ErrorResponse:
+        name = self.status.phrase.replace(" ", "")
+        name = _ERROR_TYPES.get(self.status, name if name.endswith("Error") else name + "Error")
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=name, param=self.param,
+                                             code=int(self.status)))
+
+
+def to_serving_error(exc: BaseException) -> ServingError:
+    """Client mistakes are 400s, a dead engine is 503; anything else is our bug (500)."""
+    if isinstance(exc, ServingError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return ServingError("The engine is dead; the server cannot serve requests.",
+                            HTTPStatus.SERVICE_UNAVAILABLE)
+    if isinstance(exc, (ValueError, TypeError)):
+        return ServingError(str(exc))
+    logger.error("Internal error while serving a request", exc_info=exc)
+    return ServingError(f"Internal error: {exc!r}", HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+def sse_event(payload: Any) -> str:
+    """One server-sent event; ``payload`` is a pydantic model or a JSON-able dict."""
+    body = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def merge_async_iterators(
+        *iterators: AsyncGenerator[T, None]) -> AsyncGenerator[tuple[int, T], None]:
+    """Interleave several async iterators as items arrive, tagging each with its iterator index.
+
+    Leaving early (an error, or the consumer closing us) cancels and closes every iterator, which
+    for ``AsyncLLM.generate`` aborts its request.
+    """
+    if len(iterators) == 1:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await iterators[0].aclose()
+        return
+    pending = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(iterators[index].__anext__())] = index
+                yield index, item
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for iterator in iterators:
+            await iterator.aclose()
+
+
+@dataclass
+class EnginePrompt:
+    """A prompt as the server validated it: the text (if any) and its token ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+    def to_engine_input(self) -> dict[str, Any]:
+        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers: model names, tokenization, limits and sampling params."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
+                 chat_template: str | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.model_config.max_model_len
+        self.served_model_names = served_model_names
+        self.chat_template = chat_template
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_model_names:
+            raise ServingError(f"The model `{name}` does not exist.", HTTPStatus.NOT_FOUND,
+                               param="model")
+
+    def check_engine(self) -> None:
+        if self.engine.errored:
+            raise to_serving_error(EngineDeadError("engine dead"))
+
+    @staticmethod
+    def new_request_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> EnginePrompt:
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        return EnginePrompt(text, list(ids))
+
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                    continue_final_message: bool,
+                    chat_template_kwargs: dict[str, Any] | None) -> EnginePrompt:
+        """Messages -> the templated prompt; the template already holds any BOS."""
+        text = apply_chat_template(
+            self.tokenizer, parse_chat_messages(messages), chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs)
+        return self.tokenize_text(text, add_special_tokens=False)
+
+    def check_token_ids(self, token_ids: list[int]) -> EnginePrompt:
+        if not token_ids:
+            raise ServingError("The prompt is empty.", param="prompt")
+        return EnginePrompt(None, token_ids)
+
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        """vLLM's limits and messages: prompt + output must fit max_model_len."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise ServingError(
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
+                param="messages")
+        if requested is None:
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise ServingError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in "
+                "the completion). Please reduce the length of the messages or completion.",
+                param="max_tokens")
+        return requested
+
+    def sampling_params(self, request: SamplingRequest, prompt_len: int, *,
+                        max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The one mapping from request fields to SamplingParams (OpenAI defaults for None)."""
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        try:
+            return SamplingParams(
+                n=request.n,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=0 if request.top_k is None else request.top_k,
+                min_p=0.0 if request.min_p is None else request.min_p,
+                seed=request.seed,
+                stop=request.stop or [],
+                stop_token_ids=request.stop_token_ids or [],
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=(1.0 if request.repetition_penalty is None
+                                    else request.repetition_penalty),
+                ignore_eos=request.ignore_eos,
+                max_tokens=self.resolve_max_tokens(prompt_len, max_tokens),
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                output_kind=kind)
+        except ValueError as exc:
+            field = str(exc).split(" ", 1)[0]
+            raise ServingError(str(exc), param=field if field.isidentifier() else None) from exc
+
+    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def top_entries(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+        """The k most likely tokens at one position, most likely first."""
+        return sorted(position.items(), key=lambda item: -item[1].logprob)[:k]
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
+    async def start_generation(self, prompts: list[EnginePrompt], params: SamplingParams,
+                               request_id: str) -> list[OutputStream]:
+        """Submit every prompt and wait for each one's first output.
+
+        Waiting for the first output makes submission errors (the processor's validation) a 400
+        before any 200 or stream is sent. A failure or cancellation here aborts every prompt.
+        """
+        generators = [
+            self.engine.generate(p.to_engine_input(), params,
+                                 request_id if len(prompts) == 1 else f"{request_id}-{i}")
+            for i, p in enumerate(prompts)]
+        tasks = [asyncio.ensure_future(anext(g)) for g in generators]
+        try:
+            firsts = await asyncio.gather(*tasks)
+        except BaseException as exc:  # incl. cancellation when the client goes away
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*(g.aclose() for g in generators), return_exceptions=True)
+            if isinstance(exc, Exception):
+                raise to_serving_error(exc) from exc
+            raise
+        return [_prepend(first, gen) for first, gen in zip(firsts, generators, strict=True)]
+
+
+async def _prepend(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
+def clamp_logprob(value: float) -> float:
+    """JSON has no -inf; vLLM reports impossible tokens as -9999."""
+    return max(value, -9999.0)

@@ -1,0 +1,157 @@
+"""Prometheus metrics of an ``AsyncLLM`` (served at ``/metrics``), named like vLLM's.
+
+``PrometheusStatLogger`` is passed to ``AsyncLLM(stat_loggers=[...])``, which calls it at three
+points: ``record_new_requests`` when engine requests are submitted (arrival time, prompt length),
+``record`` after every engine step, and ``record_aborted`` when requests are aborted. Stats are per
+engine request, so each of the ``n`` samples of a request counts as one request, as in vLLM V1.
+
+Load gauges come from the scheduler's stats; because an idle engine sends no steps, the server
+refreshes them at scrape time (``record_scheduler_stats``), so a drained engine reads 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from omniserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+
+PREFIX = "omniserve:"
+# Seconds; fine at the low end (a step of a small model) and up to long CPU generations.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+# scheduler_stats key (also the counter's name) -> help; the engine reports them cumulatively.
+_ENGINE_COUNTERS = {
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "num_preemptions": "Requests preempted to free KV blocks.",
+}
+
+
+@dataclass
+class _RequestTimes:
+    arrival_time: float
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generated: int = 0
+
+
+class PrometheusStatLogger:
+    """Engine load, token counts and per-request latencies, in a registry of its own."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._requests: dict[str, _RequestTimes] = {}  # engine request id -> its timings
+        self._last_engine_counters: dict[str, float] = {}
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str) -> Any:
+            return Histogram(PREFIX + name, doc, labels, buckets=LATENCY_BUCKETS,
+                             registry=self.registry).labels(model_name)
+
+        self.num_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+        self.prefix_cache_hit_rate = gauge(
+            "prefix_cache_hit_rate", "Prefix-cache hits / queries since start (tokens).")
+        self.engine_counters = {key: counter(key, doc) for key, doc in _ENGINE_COUNTERS.items()}
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._request_success = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between a request's outputs.")
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (tokens - 1).")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+
+    def record_new_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
+        for request in requests:
+            self._requests[request.request_id] = _RequestTimes(
+                request.arrival_time, len(request.prompt_token_ids))
+
+    def record(self, outputs: EngineCoreOutputs, processed: Any) -> None:
+        """One engine step: token counts, latencies, finished requests, scheduler stats.
+
+        ``processed.reqs_to_abort`` lists requests a stop string finished in the front end; the
+        engine reports no finish for those, so they finish here with reason "stop".
+        """
+        now = time.time()
+        if outputs.scheduler_stats:
+            self.record_scheduler_stats(outputs.scheduler_stats)
+        for output in outputs.outputs:
+            times = self._requests.get(output.request_id)
+            if times is None:
+                continue
+            if output.new_token_ids:
+                self._record_tokens(times, len(output.new_token_ids), now)
+            if output.finish_reason is not None:
+                self._finish(output.request_id, str(output.finish_reason), now)
+        for request_id in getattr(processed, "reqs_to_abort", ()):
+            self._finish(request_id, "stop", now)
+
+    def record_aborted(self, request_ids: Iterable[str]) -> None:
+        now = time.time()
+        for request_id in request_ids:
+            self._finish(request_id, "abort", now)
+
+    def record_scheduler_stats(self, stats: dict[str, float]) -> None:
+        self.num_running.set(stats.get("num_running", 0.0))
+        self.num_waiting.set(stats.get("num_waiting", 0.0))
+        self.kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))
+        for key, counter in self.engine_counters.items():
+            value = stats.get(key)
+            if value is None:
+                continue
+            # max(): a counter never goes back, even if the engine's is reset.
+            counter.inc(max(0.0, value - self._last_engine_counters.get(key, 0.0)))
+            self._last_engine_counters[key] = max(value,
+                                                  self._last_engine_counters.get(key, 0.0))
+        queries = stats.get("prefix_cache_queries", 0.0)
+        if queries:
+            self.prefix_cache_hit_rate.set(stats.get("prefix_cache_hits", 0.0) / queries)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition body and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def _record_tokens(self, times: _RequestTimes, num_tokens: int, now: float) -> None:
+        if times.first_token_time is None:
+            times.first_token_time = now
+            self.ttft.observe(now - times.arrival_time)
+            self.prompt_tokens.inc(times.num_prompt_tokens)
+        else:
+            self.itl.observe(now - (times.last_token_time or now))
+        times.last_token_time = now
+        times.num_generated += num_tokens
+        self.generation_tokens.inc(num_tokens)
+
+    def _finish(self, request_id: str, reason: str, now: float) -> None:
+        times = self._requests.pop(request_id, None)
+        if times is None:
+            return
+        self._request_success.labels(self._model_name, reason).inc()
+        self.e2e.observe(now - times.arrival_time)
+        if times.num_generated > 1 and times.first_token_time and times.last_token_time:
+            self.tpot.observe((times.last_token_time - times.first_token_time)
+                              / (times.num_generated - 1))

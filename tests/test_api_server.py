@@ -1,0 +1,487 @@
+"""The OpenAI-compatible server, end to end: a real `omniserve serve` subprocess on loopback,
+driven by the official `openai` SDK (sync and async) and raw httpx for the error shapes.
+
+One server for the module. The engine-death test kills that server's engine, so it runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+API_KEY = "sk-test"
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0,
+                             timeout=60, **kwargs)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0,
+                                  timeout=60)
+
+    def post(self, path: str, body: Any = None, *, key: str | None = API_KEY,
+             content: bytes | None = None, timeout: float = 60) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if content is not None:
+            headers["Content-Type"] = "application/json"
+            return httpx.post(self.url + path, content=content, headers=headers, timeout=timeout)
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=timeout)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of /metrics, keyed by (name, labels without model_name)."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))):
+                s.value for family in text_string_to_metric_families(text)
+                for s in family.samples}
+
+
+def metric(values: dict, name: str, **labels: str) -> float:
+    return values.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = tiny_checkpoint("Qwen3ForCausalLM")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", "omniserve.entrypoints.cli", "serve", str(model),
+           "--port", str(port), "--served-model-name", MODEL, "--api-key", API_KEY,
+           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB",
+           "--uvicorn-log-level", "warning"]
+    with log.open("wb") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited ({proc.returncode}):\n{log.read_text()}")
+            try:
+                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server did not start:\n{log.read_text()}")
+            time.sleep(0.3)
+        yield server
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _chat(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+def _assert_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["message"] and error["type"]
+    return error
+
+
+# ---- basics ----
+
+
+def test_serve_help_lists_flags_with_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from omniserve.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--kv-cache-memory", "--dtype", "--device",
+                 "--api-key", "--chat-template", "--enable-prefix-caching, "
+                 "--no-enable-prefix-caching", "--seed", "--uvicorn-log-level"):
+        assert flag in text, flag
+    assert "(default: 8000)" in text and "(default: 127.0.0.1)" in text
+
+
+def test_models_health_version(server: Server) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200  # open without the key
+    assert httpx.get(server.url + "/version").json()["version"]
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_chat_completion_and_usage(server: Server) -> None:
+    messages = _chat("Tell me a story about a cat.")
+    response = server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, **GREEDY)
+    choice = response.choices[0]
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    num_prompt = server.post("/tokenize", {"messages": messages}).json()["count"]
+    assert response.usage.prompt_tokens == num_prompt
+    assert response.usage.completion_tokens == 10
+    assert response.usage.total_tokens == num_prompt + 10
+
+
+def test_chat_stream_joins_to_full_answer(server: Server) -> None:
+    async def run() -> None:
+        client = server.async_client()
+        messages = _chat("Write a haiku about the sea.")
+        full = await client.chat.completions.create(model=MODEL, messages=messages,
+                                                    max_tokens=16, **GREEDY)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=16, stream=True,
+            stream_options={"include_usage": True}, **GREEDY)
+        chunks = [chunk async for chunk in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == full.choices[0].message.content
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "length" and not any(finishes[:-1])
+        assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+        await client.close()
+
+    asyncio.run(run())
+
+
+def test_completion_stream_and_echo(server: Server) -> None:
+    client = server.client()
+    prompt = "The quick brown fox"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY)
+    assert full.object == "text_completion" and full.usage.completion_tokens == 12
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True,
+                                       **GREEDY)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == full.choices[0].text
+    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, echo=True,
+                                     **GREEDY)
+    assert echo.choices[0].text == prompt + full.choices[0].text
+    # Token-id prompts and a batch of prompts: one choice per prompt, indexed in order.
+    ids = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    from_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, **GREEDY)
+    assert from_ids.choices[0].text == full.choices[0].text
+    batch = client.completions.create(model=MODEL, prompt=[prompt, "Hello"], max_tokens=12,
+                                      **GREEDY)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == full.choices[0].text
+    hello = server.post("/tokenize", {"prompt": "Hello"}).json()
+    assert batch.usage.prompt_tokens == len(ids) + hello["count"]
+
+
+def test_n_samples(server: Server) -> None:
+    client = server.client()
+    kwargs = {"model": MODEL, "messages": _chat("Name a color."), "max_tokens": 8, "n": 3,
+              "extra_body": {"ignore_eos": True}}
+    greedy = client.chat.completions.create(temperature=0.0, **kwargs)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.message.content for c in greedy.choices}) == 1
+    assert greedy.usage.completion_tokens == 24
+    sampled = client.chat.completions.create(temperature=1.0, seed=7, **kwargs)
+    assert len({c.message.content for c in sampled.choices}) > 1
+    stream = client.chat.completions.create(temperature=1.0, seed=7, stream=True, **kwargs)
+    joined = ["", "", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            joined[choice.index] += choice.delta.content or ""
+    assert joined == [c.message.content for c in sampled.choices]  # seeded per sample
+
+
+def test_chat_logprobs(server: Server) -> None:
+    response = server.client().chat.completions.create(
+        model=MODEL, messages=_chat("Count to three."), max_tokens=6, logprobs=True,
+        top_logprobs=3, **GREEDY)
+    content = response.choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True)
+        # greedy: the chosen token is the most likely one
+        assert entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_completion_logprobs_and_echo(server: Server) -> None:
+    client = server.client()
+    prompt = "Once upon a time"
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logprobs=2,
+                                         **GREEDY)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(5)]
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert 2 <= len(top) <= 3 and chosen == pytest.approx(max(top.values()))
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logprobs=2,
+                                       echo=True, **GREEDY)
+    num_prompt = echoed.usage.prompt_tokens
+    echo_logprobs = echoed.choices[0].logprobs
+    assert len(echo_logprobs.tokens) == num_prompt + 5
+    assert echo_logprobs.token_logprobs[0] is None and echo_logprobs.top_logprobs[0] is None
+    assert all(lp is not None for lp in echo_logprobs.token_logprobs[1:])
+    assert echo_logprobs.token_logprobs[num_prompt:] == pytest.approx(logprobs.token_logprobs)
+
+
+def test_stop_strings(server: Server) -> None:
+    client = server.client()
+    prompt = "In the beginning"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                     **GREEDY).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    expected = full[:full.index(stop)]
+    stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, stop=[stop],
+                                        **GREEDY).choices[0]
+    assert stopped.text == expected and stopped.finish_reason == "stop"
+    assert stopped.model_extra["stop_reason"] == stop
+    kept = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, stop=stop, temperature=0.0,
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": True}).choices[0]
+    assert kept.text == expected + stop
+
+
+def test_tokenize_detokenize(server: Server) -> None:
+    tokens = server.post("/tokenize", {"model": MODEL, "prompt": "hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
+    text = server.post("/detokenize", {"model": MODEL, "tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": "hello world"}
+
+
+# ---- errors ----
+
+
+def test_api_key_enforced(server: Server) -> None:
+    for key in (None, "wrong"):
+        error = _assert_error(server.post("/v1/completions", {"model": MODEL, "prompt": "x"},
+                                          key=key), 401)
+        assert "API key" in error["message"]
+    _assert_error(server.post("/tokenize", {"prompt": "x"}, key=None), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+LONG_TEXT = "word " * (MAX_MODEL_LEN + 10)
+ERROR_CASES = [
+    ("/v1/chat/completions", {"messages": _chat(LONG_TEXT)}, 400, "maximum context length"),
+    ("/v1/completions", {"prompt": LONG_TEXT, "max_tokens": 1}, 400, "maximum context length"),
+    ("/v1/chat/completions", {"messages": _chat("hi"), "max_tokens": MAX_MODEL_LEN}, 400,
+     "maximum context length"),
+    ("/v1/chat/completions", {"messages": _chat("hi"), "max_tokens": MAX_MODEL_LEN,
+                              "stream": True}, 400, "maximum context length"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": _chat("hi"), "max_completion_tokens": -1}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": _chat("hi"), "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n"),
+    ("/v1/chat/completions", {}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": _chat("hi"), "temperature": "hot"}, 400,
+     "temperature"),
+    ("/v1/chat/completions", {"messages": _chat("hi"), "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": _chat("hi"), "logprobs": True, "top_logprobs": 50},
+     400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "stream"),
+    ("/v1/completions", {"prompt": [10 ** 9]}, 400, "vocabulary"),
+    ("/v1/completions", {"prompt": []}, 400, "empty"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 9]}, 400, "vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "does not exist"),
+    ("/v1/chat/completions", [1, 2], 400, "object"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), ERROR_CASES)
+def test_request_errors(server: Server, path: str, body: Any, status: int, needle: str) -> None:
+    if isinstance(body, dict):
+        body = {"model": MODEL, **body}
+    error = _assert_error(server.post(path, body), status)
+    assert needle in error["message"] or needle == error["param"], error
+
+
+def test_malformed_json_and_sdk_errors(server: Server) -> None:
+    _assert_error(server.post("/v1/chat/completions", content=b'{"model": "tiny", "mess'), 400)
+    _assert_error(httpx.get(server.url + "/no/such/route"), 404)
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=MAX_MODEL_LEN)
+    assert "maximum context length" in bad.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=_chat("hi"))
+
+
+# ---- metrics, load, cancellation ----
+
+
+def test_metrics_move_after_traffic(server: Server) -> None:
+    before = server.metrics()
+    client = server.client()
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt="Metrics please. " * 12, max_tokens=5,
+                                  **GREEDY)
+    after = server.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("omniserve:generation_tokens_total") == 10
+    assert delta("omniserve:prompt_tokens_total") >= 2
+    assert delta("omniserve:request_success_total", finished_reason="length") == 2
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                      "request_time_per_output_token_seconds"):
+        assert delta(f"omniserve:{histogram}_count") == 2
+    assert delta("omniserve:prefix_cache_queries_total") > 0
+    assert delta("omniserve:prefix_cache_hits_total") > 0  # the second prompt reused the first
+    assert metric(after, "omniserve:num_requests_running") == 0
+    assert metric(after, "omniserve:kv_cache_usage_perc") == 0
+
+
+def test_64_concurrent_requests_match_greedy(server: Server) -> None:
+    prompts = [f"Request number {i} says" for i in range(8)]
+
+    async def run() -> None:
+        client = server.async_client()
+
+        async def complete(prompt: str, stream: bool) -> str:
+            if not stream:
+                response = await client.completions.create(model=MODEL, prompt=prompt,
+                                                           max_tokens=12, **GREEDY)
+                return response.choices[0].text
+            chunks = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                                     stream=True, **GREEDY)
+            return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+        expected = [await complete(p, stream=False) for p in prompts]
+        results = await asyncio.gather(*(complete(prompts[i % 8], stream=i % 2 == 1)
+                                         for i in range(64)))
+        assert results == [expected[i % 8] for i in range(64)]
+        await client.close()
+
+    asyncio.run(run())
+
+
+def _wait_for_idle(server: Server, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        values = server.metrics()
+        idle = all(metric(values, f"omniserve:{name}") == 0 for name in (
+            "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+        if idle or time.monotonic() > deadline:
+            return values
+        time.sleep(0.2)
+
+
+def test_cancelled_streams_free_everything(server: Server) -> None:
+    before = server.metrics()
+
+    async def run() -> None:
+        client = server.async_client()
+
+        async def read_two_chunks_then_leave() -> None:
+            stream = await client.completions.create(
+                model=MODEL, prompt="Keep talking forever", max_tokens=MAX_MODEL_LEN - 16,
+                stream=True, **GREEDY)
+            received = 0
+            async for _ in stream:
+                received += 1
+                if received == 2:
+                    break
+            await stream.close()
+
+        await asyncio.gather(*(read_two_chunks_then_leave() for _ in range(50)))
+        await client.close()
+
+    asyncio.run(run())
+    after = _wait_for_idle(server)
+    assert metric(after, "omniserve:num_requests_running") == 0
+    assert metric(after, "omniserve:num_requests_waiting") == 0
+    assert metric(after, "omniserve:kv_cache_usage_perc") == 0
+    aborted = (metric(after, "omniserve:request_success_total", finished_reason="abort")
+               - metric(before, "omniserve:request_success_total", finished_reason="abort"))
+    assert aborted == 50  # every one was stopped mid-stream, none ran to its length
+
+
+def test_non_streaming_disconnect_aborts(server: Server) -> None:
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/completions", {"model": MODEL, "prompt": "A long answer",
+                                        "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True},
+                    timeout=0.5)
+    after = _wait_for_idle(server)
+    assert metric(after, "omniserve:num_requests_running") == 0
+    assert metric(after, "omniserve:kv_cache_usage_perc") == 0
+    assert (metric(after, "omniserve:request_success_total", finished_reason="abort")
+            - metric(before, "omniserve:request_success_total", finished_reason="abort")) == 1
+
+
+def _engine_pid(server_pid: int) -> int:
+    """The engine core: the server's spawned child (not multiprocessing's resource tracker)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == server_pid and b"spawn_main" in cmdline:
+            return int(entry.name)
+    raise AssertionError("no engine child process found")
+
+
+def test_engine_death_fails_requests_and_health(server: Server) -> None:
+    """Runs last: it kills the module's engine."""
+    client = server.client()
+    stream = client.completions.create(model=MODEL, prompt="Still talking", stream=True,
+                                       max_tokens=MAX_MODEL_LEN - 16, **GREEDY)
+    chunks = iter(stream)
+    next(chunks)
+    os.kill(_engine_pid(server.proc.pid), signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(openai.APIError, match="engine"):
+        for _ in chunks:
+            pass
+    assert time.monotonic() - start < 10
+    error = _assert_error(httpx.get(server.url + "/health"), 503)
+    assert "engine" in error["message"]
+    with pytest.raises(openai.InternalServerError) as dead:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert dead.value.status_code == 503
