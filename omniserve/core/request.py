@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
 
 
@@ -47,6 +48,8 @@ class Request:
     arrival_time: float = 0.0
     max_tokens: int = 0
     """Resolved cap on output tokens (sampling max_tokens or what max_model_len leaves)."""
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
+    """Multimodal items in prompt order (placeholder ranges and identifiers)."""
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
 
 
@@ -25,6 +26,8 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_id: int | None = None
     """Needed by the sampler to hold eos back until min_tokens."""
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
+    """The request's multimodal items (the worker needs their encoder inputs and positions)."""
 
 
 @dataclass

@@ -245,6 +245,7 @@ class Scheduler:
                         block_ids=record.new_block_ids,
                         num_computed_tokens=request.num_computed_tokens,
                         eos_token_id=request.eos_token_id,
+                        mm_features=request.mm_features,
                     )
                 )
             else:

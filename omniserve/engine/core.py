@@ -57,7 +57,8 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
             sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
-            arrival_time=request.arrival_time, max_tokens=request.max_tokens))
+            arrival_time=request.arrival_time, max_tokens=request.max_tokens,
+            mm_features=list(request.mm_features)))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

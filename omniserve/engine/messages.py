@@ -10,6 +10,7 @@ import enum
 import msgspec
 
 from omniserve.core.sched_output import LogprobsLists
+from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
 
 
@@ -34,6 +35,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float
     max_tokens: int
     """Resolved output cap (never None here)."""
+    mm_features: list[MultiModalFeatureSpec] = []
+    """Multimodal items in prompt order, with their placeholder ranges and encoder inputs."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

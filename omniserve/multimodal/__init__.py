@@ -1,0 +1,1 @@
+"""Multimodal inputs: parsing, media loading, hashing, HF processing with prompt updates."""

@@ -1,0 +1,56 @@
+"""Per-item multimodal records that travel from the front end to the scheduler and workers.
+
+Pure Python (the item's tensors are opaque to this module), so the scheduler can import it.
+One item = one image, one audio clip or one video (with its audio track, when used). Its
+``identifier`` (a content hash that also covers every processor kwarg that changes the output)
+keys the processor cache, the encoder cache and the prefix-cache block hashes alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class PlaceholderRange(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Where an item's tokens sit in the prompt: ``[offset, offset + length)``.
+
+    ``is_embed`` marks which of those positions take one of the item's encoder embeddings
+    (None: all of them). Positions that do not (e.g. timestamps or start/end markers inside an
+    expanded placeholder) keep their token embedding.
+    """
+
+    offset: int
+    length: int
+    is_embed: list[bool] | None = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    @property
+    def num_embeds(self) -> int:
+        return self.length if self.is_embed is None else sum(self.is_embed)
+
+    def embeds_in(self, start: int, end: int) -> tuple[int, int]:
+        """The slice ``[first, last)`` of this item's embeddings that prompt positions
+        ``[start, end)`` consume (clipped to the range)."""
+        lo, hi = max(start, self.offset) - self.offset, min(end, self.end) - self.offset
+        if hi <= lo:
+            return (0, 0)
+        if self.is_embed is None:
+            return (lo, hi)
+        return (sum(self.is_embed[:lo]), sum(self.is_embed[:hi]))
+
+
+class MultiModalFeatureSpec(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One multimodal item of a request, in prompt order."""
+
+    modality: str
+    """"image", "video" or "audio" (a video with its audio track stays "video")."""
+    identifier: str
+    """Content hash of the item plus the processor kwargs that affect it."""
+    mm_position: PlaceholderRange
+    data: dict[str, Any] | None = None
+    """The encoder's inputs for this item alone (tensors, e.g. pixel_values + image_grid_thw)."""
