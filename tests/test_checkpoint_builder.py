@@ -7,10 +7,20 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import transformers
+from PIL import Image
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    GenerationConfig,
+)
 
 from omniserve.checkpoint_builder import SUPPORTED_ARCHITECTURES, build_tiny_checkpoint
 from omniserve.checkpoint_builder import builder as builder_module
@@ -25,6 +35,22 @@ FAMILY_WEIGHTS = {
         "model.layers.0.mlp.gate.weight",
         "model.layers.0.mlp.experts.7.down_proj.weight",
         "lm_head.weight",
+    ],
+}  # fmt: skip
+# Real Qwen2-VL / Qwen2.5-VL / Qwen2-Audio checkpoint names (transformers 5 saves the hub layout).
+MULTIMODAL_WEIGHTS = {
+    "Qwen2VLForConditionalGeneration": [
+        "model.embed_tokens.weight", "lm_head.weight", "visual.patch_embed.proj.weight",
+        "visual.blocks.1.attn.qkv.weight", "visual.merger.mlp.2.weight",
+    ],
+    "Qwen2_5_VLForConditionalGeneration": [
+        "model.embed_tokens.weight", "lm_head.weight", "visual.blocks.1.mlp.gate_proj.weight",
+        "visual.blocks.0.norm1.weight", "visual.merger.ln_q.weight",
+    ],
+    "Qwen2AudioForConditionalGeneration": [
+        "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
+        "audio_tower.conv1.weight", "audio_tower.embed_positions.weight",
+        "multi_modal_projector.linear.weight",
     ],
 }  # fmt: skip
 EOS_TOKENS = {
@@ -45,10 +71,10 @@ def _weight_names(path: Path) -> set[str]:
 
 
 def test_table_covers_the_requested_architectures():
-    assert set(SUPPORTED_ARCHITECTURES) == set(FAMILY_WEIGHTS)
+    assert set(SUPPORTED_ARCHITECTURES) == set(FAMILY_WEIGHTS) | set(MULTIMODAL_WEIGHTS)
 
 
-@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+@pytest.mark.parametrize("arch", list(FAMILY_WEIGHTS))
 def test_builds_loads_offline_and_generates(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch)
     config = AutoConfig.from_pretrained(path)
@@ -214,3 +240,155 @@ def test_rejects_bad_inputs(tmp_path):
     (occupied / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError):
         build_tiny_checkpoint("Qwen2ForCausalLM", occupied)
+
+
+# --- multimodal checkpoints -------------------------------------------------------------------
+
+VL_ARCHS = ["Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"]
+PLACEHOLDER_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+
+
+def _image(seed: int, width: int = 112, height: int = 112) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _tone(freq: float, seconds: float = 1.0) -> np.ndarray:
+    t = np.arange(int(16000 * seconds)) / 16000
+    return (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32)  # [num_samples]
+
+
+def _greedy(model: torch.nn.Module, inputs: dict, num_tokens: int = 8) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=num_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def _load_multimodal(path: Path, arch: str):
+    model_cls = getattr(transformers, arch)
+    model, info = model_cls.from_pretrained(path, output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"])
+    return AutoProcessor.from_pretrained(path), model
+
+
+@pytest.mark.parametrize("arch", VL_ARCHS)
+def test_vision_checkpoint_processes_images_and_videos_offline(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    processor, model = _load_multimodal(path, arch)
+    config, tokenizer = model.config, processor.tokenizer
+    assert type(processor).__name__ == arch.replace("ForConditionalGeneration", "Processor")
+    assert set(MULTIMODAL_WEIGHTS[arch]) <= _weight_names(path)
+    assert type(AutoModelForImageTextToText.from_pretrained(path)) is type(model)
+    for key, token in PLACEHOLDER_TOKENS.items():
+        assert getattr(config, key) == tokenizer.convert_tokens_to_ids(token)
+    text_config, vision = config.text_config, config.vision_config
+    head_dim = text_config.hidden_size // text_config.num_attention_heads
+    assert text_config.rope_parameters["mrope_section"] == [2, 3, 3]
+    assert sum(text_config.rope_parameters["mrope_section"]) == head_dim // 2
+    assert (vision.depth, vision.patch_size, vision.spatial_merge_size) == (2, 14, 2)
+    for media_processor in (processor.image_processor, processor.video_processor):
+        assert media_processor.patch_size == vision.patch_size
+        assert media_processor.merge_size == vision.spatial_merge_size
+        assert media_processor.temporal_patch_size == vision.temporal_patch_size
+    assert processor.image_processor.size == {"shortest_edge": 4 * 784, "longest_edge": 64 * 784}
+
+    parts = [{"type": "image"}, {"type": "text", "text": "What is this?"}]
+    text = processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False)
+    assert "<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>" in text
+    outputs = []
+    for seed in (0, 1):  # same size, different pixels: the model must look at the image
+        inputs = processor(text=[text], images=[_image(seed)], return_tensors="pt")
+        assert inputs["image_grid_thw"].tolist() == [[1, 8, 8]]
+        assert (inputs["input_ids"] == config.image_token_id).sum() == 16  # 8 * 8 / 2**2
+        new_ids = _greedy(model, inputs)
+        assert max(new_ids) < len(tokenizer)
+        outputs.append(new_ids)
+    assert outputs[0] != outputs[1]
+    big, small = _image(2, 1000, 700), _image(3, 20, 20)
+    grids = processor.image_processor(images=[big, small], return_tensors="pt")["image_grid_thw"]
+    assert [int(grid.prod()) // 4 for grid in grids] == [54, 4]  # clamped into 4..64 tokens
+
+    vparts = [{"type": "video"}, {"type": "text", "text": "And this?"}]
+    vtext = processor.apply_chat_template([{"role": "user", "content": vparts}], tokenize=False)
+    assert "<|vision_start|><|video_pad|><|vision_end|>And this?" in vtext
+    frames = np.random.default_rng(4).integers(0, 256, (4, 64, 96, 3), dtype=np.uint8)
+    inputs = processor(text=[vtext], videos=[frames], return_tensors="pt")
+    assert inputs["video_grid_thw"].tolist() == [[2, 4, 6]]  # 4 frames -> 2 temporal patches
+    assert (inputs["input_ids"] == config.video_token_id).sum() == 12
+    assert len(_greedy(model, inputs)) == 8
+
+
+def test_audio_checkpoint_processes_audio_offline(tiny_checkpoint):
+    arch = "Qwen2AudioForConditionalGeneration"
+    path = tiny_checkpoint(arch)
+    processor, model = _load_multimodal(path, arch)
+    config, tokenizer = model.config, processor.tokenizer
+    assert type(processor).__name__ == "Qwen2AudioProcessor"
+    assert set(MULTIMODAL_WEIGHTS[arch]) <= _weight_names(path)
+    assert config.audio_token_index == tokenizer.convert_tokens_to_ids("<|AUDIO|>")
+    extractor = processor.feature_extractor
+    assert extractor.feature_size == config.audio_config.num_mel_bins == 128
+    assert (extractor.sampling_rate, config.audio_config.max_source_positions) == (16000, 1500)
+
+    parts = [
+        {"type": "audio"}, {"type": "text", "text": "Compare"}, {"type": "audio"},
+    ]  # fmt: skip
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
+    )
+    assert text.endswith(
+        "<|im_start|>user\nAudio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\nCompare"
+        "Audio 2: <|audio_bos|><|AUDIO|><|audio_eos|>\n<|im_end|>\n<|im_start|>assistant\n"
+    )
+    inputs = processor(
+        text=[text], audio=[_tone(440), _tone(660, 2.0)], sampling_rate=16000, return_tensors="pt"
+    )
+    assert (inputs["input_ids"] == config.audio_token_index).sum() == 25 + 50  # 40 ms per token
+    assert len(_greedy(model, inputs)) == 8
+
+    one = processor.apply_chat_template(
+        [{"role": "user", "content": parts[:1]}], add_generation_prompt=True, tokenize=False
+    )
+    outputs = [
+        _greedy(model, processor(text=[one], audio=[_tone(freq)], sampling_rate=16000,
+                                 return_tensors="pt"))
+        for freq in (220, 880)
+    ]  # fmt: skip
+    assert outputs[0] != outputs[1]  # the model listens to the audio
+
+
+def test_multimodal_build_is_deterministic(tmp_path):
+    arch = "Qwen2_5_VLForConditionalGeneration"
+    first = build_tiny_checkpoint(arch, tmp_path / "a")
+    second = build_tiny_checkpoint(arch, tmp_path / "b")
+    names = ["model.safetensors", "config.json", "processor_config.json", "tokenizer.json"]
+    for name in [*names, "chat_template.jinja"]:
+        assert _sha256(first / name) == _sha256(second / name)
+
+
+def test_tower_overrides_stay_consistent(tmp_path):
+    """A tower override merges into its sub-config; text-linked sizes and mrope follow the text."""
+    path = build_tiny_checkpoint(
+        "Qwen2VLForConditionalGeneration",
+        tmp_path / "wide",
+        overrides={"hidden_size": 128, "vision_config": {"depth": 1, "embed_dim": 64}},
+    )
+    config = AutoConfig.from_pretrained(path)
+    assert (config.vision_config.depth, config.vision_config.embed_dim) == (1, 64)
+    assert config.vision_config.hidden_size == config.text_config.hidden_size == 128
+    assert config.text_config.rope_parameters["mrope_section"] == [4, 6, 6]  # head_dim 32
+    info = json.loads((path / builder_module.BUILD_INFO_FILE).read_text())
+    assert info["overrides"]["vision_config"] == {"depth": 1, "embed_dim": 64}
+
+
+def test_scale_mrope_section():
+    assert builder_module.scale_mrope_section((16, 24, 24), 128) == [16, 24, 24]
+    assert builder_module.scale_mrope_section((16, 24, 24), 64) == [8, 12, 12]
+    assert builder_module.scale_mrope_section((16, 24, 24), 16) == [2, 3, 3]
+    with pytest.raises(ValueError, match="even"):
+        builder_module.scale_mrope_section((16, 24, 24), 15)

@@ -3,6 +3,8 @@
 `build_tiny_checkpoint("Qwen3ForCausalLM")` writes config, safetensors weights (names as in real
 checkpoints, via transformers' own `save_pretrained`), generation config and a locally trained
 byte-level BPE tokenizer with the family's special tokens and chat template (design.md §6).
+Multimodal models (Qwen2-VL, Qwen2.5-VL, Qwen2-Audio) also get their HF processor, so
+`AutoProcessor.from_pretrained(dir)` works offline.
 """
 
 from __future__ import annotations

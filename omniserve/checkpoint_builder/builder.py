@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omniserve import envs
-from omniserve.checkpoint_builder.specs import ARCH_SPECS, ArchSpec
+from omniserve.checkpoint_builder.processors import build_hf_processor
+from omniserve.checkpoint_builder.specs import ARCH_SPECS, ArchSpec, MultiModalSpec
 from omniserve.checkpoint_builder.tokenizer import build_hf_tokenizer
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
         PreTrainedTokenizerBase,
     )
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 """Bump when the output of a build changes, so cached checkpoints are rebuilt."""
 
 BUILD_INFO_FILE = "omniserve_build.json"
@@ -136,20 +137,38 @@ def _write_checkpoint(
 ) -> None:
     import torch
 
-    kwargs = {**spec.config_kwargs_for(size), **overrides}
+    kwargs, tower_overrides = _split_overrides(spec, size, overrides)
     tokenizer = build_hf_tokenizer(spec.tokenizer, kwargs["max_position_embeddings"])
-    config = _make_config(spec, tokenizer, kwargs)
+    config = _make_config(spec, tokenizer, kwargs, size=size, tower_overrides=tower_overrides)
     # fork_rng: building must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _make_model(spec, config, num_tokens=len(tokenizer))
     model.generation_config = _make_generation_config(spec, tokenizer, config)
     model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    if spec.multimodal is None:
+        tokenizer.save_pretrained(path)
+    else:  # the processor saves its tokenizer, media components and chat template
+        build_hf_processor(spec.multimodal.processor, tokenizer, config).save_pretrained(path)
+
+
+def _split_overrides(
+    spec: ArchSpec, size: str, overrides: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(config kwargs with overrides, per-tower overrides): tower keys name a sub-config dict."""
+    towers = spec.multimodal.towers if spec.multimodal else {}
+    tower_overrides = {name: dict(value) for name, value in overrides.items() if name in towers}
+    text_overrides = {key: value for key, value in overrides.items() if key not in towers}
+    return {**spec.config_kwargs_for(size), **text_overrides}, tower_overrides
 
 
 def _make_config(
-    spec: ArchSpec, tokenizer: PreTrainedTokenizerBase, kwargs: dict[str, Any]
+    spec: ArchSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    kwargs: dict[str, Any],
+    *,
+    size: str,
+    tower_overrides: dict[str, dict[str, Any]],
 ) -> PreTrainedConfig:
     import transformers
 
@@ -167,7 +186,56 @@ def _make_config(
         "pad_token_id": token_id(family.pad_token) if family.pad_token else None,
     }
     config_cls = getattr(transformers, spec.config_class)
-    return config_cls(architectures=[spec.architecture], vocab_size=vocab_size, **{**ids, **kwargs})
+    text_kwargs = {"vocab_size": vocab_size, **ids, **kwargs}
+    if spec.multimodal is None:
+        return config_cls(architectures=[spec.architecture], **text_kwargs)
+    outer = _multimodal_kwargs(spec.multimodal, tokenizer, text_kwargs, size, tower_overrides)
+    return config_cls(architectures=[spec.architecture], **outer)
+
+
+def _multimodal_kwargs(
+    mm: MultiModalSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    text_kwargs: dict[str, Any],
+    size: str,
+    tower_overrides: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """Outer-config kwargs: nested text config, tower sub-configs and placeholder token ids."""
+    outer = {key: text_kwargs.pop(key) for key in list(text_kwargs) if key in mm.outer_kwargs}
+    outer = {**mm.outer_kwargs, **outer}
+    if mm.text_model_type is not None:
+        text_kwargs["model_type"] = mm.text_model_type
+    if mm.mrope_section is not None:
+        head_dim = text_kwargs["hidden_size"] // text_kwargs["num_attention_heads"]
+        rope = dict(text_kwargs["rope_parameters"])  # an overridden split is kept as given
+        rope.setdefault("mrope_section", scale_mrope_section(mm.mrope_section, head_dim))
+        text_kwargs["rope_parameters"] = rope
+    outer["text_config"] = text_kwargs
+    outer["dtype"] = text_kwargs["dtype"]
+    for name, tower in mm.towers.items():
+        tower_kwargs = {**mm.tower_kwargs_for(name, size), **tower_overrides.get(name, {})}
+        for key, text_key in tower.text_links.items():
+            tower_kwargs[key] = text_kwargs[text_key]
+        outer[name] = tower_kwargs
+    for key, token in mm.token_ids.items():
+        outer[key] = tokenizer.convert_tokens_to_ids(token)
+    return outer
+
+
+def scale_mrope_section(real_section: tuple[int, ...], head_dim: int) -> list[int]:
+    """Shrink a real M-RoPE split (which sums to 64 = 128 / 2) so it sums to head_dim / 2.
+
+    Rounded per axis with the remainder given to the last axis, e.g. (16, 24, 24) -> [2, 3, 3]
+    for head_dim 16 and [8, 12, 12] for head_dim 64.
+    """
+    if head_dim % 2:
+        raise ValueError(f"M-RoPE needs an even head_dim, got {head_dim}")
+    half, real_half = head_dim // 2, sum(real_section)
+    section = [max(1, round(n * half / real_half)) for n in real_section[:-1]]
+    section.append(half - sum(section))
+    if section[-1] < 1:
+        raise ValueError(f"head_dim {head_dim} is too small for {len(real_section)} M-RoPE axes")
+    return section
 
 
 def _make_model(spec: ArchSpec, config: PreTrainedConfig, num_tokens: int) -> PreTrainedModel:
@@ -187,8 +255,11 @@ def _make_generation_config(
     import transformers
 
     eos_ids = tokenizer.convert_tokens_to_ids(list(spec.tokenizer.generation_eos_tokens))
+    text_config = config.get_text_config()
     return transformers.GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=eos_ids, pad_token_id=config.pad_token_id
+        bos_token_id=text_config.bos_token_id,
+        eos_token_id=eos_ids,
+        pad_token_id=text_config.pad_token_id,
     )
 
 

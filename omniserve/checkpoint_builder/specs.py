@@ -2,18 +2,25 @@
 
 A family is an `ArchSpec`: the transformers config class, the config kwargs that make it small, and
 its `TokenizerFamily` (special tokens, pre-tokenizer, chat template, eos ids). Adding an
-architecture is adding one row; multimodal thinkers (Qwen2-VL, Qwen2.5-Omni, ...) reuse the Qwen
-tokenizer family, whose special tokens and chat template already carry the vision/audio markers.
+architecture is adding one row. Multimodal rows add a `MultiModalSpec`: the media towers'
+sub-configs, the config keys holding placeholder token ids, and the HF processor to save. They reuse
+the Qwen tokenizer family, whose special tokens already carry the vision/audio markers.
 """
 
 from __future__ import annotations
 
 import copy
-import textwrap
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from omniserve.checkpoint_builder.templates import (
+    CHATML_TEMPLATE,
+    LLAMA3_TEMPLATE,
+    QWEN2_AUDIO_TEMPLATE,
+)
 
 # Qwen2's pre-tokenizer split (numbers one digit at a time).
 _QWEN_REGEX = (
@@ -25,55 +32,6 @@ _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-
-# ChatML as Qwen2-VL / Qwen3-Omni render it: string content, or a list of typed parts where media
-# parts become their placeholder spans (the processor later expands the pad token per item).
-# Every tag opens with "-" so the newlines and indents here never reach the rendered prompt.
-_CHATML_TEMPLATE = textwrap.dedent("""
-    {%- for message in messages %}
-        {%- if loop.first and message['role'] != 'system' %}
-            {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
-        {%- endif %}
-        {{- '<|im_start|>' + message['role'] + '\\n' }}
-        {%- if message['content'] is string %}
-            {{- message['content'] }}
-        {%- else %}
-            {%- for part in message['content'] %}
-                {%- if part['type'] in ('image', 'image_url') %}
-                    {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
-                {%- elif part['type'] in ('video', 'video_url') %}
-                    {{- '<|vision_start|><|video_pad|><|vision_end|>' }}
-                {%- elif part['type'] in ('audio', 'audio_url', 'input_audio') %}
-                    {{- '<|audio_start|><|audio_pad|><|audio_end|>' }}
-                {%- elif part['type'] == 'text' %}
-                    {{- part['text'] }}
-                {%- endif %}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\\n' }}
-    {%- endfor %}
-    {%- if add_generation_prompt %}
-        {{- '<|im_start|>assistant\\n' }}
-    {%- endif %}
-""").strip()
-
-_LLAMA3_TEMPLATE = textwrap.dedent("""
-    {{- bos_token }}
-    {%- for message in messages %}
-        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
-        {%- if message['content'] is string %}
-            {{- message['content'] | trim }}
-        {%- else %}
-            {%- for part in message['content'] if part['type'] == 'text' %}
-                {{- part['text'] | trim }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|eot_id|>' }}
-    {%- endfor %}
-    {%- if add_generation_prompt %}
-        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
-    {%- endif %}
-""").strip()
 
 
 @dataclass(frozen=True)
@@ -111,8 +69,11 @@ QWEN_TOKENIZER = TokenizerFamily(
     pad_token="<|endoftext|>",
     generation_eos_tokens=("<|im_end|>", "<|endoftext|>"),
     add_bos_token=False,
-    chat_template=_CHATML_TEMPLATE,
+    chat_template=CHATML_TEMPLATE,
 )
+
+QWEN2_AUDIO_TOKENIZER = dataclasses.replace(QWEN_TOKENIZER, chat_template=QWEN2_AUDIO_TEMPLATE)
+"""The Qwen tokenizer (same vocabulary and ids) with Qwen2-Audio's chat template."""
 
 LLAMA3_TOKENIZER = TokenizerFamily(
     tokenizer_class="PreTrainedTokenizerFast",
@@ -130,7 +91,7 @@ LLAMA3_TOKENIZER = TokenizerFamily(
     pad_token=None,
     generation_eos_tokens=("<|eot_id|>", "<|end_of_text|>"),
     add_bos_token=True,
-    chat_template=_LLAMA3_TEMPLATE,
+    chat_template=LLAMA3_TEMPLATE,
 )
 
 
@@ -158,6 +119,48 @@ BASE_SIZES: Mapping[str, Mapping[str, Any]] = _frozen({
 
 
 @dataclass(frozen=True)
+class TowerSpec:
+    """One media encoder's sub-config (e.g. `vision_config`), sized like the text part."""
+
+    kwargs: Mapping[str, Any]
+    """Sub-config kwargs for every size."""
+    size_kwargs: Mapping[str, Mapping[str, Any]]
+    """Per-size kwargs merged over `kwargs`."""
+    text_links: Mapping[str, str] = field(default_factory=dict)
+    """Sub-config key -> text-config key whose value it must equal (the projector's output)."""
+
+
+@dataclass(frozen=True)
+class ProcessorSpec:
+    """The HF processor saved beside the weights, built offline from its classes."""
+
+    processor_class: str
+    components: Mapping[str, tuple[str, Mapping[str, Any]]]
+    """Processor __init__ argument -> (transformers class, its kwargs)."""
+
+
+@dataclass(frozen=True)
+class MultiModalSpec:
+    """What a multimodal row adds to the text part: towers, placeholder ids and a processor."""
+
+    towers: Mapping[str, TowerSpec]
+    """Outer-config key ("vision_config", "audio_config") -> the tower's sub-config."""
+    token_ids: Mapping[str, str]
+    """Outer-config key -> the special token whose id it holds (e.g. image_token_id)."""
+    processor: ProcessorSpec
+    outer_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Kwargs of the outer config rather than of `text_config` (e.g. tie_word_embeddings)."""
+    text_model_type: str | None = None
+    """`text_config["model_type"]`, for outer configs that cannot infer it."""
+    mrope_section: tuple[int, ...] | None = None
+    """The real checkpoint's M-RoPE sections (for head_dim 128), scaled to the tiny head_dim."""
+
+    def tower_kwargs_for(self, name: str, size: str) -> dict[str, Any]:
+        tower = self.towers[name]
+        return copy.deepcopy({**tower.kwargs, **tower.size_kwargs[size]})
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """One buildable architecture: its config class, small shapes and tokenizer family."""
 
@@ -169,6 +172,8 @@ class ArchSpec:
     """Config kwargs for every size (rope theta, tied embeddings, MoE routing...)."""
     size_kwargs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Per-size kwargs merged over `BASE_SIZES[size]` (e.g. head_dim, expert width)."""
+    multimodal: MultiModalSpec | None = None
+    """Set for image/video/audio models; then the kwargs above describe `text_config`."""
 
     def config_kwargs_for(self, size: str) -> dict[str, Any]:
         if size not in BASE_SIZES:
@@ -179,6 +184,79 @@ class ArchSpec:
 
 
 _QWEN_ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0}
+
+# An image becomes 4..64 merged tokens (28x28 pixels each) and each pair of video frames 4..16, so
+# multimodal tests stay fast (real checkpoints: 4..16384). Callers pass size={...} for larger media.
+_QWEN_VL_PROCESSOR_COMPONENTS = _frozen({
+    "image_processor": ("Qwen2VLImageProcessor", _frozen(dict(
+        min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28,
+    ))),
+    # Frames are taken as given (do_sample_frames=False, as in the real checkpoints); fps and the
+    # frame bounds apply when a caller asks for sampling. No whole-video pixel cap, as before v5.22.
+    "video_processor": ("Qwen2VLVideoProcessor", _frozen(dict(
+        min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, fps=2.0, min_frames=2, max_frames=16,
+        do_sample_frames=False, cap_pixels_per_frame=False,
+    ))),
+})  # fmt: skip
+_QWEN_VL_TOKEN_IDS = _frozen({
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+})  # fmt: skip
+# Media towers use a larger init than transformers' 0.02 (scaled by 1/sqrt(width) like the text
+# part's): with 0.02 the encoders are near-linear and every audio gives the same first tokens. With
+# these, six different images (or audios) gave six different 8-token greedy continuations.
+_QWEN2_VL_VISION = TowerSpec(
+    kwargs=dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, mlp_ratio=4),
+    size_kwargs={
+        "tiny": dict(depth=2, embed_dim=32, num_heads=2, initializer_range=0.2),
+        "bench": dict(depth=8, embed_dim=256, num_heads=4, initializer_range=0.07),
+    },
+    text_links={"hidden_size": "hidden_size"},
+)  # fmt: skip
+# Window attention as in Qwen2.5-VL-7B: 112-pixel windows (4x4 merged tokens), full attention in
+# the last block of each group; the tiny size has one windowed and one full block.
+_QWEN2_5_VL_VISION = TowerSpec(
+    kwargs=dict(
+        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+        tokens_per_second=2,
+    ),
+    size_kwargs={
+        "tiny": dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, fullatt_block_indexes=[1],
+            initializer_range=0.2,
+        ),
+        "bench": dict(
+            depth=8, hidden_size=256, intermediate_size=704, num_heads=4,
+            fullatt_block_indexes=[3, 7], initializer_range=0.07,
+        ),
+    },
+    text_links={"out_hidden_size": "hidden_size"},
+)  # fmt: skip
+_QWEN2_AUDIO_ENCODER = TowerSpec(
+    # 128 mel bins and 1500 positions (30 s) as in Qwen2-Audio-7B; the projector maps to the text.
+    kwargs=dict(num_mel_bins=128, max_source_positions=1500, activation_function="gelu"),
+    size_kwargs={
+        "tiny": dict(
+            d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
+            initializer_range=0.2,
+        ),
+        "bench": dict(
+            d_model=256, encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=1024,
+            initializer_range=0.07,
+        ),
+    },
+)  # fmt: skip
+_QWEN2_AUDIO_PROCESSOR = ProcessorSpec(
+    "Qwen2AudioProcessor",
+    _frozen({
+        "feature_extractor": ("WhisperFeatureExtractor", _frozen(dict(
+            feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30, n_fft=400,
+            padding_value=0.0, return_attention_mask=True,
+        ))),
+    }),
+)  # fmt: skip
 
 ARCH_SPECS: Mapping[str, ArchSpec] = _frozen({
     spec.architecture: spec
@@ -213,6 +291,42 @@ ARCH_SPECS: Mapping[str, ArchSpec] = _frozen({
                 "tiny": dict(head_dim=32, moe_intermediate_size=32),
                 "bench": dict(head_dim=128, moe_intermediate_size=256),
             },
+        ),
+        ArchSpec(
+            "Qwen2VLForConditionalGeneration", "Qwen2VLConfig", QWEN_TOKENIZER,
+            config_kwargs=dict(rope_parameters=_QWEN_ROPE),
+            multimodal=MultiModalSpec(
+                towers={"vision_config": _QWEN2_VL_VISION},
+                token_ids=_QWEN_VL_TOKEN_IDS,
+                processor=ProcessorSpec("Qwen2VLProcessor", _QWEN_VL_PROCESSOR_COMPONENTS),
+                outer_kwargs={"tie_word_embeddings": False},
+                mrope_section=(16, 24, 24),
+            ),
+        ),
+        ArchSpec(
+            "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig", QWEN_TOKENIZER,
+            config_kwargs=dict(rope_parameters=_QWEN_ROPE),
+            multimodal=MultiModalSpec(
+                towers={"vision_config": _QWEN2_5_VL_VISION},
+                token_ids=_QWEN_VL_TOKEN_IDS,
+                processor=ProcessorSpec("Qwen2_5_VLProcessor", _QWEN_VL_PROCESSOR_COMPONENTS),
+                outer_kwargs={"tie_word_embeddings": False},
+                mrope_section=(16, 24, 24),
+            ),
+        ),
+        ArchSpec(
+            "Qwen2AudioForConditionalGeneration", "Qwen2AudioConfig", QWEN2_AUDIO_TOKENIZER,
+            # The text part is a plain Qwen2 (1-D RoPE, theta 1e4) as in Qwen2-Audio-7B.
+            config_kwargs=dict(
+                tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            ),
+            multimodal=MultiModalSpec(
+                towers={"audio_config": _QWEN2_AUDIO_ENCODER},
+                token_ids={"audio_token_index": "<|AUDIO|>"},
+                processor=_QWEN2_AUDIO_PROCESSOR,
+                text_model_type="qwen2",
+            ),
         ),
     )
 })  # fmt: skip

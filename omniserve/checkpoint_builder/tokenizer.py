@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
@@ -74,8 +75,13 @@ def train_tokenizer(family: TokenizerFamily) -> Tokenizer:
     return tokenizer
 
 
-@functools.cache
 def _trained_json(family: TokenizerFamily) -> str:
+    # Families that differ only in their chat template (Qwen, Qwen2-Audio) share one training run.
+    return _trained_json_cached(dataclasses.replace(family, chat_template=""))
+
+
+@functools.cache
+def _trained_json_cached(family: TokenizerFamily) -> str:
     # NOTE: trained once per process and family; checkpoints copy it, never share the object.
     return train_tokenizer(family).to_str()
 
