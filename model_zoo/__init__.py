@@ -5,6 +5,11 @@ from __future__ import annotations
 _MODELS = {
     "LlamaForCausalLM": "model_zoo.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "model_zoo.qwen2:Qwen2ForCausalLM",
+    "Qwen2VLForConditionalGeneration": "model_zoo.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "model_zoo.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
+    "Qwen2AudioForConditionalGeneration": (
+        "model_zoo.qwen2_audio:Qwen2AudioForConditionalGeneration"
+    ),
     "Qwen3ForCausalLM": "model_zoo.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "model_zoo.qwen3_moe:Qwen3MoeForCausalLM",
 }

@@ -174,6 +174,29 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class MultiModalConfig:
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    """Most items per modality in one prompt, e.g. {"image": 4, "video": 1}; unset: the model's."""
+    mm_processor_kwargs: dict[str, object] = field(default_factory=dict)
+    """Default HF processor kwargs (e.g. max_pixels, fps); requests may override them."""
+    mm_processor_cache_gb: float = 4.0
+    """Processor-output cache size in GiB (0 disables it)."""
+    allowed_local_media_path: str | None = None
+    """file:// URLs are served only from under this directory."""
+    allowed_media_domains: tuple[str, ...] = ()
+    """If set, http(s) media may only come from these hosts."""
+    allow_private_media_urls: bool = False
+    """Let http(s) media come from loopback/private addresses (off: SSRF protection)."""
+
+    def __post_init__(self) -> None:
+        if self.mm_processor_cache_gb < 0:
+            raise ValueError("mm_processor_cache_gb must be >= 0.")
+        for modality, limit in self.limit_mm_per_prompt.items():
+            if not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be an integer >= 0.")
+
+
+@dataclass(frozen=True)
 class OmniConfig:
     """The root: every sub-config of one engine."""
 
@@ -181,3 +204,4 @@ class OmniConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)

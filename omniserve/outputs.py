@@ -47,3 +47,5 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    num_mm_tokens: dict[str, int] = field(default_factory=dict)
+    """Prompt tokens that stand for each modality's items (image, audio, video)."""

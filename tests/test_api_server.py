@@ -171,7 +171,11 @@ def test_chat_stream_joins_to_full_answer(server: Server) -> None:
         assert text == full.choices[0].message.content
         finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
         assert finishes[-1] == "length" and not any(finishes[:-1])
-        assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+        assert chunks[-1].choices == []
+        # The second run of the same prompt may hit the prefix cache: compare the counts only.
+        streamed = chunks[-1].usage
+        assert (streamed.prompt_tokens, streamed.completion_tokens, streamed.total_tokens) == (
+            full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens)
         await client.close()
 
     asyncio.run(run())

@@ -9,11 +9,12 @@ import pytest
 from omniserve.core.kv_cache_manager import (
     ROOT_BLOCK_HASH,
     KVCacheManager,
+    block_extra_keys,
     hash_block_tokens,
     update_block_hashes,
 )
 from omniserve.core.request import Request
-from tests.utils import make_request
+from tests.utils import MM_PLACEHOLDER_TOKEN_ID, make_request
 
 BLOCK_SIZE = 4
 
@@ -184,3 +185,28 @@ def test_reset_prefix_cache_refuses_while_in_use() -> None:
     assert kv.reset_prefix_cache() is True
     assert kv.prefix_cache_queries == 0
     assert kv.get_computed_blocks(_request("b", prompt))[1] == 0
+
+
+def test_block_extra_keys_name_every_overlapping_item_and_its_offset() -> None:
+    request = make_request(
+        "r", [1] * 20, mm_positions=[(2, 3), (6, 8)], mm_hashes=["img-a", "img-b"]
+    )
+    assert block_extra_keys(request, 0, 4) == (("img-a", 2),)
+    assert block_extra_keys(request, 4, 8) == (("img-a", -2), ("img-b", 2))
+    assert block_extra_keys(request, 8, 12) == (("img-b", -2),)
+    assert block_extra_keys(request, 16, 20) == ()
+    assert block_extra_keys(make_request("t", [1] * 8), 0, 4) == ()
+
+
+def test_same_image_at_another_offset_hashes_differently() -> None:
+    """Placeholder ids are identical, so only the item's offset tells these blocks apart."""
+    prompt = [1, 2, 3, 4] + [MM_PLACEHOLDER_TOKEN_ID] * 8
+    at_4 = _request("a", prompt, mm_positions=[(4, 8)], mm_hashes=["x"])
+    at_5 = _request("b", prompt, mm_positions=[(5, 7)], mm_hashes=["x"])
+    other = _request("c", prompt, mm_positions=[(4, 8)], mm_hashes=["y"])
+    same = _request("d", prompt, mm_positions=[(4, 8)], mm_hashes=["x"])
+    assert at_4.prompt_token_ids == at_5.prompt_token_ids == other.prompt_token_ids == prompt
+    assert at_4.block_hashes[0] == at_5.block_hashes[0] == other.block_hashes[0]
+    assert at_4.block_hashes[1] != at_5.block_hashes[1]
+    assert at_4.block_hashes[1] != other.block_hashes[1]
+    assert at_4.block_hashes == same.block_hashes

@@ -1,16 +1,17 @@
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
 
 from omniserve.core.request import RequestStatus
-from omniserve.core.sched_output import SchedulerOutput
 from omniserve.core.scheduler import Scheduler
 from omniserve.engine.messages import EngineCoreOutput, FinishReason
 from tests.utils import (
     EOS_TOKEN_ID,
+    FakeWorker,
+    assert_all_free,
+    check_invariants,
     make_request,
     make_requests,
     make_runner_output,
@@ -24,13 +25,6 @@ def _step(scheduler: Scheduler, **runner_kwargs: object) -> dict[str, EngineCore
     runner_output = make_runner_output(scheduler, scheduler_output, **runner_kwargs)
     outputs = scheduler.update_from_output(scheduler_output, runner_output).outputs
     return {output.request_id: output for output in outputs}
-
-
-def _assert_all_blocks_free(scheduler: Scheduler) -> None:
-    kv = scheduler.kv_cache_manager
-    assert kv.block_pool.num_free_blocks == kv.block_pool.num_blocks
-    assert kv.req_to_blocks == {} and kv.usage == 0.0
-    assert not scheduler.has_unfinished_requests()
 
 
 def test_token_budget_and_chunked_prefill() -> None:
@@ -51,7 +45,7 @@ def test_token_budget_and_chunked_prefill() -> None:
     assert chunks[0] == 32 and len(chunks) > 3  # the long prompt ran in several chunks
     assert sum(chunks) == 100
     assert long.output_token_ids == tuple(range(1, 17))
-    _assert_all_blocks_free(scheduler)
+    assert_all_free(scheduler)
 
 
 def test_chunks_report_computed_tokens_before_the_step() -> None:
@@ -107,7 +101,7 @@ def test_max_num_seqs_limits_running_requests() -> None:
         assert len(so.num_scheduled_tokens) <= 2 and len(scheduler.running) <= 2
         scheduler.update_from_output(so, make_runner_output(scheduler, so))
     assert all(r.output_token_ids == (1, 2, 3) for r in requests)
-    _assert_all_blocks_free(scheduler)
+    assert_all_free(scheduler)
 
 
 def test_preempted_request_resumes_and_completes() -> None:
@@ -146,7 +140,7 @@ def test_preempted_request_resumes_and_completes() -> None:
     assert outputs == {a.request_id: list(range(1, 13)), b.request_id: list(range(1, 13))}
     assert b.num_preemptions >= 1
     assert scheduler.make_stats()["num_preemptions"] == scheduler.num_preemptions >= 1
-    _assert_all_blocks_free(scheduler)
+    assert_all_free(scheduler)
 
 
 def test_second_identical_prompt_hits_the_prefix_cache() -> None:
@@ -192,7 +186,7 @@ def _generate(
         generated.extend(output.new_token_ids)
     assert output is not None and output.finished
     assert list(request.output_token_ids) == generated
-    _assert_all_blocks_free(scheduler)
+    assert_all_free(scheduler)
     return EngineCoreOutput(
         "r", generated, finish_reason=output.finish_reason, stop_reason=output.stop_reason
     )
@@ -253,7 +247,7 @@ def test_abort_frees_blocks_and_reports_finished_ids() -> None:
     assert scheduler.get_num_unfinished_requests() == 1
     scheduler.finish_requests([b.request_id], RequestStatus.FINISHED_ABORTED)
     assert scheduler.schedule().finished_req_ids == {b.request_id}
-    _assert_all_blocks_free(scheduler)
+    assert_all_free(scheduler)
     with pytest.raises(ValueError):
         scheduler.finish_requests("x", RequestStatus.RUNNING)
 
@@ -279,72 +273,6 @@ def test_add_request_validates() -> None:
         make_scheduler(max_model_len=64, block_size=16, num_blocks=3)
 
 
-class _FakeWorker:
-    """Mirrors a model runner: block tables rebuilt from step outputs only, and the token each
-    KV slot holds, so every computed position can be checked to read its own request's token
-    (prefix sharing, preemption and resumption included)."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.block_size = scheduler.block_size
-        self.scheduler = scheduler
-        self.block_tables: dict[str, list[int]] = {}
-        self.slots = [
-            [None] * self.block_size
-            for _ in range(scheduler.kv_cache_manager.block_pool.num_blocks)
-        ]
-
-    def execute(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
-            self.block_tables.pop(req_id, None)
-        num_computed = {}
-        for new in so.scheduled_new_reqs:
-            self.block_tables[new.req_id] = list(new.block_ids)
-            num_computed[new.req_id] = new.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        for req_id, block_ids, computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
-        ):
-            self.block_tables[req_id].extend(block_ids)
-            num_computed[req_id] = computed
-        bs = self.block_size
-        for req_id, num_tokens in so.num_scheduled_tokens.items():
-            token_ids = self.scheduler.requests[req_id].all_token_ids
-            table = self.block_tables[req_id]
-            assert table == self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            start = num_computed[req_id]
-            for pos in range(start):
-                assert self.slots[table[pos // bs]][pos % bs] == token_ids[pos]
-            for pos in range(start, start + num_tokens):
-                self.slots[table[pos // bs]][pos % bs] = token_ids[pos]
-
-
-def _check_invariants(scheduler: Scheduler, so: SchedulerOutput) -> None:
-    config = scheduler.scheduler_config
-    kv = scheduler.kv_cache_manager
-    pool = kv.block_pool
-    assert so.total_num_scheduled_tokens <= config.max_num_batched_tokens
-    assert all(n > 0 for n in so.num_scheduled_tokens.values())
-    assert len(scheduler.running) <= config.max_num_seqs
-    running_ids = [r.request_id for r in scheduler.running]
-    waiting_ids = [r.request_id for r in scheduler.waiting]
-    assert sorted(running_ids + waiting_ids) == sorted(scheduler.requests)
-    assert set(kv.req_to_blocks) == set(running_ids)
-    owners = Counter()
-    for req_id, blocks in kv.req_to_blocks.items():
-        request = scheduler.requests[req_id]
-        assert len(set(map(id, blocks))) == len(blocks)
-        assert len(blocks) == -(-request.num_computed_tokens // scheduler.block_size)
-        for i, block in enumerate(blocks):
-            owners[block.block_id] += 1
-            if block.block_hash is not None:
-                assert block.block_hash == request.block_hashes[i]
-    for block in pool.blocks:
-        assert block.ref_cnt == owners[block.block_id]
-        assert owners[block.block_id] <= 1 or block.block_hash is not None  # only cached sharing
-    free_ids = pool.free_block_queue.block_ids()
-    assert sorted(free_ids) == [b.block_id for b in pool.blocks if b.ref_cnt == 0]
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_randomized_stress_keeps_invariants_and_frees_everything(seed: int) -> None:
     rng = random.Random(seed)
@@ -356,7 +284,7 @@ def test_randomized_stress_keeps_invariants_and_frees_everything(seed: int) -> N
         max_num_seqs=6,
         long_prefill_token_threshold=rng.choice([0, 6]),
     )
-    worker = _FakeWorker(scheduler)
+    worker = FakeWorker(scheduler)
     prefixes = [[rng.randrange(1, 50) for _ in range(12)] for _ in range(3)]
     num_added = 0
     for step in range(400):
@@ -379,7 +307,7 @@ def test_randomized_stress_keeps_invariants_and_frees_everything(seed: int) -> N
         if not scheduler.has_unfinished_requests():
             continue
         so = scheduler.schedule()
-        _check_invariants(scheduler, so)
+        check_invariants(scheduler, so)
         worker.execute(so)
         runner_output = make_runner_output(
             scheduler,
@@ -396,4 +324,4 @@ def test_randomized_stress_keeps_invariants_and_frees_everything(seed: int) -> N
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ABORTED)
     scheduler.schedule()
-    _assert_all_blocks_free(scheduler)
+    assert_all_free(scheduler)

@@ -21,14 +21,22 @@ ROOT_BLOCK_HASH = 0
 _HASH_BYTES = 32
 
 
-def block_extra_keys(request: Request, start: int, end: int) -> tuple:
+def block_extra_keys(request: Request, start: int, end: int) -> tuple[tuple[str, int], ...]:
     """What besides token ids decides the KV of tokens [start, end).
 
     Multimodal placeholders share one token id per modality, so a block covering part of an
-    image must also mix in that item's content hash and its offset within the block; until
-    requests carry multimodal features, token ids alone decide the KV.
+    item also mixes in ``(identifier, offset - start)`` of every item overlapping it: two images
+    with identical placeholder tokens never share blocks, nor does one image placed at another
+    offset. Identifiers are content hashes, so these keys are process-independent.
     """
-    return ()
+    keys = []
+    for feature in request.mm_features:  # in prompt order
+        pos = feature.mm_position
+        if pos.offset >= end:
+            break
+        if pos.end > start:
+            keys.append((feature.identifier, pos.offset - start))
+    return tuple(keys)
 
 
 def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple) -> int:

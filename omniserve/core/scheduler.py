@@ -2,7 +2,8 @@
 
 There are no prefill and decode phases. Each step hands every request up to
 ``num_tokens - num_computed_tokens`` tokens, so one rule covers chunked prefill, prefix-cache hits,
-decoding and resumption after preemption. Pure Python (no torch).
+decoding and resumption after preemption. Multimodal items add a second budget and the
+encoder cache; their rules live in ``encoder_planner``. Pure Python (no torch).
 """
 
 from __future__ import annotations
@@ -12,7 +13,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from omniserve.config import CacheConfig, SchedulerConfig
-from omniserve.core.kv_cache_manager import KVCacheManager
+from omniserve.core.encoder_cache_manager import EncoderCacheManager
+from omniserve.core.encoder_planner import (
+    EncoderPlan,
+    check_encoder_limits,
+    check_request_items,
+    commit_encoder_plan,
+    free_consumed_encoder_inputs,
+    hit_limit_for_blocked_plan,
+    plan_encoder_inputs,
+)
+from omniserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from omniserve.core.request import Request, RequestStatus
 from omniserve.core.sched_output import (
     CachedRequestData,
@@ -20,6 +31,7 @@ from omniserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from omniserve.core.stop_conditions import append_and_check_stop
 from omniserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
 _STATUS_TO_FINISH_REASON = {
@@ -38,6 +50,18 @@ class _ScheduledRequest:
     new_block_ids: list[int]
     is_new: bool
     """Workers have not seen it: admitted from waiting (fresh or resumed after preemption)."""
+    encoder_inputs: list[int]
+    """Indices of the request's multimodal items encoded this step."""
+
+
+@dataclass(slots=True)
+class _StepBudget:
+    """What is left of one step's limits while requests are scheduled in order."""
+
+    num_tokens: int
+    num_encoder_embeds: int
+    encoder_cache_open: bool = True
+    """Cleared once an item is refused for cache space: later requests take no new entries."""
 
 
 class Scheduler:
@@ -45,12 +69,21 @@ class Scheduler:
 
     Order within a step: RUNNING requests in list order (preempting the newest running request by
     recompute when KV blocks run out), then WAITING requests FCFS while budget and seats remain
-    and nothing was preempted this step.
+    and nothing was preempted this step. Each request's window is first cut by the encoder rules
+    (``encoder_planner``); only running requests hold encoder-cache references.
     """
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_mm_item_embeds: int = 0,
     ) -> None:
+        """``max_mm_item_embeds``: the model's largest multimodal item in embeddings (0: text
+        only or unknown); start-up fails if that item could never be encoded."""
+        if max_mm_item_embeds:
+            check_encoder_limits(scheduler_config, max_mm_item_embeds)
         self.scheduler_config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
@@ -64,6 +97,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, cache_config.enable_prefix_caching
         )
+        self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         # req_id -> every unfinished request (waiting, running or preempted)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -71,6 +105,10 @@ class Scheduler:
         # Finished or aborted since the last schedule(); workers drop their state for these.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Multimodal items that needed an encoder output (first time per admission), and those
+        # served from the encoder cache or shared with another item encoded in the same step.
+        self.encoder_cache_queries = 0
+        self.encoder_cache_hits = 0
 
     # ---- requests in and out ----
 
@@ -82,6 +120,7 @@ class Scheduler:
                 f"Request {request.request_id!r} has {request.num_tokens} prompt "
                 f"tokens; needs 1..max_model_len ({self.max_model_len})."
             )
+        check_request_items(request, self.scheduler_config)
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -110,6 +149,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -123,7 +163,7 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self) -> dict[str, float]:
-        """Gauges (running, waiting, KV usage) and cumulative counters."""
+        """Gauges (running, waiting, KV and encoder-cache usage) and cumulative counters."""
         kv = self.kv_cache_manager
         return {
             "num_running": float(len(self.running)),
@@ -132,6 +172,9 @@ class Scheduler:
             "prefix_cache_queries": float(kv.prefix_cache_queries),
             "prefix_cache_hits": float(kv.prefix_cache_hits),
             "num_preemptions": float(self.num_preemptions),
+            "encoder_cache_usage": self.encoder_cache_manager.usage,
+            "encoder_cache_queries": float(self.encoder_cache_queries),
+            "encoder_cache_hits": float(self.encoder_cache_hits),
         }
 
     # ---- one step ----
@@ -141,9 +184,11 @@ class Scheduler:
         # req_id -> record, in scheduling order (running first, then admitted)
         scheduled: dict[str, _ScheduledRequest] = {}
         preempted: list[Request] = []
-        token_budget = self._schedule_running(scheduled, preempted)
+        config = self.scheduler_config
+        budget = _StepBudget(config.max_num_batched_tokens, config.max_num_encoder_input_tokens)
+        self._schedule_running(scheduled, preempted, budget)
         if not preempted:
-            self._schedule_waiting(scheduled, token_budget)
+            self._schedule_waiting(scheduled, budget)
         output = self._make_output(scheduled, preempted)
         # Optimistic: the step will compute these tokens (vLLM's _update_after_schedule).
         for record in scheduled.values():
@@ -159,17 +204,38 @@ class Scheduler:
         num_new_tokens = min(num_new_tokens, self.max_model_len - num_computed_tokens)
         return min(num_new_tokens, token_budget)
 
+    def _plan_encoder(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int, budget: _StepBudget
+    ) -> EncoderPlan:
+        if not request.mm_features or num_new_tokens <= 0:
+            return EncoderPlan(num_new_tokens)
+        plan = plan_encoder_inputs(
+            request,
+            num_computed_tokens,
+            num_new_tokens,
+            budget.num_encoder_embeds,
+            self.encoder_cache_manager,
+            budget.encoder_cache_open,
+        )
+        if plan.blocked_by_cache:
+            budget.encoder_cache_open = False
+        return plan
+
     def _schedule_running(
-        self, scheduled: dict[str, _ScheduledRequest], preempted: list[Request]
-    ) -> int:
-        """Schedule RUNNING requests in order, preempting from the back; return budget left."""
-        token_budget = self.scheduler_config.max_num_batched_tokens
+        self,
+        scheduled: dict[str, _ScheduledRequest],
+        preempted: list[Request],
+        budget: _StepBudget,
+    ) -> None:
+        """Schedule RUNNING requests in order, preempting from the back."""
         index = 0
-        while index < len(self.running) and token_budget > 0:
+        while index < len(self.running) and budget.num_tokens > 0:
             request = self.running[index]
             num_new_tokens = self._num_new_tokens(
-                request, request.num_computed_tokens, token_budget
+                request, request.num_computed_tokens, budget.num_tokens
             )
+            plan = self._plan_encoder(request, request.num_computed_tokens, num_new_tokens, budget)
+            num_new_tokens = plan.num_new_tokens
             if num_new_tokens <= 0:
                 index += 1
                 continue
@@ -185,37 +251,69 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break  # the request preempted itself; it was the last one running
-            scheduled[request.request_id] = _ScheduledRequest(
-                request, num_new_tokens, new_blocks.get_block_ids(), is_new=False
-            )
-            token_budget -= num_new_tokens
+            self._commit(scheduled, request, plan, new_blocks.get_block_ids(), budget, is_new=False)
             index += 1
-        return token_budget
+
+    def _commit(
+        self,
+        scheduled: dict[str, _ScheduledRequest],
+        request: Request,
+        plan: EncoderPlan,
+        block_ids: list[int],
+        budget: _StepBudget,
+        is_new: bool,
+    ) -> None:
+        """Record a request that got its KV slots: reserve its encoder entries, spend budget."""
+        commit_encoder_plan(request, plan, self.encoder_cache_manager)
+        num_hits = plan.num_hits + len(plan.share)
+        self.encoder_cache_queries += len(plan.encode) + num_hits
+        self.encoder_cache_hits += num_hits
+        budget.num_tokens -= plan.num_new_tokens
+        budget.num_encoder_embeds -= plan.num_embeds
+        scheduled[request.request_id] = _ScheduledRequest(
+            request, plan.num_new_tokens, block_ids, is_new, plan.encode
+        )
 
     def _preempt(self, request: Request) -> None:
         # NOTE: free() before resetting num_computed_tokens: it tells which blocks were written.
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_waiting(self, scheduled: dict[str, _ScheduledRequest], token_budget: int) -> None:
+    def _schedule_waiting(
+        self, scheduled: dict[str, _ScheduledRequest], budget: _StepBudget
+    ) -> None:
         """Admit WAITING requests FCFS; the first that cannot run this step stops admission."""
         config = self.scheduler_config
         kv = self.kv_cache_manager
-        while self.waiting and token_budget > 0 and len(self.running) < config.max_num_seqs:
+        while self.waiting and budget.num_tokens > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new_tokens = self._num_new_tokens(request, num_hit_tokens, token_budget)
-            if (
+            plan = self._plan_admission(request, num_hit_tokens, budget)
+            capped = hit_limit_for_blocked_plan(request, plan, self.block_size)
+            if capped < num_hit_tokens:
+                # The hit ends inside an item that cannot be encoded now: start before it instead,
+                # so the text ahead of the item can run meanwhile.
+                self.encoder_cache_manager.free(request)
+                num_hit_tokens = capped
+                hit_blocks = KVCacheBlocks(hit_blocks.blocks[: capped // self.block_size])
+                plan = self._plan_admission(request, num_hit_tokens, budget)
+            num_new_tokens = plan.num_new_tokens
+            if num_new_tokens <= 0 or (
                 not config.enable_chunked_prefill
                 and num_new_tokens < request.num_tokens - num_hit_tokens
             ):
-                break  # the whole prompt must run in one step; it waits for a fuller budget
+                # Cut to nothing before an item, or (without chunked prefill) not the whole
+                # prompt: it waits, holding no encoder references meanwhile.
+                self.encoder_cache_manager.free(request)
+                break
             new_blocks = kv.allocate_slots(request, num_new_tokens, num_hit_tokens, hit_blocks)
             if new_blocks is None:
+                self.encoder_cache_manager.free(request)
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -223,10 +321,14 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
-            scheduled[request.request_id] = _ScheduledRequest(
-                request, num_new_tokens, kv.get_block_ids(request.request_id), is_new=True
-            )
-            token_budget -= num_new_tokens
+            block_ids = kv.get_block_ids(request.request_id)
+            self._commit(scheduled, request, plan, block_ids, budget, is_new=True)
+
+    def _plan_admission(
+        self, request: Request, num_hit_tokens: int, budget: _StepBudget
+    ) -> EncoderPlan:
+        num_new_tokens = self._num_new_tokens(request, num_hit_tokens, budget.num_tokens)
+        return self._plan_encoder(request, num_hit_tokens, num_new_tokens, budget)
 
     def _make_output(
         self, scheduled: dict[str, _ScheduledRequest], preempted: list[Request]
@@ -261,6 +363,10 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
             preempted_req_ids={request.request_id for request in preempted},
+            scheduled_encoder_inputs={
+                req_id: r.encoder_inputs for req_id, r in scheduled.items() if r.encoder_inputs
+            },
+            free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
 
     # ---- after the step ----
@@ -268,7 +374,8 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
-        """Append sampled tokens, check stops, free finished requests, report what is new."""
+        """Release consumed encoder inputs, append sampled tokens, check stops, free finished
+        requests, report what is new."""
         runner = model_runner_output
         req_id_to_index = {req_id: i for i, req_id in enumerate(runner.req_ids)}
         outputs: list[EngineCoreOutput] = []
@@ -277,9 +384,10 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:  # finished (aborted) while the step ran
                 continue
+            free_consumed_encoder_inputs(request, self.encoder_cache_manager)
             index = req_id_to_index.get(req_id)
             sampled = runner.sampled_token_ids[index] if index is not None else []
-            new_token_ids = self._append_and_check_stop(request, sampled)
+            new_token_ids = append_and_check_stop(request, sampled, self.max_model_len)
             prompt_logprobs = runner.prompt_logprobs.get(req_id)
             if new_token_ids or request.is_finished or prompt_logprobs is not None:
                 outputs.append(
@@ -301,30 +409,3 @@ class Scheduler:
         if num_finished:
             self.running = [request for request in self.running if not request.is_finished]
         return EngineCoreOutputs(outputs=outputs)
-
-    def _append_and_check_stop(self, request: Request, sampled: list[int]) -> list[int]:
-        """Append tokens one by one; stop at the first that finishes the request."""
-        for count, token_id in enumerate(sampled, start=1):
-            request.append_output_token_ids([token_id])
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                request.status = status
-                return sampled[:count]
-        return list(sampled)
-
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        """A stop token ends the request only once more than ``min_tokens`` are out; length
-        limits always apply. A stop token wins over a length limit reached on the same token."""
-        params = request.sampling_params
-        if request.num_output_tokens > params.min_tokens:
-            if token_id == request.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None

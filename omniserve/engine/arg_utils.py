@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 
-from omniserve.config import CacheConfig, ModelConfig, OmniConfig, ParallelConfig, SchedulerConfig
+from omniserve.config import (
+    CacheConfig,
+    ModelConfig,
+    MultiModalConfig,
+    OmniConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 _UNITS = {
     "": 1,
@@ -22,6 +30,20 @@ _UNITS = {
     "gb": 1000**3,
     "gib": 1 << 30,
 }
+
+
+def _json_arg(name: str, value: dict | str | None) -> dict:
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--{name.replace('_', '-')} must be JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise ValueError(f"--{name.replace('_', '-')} must be a JSON object.")
+    return parsed
 
 
 def parse_bytes(value: str | int | None) -> int | None:
@@ -51,10 +73,18 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    limit_mm_per_prompt: dict[str, int] | str | None = None
+    mm_processor_kwargs: dict[str, object] | str | None = None
+    mm_processor_cache_gb: float = 4.0
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
+    allow_private_media_urls: bool = False
 
     def create_config(self, *, default_batched_tokens: int = 8192) -> OmniConfig:
         model_config = ModelConfig.from_path(
@@ -88,6 +118,18 @@ class EngineArgs:
                 max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                # Default: as large as the step's token budget, and never below 8192 embeddings.
+                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens
+                or max(8192, batched),
+                encoder_cache_size=self.encoder_cache_size or max(8192, batched),
+            ),
+            multimodal_config=MultiModalConfig(
+                limit_mm_per_prompt=_json_arg("limit_mm_per_prompt", self.limit_mm_per_prompt),
+                mm_processor_kwargs=_json_arg("mm_processor_kwargs", self.mm_processor_kwargs),
+                mm_processor_cache_gb=self.mm_processor_cache_gb,
+                allowed_local_media_path=self.allowed_local_media_path,
+                allowed_media_domains=tuple(self.allowed_media_domains or ()),
+                allow_private_media_urls=self.allow_private_media_urls,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -163,6 +205,24 @@ class EngineArgs:
             choices=[None, "uni", "mp", "ray"],
             help="How workers run; None: uni for one rank, mp for more.",
         )
+        mm = parser.add_argument_group("multimodal")
+        mm.add_argument("--limit-mm-per-prompt", default=None,
+                        help='Most items per modality in one prompt, as JSON: {"image": 4}.')
+        mm.add_argument("--mm-processor-kwargs", default=None,
+                        help='Default HF processor kwargs as JSON, e.g. {"max_pixels": 200704}.')
+        mm.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
+                        help="Encoder budget per step, in embeddings; None: max(8192, the token "
+                        "budget). One item larger than this (or the cache) is rejected.")
+        mm.add_argument("--encoder-cache-size", type=int, default=None,
+                        help="Encoder-output cache capacity, in embeddings; None: as above.")
+        mm.add_argument("--mm-processor-cache-gb", type=float, default=4.0,
+                        help="Processor-output cache size (0 disables it).")
+        mm.add_argument("--allowed-local-media-path", default=None,
+                        help="Serve file:// media only from under this directory.")
+        mm.add_argument("--allowed-media-domains", nargs="*", default=None,
+                        help="Only fetch http(s) media from these hosts.")
+        mm.add_argument("--allow-private-media-urls", action="store_true",
+                        help="Allow http(s) media from loopback/private addresses (testing).")
         return parser
 
     @classmethod

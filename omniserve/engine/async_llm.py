@@ -12,8 +12,6 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from transformers import AutoConfig
-
 from omniserve.config import OmniConfig
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.core_client import AsyncMPClient
@@ -23,7 +21,6 @@ from omniserve.engine.processor import Processor
 from omniserve.inputs.data import PromptType
 from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import SamplingParams
-from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +48,8 @@ class AsyncLLM:
     def __init__(self, config: OmniConfig, stat_loggers: list[Any] | None = None) -> None:
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer = get_tokenizer(self.model_config.tokenizer)
-        hf_config = AutoConfig.from_pretrained(self.model_config.model, local_files_only=True)
-        self.processor = Processor(
-            self.model_config,
-            self.tokenizer,
-            hf_config.get_text_config().vocab_size,
-            get_eos_token_ids(self.model_config.model, self.tokenizer),
-        )
+        self.processor = Processor(config)
+        self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = AsyncMPClient(config)
         self.stat_loggers = list(stat_loggers or [])
@@ -97,6 +88,7 @@ class AsyncLLM:
             params,
             children if params.n > 1 else None,
             queue=collector,
+            num_mm_tokens=processed.num_mm_tokens,
         )
         for stat_logger in self.stat_loggers:
             stat_logger.record_new_requests(processed.engine_requests)

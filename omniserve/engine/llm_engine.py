@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import AutoConfig
-
 from omniserve.config import OmniConfig
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.core_client import EngineCoreClient
@@ -14,21 +12,13 @@ from omniserve.engine.processor import Processor
 from omniserve.inputs.data import PromptType
 from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import SamplingParams
-from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
 
 
 class LLMEngine:
     def __init__(self, config: OmniConfig) -> None:
         self.config = config
-        model_config = config.model_config
-        self.tokenizer = get_tokenizer(model_config.tokenizer)
-        hf_config = AutoConfig.from_pretrained(model_config.model, local_files_only=True)
-        self.processor = Processor(
-            model_config,
-            self.tokenizer,
-            hf_config.get_text_config().vocab_size,
-            get_eos_token_ids(model_config.model, self.tokenizer),
-        )
+        self.processor = Processor(config)
+        self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCoreClient.make_client(config)
 
@@ -55,6 +45,7 @@ class LLMEngine:
             processed.prompt_token_ids,
             params,
             children if params.n > 1 else None,
+            num_mm_tokens=processed.num_mm_tokens,
         )
         for request in processed.engine_requests:
             self.engine_core.add_request(request)

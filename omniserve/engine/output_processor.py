@@ -99,6 +99,7 @@ class _ParentState:
     prompt_logprobs_ready: bool = False  # prefill done: the list is complete
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
+    num_mm_tokens: dict[str, int] = field(default_factory=dict)
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -135,6 +136,7 @@ class _ParentState:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             metrics=metrics,
+            num_mm_tokens=self.num_mm_tokens,
         )
 
 
@@ -156,6 +158,7 @@ class OutputProcessor:
         child_request_ids: list[str] | None = None,
         queue: OutputSink | None = None,
         arrival_time: float | None = None,
+        num_mm_tokens: dict[str, int] | None = None,
     ) -> None:
         """Register a request. ``child_request_ids``: the engine ids of its n children (n > 1);
         ``queue``: where its outputs go (else ``process_outputs`` returns them)."""
@@ -169,6 +172,7 @@ class OutputProcessor:
             sampling_params,
             queue,
             arrival_time if arrival_time is not None else time.time(),
+            num_mm_tokens=dict(num_mm_tokens or {}),
         )
         if sampling_params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]  # the first prompt token has no context

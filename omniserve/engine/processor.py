@@ -10,11 +10,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from omniserve.config import ModelConfig
+from transformers import AutoConfig
+
+from omniserve.config import OmniConfig
 from omniserve.engine.messages import EngineCoreRequest
 from omniserve.inputs.data import PromptType
-from omniserve.inputs.preprocess import InputPreprocessor
+from omniserve.inputs.preprocess import InputPreprocessor, ProcessedInputs
+from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.sampling_params import SamplingParams
+from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
 
 MAX_LOGPROBS = 20
 
@@ -25,6 +29,8 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     engine_requests: list[EngineCoreRequest]
     """One per sequence: a single request for n == 1, else the children."""
+    num_mm_tokens: dict[str, int]
+    """Placeholder tokens per modality in the prompt."""
 
 
 def child_request_id(parent_id: str, index: int) -> str:
@@ -32,14 +38,21 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 
 class Processor:
-    def __init__(
-        self, model_config: ModelConfig, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
-    ) -> None:
-        self.model_config = model_config
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
-        self.input_preprocessor = InputPreprocessor(tokenizer)
+    """Owns the front end's tokenizer and multimodal processor (with its cache)."""
+
+    def __init__(self, config: OmniConfig) -> None:
+        self.model_config = model_config = config.model_config
+        self.tokenizer: Any = get_tokenizer(model_config.tokenizer)
+        hf_config = AutoConfig.from_pretrained(model_config.model, local_files_only=True)
+        self.vocab_size = hf_config.get_text_config().vocab_size
+        self.eos_token_ids = get_eos_token_ids(model_config.model, self.tokenizer)
+        sched = config.scheduler_config
+        # An item larger than this can never be encoded in one step or held in the cache.
+        self.max_item_embeds = min(sched.max_num_encoder_input_tokens, sched.encoder_cache_size)
+        self.mm_processor = _create_mm_processor(config, self.tokenizer)
+        self.input_preprocessor = InputPreprocessor(
+            self.tokenizer, self.mm_processor, config.multimodal_config.mm_processor_kwargs
+        )
 
     def process_inputs(
         self,
@@ -55,6 +68,7 @@ class Processor:
         inputs = self.input_preprocessor.preprocess(prompt)
         token_ids = inputs.prompt_token_ids
         self._validate_prompt(token_ids)
+        self._validate_mm_budget(inputs)
         max_len = self.model_config.max_model_len
         max_tokens = max_len - len(token_ids)
         if params.max_tokens is not None:
@@ -77,9 +91,23 @@ class Processor:
                 for i in range(params.n)
             ]
         requests = [
-            EngineCoreRequest(rid, token_ids, p, eos, arrival, max_tokens) for rid, p in children
+            EngineCoreRequest(rid, token_ids, p, eos, arrival, max_tokens, inputs.mm_features)
+            for rid, p in children
         ]
-        return ProcessedRequest(inputs.prompt, token_ids, requests)
+        return ProcessedRequest(inputs.prompt, token_ids, requests, inputs.num_mm_tokens)
+
+    def _validate_mm_budget(self, inputs: ProcessedInputs) -> None:
+        for feature in inputs.mm_features:
+            num_embeds = feature.mm_position.num_embeds
+            if num_embeds > self.max_item_embeds:
+                raise MultiModalInputError(
+                    f"the item needs {num_embeds} embeddings, more than one encoder step or the "
+                    f"encoder cache can hold ({self.max_item_embeds}); send a smaller item "
+                    "(e.g. lower max_pixels or num_frames) or raise --max-num-encoder-input-tokens "
+                    "and --encoder-cache-size",
+                    stage="budget",
+                    modality=feature.modality,
+                )
 
     def _validate_params(self, params: SamplingParams) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -110,3 +138,21 @@ class Processor:
                 f"The prompt is {len(token_ids)} tokens long, which leaves no room to "
                 f"generate within max_model_len={max_len}."
             )
+
+
+def _create_mm_processor(config: OmniConfig, tokenizer: Any) -> Any | None:
+    """The model's multimodal processor with its cache, or None for a text-only model."""
+    from omniserve.multimodal.cache import ProcessorCache
+    from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
+
+    if not MULTIMODAL_REGISTRY.supports_multimodal(config.model_config):
+        return None
+    mm = config.multimodal_config
+    cache = (
+        ProcessorCache(int(mm.mm_processor_cache_gb * (1 << 30)))
+        if mm.mm_processor_cache_gb
+        else None
+    )
+    return MULTIMODAL_REGISTRY.create_processor(
+        config.model_config, tokenizer, cache=cache, limit_mm_per_prompt=mm.limit_mm_per_prompt
+    )

@@ -1,74 +1,265 @@
-"""Chat messages (OpenAI shape) -> a rendered prompt, through the checkpoint's chat template."""
+"""Chat messages (OpenAI shape) -> a rendered prompt plus the media they attach.
+
+Content parts: text (``text``, ``input_text``, ``output_text``, ``refusal``), ``image_url``
+(``{"url", "detail"}`` or a bare string; ``detail`` is accepted and ignored), ``input_audio``
+(``{"data": base64, "format"}``), ``audio_url``, ``video_url``, the shorthand forms
+``{"image_url": ...}`` / ``{"audio_url": ...}`` / ``{"video_url": ...}``, and for offline use
+``image_pil`` (a PIL image) and ``audio_array`` ((waveform, rate)).
+
+Media parts become placeholders the model's processor later expands: passed to the chat template as
+typed parts when the template iterates over content parts ("openai" format), otherwise as the
+model's placeholder string inside the text ("string" format), as vLLM's "auto" mode decides.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from omniserve.multimodal.errors import MultiModalInputError
+
 TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
+MEDIA_PART_TYPES = {"image_url": "image", "image_pil": "image", "input_audio": "audio",
+                    "audio_url": "audio", "audio_array": "audio", "video_url": "video"}
+# A template that reads content parts itself ("openai" content format).
+_PARTS_TEMPLATE = re.compile(
+    r"""\[\s*['"]type['"]\s*\]|\.type\b|for\s+\w+\s+in\s+message\s*(\[\s*['"]content['"]\s*\]"""
+    r"""|\.content)""")
 
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered (bad shape, unsupported part, no template)."""
 
 
-def parse_chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Normalise messages to ``{"role", "content": str}`` (plus tool fields passed through)."""
+@dataclass
+class _PendingMedia:
+    modality: str
+    location: str
+    kind: str  # the part type
+    payload: Any
+
+
+@dataclass
+class ChatInputs:
+    """A parsed conversation: messages for the template, and media to load in order."""
+
+    conversation: list[dict[str, Any]]
+    pending: list[_PendingMedia] = field(default_factory=list)
+
+    @property
+    def has_media(self) -> bool:
+        return bool(self.pending)
+
+
+def detect_content_format(template: str | None) -> str:
+    return "openai" if template and _PARTS_TEMPLATE.search(template) else "string"
+
+
+def parse_chat_messages(messages: list[dict[str, Any]], *, content_format: str = "string",
+                        placeholder: Callable[[str, int], str] | None = None) -> ChatInputs:
+    """Normalise messages; collect media parts (not loaded yet) in prompt order.
+
+    ``placeholder(modality, index)`` gives the model's placeholder text; None means the model
+    takes no media, so a media part is an error naming the part.
+    """
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages must be a non-empty list.")
-    conversation = []
+    inputs = ChatInputs([])
+    counts: dict[str, int] = {}
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise ChatTemplateError(f"messages[{i}] must be an object with a 'role'.")
         content = message.get("content")
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            text = "\n".join(_part_text(i, j, part) for j, part in enumerate(content))
-        else:
+        if content is None or isinstance(content, str):
+            inputs.conversation.append({**message, "content": content or ""})
+            continue
+        if not isinstance(content, list):
             raise ChatTemplateError(f"messages[{i}].content must be a string or a list of parts.")
-        conversation.append({**message, "content": text})
-    return conversation
+        parts = [_parse_part(i, j, part, inputs, counts, placeholder)
+                 for j, part in enumerate(content)]
+        if content_format == "openai":
+            rendered: Any = [p if isinstance(p, dict) else {"type": "text", "text": p}
+                             for p in parts]
+        else:
+            rendered = "\n".join(p if isinstance(p, str) else p["placeholder"] for p in parts)
+        inputs.conversation.append({**message, "content": rendered})
+    return inputs
 
 
-def _part_text(i: int, j: int, part: Any) -> str:
+def _parse_part(i: int, j: int, part: Any, inputs: ChatInputs, counts: dict[str, int],
+                placeholder: Callable[[str, int], str] | None) -> str | dict[str, Any]:
+    location = f"messages[{i}].content[{j}]"
     if isinstance(part, str):
         return part
     if not isinstance(part, dict):
-        raise ChatTemplateError(f"messages[{i}].content[{j}] must be an object.")
-    kind = part.get("type", "text")
+        raise ChatTemplateError(f"{location} must be an object.")
+    kind = part.get("type")
+    if kind is None:  # shorthand: {"image_url": ...}
+        kind = next((k for k in MEDIA_PART_TYPES if k in part), "text")
     if kind in TEXT_PART_TYPES:
         text = part.get("text", part.get(kind))
         if not isinstance(text, str):
-            raise ChatTemplateError(f"messages[{i}].content[{j}] ({kind}) has no text.")
+            raise ChatTemplateError(f"{location} ({kind}) has no text.")
         return text
-    raise ChatTemplateError(
-        f"messages[{i}].content[{j}]: content part type {kind!r} is not supported by this model."
-    )
+    modality = MEDIA_PART_TYPES.get(kind)
+    if modality is None:
+        raise ChatTemplateError(f"{location}: content part type {kind!r} is not supported.")
+    if placeholder is None:
+        raise MultiModalInputError("this model takes no multimodal input", stage="process",
+                                   modality=modality, location=location)
+    payload = part.get(kind)
+    if payload is None:
+        raise MultiModalInputError(f"the {kind!r} part has no {kind!r} field", stage="fetch",
+                                   modality=modality, location=location)
+    index = counts.get(modality, 0)
+    counts[modality] = index + 1
+    inputs.pending.append(_PendingMedia(modality, location, kind, payload))
+    return {"type": modality, "placeholder": placeholder(modality, index)}
 
 
-def apply_chat_template(
-    tokenizer: Any,
-    conversation: list[dict[str, Any]],
-    *,
-    chat_template: str | None = None,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    chat_template_kwargs: dict[str, Any] | None = None,
-) -> str:
+def _media_url(item: _PendingMedia) -> str:
+    payload = item.payload
+    if item.kind == "input_audio":
+        if not isinstance(payload, dict) or not isinstance(payload.get("data"), str):
+            raise MultiModalInputError("input_audio needs {'data': base64, 'format': ...}",
+                                       stage="decode", modality="audio", location=item.location)
+        return f"data:audio/{payload.get('format') or 'wav'};base64,{payload['data']}"
+    url = payload.get("url") if isinstance(payload, dict) else payload
+    if not isinstance(url, str) or not url:
+        raise MultiModalInputError(f"{item.kind} needs a 'url'", stage="fetch",
+                                   modality=item.modality, location=item.location)
+    return url
+
+
+def _fetch_kwargs(item: _PendingMedia, mm_processor_kwargs: dict[str, Any]) -> dict[str, Any]:
+    if item.modality != "video":
+        return {}
+    return {k: mm_processor_kwargs[k] for k in ("num_frames", "fps") if k in mm_processor_kwargs}
+
+
+def load_media(inputs: ChatInputs, connector: Any,
+               mm_processor_kwargs: dict[str, Any] | None = None) -> dict[str, list[Any]]:
+    """Fetch and decode every media part, in order; errors name the part."""
+    mm_data: dict[str, list[Any]] = {}
+    for item in inputs.pending:
+        if item.kind in ("image_pil", "audio_array"):
+            value = item.payload
+        else:
+            fetch = getattr(connector, f"fetch_{item.modality}")
+            try:
+                value = fetch(_media_url(item), **_fetch_kwargs(item, mm_processor_kwargs or {}))
+            except MultiModalInputError as exc:
+                raise exc.at(item.location) from exc
+        mm_data.setdefault(item.modality, []).append(value)
+    return mm_data
+
+
+async def load_media_async(inputs: ChatInputs, connector: Any,
+                           mm_processor_kwargs: dict[str, Any] | None = None
+                           ) -> dict[str, list[Any]]:
+    """``load_media`` with every fetch running concurrently off the event loop."""
+
+    async def one(item: _PendingMedia) -> Any:
+        if item.kind in ("image_pil", "audio_array"):
+            return item.payload
+        fetch = getattr(connector, f"fetch_{item.modality}_async")
+        try:
+            return await fetch(_media_url(item),
+                               **_fetch_kwargs(item, mm_processor_kwargs or {}))
+        except MultiModalInputError as exc:
+            raise exc.at(item.location) from exc
+
+    values = await asyncio.gather(*(one(item) for item in inputs.pending))
+    mm_data: dict[str, list[Any]] = {}
+    for item, value in zip(inputs.pending, values, strict=True):
+        mm_data.setdefault(item.modality, []).append(value)
+    return mm_data
+
+
+def apply_chat_template(tokenizer: Any, conversation: list[dict[str, Any]], *,
+                        chat_template: str | None = None, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> str:
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("The tokenizer has no chat template; pass --chat-template.")
     if add_generation_prompt and continue_final_message:
         raise ChatTemplateError("add_generation_prompt and continue_final_message are exclusive.")
     try:
         return tokenizer.apply_chat_template(
-            conversation,
-            chat_template=chat_template,
-            tokenize=False,
+            conversation, chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {}),
-        )
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
     except Exception as exc:  # jinja errors are many types; all mean "cannot render"
         raise ChatTemplateError(f"Cannot apply the chat template: {exc}") from exc
+
+
+class ChatRenderer:
+    """Messages -> an engine prompt (token ids of the templated text + the loaded media).
+
+    Shared by ``LLM.chat`` and the API server, so both render and load media identically.
+    """
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None,
+                 placeholder: Callable[[str, int], str] | None = None,
+                 connector: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.placeholder = placeholder
+        self.connector = connector
+        self.content_format = detect_content_format(
+            chat_template or getattr(tokenizer, "chat_template", None))
+
+    @classmethod
+    def from_config(cls, config: Any, tokenizer: Any,
+                    chat_template: str | None = None) -> ChatRenderer:
+        from omniserve.multimodal.media import MediaConfig, MediaConnector
+        from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
+        from omniserve.registry import ModelRegistry
+
+        placeholder, connector = None, None
+        if MULTIMODAL_REGISTRY.supports_multimodal(config.model_config):
+            model_cls = ModelRegistry.resolve_model_cls(config.model_config.architecture)
+            placeholder = model_cls.get_placeholder_str
+            mm = config.multimodal_config
+            connector = MediaConnector(MediaConfig(
+                allowed_local_media_path=mm.allowed_local_media_path,
+                allowed_media_domains=mm.allowed_media_domains,
+                allow_private_addresses=mm.allow_private_media_urls))
+        return cls(tokenizer, chat_template=chat_template, placeholder=placeholder,
+                   connector=connector)
+
+    def _parse(self, messages: list[dict[str, Any]]) -> ChatInputs:
+        return parse_chat_messages(messages, content_format=self.content_format,
+                                   placeholder=self.placeholder)
+
+    def _prompt(self, inputs: ChatInputs, mm_data: dict[str, list[Any]],
+                mm_processor_kwargs: dict[str, Any] | None, **template_kwargs: Any
+                ) -> dict[str, Any]:
+        text = apply_chat_template(self.tokenizer, inputs.conversation,
+                                   chat_template=self.chat_template, **template_kwargs)
+        # The template already holds any BOS; do not let the tokenizer add another.
+        prompt: dict[str, Any] = {
+            "prompt": text,
+            "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
+        if mm_data:
+            prompt["multi_modal_data"] = mm_data
+        if mm_processor_kwargs:
+            prompt["mm_processor_kwargs"] = dict(mm_processor_kwargs)
+        return prompt
+
+    def render(self, messages: list[dict[str, Any]], *,
+               mm_processor_kwargs: dict[str, Any] | None = None,
+               **template_kwargs: Any) -> dict[str, Any]:
+        inputs = self._parse(messages)
+        mm_data = load_media(inputs, self.connector, mm_processor_kwargs)
+        return self._prompt(inputs, mm_data, mm_processor_kwargs, **template_kwargs)
+
+    async def render_async(self, messages: list[dict[str, Any]], *,
+                           mm_processor_kwargs: dict[str, Any] | None = None,
+                           **template_kwargs: Any) -> dict[str, Any]:
+        inputs = self._parse(messages)
+        mm_data = await load_media_async(inputs, self.connector, mm_processor_kwargs)
+        return self._prompt(inputs, mm_data, mm_processor_kwargs, **template_kwargs)

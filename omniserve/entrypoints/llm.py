@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.llm_engine import LLMEngine
-from omniserve.entrypoints.chat_utils import apply_chat_template, parse_chat_messages
+from omniserve.entrypoints.chat_utils import ChatRenderer
 from omniserve.inputs.data import PromptType
 from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import SamplingParams
@@ -59,23 +59,20 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the chat template, then generate."""
+        """Render each conversation with the chat template (loading any attached media), then
+        generate. Content parts are those of the OpenAI API, plus ``image_pil`` and
+        ``audio_array`` for in-memory media."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.get_tokenizer()
-        prompts: list[PromptType] = []
-        for conversation in conversations:
-            text = apply_chat_template(
-                tokenizer,
-                parse_chat_messages(conversation),
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template_kwargs=chat_template_kwargs,
-            )
-            # The template already holds any BOS; do not let the tokenizer add another.
-            ids = tokenizer(text, add_special_tokens=False).input_ids
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        renderer = ChatRenderer.from_config(self.llm_engine.config, self.get_tokenizer(),
+                                            chat_template)
+        prompts: list[PromptType] = [
+            renderer.render(conversation, mm_processor_kwargs=mm_processor_kwargs,
+                            add_generation_prompt=add_generation_prompt,
+                            continue_final_message=continue_final_message,
+                            chat_template_kwargs=chat_template_kwargs)
+            for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:

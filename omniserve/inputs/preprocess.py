@@ -1,42 +1,89 @@
-"""InputPreprocessor: a prompt in any accepted form -> token ids (and, later, multimodal inputs)."""
+"""InputPreprocessor: a prompt in any accepted form -> token ids and multimodal items.
+
+Text and token-id prompts take one path: with ``multi_modal_data`` both go through the model's
+multimodal processor, which runs the HF processor on the media only and expands each placeholder
+into the item's tokens itself.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from omniserve.inputs.data import PromptType
+from omniserve.multimodal.errors import MultiModalInputError
+from omniserve.multimodal.inputs import MultiModalFeatureSpec
 
 
 @dataclass
 class ProcessedInputs:
     prompt: str | None
     prompt_token_ids: list[int]
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
+    num_mm_tokens: dict[str, int] = field(default_factory=dict)
+    """Placeholder tokens per modality (for usage.prompt_tokens_details)."""
 
 
 class InputPreprocessor:
-    """Tokenizes text prompts; validates token-id prompts. One path for both."""
-
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        mm_processor: Any | None = None,
+        default_mm_kwargs: dict[str, object] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.mm_processor = mm_processor
+        self.default_mm_kwargs = dict(default_mm_kwargs or {})
 
     def preprocess(self, prompt: PromptType) -> ProcessedInputs:
         if isinstance(prompt, str):
             return ProcessedInputs(prompt, self._tokenize(prompt))
         if not isinstance(prompt, dict):
             raise TypeError(f"A prompt must be a str or a dict, got {type(prompt).__name__}.")
-        if prompt.get("multi_modal_data"):
-            raise ValueError("This model takes no multimodal data (multi_modal_data was given).")
-        if "prompt_token_ids" in prompt:
-            token_ids = prompt["prompt_token_ids"]
-            if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
-                raise TypeError("prompt_token_ids must be a list of ints.")
-            return ProcessedInputs(prompt.get("prompt"), list(token_ids))  # type: ignore[arg-type]
-        if "prompt" in prompt:
-            if not isinstance(prompt["prompt"], str):
-                raise TypeError("'prompt' must be a str.")
-            return ProcessedInputs(prompt["prompt"], self._tokenize(prompt["prompt"]))
-        raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise TypeError("'prompt' must be a str.")
+        token_ids = prompt.get("prompt_token_ids")
+        if token_ids is not None and (
+            not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids)
+        ):
+            raise TypeError("prompt_token_ids must be a list of ints.")
+        if text is None and token_ids is None:
+            raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        mm_data = prompt.get("multi_modal_data")
+        if mm_data:
+            return self._process_multimodal(
+                text, token_ids, mm_data, prompt.get("mm_processor_kwargs") or {}
+            )
+        if token_ids is None:
+            token_ids = self._tokenize(text)  # type: ignore[arg-type]
+        return ProcessedInputs(text, list(token_ids))
+
+    def _process_multimodal(
+        self,
+        text: str | None,
+        token_ids: list[int] | None,
+        mm_data: dict[str, Any],
+        mm_kwargs: dict[str, object],
+    ) -> ProcessedInputs:
+        if self.mm_processor is None:
+            modality = next(iter(mm_data), None)
+            raise MultiModalInputError(
+                "this model takes no multimodal input", stage="process", modality=modality
+            )
+        if not isinstance(mm_kwargs, dict):
+            raise TypeError("mm_processor_kwargs must be a dict.")
+        result = self.mm_processor.apply(
+            token_ids if token_ids is not None else text,
+            mm_data,
+            {**self.default_mm_kwargs, **mm_kwargs},
+        )
+        return ProcessedInputs(
+            text,
+            list(result.prompt_token_ids),
+            list(result.mm_features),
+            dict(result.num_tokens_by_modality),
+        )
 
     def _tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text).input_ids)

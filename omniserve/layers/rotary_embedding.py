@@ -5,10 +5,11 @@ Frequencies come from the config's ``rope_parameters`` (transformers 5.x): the d
 scaled variants match HF by construction. ``cos``/``sin`` are computed once per forward from the
 positions and shared by every layer.
 
-Extension point for M-RoPE (Qwen2-VL and later): subclass ``RotaryEmbedding`` and override
-``forward`` to accept ``positions`` of shape ``[3, num_tokens]`` (temporal, height, width) and
-return the same ``[num_tokens, rotary_dim]`` cos/sin, assembled per frequency section;
-``apply_rotary_emb`` and the layers stay unchanged.
+M-RoPE (Qwen2-VL, Qwen2.5-VL): ``MRotaryEmbedding`` takes ``positions`` of shape
+``[3, num_tokens]`` (temporal, height, width) and returns the same ``[num_tokens, rotary_dim]``
+cos/sin, each frequency section taking its angle from one of the three rows; ``get_rope`` picks
+it when ``rope_parameters`` carry an ``mrope_section``. ``apply_rotary_emb`` and the layers stay
+unchanged.
 """
 
 from __future__ import annotations
@@ -44,6 +45,45 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq  # [num_tokens, rotary_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, rotary_dim]
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE: ``[3, num_tokens]`` positions -> (cos, sin), each ``[num_tokens, rotary_dim]``.
+
+    The ``rotary_dim // 2`` frequencies are cut into consecutive sections (``mrope_section``, e.g.
+    16/24/24); section i rotates by the position on axis ``i % 3``, the layout transformers'
+    Qwen2-VL rotary embedding builds. Text tokens carry equal rows, which makes this plain RoPE,
+    so 1-D positions are accepted as well.
+    """
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        inv_freq: torch.Tensor,
+        mrope_section: list[int],
+        attention_scaling: float = 1.0,
+    ) -> None:
+        super().__init__(head_size, rotary_dim, inv_freq, attention_scaling)
+        if sum(mrope_section) != rotary_dim // 2:
+            raise ValueError(
+                f"mrope_section {mrope_section} must sum to rotary_dim // 2 = {rotary_dim // 2}."
+            )
+        self.mrope_section = list(mrope_section)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.ndim == 1:
+            return super().forward(positions, dtype)
+        freqs = positions[..., None].float() * self.inv_freq  # [3, num_tokens, rotary_dim // 2]
+        sections = freqs.split(self.mrope_section, dim=-1)
+        # [num_tokens, rotary_dim // 2]: section i from axis i % 3
+        freqs = torch.cat([s[i % 3] for i, s in enumerate(sections)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, rotary_dim]
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
@@ -93,5 +133,9 @@ def get_rope(config: Any, head_size: int) -> RotaryEmbedding:
         raise ValueError(
             f"RoPE produced {inv_freq.shape[0]} frequencies for rotary_dim "
             f"{rotary_dim}; check head_dim / partial_rotary_factor in the config."
+        )
+    if "mrope_section" in params:
+        return MRotaryEmbedding(
+            head_size, rotary_dim, inv_freq, params["mrope_section"], attention_scaling
         )
     return RotaryEmbedding(head_size, rotary_dim, inv_freq, attention_scaling)

@@ -6,11 +6,12 @@ preallocated numpy rows (one row per request) that each step indexes, instead of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
 
 
@@ -24,6 +25,9 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     eos_token_id: int | None
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
+    mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] for M-RoPE models
+    mrope_delta: int = 0  # a generated token at position p sits at p + delta on all axes
 
     @property
     def num_prompt_tokens(self) -> int:

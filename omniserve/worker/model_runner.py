@@ -19,6 +19,7 @@ from omniserve.config import CacheConfig, SchedulerConfig
 from omniserve.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from omniserve.forward_context import set_forward_context
 from omniserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
+from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
 
 
@@ -56,6 +57,9 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.encoder_runner = (EncoderRunner(model, device)
+                               if getattr(model, "supports_multimodal", False) else None)
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, dtype: torch.dtype) -> int:
@@ -90,9 +94,13 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         step = self._prepare_inputs(scheduler_output)
-        positions = torch.from_numpy(step.positions).to(self.device)
+        input_ids, inputs_embeds = step.input_ids, None
+        if self.encoder_runner is not None:
+            inputs_embeds = self._embed_with_mm(scheduler_output, step)
+            input_ids = None
         with set_forward_context(step.attn_metadata):
-            hidden_states = self.model(step.input_ids, positions)  # [num_tokens, hidden]
+            hidden_states = self.model(  # [num_tokens, hidden]
+                input_ids, self._positions(step), inputs_embeds=inputs_embeds)
         logits = self.model.compute_logits(hidden_states[step.logits_indices])  # [S, vocab]
         sample_rows = step.rows[step.sample_mask]
         sampler_output = self.sampler(logits, self._sampling_metadata(sample_rows))
@@ -115,8 +123,34 @@ class ModelRunner:
         output.prompt_logprobs = self._prompt_logprobs(step, hidden_states)
         return output
 
+    def _embed_with_mm(self, so: SchedulerOutput, step: StepInputs) -> torch.Tensor:
+        """Run this step's encoder inputs, then merge the slices each window needs."""
+        assert self.encoder_runner is not None
+        states = [self.input_batch.states[int(r)] for r in step.rows]
+        features = [s.mm_features for s in states]  # type: ignore[union-attr]
+        self.encoder_runner.execute(so, dict(zip(step.req_ids, features, strict=True)))
+        starts = self.input_batch.num_computed_tokens[step.rows]
+        windows = list(zip(starts.tolist(), (starts + step.query_lens).tolist(), strict=True))
+        mm_embeds, is_mm = self.encoder_runner.gather(windows, features, len(step.positions))
+        return self.model.get_input_embeddings(step.input_ids, mm_embeds, is_mm)
+
+    def _positions(self, step: StepInputs) -> torch.Tensor:
+        if not self.uses_mrope:
+            return torch.from_numpy(step.positions).to(self.device)  # [num_tokens]
+        batch = self.input_batch
+        parts = []
+        for row, query_len in zip(step.rows.tolist(), step.query_lens.tolist(), strict=True):
+            state = batch.states[row]
+            assert state is not None and state.mrope_positions is not None
+            start = int(batch.num_computed_tokens[row])
+            parts.append(mrope_positions(state.mrope_positions, state.mrope_delta, start,
+                                         start + query_len, state.num_prompt_tokens))
+        return torch.cat(parts, dim=1).to(self.device)  # [3, num_tokens]
+
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
+        if self.encoder_runner is not None:
+            self.encoder_runner.free(so.free_encoder_mm_hashes)
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             batch.remove_request(req_id)
         for new in so.scheduled_new_reqs:
@@ -132,7 +166,11 @@ class ModelRunner:
                 params,
                 generator,
                 new.eos_token_id,
+                list(new.mm_features),
             )
+            if self.uses_mrope:
+                state.mrope_positions, state.mrope_delta = self.model.get_mrope_input_positions(
+                    state.prompt_token_ids, state.mm_features)
             batch.add_request(state, new.block_ids, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(

@@ -250,7 +250,7 @@ def _api_router(engine: AsyncLLM, chat: OpenAIServingChat,
 
     @router.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        return _tokenize(completion, request)
+        return await _tokenize(completion, request)
 
     @router.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
@@ -263,19 +263,23 @@ def _api_router(engine: AsyncLLM, chat: OpenAIServingChat,
     return router
 
 
-def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> TokenizeResponse:
+async def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> TokenizeResponse:
+    """Token ids as the engine will see them: media placeholders expanded to their tokens."""
     serving.check_model(request.model)
     try:
         if isinstance(request, TokenizeChatRequest):
-            prompt = serving.render_chat(
+            prompt = await serving.render_chat(
                 request.messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs)
         else:
             prompt = serving.tokenize_text(request.prompt, request.add_special_tokens)
+        ids = prompt.token_ids
+        if prompt.mm_data:
+            preprocessor = serving.engine.processor.input_preprocessor
+            ids = preprocessor.preprocess(prompt.to_engine_input()).prompt_token_ids
     except ValueError as exc:
         raise to_serving_error(exc) from exc
-    ids = prompt.token_ids
     strs = serving.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids,
                             token_strs=strs)

@@ -49,10 +49,18 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+    image_tokens: int = 0
+    audio_tokens: int = 0
+    video_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -116,6 +124,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """Per-request HF processor kwargs, e.g. {"max_pixels": 200704, "num_frames": 8}."""
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

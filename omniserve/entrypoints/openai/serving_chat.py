@@ -38,10 +38,11 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         self.check_engine()
         try:
-            prompt = self.render_chat(
+            prompt = await self.render_chat(
                 request.messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs)
+                chat_template_kwargs=request.chat_template_kwargs,
+                mm_processor_kwargs=request.mm_processor_kwargs)
         except ValueError as exc:
             raise to_serving_error(exc) from exc
         prompt_len = len(prompt.token_ids)
@@ -50,7 +51,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.new_request_id("chatcmpl")
         (generator,) = await self.start_generation([prompt], params, request_id)
         if request.stream:
-            return self._stream(request, request_id, prompt_len, generator)
+            return self._stream(request, request_id, generator)
         return await self._full(request, request_id, generator)
 
     async def _full(self, request: ChatCompletionRequest, request_id: str,
@@ -68,12 +69,11 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=self._logprobs(out, request.top_logprobs) if request.logprobs else None,
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             for out in sorted(final.outputs, key=lambda o: o.index)]
-        usage = self.usage(len(final.prompt_token_ids),
-                           sum(len(out.token_ids) for out in final.outputs))
+        usage = self.usage([final], sum(len(out.token_ids) for out in final.outputs))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage)
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, prompt_len: int,
+    async def _stream(self, request: ChatCompletionRequest, request_id: str,
                       generator: OutputStream) -> EventStream:
         """OpenAI's chunk sequence: a role chunk per choice, content deltas, usage, [DONE]."""
         created = int(time.time())
@@ -89,7 +89,9 @@ class OpenAIServingChat(OpenAIServing):
             for index in range(request.n):
                 yield chunk([ChatCompletionStreamChoice(
                     index=index, delta={"role": "assistant", "content": ""})])
+            latest: list[RequestOutput] = []
             async for output in generator:
+                latest = [output]
                 for out in output.outputs:
                     num_generated[out.index] += len(out.token_ids)
                     wants_logprobs = request.logprobs and out.token_ids
@@ -100,11 +102,11 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs=(self._logprobs(out, request.top_logprobs)
                                   if wants_logprobs else None),
                         finish_reason=out.finish_reason, stop_reason=out.stop_reason)
-                    running = (self.usage(prompt_len, sum(num_generated))
+                    running = (self.usage(latest, sum(num_generated))
                                if options and options.continuous_usage_stats else None)
                     yield chunk([choice], running)
             if options and options.include_usage:
-                yield chunk([], self.usage(prompt_len, sum(num_generated)))
+                yield chunk([], self.usage(latest, sum(num_generated)))
         except Exception as exc:  # e.g. the engine died mid-stream: tell the client in-band
             yield sse_event(to_serving_error(exc).to_response())
         finally:

@@ -86,7 +86,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + out.index, text=text, logprobs=logprobs,
                     finish_reason=out.finish_reason, stop_reason=out.stop_reason))
-        usage = self.usage(sum(len(p.token_ids) for p in prompts), num_generated)
+        usage = self.usage([f for f in finals if f is not None], num_generated)
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                   usage=usage)
 
@@ -95,7 +95,7 @@ class OpenAIServingCompletion(OpenAIServing):
                       generators: list[OutputStream]) -> EventStream:
         created = int(time.time())
         options = request.stream_options
-        num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        latest: dict[int, RequestOutput] = {}  # prompt index -> its latest output (for usage)
         num_generated = 0
         echoed: set[int] = set()  # choice indices whose prompt was already echoed
         offsets: dict[int, int] = {}  # choice index -> text offset of its next logprobs token
@@ -108,6 +108,7 @@ class OpenAIServingCompletion(OpenAIServing):
         outputs = merge_async_iterators(*generators)
         try:
             async for i, output in outputs:
+                latest[i] = output
                 for out in output.outputs:
                     index = i * request.n + out.index
                     num_generated += len(out.token_ids)
@@ -123,13 +124,13 @@ class OpenAIServingCompletion(OpenAIServing):
                         offsets[index] = _end_offset(logprobs, offsets.get(index, 0))
                     if not (text or out.finish_reason or logprobs):
                         continue
-                    running = (self.usage(num_prompt_tokens, num_generated)
+                    running = (self.usage(list(latest.values()), num_generated)
                                if options and options.continuous_usage_stats else None)
                     yield chunk([CompletionResponseChoice(
                         index=index, text=text, logprobs=logprobs,
                         finish_reason=out.finish_reason, stop_reason=out.stop_reason)], running)
             if options and options.include_usage:
-                yield chunk([], self.usage(num_prompt_tokens, num_generated))
+                yield chunk([], self.usage(list(latest.values()), num_generated))
         except Exception as exc:  # e.g. the engine died mid-stream: tell the client in-band
             yield sse_event(to_serving_error(exc).to_response())
         finally:

@@ -18,10 +18,11 @@ from typing import Any, TypeVar
 
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineDeadError
-from omniserve.entrypoints.chat_utils import apply_chat_template, parse_chat_messages
+from omniserve.entrypoints.chat_utils import ChatRenderer
 from omniserve.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
 )
@@ -118,9 +119,16 @@ class EnginePrompt:
 
     text: str | None
     token_ids: list[int]
+    mm_data: dict[str, list[Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def to_engine_input(self) -> dict[str, Any]:
-        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+        prompt: dict[str, Any] = {"prompt": self.text, "prompt_token_ids": self.token_ids}
+        if self.mm_data:
+            prompt["multi_modal_data"] = self.mm_data
+        if self.mm_processor_kwargs:
+            prompt["mm_processor_kwargs"] = self.mm_processor_kwargs
+        return prompt
 
 
 class OpenAIServing:
@@ -132,7 +140,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
         self.served_model_names = served_model_names
-        self.chat_template = chat_template
+        self.renderer = ChatRenderer.from_config(engine.config, engine.tokenizer, chat_template)
 
     @property
     def model_name(self) -> str:
@@ -155,16 +163,22 @@ class OpenAIServing:
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
         return EnginePrompt(text, list(ids))
 
-    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                    continue_final_message: bool,
-                    chat_template_kwargs: dict[str, Any] | None) -> EnginePrompt:
-        """Messages -> the templated prompt; the template already holds any BOS."""
-        text = apply_chat_template(
-            self.tokenizer, parse_chat_messages(messages), chat_template=self.chat_template,
+    async def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                          continue_final_message: bool,
+                          chat_template_kwargs: dict[str, Any] | None,
+                          mm_processor_kwargs: dict[str, Any] | None = None) -> EnginePrompt:
+        """Messages -> the templated prompt and its media, fetched concurrently.
+
+        The token count here is before placeholder expansion; the engine's processor checks
+        the expanded prompt against max_model_len again.
+        """
+        prompt = await self.renderer.render_async(
+            messages, mm_processor_kwargs=mm_processor_kwargs,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs)
-        return self.tokenize_text(text, add_special_tokens=False)
+        return EnginePrompt(prompt["prompt"], prompt["prompt_token_ids"],
+                            prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs"))
 
     def check_token_ids(self, token_ids: list[int]) -> EnginePrompt:
         if not token_ids:
@@ -232,9 +246,17 @@ class OpenAIServing:
         return sorted(position.items(), key=lambda item: -item[1].logprob)[:k]
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def usage(outputs: list[RequestOutput], completion_tokens: int) -> UsageInfo:
+        """Usage over the prompts' (expanded) tokens, with OpenAI's prompt_tokens_details:
+        prefix-cache hits and the tokens that stand for images, audio and video."""
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        details = PromptTokensDetails(
+            cached_tokens=sum(o.num_cached_tokens for o in outputs),
+            **{f"{m}_tokens": sum(o.num_mm_tokens.get(m, 0) for o in outputs)
+               for m in ("image", "audio", "video")})
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+                         total_tokens=prompt_tokens + completion_tokens,
+                         prompt_tokens_details=details)
 
     async def start_generation(self, prompts: list[EnginePrompt], params: SamplingParams,
                                request_id: str) -> list[OutputStream]:

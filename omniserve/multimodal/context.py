@@ -1,0 +1,147 @@
+"""What a model family states about its multimodal inputs, apart from processing them.
+
+``InputProcessingContext`` (checkpoint, tokenizer, front-end settings and the cached HF
+processor), ``BaseProcessingInfo`` (supported modalities and limits, analytic token counts) and
+``BaseDummyInputsBuilder`` (worst-case inputs for the profile run).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from omniserve.config import ModelConfig
+from omniserve.multimodal.errors import MultiModalInputError
+from omniserve.multimodal.parse import MultiModalDataParser
+
+
+class InputProcessingContext:
+    """The model's checkpoint, tokenizer and front-end settings, shared by info and processor."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        *,
+        mm_processor_kwargs: Mapping[str, object] | None = None,
+        limit_mm_per_prompt: Mapping[str, int] | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.mm_processor_kwargs = dict(mm_processor_kwargs or {})
+        """Defaults for every request (``--mm-processor-kwargs``); requests override them."""
+        self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
+        self._hf_processors: dict[str, Any] = {}
+
+    @cached_property
+    def hf_config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.model_config.model, local_files_only=True)
+
+    def get_hf_processor(self, **kwargs: object) -> Any:
+        """The checkpoint's HF processor (local files only), built once per distinct kwargs."""
+        key = repr(sorted(kwargs.items()))
+        if key not in self._hf_processors:
+            from transformers import AutoProcessor
+
+            self._hf_processors[key] = AutoProcessor.from_pretrained(
+                self.model_config.model, local_files_only=True, **kwargs
+            )
+        return self._hf_processors[key]
+
+
+class BaseProcessingInfo(ABC):
+    """Static facts about a model's multimodal inputs."""
+
+    def __init__(self, ctx: InputProcessingContext) -> None:
+        self.ctx = ctx
+
+    def get_hf_config(self) -> Any:
+        return self.ctx.hf_config
+
+    def get_tokenizer(self) -> Any:
+        return self.ctx.tokenizer
+
+    def get_hf_processor(self, **kwargs: object) -> Any:
+        return self.ctx.get_hf_processor(**kwargs)
+
+    def get_data_parser(self) -> MultiModalDataParser:
+        return MultiModalDataParser()
+
+    @abstractmethod
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        """Items per prompt for each modality the model takes (None: unlimited)."""
+
+    @abstractmethod
+    def get_mm_max_tokens_per_item(
+        self, seq_len: int, mm_counts: Mapping[str, int]
+    ) -> Mapping[str, int]:
+        """An upper bound on one item's placeholder tokens per modality, computed analytically
+        (no dummy processing), given ``mm_counts`` items share a ``seq_len`` prompt."""
+
+    def get_allowed_mm_limits(self) -> dict[str, int | None]:
+        """The model's limits tightened by ``--limit-mm-per-prompt``."""
+        allowed: dict[str, int | None] = {}
+        for modality, limit in self.get_supported_mm_limits().items():
+            user = self.ctx.limit_mm_per_prompt.get(modality)
+            allowed[modality] = (
+                user if limit is None else limit if user is None else min(limit, user)
+            )
+        return allowed
+
+    def validate_num_items(self, counts: Mapping[str, int]) -> None:
+        allowed = self.get_allowed_mm_limits()
+        for modality, count in counts.items():
+            if modality not in allowed:
+                takes = ", ".join(allowed) or "text only"
+                raise MultiModalInputError(
+                    f"this model does not take {modality} input (it takes: {takes})",
+                    stage="process",
+                    modality=modality,
+                )
+            limit = allowed[modality]
+            if limit is not None and count > limit:
+                raise MultiModalInputError(
+                    f"{count} {modality} items given but at most {limit} per prompt are allowed "
+                    "(--limit-mm-per-prompt)",
+                    stage="process",
+                    modality=modality,
+                )
+
+
+class BaseDummyInputsBuilder(ABC):
+    """Worst-case inputs (largest image, longest audio) for the start-up profile run."""
+
+    def __init__(self, info: BaseProcessingInfo) -> None:
+        self.info = info
+
+    @abstractmethod
+    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
+        """A prompt with one placeholder per item."""
+
+    @abstractmethod
+    def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int]) -> dict[str, Any]:
+        """``multi_modal_data`` whose items each have the most tokens an item can have."""
+
+    @staticmethod
+    def _get_dummy_images(width: int, height: int, num_images: int) -> list[Image.Image]:
+        return [Image.new("RGB", (width, height), color=(255, 255, 255))] * num_images
+
+    @staticmethod
+    def _get_dummy_videos(
+        width: int, height: int, num_frames: int, num_videos: int
+    ) -> list[np.ndarray]:
+        video = np.full((num_frames, height, width, 3), 255, dtype=np.uint8)
+        return [video] * num_videos
+
+    @staticmethod
+    def _get_dummy_audios(
+        length: int, sampling_rate: int, num_audios: int
+    ) -> list[tuple[np.ndarray, int]]:
+        return [(np.zeros(length, dtype=np.float32), sampling_rate)] * num_audios

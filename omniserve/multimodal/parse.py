@@ -1,0 +1,218 @@
+"""Normalise user multimodal data into per-modality lists of items.
+
+``{"image": img, "audio": [(wav, sr), ...], "video": frames}`` becomes one ``*ProcessorItems``
+per modality, each a list of items in the form the Hugging Face processor takes. Everything the
+processor's output depends on is in the item (audio resampled to the feature extractor's rate,
+video metadata such as fps), so hashing a parsed item is enough to key the caches.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from omniserve.multimodal.errors import MultiModalInputError
+
+MODALITIES = ("image", "video", "audio")
+
+
+class ModalityDataItems:
+    """The items of one modality, in prompt order."""
+
+    modality = ""
+    hf_arg = ""
+    """The keyword the Hugging Face processor takes these items under ("images", ...)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def hash_payload(self, index: int) -> object:
+        """What identifies item ``index``'s content (hashed with the kwargs that affect it)."""
+        return self.items[index]
+
+    def get_processor_data(self, indices: Sequence[int]) -> dict[str, Any]:
+        """Keyword arguments for the HF processor covering the items at ``indices``."""
+        return {self.hf_arg: [self.items[i] for i in indices]}
+
+
+class ImageProcessorItems(ModalityDataItems):
+    """PIL images, HWC ndarrays or CHW tensors, as given."""
+
+    modality, hf_arg = "image", "images"
+
+
+class AudioProcessorItems(ModalityDataItems):
+    """Mono float32 waveforms, already at the feature extractor's sampling rate."""
+
+    modality, hf_arg = "audio", "audio"
+
+
+class VideoProcessorItems(ModalityDataItems):
+    """Videos as [num_frames, height, width, 3] arrays, each with HF-style metadata."""
+
+    modality, hf_arg = "video", "videos"
+
+    def __init__(self, items: list[np.ndarray], metadata: list[dict[str, Any]]) -> None:
+        super().__init__(items)
+        self.metadata = metadata
+
+    def hash_payload(self, index: int) -> object:
+        return (self.items[index], self.metadata[index])
+
+    def get_processor_data(self, indices: Sequence[int]) -> dict[str, Any]:
+        # NOTE: the metadata always travels with the frames: it sets fps-based frame sampling
+        # and Qwen2.5-VL's second_per_grid_ts.
+        return {
+            "videos": [self.items[i] for i in indices],
+            "video_metadata": [dict(self.metadata[i]) for i in indices],
+        }
+
+
+class MultiModalDataItems(dict[str, ModalityDataItems]):
+    """modality -> its items; modalities without items are absent."""
+
+    def get_all_counts(self) -> dict[str, int]:
+        return {modality: len(items) for modality, items in self.items()}
+
+
+class MultiModalDataParser:
+    """Turns ``multi_modal_data`` into ``MultiModalDataItems``, or raises a precise error.
+
+    ``target_sr`` is the sampling rate the model's feature extractor expects; audio given at
+    another rate is resampled (librosa) so that hashing and processing see the same samples.
+    """
+
+    def __init__(self, *, target_sr: float | None = None) -> None:
+        self.target_sr = target_sr
+
+    def parse_mm_data(self, mm_data: Mapping[str, Any]) -> MultiModalDataItems:
+        parsed = MultiModalDataItems()
+        for modality, data in mm_data.items():
+            if modality not in MODALITIES:
+                raise MultiModalInputError(
+                    f"unknown modality {modality!r}; expected one of {', '.join(MODALITIES)}",
+                    stage="process",
+                )
+            if data is None:
+                continue
+            parse = {
+                "image": self._parse_image,
+                "video": self._parse_video,
+                "audio": self._parse_audio,
+            }[modality]
+            items = parse(data)
+            if len(items):
+                parsed[modality] = items
+        return parsed
+
+    def _parse_image(self, data: Any) -> ImageProcessorItems:
+        if _is_array(data) and data.ndim == 4:  # a batch of images
+            data = list(data)
+        images = list(data) if isinstance(data, list | tuple) else [data]
+        for index, image in enumerate(images):
+            if isinstance(image, Image.Image):
+                continue
+            if not _is_array(image) or image.ndim != 3:
+                raise _bad_item(
+                    "image", index, image, "a PIL image, an HWC ndarray or a CHW tensor"
+                )
+        return ImageProcessorItems(images)
+
+    def _parse_audio(self, data: Any) -> AudioProcessorItems:
+        clips = data if isinstance(data, list) else [data]
+        waveforms = [self._to_waveform(index, clip) for index, clip in enumerate(clips)]
+        return AudioProcessorItems(waveforms)
+
+    def _to_waveform(self, index: int, clip: Any) -> np.ndarray:
+        if not (isinstance(clip, tuple) and len(clip) == 2 and _is_array(clip[0])):
+            raise _bad_item(
+                "audio",
+                index,
+                clip,
+                "(waveform, sample_rate); a bare waveform has no sampling rate",
+            )
+        waveform, rate = clip
+        if isinstance(waveform, torch.Tensor):
+            waveform = waveform.detach().cpu().numpy()
+        waveform = np.asarray(waveform, dtype=np.float32)
+        if waveform.ndim == 2:  # mix channels down; the channel axis is the short one
+            waveform = waveform.mean(axis=int(np.argmin(waveform.shape)), dtype=np.float32)
+        if waveform.ndim != 1 or waveform.size == 0:
+            raise _bad_item("audio", index, clip, "a non-empty mono or multi-channel waveform")
+        if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or rate <= 0:
+            raise _bad_item("audio", index, clip, "a positive sample rate")
+        if self.target_sr is not None and rate != self.target_sr:
+            import librosa
+
+            waveform = librosa.resample(waveform, orig_sr=rate, target_sr=self.target_sr)
+        return np.ascontiguousarray(waveform, dtype=np.float32)
+
+    def _parse_video(self, data: Any) -> VideoProcessorItems:
+        one_video = _is_frame_list(data) or not isinstance(data, list | tuple)
+        videos = [data] if one_video else list(data)
+        frames, metadata = [], []
+        for index, video in enumerate(videos):
+            array, meta = _video_to_array(index, video)
+            frames.append(array)
+            metadata.append(meta)
+        return VideoProcessorItems(frames, metadata)
+
+
+def _video_to_array(index: int, video: Any) -> tuple[np.ndarray, dict[str, Any]]:
+    """[T, H, W, 3] uint8-or-float frames and the HF `VideoMetadata` fields for them."""
+    fps = None
+    if hasattr(video, "frames") and hasattr(video, "fps"):  # media.VideoItem (duck-typed)
+        fps, video = video.fps, video.frames  # fps of the sampled frames
+    if _is_frame_list(video):
+        video = np.stack([np.asarray(frame) for frame in video])
+    if isinstance(video, torch.Tensor):
+        video = video.detach().cpu().numpy()
+    if not (isinstance(video, np.ndarray) and video.ndim == 4 and video.shape[-1] == 3):
+        raise _bad_item(
+            "video",
+            index,
+            video,
+            "a [num_frames, height, width, 3] array, a list of frames or a loaded video",
+        )
+    num_frames, height, width = (int(n) for n in video.shape[:3])
+    # Describes the frames as given (already sampled), so HF's sampled_fps equals ``fps``;
+    # without fps these are exactly the defaults transformers assumes for a bare array.
+    meta: dict[str, Any] = {
+        "total_num_frames": num_frames,
+        "fps": None if fps is None else float(fps),
+        "duration": None if fps is None else num_frames / float(fps),
+        "frames_indices": list(range(num_frames)),
+        "height": height,
+        "width": width,
+    }
+    return np.ascontiguousarray(video), meta
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray | torch.Tensor)
+
+
+def _is_frame_list(value: Any) -> bool:
+    """One video given as a list of frames (PIL images or HWC arrays)."""
+    return (
+        isinstance(value, list | tuple)
+        and len(value) > 0
+        and all(isinstance(f, Image.Image) or (_is_array(f) and f.ndim == 3) for f in value)
+    )
+
+
+def _bad_item(modality: str, index: int, value: Any, expected: str) -> MultiModalInputError:
+    got = type(value).__name__
+    if _is_array(value):
+        got += f" of shape {tuple(value.shape)}"
+    return MultiModalInputError(
+        f"item {index} is a {got}; expected {expected}", stage="process", modality=modality
+    )
