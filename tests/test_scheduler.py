@@ -4,18 +4,17 @@ import random
 
 import pytest
 
-from omniserve.core.request import RequestStatus
+from omniserve.core.request import Request, RequestStatus
 from omniserve.core.scheduler import Scheduler
 from omniserve.engine.messages import EngineCoreOutput, FinishReason
 from tests.utils import (
     EOS_TOKEN_ID,
-    FakeWorker,
     assert_all_free,
-    check_invariants,
     make_request,
     make_requests,
     make_runner_output,
     make_scheduler,
+    run_stress,
     run_to_completion,
 )
 
@@ -284,44 +283,12 @@ def test_randomized_stress_keeps_invariants_and_frees_everything(seed: int) -> N
         max_num_seqs=6,
         long_prefill_token_threshold=rng.choice([0, 6]),
     )
-    worker = FakeWorker(scheduler)
     prefixes = [[rng.randrange(1, 50) for _ in range(12)] for _ in range(3)]
-    num_added = 0
-    for step in range(400):
-        if step < 300 and rng.random() < 0.4:
-            prompt = rng.choice(prefixes)[: rng.randrange(0, 12)]
-            prompt += [rng.randrange(1, 50) for _ in range(rng.randrange(1, 5))]
-            scheduler.add_request(
-                make_request(
-                    f"r{num_added}",
-                    prompt,
-                    max_tokens=rng.randrange(1, 13),
-                    prompt_logprobs=1 if rng.random() < 0.1 else None,
-                )
-            )
-            num_added += 1
-        if scheduler.requests and rng.random() < 0.03:
-            scheduler.finish_requests(
-                rng.choice(list(scheduler.requests)), RequestStatus.FINISHED_ABORTED
-            )
-        if not scheduler.has_unfinished_requests():
-            continue
-        so = scheduler.schedule()
-        check_invariants(scheduler, so)
-        worker.execute(so)
-        runner_output = make_runner_output(
-            scheduler,
-            so,
-            next_token=lambda r: EOS_TOKEN_ID if rng.random() < 0.05 else rng.randrange(1, 50),
-        )
-        if so.num_scheduled_tokens and rng.random() < 0.03:  # abort while the step runs
-            scheduler.finish_requests(
-                rng.choice(list(so.num_scheduled_tokens)), RequestStatus.FINISHED_ABORTED
-            )
-        for output in scheduler.update_from_output(so, runner_output).outputs:
-            assert output.request_id not in scheduler.requests or not output.finished
-    stats = scheduler.make_stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ABORTED)
-    scheduler.schedule()
-    assert_all_free(scheduler)
+
+    def new_request(i: int) -> Request:
+        prompt = rng.choice(prefixes)[: rng.randrange(0, 12)]
+        prompt += [rng.randrange(1, 50) for _ in range(rng.randrange(1, 5))]
+        return make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 13),
+                            prompt_logprobs=1 if rng.random() < 0.1 else None)
+
+    run_stress(scheduler, rng, new_request)

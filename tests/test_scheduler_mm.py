@@ -12,7 +12,6 @@ from omniserve.core.sched_output import SchedulerOutput
 from omniserve.core.scheduler import Scheduler
 from omniserve.multimodal.inputs import PlaceholderRange
 from tests.utils import (
-    EOS_TOKEN_ID,
     FakeWorker,
     assert_all_free,
     check_invariants,
@@ -20,6 +19,7 @@ from tests.utils import (
     make_requests,
     make_runner_output,
     make_scheduler,
+    run_stress,
 )
 
 
@@ -361,49 +361,18 @@ def test_randomized_stress_with_mm_items_keeps_invariants_and_frees_everything(s
         encoder_cache_size=14,
         max_num_encoder_input_tokens=rng.choice([12, 14]),
     )
-    worker = FakeWorker(scheduler)
     pool = {f"img{i}": PlaceholderRange(0, rng.randrange(4, 13)) for i in range(6)}
     pool["masked"] = PlaceholderRange(0, 8, [False, True, True, False, True, True, True, False])
     templates = _make_templates(rng, pool)
-    num_added = 0
-    for step in range(400):
-        if step < 300 and rng.random() < 0.4:
-            prompt, positions, hashes = _random_mm_prompt(rng, templates, pool)
-            scheduler.add_request(
-                make_request(
-                    f"r{num_added}",
-                    prompt,
-                    max_tokens=rng.randrange(1, 10),
-                    mm_positions=positions,
-                    mm_hashes=hashes,
-                    prompt_logprobs=1 if rng.random() < 0.1 else None,
-                )
-            )
-            num_added += 1
-        if scheduler.requests and rng.random() < 0.03:
-            scheduler.finish_requests(
-                rng.choice(list(scheduler.requests)), RequestStatus.FINISHED_ABORTED
-            )
-        if not scheduler.has_unfinished_requests():
-            continue
-        so = scheduler.schedule()
-        check_invariants(scheduler, so)
-        worker.execute(so)
-        runner_output = make_runner_output(
-            scheduler,
-            so,
-            next_token=lambda r: EOS_TOKEN_ID if rng.random() < 0.05 else rng.randrange(1, 50),
-        )
-        if so.num_scheduled_tokens and rng.random() < 0.03:  # abort while the step runs
-            scheduler.finish_requests(
-                rng.choice(list(so.num_scheduled_tokens)), RequestStatus.FINISHED_ABORTED
-            )
-        scheduler.update_from_output(so, runner_output)
-    stats = scheduler.make_stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    assert stats["encoder_cache_hits"] > 0 and sum(worker.num_encoded.values()) > len(
-        worker.num_encoded
-    )
-    scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ABORTED)
-    scheduler.schedule()
-    assert_all_free(scheduler)
+    encoder_hits = []
+
+    def new_request(i: int) -> Request:
+        prompt, positions, hashes = _random_mm_prompt(rng, templates, pool)
+        encoder_hits.append(scheduler.make_stats()["encoder_cache_hits"])
+        return make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 10),
+                            mm_positions=positions, mm_hashes=hashes,
+                            prompt_logprobs=1 if rng.random() < 0.1 else None)
+
+    worker = run_stress(scheduler, rng, new_request)
+    assert encoder_hits[-1] > 0  # items were shared through the encoder cache
+    assert sum(worker.num_encoded.values()) > len(worker.num_encoded)  # and re-encoded

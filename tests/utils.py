@@ -3,11 +3,12 @@ items), schedulers, hand-made runner outputs, a fake worker and the scheduler's 
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 from omniserve.config import CacheConfig, SchedulerConfig
-from omniserve.core.request import Request
+from omniserve.core.request import Request, RequestStatus
 from omniserve.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from omniserve.core.scheduler import Scheduler
 from omniserve.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
@@ -304,3 +305,37 @@ def assert_all_free(scheduler: Scheduler) -> None:
     cache = scheduler.encoder_cache_manager
     assert cache.req_to_items == {} and cache.usage == 0.0
     assert cache.num_freeable_slots == cache.cache_size
+
+
+def run_stress(scheduler: Scheduler, rng: random.Random,
+               new_request: Callable[[int], Request], steps: int = 400) -> FakeWorker:
+    """Random arrivals (while steps remain), aborts (also mid-step) and eos, checking every
+    step's invariants; ends by aborting what is left and asserting every resource is free."""
+    worker = FakeWorker(scheduler)
+    num_added = 0
+    for step in range(steps):
+        if step < steps * 3 // 4 and rng.random() < 0.4:
+            scheduler.add_request(new_request(num_added))
+            num_added += 1
+        if scheduler.requests and rng.random() < 0.03:
+            scheduler.finish_requests(
+                rng.choice(list(scheduler.requests)), RequestStatus.FINISHED_ABORTED)
+        if not scheduler.has_unfinished_requests():
+            continue
+        so = scheduler.schedule()
+        check_invariants(scheduler, so)
+        worker.execute(so)
+        runner_output = make_runner_output(
+            scheduler, so,
+            next_token=lambda r: EOS_TOKEN_ID if rng.random() < 0.05 else rng.randrange(1, 50))
+        if so.num_scheduled_tokens and rng.random() < 0.03:  # abort while the step runs
+            scheduler.finish_requests(
+                rng.choice(list(so.num_scheduled_tokens)), RequestStatus.FINISHED_ABORTED)
+        for output in scheduler.update_from_output(so, runner_output).outputs:
+            assert output.request_id not in scheduler.requests or not output.finished
+    stats = scheduler.make_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ABORTED)
+    scheduler.schedule()
+    assert_all_free(scheduler)
+    return worker

@@ -80,16 +80,7 @@ class AsyncLLM:
         self._ensure_output_handler()
         processed = self.processor.process_inputs(request_id, prompt, params, arrival_time)
         collector = RequestOutputCollector()
-        children = [r.request_id for r in processed.engine_requests]
-        self.output_processor.add_request(
-            request_id,
-            processed.prompt,
-            processed.prompt_token_ids,
-            params,
-            children if params.n > 1 else None,
-            queue=collector,
-            num_mm_tokens=processed.num_mm_tokens,
-        )
+        self.output_processor.add_processed_request(request_id, processed, params, collector)
         for stat_logger in self.stat_loggers:
             stat_logger.record_new_requests(processed.engine_requests)
         for request in processed.engine_requests:

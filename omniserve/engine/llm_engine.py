@@ -38,15 +38,7 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request; raises ValueError/TypeError for bad input."""
         processed = self.processor.process_inputs(request_id, prompt, params, arrival_time)
-        children = [r.request_id for r in processed.engine_requests]
-        self.output_processor.add_request(
-            request_id,
-            processed.prompt,
-            processed.prompt_token_ids,
-            params,
-            children if params.n > 1 else None,
-            num_mm_tokens=processed.num_mm_tokens,
-        )
+        self.output_processor.add_processed_request(request_id, processed, params)
         for request in processed.engine_requests:
             self.engine_core.add_request(request)
 

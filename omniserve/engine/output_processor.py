@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from omniserve.core.sched_output import LogprobsLists
 from omniserve.engine.detokenizer import IncrementalDetokenizer, TokenTexts
@@ -25,6 +25,9 @@ from omniserve.outputs import (
     SampleLogprobs,
 )
 from omniserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from omniserve.engine.processor import ProcessedRequest
 
 
 class OutputSink(Protocol):
@@ -189,6 +192,14 @@ class OutputProcessor:
             parent.children.append(child)
             self._children[child_id] = child
         self._parents[request_id] = parent
+
+    def add_processed_request(self, request_id: str, processed: ProcessedRequest,
+                              params: SamplingParams, queue: OutputSink | None = None) -> None:
+        """Register what ``Processor.process_inputs`` produced (children when n > 1)."""
+        children = [r.request_id for r in processed.engine_requests]
+        self.add_request(request_id, processed.prompt, processed.prompt_token_ids, params,
+                         children if params.n > 1 else None, queue=queue,
+                         num_mm_tokens=processed.num_mm_tokens)
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput], now: float | None = None
