@@ -1,12 +1,14 @@
-"""Mixture-of-experts: top-k routing and the expert computation (torch reference path).
+"""Mixture-of-experts: top-k routing and the expert computation.
 
 Expert weights are stacked, ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (the layout
 transformers keeps in memory), and loaded from the per-expert checkpoint keys
 ``experts.{e}.gate_proj/up_proj/down_proj.weight``. Under tensor parallelism each rank holds a slice
 of every expert's intermediate dimension and the outputs are summed across ranks.
 
-The CPU path groups token-expert pairs by expert and runs one matmul pair per expert that
-received tokens, accumulating with ``index_add_``; idle experts cost nothing.
+``fused_experts`` is the one dispatch point: CUDA tensors go to the Triton grouped-GEMM kernel
+(``triton_fused_moe``, imported lazily so CPU runs never load triton); everything else runs the
+torch reference, which groups token-expert pairs by expert and runs one matmul pair per expert
+that received tokens, accumulating with ``index_add_``; idle experts cost nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +48,23 @@ def fused_experts(
     """``sum_k w_k * down_e(silu(gate_e x) * up_e x)`` over each token's selected experts.
 
     x ``[N, H]``; gate_up_proj ``[E, 2I, H]``; down_proj ``[E, H, I]``; topk_* ``[N, top_k]``.
+    Triton kernel on CUDA, torch reference elsewhere.
     """
+    if x.is_cuda:
+        from omniserve.layers.triton_fused_moe import triton_fused_experts
+
+        return triton_fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+    return torch_fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+
+
+def torch_fused_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The reference for ``fused_experts``: one matmul pair per expert that received tokens."""
     out = torch.zeros_like(x)  # [N, H]
     flat_ids = topk_ids.flatten()  # [N * top_k]
     order = torch.argsort(flat_ids, stable=True)

@@ -1,0 +1,249 @@
+"""Triton fused MoE for CUDA: token-expert pairs sorted by expert, then two grouped GEMMs.
+
+The torch reference (``fused_moe.torch_fused_experts``) loops over experts in Python; on a GPU that
+is one pair of tiny launches per active expert. Here the whole layer is two kernel launches plus a
+few sync-free torch ops:
+
+1. ``align_pairs_by_expert``: the ``N * top_k`` token-expert pairs are grouped by expert and each
+   expert's segment is padded to a multiple of ``BLOCK_M``, so every ``BLOCK_M`` rows of the
+   sorted order belong to one expert. The grid is sized by an upper bound on the block count
+   rather than the exact count, so nothing waits on the device (no ``.item()``).
+2. ``_grouped_gemm_kernel`` with the stacked ``gate_up_proj [E, 2I, H]``: each program gathers its
+   pairs' token rows of ``x``, multiplies by its expert's gate and up tiles (two fp32 accumulators)
+   and writes ``silu(gate) * up`` per pair -> ``[P, I]``; the SiLU-and-mul never leaves registers.
+3. The same kernel with ``down_proj [E, H, I]`` over those activations, scaling each row by its
+   routing weight in the epilogue -> ``[P, H]`` in fp32.
+4. A sum over ``top_k`` folds pairs back to tokens (deterministic, unlike atomic adds).
+
+Inputs may be fp32, bf16 or fp16; dot products accumulate in fp32, and fp32 inputs use IEEE
+(not TF32) dots so results match torch's default matmul.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# NOTE: read once at import, the moment @triton.jit below decides between compiled and interpreted
+# kernels. Triton 3.8's interpreter multiplies bf16 dot operands as raw uint16 bits, so interpreted
+# kernels upcast dot operands to fp32 (exact for bf16/fp16 products, still fp32-accumulated).
+_INTERPRETED: bool = triton.knobs.runtime.interpret
+
+
+class ExpertAlignment(NamedTuple):
+    """Pairs grouped by expert, each expert's segment padded to whole ``block_m`` blocks."""
+
+    sorted_pair_ids: torch.Tensor
+    """``[max_blocks * block_m]`` int32 pair ids (``token * top_k + k``); ``num_pairs`` pads."""
+    block_expert_ids: torch.Tensor
+    """``[max_blocks]`` int32 expert of each block; -1 for blocks past the last used one."""
+
+
+def align_pairs_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> ExpertAlignment:
+    """Group the pairs of ``topk_ids [N, top_k]`` by expert with torch ops that never sync.
+
+    The block count is bounded by ``ceil(P / block_m) + min(E, P)``: each expert that receives
+    ``c > 0`` pairs needs ``ceil(c / block_m) < c / block_m + 1`` blocks.
+    """
+    device = topk_ids.device
+    flat_ids = topk_ids.flatten().long()  # [P]
+    num_pairs = flat_ids.numel()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # [E]
+    blocks_per_expert = (counts + block_m - 1) // block_m  # [E]
+    block_end = blocks_per_expert.cumsum(0)  # [E] exclusive end block of each expert
+    first_block = block_end - blocks_per_expert  # [E]
+    first_pair = counts.cumsum(0) - counts  # [E] first position of each expert in sorted order
+
+    order = torch.argsort(flat_ids, stable=True)  # [P] pair ids sorted by expert
+    sorted_experts = flat_ids[order]  # [P]
+    rank_in_expert = torch.arange(num_pairs, device=device) - first_pair[sorted_experts]
+    slots = first_block[sorted_experts] * block_m + rank_in_expert  # [P]
+
+    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    sorted_pair_ids = torch.full(
+        (max_blocks * block_m,), num_pairs, dtype=torch.int32, device=device
+    )
+    sorted_pair_ids[slots] = order.to(torch.int32)
+    blocks = torch.arange(max_blocks, device=device)
+    # Experts with no blocks share their predecessor's end, so right=True skips them.
+    block_expert_ids = torch.searchsorted(block_end, blocks, right=True)  # [max_blocks]
+    block_expert_ids = torch.where(block_expert_ids < num_experts, block_expert_ids, -1)
+    return ExpertAlignment(sorted_pair_ids, block_expert_ids.to(torch.int32))
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,  # [rows, K]: tokens (gate_up pass) or pairs (down pass)
+    w_ptr,  # [E, N or 2N, K]: stacked expert weights, out = a @ w[e].T
+    out_ptr,  # [P, N]: one row per pair
+    sorted_pair_ids_ptr,
+    block_expert_ids_ptr,
+    topk_weights_ptr,  # [P]
+    num_pairs,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    PAIRS_PER_A_ROW: tl.constexpr,  # top_k when a holds tokens, 1 when it holds pairs
+    GATED: tl.constexpr,  # w rows are [gate | up]; write silu(gate) * up
+    APPLY_ROUTING_WEIGHT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert_id = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    if expert_id < 0:
+        return  # the grid is sized by an upper bound on the number of blocks
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair_ids = tl.load(sorted_pair_ids_ptr + offs_m)  # [BLOCK_M]
+    row_valid = pair_ids < num_pairs  # padding slots hold num_pairs
+    a_rows = (pair_ids // PAIRS_PER_A_ROW).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
+    # A [BLOCK_K, BLOCK_N] tile of w[e].T; the up half of a gated weight starts N rows further.
+    w_ptrs = (
+        w_ptr + expert_id * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    )
+    up_ptrs = w_ptrs + N * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k_valid = offs_k < K - k_start
+        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        w_mask = k_valid[:, None] & n_valid[None, :]
+        acc = _dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, UPCAST_DOT, DOT_PRECISION)
+        if GATED:
+            up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            acc_up = _dot(a, up, acc_up, UPCAST_DOT, DOT_PRECISION)
+            up_ptrs += BLOCK_K * stride_wk
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up
+    if APPLY_ROUTING_WEIGHT:
+        weights = tl.load(topk_weights_ptr + pair_ids, mask=row_valid, other=0.0)
+        acc = acc * weights.to(tl.float32)[:, None]
+    out_rows = pair_ids.to(tl.int64)
+    out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & n_valid[None, :])
+
+
+def _block_size(dim: int, cap: int) -> int:
+    # tl.dot needs every block dimension >= 16; small dims get one power-of-two block.
+    return max(16, min(cap, triton.next_power_of_2(dim)))
+
+
+def _block_m(num_pairs: int, num_experts: int) -> int:
+    """Small blocks when experts see few pairs (decode), to waste little padding."""
+    pairs_per_expert = num_pairs / num_experts
+    return 16 if pairs_per_expert <= 16 else 32 if pairs_per_expert <= 32 else 64
+
+
+def _grouped_gemm(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    alignment: ExpertAlignment,
+    topk_weights: torch.Tensor,
+    block_m: int,
+    *,
+    pairs_per_a_row: int,
+    gated: bool,
+) -> None:
+    """``out[p] = f(a[p // pairs_per_a_row] @ weight[expert(p)].T)`` for every pair ``p``."""
+    num_pairs, n = out.shape
+    k = a.shape[1]
+    block_n = _block_size(n, 64)
+    block_k = _block_size(k, 64 if a.element_size() <= 2 else 32)
+    grid = (alignment.block_expert_ids.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a,
+        weight,
+        out,
+        alignment.sorted_pair_ids,
+        alignment.block_expert_ids,
+        topk_weights,
+        num_pairs,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        weight.stride(2),
+        out.stride(0),
+        out.stride(1),
+        PAIRS_PER_A_ROW=pairs_per_a_row,
+        GATED=gated,
+        APPLY_ROUTING_WEIGHT=not gated,
+        UPCAST_DOT=_INTERPRETED,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,  # fp32: no TF32
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+
+
+def triton_fused_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``sum_k w_k * down_e(silu(gate_e x) * up_e x)``, same contract as the torch reference.
+
+    x ``[N, H]``; gate_up_proj ``[E, 2I, H]``; down_proj ``[E, H, I]``; topk_* ``[N, top_k]``.
+    """
+    if gate_up_proj.dtype != x.dtype or down_proj.dtype != x.dtype:
+        raise ValueError(
+            f"dtype mismatch: x {x.dtype}, gate_up_proj {gate_up_proj.dtype}, "
+            f"down_proj {down_proj.dtype}"
+        )
+    num_tokens, hidden_size = x.shape
+    num_experts, intermediate_size = gate_up_proj.shape[0], down_proj.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    block_m = _block_m(num_pairs, num_experts)
+    alignment = align_pairs_by_expert(topk_ids, num_experts, block_m)
+    pair_weights = topk_weights.reshape(num_pairs).contiguous()  # [P]
+
+    act = torch.empty(num_pairs, intermediate_size, dtype=x.dtype, device=x.device)  # [P, I]
+    _grouped_gemm(
+        x, gate_up_proj, act, alignment, pair_weights, block_m, pairs_per_a_row=top_k, gated=True
+    )
+    pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=x.device)  # [P, H]
+    _grouped_gemm(
+        act, down_proj, pair_out, alignment, pair_weights, block_m, pairs_per_a_row=1, gated=False
+    )
+    return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1).to(x.dtype)  # [N, H]
