@@ -36,6 +36,9 @@ _ENGINE_COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "num_preemptions": "Requests preempted to free KV blocks.",
+    "encoder_cache_queries": "Multimodal items a scheduled step needed encoder outputs for.",
+    "encoder_cache_hits": "Of those, items whose encoder output was cached or shared (not "
+                          "encoded again).",
 }
 
 
@@ -70,6 +73,8 @@ class PrometheusStatLogger:
         self.num_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+        self.encoder_cache_usage = gauge(
+            "encoder_cache_usage_perc", "Fraction of the encoder cache in use (0-1).")
         self.prefix_cache_hit_rate = gauge(
             "prefix_cache_hit_rate", "Prefix-cache hits / queries since start (tokens).")
         self.engine_counters = {key: counter(key, doc) for key, doc in _ENGINE_COUNTERS.items()}
@@ -119,6 +124,7 @@ class PrometheusStatLogger:
         self.num_running.set(stats.get("num_running", 0.0))
         self.num_waiting.set(stats.get("num_waiting", 0.0))
         self.kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))
+        self.encoder_cache_usage.set(stats.get("encoder_cache_usage", 0.0))
         for key, counter in self.engine_counters.items():
             value = stats.get(key)
             if value is None:

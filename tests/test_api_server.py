@@ -9,112 +9,31 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-API_KEY = "sk-test"
-MODEL = "tiny"
+from tests.server_utils import MODEL, Server, assert_error, launch_server, metric
+
 MAX_MODEL_LEN = 256
-REPO_ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
-
-
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen
-    log: Path
-
-    def client(self, **kwargs: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0,
-                             timeout=60, **kwargs)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0,
-                                  timeout=60)
-
-    def post(self, path: str, body: Any = None, *, key: str | None = API_KEY,
-             content: bytes | None = None, timeout: float = 60) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        if content is not None:
-            headers["Content-Type"] = "application/json"
-            return httpx.post(self.url + path, content=content, headers=headers, timeout=timeout)
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=timeout)
-
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """Every sample of /metrics, keyed by (name, labels without model_name)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))):
-                s.value for family in text_string_to_metric_families(text)
-                for s in family.samples}
-
-
-def metric(values: dict, name: str, **labels: str) -> float:
-    return values.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    model = tiny_checkpoint("Qwen3ForCausalLM")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "omniserve.entrypoints.cli", "serve", str(model),
-           "--port", str(port), "--served-model-name", MODEL, "--api-key", API_KEY,
-           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB",
-           "--uvicorn-log-level", "warning"]
-    with log.open("wb") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", proc, log)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited ({proc.returncode}):\n{log.read_text()}")
-            try:
-                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server did not start:\n{log.read_text()}")
-            time.sleep(0.3)
-        yield server
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with launch_server(tiny_checkpoint("Qwen3ForCausalLM"), tmp_path_factory.mktemp("server"),
+                       "--max-model-len", str(MAX_MODEL_LEN),
+                       "--kv-cache-memory", "64MiB") as running:
+        yield running
 
 
 def _chat(content: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": content}]
-
-
-def _assert_error(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == status and error["message"] and error["type"]
-    return error
 
 
 # ---- basics ----
@@ -287,10 +206,10 @@ def test_tokenize_detokenize(server: Server) -> None:
 
 def test_api_key_enforced(server: Server) -> None:
     for key in (None, "wrong"):
-        error = _assert_error(server.post("/v1/completions", {"model": MODEL, "prompt": "x"},
+        error = assert_error(server.post("/v1/completions", {"model": MODEL, "prompt": "x"},
                                           key=key), 401)
         assert "API key" in error["message"]
-    _assert_error(server.post("/tokenize", {"prompt": "x"}, key=None), 401)
+    assert_error(server.post("/tokenize", {"prompt": "x"}, key=None), 401)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(server.url + "/health").status_code == 200
@@ -336,13 +255,13 @@ ERROR_CASES = [
 def test_request_errors(server: Server, path: str, body: Any, status: int, needle: str) -> None:
     if isinstance(body, dict):
         body = {"model": MODEL, **body}
-    error = _assert_error(server.post(path, body), status)
+    error = assert_error(server.post(path, body), status)
     assert needle in error["message"] or needle == error["param"], error
 
 
 def test_malformed_json_and_sdk_errors(server: Server) -> None:
-    _assert_error(server.post("/v1/chat/completions", content=b'{"model": "tiny", "mess'), 400)
-    _assert_error(httpx.get(server.url + "/no/such/route"), 404)
+    assert_error(server.post("/v1/chat/completions", content=b'{"model": "tiny", "mess'), 400)
+    assert_error(httpx.get(server.url + "/no/such/route"), 404)
     client = server.client()
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=MAX_MODEL_LEN)
@@ -484,7 +403,7 @@ def test_engine_death_fails_requests_and_health(server: Server) -> None:
         for _ in chunks:
             pass
     assert time.monotonic() - start < 10
-    error = _assert_error(httpx.get(server.url + "/health"), 503)
+    error = assert_error(httpx.get(server.url + "/health"), 503)
     assert "engine" in error["message"]
     with pytest.raises(openai.InternalServerError) as dead:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2)

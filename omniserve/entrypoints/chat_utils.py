@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,17 +53,29 @@ class ChatInputs:
     def has_media(self) -> bool:
         return bool(self.pending)
 
+    def item_locations(self) -> dict[str, list[str]]:
+        """modality -> the chat part of each of its items, in item order."""
+        locations: dict[str, list[str]] = {}
+        for item in self.pending:
+            locations.setdefault(item.modality, []).append(item.location)
+        return locations
+
 
 def detect_content_format(template: str | None) -> str:
     return "openai" if template and _PARTS_TEMPLATE.search(template) else "string"
 
 
 def parse_chat_messages(messages: list[dict[str, Any]], *, content_format: str = "string",
-                        placeholder: Callable[[str, int], str] | None = None) -> ChatInputs:
+                        placeholder: Callable[[str, int], str] | None = None,
+                        check_counts: Callable[[Mapping[str, int]], None] | None = None
+                        ) -> ChatInputs:
     """Normalise messages; collect media parts (not loaded yet) in prompt order.
 
     ``placeholder(modality, index)`` gives the model's placeholder text; None means the model
-    takes no media, so a media part is an error naming the part.
+    takes no media, so a media part is an error naming the part. ``check_counts({modality: n})``
+    raises ``MultiModalInputError`` when n items of a modality are not allowed (a modality the
+    model lacks, ``--limit-mm-per-prompt``): checked per part, so the error names the first part
+    too many, and before any media is fetched.
     """
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages must be a non-empty list.")
@@ -78,7 +90,7 @@ def parse_chat_messages(messages: list[dict[str, Any]], *, content_format: str =
             continue
         if not isinstance(content, list):
             raise ChatTemplateError(f"messages[{i}].content must be a string or a list of parts.")
-        parts = [_parse_part(i, j, part, inputs, counts, placeholder)
+        parts = [_parse_part(i, j, part, inputs, counts, placeholder, check_counts)
                  for j, part in enumerate(content)]
         if content_format == "openai":
             rendered: Any = [p if isinstance(p, dict) else {"type": "text", "text": p}
@@ -90,7 +102,9 @@ def parse_chat_messages(messages: list[dict[str, Any]], *, content_format: str =
 
 
 def _parse_part(i: int, j: int, part: Any, inputs: ChatInputs, counts: dict[str, int],
-                placeholder: Callable[[str, int], str] | None) -> str | dict[str, Any]:
+                placeholder: Callable[[str, int], str] | None,
+                check_counts: Callable[[Mapping[str, int]], None] | None
+                ) -> str | dict[str, Any]:
     location = f"messages[{i}].content[{j}]"
     if isinstance(part, str):
         return part
@@ -116,6 +130,11 @@ def _parse_part(i: int, j: int, part: Any, inputs: ChatInputs, counts: dict[str,
                                    modality=modality, location=location)
     index = counts.get(modality, 0)
     counts[modality] = index + 1
+    if check_counts is not None:
+        try:
+            check_counts({modality: index + 1})
+        except MultiModalInputError as exc:
+            raise exc.at(location) from exc
     inputs.pending.append(_PendingMedia(modality, location, kind, payload))
     return {"type": modality, "placeholder": placeholder(modality, index)}
 
@@ -155,6 +174,17 @@ def load_media(inputs: ChatInputs, connector: Any,
                 raise exc.at(item.location) from exc
         mm_data.setdefault(item.modality, []).append(value)
     return mm_data
+
+
+def locate_mm_error(exc: MultiModalInputError,
+                    item_locations: Mapping[str, list[str]]) -> MultiModalInputError:
+    """Name the chat part of an error raised after rendering (processing, encoder budget), which
+    knows the item's modality but not its part; with several items of that modality, all of
+    their parts are named."""
+    parts = item_locations.get(exc.modality or "", [])
+    if exc.location is not None or not parts:
+        return exc
+    return exc.at(parts[0] if len(parts) == 1 else "one of " + ", ".join(parts))
 
 
 async def load_media_async(inputs: ChatInputs, connector: Any,
@@ -204,36 +234,44 @@ class ChatRenderer:
 
     def __init__(self, tokenizer: Any, *, chat_template: str | None = None,
                  placeholder: Callable[[str, int], str] | None = None,
-                 connector: Any = None) -> None:
+                 connector: Any = None,
+                 check_counts: Callable[[Mapping[str, int]], None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.placeholder = placeholder
         self.connector = connector
+        self.check_counts = check_counts
         self.content_format = detect_content_format(
             chat_template or getattr(tokenizer, "chat_template", None))
 
     @classmethod
     def from_config(cls, config: Any, tokenizer: Any,
                     chat_template: str | None = None) -> ChatRenderer:
+        from omniserve.multimodal.context import InputProcessingContext
         from omniserve.multimodal.media import MediaConfig, MediaConnector
         from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
         from omniserve.registry import ModelRegistry
 
-        placeholder, connector = None, None
-        if MULTIMODAL_REGISTRY.supports_multimodal(config.model_config):
-            model_cls = ModelRegistry.resolve_model_cls(config.model_config.architecture)
-            placeholder = model_cls.get_placeholder_str
-            mm = config.multimodal_config
-            connector = MediaConnector(MediaConfig(
-                allowed_local_media_path=mm.allowed_local_media_path,
-                allowed_media_domains=mm.allowed_media_domains,
-                allow_private_addresses=mm.allow_private_media_urls))
-        return cls(tokenizer, chat_template=chat_template, placeholder=placeholder,
-                   connector=connector)
+        factories = MULTIMODAL_REGISTRY.get_factories(config.model_config)
+        if factories is None:
+            return cls(tokenizer, chat_template=chat_template)
+        model_cls = ModelRegistry.resolve_model_cls(config.model_config.architecture)
+        mm = config.multimodal_config
+        connector = MediaConnector(MediaConfig(
+            allowed_local_media_path=mm.allowed_local_media_path,
+            allowed_media_domains=mm.allowed_media_domains,
+            allow_private_addresses=mm.allow_private_media_urls))
+        # The engine's own item-count rules, so a chat part breaking them is named (and nothing
+        # is fetched for a request that would be refused).
+        info = factories.info(InputProcessingContext(
+            config.model_config, tokenizer, limit_mm_per_prompt=mm.limit_mm_per_prompt))
+        return cls(tokenizer, chat_template=chat_template,
+                   placeholder=model_cls.get_placeholder_str, connector=connector,
+                   check_counts=info.validate_num_items)
 
     def _parse(self, messages: list[dict[str, Any]]) -> ChatInputs:
         return parse_chat_messages(messages, content_format=self.content_format,
-                                   placeholder=self.placeholder)
+                                   placeholder=self.placeholder, check_counts=self.check_counts)
 
     def _prompt(self, inputs: ChatInputs, mm_data: dict[str, list[Any]],
                 mm_processor_kwargs: dict[str, Any] | None, **template_kwargs: Any
@@ -259,7 +297,10 @@ class ChatRenderer:
 
     async def render_async(self, messages: list[dict[str, Any]], *,
                            mm_processor_kwargs: dict[str, Any] | None = None,
-                           **template_kwargs: Any) -> dict[str, Any]:
+                           **template_kwargs: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
+        """``render`` with the fetches concurrent; also each item's chat part (by modality), to
+        locate errors the engine raises about an item later (``locate_mm_error``)."""
         inputs = self._parse(messages)
         mm_data = await load_media_async(inputs, self.connector, mm_processor_kwargs)
-        return self._prompt(inputs, mm_data, mm_processor_kwargs, **template_kwargs)
+        prompt = self._prompt(inputs, mm_data, mm_processor_kwargs, **template_kwargs)
+        return prompt, inputs.item_locations()

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from omniserve import __version__
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.async_llm import AsyncLLM
+from omniserve.entrypoints.chat_utils import locate_mm_error
 from omniserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,6 +49,7 @@ from omniserve.entrypoints.openai.serving_engine import (
     to_serving_error,
 )
 from omniserve.metrics import PrometheusStatLogger
+from omniserve.multimodal.errors import MultiModalInputError
 
 STATS_TIMEOUT_S = 2.0
 """How long /metrics waits for fresh scheduler stats before serving the last ones."""
@@ -271,13 +273,17 @@ async def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> Tokeniz
             prompt = await serving.render_chat(
                 request.messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs)
+                chat_template_kwargs=request.chat_template_kwargs,
+                mm_processor_kwargs=request.mm_processor_kwargs)
         else:
             prompt = serving.tokenize_text(request.prompt, request.add_special_tokens)
         ids = prompt.token_ids
         if prompt.mm_data:
             preprocessor = serving.engine.processor.input_preprocessor
-            ids = preprocessor.preprocess(prompt.to_engine_input()).prompt_token_ids
+            try:
+                ids = preprocessor.preprocess(prompt.to_engine_input()).prompt_token_ids
+            except MultiModalInputError as exc:
+                raise locate_mm_error(exc, prompt.mm_locations or {}) from exc
     except ValueError as exc:
         raise to_serving_error(exc) from exc
     strs = serving.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None

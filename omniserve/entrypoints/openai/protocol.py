@@ -180,6 +180,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
 

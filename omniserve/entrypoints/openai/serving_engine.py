@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineDeadError
-from omniserve.entrypoints.chat_utils import ChatRenderer
+from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
 from omniserve.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
@@ -26,6 +26,7 @@ from omniserve.entrypoints.openai.protocol import (
     SamplingRequest,
     UsageInfo,
 )
+from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.outputs import Logprob, RequestOutput
 from omniserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -121,6 +122,8 @@ class EnginePrompt:
     token_ids: list[int]
     mm_data: dict[str, list[Any]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    mm_locations: dict[str, list[str]] | None = None
+    """modality -> the chat part of each item, to name it in the engine's errors."""
 
     def to_engine_input(self) -> dict[str, Any]:
         prompt: dict[str, Any] = {"prompt": self.text, "prompt_token_ids": self.token_ids}
@@ -172,13 +175,14 @@ class OpenAIServing:
         The token count here is before placeholder expansion; the engine's processor checks
         the expanded prompt against max_model_len again.
         """
-        prompt = await self.renderer.render_async(
+        prompt, locations = await self.renderer.render_async(
             messages, mm_processor_kwargs=mm_processor_kwargs,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs)
         return EnginePrompt(prompt["prompt"], prompt["prompt_token_ids"],
-                            prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs"))
+                            prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs"),
+                            locations)
 
     def check_token_ids(self, token_ids: list[int]) -> EnginePrompt:
         if not token_ids:
@@ -277,6 +281,8 @@ class OpenAIServing:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(*(g.aclose() for g in generators), return_exceptions=True)
+            if isinstance(exc, MultiModalInputError) and len(prompts) == 1:
+                exc = locate_mm_error(exc, prompts[0].mm_locations or {})
             if isinstance(exc, Exception):
                 raise to_serving_error(exc) from exc
             raise
