@@ -3,122 +3,415 @@
 Baselines: HF ``generate`` one request at a time, and HF batched ``generate`` over the whole set
 with left padding (it runs every row to the longest requested output; only requested tokens
 count). Every system produces exactly the requested number of tokens per request (eos ignored).
+HF times include its processor call (padding; for multimodal, image/audio features), as
+omniserve's include its front end. Prefix caching is off unless asked for: HF has none.
+
+Workloads:
+
+- ``text`` (default): random token-id prompts on the bench-size Qwen3.
+- ``mm``: a chat turn with one image (bench-size Qwen2-VL), then a second pass with one audio clip
+  (bench-size Qwen2-Audio). Items of mixed sizes come from a small pool (``--mm-pool-size``), each
+  used equally often, so most requests repeat an item seen before. One table per model: their
+  speeds differ, so one combined table would mix them. Each pass also reports the omniserve run's
+  processor-cache and encoder-cache hit rates, and the time to first token of a new item against
+  the same item again in a new request.
 
     python scripts/bench_throughput.py --num-prompts 32
+    python scripts/bench_throughput.py --workload mm --num-prompts 32
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
+import statistics
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import transformers
+from PIL import Image
+from transformers import AutoProcessor, AutoTokenizer
 
 from omniserve import LLM, SamplingParams
 from omniserve.checkpoint_builder import build_tiny_checkpoint
 
+TEXT_ARCH = "Qwen3ForCausalLM"
+MM_ARCHS = ("Qwen2VLForConditionalGeneration", "Qwen2AudioForConditionalGeneration")
+SAMPLE_RATE = 16000
+WORDS = (
+    "what is shown here describe the colours shapes and sounds in detail then say which part "
+    "stands out most and why a listener or viewer would notice it first"
+).split()
+
+Prompt = dict[str, Any]
+"""An omniserve prompt: {"prompt_token_ids": ...} or {"prompt": ..., "multi_modal_data": ...}."""
+Workload = list[tuple[Prompt, int]]
+"""(prompt, number of output tokens) per request."""
+Encoder = Callable[[list[Prompt]], dict[str, torch.Tensor]]
+"""Prompts -> HF ``generate`` inputs for them as one left-padded batch."""
+
+
+# ---- media workloads --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MediaKind:
+    """How one modality's requests are made and handed to the HF processor."""
+
+    modality: str
+    template: str
+    """The chat turn around one item's placeholder; ``{question}`` is the user's text."""
+    make_item: Callable[[np.random.Generator, float], Any]
+    """(rng, scale in [0, 1]) -> an item in omniserve's form, larger with scale."""
+    hf_media: Callable[[list[Any]], dict[str, Any]]
+    """Items -> the HF processor's media kwargs."""
+
+    def prompt(self, question: str, item: Any) -> Prompt:
+        return {
+            "prompt": self.template.format(question=question),
+            "multi_modal_data": {self.modality: item},
+        }
+
+
+def make_image(rng: np.random.Generator, scale: float) -> Image.Image:
+    """56..448 px wide, 0.5-1x as tall; the checkpoint's processor resizes the larger ones down
+    to its 64-token cap (4..64 image tokens)."""
+    width = 28 * (2 + round(14 * scale))
+    height = 28 * max(2, round(width / 28 * rng.uniform(0.5, 1.0)))
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def make_audio(rng: np.random.Generator, scale: float) -> tuple[np.ndarray, int]:
+    """A 1..12 s tone in noise (25..300 audio tokens)."""
+    seconds = 1.0 + 11.0 * scale
+    t = np.arange(int(seconds * SAMPLE_RATE)) / SAMPLE_RATE  # [num_samples]
+    wave = 0.3 * np.sin(2 * np.pi * rng.uniform(100, 2000) * t) + 0.05 * rng.standard_normal(len(t))
+    return wave.astype(np.float32), SAMPLE_RATE
+
+
+MEDIA_KINDS = {
+    "Qwen2VLForConditionalGeneration": MediaKind(
+        "image",
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        make_image,
+        lambda items: {"images": items},
+    ),
+    "Qwen2AudioForConditionalGeneration": MediaKind(
+        "audio",
+        "<|im_start|>user\nAudio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\n{question}<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        make_audio,
+        lambda items: {"audio": [wave for wave, _ in items], "sampling_rate": SAMPLE_RATE},
+    ),
+}
+
+
+def make_mm_workload(
+    kind: MediaKind,
+    num: int,
+    seed: int,
+    pool_size: int,
+    in_range: tuple[int, int],
+    out_range: tuple[int, int],
+) -> Workload:
+    """`num` requests over `pool_size` items from smallest to largest, each item used equally
+    often (±1) in shuffled order; questions of `in_range` words."""
+    rng = random.Random(seed)
+    media_rng = np.random.default_rng(seed)
+    pool = [kind.make_item(media_rng, i / max(1, pool_size - 1)) for i in range(pool_size)]
+    order = [i % pool_size for i in range(num)]
+    rng.shuffle(order)
+    workload = []
+    for index in order:
+        question = " ".join(rng.choices(WORDS, k=rng.randint(*in_range)))
+        workload.append((kind.prompt(question, pool[index]), rng.randint(*out_range)))
+    return workload
+
+
+def mm_encoder(processor: Any, kind: MediaKind) -> Encoder:
+    def encode(prompts: list[Prompt]) -> dict[str, torch.Tensor]:
+        items = [p["multi_modal_data"][kind.modality] for p in prompts]
+        return processor(
+            text=[p["prompt"] for p in prompts],
+            **kind.hf_media(items),
+            padding=True,
+            padding_side="left",
+            return_tensors="pt",
+        )
+
+    return encode
+
+
+# ---- text workload ----------------------------------------------------------------------------
+
 
 def make_workload(
     vocab: int, num: int, seed: int, in_range: tuple[int, int], out_range: tuple[int, int]
-) -> list[tuple[list[int], int]]:
+) -> Workload:
     rng = random.Random(seed)
-    return [
-        (
-            [rng.randrange(100, vocab) for _ in range(rng.randint(*in_range))],
-            rng.randint(*out_range),
-        )
-        for _ in range(num)
-    ]
+    workload = []
+    for _ in range(num):
+        token_ids = [rng.randrange(100, vocab) for _ in range(rng.randint(*in_range))]
+        workload.append(({"prompt_token_ids": token_ids}, rng.randint(*out_range)))
+    return workload
 
 
-def bench_hf_single(model, workload) -> float:
-    start = time.perf_counter()
-    for prompt, out_len in workload:
-        model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=out_len,
-            min_new_tokens=out_len,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return time.perf_counter() - start
+def text_encoder(pad_id: int) -> Encoder:
+    def encode(prompts: list[Prompt]) -> dict[str, torch.Tensor]:
+        token_ids = [p["prompt_token_ids"] for p in prompts]
+        longest = max(len(ids) for ids in token_ids)
+        input_ids = torch.full((len(token_ids), longest), pad_id)  # [num_prompts, longest]
+        mask = torch.zeros((len(token_ids), longest), dtype=torch.long)
+        for i, ids in enumerate(token_ids):  # left padding, as generate expects
+            input_ids[i, longest - len(ids) :] = torch.tensor(ids)
+            mask[i, longest - len(ids) :] = 1
+        return {"input_ids": input_ids, "attention_mask": mask}
+
+    return encode
 
 
-def bench_hf_batched(model, workload, pad_id: int) -> float:
-    longest = max(len(p) for p, _ in workload)
-    ids = torch.full((len(workload), longest), pad_id)
-    mask = torch.zeros((len(workload), longest), dtype=torch.long)
-    for i, (prompt, _) in enumerate(workload):  # left padding, as generate expects
-        ids[i, longest - len(prompt) :] = torch.tensor(prompt)
-        mask[i, longest - len(prompt) :] = 1
-    max_out = max(n for _, n in workload)
-    start = time.perf_counter()
-    model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=max_out,
-        min_new_tokens=max_out,
+# ---- the systems ------------------------------------------------------------------------------
+
+
+def hf_generate(model: Any, inputs: dict[str, torch.Tensor], num_tokens: int, pad_id: int) -> None:
+    out = model.generate(
+        **inputs,
+        max_new_tokens=num_tokens,
+        min_new_tokens=num_tokens,
         do_sample=False,
         pad_token_id=pad_id,
     )
+    assert out.shape[1] == inputs["input_ids"].shape[1] + num_tokens
+
+
+def bench_hf_single(model: Any, workload: Workload, encode: Encoder, pad_id: int) -> float:
+    start = time.perf_counter()
+    for prompt, out_len in workload:
+        hf_generate(model, encode([prompt]), out_len, pad_id)
     return time.perf_counter() - start
 
 
-def bench_omniserve(llm: LLM, workload) -> float:
-    prompts = [{"prompt_token_ids": p} for p, _ in workload]
+def bench_hf_batched(model: Any, workload: Workload, encode: Encoder, pad_id: int) -> float:
+    start = time.perf_counter()
+    inputs = encode([prompt for prompt, _ in workload])
+    hf_generate(model, inputs, max(n for _, n in workload), pad_id)
+    return time.perf_counter() - start
+
+
+def bench_omniserve(llm: LLM, workload: Workload) -> tuple[float, list[Any]]:
+    prompts = [p for p, _ in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert [len(o.outputs[0].token_ids) for o in outputs] == [n for _, n in workload]
-    return elapsed
+    return elapsed, outputs
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--arch", default="Qwen3ForCausalLM")
-    parser.add_argument("--size", default="bench", choices=["tiny", "bench"])
-    parser.add_argument("--model", default=None, help="A checkpoint dir instead of building one.")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--input-len", type=int, nargs=2, default=(16, 256))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-hf-single", action="store_true")
-    args = parser.parse_args()
+# ---- omniserve internals: cache counters and time to first token ------------------------------
 
-    model_dir = args.model or str(build_tiny_checkpoint(args.arch, size=args.size))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    workload = make_workload(
-        len(tokenizer), args.num_prompts, args.seed, tuple(args.input_len), tuple(args.output_len)
-    )
-    total_out = sum(n for _, n in workload)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+def cache_counters(llm: LLM) -> dict[str, tuple[int, int]]:
+    """Cumulative (hits, lookups) of each omniserve cache: items for the processor and encoder
+    caches, prompt tokens for the prefix cache."""
+    stats = llm.llm_engine.engine_core.call_utility("get_stats")
+    counters = {
+        "encoder cache (items)": (stats["encoder_cache_hits"], stats["encoder_cache_queries"]),
+        "prefix cache (tokens)": (stats["prefix_cache_hits"], stats["prefix_cache_queries"]),
+    }
+    mm_processor = llm.llm_engine.processor.mm_processor
+    if mm_processor is not None and mm_processor.cache is not None:
+        processor = mm_processor.cache.stats()
+        counters["processor cache (items)"] = (processor.hits, processor.hits + processor.misses)
+    return {name: (int(hits), int(lookups)) for name, (hits, lookups) in counters.items()}
+
+
+@dataclass
+class TTFT:
+    """Median seconds to the first token: the client's wall time of ``LLM.generate`` (front end
+    included) and the engine's arrival -> first token (processing excluded)."""
+
+    first_wall: float
+    first_engine: float
+    repeat_wall: float
+    repeat_engine: float
+
+
+def measure_ttft(llm: LLM, kind: MediaKind, seed: int, repeats: int) -> TTFT:
+    """A largest-size item never seen before, then the same item in a new request (another
+    question), `repeats` times with fresh items."""
+    media_rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    walls: dict[str, list[float]] = {"first": [], "repeat": []}
+    engine: dict[str, list[float]] = {"first": [], "repeat": []}
+    for _ in range(repeats):
+        item = kind.make_item(media_rng, 1.0)
+        for label, question in (("first", "What is this?"), ("repeat", "And what else?")):
+            start = time.perf_counter()
+            (output,) = llm.generate(kind.prompt(question, item), params, use_tqdm=False)
+            walls[label].append(time.perf_counter() - start)
+            metrics = output.metrics
+            engine[label].append(metrics["first_token_time"] - metrics["arrival_time"])
+    median = statistics.median
+    return TTFT(
+        median(walls["first"]), median(engine["first"]),
+        median(walls["repeat"]), median(engine["repeat"]),
+    )  # fmt: skip
+
+
+# ---- one pass: one model, every system --------------------------------------------------------
+
+
+@dataclass
+class PassResult:
+    model_dir: str
+    num_output_tokens: int
+    seconds: dict[str, float]
+    """system -> wall seconds for the whole workload."""
+    cache_hits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """cache -> (hits, lookups) during the timed omniserve run."""
+    ttft: TTFT | None = None
+
+
+def build_workload(
+    args: argparse.Namespace, kind: MediaKind | None, tokenizer: Any, seed: int, num: int
+) -> Workload:
+    if kind is None:
+        in_range = tuple(args.input_len or (16, 256))
+        return make_workload(len(tokenizer), num, seed, in_range, tuple(args.output_len))
+    in_range = tuple(args.input_len or (8, 64))
+    pool_size = min(args.mm_pool_size, num)
+    return make_mm_workload(kind, num, seed, pool_size, in_range, tuple(args.output_len))
+
+
+def run_pass(args: argparse.Namespace, model_dir: str) -> PassResult:
+    arch = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
+    kind = MEDIA_KINDS.get(arch) if args.workload == "mm" else None
+    if args.workload == "mm" and kind is None:
+        raise SystemExit(f"--workload mm needs one of {sorted(MEDIA_KINDS)}, not {arch}")
+    hf_processor = (AutoProcessor if kind else AutoTokenizer).from_pretrained(model_dir)
+    tokenizer = getattr(hf_processor, "tokenizer", hf_processor)
+    pad_id = tokenizer.pad_token_id or 0
+    encode = mm_encoder(hf_processor, kind) if kind else text_encoder(pad_id)
+    workload = build_workload(args, kind, tokenizer, args.seed, args.num_prompts)
+    warmup = build_workload(args, kind, tokenizer, args.seed + 1, 2)  # items not in the workload
+    result = PassResult(model_dir, sum(n for _, n in workload), {})
+
+    llm = LLM(model_dir, dtype="float32", enable_prefix_caching=args.enable_prefix_caching)
+    try:
+        bench_omniserve(llm, warmup)
+        before = cache_counters(llm)
+        result.seconds["omniserve"], outputs = bench_omniserve(llm, workload)
+        after = cache_counters(llm)
+        result.cache_hits = {
+            name: (hits - before[name][0], lookups - before[name][1])
+            for name, (hits, lookups) in after.items()
+        }
+        if kind is not None:
+            result.ttft = measure_ttft(llm, kind, args.seed + 2, args.ttft_repeats)
+    finally:
+        llm.shutdown()
+
+    hf = getattr(transformers, arch).from_pretrained(model_dir, dtype=torch.float32).eval()
+    print_header(result, hf, workload, outputs, kind)
+    with torch.inference_mode():
+        hf_generate(hf, encode([warmup[0][0]]), 2, pad_id)
+        result.seconds["hf batched generate"] = bench_hf_batched(hf, workload, encode, pad_id)
+        if not args.skip_hf_single:
+            result.seconds["hf generate, one at a time"] = bench_hf_single(
+                hf, workload, encode, pad_id
+            )
+    print_report(result, args)
+    return result
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def print_header(
+    result: PassResult, hf: Any, workload: Workload, outputs: list[Any], kind: MediaKind | None
+) -> None:
     params = sum(p.numel() for p in hf.parameters()) / 1e6
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    media = ""
+    if kind is not None:
+        items = {id(p["multi_modal_data"][kind.modality]) for p, _ in workload}
+        mm_tokens = sum(o.num_mm_tokens.get(kind.modality, 0) for o in outputs)
+        media = f" ({mm_tokens} {kind.modality} tokens; {len(items)} distinct {kind.modality}s)"
     print(
-        f"model {model_dir} ({params:.1f}M params), {args.num_prompts} requests, "
-        f"{sum(len(p) for p, _ in workload)} prompt tokens, {total_out} output tokens, "
+        f"\nmodel {result.model_dir} ({params:.1f}M params), {len(workload)} requests, "
+        f"{prompt_tokens} prompt tokens{media}, {result.num_output_tokens} output tokens, "
         f"torch threads {torch.get_num_threads()}, cpu count {os.cpu_count()}"
     )
 
-    llm = LLM(model_dir, dtype="float32", enable_prefix_caching=False)
-    bench_omniserve(llm, workload[:2])  # warm-up
-    results = {"omniserve": bench_omniserve(llm, workload)}
-    with torch.inference_mode():
-        hf.generate(torch.tensor([workload[0][0]]), max_new_tokens=2, pad_token_id=0)
-        results["hf batched generate"] = bench_hf_batched(hf, workload, tokenizer.pad_token_id or 0)
-        if not args.skip_hf_single:
-            results["hf generate, one at a time"] = bench_hf_single(hf, workload)
 
-    ours = total_out / results["omniserve"]
+def print_report(result: PassResult, args: argparse.Namespace) -> None:
+    ours = result.num_output_tokens / result.seconds["omniserve"]
     print(f"\n{'system':30s} {'time s':>8s} {'out tok/s':>10s} {'omniserve x':>12s}")
-    for name, elapsed in results.items():
-        rate = total_out / elapsed
+    for name, elapsed in result.seconds.items():
+        rate = result.num_output_tokens / elapsed
         print(f"{name:30s} {elapsed:8.2f} {rate:10.1f} {ours / rate:12.2f}")
+    for name, (hits, lookups) in sorted(result.cache_hits.items()):
+        if name.startswith("prefix") and not args.enable_prefix_caching:
+            continue
+        if lookups or args.workload == "mm":
+            rate = f"{100 * hits / lookups:.1f}%" if lookups else "n/a"
+            print(f"omniserve {name}: {hits}/{lookups} hits ({rate})")
+    if result.ttft is not None:
+        t = result.ttft
+        print(
+            f"TTFT, median of {args.ttft_repeats} (LLM.generate wall / engine arrival->first "
+            f"token):\n  new item          {1e3 * t.first_wall:8.1f} ms / "
+            f"{1e3 * t.first_engine:6.1f} ms\n  same item again   {1e3 * t.repeat_wall:8.1f} ms / "
+            f"{1e3 * t.repeat_engine:6.1f} ms  ({t.first_wall / t.repeat_wall:.2f}x / "
+            f"{t.first_engine / t.repeat_engine:.2f}x faster)"
+        )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workload", default="text", choices=["text", "mm"])
+    parser.add_argument(
+        "--arch", default=None, help=f"Default: {TEXT_ARCH} (text), both of {MM_ARCHS} (mm)."
+    )
+    parser.add_argument("--size", default="bench", choices=["tiny", "bench"])
+    parser.add_argument("--model", default=None, help="A checkpoint dir instead of building one.")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument(
+        "--input-len", type=int, nargs=2, default=None,
+        help="Prompt tokens (text, default 16 256) or question words (mm, default 8 64).",
+    )  # fmt: skip
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-hf-single", action="store_true")
+    parser.add_argument(
+        "--mm-pool-size", type=int, default=8, help="Distinct items per mm pass (repeats beyond)."
+    )
+    parser.add_argument("--ttft-repeats", type=int, default=3)
+    parser.add_argument(
+        "--enable-prefix-caching", action="store_true", help="Off by default: HF has none."
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> list[PassResult]:
+    args = parse_args(argv)
+    if args.model:
+        model_dirs = [args.model]
+    else:
+        archs = [args.arch] if args.arch else (MM_ARCHS if args.workload == "mm" else [TEXT_ARCH])
+        model_dirs = [str(build_tiny_checkpoint(arch, size=args.size)) for arch in archs]
+    return [run_pass(args, model_dir) for model_dir in model_dirs]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""The benchmark scripts run end to end on tiny checkpoints: counters checked, timings not."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SYSTEMS = {"omniserve", "hf batched generate", "hf generate, one at a time"}
+
+
+def _load_script(name: str) -> ModuleType:
+    if name not in sys.modules:  # registered first: dataclasses look their module up by name
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_mm_workload_mixes_sizes_and_repeats_each_item_equally():
+    bench = _load_script("bench_throughput")
+    for arch, kind in bench.MEDIA_KINDS.items():
+        workload = bench.make_mm_workload(kind, 10, 0, 4, (3, 5), (2, 6))
+        items = [prompt["multi_modal_data"][kind.modality] for prompt, _ in workload]
+        uses = Counter(id(item) for item in items)
+        assert sorted(uses.values()) == [2, 2, 3, 3], arch
+        distinct = list({id(item): item for item in items}.values())
+        if kind.modality == "image":
+            sizes = sorted(image.width * image.height for image in distinct)
+            assert sizes[0] == 56 * 56 and sizes[-1] >= 448 * 224
+        else:
+            seconds = sorted(len(wave) / rate for wave, rate in distinct)
+            assert seconds == pytest.approx([1.0, 1 + 11 / 3, 1 + 22 / 3, 12.0], abs=1e-3)
+            assert all(wave.dtype == np.float32 for wave, _ in distinct)
+        assert all(2 <= n <= 6 for _, n in workload)
+        assert all(kind.template.split("{question}")[0] in p["prompt"] for p, _ in workload)
+
+
+@pytest.mark.slow
+def test_mm_benchmark_runs_on_tiny_checkpoints(capsys):
+    bench = _load_script("bench_throughput")
+    argv = ["--workload", "mm", "--size", "tiny", "--num-prompts", "4", "--mm-pool-size", "2"]
+    results = bench.main([*argv, "--output-len", "2", "4", "--ttft-repeats", "1"])
+    assert [Path(r.model_dir).name.split("-")[0] for r in results] == list(bench.MM_ARCHS)
+    out = capsys.readouterr().out
+    for result in results:
+        assert set(result.seconds) == SYSTEMS and min(result.seconds.values()) > 0
+        # Two items, each used twice: every second use hits both caches.
+        assert result.cache_hits["processor cache (items)"] == (2, 4)
+        assert result.cache_hits["encoder cache (items)"] == (2, 4)
+        ttft = result.ttft
+        assert ttft is not None and min(ttft.first_wall, ttft.repeat_wall) > 0
+    assert out.count("omniserve processor cache (items): 2/4 hits (50.0%)") == 2
+    assert out.count("same item again") == 2
+
+
+@pytest.mark.slow
+def test_text_benchmark_runs_on_a_tiny_checkpoint(capsys):
+    bench = _load_script("bench_throughput")
+    (result,) = bench.main(["--size", "tiny", "--num-prompts", "3", "--output-len", "2", "3"])
+    assert Path(result.model_dir).name.startswith(bench.TEXT_ARCH)
+    assert set(result.seconds) == SYSTEMS and result.ttft is None
+    assert result.cache_hits["prefix cache (tokens)"] == (0, 0)  # off: HF has no prefix cache
+    assert "processor cache" not in capsys.readouterr().out
