@@ -8,6 +8,7 @@ Hugging Face checkpoints (``model.layers.N.self_attn...``, ``lm_head``), except 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -158,7 +159,7 @@ class DecoderModel(nn.Module):
         return self.norm(hidden_states)
 
 
-class DecoderForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module, ABC):
     """Base of the family's ``*ForCausalLM`` classes; subclasses give ``decoder_spec``."""
 
     stacked_params: ClassVar[StackedParams] = (
@@ -180,8 +181,9 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
+    @abstractmethod
     def decoder_spec(config: PretrainedConfig) -> DecoderSpec:
-        raise NotImplementedError
+        """The family's variations (qkv bias, q/k norms, ...) read from its config."""
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, spec: DecoderSpec, layer_idx: int) -> nn.Module:

@@ -7,6 +7,7 @@ text prompts and token-id prompts take the same path and no text re-encoding is 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ PromptUpdateContent = (
 
 
 @dataclass(frozen=True)
-class PromptUpdate:
+class PromptUpdate(ABC):
     """Base: the ``i``-th occurrence of ``target`` in the prompt belongs to the ``i``-th item of
     ``modality``; there must be exactly one occurrence per item."""
 
@@ -49,8 +50,10 @@ class PromptUpdate:
     """True when the target stays in the prompt and the content follows it."""
 
     @property
+    @abstractmethod
     def content(self) -> PromptUpdateContent:
-        raise NotImplementedError
+        """What the target becomes (or is followed by): tokens, text, details, or a function
+        of the item index giving one of those."""
 
     def resolve(self, item_idx: int) -> PromptUpdateDetails:
         content = self.content
