@@ -12,6 +12,18 @@ _MODELS = {
     ),
     "Qwen3ForCausalLM": "model_zoo.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "model_zoo.qwen3_moe:Qwen3MoeForCausalLM",
+    "Qwen2_5OmniThinkerForConditionalGeneration": (
+        "model_zoo.qwen2_5_omni_thinker:Qwen2_5OmniThinkerForConditionalGeneration"
+    ),
+    "Qwen2_5OmniForConditionalGeneration": (
+        "model_zoo.qwen2_5_omni_thinker:Qwen2_5OmniForConditionalGeneration"
+    ),
+    "Qwen3OmniMoeThinkerForConditionalGeneration": (
+        "model_zoo.qwen3_omni_moe_thinker:Qwen3OmniMoeThinkerForConditionalGeneration"
+    ),
+    "Qwen3OmniMoeForConditionalGeneration": (
+        "model_zoo.qwen3_omni_moe_thinker:Qwen3OmniMoeForConditionalGeneration"
+    ),
 }
 
 

@@ -71,7 +71,10 @@ def _weight_names(path: Path) -> set[str]:
 
 
 def test_table_covers_the_requested_architectures():
-    assert set(SUPPORTED_ARCHITECTURES) == set(FAMILY_WEIGHTS) | set(MULTIMODAL_WEIGHTS)
+    from tests.test_checkpoint_builder_omni import OMNI_ARCHS
+
+    expected = set(FAMILY_WEIGHTS) | set(MULTIMODAL_WEIGHTS) | set(OMNI_ARCHS)
+    assert set(SUPPORTED_ARCHITECTURES) == expected
 
 
 @pytest.mark.parametrize("arch", list(FAMILY_WEIGHTS))

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from omniserve import envs
 from omniserve.checkpoint_builder.processors import build_hf_processor
-from omniserve.checkpoint_builder.specs import ARCH_SPECS, ArchSpec, MultiModalSpec
+from omniserve.checkpoint_builder.specs import ArchSpec, MultiModalSpec, SpeechSpec
+from omniserve.checkpoint_builder.speech import init_fused_experts, speech_submodels, write_speakers
+from omniserve.checkpoint_builder.table import ARCH_SPECS
 from omniserve.checkpoint_builder.tokenizer import build_hf_tokenizer
 
 if TYPE_CHECKING:
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
         PreTrainedTokenizerBase,
     )
 
-BUILDER_VERSION = 2
+BUILDER_VERSION = 4
 """Bump when the output of a build changes, so cached checkpoints are rebuilt."""
 
 BUILD_INFO_FILE = "omniserve_build.json"
@@ -146,17 +148,21 @@ def _write_checkpoint(
         model = _make_model(spec, config, num_tokens=len(tokenizer))
     model.generation_config = _make_generation_config(spec, tokenizer, config)
     model.save_pretrained(path)
+    if spec.speech is not None and spec.speech.speakers:
+        write_speakers(path, spec.speech, config, num_tokens=len(tokenizer), seed=seed)
     if spec.multimodal is None:
         tokenizer.save_pretrained(path)
     else:  # the processor saves its tokenizer, media components and chat template
-        build_hf_processor(spec.multimodal.processor, tokenizer, config).save_pretrained(path)
+        media_config = config.thinker_config if spec.speech else config
+        build_hf_processor(spec.multimodal.processor, tokenizer, media_config).save_pretrained(path)
 
 
 def _split_overrides(
     spec: ArchSpec, size: str, overrides: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """(config kwargs with overrides, per-tower overrides): tower keys name a sub-config dict."""
-    towers = spec.multimodal.towers if spec.multimodal else {}
+    towers = {**(spec.multimodal.towers if spec.multimodal else {})}
+    towers.update(spec.speech.submodels if spec.speech else {})
     tower_overrides = {name: dict(value) for name, value in overrides.items() if name in towers}
     text_overrides = {key: value for key, value in overrides.items() if key not in towers}
     return {**spec.config_kwargs_for(size), **text_overrides}, tower_overrides
@@ -186,6 +192,8 @@ def _make_config(
         "pad_token_id": token_id(family.pad_token) if family.pad_token else None,
     }
     config_cls = getattr(transformers, spec.config_class)
+    if spec.speech is not None:
+        return _speech_config(spec, tokenizer, kwargs, size=size, tower_overrides=tower_overrides)
     text_kwargs = {"vocab_size": vocab_size, **ids, **kwargs}
     if spec.multimodal is None:
         return config_cls(architectures=[spec.architecture], **text_kwargs)
@@ -206,10 +214,12 @@ def _multimodal_kwargs(
     if mm.text_model_type is not None:
         text_kwargs["model_type"] = mm.text_model_type
     if mm.mrope_section is not None:
-        head_dim = text_kwargs["hidden_size"] // text_kwargs["num_attention_heads"]
+        head_dim = text_kwargs.get("head_dim")
+        head_dim = head_dim or text_kwargs["hidden_size"] // text_kwargs["num_attention_heads"]
         rope = dict(text_kwargs["rope_parameters"])  # an overridden split is kept as given
         rope.setdefault("mrope_section", scale_mrope_section(mm.mrope_section, head_dim))
         text_kwargs["rope_parameters"] = rope
+    outer.update({key: text_kwargs[text_key] for key, text_key in mm.outer_text_links.items()})
     outer["text_config"] = text_kwargs
     outer["dtype"] = text_kwargs["dtype"]
     for name, tower in mm.towers.items():
@@ -218,8 +228,46 @@ def _multimodal_kwargs(
             tower_kwargs[key] = text_kwargs[text_key]
         outer[name] = tower_kwargs
     for key, token in mm.token_ids.items():
-        outer[key] = tokenizer.convert_tokens_to_ids(token)
+        outer[key] = _token_id(tokenizer, token)
     return outer
+
+
+def _speech_config(
+    spec: ArchSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    kwargs: dict[str, Any],
+    *,
+    size: str,
+    tower_overrides: dict[str, dict[str, Any]],
+) -> PreTrainedConfig:
+    """A full omni config: the thinker row's config plus the talker / vocoder sub-configs."""
+    import transformers
+
+    speech: SpeechSpec = spec.speech  # type: ignore[assignment]
+    thinker_spec = ARCH_SPECS[speech.thinker_architecture]
+    thinker_overrides = {k: v for k, v in tower_overrides.items() if k not in speech.submodels}
+    thinker = _make_config(
+        thinker_spec, tokenizer, kwargs, size=size, tower_overrides=thinker_overrides
+    )
+    outer = speech_submodels(speech, size, thinker, tower_overrides)
+    for key, token in speech.token_ids.items():
+        outer[key] = _token_id(tokenizer, token)
+    config_cls = getattr(transformers, spec.config_class)
+    return config_cls(
+        architectures=[spec.architecture], thinker_config=thinker, dtype=thinker.dtype, **outer
+    )
+
+
+def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    """The id of a special token, or of the first piece of a word our small BPE splits.
+
+    Role ids such as user_token_id are single tokens in the real vocabulary ("user" is 872); here
+    "user" splits, and its first piece still tells the roles apart after <|im_start|>.
+    """
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if token_id is None:
+        token_id = tokenizer.encode(token, add_special_tokens=False)[0]
+    return token_id
 
 
 def scale_mrope_section(real_section: tuple[int, ...], head_dim: int) -> list[int]:
@@ -239,12 +287,25 @@ def scale_mrope_section(real_section: tuple[int, ...], head_dim: int) -> list[in
 
 
 def _make_model(spec: ArchSpec, config: PreTrainedConfig, num_tokens: int) -> PreTrainedModel:
-    """Random weights drawn from the current (seeded) RNG, cast to the config's dtype."""
+    """Random weights drawn from the current (seeded) RNG, cast to the config's dtype.
+
+    A full omni model's thinker is drawn first, exactly as its thinker row draws it, so a full
+    checkpoint's "thinker.*" weights equal the thinker checkpoint's for the same seed.
+    """
     import transformers
 
+    thinker = None
+    if spec.speech is not None:
+        thinker_spec = ARCH_SPECS[spec.speech.thinker_architecture]
+        thinker = _make_model(thinker_spec, config.thinker_config, num_tokens)
     model = getattr(transformers, spec.architecture)(config)
+    if thinker is not None:
+        init_fused_experts(model)
     _perturb_one_d_params(model)
-    _zero_padding_rows(model, num_tokens)
+    if thinker is not None:
+        model.thinker.load_state_dict(thinker.state_dict())
+    else:
+        _zero_padding_rows(model, num_tokens)
     return model.to(config.dtype)
 
 

@@ -1,10 +1,10 @@
-"""The one table of model families the tiny-checkpoint builder knows.
+"""The vocabulary of the builder's table (table.py): row types, tokenizer families and sizes.
 
-A family is an `ArchSpec`: the transformers config class, the config kwargs that make it small, and
-its `TokenizerFamily` (special tokens, pre-tokenizer, chat template, eos ids). Adding an
-architecture is adding one row. Multimodal rows add a `MultiModalSpec`: the media towers'
-sub-configs, the config keys holding placeholder token ids, and the HF processor to save. They reuse
-the Qwen tokenizer family, whose special tokens already carry the vision/audio markers.
+A buildable architecture is an `ArchSpec`: the transformers config class, the config kwargs that
+make it small, and its `TokenizerFamily` (special tokens, pre-tokenizer, chat template, eos ids).
+Multimodal rows add a `MultiModalSpec`: the media towers' sub-configs, the config keys holding
+placeholder token ids, and the HF processor to save. Full speech-output omni models add a
+`SpeechSpec`: the thinker row they wrap and their talker / vocoder sub-configs.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from typing import Any
 from omniserve.checkpoint_builder.templates import (
     CHATML_TEMPLATE,
     LLAMA3_TEMPLATE,
+    QWEN2_5_OMNI_TEMPLATE,
     QWEN2_AUDIO_TEMPLATE,
+    QWEN3_OMNI_TEMPLATE,
 )
 
 # Qwen2's pre-tokenizer split (numbers one digit at a time).
@@ -53,6 +55,9 @@ class TokenizerFamily:
     add_bos_token: bool
     """Prepend `bos_token` on encode (Llama 3 does, through its post-processor)."""
     chat_template: str
+    named_tokens: tuple[tuple[str, str], ...] = ()
+    """(tokenizer attribute, token) pairs saved in tokenizer_config.json, e.g. ("image_token",
+    "<|IMAGE|>"): the omni processors read their placeholders from these attributes."""
 
 
 QWEN_TOKENIZER = TokenizerFamily(
@@ -75,6 +80,35 @@ QWEN_TOKENIZER = TokenizerFamily(
 QWEN2_AUDIO_TOKENIZER = dataclasses.replace(QWEN_TOKENIZER, chat_template=QWEN2_AUDIO_TEMPLATE)
 """The Qwen tokenizer (same vocabulary and ids) with Qwen2-Audio's chat template."""
 
+QWEN2_5_OMNI_TOKENIZER = dataclasses.replace(
+    QWEN_TOKENIZER,
+    # Qwen2.5-Omni wraps images and videos in <|vision_bos|>..<|vision_eos|>; appended after the
+    # shared specials, so every other id equals the Qwen family's.
+    special_tokens=(*QWEN_TOKENIZER.special_tokens, "<|vision_bos|>", "<|vision_eos|>"),
+    chat_template=QWEN2_5_OMNI_TEMPLATE,
+    named_tokens=(
+        ("image_token", "<|IMAGE|>"), ("video_token", "<|VIDEO|>"), ("audio_token", "<|AUDIO|>"),
+        ("vision_bos_token", "<|vision_bos|>"), ("vision_eos_token", "<|vision_eos|>"),
+        ("audio_bos_token", "<|audio_bos|>"), ("audio_eos_token", "<|audio_eos|>"),
+    ),
+)  # fmt: skip
+
+QWEN3_OMNI_TOKENIZER = dataclasses.replace(
+    QWEN_TOKENIZER,
+    # The text-to-speech markers the full model's talker reads, appended like Qwen2.5-Omni's.
+    special_tokens=(
+        *QWEN_TOKENIZER.special_tokens,
+        "<|tts_pad|>", "<|tts_text_bos|>", "<|tts_text_eod|>", "<|tts_text_bos_single|>",
+    ),
+    chat_template=QWEN3_OMNI_TEMPLATE,
+    named_tokens=(
+        ("image_token", "<|image_pad|>"), ("video_token", "<|video_pad|>"),
+        ("audio_token", "<|audio_pad|>"), ("vision_bos_token", "<|vision_start|>"),
+        ("vision_eos_token", "<|vision_end|>"), ("audio_bos_token", "<|audio_start|>"),
+        ("audio_eos_token", "<|audio_end|>"),
+    ),
+)  # fmt: skip
+
 LLAMA3_TOKENIZER = TokenizerFamily(
     tokenizer_class="PreTrainedTokenizerFast",
     pretokenize_regex=_LLAMA3_REGEX,
@@ -95,7 +129,8 @@ LLAMA3_TOKENIZER = TokenizerFamily(
 )
 
 
-def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+def frozen_mapping(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A read-only copy, so table rows cannot be edited by the code that reads them."""
     return MappingProxyType(dict(mapping))
 
 
@@ -104,13 +139,13 @@ def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
 # unit RMS then gives logits with std ~3, so next-token distributions are peaked (mean top-1
 # probability ~0.25 over 2k tokens, measured) and greedy decoding has clear winners instead of
 # near-ties. With 0.02-0.1 the distribution is near uniform and tied models repeat one token.
-BASE_SIZES: Mapping[str, Mapping[str, Any]] = _frozen({
-    "tiny": _frozen(dict(
+BASE_SIZES: Mapping[str, Mapping[str, Any]] = frozen_mapping({
+    "tiny": frozen_mapping(dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.4,
         dtype="float32",
     )),
-    "bench": _frozen(dict(
+    "bench": frozen_mapping(dict(
         hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.14,
         dtype="bfloat16",
@@ -154,10 +189,31 @@ class MultiModalSpec:
     """`text_config["model_type"]`, for outer configs that cannot infer it."""
     mrope_section: tuple[int, ...] | None = None
     """The real checkpoint's M-RoPE sections (for head_dim 128), scaled to the tiny head_dim."""
+    outer_text_links: Mapping[str, str] = field(default_factory=dict)
+    """Outer-config key -> text-config key whose value it copies (e.g. the omni thinkers init
+    lm_head from the outer initializer_range, which must follow the text part's)."""
 
     def tower_kwargs_for(self, name: str, size: str) -> dict[str, Any]:
         tower = self.towers[name]
         return copy.deepcopy({**tower.kwargs, **tower.size_kwargs[size]})
+
+
+@dataclass(frozen=True)
+class SpeechSpec:
+    """A full omni model: the thinker row it wraps plus its speech-output sub-models."""
+
+    thinker_architecture: str
+    """The thinker row whose config (and, for the same seed, weights) becomes `thinker_config`."""
+    submodels: Mapping[str, Mapping[str, Mapping[str, Any]]]
+    """Outer-config key ("talker_config", ...) -> size -> its sub-config kwargs."""
+    token_ids: Mapping[str, str] = field(default_factory=dict)
+    """Outer-config key -> the token whose id it holds (e.g. im_start_token_id)."""
+    speakers: Mapping[str, int] = field(default_factory=dict)
+    """Speaker -> its text bos id, saved to spk_dict.pt with random conditioning vectors and
+    reference mels (Qwen2.5-Omni's from_pretrained requires the file; Qwen3-Omni has none)."""
+    thinker_links: Mapping[str, str] = field(default_factory=dict)
+    """Sub-config path ("talker_config.text_config.vocab_size", dots into nested dicts) -> the
+    thinker config path whose value it copies: hidden sizes and placeholder ids must agree."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +230,8 @@ class ArchSpec:
     """Per-size kwargs merged over `BASE_SIZES[size]` (e.g. head_dim, expert width)."""
     multimodal: MultiModalSpec | None = None
     """Set for image/video/audio models; then the kwargs above describe `text_config`."""
+    speech: SpeechSpec | None = None
+    """Set for full omni models; the kwargs above then describe the thinker's text part."""
 
     def config_kwargs_for(self, size: str) -> dict[str, Any]:
         if size not in BASE_SIZES:
@@ -181,154 +239,3 @@ class ArchSpec:
         # deepcopy: configs keep references to list/dict values, and this table must stay intact.
         merged = {**BASE_SIZES[size], **self.size_kwargs.get(size, {}), **self.config_kwargs}
         return copy.deepcopy(merged)
-
-
-_QWEN_ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0}
-
-# An image becomes 4..64 merged tokens (28x28 pixels each) and each pair of video frames 4..16, so
-# multimodal tests stay fast (real checkpoints: 4..16384). Callers pass size={...} for larger media.
-_QWEN_VL_PROCESSOR_COMPONENTS = _frozen({
-    "image_processor": ("Qwen2VLImageProcessor", _frozen(dict(
-        min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28,
-    ))),
-    # Frames are taken as given (do_sample_frames=False, as in the real checkpoints); fps and the
-    # frame bounds apply when a caller asks for sampling. No whole-video pixel cap, as before v5.22.
-    "video_processor": ("Qwen2VLVideoProcessor", _frozen(dict(
-        min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, fps=2.0, min_frames=2, max_frames=16,
-        do_sample_frames=False, cap_pixels_per_frame=False,
-    ))),
-})  # fmt: skip
-_QWEN_VL_TOKEN_IDS = _frozen({
-    "image_token_id": "<|image_pad|>",
-    "video_token_id": "<|video_pad|>",
-    "vision_start_token_id": "<|vision_start|>",
-    "vision_end_token_id": "<|vision_end|>",
-})  # fmt: skip
-# Media towers use a larger init than transformers' 0.02 (scaled by 1/sqrt(width) like the text
-# part's): with 0.02 the encoders are near-linear and every audio gives the same first tokens. With
-# these, six different images (or audios) gave six different 8-token greedy continuations.
-_QWEN2_VL_VISION = TowerSpec(
-    kwargs=dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, mlp_ratio=4),
-    size_kwargs={
-        "tiny": dict(depth=2, embed_dim=32, num_heads=2, initializer_range=0.2),
-        "bench": dict(depth=8, embed_dim=256, num_heads=4, initializer_range=0.07),
-    },
-    text_links={"hidden_size": "hidden_size"},
-)  # fmt: skip
-# Window attention as in Qwen2.5-VL-7B: 112-pixel windows (4x4 merged tokens), full attention in
-# the last block of each group; the tiny size has one windowed and one full block.
-_QWEN2_5_VL_VISION = TowerSpec(
-    kwargs=dict(
-        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-        tokens_per_second=2,
-    ),
-    size_kwargs={
-        "tiny": dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, fullatt_block_indexes=[1],
-            initializer_range=0.2,
-        ),
-        "bench": dict(
-            depth=8, hidden_size=256, intermediate_size=704, num_heads=4,
-            fullatt_block_indexes=[3, 7], initializer_range=0.07,
-        ),
-    },
-    text_links={"out_hidden_size": "hidden_size"},
-)  # fmt: skip
-_QWEN2_AUDIO_ENCODER = TowerSpec(
-    # 128 mel bins and 1500 positions (30 s) as in Qwen2-Audio-7B; the projector maps to the text.
-    kwargs=dict(num_mel_bins=128, max_source_positions=1500, activation_function="gelu"),
-    size_kwargs={
-        "tiny": dict(
-            d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
-            initializer_range=0.2,
-        ),
-        "bench": dict(
-            d_model=256, encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=1024,
-            initializer_range=0.07,
-        ),
-    },
-)  # fmt: skip
-_QWEN2_AUDIO_PROCESSOR = ProcessorSpec(
-    "Qwen2AudioProcessor",
-    _frozen({
-        "feature_extractor": ("WhisperFeatureExtractor", _frozen(dict(
-            feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30, n_fft=400,
-            padding_value=0.0, return_attention_mask=True,
-        ))),
-    }),
-)  # fmt: skip
-
-ARCH_SPECS: Mapping[str, ArchSpec] = _frozen({
-    spec.architecture: spec
-    for spec in (
-        ArchSpec(
-            "Qwen2ForCausalLM", "Qwen2Config", QWEN_TOKENIZER,
-            # Tied like Qwen2.5-0.5B, so the tied-embedding path is covered by tests.
-            config_kwargs=dict(tie_word_embeddings=True, rope_parameters=_QWEN_ROPE),
-        ),
-        ArchSpec(
-            "Qwen3ForCausalLM", "Qwen3Config", QWEN_TOKENIZER,
-            config_kwargs=dict(tie_word_embeddings=False, rope_parameters=_QWEN_ROPE),
-            # head_dim != hidden_size / num_heads, as in the real Qwen3 models.
-            size_kwargs={"tiny": dict(head_dim=32), "bench": dict(head_dim=128)},
-        ),
-        ArchSpec(
-            "LlamaForCausalLM", "LlamaConfig", LLAMA3_TOKENIZER,
-            config_kwargs=dict(
-                tie_word_embeddings=False,
-                rope_parameters={"rope_type": "default", "rope_theta": 500_000.0},
-            ),
-        ),
-        ArchSpec(
-            "Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN_TOKENIZER,
-            # Routing as in Qwen3-30B-A3B (renormalised top-k, every layer sparse).
-            config_kwargs=dict(
-                tie_word_embeddings=False, rope_parameters=_QWEN_ROPE, num_experts=8,
-                num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                mlp_only_layers=[],
-            ),
-            size_kwargs={
-                "tiny": dict(head_dim=32, moe_intermediate_size=32),
-                "bench": dict(head_dim=128, moe_intermediate_size=256),
-            },
-        ),
-        ArchSpec(
-            "Qwen2VLForConditionalGeneration", "Qwen2VLConfig", QWEN_TOKENIZER,
-            config_kwargs=dict(rope_parameters=_QWEN_ROPE),
-            multimodal=MultiModalSpec(
-                towers={"vision_config": _QWEN2_VL_VISION},
-                token_ids=_QWEN_VL_TOKEN_IDS,
-                processor=ProcessorSpec("Qwen2VLProcessor", _QWEN_VL_PROCESSOR_COMPONENTS),
-                outer_kwargs={"tie_word_embeddings": False},
-                mrope_section=(16, 24, 24),
-            ),
-        ),
-        ArchSpec(
-            "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig", QWEN_TOKENIZER,
-            config_kwargs=dict(rope_parameters=_QWEN_ROPE),
-            multimodal=MultiModalSpec(
-                towers={"vision_config": _QWEN2_5_VL_VISION},
-                token_ids=_QWEN_VL_TOKEN_IDS,
-                processor=ProcessorSpec("Qwen2_5_VLProcessor", _QWEN_VL_PROCESSOR_COMPONENTS),
-                outer_kwargs={"tie_word_embeddings": False},
-                mrope_section=(16, 24, 24),
-            ),
-        ),
-        ArchSpec(
-            "Qwen2AudioForConditionalGeneration", "Qwen2AudioConfig", QWEN2_AUDIO_TOKENIZER,
-            # The text part is a plain Qwen2 (1-D RoPE, theta 1e4) as in Qwen2-Audio-7B.
-            config_kwargs=dict(
-                tie_word_embeddings=False,
-                rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-            ),
-            multimodal=MultiModalSpec(
-                towers={"audio_config": _QWEN2_AUDIO_ENCODER},
-                token_ids={"audio_token_index": "<|AUDIO|>"},
-                processor=_QWEN2_AUDIO_PROCESSOR,
-                text_model_type="qwen2",
-            ),
-        ),
-    )
-})  # fmt: skip
-
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCH_SPECS)

@@ -77,7 +77,7 @@ def train_tokenizer(family: TokenizerFamily) -> Tokenizer:
 
 def _trained_json(family: TokenizerFamily) -> str:
     # Families that differ only in their chat template (Qwen, Qwen2-Audio) share one training run.
-    return _trained_json_cached(dataclasses.replace(family, chat_template=""))
+    return _trained_json_cached(dataclasses.replace(family, chat_template="", named_tokens=()))
 
 
 @functools.cache
@@ -100,6 +100,7 @@ def build_hf_tokenizer(family: TokenizerFamily, model_max_length: int) -> PreTra
         pad_token=family.pad_token,
         unk_token=None,
         extra_special_tokens=[token for token in family.special_tokens if token not in named],
+        model_specific_special_tokens=dict(family.named_tokens),
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )

@@ -1,0 +1,290 @@
+"""Qwen3-Omni-MoE thinker: transformers' encoders, our Qwen3-MoE decoder with interleaved M-RoPE
+and DeepStack.
+
+DeepStack: the vision tower also returns one merged feature map per ``deepstack_visual_indexes``
+layer, and transformers adds level i to the hidden states after decoder layer i at the visual
+token positions. Here an image or video item's embeddings are ``[num_embeds, hidden * (1 +
+levels)]``, the main embedding followed by its DeepStack levels, so both travel as one tensor
+through the encoder cache and the runner's gather, and a chunked prefill gets exactly the rows of
+its own tokens. Audio rows carry zeros there (adding zero is exact). ``get_input_embeddings``
+splits the rows, merges the main part and keeps the DeepStack part, with the row indices, for the
+``forward`` that follows. This is a one-step handoff: the runner always calls
+``get_input_embeddings`` right before ``forward``, which consumes it and checks the token count.
+
+Audio: the tower cuts each clip into ``2 * n_window``-frame chunks padded to the widest chunk of
+the call, and its convolutions see that padding (transformers does not mask it). So a clip is
+encoded as transformers encodes it alone: clips are batched only with clips of the same padded
+chunk width (all clips of at least ``2 * n_window`` frames share one call).
+
+Positions (transformers' ``get_rope_index`` for this thinker): text and the start/end markers
+advance one per token; images and videos span their merged grid with the unfloored temporal index
+``i * second_per_grid * position_id_per_seconds`` (float32, as the reference); an audio-in-video
+item merges video and audio positions by timestamp, video first on ties. Positions are int64
+whenever they are all integral (every fps the processor defaults to) and float32 otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeAudioEncoder,
+    Qwen3OmniMoeVisionEncoder,
+)
+
+from model_zoo.qwen2_5_omni_thinker import (
+    OmniThinkerBase,
+    PositionPieces,
+    audio_frames,
+    embed_span,
+    grid_positions,
+    grid_thw,
+    is_audio_in_video,
+    item_data,
+    load_thinker_weights,
+    seconds_per_grid,
+    thinker_rope,
+)
+from model_zoo.qwen3_moe import Qwen3MoeForCausalLM
+from model_zoo.qwen3_omni_audio import get_feat_extract_output_lengths
+from omniserve.layers.fused_moe import FusedMoE
+from omniserve.layers.rotary_embedding import MRotaryEmbedding
+from omniserve.layers.weight_utils import WeightRoute
+from omniserve.multimodal.inputs import MultiModalFeatureSpec
+from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
+from processors.qwen3_omni_moe_thinker import (
+    Qwen3OmniMoeThinkerDummyInputsBuilder,
+    Qwen3OmniMoeThinkerMultiModalProcessor,
+    Qwen3OmniMoeThinkerProcessingInfo,
+    get_audio_in_video_order,
+)
+
+_PLACEHOLDERS = {
+    "image": "<|vision_start|><|image_pad|><|vision_end|>",
+    "video": "<|vision_start|><|video_pad|><|vision_end|>",
+    "audio": "<|audio_start|><|audio_pad|><|audio_end|>",
+}
+
+
+class InterleavedMRotaryEmbedding(MRotaryEmbedding):
+    """Qwen3-Omni's M-RoPE layout: frequency i rotates by the height position when
+    ``i % 3 == 1 and i < 3 * section[1]``, by the width position when ``i % 3 == 2 and
+    i < 3 * section[2]``, and by the temporal position otherwise."""
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.ndim == 1:
+            return super().forward(positions, dtype)
+        freqs = positions[..., None].float() * self.inv_freq  # [3, num_tokens, rotary_dim // 2]
+        mixed = freqs[0].clone()  # [num_tokens, rotary_dim // 2]
+        for axis in (1, 2):
+            picked = slice(axis, 3 * self.mrope_section[axis], 3)
+            mixed[:, picked] = freqs[axis, :, picked]
+        emb = torch.cat((mixed, mixed), dim=-1)  # [num_tokens, rotary_dim]
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+@dataclass
+class DeepstackInput:
+    """DeepStack rows of one step, handed from ``get_input_embeddings`` to ``forward``."""
+
+    rows: torch.Tensor  # [num_mm_tokens] flattened-token index of each multimodal row
+    embeds: torch.Tensor  # [num_mm_tokens, num_levels, hidden_size]
+    num_tokens: int
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    Qwen3OmniMoeThinkerMultiModalProcessor,
+    info=Qwen3OmniMoeThinkerProcessingInfo,
+    dummy_inputs=Qwen3OmniMoeThinkerDummyInputsBuilder,
+)
+class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
+    text_family = Qwen3MoeForCausalLM
+    placeholders = _PLACEHOLDERS
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        text_config = config.text_config
+        self.model.rotary_emb = thinker_rope(text_config, [24, 20, 20], InterleavedMRotaryEmbedding)
+        self.visual = Qwen3OmniMoeVisionEncoder(config.vision_config)
+        self.audio_tower = Qwen3OmniMoeAudioEncoder(config.audio_config)
+        self.hidden_size: int = text_config.hidden_size
+        self.num_deepstack = len(config.vision_config.deepstack_visual_indexes)
+        self._deepstack: DeepstackInput | None = None
+
+    # ---- encoders --------------------------------------------------------------------------------
+    def vision_outputs(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        out = self.visual(pixel_values, grid_thw=grid)
+        # [num_merged_patches, hidden * (1 + num_deepstack)]: main embedding, then each level
+        return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
+
+    def audio_output_lengths(self, num_frames: torch.Tensor) -> torch.Tensor:
+        return get_feat_extract_output_lengths(num_frames, self.config.audio_config.n_window)
+
+    def audio_in_video_order(self, item: dict[str, Any]) -> torch.Tensor:
+        return get_audio_in_video_order(item)
+
+    def encode_audio(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
+        frames = [audio_frames(item) for item in items]
+        sizes = self.audio_lengths(frames)
+        tower = self.audio_tower
+        groups: dict[int, list[int]] = {}  # padded chunk width -> items
+        for i, f in enumerate(frames):
+            groups.setdefault(min(f.shape[1], 2 * tower.n_window), []).append(i)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(items)
+        for members in groups.values():
+            feature_lens = torch.tensor([frames[i].shape[1] for i in members])
+            features = torch.cat([frames[i] for i in members], dim=1)  # [mel, total_frames]
+            features = features.to(tower.conv2d1.weight.dtype)
+            hidden = tower(features, feature_lens=feature_lens.to(features.device))
+            rows = hidden.last_hidden_state.split([sizes[i] for i in members])
+            for i, item_rows in zip(members, rows, strict=True):
+                out[i] = F.pad(item_rows, (0, self.hidden_size * self.num_deepstack))  # no levels
+        return out
+
+    # ---- decoder with DeepStack ------------------------------------------------------------------
+    def get_input_embeddings(
+        self,
+        input_ids: torch.Tensor,
+        mm_embeds: torch.Tensor | None = None,
+        is_mm: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Merged token embeddings; the DeepStack part of ``mm_embeds`` is kept for ``forward``."""
+        self._deepstack = None
+        if mm_embeds is None:
+            return super().get_input_embeddings(input_ids)
+        width = self.hidden_size * (1 + self.num_deepstack)
+        if mm_embeds.shape[-1] != width:
+            raise ValueError(f"Multimodal rows are {mm_embeds.shape[-1]} wide, expected {width}.")
+        main, levels = mm_embeds.split([self.hidden_size, width - self.hidden_size], dim=-1)
+        embeds = super().get_input_embeddings(input_ids, main, is_mm)
+        if self.num_deepstack:
+            assert is_mm is not None  # checked by the merge above
+            self._deepstack = DeepstackInput(
+                rows=is_mm.nonzero().squeeze(1),
+                embeds=levels.reshape(-1, self.num_deepstack, self.hidden_size).to(embeds.dtype),
+                num_tokens=input_ids.shape[0],
+            )
+        return embeds
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The decoder, adding DeepStack level i after layer i at this step's multimodal rows."""
+        deepstack, self._deepstack = self._deepstack, None
+        model = self.model
+        if inputs_embeds is None:
+            if input_ids is None:
+                raise ValueError("Pass input_ids or inputs_embeds.")
+            inputs_embeds = model.embed_tokens(input_ids)
+        if deepstack is not None and deepstack.num_tokens != inputs_embeds.shape[0]:
+            raise RuntimeError(
+                f"DeepStack rows were prepared for {deepstack.num_tokens} tokens, but forward got "
+                f"{inputs_embeds.shape[0]}: call get_input_embeddings right before forward."
+            )
+        hidden_states = inputs_embeds  # [num_tokens, hidden_size]
+        cos, sin = model.rotary_emb(positions, hidden_states.dtype)
+        for i, layer in enumerate(model.layers):
+            hidden_states = layer(hidden_states, cos, sin)
+            if deepstack is not None and i < self.num_deepstack:
+                hidden_states = hidden_states.index_add(0, deepstack.rows, deepstack.embeds[:, i])
+        return model.norm(hidden_states)
+
+    def route_weight(self, name: str) -> WeightRoute | None:
+        return FusedMoE.route_expert_weight(self.checkpoint_to_param_name(name)) or (
+            super().route_weight(name)
+        )
+
+    # ---- M-RoPE ----------------------------------------------------------------------------------
+    def temporal_index(self, feature: MultiModalFeatureSpec, t: int) -> torch.Tensor:
+        step = 1 if feature.modality == "image" else seconds_per_grid(item_data(feature))
+        return (torch.arange(t) * step * self.config.position_id_per_seconds).float()
+
+    def get_mrope_input_positions(
+        self, prompt_token_ids: list[int], mm_features: list[MultiModalFeatureSpec]
+    ) -> tuple[torch.Tensor, int | float]:
+        """``([3, len(prompt)] positions, delta)`` as transformers' ``get_rope_index``; int64
+        and an int delta when integral, else float32 and a float delta (non-default fps)."""
+        num_tokens = len(prompt_token_ids)
+        pieces = PositionPieces(torch.float32)
+        cursor = 0
+        for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
+            first, end = embed_span(feature)
+            composite = feature.modality == "video" and is_audio_in_video(item_data(feature))
+            markers = 2 if composite else 1  # start/end markers around the item's tokens
+            if first - markers < cursor or end + markers > num_tokens:
+                raise ValueError(
+                    f"Placeholder {feature.mm_position} needs {markers} marker token(s) on each "
+                    "side, not shared with another item."
+                )
+            # The reference's running start: text, then the start markers, then the item.
+            start = pieces.start()
+            pieces.run(first - markers - cursor, start)
+            start = start + (first - markers - cursor)
+            pieces.run(markers, start)
+            start = start + markers
+            if feature.modality == "audio":
+                pieces.run(end - first, start)
+            elif composite:
+                self._add_audio_in_video(pieces, feature, start)
+            else:
+                t, h, w = grid_thw(feature)
+                offsets = grid_positions(
+                    self.temporal_index(feature, t), h // self.merge_size, w // self.merge_size
+                )
+                pieces.add(offsets + start)
+            pieces.run(markers)  # end markers, one past the last piece
+            cursor = end + markers
+        pieces.run(num_tokens - cursor)
+        positions, delta = pieces.finish(num_tokens)
+        if torch.equal(positions, positions.round()):
+            return positions.long(), int(delta)
+        return positions, float(delta)
+
+    def _add_audio_in_video(
+        self, pieces: PositionPieces, feature: MultiModalFeatureSpec, start: torch.Tensor
+    ) -> None:
+        """Video and audio positions from ``start``, merged by temporal position (video first on
+        ties); the reference's last piece is the run left after the other modality ran out."""
+        t, h, w = grid_thw(feature)
+        video = grid_positions(
+            self.temporal_index(feature, t), h // self.merge_size, w // self.merge_size
+        )
+        video = video + start  # [3, num_video]
+        (num_audio,) = self.audio_lengths([audio_frames(item_data(feature))])
+        audio = torch.arange(num_audio, dtype=torch.float32).expand(3, -1) + start
+        merged = torch.cat([video, audio], dim=1)  # [3, num_video + num_audio]
+        order = torch.sort(merged[0], stable=True).indices  # both inputs are non-decreasing
+        is_video = order < video.shape[1]
+        switches = (is_video != is_video[-1]).nonzero()
+        tail = int(switches[-1]) + 1 if switches.numel() else 0
+        pieces.add(merged[:, order[:tail]])
+        pieces.add(merged[:, order[tail:]])
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    Qwen3OmniMoeThinkerMultiModalProcessor,
+    info=Qwen3OmniMoeThinkerProcessingInfo,
+    dummy_inputs=Qwen3OmniMoeThinkerDummyInputsBuilder,
+)
+class Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeThinkerForConditionalGeneration):
+    """The full checkpoint (thinker + talker + code2wav) served as its thinker."""
+
+    speech_submodels: ClassVar[tuple[str, ...]] = ("talker", "code2wav")
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config.thinker_config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_thinker_weights(self, weights, self.speech_submodels)
