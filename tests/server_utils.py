@@ -93,14 +93,15 @@ def assert_error(response: httpx.Response, status: int) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def launch_server(model: Path, log_dir: Path, *flags: str) -> Iterator[Server]:
+def launch_server(model: Path | None, log_dir: Path, *flags: str) -> Iterator[Server]:
     """`omniserve serve model --served-model-name tiny --api-key ... *flags` on a free port."""
     with launch_servers([(model, log_dir, flags)]) as (server,):
         yield server
 
 
 @contextlib.contextmanager
-def launch_servers(specs: list[tuple[Path, Path, tuple[str, ...]]]) -> Iterator[list[Server]]:
+def launch_servers(specs: list[tuple[Path | None, Path, tuple[str, ...]]]
+                   ) -> Iterator[list[Server]]:
     """Several servers, one per (model, log dir, flags), started and stopped side by side."""
     servers: list[Server] = []
     try:
@@ -120,7 +121,8 @@ def launch_servers(specs: list[tuple[Path, Path, tuple[str, ...]]]) -> Iterator[
                 server.proc.wait()
 
 
-def _start(model: Path, log_dir: Path, flags: tuple[str, ...]) -> Server:
+def _start(model: Path | None, log_dir: Path, flags: tuple[str, ...]) -> Server:
+    """``model`` None starts ``omniserve serve`` with no model: the built-in default."""
     port = free_port()
     log = log_dir / "server.log"
     cmd = [
@@ -128,7 +130,7 @@ def _start(model: Path, log_dir: Path, flags: tuple[str, ...]) -> Server:
         "-m",
         "omniserve.entrypoints.cli",
         "serve",
-        str(model),
+        *([str(model)] if model is not None else []),
         "--port",
         str(port),
         "--served-model-name",

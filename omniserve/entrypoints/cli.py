@@ -8,11 +8,12 @@ import sys
 
 from omniserve.engine.arg_utils import EngineArgs
 
-DEFAULT_ARCHITECTURE = "Qwen3ForCausalLM"
+DEFAULT_ARCHITECTURE = "Qwen3OmniMoeThinkerForConditionalGeneration"
 
 
 def default_model() -> str:
-    """The built-in default model: a tiny checkpoint, built offline on first use."""
+    """The built-in default model: a tiny Qwen3-Omni-MoE thinker (text, image, audio, video in),
+    built offline on first use into the cache dir."""
     from omniserve.checkpoint_builder import build_tiny_checkpoint
 
     return str(build_tiny_checkpoint(DEFAULT_ARCHITECTURE))

@@ -1,0 +1,52 @@
+"""`omniserve serve` with no model: the tiny Qwen3-Omni-MoE thinker, answering a chat with an image
+and an audio clip exactly as offline `LLM.chat` does."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from omniserve import LLM, SamplingParams
+from omniserve.entrypoints.cli import DEFAULT_ARCHITECTURE, default_model
+from tests.server_utils import MODEL, launch_server
+from tests.test_api_multimodal import IMAGE, WAV, WAVEFORM, _png
+
+
+def _messages(image_part: dict, audio_part: dict) -> list[dict]:
+    return [{"role": "user", "content": [
+        image_part, audio_part, {"type": "text", "text": "What do you see and hear?"}]}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with launch_server(None, tmp_path_factory.mktemp("default"), "--dtype", "float32") as s:
+        yield s
+
+
+def test_default_model_is_the_omni_thinker():
+    assert DEFAULT_ARCHITECTURE == "Qwen3OmniMoeThinkerForConditionalGeneration"
+    assert "Qwen3OmniMoeThinker" in default_model()
+
+
+def test_image_and_audio_chat_matches_offline(server, monkeypatch):
+    png = base64.b64encode(_png(IMAGE)).decode()
+    wav = base64.b64encode(WAV).decode()
+    online = server.client().chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0.0, logprobs=True,
+        messages=_messages({"type": "image_url",
+                            "image_url": {"url": f"data:image/png;base64,{png}"}},
+                           {"type": "input_audio",
+                            "input_audio": {"data": wav, "format": "wav"}}))
+    details = online.usage.prompt_tokens_details
+    assert details.image_tokens > 0 and details.audio_tokens > 0
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+    llm = LLM(default_model(), dtype="float32")
+    offline = llm.chat(_messages({"type": "image_pil", "image_pil": IMAGE},
+                                 {"type": "audio_array", "audio_array": (WAVEFORM, 16000)}),
+                       SamplingParams(temperature=0.0, max_tokens=8, logprobs=0),
+                       use_tqdm=False)[0].outputs[0]
+    assert online.choices[0].message.content == offline.text
+    ours = [p.logprob for p in online.choices[0].logprobs.content]
+    theirs = [lp[t].logprob for t, lp in zip(offline.token_ids, offline.logprobs, strict=True)]
+    assert ours == pytest.approx(theirs, abs=1e-4)
