@@ -11,6 +11,7 @@ from omniserve import LLM, SamplingParams
 from omniserve.entrypoints.cli import DEFAULT_ARCHITECTURE, default_model
 from tests.server_utils import MODEL, launch_server
 from tests.test_api_multimodal import IMAGE, WAV, WAVEFORM, _png
+from tests.test_media import _video
 
 
 def _messages(image_part: dict, audio_part: dict) -> list[dict]:
@@ -50,3 +51,30 @@ def test_image_and_audio_chat_matches_offline(server, monkeypatch):
     ours = [p.logprob for p in online.choices[0].logprobs.content]
     theirs = [lp[t].logprob for t, lp in zip(offline.token_ids, offline.logprobs, strict=True)]
     assert ours == pytest.approx(theirs, abs=1e-4)
+
+
+def test_audio_in_video_through_the_api_matches_offline(server, monkeypatch, tmp_path):
+    """A video_url whose mp4 has an audio track, with use_audio_in_video: one composite item."""
+    mp4 = _video(num_frames=8, audio_rate=16000)
+    url = f"data:video/mp4;base64,{base64.b64encode(mp4).decode()}"
+    messages = [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": url}},
+        {"type": "text", "text": "What happens?"}]}]
+    kwargs = {"use_audio_in_video": True, "num_frames": 4}
+    responses = [server.client().chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0.0, messages=messages,
+        extra_body={"mm_processor_kwargs": mm_kwargs})
+        for mm_kwargs in ({"num_frames": 4}, kwargs)]
+    plain, with_audio = (r.usage.prompt_tokens_details.video_tokens for r in responses)
+    assert with_audio > plain > 0  # the audio track's tokens joined the video item
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+    video_file = tmp_path / "clip.mp4"
+    video_file.write_bytes(mp4)
+    llm = LLM(default_model(), dtype="float32", allowed_local_media_path=str(tmp_path))
+    offline_messages = [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": f"file://{video_file}"}},
+        {"type": "text", "text": "What happens?"}]}]
+    offline = llm.chat(offline_messages, SamplingParams(temperature=0.0, max_tokens=8),
+                       mm_processor_kwargs=kwargs, use_tqdm=False)[0]
+    assert offline.num_mm_tokens["video"] == with_audio
+    assert responses[1].choices[0].message.content == offline.outputs[0].text
