@@ -15,16 +15,24 @@ Workloads:
   speeds differ, so one combined table would mix them. Each pass also reports the omniserve run's
   processor-cache and encoder-cache hit rates, and the time to first token of a new item against
   the same item again in a new request.
+- ``omni``: 64 requests by default on the bench-size Qwen3-Omni-MoE thinker, a third each with one
+  image, one audio clip, or text only; images and clips come from pools as in ``mm``. HF's
+  processor takes the mixed batch in one call. Besides the table and the cache hit rates, the
+  omniserve pass runs once more in this process under cProfile, and a table attributes its time
+  to the front end, the encoders, prefill and decode-only forwards, the sampler, and the rest.
 
     python scripts/bench_throughput.py --num-prompts 32
     python scripts/bench_throughput.py --workload mm --num-prompts 32
+    python scripts/bench_throughput.py --workload omni
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import random
 import statistics
 import time
@@ -32,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -41,9 +50,11 @@ from transformers import AutoProcessor, AutoTokenizer
 
 from omniserve import LLM, SamplingParams
 from omniserve.checkpoint_builder import build_tiny_checkpoint
+from omniserve.core.sched_output import SchedulerOutput
 
 TEXT_ARCH = "Qwen3ForCausalLM"
 MM_ARCHS = ("Qwen2VLForConditionalGeneration", "Qwen2AudioForConditionalGeneration")
+OMNI_ARCH = "Qwen3OmniMoeThinkerForConditionalGeneration"
 SAMPLE_RATE = 16000
 WORDS = (
     "what is shown here describe the colours shapes and sounds in detail then say which part "
@@ -69,15 +80,24 @@ class MediaKind:
     template: str
     """The chat turn around one item's placeholder; ``{question}`` is the user's text."""
     make_item: Callable[[np.random.Generator, float], Any]
-    """(rng, scale in [0, 1]) -> an item in omniserve's form, larger with scale."""
+    """(rng, scale in [0, 1]) -> an item in omniserve's form, larger with scale; None for a
+    text-only kind."""
     hf_media: Callable[[list[Any]], dict[str, Any]]
     """Items -> the HF processor's media kwargs."""
 
     def prompt(self, question: str, item: Any) -> Prompt:
-        return {
-            "prompt": self.template.format(question=question),
-            "multi_modal_data": {self.modality: item},
-        }
+        prompt: Prompt = {"prompt": self.template.format(question=question)}
+        if item is not None:
+            prompt["multi_modal_data"] = {self.modality: item}
+        return prompt
+
+    def items(self, prompts: list[Prompt]) -> list[Any]:
+        """This kind's item of each prompt that has one, in order."""
+        return [
+            p["multi_modal_data"][self.modality]
+            for p in prompts
+            if self.modality in p.get("multi_modal_data", {})
+        ]
 
 
 def make_image(rng: np.random.Generator, scale: float) -> Image.Image:
@@ -89,11 +109,15 @@ def make_image(rng: np.random.Generator, scale: float) -> Image.Image:
 
 
 def make_audio(rng: np.random.Generator, scale: float) -> tuple[np.ndarray, int]:
-    """A 1..12 s tone in noise (25..300 audio tokens)."""
+    """A 1..12 s tone in noise (25..300 Qwen2-Audio tokens, 13..156 Qwen3-Omni ones)."""
     seconds = 1.0 + 11.0 * scale
     t = np.arange(int(seconds * SAMPLE_RATE)) / SAMPLE_RATE  # [num_samples]
     wave = 0.3 * np.sin(2 * np.pi * rng.uniform(100, 2000) * t) + 0.05 * rng.standard_normal(len(t))
     return wave.astype(np.float32), SAMPLE_RATE
+
+
+def hf_audio(items: list[tuple[np.ndarray, int]]) -> dict[str, Any]:
+    return {"audio": [wave for wave, _ in items], "sampling_rate": SAMPLE_RATE}
 
 
 MEDIA_KINDS = {
@@ -109,9 +133,26 @@ MEDIA_KINDS = {
         "<|im_start|>user\nAudio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\n{question}<|im_end|>\n"
         "<|im_start|>assistant\n",
         make_audio,
-        lambda items: {"audio": [wave for wave, _ in items], "sampling_rate": SAMPLE_RATE},
+        hf_audio,
     ),
 }
+OMNI_KINDS = (
+    MEDIA_KINDS["Qwen2VLForConditionalGeneration"],  # Qwen3-Omni uses the same image tokens
+    MediaKind(
+        "audio",
+        "<|im_start|>user\n<|audio_start|><|audio_pad|><|audio_end|>{question}<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        make_audio,
+        hf_audio,
+    ),
+    MediaKind(
+        "text",
+        "<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n",
+        lambda rng, scale: None,
+        lambda items: {},
+    ),
+)
+"""The ``omni`` workload's request kinds: image, audio, text only (Qwen3-Omni's tokens)."""
 
 
 def make_mm_workload(
@@ -136,12 +177,38 @@ def make_mm_workload(
     return workload
 
 
-def mm_encoder(processor: Any, kind: MediaKind) -> Encoder:
+def make_mixed_workload(
+    kinds: Sequence[MediaKind],
+    num: int,
+    seed: int,
+    pool_size: int,
+    in_range: tuple[int, int],
+    out_range: tuple[int, int],
+) -> Workload:
+    """`num` requests split evenly (±1) over `kinds`, each kind's share made by
+    `make_mm_workload` with its own pool, shuffled together."""
+    workload = []
+    for i, kind in enumerate(kinds):
+        share = num // len(kinds) + (i < num % len(kinds))
+        pool = min(pool_size, share)
+        workload += make_mm_workload(kind, share, seed + i, pool, in_range, out_range)
+    random.Random(seed).shuffle(workload)
+    return workload
+
+
+def mm_encoder(processor: Any, kinds: Sequence[MediaKind]) -> Encoder:
+    """One processor call for any mix of kinds: each kind's items in prompt order, which is how
+    the processor matches them to the placeholders."""
+
     def encode(prompts: list[Prompt]) -> dict[str, torch.Tensor]:
-        items = [p["multi_modal_data"][kind.modality] for p in prompts]
+        media: dict[str, Any] = {}
+        for kind in kinds:
+            items = kind.items(prompts)
+            if items:
+                media.update(kind.hf_media(items))
         return processor(
             text=[p["prompt"] for p in prompts],
-            **kind.hf_media(items),
+            **media,
             padding=True,
             padding_side="left",
             return_tensors="pt",
@@ -267,6 +334,73 @@ def measure_ttft(llm: LLM, kind: MediaKind, seed: int, repeats: int) -> TTFT:
     )  # fmt: skip
 
 
+# ---- omniserve profile: where the time goes ---------------------------------------------------
+
+REST = "rest: scheduler, input prep, output processing"
+
+
+def instrument(llm: LLM) -> dict[str, tuple[str, int, str]]:
+    """Route the in-process engine's model calls through wrappers, one code object per part, and
+    return each part's cProfile key. A step's forward and logits count as prefill or decode."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner
+    model, batch, phase = runner.model, runner.input_batch, {"prefill": False}
+    execute, encode = runner.execute_model, model.get_multimodal_embeddings
+
+    def prefill(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    def decode(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    def step_part(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda *a, **k: (prefill if phase["prefill"] else decode)(fn, *a, **k)
+
+    def encoders(*args: Any) -> Any:
+        return encode(*args)
+
+    def execute_model(so: SchedulerOutput) -> Any:
+        cached = so.scheduled_cached_reqs  # a step computing any prompt token is a prefill step
+        phase["prefill"] = bool(so.scheduled_new_reqs) or any(
+            n < batch.num_prompt_tokens[batch.req_id_to_row[r]]
+            for r, n in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+        )
+        return execute(so)
+
+    runner.execute_model, model.get_multimodal_embeddings = execute_model, encoders
+    model.forward, model.compute_logits = step_part(model.forward), step_part(model.compute_logits)
+    codes = {
+        "front end: tokenizer, HF processor": type(llm.llm_engine.processor).process_inputs,
+        "encoders: get_multimodal_embeddings": encoders,
+        "steps with prefill tokens: forward + logits": prefill,
+        "decode-only steps: forward + logits": decode,
+        "sampler": type(runner.sampler).forward,
+    }
+    return {part: cProfile.label(fn.__code__) for part, fn in codes.items()}
+
+
+def profile_omniserve(
+    args: argparse.Namespace, model_dir: str, warmup: Workload, workload: Workload
+) -> dict[str, float]:
+    """The omniserve pass again with the engine core in this process, under cProfile: part ->
+    seconds, summing to the run's wall time. A part is the cumulative time of its function (none
+    calls another); REST is what they leave. cProfile times Python calls only, and slows
+    Python-heavy parts most: compare the total with the timed run."""
+    with mock.patch.dict(os.environ, {"OMNISERVE_ENABLE_MULTIPROCESSING": "0"}):
+        llm = LLM(model_dir, dtype="float32", enable_prefix_caching=args.enable_prefix_caching)
+    try:
+        bench_omniserve(llm, warmup)
+        keys = instrument(llm)
+        profiler = cProfile.Profile(builtins=False)
+        start = time.perf_counter()
+        profiler.runcall(bench_omniserve, llm, workload)
+        wall = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    stats = pstats.Stats(profiler).stats
+    seconds = {part: stats[key][3] if key in stats else 0.0 for part, key in keys.items()}
+    return {**seconds, REST: wall - sum(seconds.values())}
+
+
 # ---- one pass: one model, every system --------------------------------------------------------
 
 
@@ -279,30 +413,43 @@ class PassResult:
     cache_hits: dict[str, tuple[int, int]] = field(default_factory=dict)
     """cache -> (hits, lookups) during the timed omniserve run."""
     ttft: TTFT | None = None
+    profile: dict[str, float] | None = None
+    """part -> seconds of the profiled omniserve run (``omni``)."""
+
+
+def media_kinds(workload: str, arch: str) -> tuple[MediaKind, ...]:
+    """The request kinds of a workload on an architecture; none for ``text``."""
+    if workload == "text":
+        return ()
+    if workload == "mm" and arch in MEDIA_KINDS:
+        return (MEDIA_KINDS[arch],)
+    if workload == "omni" and arch == OMNI_ARCH:
+        return OMNI_KINDS
+    supported = sorted(MEDIA_KINDS) if workload == "mm" else [OMNI_ARCH]
+    raise SystemExit(f"--workload {workload} needs one of {supported}, not {arch}")
 
 
 def build_workload(
-    args: argparse.Namespace, kind: MediaKind | None, tokenizer: Any, seed: int, num: int
+    args: argparse.Namespace, kinds: Sequence[MediaKind], tokenizer: Any, seed: int, num: int
 ) -> Workload:
-    if kind is None:
+    if not kinds:
         in_range = tuple(args.input_len or (16, 256))
         return make_workload(len(tokenizer), num, seed, in_range, tuple(args.output_len))
     in_range = tuple(args.input_len or (8, 64))
-    pool_size = min(args.mm_pool_size, num)
-    return make_mm_workload(kind, num, seed, pool_size, in_range, tuple(args.output_len))
+    return make_mixed_workload(
+        kinds, num, seed, args.mm_pool_size, in_range, tuple(args.output_len)
+    )
 
 
 def run_pass(args: argparse.Namespace, model_dir: str) -> PassResult:
     arch = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
-    kind = MEDIA_KINDS.get(arch) if args.workload == "mm" else None
-    if args.workload == "mm" and kind is None:
-        raise SystemExit(f"--workload mm needs one of {sorted(MEDIA_KINDS)}, not {arch}")
-    hf_processor = (AutoProcessor if kind else AutoTokenizer).from_pretrained(model_dir)
+    kinds = media_kinds(args.workload, arch)
+    hf_processor = (AutoProcessor if kinds else AutoTokenizer).from_pretrained(model_dir)
     tokenizer = getattr(hf_processor, "tokenizer", hf_processor)
     pad_id = tokenizer.pad_token_id or 0
-    encode = mm_encoder(hf_processor, kind) if kind else text_encoder(pad_id)
-    workload = build_workload(args, kind, tokenizer, args.seed, args.num_prompts)
-    warmup = build_workload(args, kind, tokenizer, args.seed + 1, 2)  # items not in the workload
+    encode = mm_encoder(hf_processor, kinds) if kinds else text_encoder(pad_id)
+    workload = build_workload(args, kinds, tokenizer, args.seed, args.num_prompts)
+    warmup = build_workload(args, kinds, tokenizer, args.seed + 1, 2)  # items not in the workload
     result = PassResult(model_dir, sum(n for _, n in workload), {})
 
     llm = LLM(model_dir, dtype="float32", enable_prefix_caching=args.enable_prefix_caching)
@@ -315,13 +462,15 @@ def run_pass(args: argparse.Namespace, model_dir: str) -> PassResult:
             name: (hits - before[name][0], lookups - before[name][1])
             for name, (hits, lookups) in after.items()
         }
-        if kind is not None:
-            result.ttft = measure_ttft(llm, kind, args.seed + 2, args.ttft_repeats)
+        if args.workload == "mm":
+            result.ttft = measure_ttft(llm, kinds[0], args.seed + 2, args.ttft_repeats)
     finally:
         llm.shutdown()
+    if args.workload == "omni":
+        result.profile = profile_omniserve(args, model_dir, warmup, workload)
 
     hf = getattr(transformers, arch).from_pretrained(model_dir, dtype=torch.float32).eval()
-    print_header(result, hf, workload, outputs, kind)
+    print_header(result, hf, workload, outputs, kinds)
     with torch.inference_mode():
         hf_generate(hf, encode([warmup[0][0]]), 2, pad_id)
         result.seconds["hf batched generate"] = bench_hf_batched(hf, workload, encode, pad_id)
@@ -336,21 +485,42 @@ def run_pass(args: argparse.Namespace, model_dir: str) -> PassResult:
 # ---- report -----------------------------------------------------------------------------------
 
 
+def describe_requests(kinds: Sequence[MediaKind], workload: Workload, outputs: list[Any]) -> str:
+    """Requests per media kind with their placeholder tokens and distinct items; text-only."""
+    prompts = [p for p, _ in workload]
+    parts = [
+        f"{len(items)} {k.modality} ({sum(o.num_mm_tokens.get(k.modality, 0) for o in outputs)} "
+        f"{k.modality} tokens, {len({id(item) for item in items})} distinct)"
+        for k in kinds
+        if (items := k.items(prompts))
+    ]
+    text_only = sum("multi_modal_data" not in p for p in prompts)
+    parts += [f"{text_only} text-only"] if kinds and text_only else []
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def print_header(
-    result: PassResult, hf: Any, workload: Workload, outputs: list[Any], kind: MediaKind | None
-) -> None:
+    result: PassResult, hf: Any, workload: Workload, outputs: list[Any],
+    kinds: Sequence[MediaKind],
+) -> None:  # fmt: skip
     params = sum(p.numel() for p in hf.parameters()) / 1e6
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    media = ""
-    if kind is not None:
-        items = {id(p["multi_modal_data"][kind.modality]) for p, _ in workload}
-        mm_tokens = sum(o.num_mm_tokens.get(kind.modality, 0) for o in outputs)
-        media = f" ({mm_tokens} {kind.modality} tokens; {len(items)} distinct {kind.modality}s)"
     print(
-        f"\nmodel {result.model_dir} ({params:.1f}M params), {len(workload)} requests, "
-        f"{prompt_tokens} prompt tokens{media}, {result.num_output_tokens} output tokens, "
-        f"torch threads {torch.get_num_threads()}, cpu count {os.cpu_count()}"
+        f"\nmodel {result.model_dir} ({params:.1f}M params), {len(workload)} requests"
+        f"{describe_requests(kinds, workload, outputs)}, {prompt_tokens} prompt tokens, "
+        f"{result.num_output_tokens} output tokens, torch threads {torch.get_num_threads()}, "
+        f"cpu count {os.cpu_count()}"
     )
+
+
+def print_profile(profile: dict[str, float], timed: float) -> None:
+    wall = sum(profile.values())
+    print(
+        f"\nwhere omniserve's time goes: the pass again, engine core in process, under cProfile "
+        f"({wall:.2f} s; timed run {timed:.2f} s)\n{'part':48s} {'s':>8s} {'%':>6s}"
+    )
+    for part, seconds in profile.items():
+        print(f"{part:48s} {seconds:8.2f} {100 * seconds / wall:6.1f}")
 
 
 def print_report(result: PassResult, args: argparse.Namespace) -> None:
@@ -362,7 +532,7 @@ def print_report(result: PassResult, args: argparse.Namespace) -> None:
     for name, (hits, lookups) in sorted(result.cache_hits.items()):
         if name.startswith("prefix") and not args.enable_prefix_caching:
             continue
-        if lookups or args.workload == "mm":
+        if lookups or args.workload != "text":
             rate = f"{100 * hits / lookups:.1f}%" if lookups else "n/a"
             print(f"omniserve {name}: {hits}/{lookups} hits ({rate})")
     if result.ttft is not None:
@@ -374,34 +544,43 @@ def print_report(result: PassResult, args: argparse.Namespace) -> None:
             f"{1e3 * t.repeat_engine:6.1f} ms  ({t.first_wall / t.repeat_wall:.2f}x / "
             f"{t.first_engine / t.repeat_engine:.2f}x faster)"
         )
+    if result.profile is not None:
+        print_profile(result.profile, result.seconds["omniserve"])
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--workload", default="text", choices=["text", "mm"])
+    parser.add_argument("--workload", default="text", choices=["text", "mm", "omni"])
     parser.add_argument(
-        "--arch", default=None, help=f"Default: {TEXT_ARCH} (text), both of {MM_ARCHS} (mm)."
-    )
+        "--arch", default=None,
+        help=f"Default: {TEXT_ARCH} (text), both of {MM_ARCHS} (mm), {OMNI_ARCH} (omni).",
+    )  # fmt: skip
     parser.add_argument("--size", default="bench", choices=["tiny", "bench"])
     parser.add_argument("--model", default=None, help="A checkpoint dir instead of building one.")
-    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument(
+        "--num-prompts", type=int, default=None, help="Default: 64 (omni), 32 (text, mm)."
+    )
     parser.add_argument(
         "--input-len", type=int, nargs=2, default=None,
-        help="Prompt tokens (text, default 16 256) or question words (mm, default 8 64).",
+        help="Prompt tokens (text, default 16 256) or question words (mm, omni: default 8 64).",
     )  # fmt: skip
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf-single", action="store_true")
     parser.add_argument(
-        "--mm-pool-size", type=int, default=8, help="Distinct items per mm pass (repeats beyond)."
-    )
+        "--mm-pool-size", type=int, default=8,
+        help="Distinct items per media kind (mm, omni); requests beyond repeat them.",
+    )  # fmt: skip
     parser.add_argument("--ttft-repeats", type=int, default=3)
     parser.add_argument(
         "--enable-prefix-caching", action="store_true", help="Off by default: HF has none."
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.num_prompts is None:
+        args.num_prompts = 64 if args.workload == "omni" else 32
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> list[PassResult]:
@@ -409,7 +588,8 @@ def main(argv: Sequence[str] | None = None) -> list[PassResult]:
     if args.model:
         model_dirs = [args.model]
     else:
-        archs = [args.arch] if args.arch else (MM_ARCHS if args.workload == "mm" else [TEXT_ARCH])
+        defaults = {"text": (TEXT_ARCH,), "mm": MM_ARCHS, "omni": (OMNI_ARCH,)}
+        archs = [args.arch] if args.arch else defaults[args.workload]
         model_dirs = [str(build_tiny_checkpoint(arch, size=args.size)) for arch in archs]
     return [run_pass(args, model_dir) for model_dir in model_dirs]
 

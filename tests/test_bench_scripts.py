@@ -43,6 +43,22 @@ def test_mm_workload_mixes_sizes_and_repeats_each_item_equally():
         assert all(kind.template.split("{question}")[0] in p["prompt"] for p, _ in workload)
 
 
+def test_omni_workload_splits_kinds_evenly_with_a_pool_each():
+    bench = _load_script("bench_throughput")
+    workload = bench.make_mixed_workload(bench.OMNI_KINDS, 10, 0, 2, (3, 5), (2, 6))
+    prompts = [prompt for prompt, _ in workload]
+    images, audio, text = (kind.items(prompts) for kind in bench.OMNI_KINDS)
+    assert (len(images), len(audio)) == (4, 3) and text == []
+    assert sorted(Counter(map(id, images)).values()) == [2, 2]
+    assert sorted(Counter(map(id, audio)).values()) == [1, 2]
+    assert sum("multi_modal_data" not in p for p in prompts) == 3
+    for prompt in prompts:  # each prompt holds its item's placeholder only; text-only none
+        placeholders = [t for t in ("<|image_pad|>", "<|audio_pad|>") if t in prompt["prompt"]]
+        assert placeholders == [f"<|{m}_pad|>" for m in prompt.get("multi_modal_data", {})]
+    kinds = [next(iter(p.get("multi_modal_data", {"text": 0}))) for p in prompts]
+    assert kinds != sorted(kinds)  # shuffled together, not in blocks
+
+
 @pytest.mark.slow
 def test_mm_benchmark_runs_on_tiny_checkpoints(capsys):
     bench = _load_script("bench_throughput")
@@ -69,3 +85,23 @@ def test_text_benchmark_runs_on_a_tiny_checkpoint(capsys):
     assert set(result.seconds) == SYSTEMS and result.ttft is None
     assert result.cache_hits["prefix cache (tokens)"] == (0, 0)  # off: HF has no prefix cache
     assert "processor cache" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_omni_benchmark_runs_on_a_tiny_checkpoint_with_a_profile(capsys):
+    bench = _load_script("bench_throughput")
+    argv = ["--workload", "omni", "--size", "tiny", "--num-prompts", "4", "--mm-pool-size", "1"]
+    (result,) = bench.main([*argv, "--output-len", "3", "4"])
+    assert Path(result.model_dir).name.startswith(bench.OMNI_ARCH)
+    assert set(result.seconds) == SYSTEMS and min(result.seconds.values()) > 0
+    # Two image requests share one image; one audio request; one text-only request.
+    assert result.cache_hits["processor cache (items)"] == (1, 3)
+    assert result.cache_hits["encoder cache (items)"] == (1, 3)
+    profile = result.profile
+    assert profile is not None and result.ttft is None
+    assert len(profile) == 6 and list(profile)[-1] == bench.REST
+    # Every part ran (prompts prefill, then 2-3 decode-only steps), and the rest is what is left.
+    assert min(profile.values()) > 0
+    out = capsys.readouterr().out
+    assert "2 image (" in out and "1 audio (" in out and "1 text-only" in out
+    assert "where omniserve's time goes" in out and "decode-only steps" in out
