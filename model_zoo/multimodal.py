@@ -13,6 +13,7 @@ layout of transformers' in-memory modules (e.g. ``model.visual.*`` /
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -27,7 +28,7 @@ from omniserve.layers.weight_utils import WeightRoute, load_weights_by_route, ro
 _DECODER_PREFIXES = ("model.", "lm_head.")
 
 
-class MultiModalDecoderBase(nn.Module):
+class MultiModalDecoderBase(nn.Module, ABC):
     """Base of the ``*ForConditionalGeneration`` classes; subclasses add encoders and
     ``get_multimodal_embeddings``."""
 
@@ -53,11 +54,11 @@ class MultiModalDecoderBase(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @abstractmethod
     def get_multimodal_embeddings(
         self, modality: str, items: list[dict[str, torch.Tensor]]
     ) -> list[torch.Tensor]:
         """One ``[num_embeds_of_item, hidden_size]`` tensor per item, in order."""
-        raise NotImplementedError
 
     def get_input_embeddings(
         self,

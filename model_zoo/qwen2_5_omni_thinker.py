@@ -22,6 +22,7 @@ serve the thinker: ``thinker.*`` keys load, the speech sub-models' keys are skip
 from __future__ import annotations
 
 import logging
+from abc import abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
@@ -247,10 +248,10 @@ class OmniThinkerBase(MultiModalDecoderBase):
                 embeds[i] = self.interleave_item(items[i], embeds[i], audio_embeds)
         return embeds
 
+    @abstractmethod
     def audio_in_video_order(self, item: dict[str, Any]) -> torch.Tensor:
         """The processor's token order of a composite item: ``[num_embeds]`` bool, True where
         the token takes the next video embedding, False where it takes the next audio one."""
-        raise NotImplementedError
 
     def interleave_item(
         self, item: dict[str, Any], video: torch.Tensor, audio: torch.Tensor
@@ -284,15 +285,16 @@ class OmniThinkerBase(MultiModalDecoderBase):
         rows = self.vision_outputs(pixel_values, grid)
         return list(rows.split((grid.prod(-1) // self.merge_size**2).tolist()))
 
+    @abstractmethod
     def audio_output_lengths(self, num_frames: torch.Tensor) -> torch.Tensor:
         """Embeddings of clips of ``num_frames`` valid mel frames (the processor's counts)."""
-        raise NotImplementedError
 
     def audio_lengths(self, frames: list[torch.Tensor]) -> list[int]:
         return self.audio_output_lengths(torch.tensor([f.shape[1] for f in frames])).tolist()
 
+    @abstractmethod
     def encode_audio(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """One ``[num_embeds, hidden]`` tensor per audio item (or video's audio track)."""
 
 
 @MULTIMODAL_REGISTRY.register_processor(
