@@ -161,12 +161,18 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
-    """None/"uni" (one worker in process), "mp" (worker processes) or "ray"."""
+    """"uni" (one worker in process), "mp" (a process per rank, this machine) or "ray" (Ray
+    actors, any machine of the cluster); None: "uni" for one rank, else "mp"."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(
+                "distributed_executor_backend must be 'uni', 'mp' or 'ray', got "
+                f"{self.distributed_executor_backend!r}."
+            )
 
     @property
     def world_size(self) -> int:

@@ -6,7 +6,10 @@ points: ``record_new_requests`` when engine requests are submitted (arrival time
 engine request, so each of the ``n`` samples of a request counts as one request, as in vLLM V1.
 
 Load gauges come from the scheduler's stats; because an idle engine sends no steps, the server
-refreshes them at scrape time (``record_scheduler_stats``), so a drained engine reads 0.
+refreshes them at scrape time (``record_scheduler_stats``), so a drained engine reads 0. Everything
+an engine core reports (load gauges, cache and preemption counters, requests received) carries an
+``engine`` label, its data-parallel rank, as vLLM's metrics do; front-end metrics (tokens,
+latencies, finished requests) cover all engines.
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ _ENGINE_COUNTERS = {
     "encoder_cache_queries": "Multimodal items a scheduled step needed encoder outputs for.",
     "encoder_cache_hits": "Of those, items whose encoder output was cached or shared (not "
                           "encoded again).",
+    "num_requests_received": "Requests the engine core was given (each of n samples counts).",
+}
+_ENGINE_GAUGES = {  # scheduler_stats key -> (metric name, help)
+    "num_running": ("num_requests_running", "Requests in the running batch."),
+    "num_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_cache_usage": ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)."),
+    "encoder_cache_usage": ("encoder_cache_usage_perc",
+                            "Fraction of the encoder cache in use (0-1)."),
 }
 
 
@@ -54,14 +65,13 @@ class _RequestTimes:
 class PrometheusStatLogger:
     """Engine load, token counts and per-request latencies, in a registry of its own."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
         self._requests: dict[str, _RequestTimes] = {}  # engine request id -> its timings
-        self._last_engine_counters: dict[str, float] = {}
+        # (engine rank, counter key) -> the engine's last cumulative value
+        self._last_engine_counters: dict[tuple[int, str], float] = {}
+        self._model_name = model_name
         labels = ["model_name"]
-
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
 
         def counter(name: str, doc: str) -> Any:
             return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
@@ -70,25 +80,28 @@ class PrometheusStatLogger:
             return Histogram(PREFIX + name, doc, labels, buckets=LATENCY_BUCKETS,
                              registry=self.registry).labels(model_name)
 
-        self.num_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
-        self.encoder_cache_usage = gauge(
-            "encoder_cache_usage_perc", "Fraction of the encoder cache in use (0-1).")
-        self.prefix_cache_hit_rate = gauge(
-            "prefix_cache_hit_rate", "Prefix-cache hits / queries since start (tokens).")
-        self.engine_counters = {key: counter(key, doc) for key, doc in _ENGINE_COUNTERS.items()}
+        engine_labels = ["model_name", "engine"]
+        self._engine_gauges = {
+            key: Gauge(PREFIX + name, doc, engine_labels, registry=self.registry)
+            for key, (name, doc) in _ENGINE_GAUGES.items()}
+        self._prefix_cache_hit_rate = Gauge(
+            PREFIX + "prefix_cache_hit_rate", "Prefix-cache hits / queries since start (tokens).",
+            engine_labels, registry=self.registry)
+        self._engine_counters = {
+            key: Counter(PREFIX + key, doc, engine_labels, registry=self.registry)
+            for key, doc in _ENGINE_COUNTERS.items()}
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._request_success = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.",
             ["model_name", "finished_reason"], registry=self.registry)
-        self._model_name = model_name
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between a request's outputs.")
         self.tpot = histogram("request_time_per_output_token_seconds",
                               "Per request: (last token - first token) / (tokens - 1).")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        for engine in range(num_engines):  # every engine shows from the start, at zero
+            self.record_scheduler_stats({}, engine)
 
     def record_new_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
         for request in requests:
@@ -103,7 +116,7 @@ class PrometheusStatLogger:
         """
         now = time.time()
         if outputs.scheduler_stats:
-            self.record_scheduler_stats(outputs.scheduler_stats)
+            self.record_scheduler_stats(outputs.scheduler_stats, outputs.engine_index)
         for output in outputs.outputs:
             times = self._requests.get(output.request_id)
             if times is None:
@@ -120,22 +133,24 @@ class PrometheusStatLogger:
         for request_id in request_ids:
             self._finish(request_id, "abort", now)
 
-    def record_scheduler_stats(self, stats: dict[str, float]) -> None:
-        self.num_running.set(stats.get("num_running", 0.0))
-        self.num_waiting.set(stats.get("num_waiting", 0.0))
-        self.kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))
-        self.encoder_cache_usage.set(stats.get("encoder_cache_usage", 0.0))
-        for key, counter in self.engine_counters.items():
+    def record_scheduler_stats(self, stats: dict[str, float], engine: int = 0) -> None:
+        """One engine core's stats (``EngineCore.make_stats``): gauges, cumulative counters."""
+        labels = (self._model_name, str(engine))
+        for key, gauge in self._engine_gauges.items():
+            gauge.labels(*labels).set(stats.get(key, 0.0))
+        for key, counter in self._engine_counters.items():
+            child = counter.labels(*labels)  # created at zero, so it shows before any traffic
             value = stats.get(key)
             if value is None:
                 continue
+            last = self._last_engine_counters.get((engine, key), 0.0)
             # max(): a counter never goes back, even if the engine's is reset.
-            counter.inc(max(0.0, value - self._last_engine_counters.get(key, 0.0)))
-            self._last_engine_counters[key] = max(value,
-                                                  self._last_engine_counters.get(key, 0.0))
+            child.inc(max(0.0, value - last))
+            self._last_engine_counters[engine, key] = max(value, last)
         queries = stats.get("prefix_cache_queries", 0.0)
+        hit_rate = self._prefix_cache_hit_rate.labels(*labels)
         if queries:
-            self.prefix_cache_hit_rate.set(stats.get("prefix_cache_hits", 0.0) / queries)
+            hit_rate.set(stats.get("prefix_cache_hits", 0.0) / queries)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type."""

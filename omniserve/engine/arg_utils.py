@@ -198,7 +198,9 @@ class EngineArgs:
         )
         add("--tensor-parallel-size", "-tp", type=int, default=1, help="Tensor-parallel ranks.")
         add("--pipeline-parallel-size", "-pp", type=int, default=1, help="Pipeline stages.")
-        add("--data-parallel-size", "-dp", type=int, default=1, help="Engine replicas.")
+        add("--data-parallel-size", "-dp", type=int, default=1,
+            help="Engine cores, each in its own process with its own KV cache; every new "
+            "request goes to the one with the fewest requests in flight.")
         add(
             "--distributed-executor-backend",
             default=None,

@@ -83,8 +83,7 @@ class AsyncLLM:
         self.output_processor.add_processed_request(request_id, processed, params, collector)
         for stat_logger in self.stat_loggers:
             stat_logger.record_new_requests(processed.engine_requests)
-        for request in processed.engine_requests:
-            await self.engine_core.add_request_async(request)
+        await self.engine_core.add_requests_async(processed.engine_requests)
         return collector
 
     async def generate(
@@ -139,8 +138,13 @@ class AsyncLLM:
             raise EngineDeadError("The engine core is dead.")
 
     async def get_stats(self) -> dict[str, float]:
-        """The scheduler's gauges and counters now (an idle engine sends no step stats)."""
+        """The scheduler's gauges and counters now (an idle engine sends no step stats), summed
+        over the data-parallel engines (usage fractions averaged)."""
         return await self.engine_core.call_utility_async("get_stats")
+
+    async def get_engine_stats(self) -> list[dict[str, float]]:
+        """``get_stats`` of each data-parallel engine core, by rank."""
+        return await self.engine_core.call_utility_per_engine_async("get_stats")
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility_async("reset_prefix_cache")

@@ -41,8 +41,12 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Owns the scheduler and the executor. Only the scheduler owns request state."""
 
-    def __init__(self, config: OmniConfig, executor_class: type[Executor] | None = None) -> None:
+    def __init__(self, config: OmniConfig, executor_class: type[Executor] | None = None,
+                 engine_index: int = 0) -> None:
         self.config = config
+        self.engine_index = engine_index
+        """Data-parallel rank: which of the front end's engine cores this is."""
+        self.num_requests_received = 0
         executor_class = executor_class or Executor.get_class(config)
         self.model_executor = executor_class(config)
         num_blocks = self.model_executor.determine_num_kv_blocks()
@@ -54,6 +58,7 @@ class EngineCore:
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self.num_requests_received += 1
         self.scheduler.add_request(Request(
             request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
             sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
@@ -100,15 +105,21 @@ class EngineCore:
                             model_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         outputs.timestamp = time.time()
-        outputs.scheduler_stats = self.scheduler.make_stats()
+        outputs.engine_index = self.engine_index
+        outputs.scheduler_stats = self.make_stats()
         return outputs
+
+    def make_stats(self) -> dict[str, float]:
+        """The scheduler's gauges and counters, plus the requests this engine core received."""
+        return {**self.scheduler.make_stats(),
+                "num_requests_received": float(self.num_requests_received)}
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def get_stats(self) -> dict[str, float]:
         """Scheduler gauges and counters, plus the KV cache size (a utility for clients/tests)."""
-        return {**self.scheduler.make_stats(), "num_kv_blocks": float(self.num_kv_blocks)}
+        return {**self.make_stats(), "num_kv_blocks": float(self.num_kv_blocks)}
 
     def shutdown(self) -> None:
         self.model_executor.shutdown()
@@ -153,6 +164,8 @@ _POLL_MS = 100
 _PARENT_DEATH_GRACE_S = 10.0
 _IO_FAILED = None
 """Request type the I/O threads put on the input queue when they fail (payload: the exception)."""
+_EXECUTOR_FAILED = "executor-failed"
+"""Request type the executor's monitor puts on the input queue when a worker dies."""
 
 
 class EngineCoreProc(EngineCore):
@@ -163,11 +176,13 @@ class EngineCoreProc(EngineCore):
     """
 
     def __init__(self, config: OmniConfig, input_address: str, output_address: str,
-                 executor_class: type[Executor] | None = None) -> None:
-        super().__init__(config, executor_class)
+                 executor_class: type[Executor] | None = None, engine_index: int = 0) -> None:
+        super().__init__(config, executor_class, engine_index)
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType | None, Any]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[EngineCoreOutputType, Any] | None] = queue.Queue()
         self._shutdown_requested = False
+        self.model_executor.register_failure_callback(
+            lambda exc: self.input_queue.put((_EXECUTOR_FAILED, exc)))  # type: ignore[arg-type]
         self._stop_io = threading.Event()
         self._step_fn = self.step if self.batch_queue_size == 1 else self.step_with_batch_queue
         # Sockets are made here, so an address problem fails start-up; each is then used only by
@@ -188,16 +203,18 @@ class EngineCoreProc(EngineCore):
     @staticmethod
     def run_engine_core(config: OmniConfig, input_address: str, output_address: str,
                         ready_pipe: multiprocessing.connection.Connection,
-                        ipc_dir: str | None = None) -> NoReturn:
+                        ipc_dir: str | None = None, engine_index: int = 0) -> NoReturn:
         """Entry point of the engine process: start, report READY (or the error), serve.
 
         ``ipc_dir`` holds the sockets; the engine removes it if its parent dies without cleanup.
+        ``engine_index`` is the data-parallel rank (0 without data parallelism).
         """
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops us
         signal.signal(signal.SIGTERM, _exit_on_signal)
         try:
             load_plugins()
-            engine = EngineCoreProc(config, input_address, output_address)
+            engine = EngineCoreProc(config, input_address, output_address,
+                                    engine_index=engine_index)
         except BaseException as exc:
             # The exception's kind and message travel too, so that a user mistake (a bad path,
             # an unknown architecture) surfaces in the parent as the same precise exception.
@@ -211,9 +228,10 @@ class EngineCoreProc(EngineCore):
         try:
             engine.run_busy_loop()
         except SystemExit:
-            logger.info("Engine core received SIGTERM; shutting down.")
+            logger.info("Engine core %d received SIGTERM; shutting down.", engine_index)
         except BaseException:
-            logger.exception("Engine core failed; the client will report EngineDeadError.")
+            logger.exception("Engine core %d failed; the client will report EngineDeadError.",
+                             engine_index)
             exit_code = 1
         finally:
             engine.shutdown()
@@ -253,13 +271,15 @@ class EngineCoreProc(EngineCore):
                 self.output_queue.put((EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(
                     outputs=[EngineCoreOutput(request_id=payload.request_id, new_token_ids=[],
                                               finish_reason=FinishReason.ABORT)],
-                    timestamp=time.time())))
+                    timestamp=time.time(), engine_index=self.engine_index)))
         elif request_type is EngineCoreRequestType.ABORT:
             self.abort_requests(payload)
         elif request_type is EngineCoreRequestType.UTILITY:
             self._run_utility(payload)
         elif request_type is EngineCoreRequestType.SHUTDOWN:
             self._shutdown_requested = True
+        elif request_type == _EXECUTOR_FAILED:
+            raise payload
         else:
             raise RuntimeError("An engine core I/O thread failed.") from payload
 

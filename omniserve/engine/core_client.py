@@ -1,12 +1,17 @@
-"""EngineCoreClient: how a front end talks to an EngineCore.
+"""EngineCoreClient: how a front end talks to its engine cores.
 
 ``InprocClient`` runs the core in the caller's process and steps it on demand (tests, debugging,
 ``OMNISERVE_ENABLE_MULTIPROCESSING=0``). ``SyncMPClient`` (offline ``LLM``) and ``AsyncMPClient``
-(``AsyncLLM``) run it in a spawned ``EngineCoreProc`` and talk over ZMQ ipc:// sockets in a private
-temp dir, so no TCP port is bound: the client PUSHes requests to the engine's PULL, the engine
-PUSHes outputs to the client's PULL. The client's PUSH connects (rather than binds) so a send
-queues instead of blocking if the engine is gone; a monitor thread watching the process turns its
-death into ``EngineDeadError`` for every pending and later call.
+(``AsyncLLM``) run ``data_parallel_size`` spawned ``EngineCoreProc``s (one without data
+parallelism) and talk over ZMQ ipc:// sockets in a private temp dir, so no TCP port is bound: the
+client PUSHes requests to each engine's PULL, and every engine PUSHes outputs to the client's one
+PULL. The client's PUSHes connect (rather than bind) so a send queues instead of blocking if an
+engine is gone; a monitor thread watching the processes turns any engine's death into
+``EngineDeadError`` for every pending and later call, and stops the other engines.
+
+Each new request goes to one engine, picked by a ``LoadBalancer`` (fewest outstanding requests);
+aborts go to the engine that holds the request; utility calls go to every engine, and their
+answers combine (``data_parallel.combine_results``).
 """
 
 from __future__ import annotations
@@ -20,12 +25,12 @@ import multiprocessing
 import multiprocessing.connection
 import queue
 import shutil
-import sys
 import tempfile
 import threading
+import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -39,12 +44,13 @@ from omniserve.engine.core import (
     UTILITY_METHODS,
     EngineCore,
     EngineCoreOutputType,
-    EngineCoreProc,
     EngineCoreRequestType,
     UtilityOutput,
     UtilityRequest,
 )
-from omniserve.engine.exceptions import EngineDeadError, EngineStartupError
+from omniserve.engine.core_launcher import engine_envs, launch_engine, wait_until_ready
+from omniserve.engine.data_parallel import LoadBalancer, combine_results
+from omniserve.engine.exceptions import EngineDeadError
 from omniserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from omniserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 
@@ -52,19 +58,24 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 _SHUTDOWN_TIMEOUT_S = 5.0
-"""How long a SHUTDOWN request may take before SIGTERM (and then SIGKILL) follow."""
+"""How long a SHUTDOWN request (then SIGTERM) may take before the next, harder step."""
 
 
 class EngineCoreClient(ABC):
     @staticmethod
     def make_client(config: OmniConfig) -> EngineCoreClient:
-        """The synchronous client: a background engine process unless multiprocessing is off."""
+        """The synchronous client: background engine processes unless multiprocessing is off."""
         if envs.engine_multiprocessing():
             return SyncMPClient(config)
         return InprocClient(config)
 
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Add a group (the ``n`` samples of one prompt); with data parallelism, to one engine."""
+        for request in requests:
+            self.add_request(request)
 
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
@@ -89,6 +100,12 @@ class InprocClient(EngineCoreClient):
     """The engine core in this process; ``get_output`` runs one step."""
 
     def __init__(self, config: OmniConfig) -> None:
+        num_engines = config.parallel_config.data_parallel_size
+        if num_engines > 1:
+            raise ValueError(
+                f"data_parallel_size={num_engines} runs engine cores in processes of their own, "
+                "but OMNISERVE_ENABLE_MULTIPROCESSING=0 keeps the engine in this process; unset "
+                "it or use data_parallel_size=1.")
         self.engine_core = EngineCore(config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -170,10 +187,11 @@ class _EngineResources:
         self.state = state
         self.ctx = ctx
         self.tmpdir = tmpdir
-        self.proc: BaseProcess | None = None
-        self.input_socket: zmq.Socket | None = None
+        self.procs: list[BaseProcess] = []  # by data-parallel rank
+        self.input_sockets: list[zmq.Socket] = []  # by data-parallel rank
         self.output_socket: zmq.Socket | None = None
         self.send_lock = threading.Lock()
+        self.procs_lock = threading.Lock()  # shutdown and the death monitor may both stop them
         self.stop_event = threading.Event()
         self.output_thread: threading.Thread | None = None
         self.output_task: asyncio.Task | None = None
@@ -183,79 +201,130 @@ class _EngineResources:
             return
         self.state.closing = True
         _live_resources.discard(self)
-        if self.proc is not None:
-            self._stop_process(self.proc)
+        self.stop_processes(graceful=True)
         self.stop_event.set()
         if self.output_thread is not None:
             self.output_thread.join(timeout=2.0)
         if self.output_task is not None and not self.output_task.done():
             with contextlib.suppress(RuntimeError):  # its loop is already closed
                 self.output_task.get_loop().call_soon_threadsafe(self.output_task.cancel)
-        for socket in (self.input_socket, self.output_socket):
+        for socket in (*self.input_sockets, self.output_socket):
             if socket is not None:
                 socket.close(linger=0)
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         self.state.mark_dead(EngineDeadError("The engine core has been shut down."))
 
-    def _stop_process(self, proc: BaseProcess) -> None:
-        """SHUTDOWN, then SIGTERM, then SIGKILL: each only if the previous did not end it."""
-        if proc.is_alive() and self.input_socket is not None:
-            with self.send_lock, contextlib.suppress(zmq.ZMQError):
-                # A plain (non-asyncio) view of the socket, so this works outside any event loop.
-                zmq.Socket.shadow(self.input_socket.underlying).send(
-                    EngineCoreRequestType.SHUTDOWN.value, zmq.NOBLOCK)
-        proc.join(_SHUTDOWN_TIMEOUT_S)
-        if proc.is_alive():
-            logger.warning("Engine core did not stop within %.0f s; terminating it.",
-                           _SHUTDOWN_TIMEOUT_S)
-            proc.terminate()
-            proc.join(_SHUTDOWN_TIMEOUT_S)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    def stop_processes(self, graceful: bool) -> None:
+        """SHUTDOWN (if ``graceful``), then SIGTERM, then SIGKILL: each only for the engines the
+        previous step did not end. All engines stop side by side."""
+        with self.procs_lock:
+            if graceful:
+                self._request_shutdown()
+                _join_all(self.procs, _SHUTDOWN_TIMEOUT_S)
+            alive = [proc for proc in self.procs if proc.is_alive()]
+            if alive and graceful:
+                logger.warning("%d engine core(s) did not stop within %.0f s; terminating.",
+                               len(alive), _SHUTDOWN_TIMEOUT_S)
+            for proc in alive:
+                proc.terminate()
+            _join_all(alive, _SHUTDOWN_TIMEOUT_S)
+            for proc in alive:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+
+    def _request_shutdown(self) -> None:
+        for proc, socket in zip(self.procs, self.input_sockets, strict=False):
+            if proc.is_alive():
+                with self.send_lock, contextlib.suppress(zmq.ZMQError):
+                    # A plain (non-asyncio) view of the socket, so this works outside any loop.
+                    zmq.Socket.shadow(socket.underlying).send(
+                        EngineCoreRequestType.SHUTDOWN.value, zmq.NOBLOCK)
+
+
+def _join_all(procs: list[BaseProcess], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
 
 
 class MPClient:
-    """Starts ``EngineCoreProc`` and owns its process, sockets, monitor thread and shutdown."""
+    """Starts ``data_parallel_size`` ``EngineCoreProc``s and owns their processes, sockets,
+    monitor thread and shutdown; routes requests to them (see the module docstring)."""
 
     def __init__(self, config: OmniConfig, asyncio_mode: bool) -> None:
         self.config = config
         self.state = _ClientState()
+        self.num_engines = config.parallel_config.data_parallel_size
         tmpdir = tempfile.mkdtemp(prefix="omniserve-")  # mode 0700: only this user may connect
         ctx = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
         self.resources = resources = _EngineResources(self.state, ctx, tmpdir)
         self._finalizer = weakref.finalize(self, resources.close)
-        input_address, output_address = f"ipc://{tmpdir}/input", f"ipc://{tmpdir}/output"
+        output_address = f"ipc://{tmpdir}/output"
         try:
             resources.output_socket = ctx.socket(zmq.PULL)
             resources.output_socket.bind(output_address)
-            resources.input_socket = ctx.socket(zmq.PUSH)
-            resources.input_socket.connect(input_address)
-            self.proc, ready_pipe = _launch_engine(config, input_address, output_address,
-                                                   tmpdir)
-            resources.proc = self.proc
+            ready_pipes = []
+            for rank, env in enumerate(engine_envs(config)):
+                input_address = f"ipc://{tmpdir}/input{rank}"
+                resources.input_sockets.append(ctx.socket(zmq.PUSH))
+                resources.input_sockets[rank].connect(input_address)
+                proc, ready_pipe = launch_engine(config, rank, input_address, output_address,
+                                                 tmpdir, env)
+                resources.procs.append(proc)
+                ready_pipes.append(ready_pipe)
             _close_at_exit(resources)
-            self.num_kv_blocks = _wait_until_ready(self.proc, ready_pipe)
+            self.engine_num_kv_blocks = wait_until_ready(resources.procs, ready_pipes)
         except BaseException:
             self.shutdown()
             raise
+        self.num_kv_blocks = sum(self.engine_num_kv_blocks)
+        self.balancer = LoadBalancer(self.num_engines)
         self.encoder = MsgpackEncoder()
+
+    @property
+    def proc(self) -> BaseProcess:
+        """The (first) engine core's process: the only one without data parallelism."""
+        return self.resources.procs[0]
 
     def _start_monitor(self) -> None:
         """Call once output handling is wired (``state.notify_dead`` set)."""
-        threading.Thread(target=_monitor_engine, args=(self.proc, self.state),
+        threading.Thread(target=_monitor_engines, args=(self.resources,),
                          name="omniserve-engine-monitor", daemon=True).start()
 
     def _encode_request(self, request_type: EngineCoreRequestType,
                         payload: Any) -> list[Any]:
         return [request_type.value, *self.encoder.encode(payload)]
 
+    def _route(self, requests: list[EngineCoreRequest]) -> int:
+        self.state.check_alive()  # a dead client routes nothing, so its counts stay right
+        return self.balancer.route([request.request_id for request in requests])
+
+    def _release_finished(self, outputs: EngineCoreOutputs) -> None:
+        self.balancer.release(o.request_id for o in outputs.outputs if o.finished)
+
+    def _owners(self, request_ids: Iterable[str]) -> dict[int, list[str]]:
+        """Engine rank -> the given requests it holds; forgets them (they are being aborted)."""
+        if self.state.dead_error is not None:
+            return {}  # a dead engine holds no requests: aborting is a no-op, never an error
+        return self.balancer.release(request_ids)
+
+    def _utility_calls(self, method: str, args: tuple[Any, ...],
+                       ) -> list[tuple[UtilityRequest, Future[Any]]]:
+        """One registered call per engine, by rank."""
+        calls = []
+        for _ in range(self.num_engines):
+            call_id, future = self.state.register_call()
+            calls.append((UtilityRequest(call_id, method, list(args)), future))
+        return calls
+
     def is_alive(self) -> bool:
-        return self.state.dead_error is None and self.proc.is_alive()
+        return (self.state.dead_error is None
+                and all(proc.is_alive() for proc in self.resources.procs))
 
     def shutdown(self) -> None:
-        """Stop the engine process and release sockets; idempotent, also run at exit."""
+        """Stop the engine processes and release sockets; idempotent, also run at exit."""
         self._finalizer()
 
 
@@ -274,19 +343,23 @@ class SyncMPClient(MPClient, EngineCoreClient):
         self.resources.output_thread.start()
         self._start_monitor()
 
-    def _send(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+    def _send(self, engine: int, request_type: EngineCoreRequestType, payload: Any) -> None:
         self.state.check_alive()
         with self.resources.send_lock:
             frames = self._encode_request(request_type, payload)
-            self.resources.input_socket.send_multipart(frames, copy=False)
+            self.resources.input_sockets[engine].send_multipart(frames, copy=False)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(EngineCoreRequestType.ADD, request)
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        engine = self._route(requests)
+        for request in requests:
+            self._send(engine, EngineCoreRequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        # A dead engine holds no requests: aborting is a no-op, so cleanup paths never raise.
-        if request_ids and self.state.dead_error is None:
-            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+        for engine, owned in self._owners(request_ids).items():
+            self._send(engine, EngineCoreRequestType.ABORT, owned)
 
     def get_output(self) -> EngineCoreOutputs:
         if self.state.dead_error is not None and self.outputs_queue.empty():
@@ -295,12 +368,18 @@ class SyncMPClient(MPClient, EngineCoreClient):
         if isinstance(item, EngineDeadError):
             self.outputs_queue.put(item)  # every later call fails too
             raise EngineDeadError(str(item))
+        self._release_finished(item)
         return item
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        call_id, future = self.state.register_call()
-        self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
-        return future.result()
+        return combine_results(method, self.call_utility_per_engine(method, *args))
+
+    def call_utility_per_engine(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every engine core; their results by data-parallel rank."""
+        calls = self._utility_calls(method, args)
+        for engine, (request, _) in enumerate(calls):
+            self._send(engine, EngineCoreRequestType.UTILITY, request)
+        return [future.result() for _, future in calls]
 
 
 class AsyncMPClient(MPClient):
@@ -329,19 +408,25 @@ class AsyncMPClient(MPClient):
                 self.resources.output_socket, self.state, outputs_queue))
         return self.outputs_queue
 
-    async def _send_async(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+    async def _send_async(self, engine: int, request_type: EngineCoreRequestType,
+                          payload: Any) -> None:
         self._ensure_output_task()
         self.state.check_alive()
         frames = self._encode_request(request_type, payload)
-        await self.resources.input_socket.send_multipart(frames, copy=False)
+        await self.resources.input_sockets[engine].send_multipart(frames, copy=False)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        await self._send_async(EngineCoreRequestType.ADD, request)
+        await self.add_requests_async([request])
+
+    async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
+        """Add a group (the ``n`` samples of one prompt) to one engine."""
+        engine = self._route(requests)
+        for request in requests:
+            await self._send_async(engine, EngineCoreRequestType.ADD, request)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        # A dead engine holds no requests: aborting is a no-op, so cleanup paths never raise.
-        if request_ids and self.state.dead_error is None:
-            await self._send_async(EngineCoreRequestType.ABORT, list(request_ids))
+        for engine, owned in self._owners(request_ids).items():
+            await self._send_async(engine, EngineCoreRequestType.ABORT, owned)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         outputs_queue = self._ensure_output_task()
@@ -351,16 +436,27 @@ class AsyncMPClient(MPClient):
         if isinstance(item, EngineDeadError):
             outputs_queue.put_nowait(item)  # every later call fails too
             raise EngineDeadError(str(item))
+        self._release_finished(item)
         return item
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
-        call_id, future = self.state.register_call()
-        await self._send_async(EngineCoreRequestType.UTILITY,
-                               UtilityRequest(call_id, method, list(args)))
-        return await asyncio.wrap_future(future)
+        return combine_results(method, await self.call_utility_per_engine_async(method, *args))
+
+    async def call_utility_per_engine_async(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every engine core; their results by data-parallel rank."""
+        calls = self._utility_calls(method, args)
+        for engine, (request, _) in enumerate(calls):
+            await self._send_async(engine, EngineCoreRequestType.UTILITY, request)
+        # Every result is awaited (also after a failure), so none is left unretrieved.
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for _, f in calls),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)
 
 
-# ---- process start-up and background work ---------------------------------------------------
+# ---- background work ------------------------------------------------------------------------
 
 _live_resources: set[_EngineResources] = set()
 """Clients not yet shut down, closed by one exit hook."""
@@ -380,77 +476,20 @@ def _close_all() -> None:
         resources.close()
 
 
-
-def _launch_engine(config: OmniConfig, input_address: str, output_address: str, ipc_dir: str,
-                   ) -> tuple[BaseProcess, multiprocessing.connection.Connection]:
-    mp_ctx = multiprocessing.get_context("spawn")  # fork is unsafe with CUDA and threads
-    reader, writer = mp_ctx.Pipe(duplex=False)
-    # Not a daemon: the engine may start worker processes of its own (tensor parallelism).
-    proc = mp_ctx.Process(target=EngineCoreProc.run_engine_core, name="OmniEngineCore",
-                          args=(config, input_address, output_address, writer, ipc_dir))
-    with _skip_main_reimport():
-        proc.start()
-    writer.close()
-    return proc, reader
-
-
-@contextlib.contextmanager
-def _skip_main_reimport() -> Iterator[None]:
-    """Keep spawn from re-running the user's script in the engine process.
-
-    spawn re-imports a script's ``__main__`` in the child, which re-runs unguarded top-level code
-    (``LLM(...)`` without ``if __name__ == "__main__":``) and fails there. The engine needs nothing
-    from ``__main__``; hiding its ``__file__`` while the child is prepared makes spawn treat it
-    like an interactive session's ``__main__``.
-    """
-    main = sys.modules["__main__"]
-    main_file = getattr(main, "__file__", None)
-    if main_file is None or getattr(main, "__spec__", None) is not None:
-        yield  # interactive, or run with -m (spawn already skips a package's __main__)
+def _monitor_engines(resources: _EngineResources) -> None:
+    """The first engine to die kills the client: fail its calls, then stop the other engines."""
+    procs = resources.procs
+    multiprocessing.connection.wait([proc.sentinel for proc in procs])
+    state = resources.state
+    if state.closing:
         return
-    del main.__file__
-    try:
-        yield
-    finally:
-        main.__file__ = main_file
-
-
-def _wait_until_ready(proc: BaseProcess, ready_pipe: multiprocessing.connection.Connection,
-                      ) -> int:
-    """Block until the engine reports READY; return its number of KV blocks."""
-    try:
-        multiprocessing.connection.wait([ready_pipe, proc.sentinel])
-        message = ready_pipe.recv() if ready_pipe.poll() else None
-    except EOFError:  # the child died without a word
-        message = None
-    finally:
-        ready_pipe.close()
-    if message is None:
-        proc.join(1.0)
-        raise EngineStartupError(f"The engine core process exited during start-up (exit code "
-                                 f"{proc.exitcode}) without reporting an error; see its log.")
-    status, value = message
-    if status != "READY":
-        trace, kind, text = value
-        error = EngineStartupError(f"The engine core failed to start:\n{trace}")
-        user_error = _USER_ERRORS.get(kind)
-        if user_error is not None:
-            raise user_error(text) from error
-        raise error
-    return int(value)
-
-
-# Start-up failures that are the caller's mistake keep their type in the parent.
-_USER_ERRORS: dict[str, type[Exception]] = {
-    e.__name__: e for e in (ValueError, TypeError, FileNotFoundError)}
-
-
-def _monitor_engine(proc: BaseProcess, state: _ClientState) -> None:
-    multiprocessing.connection.wait([proc.sentinel])
-    if not state.closing:
-        state.mark_dead(EngineDeadError(
-            f"The engine core process (pid {proc.pid}) died unexpectedly (exit code "
-            f"{proc.exitcode}); its log has the cause."))
+    dead = next((rank for rank, proc in enumerate(procs) if not proc.is_alive()), 0)
+    proc = procs[dead]
+    rank = f", data-parallel rank {dead}" if len(procs) > 1 else ""
+    state.mark_dead(EngineDeadError(
+        f"The engine core process (pid {proc.pid}{rank}) died unexpectedly (exit code "
+        f"{proc.exitcode}); its log has the cause."))
+    resources.stop_processes(graceful=False)
 
 
 class _OutputDecoder:

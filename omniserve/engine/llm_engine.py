@@ -39,8 +39,7 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError/TypeError for bad input."""
         processed = self.processor.process_inputs(request_id, prompt, params, arrival_time)
         self.output_processor.add_processed_request(request_id, processed, params)
-        for request in processed.engine_requests:
-            self.engine_core.add_request(request)
+        self.engine_core.add_requests(processed.engine_requests)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -61,3 +61,5 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
     scheduler_stats: dict[str, float] | None = None
+    engine_index: int = 0
+    """The data-parallel rank of the engine core that sent these."""

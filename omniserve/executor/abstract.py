@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, overload
 
@@ -15,20 +16,49 @@ class Executor(ABC):
         self.config = config
         # One thread, so non-blocking steps reach the workers in submission order.
         self._step_pool: ThreadPoolExecutor | None = None
+        self._failure_callback: Callable[[BaseException], None] | None = None
 
     @staticmethod
     def get_class(config: OmniConfig) -> type[Executor]:
+        """The backend's class: "uni" by default for one rank, "mp" for more, or "ray"."""
         parallel = config.parallel_config
-        backend = parallel.distributed_executor_backend or "uni"
-        if backend == "uni" and parallel.world_size == 1:
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "Pipeline parallelism (--pipeline-parallel-size > 1) is not supported yet; "
+                "use --tensor-parallel-size to split a model across devices."
+            )
+        backend = parallel.distributed_executor_backend
+        if backend is None:
+            backend = "uni" if parallel.world_size == 1 else "mp"
+        if backend == "uni":
+            if parallel.world_size > 1:
+                raise ValueError(
+                    "The 'uni' executor runs one worker; --tensor-parallel-size "
+                    f"{parallel.tensor_parallel_size} needs the 'mp' or 'ray' backend."
+                )
             from omniserve.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor
+        if backend == "mp":
+            from omniserve.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor
+        if backend == "ray":
+            from omniserve.executor.ray import RayExecutor
+
+            return RayExecutor
         raise ValueError(
-            f"Executor backend {backend!r} with world size {parallel.world_size} "
-            "is not available in this build (tensor parallelism: "
-            "--tensor-parallel-size 1 only)."
+            f"Unknown distributed executor backend {backend!r}; use 'uni', 'mp' or 'ray'."
         )
+
+    def register_failure_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """``callback(error)`` runs (on a monitor thread) when a worker dies, so an idle engine
+        core learns of it at once instead of at its next step."""
+        self._failure_callback = callback
+
+    def _notify_failure(self, error: BaseException) -> None:
+        if self._failure_callback is not None:
+            self._failure_callback(error)
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:

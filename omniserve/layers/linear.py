@@ -13,10 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from omniserve.layers.tp import divide, get_tp_rank, get_tp_size, tp_all_reduce
-from omniserve.layers.weight_utils import default_weight_loader, set_weight_loader
+from omniserve.layers.weight_utils import (
+    LoadedWeight,
+    default_weight_loader,
+    set_weight_loader,
+)
 
 
-def _check_shape(param: torch.Tensor, expected: tuple[int, ...], loaded: torch.Tensor) -> None:
+def _check_shape(param: torch.Tensor, expected: tuple[int, ...], loaded: LoadedWeight) -> None:
     if tuple(loaded.shape) != expected:
         raise ValueError(
             f"Shape mismatch: expected checkpoint shape {expected} for a parameter "
@@ -44,7 +48,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.input_size = input_size
         self.output_size = output_size
-        self.output_size_per_partition = divide(output_size, self.tp_size)
+        self.output_size_per_partition = divide(output_size, self.tp_size, "output features")
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size))
         self.bias = nn.Parameter(torch.empty(self.output_size_per_partition)) if bias else None
         for param in (self.weight, self.bias):
@@ -54,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
     def _shard_ids(self) -> set[tuple[object, ...]] | None:
         return None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
         _check_shape(param, (self.output_size, *param.shape[1:]), loaded)
         size = self.output_size_per_partition
         param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
@@ -76,7 +80,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self,
         param: nn.Parameter,
-        loaded: torch.Tensor,  # type: ignore[override]
+        loaded: LoadedWeight,  # type: ignore[override]
         shard_id: int,
     ) -> None:
         _check_shape(param, (self.output_sizes[shard_id], *param.shape[1:]), loaded)
@@ -102,12 +106,17 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         tp_size = get_tp_size()
         self.head_size = head_size
-        self.num_heads = divide(total_num_heads, tp_size)
+        self.num_heads = divide(total_num_heads, tp_size, "attention heads")
         if tp_size >= total_num_kv_heads:
             self.num_kv_heads = 1
-            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
+            if tp_size % total_num_kv_heads:
+                raise ValueError(
+                    f"The tensor-parallel size {tp_size} is not a multiple of the "
+                    f"{total_num_kv_heads} KV heads, so they cannot be replicated evenly."
+                )
+            self.num_kv_head_replicas = tp_size // total_num_kv_heads
         else:
-            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "KV heads")
             self.num_kv_head_replicas = 1
         self.q_size = self.num_heads * head_size  # per rank
         self.kv_size = self.num_kv_heads * head_size
@@ -124,7 +133,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(
         self,
         param: nn.Parameter,
-        loaded: torch.Tensor,  # type: ignore[override]
+        loaded: LoadedWeight,  # type: ignore[override]
         shard_id: str,
     ) -> None:
         _check_shape(param, (self.total_sizes[shard_id], *param.shape[1:]), loaded)
@@ -147,14 +156,14 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.input_size = input_size
-        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.input_size_per_partition = divide(input_size, self.tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition))
         set_weight_loader(self.weight, self.weight_loader)
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
         if self.bias is not None:
             set_weight_loader(self.bias, default_weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
         _check_shape(param, (param.shape[0], self.input_size), loaded)
         size = self.input_size_per_partition
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))

@@ -1,9 +1,10 @@
 """Tensor-parallel rank, size and collectives as seen by the layers.
 
-Layers read the group once, at construction. Until the multi-process executor defines explicit
-process groups, the tensor-parallel group is the default ``torch.distributed`` group when one is
-initialised (tensor parallelism only: pipeline and data parallel sizes are 1) and a single rank
-otherwise, where every collective is the identity.
+Layers read the group once, at construction. The tensor-parallel group is the default
+``torch.distributed`` group when one is initialised (each engine's executor starts its own workers,
+so their world is exactly the TP group: pipeline parallel size is 1, and data-parallel replicas
+are separate engines with separate groups) and a single rank otherwise, where every collective
+is the identity.
 """
 
 from __future__ import annotations
@@ -20,10 +21,15 @@ def get_tp_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def divide(numerator: int, denominator: int) -> int:
-    """Exact division, with an error that names the sizes when a dimension does not shard evenly."""
+def divide(numerator: int, denominator: int, what: str = "") -> int:
+    """Exact division, with an error that names the sizes (and ``what`` they count) when a
+    dimension does not shard evenly."""
     if numerator % denominator:
-        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}.")
+        counted = f" ({what})" if what else ""
+        raise ValueError(
+            f"{numerator}{counted} is not divisible by the tensor-parallel size {denominator}; "
+            "choose a --tensor-parallel-size that divides it."
+        )
     return numerator // denominator
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omniserve.layers.tp import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from omniserve.layers.weight_utils import set_weight_loader
+from omniserve.layers.weight_utils import LoadedWeight, set_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -29,14 +29,14 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim))
         set_weight_loader(self.weight, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
         if tuple(loaded.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(
                 f"Shape mismatch: expected ({self.num_embeddings}, "
                 f"{self.embedding_dim}), got {tuple(loaded.shape)}."
             )
         num_rows = self.vocab_end - self.vocab_start
-        param.data[:num_rows].copy_(loaded[self.vocab_start : self.vocab_end])
+        param.data[:num_rows].copy_(loaded.narrow(0, self.vocab_start, num_rows))
         param.data[num_rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,10 @@ A model routes each checkpoint key to ``(parameter name, shard args)``; the para
 the right slice of this rank's partition. A fused parameter (q/k/v, gate/up, stacked experts)
 declares the shard args it expects in ``param.shard_ids`` and counts as loaded only once every
 shard has arrived, so a half-loaded fused weight is reported as missing.
+
+Weights arrive as ``torch.Tensor``s or as ``LazyTensor``s (the checkpoint reader's): loaders only
+read ``shape`` and call ``narrow``, so a tensor-parallel rank reads just its own slice from disk;
+a replicated parameter calls ``materialize`` for the whole tensor.
 """
 
 from __future__ import annotations
@@ -23,14 +27,45 @@ StackedParams = tuple[tuple[str, str, Any], ...]
 """(fused module, checkpoint module, shard id) triples, e.g. ("qkv_proj", "q_proj", "q")."""
 
 
-def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+class LazyTensor:
+    """A checkpoint tensor that is read only when (and as far as) a loader asks for it.
+
+    ``source`` is a safetensors ``safe_open`` handle; ``narrow`` reads one slice through
+    ``get_slice``, ``materialize`` the whole tensor through ``get_tensor``.
+    """
+
+    def __init__(self, source: Any, name: str) -> None:
+        self._source = source
+        self._name = name
+        self.shape = torch.Size(source.get_slice(name).get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        dim = dim % len(self.shape)
+        if start == 0 and length == self.shape[dim]:
+            return self.materialize()  # one rank: the whole tensor, read as before
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._source.get_slice(self._name)[index]
+
+    def materialize(self) -> torch.Tensor:
+        return self._source.get_tensor(self._name)
+
+
+LoadedWeight = torch.Tensor | LazyTensor
+"""What a ``weight_loader`` receives."""
+
+
+def materialize(loaded: LoadedWeight) -> torch.Tensor:
+    return loaded.materialize() if isinstance(loaded, LazyTensor) else loaded
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: LoadedWeight) -> None:
     """Copy a whole, unsharded tensor (casting to the parameter's dtype and device)."""
     if param.shape != loaded_weight.shape:
         raise ValueError(
             f"Shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
             f"{tuple(loaded_weight.shape)}."
         )
-    param.data.copy_(loaded_weight)
+    param.data.copy_(materialize(loaded_weight))
 
 
 def set_weight_loader(
@@ -53,7 +88,7 @@ def route_stacked(name: str, stacked: StackedParams) -> WeightRoute:
 
 def load_weights_by_route(
     module: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, LoadedWeight]],
     route: Callable[[str], WeightRoute | None],
 ) -> set[str]:
     """Load every routed tensor; return the names of fully loaded parameters.

@@ -1,8 +1,9 @@
 """Load a local Hugging Face safetensors checkpoint into a model, checking the mapping both ways.
 
 Tensors are read lazily one at a time (``safe_open``), so peak host memory is one tensor rather
-than the checkpoint. The model's ``load_weights`` routes every key (raising on keys it cannot
-place); this module then raises on parameters that nothing filled.
+than the checkpoint; each arrives as a ``LazyTensor``, so a tensor-parallel rank reads only the
+slice its layer keeps (no full copy per rank). The model's ``load_weights`` routes every key
+(raising on keys it cannot place); this module then raises on parameters that nothing filled.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
+
+from omniserve.layers.weight_utils import LazyTensor
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -36,8 +39,9 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     )
 
 
-def iterate_checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every checkpoint tensor, on the CPU, with a progress bar."""
+def iterate_checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, LazyTensor]]:
+    """Yield ``(name, lazy tensor)`` for every checkpoint tensor, with a progress bar; a tensor is
+    readable (on the CPU) until the next one is yielded."""
     files = checkpoint_files(model_dir)
     num_tensors = 0
     for path in files:
@@ -47,7 +51,7 @@ def iterate_checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, tor
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, LazyTensor(f, name)
                     bar.update(1)
 
 

@@ -12,6 +12,7 @@ from transformers import AutoConfig
 from omniserve import envs
 from omniserve.config import OmniConfig
 from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from omniserve.layers.tp import get_tp_size
 from omniserve.plugins import load_plugins
 from omniserve.registry import ModelRegistry
 from omniserve.worker.model_loader import load_model_weights
@@ -56,7 +57,8 @@ class Worker:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         if self.device.type == "cpu" and envs.num_threads():
-            torch.set_num_threads(envs.num_threads())
+            # The tensor-parallel ranks of one engine share its threads.
+            torch.set_num_threads(max(1, envs.num_threads() // get_tp_size()))
         torch.manual_seed(model_config.seed)
         load_plugins()
         self.hf_config = AutoConfig.from_pretrained(model_config.model)

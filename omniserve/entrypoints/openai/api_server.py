@@ -213,8 +213,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
             raise ServingError("Metrics are not enabled.", HTTPStatus.NOT_FOUND)
         if not engine.errored:
             with contextlib.suppress(Exception):  # a dead or busy engine keeps the last stats
-                stats = await asyncio.wait_for(engine.get_stats(), STATS_TIMEOUT_S)
-                stat_logger.record_scheduler_stats(stats)
+                engine_stats = await asyncio.wait_for(engine.get_engine_stats(), STATS_TIMEOUT_S)
+                for rank, stats in enumerate(engine_stats):
+                    stat_logger.record_scheduler_stats(stats, rank)
         body, content_type = stat_logger.render()
         return Response(body, media_type=content_type)
 
@@ -296,7 +297,8 @@ async def serve(args: argparse.Namespace) -> None:
     names = args.served_model_name
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.served_model_name = names[0] if names else None
-    stat_logger = PrometheusStatLogger(names[0] if names else args.model)
+    stat_logger = PrometheusStatLogger(names[0] if names else args.model,
+                                       num_engines=engine_args.data_parallel_size)
     engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger])
     try:
         app = build_app(engine, args)

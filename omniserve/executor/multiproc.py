@@ -1,0 +1,237 @@
+"""MultiprocExecutor: tensor parallelism over N worker processes on this machine.
+
+Each rank is a spawned process running ``run_worker``: it joins the ``torch.distributed`` group
+(a ``file://`` rendezvous in a private temp dir, so no TCP port is picked or raced for), builds its
+``WorkerWrapper`` and then serves calls. The executor sends every call once over a broadcast
+queue (``broadcast.py``); replies come back on one PULL socket, tagged with the call's id. A step
+is answered by rank 0 alone (every rank samples the same tokens); calls such as sizing the KV
+cache are answered by all ranks. Other ranks reply to a step only when it failed.
+
+Failure handling: a monitor thread watches the worker processes. When one dies, the waiting call
+(or, when the engine is idle, the engine core through ``register_failure_callback``) gets a
+RuntimeError naming the rank and exit code. Workers exit when their parent (the engine core) dies,
+and ``shutdown`` stops them: a shutdown message, then SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import traceback
+from typing import Any, NoReturn
+
+import zmq
+
+from omniserve.config import OmniConfig
+from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from omniserve.executor.abstract import Executor
+from omniserve.executor.broadcast import BroadcastReceiver, BroadcastSender
+from omniserve.executor.worker_wrapper import REPLY_ALL, REPLY_RANK0, WorkerWrapper
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+_READERS_TIMEOUT_S = 60.0
+_SHUTDOWN_TIMEOUT_S = 5.0
+_STARTUP_CALL_ID = 0
+"""Id of the READY (or start-up error) reply each worker sends once."""
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: OmniConfig) -> None:
+        super().__init__(config)
+        self.world_size = config.parallel_config.world_size
+        self._ipc_dir = tempfile.mkdtemp(prefix="omniserve-tp-")
+        self._zmq_ctx = zmq.Context()
+        self._broadcast = BroadcastSender(self._zmq_ctx, f"ipc://{self._ipc_dir}/calls")
+        self._results = self._zmq_ctx.socket(zmq.PULL)
+        self._results.bind(f"ipc://{self._ipc_dir}/results")
+        self._lock = threading.Lock()  # one call in flight: replies match the last broadcast
+        self._call_id = _STARTUP_CALL_ID
+        self._abandoned_calls: set[int] = set()
+        self._failure: str | None = None
+        self._closing = False
+        self.workers: list[multiprocessing.process.BaseProcess] = []
+        try:
+            self._start_workers()
+            self._collect(_STARTUP_CALL_ID, set(range(self.world_size)), "start-up")
+            self._broadcast.wait_for_readers(self.world_size, _READERS_TIMEOUT_S,
+                                             self._check_alive)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_workers(self) -> None:
+        # Deferred: the engine package imports the engine core, which imports this package.
+        from omniserve.engine.core_launcher import _skip_main_reimport
+
+        mp_ctx = multiprocessing.get_context("spawn")  # fork is unsafe with CUDA and threads
+        args = (f"file://{self._ipc_dir}/rendezvous", f"ipc://{self._ipc_dir}/calls",
+                f"ipc://{self._ipc_dir}/results")
+        with _skip_main_reimport():
+            for rank in range(self.world_size):
+                proc = mp_ctx.Process(target=run_worker, name=f"OmniWorker-TP{rank}",
+                                      args=(self.config, rank, self.world_size, *args),
+                                      daemon=True)
+                proc.start()
+                self.workers.append(proc)
+        threading.Thread(target=self._monitor_workers, name="omniserve-worker-monitor",
+                         daemon=True).start()
+
+    def _monitor_workers(self) -> None:
+        by_sentinel = {proc.sentinel: rank for rank, proc in enumerate(self.workers)}
+        (sentinel, *_) = multiprocessing.connection.wait(list(by_sentinel))
+        if self._closing:
+            return
+        rank = by_sentinel[sentinel]
+        proc = self.workers[rank]
+        proc.join(1.0)
+        self._failure = (f"Tensor-parallel worker rank {rank} (pid {proc.pid}) died "
+                         f"unexpectedly ({_describe_exit(proc.exitcode)}); its log has the cause.")
+        logger.error(self._failure)
+        self._notify_failure(RuntimeError(self._failure))
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+
+    # ---- calls ----------------------------------------------------------------------------------
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return self._call(method, args, REPLY_ALL)
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call("execute_model", (scheduler_output,), REPLY_RANK0)[0]
+
+    def _call(self, method: str, args: tuple, reply: str) -> list[Any]:
+        with self._lock:
+            self._check_alive()
+            self._call_id += 1
+            self._broadcast.send((self._call_id, method, args, reply))
+            ranks = set(range(self.world_size)) if reply == REPLY_ALL else {0}
+            return self._collect(self._call_id, ranks, method)
+
+    def _collect(self, call_id: int, ranks: set[int], method: str) -> list[Any]:
+        """Replies of ``ranks`` to call ``call_id``, in rank order; raises a worker's error."""
+        results: dict[int, Any] = {}
+        try:
+            while len(results) < len(ranks):
+                if not self._results.poll(_POLL_MS):
+                    self._check_alive()
+                    continue
+                reply_id, rank, ok, payload = pickle.loads(self._results.recv())
+                if not ok and reply_id not in self._abandoned_calls:
+                    # A late error of an earlier step (answered by rank 0) counts too: that rank
+                    # is out of step with the others.
+                    raise _remote_error(rank, method, payload)
+                if reply_id == call_id and rank in ranks:
+                    results[rank] = payload
+        except BaseException:
+            self._abandoned_calls.add(call_id)
+            raise
+        return [results[rank] for rank in sorted(ranks)]
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._closing:
+            return
+        self._closing = True
+        with contextlib.suppress(zmq.ZMQError):
+            self._broadcast.send((None, None, (), REPLY_ALL))  # method None: leave the loop
+        for proc in self.workers:
+            proc.join(_SHUTDOWN_TIMEOUT_S / len(self.workers))
+        for proc in self.workers:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self._broadcast.close()
+        self._results.close(linger=0)
+        self._zmq_ctx.destroy(linger=0)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"exit code {exitcode}, killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+def _remote_error(rank: int, method: str, payload: tuple[BaseException | None, str]
+                  ) -> BaseException:
+    """The worker's own exception (so a ValueError stays one), noting where it was raised."""
+    exc, trace = payload
+    where = f"tensor-parallel rank {rank}, in {method}"
+    if exc is None:
+        return RuntimeError(f"Worker failed ({where}):\n{trace}")
+    exc.add_note(f"Raised on {where}. Worker traceback:\n{trace}")
+    return exc
+
+
+# ---- the worker process -------------------------------------------------------------------------
+
+
+def run_worker(config: OmniConfig, rank: int, world_size: int, init_method: str,
+               calls_address: str, results_address: str) -> NoReturn:
+    """Entry point of a worker process: start, report READY (or the error), serve calls."""
+    _exit_when_parent_dies()
+    context = zmq.Context()
+    results = context.socket(zmq.PUSH)
+    results.connect(results_address)
+    calls = BroadcastReceiver(context, calls_address)
+    wrapper = WorkerWrapper(rank, world_size)
+    try:
+        wrapper.init_worker(config, init_method, local_rank=rank)
+    except BaseException as exc:
+        _reply_error(results, _STARTUP_CALL_ID, rank, exc)
+        results.close(linger=2000)  # let the error reach the executor
+        sys.exit(1)
+    results.send(pickle.dumps((_STARTUP_CALL_ID, rank, True, None)))
+    while True:
+        call_id, method, args, reply = calls.recv()
+        if method is None:
+            break
+        try:
+            result = wrapper.execute_method(method, args, reply)
+        except Exception as exc:
+            _reply_error(results, call_id, rank, exc)
+            continue
+        if reply == REPLY_ALL or rank == 0:
+            results.send(pickle.dumps((call_id, rank, True, result),
+                                      protocol=pickle.HIGHEST_PROTOCOL))
+    wrapper.shutdown()
+    context.destroy(linger=1000)
+    sys.exit(0)
+
+
+def _reply_error(socket: zmq.Socket, call_id: int, rank: int, exc: BaseException) -> None:
+    trace = traceback.format_exc()
+    try:
+        message = pickle.dumps((call_id, rank, False, (exc, trace)))
+    except Exception:  # an exception that cannot travel still sends its traceback
+        message = pickle.dumps((call_id, rank, False, (None, trace)))
+    socket.send(message)
+
+
+def _exit_when_parent_dies() -> None:
+    """An engine core killed without cleanup must not leave its workers behind."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front end, which stops us
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="omniserve-parent-watch", daemon=True).start()

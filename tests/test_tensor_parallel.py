@@ -1,0 +1,166 @@
+"""Tensor parallelism over gloo (MultiprocExecutor): TP=2 gives the greedy tokens of TP=1 and of
+transformers for a text model (with replicated KV heads), a vision-language model and the
+Qwen3-Omni-MoE thinker with image + audio; bad parallel settings fail with a precise error; a
+killed worker ends the server cleanly and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from omniserve import LLM, SamplingParams
+from omniserve.config import ModelConfig, OmniConfig, ParallelConfig
+from omniserve.executor.abstract import Executor
+from omniserve.layers.weight_utils import LazyTensor
+from tests.hf_reference import ReferenceOutput, assert_matches_reference, hf_greedy, make_prompts
+from tests.server_utils import launch_server
+from tests.test_fidelity_mm import IMAGE, TEXT, Case, _engine_prompt, _hf_reference, _image, _user
+from tests.test_fidelity_omni import THINKERS, _hf_inputs, _media, _text
+from tests.test_fidelity_omni import _engine_prompt as _omni_engine_prompt
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3)
+
+
+def _tokens(outputs: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _generate(model_dir: str, prompts: list, tp: int, **kwargs) -> list:
+    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, **kwargs)
+    try:
+        return llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_text_model_tp2_matches_tp1_and_hf(tiny_checkpoint):
+    # One KV head for two ranks: both ranks hold a replica of it.
+    model_dir = str(tiny_checkpoint("Qwen3ForCausalLM", overrides={"num_key_value_heads": 1}))
+    prompts = make_prompts(model_dir, [5, 23, 40])
+    reference = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    engine_prompts = [{"prompt_token_ids": p} for p in prompts]
+    tp1 = _generate(model_dir, engine_prompts, tp=1)
+    # A small token budget: chunked prefill and mixed prefill/decode steps under TP too.
+    tp2 = _generate(model_dir, engine_prompts, tp=2, max_num_batched_tokens=16)
+    assert _tokens(tp2) == _tokens(tp1)
+    assert_matches_reference(tp2, reference)
+
+
+@pytest.mark.slow
+def test_vision_language_model_tp2_matches_hf(tiny_checkpoint):
+    model_dir = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
+    processor = AutoProcessor.from_pretrained(model_dir)
+    cases = [Case("image", [_user(IMAGE, TEXT)], {"image": [_image(1, 112, 140)]})]
+    texts = [processor.apply_chat_template(c.messages, add_generation_prompt=True,
+                                           tokenize=False) for c in cases]
+    reference = [ReferenceOutput(r.token_ids[:MAX_TOKENS], r.logprobs[:MAX_TOKENS])
+                 for r in _hf_reference(AutoModelForImageTextToText, model_dir, texts, cases)]
+    prompts = [_engine_prompt(t, c.media) for t, c in zip(texts, cases, strict=True)]
+    outputs = _generate(model_dir, prompts, tp=2)
+    assert sum(outputs[0].num_mm_tokens.values()) > 0
+    assert_matches_reference(outputs, reference)
+
+
+@pytest.mark.slow
+def test_omni_moe_thinker_tp2_with_image_and_audio_matches_hf(tiny_checkpoint):
+    arch = "Qwen3OmniMoeThinkerForConditionalGeneration"
+    model_dir = str(tiny_checkpoint(arch))
+    processor = AutoProcessor.from_pretrained(model_dir)
+    items, text = _media(["image", "audio"], seed=7), _text(processor, ["image", "audio"])
+    model = THINKERS[arch].from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        inputs = _hf_inputs(processor, text, items)
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    generated = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [torch.log_softmax(s[0].float(), dim=-1) for s in out.logits]
+    reference = [ReferenceOutput(generated, logprobs[: len(generated)])]
+    outputs = _generate(model_dir, [_omni_engine_prompt(text, items)], tp=2)
+    assert sum(outputs[0].num_mm_tokens.values()) > 0
+    # ~700 prompt tokens through sharp random weights and an all-reduce per layer: fp32 sums in
+    # a different order move logprobs by ~1e-4 (as batching does in test_fidelity_omni).
+    assert_matches_reference(outputs, reference, atol=5e-4)
+
+
+def test_heads_that_do_not_divide_give_a_clear_error(tiny_checkpoint, monkeypatch):
+    model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))  # 4 heads, 128 MLP features
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")  # the error in this process
+    with pytest.raises(ValueError, match=r"\d+ \(.+\) is not divisible by the tensor-parallel "
+                                         r"size 3; choose a --tensor-parallel-size"):
+        LLM(model_dir, dtype="float32", tensor_parallel_size=3)
+
+
+def test_lazy_checkpoint_tensor_reads_slices(tmp_path):
+    weight = torch.randn(6, 4)
+    save_file({"w": weight}, str(tmp_path / "model.safetensors"))
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        lazy = LazyTensor(f, "w")
+        assert lazy.shape == weight.shape
+        assert torch.equal(lazy.narrow(0, 2, 3), weight[2:5])  # a column-parallel rank's rows
+        assert torch.equal(lazy.narrow(-1, 2, 2), weight[:, 2:])  # a row-parallel rank's columns
+        assert torch.equal(lazy.narrow(0, 0, 6), weight)
+        assert torch.equal(lazy.materialize(), weight)
+
+
+def _config(model_dir: str, **parallel) -> OmniConfig:
+    return OmniConfig(ModelConfig.from_path(model_dir), parallel_config=ParallelConfig(**parallel))
+
+
+def test_executor_class_per_backend(tiny_checkpoint):
+    from omniserve.executor.multiproc import MultiprocExecutor
+    from omniserve.executor.uniproc import UniProcExecutor
+
+    model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))
+    assert Executor.get_class(_config(model_dir)) is UniProcExecutor
+    assert Executor.get_class(_config(model_dir, tensor_parallel_size=2)) is MultiprocExecutor
+    assert Executor.get_class(_config(model_dir, distributed_executor_backend="mp")) is (
+        MultiprocExecutor)
+    with pytest.raises(ValueError, match="needs the 'mp' or 'ray' backend"):
+        Executor.get_class(_config(model_dir, tensor_parallel_size=2,
+                                   distributed_executor_backend="uni"))
+    with pytest.raises(ValueError, match="Pipeline parallelism"):
+        Executor.get_class(_config(model_dir, pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="must be 'uni', 'mp' or 'ray'"):
+        ParallelConfig(distributed_executor_backend="slurm")
+
+
+def _workers(server_pid: int) -> list[psutil.Process]:
+    """The TP worker processes: spawned grandchildren of the server (under the engine core)."""
+    server = psutil.Process(server_pid)
+    return [p for engine in server.children() for p in engine.children()
+            if "resource_tracker" not in " ".join(p.cmdline())]
+
+
+@pytest.mark.slow
+def test_killed_worker_ends_the_engine_cleanly(tiny_checkpoint, tmp_path):
+    model_dir = tiny_checkpoint("Qwen3ForCausalLM")
+    with launch_server(model_dir, tmp_path, "-tp", "2", "--dtype", "float32") as server:
+        client = server.client()
+        assert client.completions.create(model="tiny", prompt="hello", max_tokens=4).choices
+        tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(
+            recursive=True)]
+        workers = _workers(server.proc.pid)
+        assert len(workers) == 2
+        workers[1].send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while httpx.get(server.url + "/health", timeout=5).status_code == 200:
+            assert time.monotonic() < deadline, "the server stayed healthy without a worker"
+            time.sleep(0.3)
+        response = server.post("/v1/completions", {"model": "tiny", "prompt": "hi",
+                                                   "max_tokens": 4})
+        assert response.status_code == 503, response.text
+    gone, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, f"orphan processes: {alive}"
+    log = server.log.read_text()
+    assert "Tensor-parallel worker rank" in log and "killed by SIGKILL" in log, log[-3000:]
