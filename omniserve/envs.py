@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -38,3 +40,36 @@ def num_threads() -> int | None:
     """Torch intra-op threads for CPU workers (``OMNISERVE_NUM_THREADS``); None keeps torch's."""
     value = os.environ.get("OMNISERVE_NUM_THREADS")
     return int(value) if value else None
+
+
+def cpu_attention() -> str:
+    """CPU decode attention (``OMNISERVE_CPU_ATTENTION``): "auto" uses the C paged-decode kernel
+    when a compiler can build it, "torch" forces the gather + SDPA path."""
+    value = os.environ.get("OMNISERVE_CPU_ATTENTION", "auto")
+    if value not in ("auto", "torch"):
+        raise ValueError(f"OMNISERVE_CPU_ATTENTION must be 'auto' or 'torch', not {value!r}.")
+    return value
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """The devices ``CUDA_VISIBLE_DEVICES`` lists; None when it is unset (all are visible)."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [device for device in value.split(",") if device.strip()]
+
+
+@contextlib.contextmanager
+def config_dir_override(path: Path) -> Iterator[None]:
+    """Point ``OMNISERVE_CONFIG_DIR`` at ``path`` inside the block (processes started there
+    inherit it): how ``register-model --check`` shows a candidate plugin to a spawned engine
+    without touching the user's registry file."""
+    previous = os.environ.get("OMNISERVE_CONFIG_DIR")
+    os.environ["OMNISERVE_CONFIG_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("OMNISERVE_CONFIG_DIR", None)
+        else:
+            os.environ["OMNISERVE_CONFIG_DIR"] = previous

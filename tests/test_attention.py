@@ -8,13 +8,29 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from omniserve.attention import Attention, AttentionMetadata, get_attention_layers, torch_backend
+from omniserve.attention import (
+    Attention,
+    AttentionMetadata,
+    cpu_kernel,
+    get_attention_layers,
+    torch_backend,
+)
 from omniserve.attention.torch_backend import (
     TorchAttentionBackend,
     causal_attention,
     reference_attention,
 )
 from omniserve.forward_context import get_forward_context, set_forward_context
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with CPU decodes on the C kernel and on the torch gather + SDPA path."""
+    if request.param == "kernel":
+        assert cpu_kernel.kernel_available(), "the C kernel must build on this machine"
+    else:
+        monkeypatch.setattr(cpu_kernel, "supports", lambda query, kv_cache: False)
+    return request.param
 
 
 @dataclass
@@ -157,7 +173,7 @@ def test_decodes_split_into_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch_backend, "_DECODE_KEYS_PER_CHUNK", 24)
     specs = [(n, 1) for n in (3, 17, 9, 22, 1, 11, 5)]
     batch = make_batch(specs, num_heads=4, num_kv_heads=2)
-    plan = torch_backend._plan_batch(batch.metadata, 4, None)
+    plan = torch_backend._plan_batch(batch.metadata, 4, None, use_kernel=False)
     assert len(plan.decode_chunks) > 1 and not plan.prefills
     run_and_compare(batch)
 
@@ -165,11 +181,11 @@ def test_decodes_split_into_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_plan_is_shared_across_layers() -> None:
     batch = make_batch([(5, 1), (0, 4)], num_heads=4, num_kv_heads=2)
     backend = TorchAttentionBackend()
-    first = backend._plan(batch.metadata, 4, None)
-    assert backend._plan(batch.metadata, 4, None) is first
-    assert backend._plan(batch.metadata, 4, 2) is not first
+    first = backend._plan(batch.metadata, 4, None, False)
+    assert backend._plan(batch.metadata, 4, None, False) is first
+    assert backend._plan(batch.metadata, 4, 2, False) is not first
     other = make_batch([(5, 1), (0, 4)], num_heads=4, num_kv_heads=2)
-    assert backend._plan(other.metadata, 4, None) is not first
+    assert backend._plan(other.metadata, 4, None, False) is not first
 
 
 def test_bfloat16_close_to_fp32_reference() -> None:
@@ -256,3 +272,45 @@ def test_gather_workspace_survives_grad_modes() -> None:
         scale=scale,
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_kernel_plans_decodes_without_padding(decode_path: str) -> None:
+    batch = make_batch([(9, 1), (0, 7), (4, 1)], num_heads=4, num_kv_heads=2)
+    use_kernel = cpu_kernel.supports(batch.query, batch.kv_cache)
+    assert use_kernel == (decode_path == "kernel")
+    plan = torch_backend._plan_batch(batch.metadata, 4, None, use_kernel)
+    if use_kernel:
+        assert plan.decode_rows is not None and not plan.decode_chunks
+        assert plan.decode_rows.token_rows.tolist() == [0, 8]
+        assert plan.decode_rows.seq_lens.tolist() == [10, 5]
+    else:
+        assert plan.decode_rows is None and plan.decode_chunks
+
+
+def test_kernel_on_strided_query_rows(decode_path: str) -> None:
+    # q is a column slice of a fused qkv output in the models: rows are strided, heads are not.
+    batch = make_batch([(12, 1), (5, 1), (30, 1)], num_heads=8, num_kv_heads=2, block_size=16)
+    fused = torch.cat([batch.query.flatten(1), torch.zeros(3, 40)], dim=1)
+    query = fused[:, : 8 * 16].view(3, 8, 16)
+    assert not query.is_contiguous()
+    batch.query = query
+    run_and_compare(batch)
+
+
+def test_kernel_rejects_block_ids_outside_the_cache(decode_path: str) -> None:
+    if decode_path != "kernel":
+        pytest.skip("kernel-only bounds check")
+    batch = make_batch([(6, 1)], num_heads=4, num_kv_heads=2)
+    rows = torch.tensor([0])
+    table = torch.full((1, 2), 10_000, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block id outside the KV cache"):
+        cpu_kernel.paged_decode(
+            batch.query,
+            torch.empty_like(batch.query),
+            rows,
+            batch.kv_cache,
+            table,
+            batch.metadata.seq_lens,
+            scale=0.25,
+            sliding_window=None,
+        )

@@ -1,8 +1,10 @@
 """Paged attention in plain PyTorch: the CPU backend, and the reference for GPU kernels.
 
-Work per step is split by request kind. All decodes (query length 1) go through one padded gather of
-their keys and one ``scaled_dot_product_attention`` call; grouped-query attention is handled by
-viewing the query heads as ``[num_kv_heads, group]`` so keys are never repeated. Each prefill chunk
+Work per step is split by request kind. On CPU (fp32) all decodes (query length 1) go to the C
+kernel in ``cpu_kernel``, which reads each key and value once straight from the paged cache.
+Elsewhere they go through one padded gather of their keys and one ``scaled_dot_product_attention``
+call; grouped-query attention is handled by viewing the query heads as ``[num_kv_heads, group]``
+so keys are never repeated. Each prefill chunk
 gets one SDPA call; a first chunk attends its fresh keys with ``is_causal`` and skips the gather.
 The index tensors for this (``_BatchPlan``) are built once per step and reused by every layer, and
 gathered keys/values land in one reused workspace (at most the largest gather of a step: a decode
@@ -17,6 +19,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from omniserve.attention import cpu_kernel
 from omniserve.attention.base import AttentionBackend
 from omniserve.attention.metadata import AttentionMetadata
 
@@ -41,6 +44,15 @@ class _DecodeChunk:
 
 
 @dataclass
+class _DecodeRows:
+    """The C kernel's view of the step's decodes (no padding, no gather)."""
+
+    token_rows: torch.Tensor  # [n] int64: the decode tokens' rows in the flattened batch
+    block_table: torch.Tensor  # [n, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [n] int32
+
+
+@dataclass
 class _PrefillSeq:
     start: int  # first row of the chunk in the flattened batch
     end: int
@@ -51,6 +63,7 @@ class _PrefillSeq:
 @dataclass
 class _BatchPlan:
     decode_chunks: list[_DecodeChunk] = field(default_factory=list)
+    decode_rows: _DecodeRows | None = None
     prefills: list[_PrefillSeq] = field(default_factory=list)
 
 
@@ -119,7 +132,26 @@ def _plan_prefill(
     return _PrefillSeq(start, start + query_len, key_slots, mask)
 
 
-def _plan_batch(md: AttentionMetadata, block_size: int, sliding_window: int | None) -> _BatchPlan:
+def _decode_rows(
+    md: AttentionMetadata, decode_reqs: list[int], token_starts: list[int]
+) -> _DecodeRows:
+    if len(decode_reqs) == md.num_reqs:  # decode-only step: the runner's tensors as they are
+        return _DecodeRows(
+            torch.tensor(token_starts, dtype=torch.int64),
+            md.block_table.contiguous(),
+            md.seq_lens.to(torch.int32).contiguous(),
+        )
+    rows = torch.tensor(decode_reqs)
+    return _DecodeRows(
+        torch.tensor([token_starts[r] for r in decode_reqs], dtype=torch.int64),
+        md.block_table[rows].contiguous(),
+        md.seq_lens[rows].to(torch.int32).contiguous(),
+    )
+
+
+def _plan_batch(
+    md: AttentionMetadata, block_size: int, sliding_window: int | None, use_kernel: bool
+) -> _BatchPlan:
     plan = _BatchPlan()
     decode_reqs, token_starts = [], []
     start = 0
@@ -130,7 +162,9 @@ def _plan_batch(md: AttentionMetadata, block_size: int, sliding_window: int | No
         elif query_len > 1:
             plan.prefills.append(_plan_prefill(md, req, start, block_size, sliding_window))
         start += query_len
-    if decode_reqs:
+    if decode_reqs and use_kernel:
+        plan.decode_rows = _decode_rows(md, decode_reqs, token_starts)
+    elif decode_reqs:
         plan.decode_chunks = _plan_decodes(
             md, decode_reqs, token_starts, block_size, sliding_window
         )
@@ -146,19 +180,19 @@ class TorchAttentionBackend(AttentionBackend):
         # NOTE: plans are keyed by the identity of the step's metadata object (the runner builds a
         # fresh one per step and never mutates it); holding the reference keeps the id unique.
         self._planned_for: AttentionMetadata | None = None
-        self._plans: dict[tuple[int, int | None], _BatchPlan] = {}
+        self._plans: dict[tuple[int, int | None, bool], _BatchPlan] = {}
         # Reused destination of the key/value gathers: a fresh multi-MiB tensor per layer costs
         # more in page faults than the copy itself on CPU.
         self._workspace: torch.Tensor | None = None
 
     def _plan(
-        self, md: AttentionMetadata, block_size: int, sliding_window: int | None
+        self, md: AttentionMetadata, block_size: int, sliding_window: int | None, use_kernel: bool
     ) -> _BatchPlan:
         if md is not self._planned_for:
             self._planned_for, self._plans = md, {}
-        key = (block_size, sliding_window)
+        key = (block_size, sliding_window, use_kernel)
         if key not in self._plans:
-            self._plans[key] = _plan_batch(md, block_size, sliding_window)
+            self._plans[key] = _plan_batch(md, block_size, sliding_window, use_kernel)
         return self._plans[key]
 
     def _gather(
@@ -192,10 +226,23 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        plan = self._plan(metadata, kv_cache.shape[2], sliding_window)
+        use_kernel = cpu_kernel.supports(query, kv_cache)
+        plan = self._plan(metadata, kv_cache.shape[2], sliding_window, use_kernel)
         key_cache = kv_cache[0].flatten(0, 1)  # [num_slots, num_kv_heads, head_size]
         value_cache = kv_cache[1].flatten(0, 1)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_size]
+        if plan.decode_rows is not None:
+            rows = plan.decode_rows
+            cpu_kernel.paged_decode(
+                query,
+                out,
+                rows.token_rows,
+                kv_cache,
+                rows.block_table,
+                rows.seq_lens,
+                scale=scale,
+                sliding_window=sliding_window,
+            )
         for chunk in plan.decode_chunks:
             k, v = self._gather(key_cache, value_cache, chunk.key_slots)  # [n, L, KVH, D]
             out.index_copy_(0, chunk.token_indices, _decode(query, k, v, chunk, scale))
