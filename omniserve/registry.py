@@ -2,12 +2,21 @@
 
 Entries are "module:Class" strings so that listing or validating architectures never imports
 torch-heavy model code. Built-in models register through the same entry-point group as plugins.
+
+Two layers: entries from code (the built-in zoo and entry-point plugins) and entries from the
+user's registry file (``omniserve register-model``). The user layer wins a lookup, so a user can
+deliberately override a built-in architecture (``register-model`` asks for ``--force`` first);
+removing the user entry brings the built-in back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+USER_FILE_SOURCE = "user file"
 
 
 @dataclass(frozen=True)
@@ -17,44 +26,90 @@ class ModelEntry:
     """"package.module:Class"."""
     source: str
     """Where the entry came from: "built-in", "entry point <name>", "user file", ..."""
+    processor: str | None = None
+    """"package.module:Class" of a ``BaseMultiModalProcessor`` that declares ``info_cls`` and
+    ``dummy_inputs_cls``; None: the processor attached to the model class (if any)."""
+    modalities: tuple[str, ...] | None = None
+    """Input modalities besides text, if declared at registration; None: unknown until the
+    classes are imported."""
+
+
+def import_target(target: str) -> type:
+    """Import "package.module:Class"; ImportError/AttributeError propagate for the caller."""
+    module_name, _, class_name = target.partition(":")
+    obj: object = importlib.import_module(module_name)
+    for part in class_name.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise TypeError(f"{target!r} is a {type(obj).__name__}, not a class")
+    return obj
 
 
 class _ModelRegistry:
     def __init__(self) -> None:
         self._entries: dict[str, ModelEntry] = {}
+        self._user_entries: dict[str, ModelEntry] = {}
+        self._default_source = "built-in"
+
+    @contextlib.contextmanager
+    def registering_as(self, source: str) -> Iterator[None]:
+        """Label the entries registered inside the block (load_plugins: "entry point <name>")."""
+        previous, self._default_source = self._default_source, source
+        try:
+            yield
+        finally:
+            self._default_source = previous
 
     def register_model(
         self,
         architecture: str,
         target: str | type,
         *,
-        source: str = "built-in",
+        processor: str | type | None = None,
+        modalities: Iterable[str] | None = None,
+        source: str | None = None,
         overwrite: bool = True,
     ) -> None:
-        """Map ``architecture`` to a class or a lazy "module:Class" path."""
-        if not isinstance(target, str):
-            target = f"{target.__module__}:{target.__qualname__}"
-        if ":" not in target:
-            raise ValueError(f"Model target {target!r} must look like 'package.module:Class'.")
+        """Map ``architecture`` to a class or a lazy "module:Class" path (and optionally its
+        multimodal processor, which then replaces the one attached to the model class)."""
+        target = _as_target(target, "Model")
+        processor = None if processor is None else _as_target(processor, "Processor")
         if not overwrite and architecture in self._entries:
             raise ValueError(
                 f"Architecture {architecture!r} is already registered "
                 f"(by {self._entries[architecture].source})."
             )
-        self._entries[architecture] = ModelEntry(architecture, target, source)
+        declared = None if modalities is None else tuple(modalities)
+        entry = ModelEntry(
+            architecture, target, source or self._default_source, processor, declared
+        )
+        self._entries[architecture] = entry
+
+    def set_user_entries(self, entries: Iterable[ModelEntry]) -> None:
+        """Replace the user-file layer (``load_plugins`` calls this when the file changes)."""
+        self._user_entries = {entry.architecture: entry for entry in entries}
 
     def get_supported_archs(self) -> list[str]:
-        return sorted(self._entries)
+        return sorted(self._entries.keys() | self._user_entries.keys())
+
+    def get_entry(self, architecture: str) -> ModelEntry | None:
+        """The entry a lookup of ``architecture`` uses (the user file's first)."""
+        return self._user_entries.get(architecture) or self._entries.get(architecture)
+
+    def get_code_entry(self, architecture: str) -> ModelEntry | None:
+        """The built-in or entry-point entry, ignoring any user-file override."""
+        return self._entries.get(architecture)
 
     def entries(self) -> list[ModelEntry]:
-        return [self._entries[a] for a in sorted(self._entries)]
+        found = (self.get_entry(a) for a in self.get_supported_archs())
+        return [entry for entry in found if entry is not None]
 
     def is_supported(self, architecture: str) -> bool:
-        return architecture in self._entries
+        return self.get_entry(architecture) is not None
 
     def resolve_model_cls(self, architecture: str) -> type:
         """Import and return the class for ``architecture``, or raise a precise error."""
-        entry = self._entries.get(architecture)
+        entry = self.get_entry(architecture)
         if entry is None:
             supported = ", ".join(self.get_supported_archs()) or "none"
             raise ValueError(
@@ -62,15 +117,34 @@ class _ModelRegistry:
                 f"Supported architectures: {supported}. Register a plugin with "
                 "`omniserve register-model`."
             )
-        module_name, _, class_name = entry.target.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-            return getattr(module, class_name)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(
-                f"Cannot import {entry.target!r} for architecture {architecture!r} "
-                f"(from {entry.source}): {exc}"
-            ) from exc
+        return _import_for(entry, entry.target)
+
+    def resolve_processor_cls(self, architecture: str) -> type | None:
+        """The processor class registered for ``architecture``, or None when the model class
+        carries its own (``MULTIMODAL_REGISTRY.register_processor``) or is text-only."""
+        entry = self.get_entry(architecture)
+        if entry is None or entry.processor is None:
+            return None
+        return _import_for(entry, entry.processor)
+
+
+def _as_target(target: str | type, what: str) -> str:
+    if not isinstance(target, str):
+        target = f"{target.__module__}:{target.__qualname__}"
+    module_name, _, class_name = target.partition(":")
+    if not module_name or not class_name:
+        raise ValueError(f"{what} target {target!r} must look like 'package.module:Class'.")
+    return target
+
+
+def _import_for(entry: ModelEntry, target: str) -> type:
+    try:
+        return import_target(target)
+    except Exception as exc:  # a plugin's module may fail in any way while importing
+        raise ValueError(
+            f"Cannot import {target!r} for architecture {entry.architecture!r} "
+            f"(from {entry.source}): {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 ModelRegistry = _ModelRegistry()

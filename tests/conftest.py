@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault(
     "OMNISERVE_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "omniserve")
 )
+# The user's model registry file must never leak into (or be written by) the suite.
+os.environ["OMNISERVE_CONFIG_DIR"] = tempfile.mkdtemp(prefix="omniserve-test-config-")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,40 +1,15 @@
-"""Reference outputs from Hugging Face transformers on the same checkpoint (greedy, fp32)."""
+"""Reference outputs from Hugging Face transformers on the same checkpoint (greedy, fp32):
+prompt factories and assertions; the runner itself is ``omniserve.plugin_tools.reference``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+# The shared HF runner lives in the package (register-model --check uses it too).
+from omniserve.plugin_tools.reference import ReferenceOutput, hf_greedy
 
-@dataclass
-class ReferenceOutput:
-    token_ids: list[int]
-    logprobs: list[torch.Tensor]  # per generated token: the full log_softmax of the raw logits
-
-
-def hf_greedy(
-    model_dir: str, prompts: list[list[int]], max_new_tokens: int
-) -> list[ReferenceOutput]:
-    """Greedy-decode each prompt alone (no padding) with ``generate``; keep raw-logit logprobs."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    results = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-            generated = out.sequences[0, len(ids) :].tolist()
-            logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
-            results.append(ReferenceOutput(generated, logprobs[: len(generated)]))
-    return results
+__all__ = ["ReferenceOutput", "assert_matches_reference", "hf_greedy", "make_prompts"]
 
 
 def make_prompts(model_dir: str, lengths: list[int], seed: int = 0) -> list[list[int]]:

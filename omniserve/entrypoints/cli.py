@@ -1,4 +1,4 @@
-"""The ``omniserve`` command: serve, generate, make-tiny, models."""
+"""The ``omniserve`` command: serve, generate, make-tiny, and the model registry's commands."""
 
 from __future__ import annotations
 
@@ -23,8 +23,14 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     from omniserve.checkpoint_builder import build_tiny_checkpoint
 
     overrides = json.loads(args.overrides) if args.overrides else None
-    path = build_tiny_checkpoint(args.architecture, args.out, size=args.size, seed=args.seed,
-                                 overrides=overrides)
+    if args.as_architecture is None:
+        path = build_tiny_checkpoint(args.architecture, args.out, size=args.size, seed=args.seed,
+                                     overrides=overrides)
+    else:
+        from omniserve.plugin_tools.checkpoints import tiny_checkpoint_as
+
+        path = tiny_checkpoint_as(args.architecture, args.as_architecture, args.out,
+                                  size=args.size, seed=args.seed, overrides=overrides)
     print(path)
     return 0
 
@@ -55,13 +61,106 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from omniserve.plugins import load_plugins
-    from omniserve.registry import ModelRegistry
+    from omniserve.plugin_tools.commands import format_rows, list_models
 
-    load_plugins()
-    for entry in ModelRegistry.entries():
-        print(f"{entry.architecture:45s} {entry.target:55s} {entry.source}")
+    print(format_rows(list_models()))
     return 0
+
+
+def _cmd_register_model(args: argparse.Namespace) -> int:
+    from omniserve.plugin_tools import commands
+
+    if args.scaffold is not None:
+        return _scaffold(args)
+    for flag, value in (("--out", args.out), ("--from", args.base)):
+        if value is not None:
+            raise ValueError(f"{flag} goes with --scaffold NAME")
+    if args.architecture is None:
+        raise ValueError("register-model needs ARCH (or --scaffold NAME --out DIR)")
+    if args.model is not None:
+        ok = commands.register_model(args.architecture, args.model, processor=args.processor,
+                                     path=args.path, force=args.force, check=args.check)
+        return 0 if ok else 1
+    for flag, value in (("--processor", args.processor), ("--path", args.path),
+                        ("--force", args.force or None)):
+        if value is not None:
+            raise ValueError(f"{flag} goes with --model pkg.mod:Class")
+    if args.check is None:
+        raise ValueError("pass --model pkg.mod:Class to register ARCH, or --check CKPT_DIR to "
+                         "validate a registered ARCH")
+    return 0 if commands.check_registered(args.architecture, args.check) else 1
+
+
+def _scaffold(args: argparse.Namespace) -> int:
+    from omniserve.plugin_tools.scaffold import DEFAULT_BASE_ARCHITECTURE, scaffold_plugin
+
+    for flag, value in (("--model", args.model), ("--processor", args.processor),
+                        ("--path", args.path), ("--check", args.check)):
+        if value is not None:
+            raise ValueError(f"{flag} does not go with --scaffold")
+    if args.out is None:
+        raise ValueError("--scaffold NAME needs --out DIR")
+    result = scaffold_plugin(args.scaffold, args.out,
+                             base_architecture=args.base or DEFAULT_BASE_ARCHITECTURE,
+                             architecture=args.architecture)
+    print(f"Wrote the {result.architecture} plugin to {result.project_dir}:")
+    for file in result.files:
+        print(f"  {file}")
+    print(f"Next: cd {result.project_dir} && pip install -e . && python -m pytest")
+    return 0
+
+
+def _cmd_unregister_model(args: argparse.Namespace) -> int:
+    from omniserve.plugin_tools.commands import unregister_model
+
+    print(unregister_model(args.architecture))
+    return 0
+
+
+def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
+    models = sub.add_parser("models", help="List every registered architecture, its source "
+                                           "(built-in, entry point, user file) and its inputs.")
+    models.set_defaults(func=_cmd_models)
+
+    reg = sub.add_parser(
+        "register-model", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="Record, validate (--check) or scaffold (--scaffold) a model plugin.",
+        description="""\
+  omniserve register-model ARCH --model pkg.mod:Class [--processor pkg.mod:Class] [--path DIR]
+      record ARCH in the user's registry file ($OMNISERVE_CONFIG_DIR/models.json, by default
+      ~/.config/omniserve/models.json) after checking the classes' interface; with
+      --check CKPT_DIR, only if the plugin also passes the check on that checkpoint
+  omniserve register-model ARCH --check CKPT_DIR
+      validate an already registered ARCH on a checkpoint (a pass/fail table; exit 1 on a failure)
+  omniserve register-model [ARCH] --scaffold NAME --out DIR [--from BASE_ARCH]
+      write a plugin package starting from a built-in model, ready to edit""")
+    reg.add_argument("architecture", nargs="?", default=None, metavar="ARCH",
+                     help="The config.json 'architectures' name the plugin serves.")
+    reg.add_argument("--model", default=None, metavar="pkg.mod:Class",
+                     help="The model class (an nn.Module with the engine's hooks).")
+    reg.add_argument("--processor", default=None, metavar="pkg.mod:Class",
+                     help="Its multimodal processor, declaring info_cls and dummy_inputs_cls "
+                          "(default: the one attached to the model class, if any).")
+    reg.add_argument("--path", default=None, metavar="DIR",
+                     help="A directory to put on sys.path (recorded; every process adds it).")
+    reg.add_argument("--force", action="store_true",
+                     help="Replace an existing entry, or override a built-in / entry-point ARCH.")
+    reg.add_argument("--check", default=None, metavar="CKPT_DIR",
+                     help="Validate on this checkpoint (a small one: it loads it three times, "
+                          "float32 on the CPU; its architecture may be the plugin's base).")
+    reg.add_argument("--scaffold", default=None, metavar="NAME",
+                     help="Write a plugin package named NAME (a Python package name).")
+    reg.add_argument("--out", default=None, metavar="DIR",
+                     help="With --scaffold: the new project directory (absent or empty).")
+    reg.add_argument("--from", dest="base", default=None, metavar="BASE_ARCH",
+                     help="With --scaffold: the registered model to start from "
+                          "(default Qwen2VLForConditionalGeneration).")
+    reg.set_defaults(func=_cmd_register_model)
+
+    unreg = sub.add_parser("unregister-model",
+                           help="Remove an architecture from the user's registry file.")
+    unreg.add_argument("architecture", metavar="ARCH")
+    unreg.set_defaults(func=_cmd_unregister_model)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--size", default="tiny", choices=["tiny", "bench"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--overrides", default=None, help="JSON of config fields to override.")
+    tiny.add_argument("--as-architecture", default=None, metavar="NAME",
+                      help="Name NAME in config.json 'architectures' (a plugin's own "
+                           "architecture) instead of the family's; writes a copy.")
     tiny.set_defaults(func=_cmd_make_tiny)
 
     gen = sub.add_parser("generate", formatter_class=fmt, help="Generate offline for prompts.")
@@ -111,8 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    models = sub.add_parser("models", help="List every registered architecture.")
-    models.set_defaults(func=_cmd_models)
+    _add_plugin_commands(sub)
     return parser
 
 

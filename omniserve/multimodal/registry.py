@@ -50,14 +50,33 @@ class MultiModalRegistry:
 
         return wrapper
 
+    @staticmethod
+    def factories_of_model(model_cls: type) -> ProcessorFactories | None:
+        """What ``register_processor`` attached to ``model_cls`` (or a base class), if any."""
+        return getattr(model_cls, _FACTORY_ATTR, None)
+
+    @staticmethod
+    def factories_of_processor(processor_cls: type[BaseMultiModalProcessor]) -> ProcessorFactories:
+        """A processor registered on its own (``omniserve register-model --processor``) names
+        its companions in the class attributes ``info_cls`` and ``dummy_inputs_cls``."""
+        return ProcessorFactories(
+            processor_cls.info_cls,  # type: ignore[attr-defined]
+            processor_cls.dummy_inputs_cls,  # type: ignore[attr-defined]
+            processor_cls,
+        )
+
     def get_factories(self, model_config: ModelConfig) -> ProcessorFactories | None:
-        """The model's processor classes, or None for a text-only architecture."""
+        """The model's processor classes, or None for a text-only architecture. A processor
+        registered with the architecture wins over the one attached to the model class."""
         from omniserve.plugins import load_plugins
         from omniserve.registry import ModelRegistry
 
         load_plugins()
+        processor_cls = ModelRegistry.resolve_processor_cls(model_config.architecture)
+        if processor_cls is not None:
+            return self.factories_of_processor(processor_cls)
         model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
-        return getattr(model_cls, _FACTORY_ATTR, None)
+        return self.factories_of_model(model_cls)
 
     def supports_multimodal(self, model_config: ModelConfig) -> bool:
         return self.get_factories(model_config) is not None
