@@ -8,6 +8,7 @@ Prometheus metrics.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -162,3 +163,24 @@ def _wait_healthy(server: Server) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"server did not start:\n{server.log.read_text()}")
         time.sleep(0.3)
+
+
+def assert_kill_fails_cleanly(server: Server, kill_pid: int, **stream_kwargs: Any) -> None:
+    """Start a stream, SIGKILL ``kill_pid`` (an engine process) mid-stream: the stream errors
+    within 10 s naming the engine, /health turns 503 and a new request gets a 503."""
+    client = server.client()
+    stream = client.completions.create(model=MODEL, prompt="Still talking", stream=True,
+                                       **stream_kwargs)
+    chunks = iter(stream)
+    next(chunks)
+    os.kill(kill_pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(openai.APIError, match="engine"):
+        for _ in chunks:
+            pass
+    assert time.monotonic() - start < 10
+    error = assert_error(httpx.get(server.url + "/health"), 503)
+    assert "engine" in error["message"]
+    with pytest.raises(openai.InternalServerError) as dead:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert dead.value.status_code == 503

@@ -7,31 +7,20 @@ tiny, ``omniserve make-tiny``) checkpoint of the family, which it loads up to th
 
 from __future__ import annotations
 
-import contextlib
 import gc
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from omniserve.plugin_tools.report import CheckReport, ModalityCase
+from omniserve.worker.worker import default_dtype
 
 LOGPROB_ATOL = 1e-3
 """Largest |logprob difference| to transformers that still passes (fp32, CPU)."""
 NUM_LOGPROBS = 5
 _TEXT_PROMPT = "The quick brown fox jumps over the lazy dog while the engine"
 _MM_SUFFIX = " Describe it."
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def build_and_load(report: CheckReport, model_config: Any) -> torch.nn.Module | None:
@@ -45,7 +34,7 @@ def build_and_load(report: CheckReport, model_config: Any) -> torch.nn.Module | 
     try:
         hf_config = AutoConfig.from_pretrained(model_config.model, local_files_only=True)
         model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
-        with torch.device("cpu"), _default_dtype(torch.float32):
+        with torch.device("cpu"), default_dtype(torch.float32):
             model = model_cls(hf_config)
     except Exception as exc:
         report.add(name, False, f"cannot build the model: {type(exc).__name__}: {exc}")

@@ -40,7 +40,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build parameters in ``dtype`` inside the block (the model classes create them plainly)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -63,7 +64,7 @@ class Worker:
         load_plugins()
         self.hf_config = AutoConfig.from_pretrained(model_config.model)
         model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
-        with torch.device(self.device), _default_dtype(self.dtype):
+        with torch.device(self.device), default_dtype(self.dtype):
             model = model_cls(self.hf_config)
         load_model_weights(model, model_config.model)
         model.eval()
