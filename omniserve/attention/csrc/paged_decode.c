@@ -166,7 +166,7 @@ int omniserve_paged_decode_f32(const float *query, int64_t q_row_stride, float *
             if (blocks[b] < 0 || blocks[b] >= num_blocks) return -1;
     }
     int status = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp parallel for schedule(guided) num_threads(num_threads)
     for (int64_t task = 0; task < num_reqs * num_kv_heads; ++task) {
         const int64_t req = task / num_kv_heads, kv_head = task % num_kv_heads;
         const int64_t hi = seq_lens[req];
