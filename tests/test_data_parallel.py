@@ -38,7 +38,7 @@ from tests.server_utils import (
 )
 
 ARCH = "Qwen3ForCausalLM"
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 1024  # long enough that a max-length answer outlives an engine kill
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 CHATS = [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(8)]

@@ -485,6 +485,7 @@ def _monitor_engines(resources: _EngineResources) -> None:
         return
     dead = next((rank for rank, proc in enumerate(procs) if not proc.is_alive()), 0)
     proc = procs[dead]
+    proc.join(timeout=1.0)  # its sentinel fired: reap it so the exit code is known
     rank = f", data-parallel rank {dead}" if len(procs) > 1 else ""
     state.mark_dead(EngineDeadError(
         f"The engine core process (pid {proc.pid}{rank}) died unexpectedly (exit code "

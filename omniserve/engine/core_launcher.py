@@ -52,7 +52,7 @@ def launch_engine(config: OmniConfig, engine_index: int, input_address: str,
     proc = mp_ctx.Process(target=EngineCoreProc.run_engine_core, name=name,
                           args=(config, input_address, output_address, writer, ipc_dir,
                                 engine_index))
-    with _skip_main_reimport(), _environ(env):
+    with skip_main_reimport(), _environ(env):
         proc.start()
     writer.close()
     return proc, reader
@@ -75,7 +75,7 @@ def _environ(overrides: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _skip_main_reimport() -> Iterator[None]:
+def skip_main_reimport() -> Iterator[None]:
     """Keep spawn from re-running the user's script in the engine process.
 
     spawn re-imports a script's ``__main__`` in the child, which re-runs unguarded top-level code

@@ -72,12 +72,12 @@ class MultiprocExecutor(Executor):
 
     def _start_workers(self) -> None:
         # Deferred: the engine package imports the engine core, which imports this package.
-        from omniserve.engine.core_launcher import _skip_main_reimport
+        from omniserve.engine.core_launcher import skip_main_reimport
 
         mp_ctx = multiprocessing.get_context("spawn")  # fork is unsafe with CUDA and threads
         args = (f"file://{self._ipc_dir}/rendezvous", f"ipc://{self._ipc_dir}/calls",
                 f"ipc://{self._ipc_dir}/results")
-        with _skip_main_reimport():
+        with skip_main_reimport():
             for rank in range(self.world_size):
                 proc = mp_ctx.Process(target=run_worker, name=f"OmniWorker-TP{rank}",
                                       args=(self.config, rank, self.world_size, *args),
