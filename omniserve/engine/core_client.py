@@ -503,23 +503,33 @@ class _OutputDecoder:
         return output_type, self._decoders[output_type].decode([f.buffer for f in frames[1:]])
 
 
+def _route_output(decoder: _OutputDecoder, frames: Sequence[zmq.Frame], state: _ClientState,
+                  put: Callable[[EngineCoreOutputs], None]) -> None:
+    """Step outputs go to the outputs queue; utility results resolve their pending call."""
+    output_type, payload = decoder.decode(frames)
+    if output_type is EngineCoreOutputType.OUTPUTS:
+        put(payload)
+    else:
+        state.resolve_call(payload)
+
+
+def _reading_failed(state: _ClientState, exc: Exception) -> None:
+    if not state.closing:
+        logger.exception("Reading engine core outputs failed.")
+        state.mark_dead(EngineDeadError(f"Reading engine core outputs failed: {exc!r}"))
+
+
 def _process_outputs_socket(socket: zmq.Socket, state: _ClientState,
                             outputs_queue: queue.Queue[EngineCoreOutputs | EngineDeadError],
                             stop_event: threading.Event) -> None:
     decoder = _OutputDecoder()
     try:
         while not stop_event.is_set():
-            if not socket.poll(_POLL_MS):
-                continue
-            output_type, payload = decoder.decode(socket.recv_multipart(copy=False))
-            if output_type is EngineCoreOutputType.OUTPUTS:
-                outputs_queue.put(payload)
-            else:
-                state.resolve_call(payload)
+            if socket.poll(_POLL_MS):
+                _route_output(decoder, socket.recv_multipart(copy=False), state,
+                              outputs_queue.put)
     except Exception as exc:
-        if not state.closing:
-            logger.exception("Reading engine core outputs failed.")
-            state.mark_dead(EngineDeadError(f"Reading engine core outputs failed: {exc!r}"))
+        _reading_failed(state, exc)
 
 
 async def _process_outputs_socket_async(
@@ -528,12 +538,7 @@ async def _process_outputs_socket_async(
     decoder = _OutputDecoder()
     try:
         while True:
-            output_type, payload = decoder.decode(await socket.recv_multipart(copy=False))
-            if output_type is EngineCoreOutputType.OUTPUTS:
-                outputs_queue.put_nowait(payload)
-            else:
-                state.resolve_call(payload)
+            _route_output(decoder, await socket.recv_multipart(copy=False), state,
+                          outputs_queue.put_nowait)
     except Exception as exc:
-        if not state.closing:
-            logger.exception("Reading engine core outputs failed.")
-            state.mark_dead(EngineDeadError(f"Reading engine core outputs failed: {exc!r}"))
+        _reading_failed(state, exc)
