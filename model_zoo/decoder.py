@@ -21,7 +21,7 @@ from omniserve.attention import Attention
 from omniserve.layers.activation import get_act_and_mul
 from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from omniserve.layers.rotary_embedding import apply_rotary_emb, get_rope
+from omniserve.layers.rotary_embedding import get_rope, rotate_qk
 from omniserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from omniserve.layers.weight_utils import (
     StackedParams,
@@ -89,9 +89,7 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        q, k = rotate_qk(q, k, cos, sin, self.q_norm, self.k_norm)
         out = self.attn(q.flatten(1), k.flatten(1), v)  # [num_tokens, num_heads * head_dim]
         return self.o_proj(out)
 

@@ -42,12 +42,13 @@ def num_threads() -> int | None:
     return int(value) if value else None
 
 
-def cpu_attention() -> str:
-    """CPU decode attention (``OMNISERVE_CPU_ATTENTION``): "auto" uses the C paged-decode kernel
-    when a compiler can build it, "torch" forces the gather + SDPA path."""
-    value = os.environ.get("OMNISERVE_CPU_ATTENTION", "auto")
+def cpu_kernels() -> str:
+    """omniserve's C kernels on CPU (``OMNISERVE_CPU_KERNELS``): "auto" builds and uses them
+    (paged decode, small-batch linear and MoE) when a compiler is there, "torch" forces the
+    torch paths."""
+    value = os.environ.get("OMNISERVE_CPU_KERNELS", "auto")
     if value not in ("auto", "torch"):
-        raise ValueError(f"OMNISERVE_CPU_ATTENTION must be 'auto' or 'torch', not {value!r}.")
+        raise ValueError(f"OMNISERVE_CPU_KERNELS must be 'auto' or 'torch', not {value!r}.")
     return value
 
 

@@ -163,6 +163,26 @@ def test_block_boundaries(block_size: int) -> None:
     run_and_compare(make_batch(specs, num_heads=4, num_kv_heads=2, block_size=block_size))
 
 
+@pytest.mark.parametrize(
+    ("head_size", "block_size", "num_heads"), [(128, 32, 8), (64, 16, 12), (24, 16, 4)]
+)
+def test_long_histories_wide_heads(head_size: int, block_size: int, num_heads: int) -> None:
+    """Hundreds of keys (many 16-key steps of the online softmax, blocks cut into 16-key parts),
+    model-sized heads, a group of 3 query heads per KV head; a head size the kernel does not
+    take (24) runs the torch path."""
+    specs = [(300, 1), (0, 5), (77, 1), (31, 1), (129, 1)]
+    batch = make_batch(
+        specs,
+        num_heads=num_heads,
+        num_kv_heads=4 if num_heads == 12 else 2,
+        head_size=head_size,
+        block_size=block_size,
+    )
+    if head_size % 16:
+        assert not cpu_kernel.supports(batch.query, batch.kv_cache)
+    run_and_compare(batch)
+
+
 @pytest.mark.parametrize("window", [1, 3, 8])
 def test_sliding_window(window: int) -> None:
     specs = [(10, 1), (0, 9), (6, 5), (2, 1)]

@@ -6,9 +6,10 @@ transformers keeps in memory), and loaded from the per-expert checkpoint keys
 of every expert's intermediate dimension and the outputs are summed across ranks.
 
 ``fused_experts`` is the one dispatch point: CUDA tensors go to the Triton grouped-GEMM kernel
-(``triton_fused_moe``, imported lazily so CPU runs never load triton); everything else runs the
-torch reference, which groups token-expert pairs by expert and runs one matmul pair per expert
-that received tokens, accumulating with ``index_add_``; idle experts cost nothing.
+(``triton_fused_moe``, imported lazily so CPU runs never load triton); decode-sized CPU fp32
+batches go to the C kernel (``cpu_gemm.moe``); everything else runs the torch reference, which
+groups token-expert pairs by expert and runs one matmul pair per expert that received tokens,
+accumulating with ``index_add_``; idle experts cost nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omniserve.layers import cpu_gemm
 from omniserve.layers.tp import divide, get_tp_rank, get_tp_size, tp_all_reduce
 from omniserve.layers.weight_utils import WeightRoute, set_weight_loader
 
@@ -48,12 +50,14 @@ def fused_experts(
     """``sum_k w_k * down_e(silu(gate_e x) * up_e x)`` over each token's selected experts.
 
     x ``[N, H]``; gate_up_proj ``[E, 2I, H]``; down_proj ``[E, H, I]``; topk_* ``[N, top_k]``.
-    Triton kernel on CUDA, torch reference elsewhere.
+    Triton kernel on CUDA, the C kernel for a CPU decode batch, torch reference elsewhere.
     """
     if x.is_cuda:
         from omniserve.layers.triton_fused_moe import triton_fused_experts
 
         return triton_fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+    if cpu_gemm.moe_supported(x, gate_up_proj, down_proj):
+        return cpu_gemm.moe(x, gate_up_proj, down_proj, topk_weights, topk_ids)
     return torch_fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
 
 

@@ -9,9 +9,9 @@ all; their ``weight_loader`` takes a shard id naming which checkpoint matrix is 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from omniserve.layers import cpu_gemm
 from omniserve.layers.tp import divide, get_tp_rank, get_tp_size, tp_all_reduce
 from omniserve.layers.weight_utils import (
     LoadedWeight,
@@ -37,7 +37,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_gemm.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -64,7 +64,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [*, output_size_per_partition]
+        return cpu_gemm.linear(x, self.weight, self.bias)  # [*, output_size_per_partition]
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -170,6 +170,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tp_all_reduce(F.linear(x, self.weight))
+            return cpu_gemm.linear(x, self.weight, self.bias)
+        out = tp_all_reduce(cpu_gemm.linear(x, self.weight))
         return out if self.bias is None else out + self.bias

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omniserve.layers import cpu_gemm
 from omniserve.layers.tp import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from omniserve.layers.weight_utils import LoadedWeight, set_weight_loader
 
@@ -52,7 +53,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """``lm_head``: hidden states -> logits over the full vocabulary (may share the embedding)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden_states, self.weight)  # [num_tokens, vocab_per_partition]
+        logits = cpu_gemm.linear(hidden_states, self.weight)  # [num_tokens, vocab_per_partition]
         if self.tp_size == 1:
             return logits
         return tp_all_gather(logits, dim=-1)[..., : self.num_embeddings]

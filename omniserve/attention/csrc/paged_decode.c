@@ -7,12 +7,17 @@
  * head) task walks its block table and reads every key and value exactly once; the group of query
  * heads sharing a KV head is scored together, so one pass over a key row serves the whole group.
  *
+ * Keys are taken 16 at a time: each query head's 16 partial dot products are reduced together
+ * into one vector of scores (a transposing add tree), so the online softmax's max, exp and sum
+ * run on vectors, and each value row is loaded once for the whole group of query heads.
+ *
  * Layouts (row-major, fp32):
  *   query/out:  rows at query + token_rows[i] * q_row_stride, each [num_heads, head_size]
  *   key/value:  [num_blocks, block_size, num_kv_heads, head_size]
  *   block_table [num_reqs, bt_stride] int32, seq_lens [num_reqs] int32
  * Query head h reads KV head h / (num_heads / num_kv_heads). With window > 0 the query (at
- * position seq_len - 1) sees keys [max(0, seq_len - window), seq_len - 1].
+ * position seq_len - 1) sees keys [max(0, seq_len - window), seq_len - 1]. head_size must be a
+ * multiple of 16 (the caller checks).
  *
  * Built and loaded at run time by omniserve/attention/cpu_kernel.py (gcc -O3 -fopenmp).
  */
@@ -21,131 +26,164 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16 /* one AVX-512 vector of fp32; the compiler maps it to what the CPU has */
-#define GROUP_TILE 4 /* query heads scored together: independent FMA chains per key row */
+typedef float vec __attribute__((vector_size(64))); /* 16 floats; the compiler maps it to the CPU */
+typedef int32_t ivec __attribute__((vector_size(64)));
+#define LANES 16 /* floats per vector, and keys scored together */
+#define MAX_TILE 4 /* query heads of a group processed together */
 
-/* scores[g * stride] = q[g] . k for GROUP_TILE query rows (padded with zeros) and one key row.
- * head_size is a multiple of LANES here. */
-static void score_tile(const float *q, const float *k, int64_t head_size, float *scores,
-                       int64_t stride) {
-    float acc[GROUP_TILE][LANES] = {{0}};
-    for (int64_t d = 0; d < head_size; d += LANES) {
-#pragma omp simd
-        for (int j = 0; j < LANES; ++j) {
-            const float kj = k[d + j];
-            for (int g = 0; g < GROUP_TILE; ++g) acc[g][j] += q[g * head_size + d + j] * kj;
-        }
-    }
-    for (int g = 0; g < GROUP_TILE; ++g) {
-        float total = 0.0f;
-        for (int j = 0; j < LANES; ++j) total += acc[g][j];
-        scores[g * stride] = total;
-    }
+static inline vec load(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-static float dot(const float *a, const float *b, int64_t n) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
-    return acc;
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+static inline vec splat(float x) { return (vec){0} + x; }
+
+static inline vec max_with(vec x, float floor) {
+    const ivec below = x < floor; /* all ones where x < floor */
+    return (vec)(((ivec)x & ~below) | ((ivec)splat(floor) & below));
 }
 
-static void axpy(float *y, float alpha, const float *x, int64_t n) {
-#pragma omp simd
-    for (int64_t d = 0; d < n; ++d) y[d] += alpha * x[d];
+static inline float lane_sum(vec v) {
+    typedef float half __attribute__((vector_size(32)));
+    typedef float quarter __attribute__((vector_size(16)));
+    const half a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const quarter b = __builtin_shufflevector(a, a, 0, 1, 2, 3) +
+                      __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-static void scale_rows(float *y, float alpha, int64_t n) {
-#pragma omp simd
-    for (int64_t d = 0; d < n; ++d) y[d] *= alpha;
+static inline float lane_max(vec v) {
+    float m = v[0];
+    for (int i = 1; i < LANES; ++i) m = v[i] > m ? v[i] : m;
+    return m;
 }
 
-/* Scratch of one task, in floats: the group's scaled query rows and output accumulators
- * (padded_group * head_size each), one block's scores (padded_group * block_size), and each
- * query head's running max and softmax denominator. */
+/* r[t] = sum of the lanes of v[t], t < 16: four levels of pairwise shuffles and adds, each
+ * halving the partial sums per vector while doubling the vectors per register. */
+static inline vec reduce_rows(const vec v[LANES]) {
+    vec a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)
+        a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                       19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                       25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; ++i)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                       22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                       22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                   28, 30) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                   29, 31);
+}
+
+/* exp(x) for x <= 0 (scores minus their running max), to about 2 ulp: x = n ln2 + r with
+ * |r| <= ln2 / 2, a degree-6 polynomial for exp(r) (Cephes' expf), 2^n built in the exponent
+ * bits. Below -87 the result is the smallest normal float's order, which is 0 for a softmax. */
+static inline vec exp_nonpositive(vec x) {
+    x = max_with(x, -87.0f);
+    const vec shifter = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    const vec n = (x * 1.44269504088896341f + shifter) - shifter;
+    const vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    vec p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+    return p * (vec)bits;
+}
+
+/* Running state of `tile` query heads: scaled query rows, output accumulators, max, sum. */
 typedef struct {
-    float *q, *acc, *scores, *max_score, *denominator;
-} Scratch;
+    float *q, *acc, *max_score, *denominator;
+} Heads;
 
-/* Scores of the keys [t0, t1) of one cache block (keys = its row of position ``first``) for
- * every query head of the group. */
-static void score_block(const Scratch *w, const float *keys, int64_t first, int64_t t0, int64_t t1,
-                        int64_t padded_group, int64_t head_size, int64_t slot_stride,
-                        int64_t block_size) {
-    const int tiled = head_size % LANES == 0;
-    for (int64_t t = t0; t < t1; ++t) {
-        const float *k = keys + (t - first) * slot_stride;
-        for (int64_t g = 0; g < padded_group; g += tiled ? GROUP_TILE : 1) {
-            float *out = w->scores + g * block_size + (t - t0);
-            if (tiled)
-                score_tile(w->q + g * head_size, k, head_size, out, block_size);
-            else
-                *out = dot(w->q + g * head_size, k, head_size);
-        }
-    }
-}
-
-/* A block's rows of one head are scattered (head_size floats every slot_stride), which the
- * hardware prefetcher does not follow across blocks: request them while this block computes. */
-static void prefetch_block(const float *key_cache, const float *value_cache, int64_t slot,
-                           int64_t block_size, int64_t head_size, int64_t slot_stride,
-                           int64_t kv_offset) {
-    for (int64_t r = 0; r < block_size; ++r) {
-        const char *k = (const char *)(key_cache + (slot + r) * slot_stride + kv_offset);
-        const char *v = (const char *)(value_cache + (slot + r) * slot_stride + kv_offset);
-        for (int64_t byte = 0; byte < head_size * (int64_t)sizeof(float); byte += 64) {
-            __builtin_prefetch(k + byte);
-            __builtin_prefetch(v + byte);
-        }
-    }
-}
-
-/* One (request, KV head), one cache block at a time (online softmax, as in flash decoding):
- * each block's keys are scored for the whole group, the running max rescales what came before,
- * then the block's values are accumulated. Keys and values are read once, block by block. */
-static void attend_one(const Scratch *w, float *out, const float *key_cache,
-                       const float *value_cache, const int32_t *blocks, int64_t lo, int64_t hi,
-                       int64_t group, int64_t padded_group, int64_t head_size, int64_t kv_offset,
-                       int64_t slot_stride, int64_t block_size) {
-    for (int64_t g = 0; g < group; ++g) {
-        w->max_score[g] = -INFINITY;
-        w->denominator[g] = 0.0f;
-    }
-    memset(w->acc, 0, sizeof(float) * padded_group * head_size);
-    for (int64_t b = lo / block_size; b * block_size < hi; ++b) {
-        const int64_t t0 = b * block_size > lo ? b * block_size : lo;
-        const int64_t t1 = (b + 1) * block_size < hi ? (b + 1) * block_size : hi;
-        const int64_t first = b * block_size, slot = blocks[b] * block_size;
-        const float *keys = key_cache + slot * slot_stride + kv_offset;
-        const float *values = value_cache + slot * slot_stride + kv_offset;
-        if ((b + 1) * block_size < hi) /* the next block is elsewhere in the cache: fetch ahead */
-            prefetch_block(key_cache, value_cache, blocks[b + 1] * block_size, block_size,
-                           head_size, slot_stride, kv_offset);
-        score_block(w, keys, first, t0, t1, padded_group, head_size, slot_stride, block_size);
-        for (int64_t g = 0; g < group; ++g) {
-            float *s = w->scores + g * block_size, block_max = w->max_score[g];
-            for (int64_t i = 0; i < t1 - t0; ++i) block_max = s[i] > block_max ? s[i] : block_max;
-            const float rescale = expf(w->max_score[g] - block_max);
-            float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-            for (int64_t i = 0; i < t1 - t0; ++i) {
-                s[i] = expf(s[i] - block_max);
-                total += s[i];
+/* Keys [0, n) (n <= 16) at rows of keys/values slot_stride apart, for `tile` query heads: score,
+ * fold into the online softmax (rescaling what came before), accumulate the values.
+ *
+ * A block's rows of one head are scattered (head_size floats every slot_stride) and the next
+ * block is elsewhere in the cache, which the hardware prefetcher does not follow: while scoring
+ * key t, the rows of key t of the next block (`ahead`, or NULL) are requested, a few lines at a
+ * time so the requests never fill the miss queues. */
+static inline __attribute__((always_inline)) void
+attend_keys(const Heads *h, const float *keys, const float *values, const float *ahead_keys,
+            const float *ahead_values, int64_t n, int64_t head_size, int64_t slot_stride,
+            const int tile) {
+    vec partial[MAX_TILE][LANES], probs[MAX_TILE];
+    float rescale[MAX_TILE];
+    for (int g = 0; g < tile; ++g)
+        for (int t = 0; t < LANES; ++t) partial[g][t] = (vec){0};
+    for (int64_t t = 0; t < n; ++t) {
+        const float *k = keys + t * slot_stride;
+        if (ahead_keys != NULL)
+            for (int64_t d = 0; d < head_size; d += LANES) {
+                __builtin_prefetch(ahead_keys + t * slot_stride + d);
+                __builtin_prefetch(ahead_values + t * slot_stride + d);
             }
-            w->denominator[g] = w->denominator[g] * rescale + total;
-            w->max_score[g] = block_max;
-            if (rescale != 1.0f) scale_rows(w->acc + g * head_size, rescale, head_size);
-        }
-        for (int64_t t = t0; t < t1; ++t) {
-            const float *v = values + (t - first) * slot_stride;
-            for (int64_t g = 0; g < group; ++g)
-                axpy(w->acc + g * head_size, w->scores[g * block_size + (t - t0)], v, head_size);
+        for (int64_t d = 0; d < head_size; d += LANES) {
+            const vec kv = load(k + d);
+            for (int g = 0; g < tile; ++g) partial[g][t] += load(h->q + g * head_size + d) * kv;
         }
     }
-    for (int64_t g = 0; g < group; ++g) {
-        const float *acc = w->acc + g * head_size;
-        const float inv = 1.0f / w->denominator[g];
-        for (int64_t d = 0; d < head_size; ++d) out[g * head_size + d] = acc[d] * inv;
+    for (int g = 0; g < tile; ++g) {
+        vec scores = reduce_rows(partial[g]);
+        for (int64_t t = n; t < LANES; ++t) scores[t] = -INFINITY;
+        const float block_max = lane_max(scores);
+        const float new_max = block_max > h->max_score[g] ? block_max : h->max_score[g];
+        vec p = exp_nonpositive(scores - new_max);
+        for (int64_t t = n; t < LANES; ++t) p[t] = 0.0f;
+        rescale[g] = expf(h->max_score[g] - new_max);
+        h->denominator[g] = h->denominator[g] * rescale[g] + lane_sum(p);
+        h->max_score[g] = new_max;
+        probs[g] = p;
+    }
+    for (int64_t d = 0; d < head_size; d += LANES) {
+        vec acc[MAX_TILE];
+        for (int g = 0; g < tile; ++g) acc[g] = load(h->acc + g * head_size + d) * rescale[g];
+        for (int64_t t = 0; t < n; ++t) {
+            const vec v = load(values + t * slot_stride + d);
+            for (int g = 0; g < tile; ++g) acc[g] += probs[g][t] * v;
+        }
+        for (int g = 0; g < tile; ++g) store(h->acc + g * head_size + d, acc[g]);
+    }
+}
+
+/* Keys [lo, hi) of one request for `tile` query heads of one KV head, block by block. */
+static inline __attribute__((always_inline)) void
+attend_range(const Heads *h, const float *key_cache, const float *value_cache,
+             const int32_t *blocks, int64_t lo, int64_t hi, int64_t head_size, int64_t kv_offset,
+             int64_t slot_stride, int64_t block_size, const int tile) {
+    for (int64_t b = lo / block_size; b * block_size < hi; ++b) {
+        const int64_t first = b * block_size;
+        const int64_t t0 = first > lo ? first : lo;
+        const int64_t t1 = first + block_size < hi ? first + block_size : hi;
+        const float *keys = key_cache + (int64_t)blocks[b] * block_size * slot_stride + kv_offset;
+        const float *values =
+            value_cache + (int64_t)blocks[b] * block_size * slot_stride + kv_offset;
+        const float *ahead_keys = NULL, *ahead_values = NULL;
+        if (first + block_size < hi) {
+            const int64_t next = (int64_t)blocks[b + 1] * block_size * slot_stride + kv_offset;
+            ahead_keys = key_cache + next;
+            ahead_values = value_cache + next;
+        }
+        for (int64_t t = t0; t < t1; t += LANES) {
+            const int64_t n = t1 - t < LANES ? t1 - t : LANES, row = (t - first) * slot_stride;
+            attend_keys(h, keys + row, values + row, ahead_keys ? ahead_keys + row : NULL,
+                        ahead_values ? ahead_values + row : NULL, n, head_size, slot_stride, tile);
+        }
     }
 }
 
@@ -159,39 +197,58 @@ int omniserve_paged_decode_f32(const float *query, int64_t q_row_stride, float *
                                int64_t num_blocks, float scale, int64_t window,
                                int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t padded_group = (group + GROUP_TILE - 1) / GROUP_TILE * GROUP_TILE;
+    const int tile = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
+    const int64_t slot_stride = num_kv_heads * head_size;
     for (int64_t req = 0; req < num_reqs; ++req) { /* validate before any thread reads */
         const int32_t *blocks = block_table + req * bt_stride;
         for (int64_t b = 0; b * block_size < seq_lens[req]; ++b)
             if (blocks[b] < 0 || blocks[b] >= num_blocks) return -1;
     }
     int status = 0;
-#pragma omp parallel for schedule(guided) num_threads(num_threads)
-    for (int64_t task = 0; task < num_reqs * num_kv_heads; ++task) {
-        const int64_t req = task / num_kv_heads, kv_head = task % num_kv_heads;
-        const int64_t hi = seq_lens[req];
-        const int64_t lo = (window > 0 && hi > window) ? hi - window : 0;
-        const int64_t rows = padded_group * (2 * head_size + block_size + 2);
-        float *scratch = malloc(sizeof(float) * (size_t)rows);
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = malloc(sizeof(float) * (size_t)(tile * (2 * head_size + 2)));
         if (scratch == NULL) {
 #pragma omp atomic write
             status = -2;
-            continue;
         }
-        const Scratch w = {
+        const Heads h = {
             .q = scratch,
-            .acc = scratch + padded_group * head_size,
-            .scores = scratch + 2 * padded_group * head_size,
-            .max_score = scratch + padded_group * (2 * head_size + block_size),
-            .denominator = scratch + padded_group * (2 * head_size + block_size + 1),
+            .acc = scratch + tile * head_size,
+            .max_score = scratch + 2 * tile * head_size,
+            .denominator = scratch + 2 * tile * head_size + tile,
         };
-        const int64_t head0 = kv_head * group * head_size;
-        const float *q_src = query + token_rows[req] * q_row_stride + head0;
-        for (int64_t i = 0; i < padded_group * head_size; ++i)
-            w.q[i] = i < group * head_size ? q_src[i] * scale : 0.0f;
-        attend_one(&w, out + token_rows[req] * out_row_stride + head0, key_cache, value_cache,
-                   block_table + req * bt_stride, lo, hi, group, padded_group, head_size,
-                   kv_head * head_size, num_kv_heads * head_size, block_size);
+#pragma omp for schedule(guided)
+        for (int64_t task = 0; task < num_reqs * (group / tile) * num_kv_heads; ++task) {
+            if (scratch == NULL) continue;
+            const int64_t req = task / (num_heads / tile), head0 = task % (num_heads / tile) * tile;
+            const int64_t hi = seq_lens[req];
+            const int64_t lo = (window > 0 && hi > window) ? hi - window : 0;
+            const float *q_src = query + token_rows[req] * q_row_stride + head0 * head_size;
+            for (int64_t i = 0; i < tile * head_size; ++i) h.q[i] = q_src[i] * scale;
+            memset(h.acc, 0, sizeof(float) * (size_t)(tile * head_size));
+            for (int g = 0; g < tile; ++g) {
+                h.max_score[g] = -INFINITY;
+                h.denominator[g] = 0.0f;
+            }
+            const int32_t *blocks = block_table + req * bt_stride;
+            const int64_t kv_offset = head0 / group * head_size;
+            if (tile == 4)
+                attend_range(&h, key_cache, value_cache, blocks, lo, hi, head_size, kv_offset,
+                             slot_stride, block_size, 4);
+            else if (tile == 2)
+                attend_range(&h, key_cache, value_cache, blocks, lo, hi, head_size, kv_offset,
+                             slot_stride, block_size, 2);
+            else
+                attend_range(&h, key_cache, value_cache, blocks, lo, hi, head_size, kv_offset,
+                             slot_stride, block_size, 1);
+            float *dst = out + token_rows[req] * out_row_stride + head0 * head_size;
+            for (int g = 0; g < tile; ++g) {
+                const float inv = 1.0f / h.denominator[g];
+                for (int64_t d = 0; d < head_size; ++d)
+                    dst[g * head_size + d] = h.acc[g * head_size + d] * inv;
+            }
+        }
         free(scratch);
     }
     return status;

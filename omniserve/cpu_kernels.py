@@ -1,0 +1,79 @@
+"""Build and load omniserve's small C kernels for CPUs (``*/csrc/*.c``).
+
+Each kernel source is compiled once per machine with the system C compiler into omniserve's cache
+dir (keyed by the source, the flags and the CPU, since it is built with ``-march=native``) and
+loaded with ctypes: no torch headers, so a build takes about a second. The libraries link the same
+``libgomp`` torch already loaded, so they share one OpenMP thread pool. Without a compiler, or
+with ``OMNISERVE_CPU_KERNELS=torch``, every caller stays on its torch path (logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from omniserve import envs
+
+logger = logging.getLogger(__name__)
+
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU model and its feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted) or platform.machine()
+
+
+def _build(source_path: Path, compiler: str) -> Path:
+    source = source_path.read_bytes()
+    key = hashlib.sha256(
+        source + " ".join(_FLAGS).encode() + _cpu_signature().encode() + compiler.encode()
+    ).hexdigest()[:16]
+    target = envs.cache_dir() / "kernels" / f"{source_path.stem}-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *_FLAGS, str(source_path), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def load_library(source_path: Path) -> ctypes.CDLL | None:
+    """The compiled library of one C source, or None (torch paths) when it cannot be built."""
+    if envs.cpu_kernels() == "torch":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if compiler is None:
+        logger.warning("No C compiler found: %s is not built; torch paths run.", source_path.name)
+        return None
+    try:
+        return ctypes.CDLL(str(_build(source_path, compiler)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("Building %s failed (%s); torch paths run.", source_path.name, detail)
+        return None
