@@ -42,6 +42,15 @@ def num_threads() -> int | None:
     return int(value) if value else None
 
 
+def cpu_malloc_tuning() -> bool:
+    """Whether CPU workers keep freed activation memory in the heap (``OMNISERVE_CPU_MALLOC_TUNING``,
+    default on; see ``worker/host_allocator.py``)."""
+    value = os.environ.get("OMNISERVE_CPU_MALLOC_TUNING", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"OMNISERVE_CPU_MALLOC_TUNING must be '0' or '1', not {value!r}.")
+    return value == "1"
+
+
 def cpu_kernels() -> str:
     """omniserve's C kernels on CPU (``OMNISERVE_CPU_KERNELS``): "auto" builds and uses them
     (paged decode, small-batch linear and MoE) when a compiler is there, "torch" forces the

@@ -15,6 +15,7 @@ from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from omniserve.layers.tp import get_tp_size
 from omniserve.plugins import load_plugins
 from omniserve.registry import ModelRegistry
+from omniserve.worker.host_allocator import keep_freed_memory
 from omniserve.worker.model_loader import load_model_weights
 from omniserve.worker.model_runner import ModelRunner
 
@@ -57,9 +58,11 @@ class Worker:
         model_config = config.model_config
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
-        if self.device.type == "cpu" and envs.num_threads():
-            # The tensor-parallel ranks of one engine share its threads.
-            torch.set_num_threads(max(1, envs.num_threads() // get_tp_size()))
+        if self.device.type == "cpu":
+            keep_freed_memory()
+            if envs.num_threads():
+                # The tensor-parallel ranks of one engine share its threads.
+                torch.set_num_threads(max(1, envs.num_threads() // get_tp_size()))
         torch.manual_seed(model_config.seed)
         load_plugins()
         self.hf_config = AutoConfig.from_pretrained(model_config.model)
