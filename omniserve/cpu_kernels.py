@@ -1,4 +1,4 @@
-"""Build and load omniserve's small C kernels for CPUs (``*/csrc/*.c``).
+"""Build and load omniserve's small C kernels for CPUs (``*/csrc/*.c``, headers in ``csrc/``).
 
 Each kernel source is compiled once per machine with the system C compiler into omniserve's cache
 dir (keyed by the source, the flags and the CPU, since it is built with ``-march=native``) and
@@ -24,6 +24,8 @@ from omniserve import envs
 
 logger = logging.getLogger(__name__)
 
+_HEADERS = Path(__file__).with_name("csrc")
+"""Headers the kernel sources share (``#include "../../csrc/..."``): part of every build's key."""
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 
@@ -39,6 +41,7 @@ def _cpu_signature() -> str:
 
 def _build(source_path: Path, compiler: str) -> Path:
     source = source_path.read_bytes()
+    source += b"".join(header.read_bytes() for header in sorted(_HEADERS.glob("*.h")))
     key = hashlib.sha256(
         source + " ".join(_FLAGS).encode() + _cpu_signature().encode() + compiler.encode()
     ).hexdigest()[:16]

@@ -43,8 +43,8 @@ def num_threads() -> int | None:
 
 
 def cpu_malloc_tuning() -> bool:
-    """Whether CPU workers keep freed activation memory in the heap (``OMNISERVE_CPU_MALLOC_TUNING``,
-    default on; see ``worker/host_allocator.py``)."""
+    """Whether CPU workers keep freed activation memory in the heap
+    (``OMNISERVE_CPU_MALLOC_TUNING``, default on; see ``worker/host_allocator.py``)."""
     value = os.environ.get("OMNISERVE_CPU_MALLOC_TUNING", "1")
     if value not in ("0", "1"):
         raise ValueError(f"OMNISERVE_CPU_MALLOC_TUNING must be '0' or '1', not {value!r}.")

@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from omniserve.layers import fused_moe, linear, vocab_embedding
+from omniserve.layers import fused_moe, linear, rotary_embedding, vocab_embedding
 from omniserve.layers.activation import SiluAndMul, get_act_and_mul
 from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.layernorm import RMSNorm
@@ -27,7 +27,6 @@ from omniserve.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from omniserve.layers import rotary_embedding
 from omniserve.layers.rotary_embedding import apply_rotary_emb, get_rope, rotate_qk
 from omniserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from omniserve.layers.weight_utils import load_weights_by_route, route_stacked

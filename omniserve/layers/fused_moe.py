@@ -6,10 +6,10 @@ transformers keeps in memory), and loaded from the per-expert checkpoint keys
 of every expert's intermediate dimension and the outputs are summed across ranks.
 
 ``fused_experts`` is the one dispatch point: CUDA tensors go to the Triton grouped-GEMM kernel
-(``triton_fused_moe``, imported lazily so CPU runs never load triton); decode-sized CPU fp32
-batches go to the C kernel (``cpu_gemm.moe``); everything else runs the torch reference, which
-groups token-expert pairs by expert and runs one matmul pair per expert that received tokens,
-accumulating with ``index_add_``; idle experts cost nothing.
+(``triton_fused_moe``, imported lazily so CPU runs never load triton); CPU fp32 layers whose
+experts were packed go to the C kernel (``cpu_gemm.moe``); everything else runs the torch
+reference, which groups token-expert pairs by expert and runs one matmul pair per expert that
+received tokens, accumulating with ``index_add_``; idle experts cost nothing.
 """
 
 from __future__ import annotations
@@ -46,18 +46,20 @@ def fused_experts(
     down_proj: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    panels: cpu_gemm.ExpertPanels | None = None,
 ) -> torch.Tensor:
     """``sum_k w_k * down_e(silu(gate_e x) * up_e x)`` over each token's selected experts.
 
     x ``[N, H]``; gate_up_proj ``[E, 2I, H]``; down_proj ``[E, H, I]``; topk_* ``[N, top_k]``.
-    Triton kernel on CUDA, the C kernel for a CPU decode batch, torch reference elsewhere.
+    Triton kernel on CUDA, the C kernel on CPU (given the experts' ``panels``), torch
+    reference elsewhere.
     """
     if x.is_cuda:
         from omniserve.layers.triton_fused_moe import triton_fused_experts
 
         return triton_fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
-    if cpu_gemm.moe_supported(x, gate_up_proj, down_proj):
-        return cpu_gemm.moe(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+    if cpu_gemm.moe_supported(x, panels):
+        return cpu_gemm.moe(x, panels, topk_weights, topk_ids)
     return torch_fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
 
 
@@ -112,6 +114,13 @@ class FusedMoE(nn.Module):
         )
         set_weight_loader(self.down_proj, self.weight_loader, {(e, "down_proj") for e in experts})
 
+    panels: cpu_gemm.ExpertPanels | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Make the CPU MoE kernel's panel copy of the loaded expert weights; True when made."""
+        self.panels = cpu_gemm.pack_experts(self.gate_up_proj, self.down_proj)
+        return self.panels is not None
+
     @classmethod
     def route_expert_weight(cls, name: str) -> WeightRoute | None:
         """``...experts.3.up_proj.weight`` -> ``(...experts.gate_up_proj, (3, "up_proj"))``."""
@@ -147,5 +156,7 @@ class FusedMoE(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        out = fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        out = fused_experts(
+            x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.panels
+        )
         return tp_all_reduce(out) if self.tp_size > 1 else out

@@ -28,7 +28,7 @@ def _check_shape(param: torch.Tensor, expected: tuple[int, ...], loaded: LoadedW
         )
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(cpu_gemm.PackedLinear):
     """A full copy on every rank (small matrices such as an MoE router)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
@@ -37,10 +37,10 @@ class ReplicatedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.bias)
+        return self.linear(x, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(cpu_gemm.PackedLinear):
     """``y = x W^T + b`` with W's rows (output features) split evenly across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
@@ -64,7 +64,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.bias)  # [*, output_size_per_partition]
+        return self.linear(x, self.bias)  # [*, output_size_per_partition]
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -145,7 +145,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, source_index * size, size))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(cpu_gemm.PackedLinear):
     """``y = x W^T + b`` with W's columns (input features) split; partial sums are all-reduced.
 
     The input arrives already split (the output of a column-parallel layer), so no scatter is
@@ -170,6 +170,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return cpu_gemm.linear(x, self.weight, self.bias)
-        out = tp_all_reduce(cpu_gemm.linear(x, self.weight))
+            return self.linear(x, self.bias)
+        out = tp_all_reduce(self.linear(x, None))
         return out if self.bias is None else out + self.bias

@@ -49,11 +49,11 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(embeds)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, cpu_gemm.PackedLinear):
     """``lm_head``: hidden states -> logits over the full vocabulary (may share the embedding)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = cpu_gemm.linear(hidden_states, self.weight)  # [num_tokens, vocab_per_partition]
+        logits = self.linear(hidden_states, None)  # [num_tokens, vocab_per_partition]
         if self.tp_size == 1:
             return logits
         return tp_all_gather(logits, dim=-1)[..., : self.num_embeddings]

@@ -12,6 +12,7 @@ from transformers import AutoConfig
 from omniserve import envs
 from omniserve.config import OmniConfig
 from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from omniserve.layers.cpu_gemm import pack_weights_for_cpu
 from omniserve.layers.tp import get_tp_size
 from omniserve.plugins import load_plugins
 from omniserve.registry import ModelRegistry
@@ -71,6 +72,7 @@ class Worker:
             model = model_cls(self.hf_config)
         load_model_weights(model, model_config.model)
         model.eval()
+        pack_weights_for_cpu(model)
         vocab_size = self.hf_config.get_text_config().vocab_size
         self.model_runner = ModelRunner(
             model, config.scheduler_config, config.cache_config, vocab_size, self.device

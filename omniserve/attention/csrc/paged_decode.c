@@ -19,42 +19,16 @@
  * position seq_len - 1) sees keys [max(0, seq_len - window), seq_len - 1]. head_size must be a
  * multiple of 16 (the caller checks).
  *
- * Built and loaded at run time by omniserve/attention/cpu_kernel.py (gcc -O3 -fopenmp).
+ * Built and loaded at run time by omniserve/cpu_kernels.py (gcc -O3 -march=native -fopenmp).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef float vec __attribute__((vector_size(64))); /* 16 floats; the compiler maps it to the CPU */
-typedef int32_t ivec __attribute__((vector_size(64)));
-#define LANES 16 /* floats per vector, and keys scored together */
-#define MAX_TILE 4 /* query heads of a group processed together */
+#include "../../csrc/vec_f32.h"
 
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
-
-static inline vec splat(float x) { return (vec){0} + x; }
-
-static inline vec max_with(vec x, float floor) {
-    const ivec below = x < floor; /* all ones where x < floor */
-    return (vec)(((ivec)x & ~below) | ((ivec)splat(floor) & below));
-}
-
-static inline float lane_sum(vec v) {
-    typedef float half __attribute__((vector_size(32)));
-    typedef float quarter __attribute__((vector_size(16)));
-    const half a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const quarter b = __builtin_shufflevector(a, a, 0, 1, 2, 3) +
-                      __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
+#define MAX_TILE 4 /* query heads of a group processed together; 16 keys are scored together */
 
 static inline float lane_max(vec v) {
     float m = v[0];
@@ -85,25 +59,6 @@ static inline vec reduce_rows(const vec v[LANES]) {
                                    28, 30) +
            __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
                                    29, 31);
-}
-
-/* exp(x) for x <= 0 (scores minus their running max), to about 2 ulp: x = n ln2 + r with
- * |r| <= ln2 / 2, a degree-6 polynomial for exp(r) (Cephes' expf), 2^n built in the exponent
- * bits. Below -87 the result is the smallest normal float's order, which is 0 for a softmax. */
-static inline vec exp_nonpositive(vec x) {
-    x = max_with(x, -87.0f);
-    const vec shifter = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    const vec n = (x * 1.44269504088896341f + shifter) - shifter;
-    const vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    vec p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
-    return p * (vec)bits;
 }
 
 /* Running state of `tile` query heads: scaled query rows, output accumulators, max, sum. */
@@ -143,7 +98,7 @@ attend_keys(const Heads *h, const float *keys, const float *values, const float 
         for (int64_t t = n; t < LANES; ++t) scores[t] = -INFINITY;
         const float block_max = lane_max(scores);
         const float new_max = block_max > h->max_score[g] ? block_max : h->max_score[g];
-        vec p = exp_nonpositive(scores - new_max);
+        vec p = vexp(scores - new_max);
         for (int64_t t = n; t < LANES; ++t) p[t] = 0.0f;
         rescale[g] = expf(h->max_score[g] - new_max);
         h->denominator[g] = h->denominator[g] * rescale[g] + lane_sum(p);

@@ -1,16 +1,16 @@
 /*
- * Small-batch fp32 matmuls for CPUs: a linear layer and a whole MoE expert block for a few rows.
+ * A MoE layer's whole expert block for CPUs (fp32), in one call, on panel-packed weights.
  *
- * Decoding multiplies a handful of rows by every weight of the model once per step, so its
- * matmuls are bound by reading the weights. BLAS libraries tune for large M and read small-M
- * weights at a fraction of the memory bandwidth; these kernels stream each weight row once and
- * multiply it by all M input rows while it is in registers (M x NR accumulators).
+ * The torch reference runs about six ops per expert and MKL's small-M matmuls; here routing's
+ * sort, the gathers, both matmuls, the activation and the weighted sum run in one parallel
+ * region, on weights packed once into column panels: a weight [N, K] becomes [N / 16][K][16],
+ * so a register tile of up to 6 rows x 64 columns is accumulated from one broadcast input float
+ * and four contiguous 16-float weight rows per k, with no horizontal sums (the layout of BLAS
+ * micro-kernels). The activation runs on the gate and up tiles while they are in registers.
  *
- * Each output is a dot product summed lane-wise over K in 16-float vectors, the lanes then added
- * pairwise: the result of a row does not depend on M or on the other rows (batch-invariant).
- *
- * Layouts (row-major fp32): x [M, K] (row stride ldx), w [N, K], y [M, N] (row stride ldy).
- * MoE: x [T, H], gate_up [E, 2I, H] (gate rows then up rows), down [E, H, I], top-k [T, k].
+ * Layouts (row-major fp32): x [T, H]; gate_up panels [E][2I / 16][H][16] (gate columns, then
+ * up columns); down panels [E][H / 16][I][16]; top-k weights and ids [T, k]; out [T, H].
+ * I must be a multiple of 32 and H of 64 (the caller checks).
  *
  * Built and loaded at run time by omniserve/cpu_kernels.py (gcc -O3 -march=native -fopenmp).
  */
@@ -19,72 +19,44 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float vec __attribute__((vector_size(64))); /* 16 floats; the compiler maps it to the CPU */
-#define LANES 16
-#define MR 4      /* input rows per register tile */
-#define NR 4      /* weight rows per register tile */
-#define CHUNK 32  /* output columns per parallel work item */
+#include "../../csrc/vec_f32.h"
 
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
+#define MR 6 /* rows per register tile */
+#define NB 4 /* 16-column panels per register tile */
 
-static inline float lane_sum(vec v) {
-    typedef float half __attribute__((vector_size(32)));
-    typedef float quarter __attribute__((vector_size(16)));
-    const half a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const quarter b = __builtin_shufflevector(a, a, 0, 1, 2, 3) +
-                      __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-/* y[m, n - n0] = x[m, :] . w[n, :] for m < M and n in [n0, n1); w rows are ldw apart. */
-static void gemm_rows(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t K,
-                      float *y, int64_t ldy, int64_t M, int64_t n0, int64_t n1) {
-    const int64_t kv = K / LANES * LANES;
-    for (int64_t n = n0; n < n1; n += NR) {
-        const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-        const float *wr[NR];
-        for (int j = 0; j < NR; ++j) wr[j] = w + (n + (j < nr ? j : 0)) * ldw;
-        for (int64_t m = 0; m < M; m += MR) {
-            const int mr = M - m < MR ? (int)(M - m) : MR;
-            const float *xr[MR];
-            for (int i = 0; i < MR; ++i) xr[i] = x + (m + (i < mr ? i : 0)) * ldx;
-            vec acc[MR][NR];
-            for (int i = 0; i < MR; ++i)
-                for (int j = 0; j < NR; ++j) acc[i][j] = (vec){0};
-            for (int64_t k = 0; k < kv; k += LANES) {
-                vec wv[NR], xv[MR];
-                for (int j = 0; j < NR; ++j) wv[j] = load(wr[j] + k);
-                for (int i = 0; i < MR; ++i) xv[i] = load(xr[i] + k);
-                for (int i = 0; i < MR; ++i)
-                    for (int j = 0; j < NR; ++j) acc[i][j] += xv[i] * wv[j];
-            }
-            for (int i = 0; i < mr; ++i)
-                for (int j = 0; j < nr; ++j) {
-                    float total = lane_sum(acc[i][j]);
-                    for (int64_t k = kv; k < K; ++k) total += xr[i][k] * wr[j][k];
-                    y[(m + i) * ldy + (n + j - n0)] = total;
-                }
+/* acc[m][b] = sum_k x[m][k] * panel_b[k] for m < mr (rows ldx apart) and NB panels. The sums
+ * run in local registers and are written out once: accumulating into `acc` itself would store
+ * every step, as acc may alias the inputs. */
+static inline __attribute__((always_inline)) void
+panel_tile(const float *x, int64_t ldx, const int mr, const float *const panel[NB], int64_t K,
+           vec acc[MR][NB]) {
+    vec sum[MR][NB];
+    for (int m = 0; m < mr; ++m)
+        for (int b = 0; b < NB; ++b) sum[m][b] = (vec){0};
+    for (int64_t k = 0; k < K; ++k) {
+        vec w[NB];
+        for (int b = 0; b < NB; ++b) w[b] = load(panel[b] + k * LANES);
+        for (int m = 0; m < mr; ++m) {
+            const float xm = x[m * ldx + k];
+            for (int b = 0; b < NB; ++b) sum[m][b] += xm * w[b];
         }
     }
+    for (int m = 0; m < mr; ++m)
+        for (int b = 0; b < NB; ++b) acc[m][b] = sum[m][b];
 }
 
-int omniserve_linear_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y,
-                         int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
-    const int64_t items = (N + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t item = 0; item < items; ++item) {
-        const int64_t n0 = item * CHUNK, n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
-        gemm_rows(x, ldx, w, K, K, y + n0, ldy, M, n0, n1);
-        if (bias != NULL)
-            for (int64_t m = 0; m < M; ++m)
-                for (int64_t n = n0; n < n1; ++n) y[m * ldy + n] += bias[n];
+/* panel_tile with the row count a compile-time constant, so the accumulators stay in
+ * registers. */
+static void tile_rows(const float *x, int64_t ldx, int mr, const float *const panel[NB],
+                      int64_t K, vec acc[MR][NB]) {
+    switch (mr) {
+    case 1: panel_tile(x, ldx, 1, panel, K, acc); break;
+    case 2: panel_tile(x, ldx, 2, panel, K, acc); break;
+    case 3: panel_tile(x, ldx, 3, panel, K, acc); break;
+    case 4: panel_tile(x, ldx, 4, panel, K, acc); break;
+    case 5: panel_tile(x, ldx, 5, panel, K, acc); break;
+    default: panel_tile(x, ldx, 6, panel, K, acc); break;
     }
-    return 0;
 }
 
 /* out[t] = sum over t's experts e, in increasing e, of weight * down_e(silu(gate_e x) * up_e x):
@@ -96,13 +68,14 @@ int omniserve_moe_f32(const float *x, int64_t T, int64_t H, const float *gate_up
     const int64_t pairs = T * top_k;
     for (int64_t p = 0; p < pairs; ++p)
         if (topk_ids[p] < 0 || topk_ids[p] >= E) return -1;
+    const int64_t gate_groups = I / (LANES * NB / 2), down_groups = H / (LANES * NB);
     /* Token-expert pairs sorted by expert, tokens in order within an expert. */
     int64_t *start = calloc((size_t)E + 1, sizeof *start);
-    int64_t *slot_of = malloc(sizeof *slot_of * (size_t)pairs); /* pair -> sorted slot */
-    float *rows = malloc(sizeof *rows * (size_t)pairs * (size_t)(2 * H + I));
     int64_t *fill = calloc((size_t)E, sizeof *fill);
+    int64_t *slot_of = malloc(sizeof *slot_of * (size_t)pairs); /* pair -> sorted row */
+    float *rows = malloc(sizeof *rows * (size_t)pairs * (size_t)(2 * H + I));
     int status = 0;
-    if (!start || !slot_of || !rows || !fill) {
+    if (!start || !fill || !slot_of || !rows) {
         status = -2;
         goto done;
     }
@@ -113,44 +86,49 @@ int omniserve_moe_f32(const float *x, int64_t T, int64_t H, const float *gate_up
         slot_of[p] = start[e] + fill[e]++;
     }
     float *xs = rows, *act = rows + pairs * H, *ys = act + pairs * I;
-    int64_t max_rows = 0;
-    for (int64_t e = 0; e < E; ++e)
-        if (start[e + 1] - start[e] > max_rows) max_rows = start[e + 1] - start[e];
-    const int64_t i_items = (I + CHUNK - 1) / CHUNK, h_items = (H + CHUNK - 1) / CHUNK;
+    for (int64_t p = 0; p < pairs; ++p)
+        memcpy(xs + slot_of[p] * H, x + (p / top_k) * H, sizeof *xs * (size_t)H);
+    const int64_t gate_panels = 2 * I / LANES, down_panels = H / LANES;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *gate = malloc(sizeof *gate * (size_t)(2 * max_rows * CHUNK));
-        if (gate == NULL) {
-#pragma omp atomic write
-            status = -2;
-        }
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; ++p)
-            memcpy(xs + slot_of[p] * H, x + (p / top_k) * H, sizeof *xs * (size_t)H);
-        /* silu(gate) * up, one expert and CHUNK intermediate columns per item */
+        /* silu(gate) * up: per item one expert's rows, tile by tile, against NB / 2 gate
+         * panels and the matching up panels (which stay in cache from tile to tile) */
 #pragma omp for schedule(dynamic)
-        for (int64_t item = 0; item < E * i_items; ++item) {
-            const int64_t e = item / i_items, n0 = item % i_items * CHUNK;
-            const int64_t n1 = n0 + CHUNK < I ? n0 + CHUNK : I, m = start[e + 1] - start[e];
-            if (m == 0 || gate == NULL) continue;
-            const float *we = gate_up + e * 2 * I * H, *xe = xs + start[e] * H;
-            float *up = gate + max_rows * CHUNK;
-            gemm_rows(xe, H, we, H, H, gate, CHUNK, m, n0, n1);
-            gemm_rows(xe, H, we + I * H, H, H, up, CHUNK, m, n0, n1);
-            for (int64_t r = 0; r < m; ++r)
-                for (int64_t n = 0; n < n1 - n0; ++n) {
-                    const float g = gate[r * CHUNK + n];
-                    act[(start[e] + r) * I + n0 + n] = g / (1.0f + expf(-g)) * up[r * CHUNK + n];
-                }
+        for (int64_t item = 0; item < E * gate_groups; ++item) {
+            const int64_t e = item / gate_groups, first = item % gate_groups * (NB / 2);
+            const float *base = gate_up + e * gate_panels * H * LANES;
+            const float *panel[NB];
+            for (int b = 0; b < NB / 2; ++b) {
+                panel[b] = base + (first + b) * H * LANES;
+                panel[b + NB / 2] = base + (gate_panels / 2 + first + b) * H * LANES;
+            }
+            for (int64_t row = start[e]; row < start[e + 1]; row += MR) {
+                const int mr = (int)(start[e + 1] - row < MR ? start[e + 1] - row : MR);
+                vec acc[MR][NB];
+                tile_rows(xs + row * H, H, mr, panel, H, acc);
+                for (int m = 0; m < mr; ++m)
+                    for (int b = 0; b < NB / 2; ++b) {
+                        const vec g = acc[m][b];
+                        store(act + (row + m) * I + (first + b) * LANES,
+                              g / (1.0f + vexp(-g)) * acc[m][b + NB / 2]);
+                    }
+            }
         }
-        /* down projection, one expert and CHUNK hidden columns per item */
+        /* down projection: NB panels (64 hidden columns) per tile */
 #pragma omp for schedule(dynamic)
-        for (int64_t item = 0; item < E * h_items; ++item) {
-            const int64_t e = item / h_items, n0 = item % h_items * CHUNK;
-            const int64_t n1 = n0 + CHUNK < H ? n0 + CHUNK : H, m = start[e + 1] - start[e];
-            if (m == 0) continue;
-            gemm_rows(act + start[e] * I, I, down + e * H * I, I, I, ys + start[e] * H + n0, H, m,
-                      n0, n1);
+        for (int64_t item = 0; item < E * down_groups; ++item) {
+            const int64_t e = item / down_groups, first = item % down_groups * NB;
+            const float *base = down + e * down_panels * I * LANES;
+            const float *panel[NB];
+            for (int b = 0; b < NB; ++b) panel[b] = base + (first + b) * I * LANES;
+            for (int64_t row = start[e]; row < start[e + 1]; row += MR) {
+                const int mr = (int)(start[e + 1] - row < MR ? start[e + 1] - row : MR);
+                vec acc[MR][NB];
+                tile_rows(act + row * I, I, mr, panel, I, acc);
+                for (int m = 0; m < mr; ++m)
+                    for (int b = 0; b < NB; ++b)
+                        store(ys + (row + m) * H + (first + b) * LANES, acc[m][b]);
+            }
         }
         /* each token's experts in increasing id, weighted, summed from zero */
 #pragma omp for schedule(static)
@@ -170,12 +148,11 @@ int omniserve_moe_f32(const float *x, int64_t T, int64_t H, const float *gate_up
                 for (int64_t d = 0; d < H; ++d) o[d] += y[d] * weight;
             }
         }
-        free(gate);
     }
 done:
     free(start);
+    free(fill);
     free(slot_of);
     free(rows);
-    free(fill);
     return status;
 }

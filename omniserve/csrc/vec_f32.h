@@ -1,0 +1,61 @@
+/*
+ * 16-float vectors for omniserve's C kernels, in GCC vector extensions: the compiler maps them to
+ * one AVX-512 register, two AVX2 registers, or whatever -march=native offers.
+ */
+#ifndef OMNISERVE_VEC_F32_H
+#define OMNISERVE_VEC_F32_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float vec __attribute__((vector_size(64)));
+typedef int32_t ivec __attribute__((vector_size(64)));
+#define LANES 16
+
+static inline vec load(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+static inline vec splat(float x) { return (vec){0} + x; }
+
+/* Lane-wise max(x, lo) and min(x, hi). */
+static inline vec clamp(vec x, float lo, float hi) {
+    const ivec below = x < lo, above = x > hi; /* all ones where true */
+    x = (vec)(((ivec)x & ~below) | ((ivec)splat(lo) & below));
+    return (vec)(((ivec)x & ~above) | ((ivec)splat(hi) & above));
+}
+
+static inline float lane_sum(vec v) {
+    typedef float half __attribute__((vector_size(32)));
+    typedef float quarter __attribute__((vector_size(16)));
+    const half a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const quarter b = __builtin_shufflevector(a, a, 0, 1, 2, 3) +
+                      __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* exp(x) to about 2 ulp for x in [-87, 88] (clamped to it: below, the result is the order of
+ * the smallest normal float): x = n ln2 + r with |r| <= ln2 / 2, Cephes' degree-6 polynomial
+ * for exp(r), 2^n built in the exponent bits. */
+static inline vec vexp(vec x) {
+    x = clamp(x, -87.0f, 88.0f);
+    const vec shifter = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    const vec n = (x * 1.44269504088896341f + shifter) - shifter;
+    const vec r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    vec p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+    return p * (vec)bits;
+}
+
+#endif
