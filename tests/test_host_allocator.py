@@ -13,13 +13,22 @@ _PROBE = """
 import resource
 import torch
 from omniserve.worker.host_allocator import keep_freed_memory
+
+
+def step():  # a prefill's activations: tens of MB each, freed in another order than allocated
+    qkv = torch.ones(7540, 1536)
+    q = qkv[:, :512] * 2
+    heads = torch.ones(7540, 8, 128)
+    out = heads * q.sum()
+    del qkv, heads
+    return float(out[0, 0, 0] + (torch.ones(7540, 512) + q)[0, 0])
+
+
 applied = keep_freed_memory()
-x = torch.empty(8 << 20)  # 32 MiB: above glibc's default mmap ceiling
-x.fill_(1.0)
-del x
+for _ in range(5):  # the heap settles within a few steps
+    step()
 faults = resource.getrusage(0).ru_minflt
-y = torch.empty(8 << 20)
-y.fill_(2.0)  # reuses the freed heap block when tuned: no page faults
+step()
 print(applied, resource.getrusage(0).ru_minflt - faults)
 """
 
@@ -39,10 +48,9 @@ def _probe(**env: str) -> tuple[bool, int]:
 def test_freed_activations_are_reused_without_page_faults() -> None:
     applied, faults = _probe()
     assert applied
-    assert faults < 1000  # a fresh 32 MiB mapping would take ~8k faults of 4 KiB pages
-    applied, faults = _probe(OMNISERVE_CPU_MALLOC_TUNING="0")
-    assert not applied
-    assert faults > 4000
+    assert faults < 5000  # a step on fresh mappings takes ~34k faults of 4 KiB pages
+    applied, _ = _probe(OMNISERVE_CPU_MALLOC_TUNING="0")  # untuned, glibc's own heuristics
+    assert not applied  # decide; their fault counts vary from run to run
 
 
 def test_setting_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
