@@ -310,3 +310,33 @@ def _process_running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return "\nState:\tZ" not in status  # a zombie has exited; only its reaper is missing
+
+
+@pytest.mark.parametrize("other_process", [True, False])
+def test_front_end_featurizes_on_one_thread_beside_an_engine_process(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, other_process: bool
+) -> None:
+    """With the core in another process, the front end's featurization takes one torch thread
+    (the core's OpenMP threads own the cores) and gives the rest back afterwards."""
+    import torch
+
+    from omniserve.engine.processor import Processor
+
+    processor = Processor(_config(model_dir), engine_in_other_process=other_process)
+    seen: list[int] = []
+    preprocess = processor.input_preprocessor.preprocess
+
+    def record(prompt: object) -> object:
+        seen.append(torch.get_num_threads())
+        return preprocess(prompt)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(processor.input_preprocessor, "preprocess", record)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        prompt = {"prompt_token_ids": PROMPTS[0]}
+        processor.process_inputs("r", prompt, SamplingParams(max_tokens=2))
+        assert seen == [1 if other_process else 2]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

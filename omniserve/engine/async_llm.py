@@ -48,7 +48,7 @@ class AsyncLLM:
     def __init__(self, config: OmniConfig, stat_loggers: list[Any] | None = None) -> None:
         self.config = config
         self.model_config = config.model_config
-        self.processor = Processor(config)
+        self.processor = Processor(config, engine_in_other_process=True)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = AsyncMPClient(config)

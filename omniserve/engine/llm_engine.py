@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from omniserve import envs
 from omniserve.config import OmniConfig
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.core_client import EngineCoreClient
@@ -17,7 +18,7 @@ from omniserve.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, config: OmniConfig) -> None:
         self.config = config
-        self.processor = Processor(config)
+        self.processor = Processor(config, engine_in_other_process=envs.engine_multiprocessing())
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCoreClient.make_client(config)

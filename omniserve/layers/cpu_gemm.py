@@ -4,10 +4,10 @@
 step's small-M weights at a fraction of the memory bandwidth and reaches about 60% of oneDNN's
 rate on prefill shapes. Once weights are loaded, ``pack_weights_for_cpu`` gives every
 ``PackedLinear`` layer a oneDNN-blocked copy of its weight (``mkldnn._reorder_linear_weight``,
-the layout torch's own CPU inference compiler uses), and ``PackedLinear.linear`` runs on it: 1.4-2x faster
-from 1 to 7k rows (measured on the bench shapes). The copy is made once: weights changed after
-packing need ``pack_weights_for_cpu`` again. Packed copies double the host memory of the
-weights they copy.
+the layout torch's own CPU inference compiler uses), and ``PackedLinear.linear`` runs on it:
+1.4-2x faster from 1 to 7k rows (measured on the bench shapes). The copy is made once: weights
+changed after packing need ``pack_weights_for_cpu`` again. Packed copies double the host memory
+of the weights they copy.
 
 **MoE.** ``moe`` does a layer's whole expert block in one C call (``csrc/cpu_gemm.c``: no
 per-expert torch ops) on a panel-packed copy of the expert weights (``pack_experts``, also made
