@@ -19,6 +19,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from omniserve import envs
 
@@ -80,3 +83,21 @@ def load_library(source_path: Path) -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("Building %s failed (%s); torch paths run.", source_path.name, detail)
         return None
+
+
+@functools.cache
+def load_function(source_path: Path, name: str, argtypes: tuple[Any, ...], restype: Any) -> Any:
+    """Function ``name`` of a source's library with its C signature declared, or None."""
+    library = load_library(source_path)
+    if library is None:
+        return None
+    fn = getattr(library, name)
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
+
+
+def plain_fp32(*tensors: torch.Tensor) -> bool:
+    """CPU fp32 tensors with no autograd to record: the kernels' domain."""
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))

@@ -6,33 +6,32 @@ Built and loaded by :mod:`omniserve.cpu_kernels`; without it, decoding stays on 
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from omniserve.cpu_kernels import load_library
+from omniserve.cpu_kernels import load_function
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 _ERRORS = {-1: "a block id outside the KV cache", -2: "an allocation failure"}
 
 
-@functools.cache
-def _load() -> ctypes.CDLL | None:
-    library = load_library(_SOURCE)
-    if library is None:
-        return None
-    fn = library.omniserve_paged_decode_f32
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr]
-    fn.argtypes += [i64] * 6 + [ctypes.c_float, i64, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return library
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURE = (
+    (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR)
+    + (_I64,) * 6
+    + (ctypes.c_float, _I64, ctypes.c_int)
+)
+
+
+def _kernel() -> Any:
+    return load_function(_SOURCE, "omniserve_paged_decode_f32", _SIGNATURE, ctypes.c_int)
 
 
 def kernel_available() -> bool:
     """True when decode attention on CPU fp32 tensors can use the C kernel."""
-    return _load() is not None
+    return _kernel() is not None
 
 
 def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -66,11 +65,11 @@ def paged_decode(
     ``[n, max_blocks]`` int32 and seq_lens ``[n]`` int32 (contiguous) for the same n requests;
     kv_cache ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
     """
-    library = _load()
-    assert library is not None, "paged_decode called without the kernel; check supports()"
+    kernel = _kernel()
+    assert kernel is not None, "paged_decode called without the kernel; check supports()"
     _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
     num_heads = query.shape[1]
-    status = library.omniserve_paged_decode_f32(
+    status = kernel(
         query.data_ptr(),
         query.stride(0),
         out.data_ptr(),

@@ -5,13 +5,13 @@ step's small-M weights at a fraction of the memory bandwidth and reaches about 6
 rate on prefill shapes. Once weights are loaded, ``pack_weights_for_cpu`` gives every
 ``PackedLinear`` layer a oneDNN-blocked copy of its weight (``mkldnn._reorder_linear_weight``,
 the layout torch's own CPU inference compiler uses), and ``PackedLinear.linear`` runs on it:
-1.4-2x faster from 1 to 7k rows (measured on the bench shapes). The copy is made once: weights
+1.2-2.1x faster from 1 to 7k rows (measured on the bench shapes). The copy is made once: weights
 changed after packing need ``pack_weights_for_cpu`` again. Packed copies double the host memory
 of the weights they copy.
 
 **MoE.** ``moe`` does a layer's whole expert block in one C call (``csrc/cpu_gemm.c``: no
 per-expert torch ops) on a panel-packed copy of the expert weights (``pack_experts``, also made
-once): 1.5-3x the torch reference from 1 to 7.5k tokens (2.5x at a 64-token decode batch).
+once): 1.5-3.6x the torch reference from 7.5k to 64 tokens (3.6x at a 64-token decode batch).
 
 Both sum in a different order from MKL: outputs agree to float rounding (about 1e-6
 relative), not bit for bit. ``OMNISERVE_CPU_KERNELS=torch`` keeps everything on torch.
@@ -20,38 +20,27 @@ relative), not bit for bit. ``OMNISERVE_CPU_KERNELS=torch`` keeps everything on 
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from omniserve import envs
-from omniserve.cpu_kernels import load_library
+from omniserve.cpu_kernels import load_function, plain_fp32
 
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_gemm.c"
 _PACK_ROWS_HINT = 64
 """oneDNN picks its blocking for this many rows; measured fast from 1 to 7k rows."""
 
 
-@functools.cache
-def _load() -> ctypes.CDLL | None:
-    library = load_library(_SOURCE)
-    if library is None:
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.omniserve_moe_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, ptr]
-    library.omniserve_moe_f32.argtypes += [ctypes.c_int]
-    library.omniserve_moe_f32.restype = ctypes.c_int
-    return library
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_MOE_SIGNATURE = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int)
 
 
-def _plain_fp32(*tensors: torch.Tensor) -> bool:
-    """CPU fp32 tensors with no autograd to record: the fast paths' domain."""
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+def _moe_kernel() -> Any:
+    return load_function(_SOURCE, "omniserve_moe_f32", _MOE_SIGNATURE, ctypes.c_int)
 
 
 class PackedLinear(nn.Module):
@@ -63,7 +52,7 @@ class PackedLinear(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Make the packed copy of a CPU fp32 weight; True when made."""
-        if not torch.backends.mkldnn.is_available() or not _plain_fp32(self.weight.detach()):
+        if not torch.backends.mkldnn.is_available() or not plain_fp32(self.weight.detach()):
             return False
         with torch.no_grad():
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
@@ -75,7 +64,7 @@ class PackedLinear(nn.Module):
         """``F.linear(x, self.weight, bias)``, on the packed copy when there is one."""
         packed = self.packed_weight
         operands = (x,) if bias is None else (x, bias)
-        if packed is None or not _plain_fp32(*operands) or x.numel() == 0:
+        if packed is None or not plain_fp32(*operands) or x.numel() == 0:
             return F.linear(x, self.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -98,9 +87,9 @@ def pack_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> ExpertP
     """The panel copy of CPU fp32 expert weights, or None where the kernel does not apply (it
     needs I % 32 == 0 and H % 64 == 0, and a compiler)."""
     num_experts, two_i, hidden = gate_up_proj.shape
-    if two_i % 64 or hidden % 64 or not _plain_fp32(gate_up_proj.detach(), down_proj.detach()):
+    if two_i % 64 or hidden % 64 or not plain_fp32(gate_up_proj.detach(), down_proj.detach()):
         return None
-    if _load() is None:
+    if _moe_kernel() is None:
         return None
     with torch.no_grad():
         gate_up = gate_up_proj.detach().view(num_experts, two_i // 16, 16, hidden)
@@ -110,22 +99,22 @@ def pack_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> ExpertP
 
 def moe_supported(x: torch.Tensor, panels: ExpertPanels | None) -> bool:
     """Whether ``moe`` takes this call: packed experts and CPU fp32 tokens."""
-    return panels is not None and x.shape[0] > 0 and _plain_fp32(x)
+    return panels is not None and x.shape[0] > 0 and plain_fp32(x)
 
 
 def moe(
     x: torch.Tensor, panels: ExpertPanels, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
     """The expert block of ``fused_moe.fused_experts`` in one C call (check ``moe_supported``)."""
-    library = _load()
-    assert library is not None, "moe called without the kernel; check moe_supported()"
+    kernel = _moe_kernel()
+    assert kernel is not None, "moe called without the kernel; check moe_supported()"
     gate_up, down = panels
     x = x.contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
     out = torch.empty_like(x)
     num_experts, hidden = gate_up.shape[0], gate_up.shape[2]
-    status = library.omniserve_moe_f32(
+    status = kernel(
         x.data_ptr(),
         x.shape[0],
         hidden,

@@ -19,7 +19,6 @@ by one as torch does; only the norm's sum of squares is added in another order).
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from omniserve.cpu_kernels import load_library
+from omniserve.cpu_kernels import load_function, plain_fp32
 from omniserve.layers.layernorm import RMSNorm
 
 # Static scalings only: "dynamic" and "longrope" change frequencies with the batch's longest
@@ -120,17 +119,14 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return out
 
 
-@functools.cache
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_QK_ROPE_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_float)
+_QK_ROPE_SIGNATURE += (_PTR, _PTR, _I64, _I64, ctypes.c_int)
+
+
 def _qk_rope_kernel() -> Any:
-    library = load_library(Path(__file__).with_name("csrc") / "qk_rope.c")
-    if library is None:
-        return None
-    fn = library.omniserve_qk_norm_rope_f32
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_float]
-    fn.argtypes += [ptr, ptr, i64, i64, ctypes.c_int]
-    fn.restype = None
-    return fn
+    source = Path(__file__).with_name("csrc") / "qk_rope.c"
+    return load_function(source, "omniserve_qk_norm_rope_f32", _QK_ROPE_SIGNATURE, None)
 
 
 def _heads_in_rows(x: torch.Tensor) -> bool:
@@ -153,8 +149,7 @@ def rotate_qk(
     usable = (
         kernel is not None
         and (q_norm is None) == (k_norm is None)
-        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and plain_fp32(*tensors)
         and _heads_in_rows(q)
         and _heads_in_rows(k)
         and cos.is_contiguous()
