@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,17 +50,31 @@ def build_tiny_checkpoint(
 
     `overrides` are config kwargs merged over the size's defaults. Without `out_dir` the checkpoint
     lives under `envs.cache_dir()/checkpoints`, named by its inputs, and is reused when present.
-    The directory appears atomically (built next to its target, then renamed), so concurrent
-    builders such as pytest-xdist workers never see half a checkpoint.
     """
     spec = _spec(architecture)
     overrides = dict(overrides or {})
     spec.config_kwargs_for(size)  # validate `size` before touching the disk
-    key = _build_key(spec, size, seed, overrides)
+    key = build_key(repr(spec), size, seed, overrides)
     if out_dir is None:
         target = envs.cache_dir() / "checkpoints" / f"{architecture}-{size}-s{seed}-{key}"
     else:
         target = Path(out_dir)
+    info = {"architecture": architecture, "size": size, "seed": seed, "overrides": overrides}
+    return build_once(
+        target,
+        key,
+        info,
+        lambda path: _write_checkpoint(spec, path, size=size, seed=seed, overrides=overrides),
+    )
+
+
+def build_once(target: Path, key: str, info: dict[str, Any], write: Callable[[Path], None]) -> Path:
+    """Run `write(tmp_dir)` and publish its directory at `target`, unless `key` is built there.
+
+    The directory appears atomically (built next to its target, then renamed), so concurrent
+    builders such as pytest-xdist workers never see half a checkpoint. `info` and `key` go to
+    BUILD_INFO_FILE, written last.
+    """
     if _is_built(target, key):
         return target
     if target.exists() and any(target.iterdir()):
@@ -67,8 +82,11 @@ def build_tiny_checkpoint(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _write_checkpoint(spec, tmp_dir, size=size, seed=seed, overrides=overrides)
-        _write_build_info(tmp_dir, architecture, size, seed, overrides, key)
+        write(tmp_dir)
+        info = {"builder_version": BUILDER_VERSION, **info, "key": key}
+        (tmp_dir / BUILD_INFO_FILE).write_text(
+            json.dumps(info, indent=2, sort_keys=True, default=repr)
+        )
         _publish(tmp_dir, target, key)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -84,18 +102,16 @@ def _spec(architecture: str) -> ArchSpec:
         ) from None
 
 
-def _build_key(spec: ArchSpec, size: str, seed: int, overrides: dict[str, Any]) -> str:
-    """Hash of everything that changes the bytes written.
+def build_key(*inputs: Any) -> str:
+    """Hash of everything that changes the bytes written, given as `inputs`.
 
-    The spec's repr covers table edits (template, special tokens, shapes); transformers' version
+    A spec's repr covers table edits (template, special tokens, shapes); transformers' version
     covers its init and layout; BUILDER_VERSION covers this package's code and corpus.
     """
     import transformers
 
     payload = json.dumps(
-        [BUILDER_VERSION, transformers.__version__, repr(spec), size, seed, overrides],
-        sort_keys=True,
-        default=repr,
+        [BUILDER_VERSION, transformers.__version__, *inputs], sort_keys=True, default=repr
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -120,39 +136,42 @@ def _publish(tmp_dir: Path, target: Path, key: str) -> None:
             raise
 
 
-def _write_build_info(
-    path: Path, architecture: str, size: str, seed: int, overrides: dict[str, Any], key: str
-) -> None:
-    info = {
-        "builder_version": BUILDER_VERSION,
-        "architecture": architecture,
-        "size": size,
-        "seed": seed,
-        "overrides": overrides,
-        "key": key,
-    }
-    (path / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True, default=repr))
-
-
 def _write_checkpoint(
     spec: ArchSpec, path: Path, *, size: str, seed: int, overrides: dict[str, Any]
 ) -> None:
     import torch
 
-    kwargs, tower_overrides = _split_overrides(spec, size, overrides)
-    tokenizer = build_hf_tokenizer(spec.tokenizer, kwargs["max_position_embeddings"])
-    config = _make_config(spec, tokenizer, kwargs, size=size, tower_overrides=tower_overrides)
+    config, tokenizer = make_config_and_tokenizer(spec, size, overrides)
     # fork_rng: building must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _make_model(spec, config, num_tokens=len(tokenizer))
-    model.generation_config = _make_generation_config(spec, tokenizer, config)
+    model.generation_config = make_generation_config(spec, tokenizer, config)
     model.save_pretrained(path)
     if spec.speech is not None and spec.speech.speakers:
         write_speakers(path, spec.speech, config, num_tokens=len(tokenizer), seed=seed)
+    save_tokenizer_or_processor(spec, path, tokenizer, config)
+
+
+def make_config_and_tokenizer(
+    spec: ArchSpec, size: str, overrides: dict[str, Any]
+) -> tuple[PreTrainedConfig, PreTrainedTokenizerBase]:
+    """The model config (`overrides` merged over the size's defaults) and the trained tokenizer,
+    whose special-token ids the config refers to."""
+    kwargs, tower_overrides = _split_overrides(spec, size, overrides)
+    tokenizer = build_hf_tokenizer(spec.tokenizer, kwargs["max_position_embeddings"])
+    config = _make_config(spec, tokenizer, kwargs, size=size, tower_overrides=tower_overrides)
+    return config, tokenizer
+
+
+def save_tokenizer_or_processor(
+    spec: ArchSpec, path: Path, tokenizer: PreTrainedTokenizerBase, config: PreTrainedConfig
+) -> None:
+    """The tokenizer, or for multimodal rows the processor, which saves the tokenizer, its media
+    components and the chat template."""
     if spec.multimodal is None:
         tokenizer.save_pretrained(path)
-    else:  # the processor saves its tokenizer, media components and chat template
+    else:
         media_config = config.thinker_config if spec.speech else config
         build_hf_processor(spec.multimodal.processor, tokenizer, media_config).save_pretrained(path)
 
@@ -309,7 +328,7 @@ def _make_model(spec: ArchSpec, config: PreTrainedConfig, num_tokens: int) -> Pr
     return model.to(config.dtype)
 
 
-def _make_generation_config(
+def make_generation_config(
     spec: ArchSpec, tokenizer: PreTrainedTokenizerBase, config: PreTrainedConfig
 ) -> GenerationConfig:
     """Token ids only, as in real checkpoints' eos list; no sampling defaults, so greedy it is."""
