@@ -21,7 +21,7 @@ from omniserve.attention import Attention
 from omniserve.layers.activation import get_act_and_mul
 from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from omniserve.layers.rotary_embedding import get_rope, rotate_qk
+from omniserve.layers.rotary_embedding import QKRotary, get_rope
 from omniserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from omniserve.layers.weight_utils import (
     StackedParams,
@@ -74,6 +74,7 @@ class DecoderAttention(nn.Module):
         self.head_dim = head_dim
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.rotary = QKRotary()
         self.attn = Attention(
             self.num_heads,
             head_dim,
@@ -89,7 +90,7 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        q, k = rotate_qk(q, k, cos, sin, self.q_norm, self.k_norm)
+        q, k = self.rotary(q, k, cos, sin, self.q_norm, self.k_norm)
         out = self.attn(q.flatten(1), k.flatten(1), v)  # [num_tokens, num_heads * head_dim]
         return self.o_proj(out)
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from omniserve.logger import configure_logging
+
 __version__ = "0.1.0"
+
+configure_logging()
 
 _LAZY = {
     "LLM": "omniserve.entrypoints.llm",

@@ -31,7 +31,8 @@ class ModelConfig:
     tokenizer: str
     """Directory of the tokenizer (defaults to ``model``)."""
     dtype: str = "auto"
-    """"auto" (bf16 on GPU, fp32 on CPU), "float32", "bfloat16" or "float16"."""
+    """"auto" (the checkpoint's dtype; fp32 where a CPU lacks native bf16, bf16 for an fp32
+    checkpoint on a GPU), "float32", "bfloat16" or "float16"."""
     device: str = "auto"
     """"auto" (CUDA when present), "cpu" or "cuda"."""
     seed: int = 0

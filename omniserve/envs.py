@@ -52,13 +52,23 @@ def cpu_malloc_tuning() -> bool:
 
 
 def cpu_kernels() -> str:
-    """omniserve's C kernels on CPU (``OMNISERVE_CPU_KERNELS``): "auto" builds and uses them
-    (paged decode, small-batch linear and MoE) when a compiler is there, "torch" forces the
-    torch paths."""
+    """The CPU backend (``OMNISERVE_CPU_KERNELS``): "auto" applies it (oneDNN linears, C
+    kernels for MoE, decode attention, q/k norm and RoPE; built when a compiler is there),
+    "torch" leaves every layer on torch."""
     value = os.environ.get("OMNISERVE_CPU_KERNELS", "auto")
     if value not in ("auto", "torch"):
         raise ValueError(f"OMNISERVE_CPU_KERNELS must be 'auto' or 'torch', not {value!r}.")
     return value
+
+
+def configure_logging() -> bool:
+    """Whether omniserve sets up its own log output (``OMNISERVE_CONFIGURE_LOGGING``, default 1)."""
+    return os.environ.get("OMNISERVE_CONFIGURE_LOGGING", "1") not in ("0", "false", "False")
+
+
+def logging_level() -> str:
+    """Level of omniserve's log output (``OMNISERVE_LOGGING_LEVEL``, default INFO)."""
+    return os.environ.get("OMNISERVE_LOGGING_LEVEL", "INFO").upper()
 
 
 def cuda_visible_devices() -> list[str] | None:

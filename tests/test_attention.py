@@ -1,8 +1,10 @@
-"""The torch paged-attention backend against a naive per-token reference on contiguous histories."""
+"""The paged-attention backends (torch, and CPU with its C decode kernel) against a naive
+per-token reference on contiguous histories, in fp32 and bf16."""
 
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -11,7 +13,6 @@ import torch
 from omniserve.attention import (
     Attention,
     AttentionMetadata,
-    cpu_kernel,
     get_attention_layers,
     torch_backend,
 )
@@ -20,16 +21,21 @@ from omniserve.attention.torch_backend import (
     causal_attention,
     reference_attention,
 )
+from omniserve.cpu.attention import CpuAttentionBackend, kernel_available
 from omniserve.forward_context import get_forward_context, set_forward_context
+
+BACKEND: type[TorchAttentionBackend] = TorchAttentionBackend
+"""The backend under test; the autouse ``decode_path`` fixture sets it for each test."""
 
 
 @pytest.fixture(autouse=True, params=["kernel", "torch"])
 def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test runs with CPU decodes on the C kernel and on the torch gather + SDPA path."""
     if request.param == "kernel":
-        assert cpu_kernel.kernel_available(), "the C kernel must build on this machine"
-    else:
-        monkeypatch.setattr(cpu_kernel, "supports", lambda query, kv_cache: False)
+        assert kernel_available(torch.float32), "the C kernel must build on this machine"
+        assert kernel_available(torch.bfloat16), "the C kernel must build on this machine"
+    backend = CpuAttentionBackend if request.param == "kernel" else TorchAttentionBackend
+    monkeypatch.setattr(sys.modules[__name__], "BACKEND", backend)
     return request.param
 
 
@@ -104,7 +110,7 @@ def make_batch(
 
 def run_and_compare(batch: Batch, *, sliding_window: int | None = None, atol: float = 1e-5) -> None:
     scale = batch.query.shape[-1] ** -0.5
-    out = TorchAttentionBackend().forward(
+    out = BACKEND().forward(
         batch.query,
         batch.key,
         batch.value,
@@ -179,7 +185,7 @@ def test_long_histories_wide_heads(head_size: int, block_size: int, num_heads: i
         block_size=block_size,
     )
     if head_size % 16:
-        assert not cpu_kernel.supports(batch.query, batch.kv_cache)
+        assert not CpuAttentionBackend().decode_kernel_supports(batch.query, batch.kv_cache)
     run_and_compare(batch)
 
 
@@ -211,6 +217,26 @@ def test_plan_is_shared_across_layers() -> None:
 def test_bfloat16_close_to_fp32_reference() -> None:
     batch = make_batch([(7, 1), (3, 5), (0, 6)], num_heads=8, num_kv_heads=2, dtype=torch.bfloat16)
     run_and_compare(batch, atol=3e-2)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(32, 4), (16, 2)])
+def test_bfloat16_decode_at_real_shapes(num_heads: int, num_kv_heads: int) -> None:
+    """Qwen3-Omni-30B-A3B's attention (32 query heads on 4 KV heads, head size 128) and
+    Qwen2.5-VL-3B's (16 on 2) with a bf16 cache: hundreds of keys, a prefill alongside. The
+    kernel widens bf16 to fp32 and rounds its output once; the reference runs in fp32 on the
+    same bf16 values, so the gap is the output's rounding (2**-8 relative)."""
+    specs = [(300, 1), (45, 1), (0, 7), (511, 1)]
+    batch = make_batch(specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128,
+                       block_size=16, dtype=torch.bfloat16)  # fmt: skip
+    scale = 128**-0.5
+    out = BACKEND().forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
+                            scale=scale)  # fmt: skip
+    expected = reference_attention(
+        batch.query.float(), batch.metadata.query_lens_cpu,
+        [k.float() for k, _ in batch.histories], [v.float() for _, v in batch.histories],
+        scale=scale,
+    )  # fmt: skip
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
 
 
 def test_causal_attention_without_cache() -> None:
@@ -296,7 +322,7 @@ def test_gather_workspace_survives_grad_modes() -> None:
 
 def test_kernel_plans_decodes_without_padding(decode_path: str) -> None:
     batch = make_batch([(9, 1), (0, 7), (4, 1)], num_heads=4, num_kv_heads=2)
-    use_kernel = cpu_kernel.supports(batch.query, batch.kv_cache)
+    use_kernel = BACKEND().decode_kernel_supports(batch.query, batch.kv_cache)
     assert use_kernel == (decode_path == "kernel")
     plan = torch_backend._plan_batch(batch.metadata, 4, None, use_kernel)
     if use_kernel:
@@ -324,7 +350,7 @@ def test_kernel_rejects_block_ids_outside_the_cache(decode_path: str) -> None:
     rows = torch.tensor([0])
     table = torch.full((1, 2), 10_000, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="block id outside the KV cache"):
-        cpu_kernel.paged_decode(
+        CpuAttentionBackend().decode_kernel(
             batch.query,
             torch.empty_like(batch.query),
             rows,

@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from omniserve.layers import fused_moe, linear, rotary_embedding, vocab_embedding
+from omniserve.layers import fused_moe, linear, vocab_embedding
 from omniserve.layers.activation import SiluAndMul, get_act_and_mul
 from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.layernorm import RMSNorm
@@ -27,7 +27,7 @@ from omniserve.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from omniserve.layers.rotary_embedding import apply_rotary_emb, get_rope, rotate_qk
+from omniserve.layers.rotary_embedding import apply_rotary_emb, get_rope
 from omniserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from omniserve.layers.weight_utils import load_weights_by_route, route_stacked
 from omniserve.worker.model_loader import iterate_checkpoint_weights, load_model_weights
@@ -116,39 +116,6 @@ def test_rotary_partial_and_unsupported() -> None:
     config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 100.0, "factor": 2.0}
     with pytest.raises(ValueError, match="dynamic"):
         get_rope(config, 16)
-
-
-@pytest.mark.parametrize("with_norm", [True, False])
-@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
-def test_rotate_qk_kernel_matches_the_torch_ops(with_norm: bool, rotary_fraction: float) -> None:
-    """The one-pass C kernel on views of a qkv output: the rotation is bit-identical to the
-    torch ops; the norm only adds its squares in another order (a float ulp or so)."""
-    assert rotary_embedding._qk_rope_kernel() is not None, "the C kernel must build here"
-    tokens, heads, kv_heads, dim = 37, 4, 2, 64
-    qkv = randn(tokens, (heads + 2 * kv_heads) * dim) * 3
-    cos, sin = (t.repeat(1, 2) for t in (randn(tokens, int(dim * rotary_fraction) // 2),) * 2)
-    sin = sin.flip(0).contiguous()
-    q_norm, k_norm = (RMSNorm(dim, eps=1e-6) if with_norm else None for _ in range(2))
-    for norm in (q_norm, k_norm):
-        if norm is not None:
-            norm.weight.data.copy_(randn(dim))
-
-    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, _ = t.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-        return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
-
-    with torch.inference_mode():
-        q, k = views(qkv.clone())
-        if with_norm:
-            q, k = q_norm(q), k_norm(k)
-        expected = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-        fused = qkv.clone()
-        q, k = rotate_qk(*views(fused), cos, sin, q_norm, k_norm)
-        assert q.data_ptr() == fused.data_ptr()  # in place, in the qkv buffer
-        tolerance = {"rtol": 2e-6, "atol": 2e-6} if with_norm else {"rtol": 0, "atol": 0}
-        torch.testing.assert_close(q, expected[0], **tolerance)
-        torch.testing.assert_close(k, expected[1], **tolerance)
-        assert torch.equal(fused[:, (heads + kv_heads) * dim :], qkv[:, (heads + kv_heads) * dim :])
 
 
 def test_silu_and_mul() -> None:

@@ -13,14 +13,13 @@ import httpx
 import psutil
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from omniserve import LLM, SamplingParams
 from omniserve.config import ModelConfig, OmniConfig, ParallelConfig
 from omniserve.executor.abstract import Executor
-from omniserve.layers.weight_utils import LazyTensor
+from omniserve.layers.weight_utils import SafetensorsFile, copy_weight
 from tests.hf_reference import ReferenceOutput, assert_matches_reference, hf_greedy, make_prompts
 from tests.server_utils import launch_server
 from tests.test_fidelity_mm import IMAGE, TEXT, Case, _engine_prompt, _hf_reference, _image, _user
@@ -103,14 +102,33 @@ def test_heads_that_do_not_divide_give_a_clear_error(tiny_checkpoint, monkeypatc
 
 def test_lazy_checkpoint_tensor_reads_slices(tmp_path):
     weight = torch.randn(6, 4)
-    save_file({"w": weight}, str(tmp_path / "model.safetensors"))
-    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
-        lazy = LazyTensor(f, "w")
-        assert lazy.shape == weight.shape
+    save_file({"w": weight, "b": weight.bfloat16()[0]}, str(tmp_path / "model.safetensors"))
+    with SafetensorsFile(tmp_path / "model.safetensors") as f:
+        lazy = f.tensor("w")
+        assert lazy.shape == weight.shape and lazy.dtype == torch.float32
         assert torch.equal(lazy.narrow(0, 2, 3), weight[2:5])  # a column-parallel rank's rows
         assert torch.equal(lazy.narrow(-1, 2, 2), weight[:, 2:])  # a row-parallel rank's columns
         assert torch.equal(lazy.narrow(0, 0, 6), weight)
         assert torch.equal(lazy.materialize(), weight)
+        rows, cols, cast = torch.empty(3, 4), torch.empty(6, 2), torch.empty(6, 4).bfloat16()
+        copy_weight(rows, lazy, 0, 2)  # read in place
+        copy_weight(cols, lazy, 1, 2)  # staged: not one byte range
+        copy_weight(cast, lazy)  # staged: a dtype cast
+        assert torch.equal(rows, weight[2:5]) and torch.equal(cols, weight[:, 2:])
+        assert torch.equal(cast, weight.bfloat16())
+        assert torch.equal(f.tensor("b").materialize(), weight.bfloat16()[0])
+
+
+def test_truncated_or_foreign_checkpoint_files_are_named(tmp_path):
+    save_file({"w": torch.randn(64, 64)}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "short.safetensors").write_bytes(data[:-100])
+    with SafetensorsFile(tmp_path / "short.safetensors") as f:
+        with pytest.raises(ValueError, match="short.safetensors is truncated"):
+            f.tensor("w").materialize()
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ValueError, match="junk.safetensors is not a valid safetensors file"):
+        SafetensorsFile(tmp_path / "junk.safetensors")
 
 
 def _config(model_dir: str, **parallel) -> OmniConfig:

@@ -1,10 +1,10 @@
-"""Paged attention in plain PyTorch: the CPU backend, and the reference for GPU kernels.
+"""Paged attention in plain PyTorch: the reference for every kernel, and the base of the CPU one.
 
-Work per step is split by request kind. On CPU (fp32) all decodes (query length 1) go to the C
-kernel in ``cpu_kernel``, which reads each key and value once straight from the paged cache.
-Elsewhere they go through one padded gather of their keys and one ``scaled_dot_product_attention``
-call; grouped-query attention is handled by viewing the query heads as ``[num_kv_heads, group]``
-so keys are never repeated. Each prefill chunk
+Work per step is split by request kind. Decodes (query length 1) go through one padded gather of
+their keys and one ``scaled_dot_product_attention`` call; grouped-query attention is handled by
+viewing the query heads as ``[num_kv_heads, group]`` so keys are never repeated. A subclass may
+take the decodes instead (``decode_kernel_supports`` / ``decode_kernel``: the CPU backend's C
+kernel reads each key and value once straight from the paged cache). Each prefill chunk
 gets one SDPA call; a first chunk attends its fresh keys with ``is_causal`` and skips the gather.
 The index tensors for this (``_BatchPlan``) are built once per step and reused by every layer, and
 gathered keys/values land in one reused workspace (at most the largest gather of a step: a decode
@@ -19,7 +19,6 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from omniserve.attention import cpu_kernel
 from omniserve.attention.base import AttentionBackend
 from omniserve.attention.metadata import AttentionMetadata
 
@@ -185,6 +184,29 @@ class TorchAttentionBackend(AttentionBackend):
         # more in page faults than the copy itself on CPU.
         self._workspace: torch.Tensor | None = None
 
+    def decode_kernel_supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether ``decode_kernel`` takes this step's decodes (never, in plain torch)."""
+        return False
+
+    def decode_kernel(
+        self,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        token_rows: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None,
+    ) -> None:
+        """Write attention for the decode tokens at ``token_rows`` of ``query`` into ``out``.
+
+        query/out ``[num_tokens, num_heads, head_size]``; token_rows ``[n]`` int64; block_table
+        ``[n, max_blocks]`` int32 and seq_lens ``[n]`` int32 (contiguous) for the same n requests.
+        """
+        raise NotImplementedError
+
     def _plan(
         self, md: AttentionMetadata, block_size: int, sliding_window: int | None, use_kernel: bool
     ) -> _BatchPlan:
@@ -226,14 +248,14 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        use_kernel = cpu_kernel.supports(query, kv_cache)
+        use_kernel = self.decode_kernel_supports(query, kv_cache)
         plan = self._plan(metadata, kv_cache.shape[2], sliding_window, use_kernel)
         key_cache = kv_cache[0].flatten(0, 1)  # [num_slots, num_kv_heads, head_size]
         value_cache = kv_cache[1].flatten(0, 1)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_size]
         if plan.decode_rows is not None:
             rows = plan.decode_rows
-            cpu_kernel.paged_decode(
+            self.decode_kernel(
                 query,
                 out,
                 rows.token_rows,

@@ -149,7 +149,8 @@ class EngineArgs:
             "--dtype",
             default="auto",
             choices=["auto", "float32", "bfloat16", "float16"],
-            help="Weights and activations dtype; auto = bf16 on GPU, fp32 on CPU.",
+            help="Weights and activations dtype; auto = the checkpoint's (on a CPU without "
+            "native bf16, fp32; on a GPU, bf16 for an fp32 checkpoint).",
         )
         add("--device", default="auto", help="auto (CUDA when present), cpu or cuda.")
         add("--seed", type=int, default=0, help="Engine RNG seed.")
@@ -163,7 +164,8 @@ class EngineArgs:
         add(
             "--kv-cache-memory",
             default=None,
-            help="KV-cache memory, e.g. 4GiB; None: 4GiB on CPU, 90%% of the GPU's free memory.",
+            help="KV-cache memory, e.g. 4GiB; None: on CPU half the memory available after "
+            "loading the weights (less 1 GiB), on GPU 90%% of its memory less what is in use.",
         )
         add(
             "--num-gpu-blocks-override",

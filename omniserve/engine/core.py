@@ -121,6 +121,10 @@ class EngineCore:
         """Scheduler gauges and counters, plus the KV cache size (a utility for clients/tests)."""
         return {**self.make_stats(), "num_kv_blocks": float(self.num_kv_blocks)}
 
+    def get_model_info(self) -> dict[str, Any]:
+        """The loaded model's dtype, weight and KV-cache bytes, load time and CPU kernels."""
+        return self.model_executor.model_info()
+
     def shutdown(self) -> None:
         self.model_executor.shutdown()
 
@@ -159,7 +163,9 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 # Methods a client may call by name; everything else on the class (step, shutdown, internals) is
 # driven by the busy loop itself.
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "has_unfinished_requests"})
+UTILITY_METHODS = frozenset(
+    {"reset_prefix_cache", "get_stats", "has_unfinished_requests", "get_model_info"}
+)
 _POLL_MS = 100
 _PARENT_DEATH_GRACE_S = 10.0
 _IO_FAILED = None

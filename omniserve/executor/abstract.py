@@ -70,6 +70,10 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
+    def model_info(self) -> dict[str, Any]:
+        """What rank 0 loaded and allocated (see ``Worker.model_info``)."""
+        return self.collective_rpc("model_info")[0]
+
     @property
     def max_concurrent_batches(self) -> int:
         """Batches the engine core may keep in flight (> 1 enables its batch queue)."""

@@ -5,25 +5,30 @@ transformers keeps in memory), and loaded from the per-expert checkpoint keys
 ``experts.{e}.gate_proj/up_proj/down_proj.weight``. Under tensor parallelism each rank holds a slice
 of every expert's intermediate dimension and the outputs are summed across ranks.
 
-``fused_experts`` is the one dispatch point: CUDA tensors go to the Triton grouped-GEMM kernel
-(``triton_fused_moe``, imported lazily so CPU runs never load triton); CPU fp32 layers whose
-experts were packed go to the C kernel (``cpu_gemm.moe``); everything else runs the torch
-reference, which groups token-expert pairs by expert and runs one matmul pair per expert that
-received tokens, accumulating with ``index_add_``; idle experts cost nothing.
+A device backend may give a layer a ``kernel`` after loading (``omniserve.cpu`` does: the whole
+expert block in one C call); otherwise ``fused_experts`` runs: CUDA tensors go to the Triton
+grouped-GEMM kernel (``triton_fused_moe``, imported lazily so CPU runs never load triton), and
+everything else to the torch reference, which groups token-expert pairs by expert and runs one
+matmul pair per expert that received tokens, accumulating with ``index_add_``; idle experts cost
+nothing.
 """
 
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omniserve.layers import cpu_gemm
 from omniserve.layers.tp import divide, get_tp_rank, get_tp_size, tp_all_reduce
-from omniserve.layers.weight_utils import WeightRoute, set_weight_loader
+from omniserve.layers.weight_utils import (
+    LoadedWeight,
+    WeightRoute,
+    copy_weight,
+    set_weight_loader,
+)
 
 
 def select_experts(
@@ -46,20 +51,16 @@ def fused_experts(
     down_proj: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    panels: cpu_gemm.ExpertPanels | None = None,
 ) -> torch.Tensor:
     """``sum_k w_k * down_e(silu(gate_e x) * up_e x)`` over each token's selected experts.
 
     x ``[N, H]``; gate_up_proj ``[E, 2I, H]``; down_proj ``[E, H, I]``; topk_* ``[N, top_k]``.
-    Triton kernel on CUDA, the C kernel on CPU (given the experts' ``panels``), torch
-    reference elsewhere.
+    Triton kernel on CUDA, torch reference elsewhere.
     """
     if x.is_cuda:
         from omniserve.layers.triton_fused_moe import triton_fused_experts
 
         return triton_fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
-    if cpu_gemm.moe_supported(x, panels):
-        return cpu_gemm.moe(x, panels, topk_weights, topk_ids)
     return torch_fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
 
 
@@ -89,8 +90,18 @@ def torch_fused_experts(
     return out
 
 
+class MoEKernel(Protocol):
+    """A backend's implementation of one layer's expert block (``fused_experts`` semantics)."""
+
+    def __call__(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
 class FusedMoE(nn.Module):
     """The experts of one MoE layer (routing is the caller's: it owns the router's semantics)."""
+
+    kernel: MoEKernel | None = None
 
     _EXPERT_KEY: ClassVar[re.Pattern[str]] = re.compile(
         r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
@@ -114,13 +125,6 @@ class FusedMoE(nn.Module):
         )
         set_weight_loader(self.down_proj, self.weight_loader, {(e, "down_proj") for e in experts})
 
-    panels: cpu_gemm.ExpertPanels | None = None
-
-    def pack_for_cpu(self) -> bool:
-        """Make the CPU MoE kernel's panel copy of the loaded expert weights; True when made."""
-        self.panels = cpu_gemm.pack_experts(self.gate_up_proj, self.down_proj)
-        return self.panels is not None
-
     @classmethod
     def route_expert_weight(cls, name: str) -> WeightRoute | None:
         """``...experts.3.up_proj.weight`` -> ``(...experts.gate_up_proj, (3, "up_proj"))``."""
@@ -132,7 +136,7 @@ class FusedMoE(nn.Module):
         return f"{match['prefix']}.{param}", (int(match["expert"]), proj)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, proj: str
+        self, param: nn.Parameter, loaded: LoadedWeight, expert_id: int, proj: str
     ) -> None:
         local = self.intermediate_size_per_partition
         # Checkpoint matrices: gate/up [I, H], down [H, I]; this rank keeps slice tp_rank of I.
@@ -147,16 +151,16 @@ class FusedMoE(nn.Module):
                 f"Shape mismatch for expert {expert_id} {proj}: expected {expected}, "
                 f"got {tuple(loaded.shape)}."
             )
-        shard = loaded.narrow(shard_dim, self.tp_rank * local, local)
         target = param.data[expert_id]
         if proj != "down_proj":
             target = target.narrow(0, 0 if proj == "gate_proj" else local, local)
-        target.copy_(shard)
+        copy_weight(target, loaded, shard_dim, self.tp_rank * local)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        out = fused_experts(
-            x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.panels
-        )
+        if self.kernel is not None:
+            out = self.kernel(x, topk_weights, topk_ids)
+        else:
+            out = fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         return tp_all_reduce(out) if self.tp_size > 1 else out

@@ -8,13 +8,16 @@ all; their ``weight_loader`` takes a shard id naming which checkpoint matrix is 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from omniserve.layers import cpu_gemm
 from omniserve.layers.tp import divide, get_tp_rank, get_tp_size, tp_all_reduce
 from omniserve.layers.weight_utils import (
     LoadedWeight,
+    copy_weight,
     default_weight_loader,
     set_weight_loader,
 )
@@ -28,7 +31,26 @@ def _check_shape(param: torch.Tensor, expected: tuple[int, ...], loaded: LoadedW
         )
 
 
-class ReplicatedLinear(cpu_gemm.PackedLinear):
+class LinearKernel(Protocol):
+    """A backend's implementation of one layer's ``x @ weight.T + bias``."""
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class LinearBase(nn.Module):
+    """A layer computing ``x @ weight.T (+ bias)``, through a backend's ``kernel`` when set."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    kernel: LinearKernel | None = None
+
+    def apply_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.kernel is None:
+            return F.linear(x, self.weight, bias)
+        return self.kernel(x, bias)
+
+
+class ReplicatedLinear(LinearBase):
     """A full copy on every rank (small matrices such as an MoE router)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
@@ -37,10 +59,10 @@ class ReplicatedLinear(cpu_gemm.PackedLinear):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.bias)
+        return self.apply_linear(x, self.bias)
 
 
-class ColumnParallelLinear(cpu_gemm.PackedLinear):
+class ColumnParallelLinear(LinearBase):
     """``y = x W^T + b`` with W's rows (output features) split evenly across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
@@ -60,11 +82,10 @@ class ColumnParallelLinear(cpu_gemm.PackedLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
         _check_shape(param, (self.output_size, *param.shape[1:]), loaded)
-        size = self.output_size_per_partition
-        param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
+        copy_weight(param.data, loaded, 0, self.tp_rank * self.output_size_per_partition)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.bias)  # [*, output_size_per_partition]
+        return self.apply_linear(x, self.bias)  # [*, output_size_per_partition]
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -86,7 +107,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _check_shape(param, (self.output_sizes[shard_id], *param.shape[1:]), loaded)
         size = divide(self.output_sizes[shard_id], self.tp_size)
         offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        copy_weight(param.data.narrow(0, offset, size), loaded, 0, self.tp_rank * size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -142,10 +163,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
             size, source_index = self.kv_size, self.tp_rank // self.num_kv_head_replicas
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, source_index * size, size))
+        copy_weight(param.data.narrow(0, offset, size), loaded, 0, source_index * size)
 
 
-class RowParallelLinear(cpu_gemm.PackedLinear):
+class RowParallelLinear(LinearBase):
     """``y = x W^T + b`` with W's columns (input features) split; partial sums are all-reduced.
 
     The input arrives already split (the output of a column-parallel layer), so no scatter is
@@ -165,11 +186,10 @@ class RowParallelLinear(cpu_gemm.PackedLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
         _check_shape(param, (param.shape[0], self.input_size), loaded)
-        size = self.input_size_per_partition
-        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+        copy_weight(param.data, loaded, 1, self.tp_rank * self.input_size_per_partition)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.linear(x, self.bias)
-        out = tp_all_reduce(self.linear(x, None))
+            return self.apply_linear(x, self.bias)
+        out = tp_all_reduce(self.apply_linear(x, None))
         return out if self.bias is None else out + self.bias

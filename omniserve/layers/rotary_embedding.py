@@ -11,22 +11,19 @@ cos/sin, each frequency section taking its angle from one of the three rows; ``g
 it when ``rope_parameters`` carry an ``mrope_section``. ``apply_rotary_emb`` and the layers stay
 unchanged.
 
-``rotate_qk`` is what attention layers call: optional per-head q/k RMSNorm, then the rotation; on
-CPU fp32 both run in one in-place pass of ``csrc/qk_rope.c`` (same products and sums, rounded one
-by one as torch does; only the norm's sum of squares is added in another order).
+``QKRotary`` is what attention layers call: optional per-head q/k RMSNorm, then the rotation
+(``rotate_qk``), unless a device backend gave it a ``kernel`` (``omniserve.cpu`` does both in one
+in-place pass).
 """
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from omniserve.cpu_kernels import load_function, plain_fp32
 from omniserve.layers.layernorm import RMSNorm
 
 # Static scalings only: "dynamic" and "longrope" change frequencies with the batch's longest
@@ -119,21 +116,6 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return out
 
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_QK_ROPE_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_float)
-_QK_ROPE_SIGNATURE += (_PTR, _PTR, _I64, _I64, ctypes.c_int)
-
-
-def _qk_rope_kernel() -> Any:
-    source = Path(__file__).with_name("csrc") / "qk_rope.c"
-    return load_function(source, "omniserve_qk_norm_rope_f32", _QK_ROPE_SIGNATURE, None)
-
-
-def _heads_in_rows(x: torch.Tensor) -> bool:
-    """``[tokens, heads, head_size]`` with contiguous head rows (a view of a qkv output is)."""
-    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-
-
 def rotate_qk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -143,42 +125,43 @@ def rotate_qk(
     k_norm: RMSNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, k) ``[tokens, heads, head_size]`` -> each normalised per head (when norms are given)
-    and rotated. The kernel path writes into q and k (fresh activations) and returns them."""
-    kernel = _qk_rope_kernel()
-    tensors = [q, k, cos, sin] + [n.weight for n in (q_norm, k_norm) if n is not None]
-    usable = (
-        kernel is not None
-        and (q_norm is None) == (k_norm is None)
-        and plain_fp32(*tensors)
-        and _heads_in_rows(q)
-        and _heads_in_rows(k)
-        and cos.is_contiguous()
-        and sin.is_contiguous()
-        and q.shape[0] > 0
-    )
-    if not usable:
-        if q_norm is not None and k_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        return apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-    kernel(
-        q.data_ptr(),
-        q.stride(0),
-        q.shape[1],
-        k.data_ptr(),
-        k.stride(0),
-        k.shape[1],
-        q.shape[0],
-        q.shape[2],
-        None if q_norm is None else q_norm.weight.data_ptr(),
-        None if k_norm is None else k_norm.weight.data_ptr(),
-        0.0 if q_norm is None else q_norm.variance_epsilon,
-        cos.data_ptr(),
-        sin.data_ptr(),
-        cos.stride(0),
-        cos.shape[1],
-        torch.get_num_threads(),
-    )
-    return q, k
+    and rotated."""
+    if q_norm is not None and k_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+
+
+class QKRotaryKernel(Protocol):
+    """A backend's ``rotate_qk``; it may write into q and k (fresh activations) and return them."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_norm: RMSNorm | None,
+        k_norm: RMSNorm | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class QKRotary(nn.Module):
+    """``rotate_qk`` as a (parameterless) layer, so a backend can give it a ``kernel``."""
+
+    kernel: QKRotaryKernel | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel is not None:
+            return self.kernel(q, k, cos, sin, q_norm, k_norm)
+        return rotate_qk(q, k, cos, sin, q_norm, k_norm)
 
 
 def _default_inv_freq(rope_theta: float, dim: int) -> torch.Tensor:

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omniserve.layers import cpu_gemm
+from omniserve.layers.linear import LinearBase
 from omniserve.layers.tp import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from omniserve.layers.weight_utils import LoadedWeight, set_weight_loader
+from omniserve.layers.weight_utils import LoadedWeight, copy_weight, set_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -37,7 +37,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"{self.embedding_dim}), got {tuple(loaded.shape)}."
             )
         num_rows = self.vocab_end - self.vocab_start
-        param.data[:num_rows].copy_(loaded.narrow(0, self.vocab_start, num_rows))
+        copy_weight(param.data[:num_rows], loaded, 0, self.vocab_start)
         param.data[num_rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -49,11 +49,11 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(embeds)
 
 
-class ParallelLMHead(VocabParallelEmbedding, cpu_gemm.PackedLinear):
+class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     """``lm_head``: hidden states -> logits over the full vocabulary (may share the embedding)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = self.linear(hidden_states, None)  # [num_tokens, vocab_per_partition]
+        logits = self.apply_linear(hidden_states, None)  # [num_tokens, vocab_per_partition]
         if self.tp_size == 1:
             return logits
         return tp_all_gather(logits, dim=-1)[..., : self.num_embeddings]

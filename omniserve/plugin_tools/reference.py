@@ -1,4 +1,5 @@
-"""Reference outputs from Hugging Face transformers on the same checkpoint (greedy, fp32, CPU).
+"""Reference outputs from Hugging Face transformers on the same checkpoint (greedy, CPU; fp32
+unless a caller asks for another dtype).
 
 Shared by ``omniserve register-model --check`` and the fidelity tests: each prompt is decoded
 alone (no padding) with ``generate``, keeping the log-softmax of the raw logits at every step, so
@@ -47,12 +48,16 @@ def hf_model_class(architecture: str) -> type | None:
 
 
 def hf_greedy(
-    model_dir: str, prompts: list[list[int]], max_new_tokens: int, model_cls: Any = None
+    model_dir: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    model_cls: Any = None,
+    dtype: torch.dtype = torch.float32,
 ) -> list[ReferenceOutput]:
     """Greedy-decode token-id prompts (``AutoModelForCausalLM`` unless ``model_cls``)."""
     if model_cls is None:
         from transformers import AutoModelForCausalLM as model_cls
-    model = model_cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = model_cls.from_pretrained(model_dir, dtype=dtype).eval()
     with torch.inference_mode():
         return [
             _generate(model, {"input_ids": torch.tensor([ids])}, max_new_tokens) for ids in prompts
@@ -60,14 +65,18 @@ def hf_greedy(
 
 
 def hf_greedy_mm(
-    model_dir: str, model_cls: Any, requests: list[ReferenceRequest], max_new_tokens: int
+    model_dir: str,
+    model_cls: Any,
+    requests: list[ReferenceRequest],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
 ) -> list[ReferenceOutput]:
     """Greedy-decode text + media prompts through the checkpoint's own HF processor, which
     expands each placeholder itself (the reference for omniserve's prompt updates)."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
-    model = model_cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = model_cls.from_pretrained(model_dir, dtype=dtype).eval()
     results = []
     with torch.inference_mode():
         for request in requests:
@@ -77,7 +86,8 @@ def hf_greedy_mm(
                 **_media_kwargs(request),
                 **request.mm_kwargs,
             )
-            results.append(_generate(model, dict(inputs), max_new_tokens))
+            inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+            results.append(_generate(model, inputs, max_new_tokens))
     return results
 
 

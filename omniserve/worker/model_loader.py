@@ -1,23 +1,28 @@
 """Load a local Hugging Face safetensors checkpoint into a model, checking the mapping both ways.
 
-Tensors are read lazily one at a time (``safe_open``), so peak host memory is one tensor rather
-than the checkpoint; each arrives as a ``LazyTensor``, so a tensor-parallel rank reads only the
-slice its layer keeps (no full copy per rank). The model's ``load_weights`` routes every key
-(raising on keys it cannot place); this module then raises on parameters that nothing filled.
+Shards are read one after another and tensors one at a time, each straight into the parameter it
+fills (``weight_utils.SafetensorsFile``): peak host memory is the model's own parameters plus at
+most one staged tensor, never a second copy of the checkpoint, and no memory map whose resident
+pages would count against the process. A tensor-parallel rank reads only the slice its layer
+keeps. The model's ``load_weights`` routes every key (raising on keys it cannot place); this
+module then raises on parameters that nothing filled.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
-from omniserve.layers.weight_utils import LazyTensor
+from omniserve.layers.weight_utils import LazyTensor, SafetensorsFile
+
+logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,20 +44,36 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     )
 
 
+def checkpoint_tensor_shapes(model_dir: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Every tensor's (shape, stored dtype), read from the shard headers alone."""
+    shapes = {}
+    for path in checkpoint_files(model_dir):
+        with SafetensorsFile(path) as f:
+            for name in f.keys():
+                tensor = f.tensor(name)
+                shapes[name] = (tensor.shape, tensor.dtype)
+    return shapes
+
+
 def iterate_checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, LazyTensor]]:
-    """Yield ``(name, lazy tensor)`` for every checkpoint tensor, with a progress bar; a tensor is
-    readable (on the CPU) until the next one is yielded."""
+    """Yield ``(name, lazy tensor)`` for every checkpoint tensor, shard by shard, with a progress
+    bar over the bytes (on a terminal) and one log line per shard; a tensor is readable until the
+    next one is yielded."""
     files = checkpoint_files(model_dir)
-    num_tensors = 0
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            num_tensors += len(f.keys())
-    with tqdm(total=num_tensors, desc="Loading weights", unit="tensor", disable=None) as bar:
-        for path in files:
-            with safe_open(str(path), framework="pt") as f:
+    total = sum(path.stat().st_size for path in files)
+    start = time.perf_counter()
+    with tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, disable=None) as bar:
+        for i, path in enumerate(files, 1):
+            with SafetensorsFile(path) as f:
                 for name in f.keys():
-                    yield name, LazyTensor(f, name)
-                    bar.update(1)
+                    tensor = f.tensor(name)
+                    yield name, tensor
+                    bar.update(tensor.shape.numel() * tensor.dtype.itemsize)
+            logger.info(
+                "Loaded shard %d/%d (%s, %.2f GiB) after %.1f s",
+                i, len(files), path.name, path.stat().st_size / (1 << 30),
+                time.perf_counter() - start,
+            )  # fmt: skip
 
 
 def load_model_weights(model: nn.Module, model_dir: str | Path) -> None:

@@ -4,25 +4,30 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
+from transformers.initialization import no_init_weights
 
 from omniserve import envs
+from omniserve.attention.layer import get_attention_layers
 from omniserve.config import OmniConfig
 from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from omniserve.layers.cpu_gemm import pack_weights_for_cpu
+from omniserve.cpu.backend import CpuBackendReport, apply_cpu_backend
+from omniserve.cpu.build import has_native_bf16
 from omniserve.layers.tp import get_tp_size
 from omniserve.plugins import load_plugins
 from omniserve.registry import ModelRegistry
 from omniserve.worker.host_allocator import keep_freed_memory
+from omniserve.worker.memory import check_model_fits, default_cpu_kv_budget, gib
 from omniserve.worker.model_loader import load_model_weights
 from omniserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-_CPU_DEFAULT_KV_BYTES = 4 << 30
 _GPU_MEMORY_FRACTION = 0.9
 
 
@@ -35,10 +40,28 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+def checkpoint_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:
+    """The dtype the checkpoint's config declares (its text part's for nested configs)."""
+    for config in (hf_config, hf_config.get_text_config()):
+        declared = getattr(config, "dtype", None)
+        if isinstance(declared, str):
+            declared = getattr(torch, declared, None)
+        if isinstance(declared, torch.dtype):
+            return declared
+    return None
+
+
+def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype | None) -> torch.dtype:
+    """``dtype`` as asked, or for "auto" the checkpoint's own, as vLLM resolves it: on a GPU a
+    bf16/fp16 checkpoint keeps its dtype and an fp32 one runs in bf16; on a CPU a bf16/fp16
+    checkpoint runs in bf16 where the CPU has native bf16 (AVX512-BF16, AMX) and in fp32 where
+    bf16 would be emulated, and an fp32 checkpoint stays fp32."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    half = stored in (torch.bfloat16, torch.float16)
+    if device.type == "cuda":
+        return stored if half else torch.bfloat16  # type: ignore[return-value]
+    return torch.bfloat16 if half and has_native_bf16() else torch.float32
 
 
 @contextlib.contextmanager
@@ -58,7 +81,6 @@ class Worker:
         self.rank = rank
         model_config = config.model_config
         self.device = resolve_device(model_config.device)
-        self.dtype = resolve_dtype(model_config.dtype, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
             if envs.num_threads():
@@ -67,16 +89,40 @@ class Worker:
         torch.manual_seed(model_config.seed)
         load_plugins()
         self.hf_config = AutoConfig.from_pretrained(model_config.model)
+        self.dtype = resolve_dtype(
+            model_config.dtype, self.device, checkpoint_dtype(self.hf_config)
+        )
         model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
-        with torch.device(self.device), default_dtype(self.dtype):
+        start = time.perf_counter()
+        # Parameters are created uninitialised (every one is then read from the checkpoint), so
+        # building touches no memory and the fit check below comes before any real allocation.
+        with torch.device(self.device), default_dtype(self.dtype), no_init_weights():
             model = model_cls(self.hf_config)
+        self.weight_bytes = sum(
+            t.numel() * t.element_size() for t in {*model.parameters(), *model.buffers()}
+        )
+        if self.device.type == "cpu":
+            check_model_fits(
+                self.weight_bytes * get_tp_size(),
+                self._kv_bytes_per_token(model) * config.scheduler_config.max_model_len,
+                str(self.dtype).removeprefix("torch."),
+                config.scheduler_config.max_model_len,
+            )
         load_model_weights(model, model_config.model)
         model.eval()
-        pack_weights_for_cpu(model)
+        self.backend_report = CpuBackendReport()
+        if self.device.type == "cpu":
+            self.backend_report = apply_cpu_backend(model)
+            logger.info(self.backend_report.summary())
+        self.load_seconds = time.perf_counter() - start
         vocab_size = self.hf_config.get_text_config().vocab_size
         self.model_runner = ModelRunner(
             model, config.scheduler_config, config.cache_config, vocab_size, self.device
         )
+
+    def _kv_bytes_per_token(self, model: torch.nn.Module) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * a.num_kv_heads * a.head_size * elem for a in get_attention_layers(model))
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit the memory budget, but no more than the scheduler could ever use."""
@@ -102,7 +148,7 @@ class Worker:
         if budget is not None:
             return budget
         if self.device.type != "cuda":
-            return _CPU_DEFAULT_KV_BYTES
+            return default_cpu_kv_budget(get_tp_size())
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free
         # Leave room for activations: a rough share of the step's token budget.
@@ -110,9 +156,31 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks, self.dtype)
-        logger.info(
-            "KV cache: %d blocks of %d tokens", num_blocks, self.config.cache_config.block_size
-        )
+        self.num_kv_blocks = num_blocks
+        if self.rank == 0:
+            info = self.model_info()
+            logger.info(
+                "Ready: %s in %s on %s; weights %s per worker, KV cache %s per worker "
+                "(%d tokens in %d blocks of %d); loaded in %.1f s",
+                info["architecture"], info["dtype"], info["device"], gib(info["weight_bytes"]),
+                gib(info["kv_cache_bytes"]), info["num_kv_tokens"], num_blocks,
+                self.config.cache_config.block_size, info["load_seconds"],
+            )  # fmt: skip
+
+    def model_info(self) -> dict[str, Any]:
+        """What this worker loaded and allocated (plain values: it crosses processes)."""
+        block_size = self.config.cache_config.block_size
+        return {
+            "architecture": self.config.model_config.architecture,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "weight_bytes": self.weight_bytes,
+            "kv_cache_bytes": self.num_kv_blocks
+            * self.model_runner.kv_cache_bytes_per_block(self.dtype),
+            "num_kv_tokens": self.num_kv_blocks * block_size,
+            "load_seconds": self.load_seconds,
+            "cpu_backend": dict(self.backend_report.placements),
+        }
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

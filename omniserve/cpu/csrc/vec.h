@@ -1,15 +1,20 @@
 /*
  * 16-float vectors for omniserve's C kernels, in GCC vector extensions: the compiler maps them to
- * one AVX-512 register, two AVX2 registers, or whatever -march=native offers.
+ * one AVX-512 register, two AVX2 registers, or whatever -march=native offers. bf16 values are
+ * the upper half of an fp32's bits: widening is a shift, narrowing rounds to nearest even as
+ * torch does.
  */
-#ifndef OMNISERVE_VEC_F32_H
-#define OMNISERVE_VEC_F32_H
+#ifndef OMNISERVE_VEC_H
+#define OMNISERVE_VEC_H
 
 #include <stdint.h>
 #include <string.h>
 
 typedef float vec __attribute__((vector_size(64)));
 typedef int32_t ivec __attribute__((vector_size(64)));
+typedef uint32_t uvec __attribute__((vector_size(64)));
+typedef uint16_t hvec __attribute__((vector_size(32))); /* 16 bf16 */
+typedef uint16_t bf16;
 #define LANES 16
 
 static inline vec load(const float *p) {
@@ -21,6 +26,40 @@ static inline vec load(const float *p) {
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 static inline vec splat(float x) { return (vec){0} + x; }
+
+static inline vec load_bf16(const bf16 *p) {
+    hvec h;
+    memcpy(&h, p, sizeof h);
+    return (vec)(__builtin_convertvector(h, uvec) << 16);
+}
+
+/* Round to nearest even (NaNs stay NaNs), as torch's float -> bfloat16 cast does. */
+static inline hvec round_bf16(vec v) {
+    const uvec u = (uvec)v;
+    const uvec rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uvec quiet_nan = (u >> 16) | 0x40u;
+    const uvec is_nan = (uvec)((u & 0x7fffffffu) > 0x7f800000u);
+    return __builtin_convertvector((rounded & ~is_nan) | (quiet_nan & is_nan), hvec);
+}
+
+static inline void store_bf16(bf16 *p, vec v) {
+    const hvec h = round_bf16(v);
+    memcpy(p, &h, sizeof h);
+}
+
+static inline bf16 to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
+    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(bf16 x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 /* Lane-wise max(x, lo) and min(x, hi). */
 static inline vec clamp(vec x, float lo, float hi) {

@@ -1,0 +1,104 @@
+"""The one place that decides which CPU kernel runs each layer of a loaded model.
+
+Layers compute through torch by default and expose a hook for a faster implementation
+(``LinearBase.kernel``, ``FusedMoE.kernel``, ``QKRotary.kernel``, ``RMSNorm.kernel``,
+``Attention.backend``).
+``apply_cpu_backend`` walks a loaded model once and sets those hooks where a kernel covers the
+layer's device, dtype and shapes; everything else stays on torch, and the report says what went
+where. Weights a kernel keeps in its own layout replace the originals layer by layer, so the
+peak is the model plus one layer. ``OMNISERVE_CPU_KERNELS=torch`` leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from omniserve import envs
+from omniserve.attention.layer import Attention
+from omniserve.cpu.attention import CpuAttentionBackend
+from omniserve.cpu.linear import OneDnnLinear, RowsLinear, release_weight
+from omniserve.cpu.moe import CpuMoE
+from omniserve.cpu.norm_rope import CpuRMSNorm, qk_norm_rope
+from omniserve.layers.fused_moe import FusedMoE
+from omniserve.layers.layernorm import RMSNorm
+from omniserve.layers.linear import LinearBase
+from omniserve.layers.rotary_embedding import QKRotary
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CpuBackendReport:
+    """How many layers of each kind run on which implementation."""
+
+    placements: Counter[str] = field(default_factory=Counter)
+    """"<layer kind>: <implementation>" -> number of layers."""
+
+    def summary(self) -> str:
+        if not self.placements:
+            return "CPU backend: off (every layer on torch)"
+        parts = [f"{count} {what}" for what, count in sorted(self.placements.items())]
+        return "CPU backend: " + ", ".join(parts)
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """Ids of parameters that more than one module holds (a tied LM head and embedding)."""
+    owners: Counter[int] = Counter()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] += 1
+    return {param_id for param_id, count in owners.items() if count > 1}
+
+
+def _place_linear(layer: LinearBase, shared: set[int]) -> str:
+    weight = layer.weight
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if id(weight) in shared:
+        if RowsLinear.supports(weight):
+            layer.kernel = RowsLinear(weight)
+            return f"C plain-layout {dtype} (shared weight)"
+        return "torch (shared weight)"
+    if OneDnnLinear.supports(weight):
+        layer.kernel = OneDnnLinear(weight)
+        release_weight(layer)
+        return f"oneDNN packed {dtype}"
+    return "torch"
+
+
+def apply_cpu_backend(model: nn.Module) -> CpuBackendReport:
+    """Give every layer of a loaded CPU model the fastest kernel that covers it."""
+    report = CpuBackendReport()
+    if envs.cpu_kernels() == "torch":
+        return report
+    shared = _shared_parameters(model)
+    attention_backend = CpuAttentionBackend()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                kind = f"linear: {_place_linear(module, shared)}"
+            elif isinstance(module, FusedMoE):
+                if CpuMoE.supports(module):
+                    module.kernel = CpuMoE(module)
+                    kind = f"MoE: C {str(module.gate_up_proj.dtype).removeprefix('torch.')}"
+                else:
+                    kind = "MoE: torch"
+            elif isinstance(module, Attention):
+                module.backend = attention_backend
+                kind = "attention: C decode + SDPA prefill"
+            elif isinstance(module, QKRotary):
+                module.kernel = qk_norm_rope
+                kind = "q/k norm + RoPE: C"
+            elif isinstance(module, RMSNorm):
+                if not CpuRMSNorm.supports(module):
+                    continue  # fp32: torch's fused F.rms_norm already makes one pass
+                module.kernel = CpuRMSNorm(module)
+                kind = "RMSNorm: C bfloat16"
+            else:
+                continue
+            report.placements[kind] += 1
+    return report

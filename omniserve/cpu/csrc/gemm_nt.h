@@ -1,0 +1,107 @@
+/*
+ * Register tiles of y[i][j] = sum_k x_i[k] * w_j[k] where both operands run along k ("NT"): the
+ * checkpoint's [out_features, in_features] layout is used as it is, so no packed copy of a
+ * weight ever exists. Each (i, j) pair accumulates a vector of partial sums over k, and four
+ * pairs are reduced together at the end (a partial transpose), amortised over K / KSTEP steps.
+ *
+ * bf16 on a CPU with AVX512-BF16: one vdpbf16ps per 32 k (products of bf16 pairs summed in fp32);
+ * elsewhere bf16 is widened to fp32 and multiplied there. fp32 accumulation throughout.
+ * x rows are ldx elements apart; w rows are given as NR pointers (so gate and up rows of a MoE
+ * expert can share a tile). K must be a multiple of KSTEP.
+ */
+#ifndef OMNISERVE_GEMM_NT_H
+#define OMNISERVE_GEMM_NT_H
+
+#include <stdint.h>
+
+#include "vec.h"
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+#define MR 6     /* x rows per tile */
+#define NR 4     /* w rows per tile */
+#define KSTEP 32 /* k per step: 32 bf16 or 2 x 16 fp32 */
+
+/* The sums of the lanes of a, b, c and d. */
+static inline void reduce4(vec a, vec b, vec c, vec d, float out[4]) {
+    const vec ab = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12,
+                                           28, 14, 30) +
+                   __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13,
+                                           29, 15, 31);
+    const vec cd = __builtin_shufflevector(c, d, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12,
+                                           28, 14, 30) +
+                   __builtin_shufflevector(c, d, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13,
+                                           29, 15, 31);
+    /* ab = [a b a b ...] partial sums, cd alike; now [a b c d] in every group of four */
+    const vec abcd = __builtin_shufflevector(ab, cd, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12,
+                                             13, 28, 29) +
+                     __builtin_shufflevector(ab, cd, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27,
+                                             14, 15, 30, 31);
+    for (int j = 0; j < 4; ++j) out[j] = (abcd[j] + abcd[j + 4]) + (abcd[j + 8] + abcd[j + 12]);
+}
+
+static inline __attribute__((always_inline)) void
+tile_f32(const float *x, int64_t ldx, const float *const w[NR], int64_t K, float y[MR][NR],
+         const int mr) {
+    vec acc[MR][NR];
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < NR; ++j) acc[i][j] = (vec){0};
+    for (int64_t k = 0; k < K; k += LANES) {
+        vec wv[NR];
+        for (int j = 0; j < NR; ++j) wv[j] = load(w[j] + k);
+        for (int i = 0; i < mr; ++i) {
+            const vec xv = load(x + i * ldx + k);
+            for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
+        }
+    }
+    for (int i = 0; i < mr; ++i) reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], y[i]);
+}
+
+static inline __attribute__((always_inline)) void
+tile_bf16(const bf16 *x, int64_t ldx, const bf16 *const w[NR], int64_t K, float y[MR][NR],
+          const int mr) {
+    vec acc[MR][NR];
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < NR; ++j) acc[i][j] = (vec){0};
+#ifdef __AVX512BF16__
+    for (int64_t k = 0; k < K; k += KSTEP) {
+        __m512i wv[NR];
+        for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512(w[j] + k);
+        for (int i = 0; i < mr; ++i) {
+            const __m512i xv = _mm512_loadu_si512(x + i * ldx + k);
+            for (int j = 0; j < NR; ++j)
+                acc[i][j] = (vec)_mm512_dpbf16_ps((__m512)acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
+        }
+    }
+#else
+    for (int64_t k = 0; k < K; k += LANES) {
+        vec wv[NR];
+        for (int j = 0; j < NR; ++j) wv[j] = load_bf16(w[j] + k);
+        for (int i = 0; i < mr; ++i) {
+            const vec xv = load_bf16(x + i * ldx + k);
+            for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
+        }
+    }
+#endif
+    for (int i = 0; i < mr; ++i) reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], y[i]);
+}
+
+/* The tiles with the row count a compile-time constant, so the accumulators stay in registers. */
+#define DEFINE_TILE_ROWS(NAME, TILE, T)                                                           \
+    static void NAME(const T *x, int64_t ldx, int mr, const T *const w[NR], int64_t K,            \
+                     float y[MR][NR]) {                                                           \
+        switch (mr) {                                                                             \
+        case 1: TILE(x, ldx, w, K, y, 1); break;                                                  \
+        case 2: TILE(x, ldx, w, K, y, 2); break;                                                  \
+        case 3: TILE(x, ldx, w, K, y, 3); break;                                                  \
+        case 4: TILE(x, ldx, w, K, y, 4); break;                                                  \
+        case 5: TILE(x, ldx, w, K, y, 5); break;                                                  \
+        default: TILE(x, ldx, w, K, y, 6); break;                                                 \
+        }                                                                                         \
+    }
+DEFINE_TILE_ROWS(tile_rows_f32, tile_f32, float)
+DEFINE_TILE_ROWS(tile_rows_bf16, tile_bf16, bf16)
+
+#endif

@@ -1,0 +1,77 @@
+"""Host memory for CPU workers: what is available, whether a model fits, how much KV cache.
+
+On a CPU the weights, the KV cache and the activations share the machine's memory with
+everything else on it, so the worker checks the fit before it reads a byte of the checkpoint
+(failing with what it needs and what to change, rather than being OOM-killed half-way through
+loading), and sizes the KV cache from the memory still available once the weights are in.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CPU_KV_FRACTION = 0.5
+"""Share of the memory available after loading that the KV cache takes by default: the rest stays
+for activations, the API server's media processing, and the rest of the machine."""
+RESERVE_BYTES = 1 << 30
+"""Kept free in any case: a step's activations and the runtime's own allocations."""
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / (1 << 30):.2f} GiB"
+
+
+def _cgroup_headroom() -> int | None:
+    """Bytes this process's cgroup (v2) may still allocate, when it has a limit."""
+    try:
+        cgroup = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
+        base = Path("/sys/fs/cgroup") / cgroup.lstrip("/")
+        limit = (base / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int((base / "memory.current").read_text())
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def available_memory_bytes() -> int:
+    """Memory the process can still take: the kernel's MemAvailable (free plus reclaimable page
+    cache), or less under a cgroup limit."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    headroom = _cgroup_headroom()
+    return available if headroom is None else min(available, headroom)
+
+
+def check_model_fits(
+    weight_bytes: int, min_kv_bytes: int, dtype_name: str, max_model_len: int
+) -> None:
+    """Raise MemoryError, naming the sizes and the options that shrink them, when the weights,
+    one max_model_len sequence of KV cache and the reserve exceed the available memory."""
+    available = available_memory_bytes()
+    needed = weight_bytes + min_kv_bytes + RESERVE_BYTES
+    if needed <= available:
+        return
+    raise MemoryError(
+        f"The model does not fit in this machine's memory: its weights take {gib(weight_bytes)} "
+        f"in {dtype_name}, one {max_model_len}-token sequence needs {gib(min_kv_bytes)} of KV "
+        f"cache, and {gib(RESERVE_BYTES)} is kept for activations: {gib(needed)} in all, but "
+        f"only {gib(available)} is available. Free memory, or lower --max-model-len"
+        + (", or pass --dtype bfloat16" if dtype_name == "float32" else "")
+        + ", or serve a smaller model."
+    )
+
+
+def default_cpu_kv_budget(num_workers: int) -> int:
+    """Each of ``num_workers`` CPU workers' KV-cache share of the memory available now."""
+    usable = max(available_memory_bytes() - RESERVE_BYTES, 0)
+    return int(usable * CPU_KV_FRACTION) // num_workers

@@ -1,0 +1,287 @@
+"""The CPU backend's kernels against torch references, in fp32 and bf16, and where the backend
+puts them. bf16 kernels accumulate in fp32: they are held to the fp32 reference within bf16's
+rounding of their inputs and outputs, at the real checkpoints' shapes too."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omniserve.attention import Attention
+from omniserve.cpu import moe as cpu_moe
+from omniserve.cpu.backend import apply_cpu_backend
+from omniserve.cpu.build import load_library
+from omniserve.cpu.linear import ROWS_KERNEL_MAX_ROWS, RowsLinear
+from omniserve.cpu.moe import CpuMoE
+from omniserve.cpu.norm_rope import qk_norm_rope
+from omniserve.layers.fused_moe import FusedMoE, select_experts, torch_fused_experts
+from omniserve.layers.layernorm import RMSNorm
+from omniserve.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from omniserve.layers.rotary_embedding import QKRotary, apply_rotary_emb
+from omniserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built() -> None:
+    for source in ("moe.c", "linear_rows.c", "paged_decode.c", "norm_rope.c"):
+        assert load_library(source) is not None, f"{source} must build on this machine"
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp32: another summation order than BLAS (1e-6 of the largest output). bf16: the output's
+    own rounding (2**-8 relative) plus that of inputs summed over K, bounded at 2% of the
+    largest output."""
+    scale = float(expected.detach().abs().max())
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 + 1e-6 * scale)
+    else:
+        torch.testing.assert_close(actual.float(), expected, rtol=1e-2, atol=2e-2 * scale)
+
+
+def _linear(out_features: int, in_features: int, bias: bool, dtype: torch.dtype, seed: int):
+    layer = ReplicatedLinear(in_features, out_features, bias=bias)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_features, in_features, generator=gen) * 0.1)
+        if layer.bias is not None:
+            layer.bias.copy_(torch.randn(out_features, generator=gen))
+    return layer.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 700])
+@pytest.mark.parametrize(("out_features", "in_features"), [(512, 256), (70, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_matches_torch(rows, out_features, in_features, bias, dtype) -> None:
+    """Decode- and prefill-sized batches, widths that are not multiples of any blocking; the
+    packed copy replaces the weight (a meta placeholder of the same shape remains)."""
+    layer = _linear(out_features, in_features, bias, dtype, rows)
+    weight, bias_t = layer.weight.detach().float().clone(), layer.bias
+    assert apply_cpu_backend(layer).placements == {f"linear: oneDNN packed {str(dtype)[6:]}": 1}
+    assert layer.weight.device.type == "meta" and layer.weight.shape == weight.shape
+    x = torch.randn(rows, in_features).to(dtype)
+    with torch.inference_mode():
+        expected = F.linear(x.float(), weight, None if bias_t is None else bias_t.float())
+        _close(layer(x), expected, dtype)
+
+
+def test_onednn_linear_inputs_and_errors() -> None:
+    """Rows of a wider tensor, 3-D and transposed inputs, empty batches; training or a dtype
+    mismatch is a clear error, not a silent wrong answer."""
+    layer = _linear(64, 128, True, torch.float32, 0)
+    reference = functools.partial(F.linear, weight=layer.weight.detach().clone(),
+                                  bias=layer.bias)  # fmt: skip
+    apply_cpu_backend(layer)
+    with torch.inference_mode():
+        view = torch.randn(6, 400)[:, 100:228]
+        _close(layer(view), reference(view), torch.float32)
+        x3 = torch.randn(2, 3, 128)
+        assert layer(x3).shape == (2, 3, 64)
+        _close(layer(x3), reference(x3), torch.float32)
+        columns = torch.randn(128, 4).t()
+        _close(layer(columns), reference(columns), torch.float32)
+        assert layer(torch.empty(0, 128)).shape == (0, 64)
+        with pytest.raises(TypeError, match="input dtype torch.bfloat16 does not match"):
+            layer(torch.randn(2, 128).bfloat16())
+    with pytest.raises(RuntimeError, match="inference on CPU tensors only"):
+        layer(torch.randn(2, 128, requires_grad=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MAX_ROWS + 3])
+def test_rows_linear_matches_torch(rows: int, dtype: torch.dtype) -> None:
+    """The plain-layout kernel (tied LM heads): row tiles and weight blocks cut anywhere, a
+    strided input; past its row limit it hands over to F.linear."""
+    layer = _linear(131, 96, True, dtype, rows)
+    kernel = RowsLinear(layer.weight)
+    x = torch.randn(rows, 200).to(dtype)[:, 50:146]
+    with torch.inference_mode():
+        expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+        _close(kernel(x, layer.bias), expected, dtype)
+    assert not RowsLinear.supports(torch.zeros(8, 40))  # K not a multiple of 32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tied_lm_head_keeps_the_shared_embedding(dtype: torch.dtype) -> None:
+    """A head tied to the embedding stays in its layout (one copy) on the plain-layout kernel;
+    the other linears are packed and their originals released."""
+    embed = VocabParallelEmbedding(300, 64).to(dtype)
+    torch.nn.init.normal_(embed.weight)
+    head = ParallelLMHead(300, 64).to(dtype)
+    head.weight = embed.weight
+    model = torch.nn.ModuleList([embed, head, QKVParallelLinear(64, 16, 4, 2).to(dtype),
+                                 RowParallelLinear(64, 64).to(dtype)])  # fmt: skip
+    name = str(dtype)[6:]
+    assert apply_cpu_backend(model).placements == {
+        f"linear: C plain-layout {name} (shared weight)": 1,
+        f"linear: oneDNN packed {name}": 2,
+    }
+    assert head.weight is embed.weight and embed.weight.device.type == "cpu"
+    assert isinstance(head.kernel, RowsLinear)
+    hidden = torch.randn(3, 64).to(dtype)
+    with torch.inference_mode():
+        _close(head(hidden), F.linear(hidden.float(), embed.weight.float()), dtype)
+
+
+def _moe_case(tokens, dtype, experts=8, top_k=2, hidden=128, inter=96, seed=None):
+    gen = torch.Generator().manual_seed(tokens if seed is None else seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    with torch.device("meta"):
+        layer = FusedMoE(experts, hidden, inter)
+    layer.gate_up_proj = torch.nn.Parameter(
+        torch.randn(experts, 2 * inter, hidden, generator=gen, dtype=dtype) * 0.05
+    )
+    layer.down_proj = torch.nn.Parameter(
+        torch.randn(experts, hidden, inter, generator=gen, dtype=dtype) * 0.05
+    )
+    weights, ids = select_experts(torch.randn(tokens, experts, generator=gen), top_k, True)
+    return x.to(dtype), layer, weights, ids
+
+
+def _moe_reference(x, layer, weights, ids) -> torch.Tensor:
+    """torch_fused_experts in fp32 over the experts the batch selects (not all 128)."""
+    active, local_ids = ids.unique(return_inverse=True)
+    gate_up, down = (w.detach()[active].float() for w in (layer.gate_up_proj, layer.down_proj))
+    return torch_fused_experts(x.float(), gate_up, down, weights.float(), local_ids)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 2, 7, 33, 64, 300])
+def test_moe_matches_the_reference(tokens: int, dtype: torch.dtype) -> None:
+    """Experts with 0 to many rows (row tiles of 6 cut anywhere), every activation range, H off
+    the 64-row work blocks."""
+    x, layer, weights, ids = _moe_case(tokens, dtype, hidden=96)
+    x[0] *= 40  # large gate values: silu's exp at both ends of its range
+    assert CpuMoE.supports(layer)
+    with torch.inference_mode():
+        _close(CpuMoE(layer)(x, weights, ids), _moe_reference(x, layer, weights, ids), dtype)
+
+
+@pytest.fixture(scope="module")
+def flagship_moe() -> FusedMoE:
+    """Qwen3-Omni-30B-A3B's expert block: hidden 2048, 128 experts of width 768 (bf16)."""
+    return _moe_case(1, torch.bfloat16, experts=128, hidden=2048, inter=768)[1]
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 40])
+def test_bf16_moe_at_the_flagship_shape(tokens: int, flagship_moe: FusedMoE) -> None:
+    """Top-8 routing over the 128 experts, decode and small-prefill batch sizes."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 2048, generator=gen).bfloat16()
+    weights, ids = select_experts(torch.randn(tokens, 128, generator=gen), 8, True)
+    with torch.inference_mode():
+        got = CpuMoE(flagship_moe)(x, weights, ids)
+    _close(got, _moe_reference(x, flagship_moe, weights, ids), torch.bfloat16)
+
+
+def test_moe_top1_all_on_one_expert_and_chunked_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_moe, "TOKENS_PER_CALL", 4)
+    x, layer, _, _ = _moe_case(9, torch.float32)
+    ids, weights = torch.full((9, 1), 5), torch.rand(9, 1)
+    with torch.inference_mode():
+        got = CpuMoE(layer)(x, weights, ids)
+    _close(got, _moe_reference(x, layer, weights, ids), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_bad_expert_id_is_a_clear_error(dtype: torch.dtype) -> None:
+    x, layer, weights, ids = _moe_case(4, dtype)
+    for bad in (8, -1):
+        ids[2, 1] = bad
+        with torch.inference_mode(), pytest.raises(ValueError, match=r"ids must lie in \[0, 8\)"):
+            CpuMoE(layer)(x, weights, ids)
+
+
+def test_moe_shapes_off_the_kernel_stay_on_torch() -> None:
+    assert not CpuMoE.supports(FusedMoE(8, 100, 64))  # H not a multiple of 32
+    assert not CpuMoE.supports(FusedMoE(8, 128, 48))  # I not a multiple of 32
+    assert not CpuMoE.supports(FusedMoE(8, 128, 64).double())
+    layer = FusedMoE(8, 100, 64)
+    assert apply_cpu_backend(layer).placements == {"MoE: torch": 1} and layer.kernel is None
+
+
+def _rarely_a_step_apart(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal but for a few elements: the norm's sum of squares is added in another order, which
+    now and then moves the normalised value across a rounding boundary (one bf16 step), and
+    scaling by the weight and rounding again can make that two steps of the output."""
+    step = expected.float().abs().clamp_min(1e-30) * 2**-6
+    assert bool(((actual.float() - expected.float()).abs() <= step).all())
+    assert (actual != expected).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("cols", [2048, 1536, 100])
+def test_bf16_rms_norm_kernel_matches_transformers_rounding(cols: int) -> None:
+    gen = torch.Generator().manual_seed(cols)
+    layer = RMSNorm(cols, eps=1e-6)
+    layer.weight.data.copy_(torch.randn(cols, generator=gen))
+    layer = layer.bfloat16()
+    x = (torch.randn(3, 37, cols + 8, generator=gen) * 5).bfloat16()[..., 4 : cols + 4]
+    expected = layer(x)  # the torch reference (no kernel yet)
+    assert apply_cpu_backend(layer).placements == {"RMSNorm: C bfloat16": 1}
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.shape == expected.shape and got.dtype == torch.bfloat16
+    _rarely_a_step_apart(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [True, False])
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
+def test_qk_norm_rope_kernel_matches_the_torch_ops(with_norm, rotary_fraction, dtype) -> None:
+    """The one-pass kernel on views of a qkv output: the rotation is bit-identical to the
+    torch ops (in bf16 too: each product and sum rounded as torch's bf16 ops round them); the
+    norm only adds its squares in another order."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, kv_heads, dim = 37, 4, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3
+    half = int(dim * rotary_fraction) // 2
+    cos = torch.randn(tokens, half, generator=gen).repeat(1, 2)
+    sin = torch.randn(tokens, half, generator=gen).repeat(1, 2)
+    q_norm, k_norm = (RMSNorm(dim, eps=1e-6) if with_norm else None for _ in range(2))
+    for norm in (q_norm, k_norm):
+        if norm is not None:
+            norm.weight.data.copy_(torch.randn(dim, generator=gen))
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = t.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+
+    qkv, cos, sin = qkv.to(dtype), cos.to(dtype), sin.to(dtype)
+    q_norm, k_norm = (None if n is None else n.to(dtype) for n in (q_norm, k_norm))
+    with torch.inference_mode():
+        q, k = views(qkv.clone())
+        if with_norm:
+            q, k = q_norm(q), k_norm(k)
+        expected = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        fused = qkv.clone()
+        q, k = qk_norm_rope(*views(fused), cos, sin, q_norm, k_norm)
+        assert q.data_ptr() == fused.data_ptr()  # in place, in the qkv buffer
+        for got, want in zip((q, k), expected, strict=True):
+            if not with_norm:
+                assert torch.equal(got, want)
+            elif dtype == torch.float32:
+                torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+            else:
+                _rarely_a_step_apart(got, want)
+        assert torch.equal(fused[:, (heads + kv_heads) * dim :], qkv[:, (heads + kv_heads) * dim :])
+
+
+def test_backend_places_each_layer_kind_and_can_be_turned_off(monkeypatch) -> None:
+    model = torch.nn.ModuleList([ReplicatedLinear(64, 32), FusedMoE(4, 64, 32), QKRotary(),
+                                 Attention(4, 16, 0.25, num_kv_heads=2)])  # fmt: skip
+    monkeypatch.setenv("OMNISERVE_CPU_KERNELS", "torch")
+    report = apply_cpu_backend(model)
+    assert not report.placements and "off" in report.summary()
+    assert model[0].kernel is None and model[0].weight.device.type == "cpu"
+    monkeypatch.delenv("OMNISERVE_CPU_KERNELS")
+    report = apply_cpu_backend(model)
+    assert report.placements == {
+        "linear: oneDNN packed float32": 1, "MoE: C float32": 1, "q/k norm + RoPE: C": 1,
+        "attention: C decode + SDPA prefill": 1,
+    }  # fmt: skip
+    assert model[3].backend.name == "cpu"
