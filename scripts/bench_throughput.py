@@ -20,10 +20,16 @@ Workloads:
   processor takes the mixed batch in one call. Besides the table and the cache hit rates, the
   omniserve pass runs once more in this process under cProfile, and a table attributes its time
   to the front end, the encoders, prefill and decode-only forwards, the sampler, and the rest.
+- ``omni-av``: as ``omni``, but every request carries an image *and* an audio clip (24
+  requests, 32 new tokens by default): the encoder- and prefill-heavy mix.
+
+Both systems run in ``--dtype`` (default: the checkpoint's, resolved as omniserve resolves
+"auto": bf16 for the bf16 bench checkpoints on a CPU with native bf16).
 
     python scripts/bench_throughput.py --num-prompts 32
     python scripts/bench_throughput.py --workload mm --num-prompts 32
     python scripts/bench_throughput.py --workload omni
+    python scripts/bench_throughput.py --workload omni-av
 """
 
 from __future__ import annotations
@@ -155,6 +161,29 @@ OMNI_KINDS = (
 """The ``omni`` workload's request kinds: image, audio, text only (Qwen3-Omni's tokens)."""
 
 
+class PairKind(MediaKind):
+    """Requests carrying one image and one audio clip each (``omni-av``)."""
+
+    def prompt(self, question: str, item: Any) -> Prompt:
+        image, audio = item
+        return {"prompt": self.template.format(question=question),
+                "multi_modal_data": {"image": image, "audio": audio}}  # fmt: skip
+
+    def items(self, prompts: list[Prompt]) -> list[Any]:
+        return [(p["multi_modal_data"]["image"], p["multi_modal_data"]["audio"])
+                for p in prompts if "multi_modal_data" in p]  # fmt: skip
+
+
+AV_KIND = PairKind(
+    "image+audio",
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|><|audio_start|><|audio_pad|>"
+    "<|audio_end|>{question}<|im_end|>\n<|im_start|>assistant\n",
+    lambda rng, scale: (make_image(rng, scale), make_audio(rng, scale)),
+    lambda items: {"images": [image for image, _ in items], **hf_audio([a for _, a in items])},
+)
+"""The ``omni-av`` workload's one request kind."""
+
+
 def make_mm_workload(
     kind: MediaKind,
     num: int,
@@ -246,6 +275,16 @@ def text_encoder(pad_id: int) -> Encoder:
 
 
 # ---- the systems ------------------------------------------------------------------------------
+
+
+def cast_inputs(encode: Encoder, dtype: torch.dtype) -> Encoder:
+    """The encoder with its float tensors (pixels, audio features) in the model's dtype."""
+
+    def cast(prompts: list[Prompt]) -> dict[str, torch.Tensor]:
+        inputs = encode(prompts)
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+
+    return cast
 
 
 def hf_generate(model: Any, inputs: dict[str, torch.Tensor], num_tokens: int, pad_id: int) -> None:
@@ -386,7 +425,7 @@ def profile_omniserve(
     calls another); REST is what they leave. cProfile times Python calls only, and slows
     Python-heavy parts most: compare the total with the timed run."""
     with mock.patch.dict(os.environ, {"OMNISERVE_ENABLE_MULTIPROCESSING": "0"}):
-        llm = LLM(model_dir, dtype="float32", enable_prefix_caching=args.enable_prefix_caching)
+        llm = LLM(model_dir, dtype=args.dtype, enable_prefix_caching=args.enable_prefix_caching)
     try:
         bench_omniserve(llm, warmup)
         keys = instrument(llm)
@@ -425,6 +464,8 @@ def media_kinds(workload: str, arch: str) -> tuple[MediaKind, ...]:
         return (MEDIA_KINDS[arch],)
     if workload == "omni" and arch == OMNI_ARCH:
         return OMNI_KINDS
+    if workload == "omni-av" and arch == OMNI_ARCH:
+        return (AV_KIND,)
     supported = sorted(MEDIA_KINDS) if workload == "mm" else [OMNI_ARCH]
     raise SystemExit(f"--workload {workload} needs one of {supported}, not {arch}")
 
@@ -452,8 +493,9 @@ def run_pass(args: argparse.Namespace, model_dir: str) -> PassResult:
     warmup = build_workload(args, kinds, tokenizer, args.seed + 1, 2)  # items not in the workload
     result = PassResult(model_dir, sum(n for _, n in workload), {})
 
-    llm = LLM(model_dir, dtype="float32", enable_prefix_caching=args.enable_prefix_caching)
+    llm = LLM(model_dir, dtype=args.dtype, enable_prefix_caching=args.enable_prefix_caching)
     try:
+        dtype = getattr(torch, llm.llm_engine.engine_core.call_utility("get_model_info")["dtype"])
         bench_omniserve(llm, warmup)
         before = cache_counters(llm)
         result.seconds["omniserve"], outputs = bench_omniserve(llm, workload)
@@ -467,7 +509,8 @@ def run_pass(args: argparse.Namespace, model_dir: str) -> PassResult:
     finally:
         llm.shutdown()
 
-    hf = getattr(transformers, arch).from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = getattr(transformers, arch).from_pretrained(model_dir, dtype=dtype).eval()  # the same
+    encode = cast_inputs(encode, dtype)
     print_header(result, hf, workload, outputs, kinds)
     with torch.inference_mode():
         hf_generate(hf, encode([warmup[0][0]]), 2, pad_id)
@@ -476,7 +519,7 @@ def run_pass(args: argparse.Namespace, model_dir: str) -> PassResult:
             result.seconds["hf generate, one at a time"] = bench_hf_single(
                 hf, workload, encode, pad_id
             )
-    if args.workload == "omni":  # last: its in-process engine tunes this process's malloc
+    if args.workload.startswith("omni"):  # last: its in-process engine tunes this process's malloc
         result.profile = profile_omniserve(args, model_dir, warmup, workload)
     print_report(result, args)
     return result
@@ -552,12 +595,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--workload", default="text", choices=["text", "mm", "omni"])
+    parser.add_argument("--workload", default="text", choices=["text", "mm", "omni", "omni-av"])
     parser.add_argument(
         "--arch", default=None,
-        help=f"Default: {TEXT_ARCH} (text), both of {MM_ARCHS} (mm), {OMNI_ARCH} (omni).",
+        help=f"Default: {TEXT_ARCH} (text), both of {MM_ARCHS} (mm), {OMNI_ARCH} (omni*).",
     )  # fmt: skip
     parser.add_argument("--size", default="bench", choices=["tiny", "bench"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="Both systems' dtype; auto: the checkpoint's, resolved by omniserve.")
     parser.add_argument("--model", default=None, help="A checkpoint dir instead of building one.")
     parser.add_argument(
         "--num-prompts", type=int, default=None, help="Default: 64 (omni), 32 (text, mm)."
@@ -566,7 +611,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--input-len", type=int, nargs=2, default=None,
         help="Prompt tokens (text, default 16 256) or question words (mm, omni: default 8 64).",
     )  # fmt: skip
-    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
+    parser.add_argument("--output-len", type=int, nargs=2, default=None,
+                        help="Default: 32 32 (omni-av), 16 128 (the others).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf-single", action="store_true")
     parser.add_argument(
@@ -579,7 +625,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.num_prompts is None:
-        args.num_prompts = 64 if args.workload == "omni" else 32
+        args.num_prompts = {"omni": 64, "omni-av": 24}.get(args.workload, 32)
+    if args.output_len is None:
+        args.output_len = (32, 32) if args.workload == "omni-av" else (16, 128)
     return args
 
 
@@ -588,7 +636,8 @@ def main(argv: Sequence[str] | None = None) -> list[PassResult]:
     if args.model:
         model_dirs = [args.model]
     else:
-        defaults = {"text": (TEXT_ARCH,), "mm": MM_ARCHS, "omni": (OMNI_ARCH,)}
+        defaults = {"text": (TEXT_ARCH,), "mm": MM_ARCHS, "omni": (OMNI_ARCH,),
+                    "omni-av": (OMNI_ARCH,)}  # fmt: skip
         archs = [args.arch] if args.arch else defaults[args.workload]
         model_dirs = [str(build_tiny_checkpoint(arch, size=args.size)) for arch in archs]
     return [run_pass(args, model_dir) for model_dir in model_dirs]

@@ -58,6 +58,17 @@ def test_serve_help_lists_flags_with_defaults(capsys: pytest.CaptureFixture[str]
     assert "(default: 8000)" in text and "(default: 127.0.0.1)" in text
 
 
+def test_serve_logs_load_progress_and_one_ready_line(server: Server) -> None:
+    """What `omniserve serve` prints while it starts: each shard as it is read, where each layer
+    runs, then one line with the dtype, the weight bytes and the KV budget."""
+    log = server.log.read_text()
+    assert "Loaded shard 1/1" in log and "CPU backend: " in log
+    ready = [line for line in log.splitlines() if "Ready: Qwen3ForCausalLM" in line]
+    assert len(ready) == 1, log[-2000:]
+    for part in ("in float32", "weights ", "KV cache ", "tokens in", "loaded in"):
+        assert part in ready[0], ready[0]
+
+
 def test_models_health_version(server: Server) -> None:
     assert httpx.get(server.url + "/health").status_code == 200  # open without the key
     assert httpx.get(server.url + "/version").json()["version"]

@@ -58,8 +58,11 @@ def make_batch(
     block_size: int = 4,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    unwritten: float | None = None,
 ) -> Batch:
-    """specs: (num_context_tokens already cached, query_len) per request, in batch order."""
+    """specs: (num_context_tokens already cached, query_len) per request, in batch order.
+    Slots no request has written hold random values, or ``unwritten`` (e.g. NaN: the cache is
+    allocated uninitialised)."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     blocks_needed = [-(-(c + q) // block_size) for c, q in specs]
@@ -69,6 +72,8 @@ def make_batch(
     kv_cache = torch.randn(
         2, num_blocks, block_size, num_kv_heads, head_size, generator=gen, dtype=dtype
     )  # garbage in unused slots must never be read
+    if unwritten is not None:
+        kv_cache.fill_(unwritten)
     max_blocks = max(blocks_needed)
     block_table = torch.zeros(len(specs), max_blocks, dtype=torch.int32)
     histories, new_k, new_v, slots, queries = [], [], [], [], []
@@ -237,6 +242,14 @@ def test_bfloat16_decode_at_real_shapes(num_heads: int, num_kv_heads: int) -> No
         scale=scale,
     )  # fmt: skip
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+def test_unwritten_slots_never_reach_the_output() -> None:
+    """The cache is not zeroed: NaN in every slot no request wrote (the padding a batched
+    decode gathers among them) must not leak into any output."""
+    batch = make_batch([(3, 1), (29, 1), (0, 5), (14, 1)], num_heads=4, num_kv_heads=2,
+                       unwritten=float("nan"))  # fmt: skip
+    run_and_compare(batch)
 
 
 def test_causal_attention_without_cache() -> None:

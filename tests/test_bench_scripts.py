@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -105,3 +106,32 @@ def test_omni_benchmark_runs_on_a_tiny_checkpoint_with_a_profile(capsys):
     out = capsys.readouterr().out
     assert "2 image (" in out and "1 audio (" in out and "1 text-only" in out
     assert "where omniserve's time goes" in out and "decode-only steps" in out
+
+
+def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint, tmp_path):
+    """The real-size benchmark's workers and report on a tiny omni thinker: every run counted,
+    the media request timed, memory and the limits reported (timings are not checked)."""
+    bench = _load_script("bench_realsize")
+    model_dir = tiny_checkpoint("Qwen3OmniMoeThinkerForConditionalGeneration")
+    workload = bench.make_workload(["b1", "prefill", "ttft_mm"], model_dir, tmp_path)
+    assert [run["name"] for run in workload["runs"]] == ["b1", "prefill", "ttft_mm_warmup",
+                                                          "ttft_mm"]  # fmt: skip
+    workload_file = tmp_path / "workload.json"
+    workload_file.write_text(json.dumps(workload))
+    results = {}
+    for engine in ("omniserve", "hf"):
+        results[engine] = bench.run_engine(engine, model_dir, workload_file,
+                                           tmp_path / f"{engine}.json", None)  # fmt: skip
+        runs = {run["name"]: run for run in results[engine]["runs"]}
+        assert runs["b1"]["num_output_tokens"] == 128 and runs["b1"]["num_prompt_tokens"] == 128
+        assert runs["prefill"]["num_output_tokens"] == 16
+        assert runs["ttft_mm"]["num_output_tokens"] == 1
+        assert runs["ttft_mm"]["num_prompt_tokens"] > 200  # 448 px image + 10 s clip
+        assert results[engine]["peak_rss_bytes"] > 0
+    costs = bench.model_costs(model_dir)
+    assert costs["decode_bytes_per_step"] > 0 and costs["prefill_flops_per_token"] > 0
+    lines = bench.report("tiny", results, costs, {"gemv_bytes_per_s": 1e10,
+                                                  "gemm_flops_per_s": 1e11})  # fmt: skip
+    table = "\n".join(lines)
+    assert "| ttft_mm |" in table and "omniserve: float32, weights" in table  # as stored
+    assert "x the bound" in table and "x the GEMM time" in table

@@ -20,8 +20,8 @@ Hence two tests per family:
   identical and the mean |Δlogprob| at most 5e-3, under a tenth of a bf16 logit's rounding step
   (measured: all logprobs bit-equal but for a few positions of one or two prompts per family,
   where a fused projection or a batched tower sums in another order and a rounding flips; the
-  largest mean, 2.6e-3, on Qwen3-Omni's three-item prompt). This pins each rounding point of every family's
-  bf16 path (norms, RoPE, MoE, towers, logits) to transformers'.
+  largest mean, 2.6e-3, on Qwen3-Omni's three-item prompt). This pins each rounding point of
+  every family's bf16 path (norms, RoPE, MoE, towers, logits) to transformers'.
 - ``test_bf16_served_close_to_transformers``: the served configuration (the CPU backend's
   kernels, all prompts batched) on *tempered* copies (``tempered_checkpoint``: the decoder's
   residual branches scaled by 0.1 and its attention logits by 0.09, the regime trained models

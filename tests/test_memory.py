@@ -1,0 +1,98 @@
+"""Host memory: a real-vocabulary bf16 checkpoint loads and serves within 1.2 x its weight bytes
++ the KV budget + 1 GiB (the front end and the engine-core process together), a model that
+cannot fit fails at start-up with what it needs, and the CPU KV budget follows the memory
+available.
+
+Memory is the processes' summed PSS: RSS with each shared page split among the processes that
+map it. Summed RSS would count torch's libraries twice (both processes import torch; with the
+pinned wheel that is ~0.5 GB of RSS each, whatever the model), which is memory the machine
+holds once.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from omniserve.worker import memory
+
+KV_BYTES = 256 << 20
+
+# A fresh interpreter (the suite's own process holds far more than one engine), with the engine
+# core in its own process as served; PSS of both summed every 20 ms while loading and serving.
+_SERVE = textwrap.dedent("""
+    import json, sys, threading, psutil
+    peak = 0
+    def sample(stop):
+        global peak
+        me = psutil.Process()
+        while not stop.wait(0.02):
+            total = 0
+            for proc in (me, *me.children(recursive=True)):
+                try:
+                    total += proc.memory_full_info().pss
+                except psutil.Error:
+                    pass
+            peak = max(peak, total)
+    stop = threading.Event()
+    threading.Thread(target=sample, args=(stop,), daemon=True).start()
+    from omniserve import LLM, SamplingParams
+    llm = LLM(sys.argv[1], max_model_len=1024, kv_cache_memory=int(sys.argv[2]))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1000 + 7 * i + j for j in range(300)]} for i in range(8)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outputs)
+    info = llm.llm_engine.engine_core.call_utility("get_model_info")
+    stop.set()
+    print(json.dumps({"peak": peak, **info}))
+""")
+
+
+@pytest.fixture(scope="module")
+def realvocab_checkpoint(tmp_path_factory) -> str:
+    """Qwen2.5's real vocabulary (151,936 rows, untied) on a small decoder: ~350 MB in bf16."""
+    from omniserve.checkpoint_builder import build_realsize_checkpoint
+
+    overrides = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
+                 "num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": False}
+    return str(build_realsize_checkpoint("qwen2.5-1.5b", overrides=overrides,
+                                         out_dir=tmp_path_factory.mktemp("realvocab")))
+
+
+def test_peak_rss_while_loading_and_serving(realvocab_checkpoint: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _SERVE, realvocab_checkpoint, str(KV_BYTES)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = json.loads(result.stdout.strip().splitlines()[-1])
+    assert info["dtype"] == "bfloat16"  # auto follows the bf16 checkpoint on this CPU
+    assert info["weight_bytes"] > 300e6 and info["kv_cache_bytes"] <= KV_BYTES
+    bound = 1.2 * info["weight_bytes"] + info["kv_cache_bytes"] + (1 << 30)
+    assert info["peak"] <= bound, (
+        f"peak {info['peak'] / 2**30:.2f} GiB > {bound / 2**30:.2f} GiB "
+        f"(weights {info['weight_bytes'] / 2**30:.2f} GiB)"
+    )
+
+
+def test_a_model_that_cannot_fit_names_its_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 3 << 30)
+    with pytest.raises(MemoryError) as error:
+        memory.check_model_fits(6 << 30, 1 << 30, "float32", 32768)
+    message = str(error.value)
+    for expected in ("6.00 GiB in float32", "one 32768-token sequence needs 1.00 GiB",
+                     "only 3.00 GiB is available", "--max-model-len", "--dtype bfloat16"):
+        assert expected in message, message
+    memory.check_model_fits(1 << 30, 1 << 29, "bfloat16", 4096)  # 2.5 GiB of 3: fits
+
+
+def test_cpu_kv_budget_is_a_share_of_what_is_available(monkeypatch) -> None:
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 9 << 30)
+    assert memory.default_cpu_kv_budget(1) == 4 << 30  # half of (9 - 1) GiB
+    assert memory.default_cpu_kv_budget(2) == 2 << 30  # split between tensor-parallel workers
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 512 << 20)
+    assert memory.default_cpu_kv_budget(1) == 0
