@@ -53,14 +53,14 @@ _SERVE = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def realvocab_checkpoint(tmp_path_factory) -> str:
-    """Qwen2.5's real vocabulary (151,936 rows, untied) on a small decoder: ~350 MB in bf16."""
+def realvocab_checkpoint() -> str:
+    """Qwen2.5's real vocabulary (151,936 rows, untied) on a small decoder: ~350 MB in bf16,
+    built once into the cache dir."""
     from omniserve.checkpoint_builder import build_realsize_checkpoint
 
     overrides = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
                  "num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": False}
-    return str(build_realsize_checkpoint("qwen2.5-1.5b", overrides=overrides,
-                                         out_dir=tmp_path_factory.mktemp("realvocab")))
+    return str(build_realsize_checkpoint("qwen2.5-1.5b", overrides=overrides))
 
 
 def test_peak_rss_while_loading_and_serving(realvocab_checkpoint: str) -> None:

@@ -11,7 +11,7 @@
 
 #include "gemm_nt.h"
 
-#define BLOCK 64 /* rows of w per work item: 64 x K stays in L2 across the row tiles of x */
+#define BLOCK 48 /* rows of w per work item (8 tiles): stays in L2 across the row tiles of x */
 
 #define DEFINE_LINEAR_ROWS(NAME, T, TILE_ROWS, TO_T, FROM_T)                                      \
     void NAME(const T *x, int64_t M, int64_t ldx, const T *w, int64_t N, int64_t K,              \

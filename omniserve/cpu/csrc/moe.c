@@ -18,7 +18,7 @@
 
 #include "gemm_nt.h"
 
-#define MOE_BLOCK 64 /* weight rows per work item (gate+up pairs count as two) */
+#define MOE_BLOCK 48 /* weight rows per work item, 8 tiles (gate and up rows count as two) */
 
 #define T float
 #define FN(name) name##_f32

@@ -48,8 +48,8 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const T *gate_u
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; ++p)
             memcpy(xs + slot_of[p] * H, x + (p / top_k) * H, sizeof *xs * (size_t)H);
-        /* gate/up: each tile takes gate rows j, j+1 and the matching up rows, so silu(g) * u is
-         * formed from registers */
+        /* gate/up: each tile takes NR / 2 gate rows and the matching up rows, so silu(g) * u is
+         * formed from the tile's sums */
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < E * up_blocks; ++item) {
             const int64_t e = item / up_blocks, rows = start[e + 1] - start[e];
@@ -59,15 +59,18 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const T *gate_u
             const T *gate = gate_up + e * 2 * I * H, *up = gate + I * H;
             for (int64_t r = start[e]; r < start[e + 1]; r += MR) {
                 const int mr = (int)(start[e + 1] - r < MR ? start[e + 1] - r : MR);
-                for (int64_t j = j0; j < j1; j += 2) {
-                    const int64_t j_next = j + 1 < j1 ? j + 1 : j; /* odd tail: repeat a row */
-                    const T *w[NR] = {gate + j * H, gate + j_next * H, up + j * H,
-                                      up + j_next * H};
+                for (int64_t j = j0; j < j1; j += NR / 2) {
+                    const T *w[NR];
+                    for (int c = 0; c < NR / 2; ++c) { /* a short tail repeats its last row */
+                        const int64_t row = j + c < j1 ? j + c : j1 - 1;
+                        w[c] = gate + row * H;
+                        w[c + NR / 2] = up + row * H;
+                    }
                     float y[MR][NR];
                     TILE_ROWS(xs + r * H, H, mr, w, H, y);
                     for (int m = 0; m < mr; ++m)
-                        for (int c = 0; c < 2 && j + c < j1; ++c) {
-                            const float g = ROUND(y[m][c]), u = ROUND(y[m][c + 2]);
+                        for (int c = 0; c < NR / 2 && j + c < j1; ++c) {
+                            const float g = ROUND(y[m][c]), u = ROUND(y[m][c + NR / 2]);
                             act[(r + m) * I + j + c] = TO_T(ROUND(g / (1.0f + expf(-g))) * u);
                         }
                 }
