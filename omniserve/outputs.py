@@ -28,7 +28,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None
+    """"stop", "length", "abort", or "error" (the engine failed on this request; only offline:
+    the server answers such a request with a 500); None while running."""
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:

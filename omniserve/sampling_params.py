@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
+# The sampler computes in float32: a value it divides by must stay a finite, normal float32 and so
+# must its reciprocal, or the logits overflow to inf / underflow to 0 and the draw has no mass.
+FP32_MAX = 3.4028234663852886e38
+FP32_TINY = 1.1754943508222875e-38  # smallest normal float32
+# Seeds are what torch.Generator.manual_seed takes (negative ones wrap to unsigned 64-bit).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Ids, counts and top-k travel to the engine as int64 and index int32/int64 tensors.
+INT32_MAX = 2**31 - 1
 
 
 class RequestOutputKind(IntEnum):
@@ -59,43 +68,57 @@ class SamplingParams:
         def fail(name: str, rule: str) -> None:
             raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def is_int(value: object, low: int, high: int) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+        def is_real(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and math.isfinite(value)
+
+        if not is_int(self.n, 1, INT32_MAX):
             fail("n", "an integer >= 1")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
+            value = getattr(self, name)
+            if not is_real(value) or not -2.0 <= value <= 2.0:
                 fail(name, "in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            fail("repetition_penalty", "> 0")
-        if self.temperature < 0.0:
-            fail("temperature", "non-negative")
-        if not 0.0 < self.top_p <= 1.0:
-            fail("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            fail("top_k", "0 or -1 (disabled) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
+        rep = self.repetition_penalty
+        if not is_real(rep) or not FP32_TINY <= rep <= 1.0 / FP32_TINY:
+            fail("repetition_penalty", f"> 0 and within float32 range [{FP32_TINY:.3g}, "
+                 f"{1.0 / FP32_TINY:.3g}] (the sampler divides by it)")
+        if not is_real(self.temperature) or not 0.0 <= self.temperature <= FP32_MAX:
+            fail("temperature", f"a finite number in [0, {FP32_MAX:.4g}] (float32)")
+        if not is_real(self.top_p) or not FP32_TINY <= self.top_p <= 1.0:
+            fail("top_p", "in (0, 1] and not below float32's smallest normal "
+                 f"({FP32_TINY:.3g})")
+        if not is_int(self.top_k, 0, INT32_MAX):
+            fail("top_k", f"0 or -1 (disabled) or an integer in [1, {INT32_MAX}]")
+        if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "in [0, 1]")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            fail("max_tokens", "an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            fail("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and not is_int(self.max_tokens, 1, INT32_MAX):
+            fail("max_tokens", f"an integer in [1, {INT32_MAX}]")
+        if not is_int(self.min_tokens, 0, INT32_MAX):
+            fail("min_tokens", f"an integer in [0, {INT32_MAX}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
+            if value is not None and not is_int(value, 0, INT32_MAX):
                 fail(name, "None or an integer >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "a list of non-negative token ids")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", "None or an integer")
+        if any(not is_int(t, 0, INT32_MAX) for t in self.stop_token_ids):
+            fail("stop_token_ids", "a list of token ids (non-negative integers)")
+        if self.seed is not None and not is_int(self.seed, SEED_MIN, SEED_MAX):
+            fail("seed", f"None or an integer in [{SEED_MIN}, {SEED_MAX}]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    def child_seed(self, index: int) -> int | None:
+        """The seed of child ``index`` of an n > 1 request: consecutive, wrapping in 64 bits
+        (a generator treats a seed and the same seed mod 2**64 alike)."""
+        return None if self.seed is None else (self.seed + index) % 2**64
 
     def clone(self, **changes: object) -> SamplingParams:
         """A copy with some fields changed (used to fan out n > 1 into child requests)."""

@@ -125,12 +125,12 @@ def test_sync_mp_client_matches_inproc_and_shuts_down_cleanly(model_dir: Path) -
         assert tokens["req-1"] == expected["req-1"] and len(tokens.get("req-0", [])) < 200
         assert client.call_utility("has_unfinished_requests") is False
 
-        # A request the scheduler refuses (longer than max_model_len) ends at once as aborted.
+        # A request the scheduler refuses (longer than max_model_len) ends at once as an error.
         too_long = _request(0)
         too_long.prompt_token_ids = [5] * 300
         client.add_request(too_long)
         [output] = client.get_output().outputs
-        assert output.request_id == "req-0" and output.finish_reason is FinishReason.ABORT
+        assert output.request_id == "req-0" and output.finish_reason is FinishReason.ERROR
         assert client.is_alive()
     finally:
         client.shutdown()

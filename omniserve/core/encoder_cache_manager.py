@@ -10,6 +10,7 @@ reported to the workers through ``get_freed_mm_hashes``. Pure Python (no torch).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from omniserve.core.request import Request
@@ -140,6 +141,17 @@ class EncoderCacheManager:
         """Drop every reference the request holds (finished, aborted or preempted)."""
         for i in self.referenced_items(request):
             self.free_encoder_input(request, i)
+
+    def discard(self, identifiers: Iterable[str]) -> None:
+        """Evict these unreferenced entries now (their outputs may never have been computed)."""
+        for identifier in identifiers:
+            entry = self.entries.get(identifier)
+            if entry is None or entry.refs:
+                continue
+            del self.entries[identifier]
+            del self.freeable[identifier]
+            self.num_free_slots += entry.num_embeds
+            self.freed.append(identifier)
 
     def get_freed_mm_hashes(self) -> list[str]:
         """Identifiers evicted since the last call (each reported once)."""

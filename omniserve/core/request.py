@@ -18,18 +18,12 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+    """A step raised while the request ran alone: it caused the failure."""
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
-
-
-# Finished status -> the API's finish_reason.
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
 
 
 @dataclass(eq=False)
@@ -56,6 +50,8 @@ class Request:
     num_cached_tokens: int = -1
     """Prompt tokens served from the prefix cache at first schedule (-1: not scheduled yet)."""
     num_preemptions: int = 0
+    suspect: bool = False
+    """In a step that raised together with others: runs alone until it samples a token."""
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)
     """Chained hashes of this request's full blocks, extended as tokens arrive."""
@@ -93,6 +89,3 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self._output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
-
-    def get_finish_reason(self) -> str | None:
-        return FINISH_REASONS.get(self.status)

@@ -38,6 +38,7 @@ _STATUS_TO_FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -186,9 +187,14 @@ class Scheduler:
         preempted: list[Request] = []
         config = self.scheduler_config
         budget = _StepBudget(config.max_num_batched_tokens, config.max_num_encoder_input_tokens)
-        self._schedule_running(scheduled, preempted, budget)
-        if not preempted:
-            self._schedule_waiting(scheduled, budget)
+        if self._isolate_suspect(preempted):
+            self._schedule_running(scheduled, preempted, budget)
+            if not self.running:
+                self._schedule_waiting(scheduled, budget, max_num_seqs=1)
+        else:
+            self._schedule_running(scheduled, preempted, budget)
+            if not preempted:
+                self._schedule_waiting(scheduled, budget)
         output = self._make_output(scheduled, preempted)
         # Optimistic: the step will compute these tokens (vLLM's _update_after_schedule).
         for record in scheduled.values():
@@ -284,13 +290,35 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _isolate_suspect(self, preempted: list[Request]) -> bool:
+        """While requests of a step that raised are suspects, run one of them per step, alone.
+
+        The first suspect (running, else the first waiting) is put where this step takes it: every
+        other running request is preempted (recompute) and a waiting suspect moves to the head
+        of the queue. Returns False when there is no suspect.
+        """
+        suspect = next((r for r in self.running if r.suspect), None) or next(
+            (r for r in self.waiting if r.suspect), None)
+        if suspect is None:
+            return False
+        for request in [r for r in self.running if r is not suspect]:
+            self.running.remove(request)
+            self._preempt(request)
+            preempted.append(request)
+        if suspect.status != RequestStatus.RUNNING:
+            self.waiting.remove(suspect)
+            self.waiting.appendleft(suspect)
+        return True
+
     def _schedule_waiting(
-        self, scheduled: dict[str, _ScheduledRequest], budget: _StepBudget
+        self, scheduled: dict[str, _ScheduledRequest], budget: _StepBudget,
+        max_num_seqs: int | None = None,
     ) -> None:
         """Admit WAITING requests FCFS; the first that cannot run this step stops admission."""
         config = self.scheduler_config
         kv = self.kv_cache_manager
-        while self.waiting and budget.num_tokens > 0 and len(self.running) < config.max_num_seqs:
+        max_num_seqs = config.max_num_seqs if max_num_seqs is None else max_num_seqs
+        while self.waiting and budget.num_tokens > 0 and len(self.running) < max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             plan = self._plan_admission(request, num_hit_tokens, budget)
@@ -388,6 +416,8 @@ class Scheduler:
             index = req_id_to_index.get(req_id)
             sampled = runner.sampled_token_ids[index] if index is not None else []
             new_token_ids = append_and_check_stop(request, sampled, self.max_model_len)
+            if new_token_ids:
+                request.suspect = False  # it ran past the step that failed
             prompt_logprobs = runner.prompt_logprobs.get(req_id)
             if new_token_ids or request.is_finished or prompt_logprobs is not None:
                 outputs.append(
@@ -408,4 +438,43 @@ class Scheduler:
                 self.kv_cache_manager.update_block_hashes(request)
         if num_finished:
             self.running = [request for request in self.running if not request.is_finished]
+        return EngineCoreOutputs(outputs=outputs)
+
+    # ---- a step that raised ----
+
+    def fail_step(self, scheduler_output: SchedulerOutput) -> EngineCoreOutputs:
+        """Undo a step whose execution raised, and pin the failure on the request that caused it.
+
+        A request alone in the step is the cause: it finishes with an error. Several requests all
+        go back to waiting (recompute) as suspects and then run one at a time until each has
+        sampled a token (``_isolate_suspect``), so a repeat failure has a single cause and no
+        innocent request fails. Encoder-cache entries the step was to fill are dropped: the
+        workers may not hold them.
+        """
+        requests = [self.requests[req_id] for req_id in scheduler_output.num_scheduled_tokens
+                    if req_id in self.requests]
+        for request in requests:
+            # The optimistic advance did not happen: those tokens' KV was never (all) written.
+            request.num_computed_tokens -= scheduler_output.num_scheduled_tokens[
+                request.request_id]
+        outputs: list[EngineCoreOutput] = []
+        if len(scheduler_output.num_scheduled_tokens) == 1:
+            for request in requests:
+                self.running.remove(request)
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free_request(request)
+                outputs.append(EngineCoreOutput(
+                    request_id=request.request_id, new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    num_cached_tokens=max(request.num_cached_tokens, 0)))
+        else:
+            for request in reversed(requests):  # _preempt puts each at the head, in order
+                self.running.remove(request)
+                self._preempt(request)
+                request.suspect = True
+        by_id = {request.request_id: request for request in requests}
+        self.encoder_cache_manager.discard(
+            by_id[req_id].mm_features[i].identifier
+            for req_id, items in scheduler_output.scheduled_encoder_inputs.items()
+            if req_id in by_id for i in items)
         return EngineCoreOutputs(outputs=outputs)

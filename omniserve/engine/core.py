@@ -76,7 +76,10 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(timestamp=time.time())
         scheduler_output = self.scheduler.schedule()
-        model_output = self.model_executor.execute_model(scheduler_output)
+        try:
+            model_output = self.model_executor.execute_model(scheduler_output)
+        except Exception as exc:
+            return self._fail_step([scheduler_output], exc)
         return self._update_from_output(scheduler_output, model_output)
 
     def step_with_batch_queue(self) -> EngineCoreOutputs | None:
@@ -99,7 +102,35 @@ class EngineCore:
         if not self.batch_queue:
             return None
         future, scheduler_output = self.batch_queue.pop()
-        return self._update_from_output(scheduler_output, future.result())
+        try:
+            model_output = future.result()
+        except Exception as exc:
+            # Later batches were scheduled on top of this one: they are undone with it.
+            failed = [scheduler_output]
+            while self.batch_queue:
+                later_future, later = self.batch_queue.pop()
+                exception = later_future.exception()
+                if exception is not None:
+                    logger.error("A later batch failed too: %r", exception)
+                failed.append(later)
+            return self._fail_step(failed, exc)
+        return self._update_from_output(scheduler_output, model_output)
+
+    def _fail_step(self, scheduler_outputs: list[SchedulerOutput],
+                   exc: Exception) -> EngineCoreOutputs:
+        """A step raised: fail only the request that caused it, keep serving the rest.
+
+        Raises (the engine dies) when the workers cannot go on, e.g. one of them died.
+        """
+        self.model_executor.check_health()
+        req_ids = sorted({r for so in scheduler_outputs for r in so.num_scheduled_tokens})
+        logger.error("A step failed for request(s) %s (%d scheduled); %s", ", ".join(req_ids),
+                     len(req_ids), "failing it" if len(req_ids) == 1 else
+                     "rerunning each alone to find the cause", exc_info=exc)
+        outputs = [o for so in scheduler_outputs for o in self.scheduler.fail_step(so).outputs]
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time(),
+                                 engine_index=self.engine_index,
+                                 scheduler_stats=self.make_stats())
 
     def _update_from_output(self, scheduler_output: SchedulerOutput,
                             model_output: ModelRunnerOutput) -> EngineCoreOutputs:
@@ -276,7 +307,7 @@ class EngineCoreProc(EngineCore):
                 logger.error("Rejected request %s: %s", payload.request_id, exc)
                 self.output_queue.put((EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(
                     outputs=[EngineCoreOutput(request_id=payload.request_id, new_token_ids=[],
-                                              finish_reason=FinishReason.ABORT)],
+                                              finish_reason=FinishReason.ERROR)],
                     timestamp=time.time(), engine_index=self.engine_index)))
         elif request_type is EngineCoreRequestType.ABORT:
             self.abort_requests(payload)

@@ -20,6 +20,8 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    ERROR = 3
+    """The engine failed on this request (an internal error); the engine itself lives on."""
 
     def __str__(self) -> str:
         return self.name.lower()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from omniserve.core.sched_output import LogprobsLists
 from omniserve.engine.detokenizer import IncrementalDetokenizer, TokenTexts
+from omniserve.engine.exceptions import EngineGenerateError
 from omniserve.engine.messages import EngineCoreOutput, FinishReason
 from omniserve.outputs import (
     CompletionOutput,
@@ -212,11 +213,29 @@ class OutputProcessor:
             child = self._children.get(output.request_id)
             if child is None:
                 continue
+            if output.finish_reason == FinishReason.ERROR and child.parent.queue is not None:
+                self._fail(child, result)
+                changed.pop(child.parent.request_id, None)
+                continue
             self._apply(child, output, now, result)
             changed[child.parent.request_id] = child.parent
         for parent in changed.values():
             self._emit(parent, result)
         return result
+
+    def _fail(self, failed: _ChildState, result: OutputProcessorOutput) -> None:
+        """The engine failed on ``failed``: its request's consumer gets the error and the other
+        children are aborted (a queue-less request instead finishes with "error")."""
+        parent = failed.parent
+        assert parent.queue is not None
+        self._children.pop(failed.request_id, None)
+        for child in parent.children:
+            if not child.finished and self._children.pop(child.request_id, None) is not None:
+                result.reqs_to_abort.append(child.request_id)
+        self._parents.pop(parent.request_id, None)
+        parent.queue.put(EngineGenerateError(
+            f"Request {parent.request_id} failed with an internal error in the engine (the "
+            "server log has the cause); other requests are unaffected."))
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Finish the given requests (parent or child ids) as aborted.

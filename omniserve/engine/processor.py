@@ -111,7 +111,7 @@ class Processor:
             children = [
                 (
                     child_request_id(request_id, i),
-                    params.clone(n=1, seed=None if params.seed is None else params.seed + i),
+                    params.clone(n=1, seed=params.child_seed(i)),
                 )
                 for i in range(params.n)
             ]

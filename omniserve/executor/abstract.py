@@ -60,6 +60,13 @@ class Executor(ABC):
         if self._failure_callback is not None:
             self._failure_callback(error)
 
+    def check_health(self) -> None:
+        """Raise unless the workers can run another step after one raised (the engine dies)."""
+        if self.config.parallel_config.world_size > 1:
+            # Ranks that got past the failing op wait in a collective the others never reach.
+            raise RuntimeError("A step failed on a parallel worker; the ranks are no longer "
+                               "in step.")
+
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """Call ``method`` on every worker; return their results in rank order."""

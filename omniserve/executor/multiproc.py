@@ -104,6 +104,10 @@ class MultiprocExecutor(Executor):
         if self._failure is not None:
             raise RuntimeError(self._failure)
 
+    def check_health(self) -> None:
+        self._check_alive()
+        super().check_health()
+
     # ---- calls ----------------------------------------------------------------------------------
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return self._call(method, args, REPLY_ALL)

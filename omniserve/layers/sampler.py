@@ -15,6 +15,9 @@ CPU speed is a design goal (batch 256 x vocab 150k), so:
   over the vocab, which costs ~0.9 s per 256 x 150k batch on CPU). A seeded row takes its uniform
   from its own generator, so its token depends only on its own logits, params and seed, never on
   the rest of the batch.
+- Total: a row whose weights have no finite positive mass (every token masked, or logits pushed
+  to inf/NaN by extreme penalties) takes its most likely remaining token instead of an
+  out-of-range draw, so no parameter the front door lets through can fail a step.
 """
 
 from __future__ import annotations
@@ -277,7 +280,8 @@ def _sample_candidates(
         ids_by_id, order = ids[fit].sort(-1)  # draw in token-id order, as the full path does
         weights = (values[fit] - values[fit, :1]).exp().masked_fill(~keep[fit], 0.0)
         picked = _draw(weights.gather(1, order), uniform[rows[fit]])
-        sampled[rows[fit]] = ids_by_id.gather(1, picked[:, None]).squeeze(1)
+        drawn = ids_by_id.gather(1, picked.clamp(min=0)[:, None]).squeeze(1)
+        sampled[rows[fit]] = torch.where(picked >= 0, drawn, ids[fit, 0])
     return rows[~fits]
 
 
@@ -313,7 +317,8 @@ def _keep_candidates(
         log_mass[spill] = scaled.logsumexp(-1)
     probs = (masked - log_mass[:, None]).exp()
     mass_before = probs.cumsum(-1) - probs
-    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    # The most likely candidate always survives top-p, however small top_p is.
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (position == 0)
     return keep
 
 
@@ -329,7 +334,7 @@ def _sample_full_vocab(
     temperature = md.temperature[rows, None]
     # Divide in place when the rows are the whole batch (the logits are ours to consume).
     scaled = scaled.div_(temperature) if scaled is logits else scaled / temperature  # [n, vocab]
-    row_max = scaled.amax(-1, keepdim=True)  # [n, 1]
+    row_max, row_argmax = scaled.max(-1, keepdim=True)  # [n, 1]
     if md.min_p is not None:
         min_p = md.min_p[rows, None]
         scaled.masked_fill_(scaled < row_max + min_p.log(), -torch.inf)
@@ -338,7 +343,8 @@ def _sample_full_vocab(
         if nucleus.numel():
             _mask_top_p(scaled, nucleus, md.top_p[rows[nucleus]])
     weights = scaled.sub_(row_max).exp_()  # [n, vocab], 0 where masked
-    sampled[rows] = _draw(weights, uniform[rows])
+    picked = _draw(weights, uniform[rows])
+    sampled[rows] = torch.where(picked >= 0, picked, row_argmax.squeeze(1))
 
 
 def _mask_top_p(scaled: torch.Tensor, nucleus: torch.Tensor, top_p: torch.Tensor) -> None:
@@ -359,10 +365,13 @@ def _draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw: per row, the position whose cumulative weight first exceeds u * total.
 
     ``weights`` [n, m] non-negative, unnormalized (consumed: turned into their cumulative sum in
-    place); ``uniform`` [n] in [0, 1). Zero-weight positions are never picked.
+    place); ``uniform`` [n] in [0, 1). Zero-weight positions are never picked; a row without a
+    finite positive total (all masked, inf or NaN weights) gets -1, for the caller's fallback.
     """
     cumulative = weights.cumsum_(-1)  # [n, m]
     total = cumulative[:, -1:]
     # Strictly below the total even when u * total rounds up to it.
     target = torch.minimum(uniform[:, None] * total, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cumulative, target, right=True).squeeze(1)
+    picked = torch.searchsorted(cumulative, target, right=True).squeeze(1)
+    has_mass = ((total > 0) & (total < torch.inf)).squeeze(1)  # NaN fails both
+    return picked.masked_fill_(~has_mass, -1)
