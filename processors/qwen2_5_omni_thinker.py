@@ -37,7 +37,6 @@ decoded ``VideoItem``) uses it, which equals HF called with that ``fps``; bare f
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -60,6 +59,7 @@ from omniserve.multimodal.processing import (
     PromptReplacement,
     PromptUpdate,
     PromptUpdateDetails,
+    RequestKwarg,
 )
 from processors.qwen2_audio import Qwen2AudioProcessingInfo
 from processors.qwen2_vl import (
@@ -69,6 +69,9 @@ from processors.qwen2_vl import (
     Qwen2VLProcessingInfo,
     VisionGeometry,
 )
+
+_MAX_FRAMES_SEARCHED = 1000
+"""Mel frames (10 s) tried when looking for a clip's shortest length that yields a token."""
 
 _FLAG_KWARGS = ("use_audio_in_video", "load_audio_from_video")
 """Both names HF accepts for audio-in-video; omniserve handles the flag itself."""
@@ -196,6 +199,11 @@ class OmniVisionGeometry(VisionGeometry):
 class Qwen2_5OmniThinkerProcessingInfo(Qwen2VLProcessingInfo, Qwen2AudioProcessingInfo):
     """Qwen2-VL's vision geometry and Qwen2-Audio's extractor, read through the omni processor's
     merged kwargs (its class-level video size overrides the video processor's own)."""
+
+    request_kwargs = {
+        **Qwen2VLProcessingInfo.request_kwargs,
+        **{flag: RequestKwarg(bool) for flag in _FLAG_KWARGS},
+    }
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"image": None, "video": None, "audio": None}
@@ -474,9 +482,12 @@ class Qwen2_5OmniThinkerMultiModalProcessor(Qwen2VLMultiModalProcessor):
         self, what: str, modality: str, got: str, mm_kwargs: Mapping[str, object]
     ) -> MultiModalInputError:
         extractor = self.info.get_feature_extractor()
-        min_frames = next(
-            n for n in itertools.count(1) if self.info.get_num_audio_tokens(n, mm_kwargs) > 0
-        )
+        min_frames = next((n for n in range(1, _MAX_FRAMES_SEARCHED + 1)
+                           if self.info.get_num_audio_tokens(n, mm_kwargs) > 0), None)
+        if min_frames is None:
+            return MultiModalInputError(
+                f"{what} gives no audio token ({got}) under these processor settings",
+                stage="process", modality=modality)
         rate = extractor.sampling_rate
         min_samples = max(min_frames * extractor.hop_length, extractor.n_fft // 2 + 1)
         return MultiModalInputError(

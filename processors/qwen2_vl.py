@@ -22,9 +22,11 @@ from omniserve.multimodal.processing import (
     MultiModalFieldConfig,
     PromptReplacement,
     PromptUpdate,
+    RequestKwarg,
 )
 
 _MAX_ASPECT_RATIO = 200  # smart_resize rejects anything more elongated
+_MAX_PIXELS = 16384 * 28 * 28  # the published checkpoints' largest resize (their default)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,13 @@ class VisionGeometry:
 
 
 class Qwen2VLProcessingInfo(BaseProcessingInfo):
+    request_kwargs = {
+        "min_pixels": RequestKwarg(int, 1, _MAX_PIXELS),
+        "max_pixels": RequestKwarg(int, 1, _MAX_PIXELS),
+        "fps": RequestKwarg(float, 0.01, 240),
+        "num_frames": RequestKwarg(int, 1, 1024),
+    }
+
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"image": None, "video": None}
 

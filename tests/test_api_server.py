@@ -7,6 +7,7 @@ One server for the module. The engine-death test kills that server's engine, so 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import openai
 import pytest
 
 from tests.server_utils import (
+    API_KEY,
     MODEL,
     Server,
     assert_error,
@@ -33,7 +35,7 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 def server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with launch_server(tiny_checkpoint("Qwen3ForCausalLM"), tmp_path_factory.mktemp("server"),
                        "--max-model-len", str(MAX_MODEL_LEN),
-                       "--kv-cache-memory", "64MiB") as running:
+                       "--kv-cache-memory", "64MiB", "--max-request-body-mb", "2") as running:
         yield running
 
 
@@ -388,6 +390,98 @@ def test_non_streaming_disconnect_aborts(server: Server) -> None:
     assert metric(after, "omniserve:kv_cache_usage_perc") == 0
     assert (metric(after, "omniserve:request_success_total", finished_reason="abort")
             - metric(before, "omniserve:request_success_total", finished_reason="abort")) == 1
+
+
+# ---- no request can take the server down ----
+
+# Each of these killed the engine for every later request (sampler overflow, int64 overflow).
+ENGINE_KILLERS = [
+    {"temperature": float("inf"), "min_tokens": 4},
+    {"temperature": 1e39, "min_tokens": 1},
+    {"temperature": float("nan")},
+    {"repetition_penalty": 1e-40},
+    {"repetition_penalty": 1e-50},
+    {"top_p": 1e-50},
+    {"top_k": 2**63},
+    {"top_k": 2**31},
+    {"seed": 2**64},
+    {"stop_token_ids": [2**63]},
+]
+
+
+def test_engine_killing_parameters_are_400s_and_the_engine_lives(server: Server) -> None:
+    messages = _chat("Hello")
+    reference = server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, **GREEDY).choices[0].message.content
+    for fields in ENGINE_KILLERS:
+        body = {"model": MODEL, "messages": messages, "max_tokens": 8, **fields}
+        response = server.post("/v1/chat/completions", content=json.dumps(body).encode())
+        error = assert_error(response, 400)
+        assert error["type"] == "invalid_request_error", (fields, error)
+    # Extreme but computable values are served, n > 1 children of the largest seed included.
+    extreme = server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, n=2, seed=2**64 - 1, temperature=3e38,
+        top_p=1.2e-38, extra_body={"repetition_penalty": 1e30, "top_k": 2**31 - 1,
+                                   "min_tokens": 2})
+    assert len(extreme.choices) == 2
+    assert httpx.get(server.url + "/health").status_code == 200
+    again = server.client().chat.completions.create(model=MODEL, messages=messages,
+                                                    max_tokens=8, **GREEDY)
+    assert again.choices[0].message.content == reference
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"stream": "yes"}, "stream"), ({"n": 1.0}, "n"), ({"max_tokens": "8"}, "max_tokens"),
+    ({"logprobs": 1}, "logprobs"), ({"ignore_eos": "true"}, "ignore_eos"),
+])
+def test_booleans_and_integers_are_strict(server: Server, fields: dict[str, Any],
+                                          field: str) -> None:
+    body = {"model": MODEL, "messages": _chat("Hi"), "max_tokens": 4, **fields}
+    error = assert_error(server.post("/v1/chat/completions", body), 400)
+    assert error["param"] == field and error["message"].startswith(f"{field}: "), error
+
+
+def test_processor_kwargs_on_a_text_model_are_refused(server: Server) -> None:
+    body = {"model": MODEL, "messages": _chat("Hi"), "max_tokens": 4,
+            "mm_processor_kwargs": {"return_tensors": "np"}}
+    error = assert_error(server.post("/v1/chat/completions", body), 400)
+    assert "mm_processor_kwargs given, but this model takes no multimodal input" in \
+        error["message"]
+
+
+def test_bodies_over_the_limit_are_413s(server: Server) -> None:
+    big = json.dumps({"model": MODEL, "prompt": "x" * (3 * 2**20)}).encode()
+    error = assert_error(server.post("/v1/completions", content=big), 413)
+    assert error["code"] == "request_too_large" and "--max-request-body-mb" in error["message"]
+    chunks = (b'{"model": "x", "prompt": "' + b"y" * 2**20 for _ in range(4))
+    streamed = httpx.post(server.url + "/v1/completions", content=chunks,
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert_error(streamed, 413)  # no Content-Length: counted as it streams in
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(server: Server) -> None:
+    """A text longer than max_model_len times the longest token cannot fit: a 400 without
+    tokenizing it (the event loop stays free)."""
+    text = "hello " * 200_000  # 1.2 MB
+    for path, body in (("/v1/chat/completions", {"messages": _chat(text)}),
+                       ("/v1/completions", {"prompt": text})):
+        start = time.monotonic()
+        error = assert_error(server.post(path, {"model": MODEL, "max_tokens": 4, **body}), 400)
+        assert error["code"] == "context_length_exceeded", error
+        assert "characters" in error["message"] and time.monotonic() - start < 5
+
+
+def test_error_bodies_have_openai_types_and_codes(server: Server) -> None:
+    missing = assert_error(server.post("/v1/chat/completions",
+                                       {"model": "nope", "messages": _chat("Hi")}), 404)
+    assert (missing["type"], missing["code"], missing["param"]) == \
+        ("invalid_request_error", "model_not_found", "model")
+    unauthorized = assert_error(server.post("/v1/models", {}, key="wrong"), 401)
+    assert unauthorized["code"] == "invalid_api_key"
+    too_long = assert_error(server.post("/v1/chat/completions", {
+        "model": MODEL, "messages": _chat("Hi"), "max_tokens": MAX_MODEL_LEN}), 400)
+    assert too_long["code"] == "context_length_exceeded"
 
 
 def _engine_pid(server_pid: int) -> int:

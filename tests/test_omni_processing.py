@@ -8,6 +8,7 @@ so such a clip equals HF on its own and HF's batch on every frame but its last.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -356,3 +357,23 @@ def test_registry_builds_the_omni_processors(tiny_checkpoint) -> None:
             ModelConfig.from_path(path), get_tokenizer(path)
         )
         assert type(processor) is CLASSES[arch][2]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_requests_set_only_the_declared_processor_options(make_processor, arch: str) -> None:
+    """Architecture settings (n_window, merge_size) and HF call arguments (return_tensors) are
+    not per-request options: they would desync the placeholder count from the encoder."""
+    from omniserve.multimodal.errors import MultiModalInputError
+
+    info = make_processor(arch).info
+    info.check_request_kwargs({"max_pixels": 3136, "num_frames": 4, "fps": 2,
+                               "use_audio_in_video": True})
+    for kwargs, phrase in (
+        ({"n_window": 1}, "mm_processor_kwargs.n_window is not a per-request option"),
+        ({"return_tensors": "np"}, "mm_processor_kwargs.return_tensors is not"),
+        ({"max_pixels": 0}, "mm_processor_kwargs.max_pixels must be an integer in [1, "),
+        ({"fps": float("nan")}, "mm_processor_kwargs.fps must be a number in"),
+        ({"use_audio_in_video": "yes"}, "mm_processor_kwargs.use_audio_in_video must be true"),
+    ):
+        with pytest.raises(MultiModalInputError, match=re.escape(phrase)):
+            info.check_request_kwargs(kwargs)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from omniserve.config import OmniConfig
 from omniserve.engine.arg_utils import EngineArgs
@@ -23,6 +24,7 @@ from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RequestOutputCollector:
@@ -45,7 +47,14 @@ class RequestOutputCollector:
 
 
 class AsyncLLM:
-    def __init__(self, config: OmniConfig, stat_loggers: list[Any] | None = None) -> None:
+    def __init__(self, config: OmniConfig, stat_loggers: list[Any] | None = None,
+                 input_threads: int = 1) -> None:
+        """``input_threads``: the pool that tokenizes, renders and runs HF processing, so the
+        event loop never blocks on a request's input (one thread keeps the tokenizer single-
+        threaded; more overlap several requests' media processing)."""
+        if input_threads < 1:
+            raise ValueError(f"input_threads must be >= 1, got {input_threads}.")
+        self.input_pool = ThreadPoolExecutor(input_threads, thread_name_prefix="omniserve-input")
         self.config = config
         self.model_config = config.model_config
         self.processor = Processor(config, engine_in_other_process=True)
@@ -78,7 +87,8 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise EngineDeadError("The engine core is dead.") from self.dead_error
         self._ensure_output_handler()
-        processed = self.processor.process_inputs(request_id, prompt, params, arrival_time)
+        processed = await self.run_input_work(self.processor.process_inputs, request_id, prompt,
+                                              params, arrival_time)
         collector = RequestOutputCollector()
         self.output_processor.add_processed_request(request_id, processed, params, collector)
         for stat_logger in self.stat_loggers:
@@ -100,6 +110,10 @@ class AsyncLLM:
         finally:
             if not finished:
                 await self.abort(request_id)
+
+    async def run_input_work(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the input pool (tokenizing, templating, media processing)."""
+        return await asyncio.get_running_loop().run_in_executor(self.input_pool, fn, *args)
 
     async def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -152,4 +166,5 @@ class AsyncLLM:
     def shutdown(self) -> None:
         if self._output_handler is not None:
             self._output_handler.cancel()
+        self.input_pool.shutdown(wait=False, cancel_futures=True)
         self.engine_core.shutdown()

@@ -14,8 +14,10 @@ model's placeholder string inside the text ("string" format), as vLLM's "auto" m
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,10 +299,14 @@ class ChatRenderer:
 
     async def render_async(self, messages: list[dict[str, Any]], *,
                            mm_processor_kwargs: dict[str, Any] | None = None,
+                           executor: Executor | None = None,
                            **template_kwargs: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
-        """``render`` with the fetches concurrent; also each item's chat part (by modality), to
-        locate errors the engine raises about an item later (``locate_mm_error``)."""
+        """``render`` with the fetches concurrent and the templating and tokenization on
+        ``executor`` (the loop's default one if None), never on the event loop; also each item's
+        chat part (by modality), to locate errors the engine raises about an item later
+        (``locate_mm_error``)."""
         inputs = self._parse(messages)
         mm_data = await load_media_async(inputs, self.connector, mm_processor_kwargs)
-        prompt = self._prompt(inputs, mm_data, mm_processor_kwargs, **template_kwargs)
+        prompt = await asyncio.get_running_loop().run_in_executor(executor, functools.partial(
+            self._prompt, inputs, mm_data, mm_processor_kwargs, **template_kwargs))
         return prompt, inputs.item_locations()

@@ -184,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Require 'Authorization: Bearer KEY' on the API routes.")
     server.add_argument("--chat-template", default=None,
                         help="A chat template file (or inline Jinja) replacing the checkpoint's.")
+    server.add_argument("--max-request-body-mb", type=float, default=100.0,
+                        help="Largest request body accepted (413 above it), media included.")
+    server.add_argument("--input-processing-threads", type=int, default=1,
+                        help="Threads that tokenize and process media off the event loop.")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level (info logs every request).")

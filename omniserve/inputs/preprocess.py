@@ -71,8 +71,7 @@ class InputPreprocessor:
             raise MultiModalInputError(
                 "this model takes no multimodal input", stage="process", modality=modality
             )
-        if not isinstance(mm_kwargs, dict):
-            raise TypeError("mm_processor_kwargs must be a dict.")
+        self.check_mm_kwargs(mm_kwargs)
         result = self.mm_processor.apply(
             token_ids if token_ids is not None else text,
             mm_data,
@@ -84,6 +83,18 @@ class InputPreprocessor:
             list(result.mm_features),
             dict(result.num_tokens_by_modality),
         )
+
+    def check_mm_kwargs(self, mm_kwargs: object) -> None:
+        """A request's ``mm_processor_kwargs``: a dict of the model's declared per-request
+        options, each in range (checked before any media is fetched or decoded)."""
+        if not isinstance(mm_kwargs, dict):
+            raise TypeError("mm_processor_kwargs must be a dict.")
+        if not mm_kwargs:
+            return
+        if self.mm_processor is None:
+            raise MultiModalInputError("mm_processor_kwargs given, but this model takes no "
+                                       "multimodal input", stage="process")
+        self.mm_processor.info.check_request_kwargs(mm_kwargs)
 
     def _tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text).input_ids)

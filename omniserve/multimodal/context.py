@@ -7,8 +7,10 @@ processor), ``BaseProcessingInfo`` (supported modalities and limits, analytic to
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -56,8 +58,39 @@ class InputProcessingContext:
         return self._hf_processors[key]
 
 
+@dataclass(frozen=True)
+class RequestKwarg:
+    """One ``mm_processor_kwargs`` option a request may set: its type and accepted range."""
+
+    kind: type  # bool, int or float
+    low: float | None = None
+    high: float | None = None
+
+    def check(self, name: str, value: object) -> None:
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = isinstance(value, bool) if self.kind is bool else (
+            is_number and (self.kind is float or isinstance(value, int))
+            and math.isfinite(value)  # type: ignore[arg-type]
+            and (self.low is None or value >= self.low)  # type: ignore[operator]
+            and (self.high is None or value <= self.high))  # type: ignore[operator]
+        if not ok:
+            rule = "true or false" if self.kind is bool else (
+                f"{'an integer' if self.kind is int else 'a number'} in "
+                f"[{_fmt(self.low)}, {_fmt(self.high)}]")
+            raise MultiModalInputError(f"mm_processor_kwargs.{name} must be {rule}, got "
+                                       f"{value!r}", stage="process")
+
+
+def _fmt(bound: float | None) -> str:
+    return "-inf" if bound is None else f"{bound:g}"
+
+
 class BaseProcessingInfo(ABC):
     """Static facts about a model's multimodal inputs."""
+
+    request_kwargs: Mapping[str, RequestKwarg] = {}
+    """The ``mm_processor_kwargs`` a request may set, per name; the server's
+    ``--mm-processor-kwargs`` may set any HF processor option, a request only these."""
 
     def __init__(self, ctx: InputProcessingContext) -> None:
         self.ctx = ctx
@@ -84,6 +117,17 @@ class BaseProcessingInfo(ABC):
     ) -> Mapping[str, int]:
         """An upper bound on one item's placeholder tokens per modality, computed analytically
         (no dummy processing), given ``mm_counts`` items share a ``seq_len`` prompt."""
+
+    def check_request_kwargs(self, kwargs: Mapping[str, object]) -> None:
+        """Refuse options not declared in ``request_kwargs`` and values out of their range."""
+        for name, value in kwargs.items():
+            rule = self.request_kwargs.get(name)
+            if rule is None:
+                accepted = ", ".join(sorted(self.request_kwargs)) or "none"
+                raise MultiModalInputError(
+                    f"mm_processor_kwargs.{name} is not a per-request option of this model "
+                    f"(accepted: {accepted})", stage="process")
+            rule.check(name, value)
 
     def get_allowed_mm_limits(self) -> dict[str, int | None]:
         """The model's limits tightened by ``--limit-mm-per-prompt``."""

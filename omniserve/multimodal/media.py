@@ -393,12 +393,29 @@ def _normalize_host(host: str) -> str:
 def _address_refusal(address: str) -> str | None:
     """Why an address may not be fetched from by default ("loopback", ...), or None if public."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 scope id
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is loopback too
-    for attribute in ("loopback", "unspecified", "link_local", "multicast", "private", "reserved"):
-        if getattr(ip, f"is_{attribute}"):
-            return attribute.replace("_", "-")
-    return None if ip.is_global else "non-global"
+    for candidate in (*_embedded_ipv4(ip), ip):  # the embedded IPv4 names the reason best
+        for attribute in ("loopback", "unspecified", "link_local", "multicast", "private",
+                          "reserved"):
+            if getattr(candidate, f"is_{attribute}"):
+                return attribute.replace("_", "-")
+        if not candidate.is_global:
+            return "non-global"
+    return None
+
+
+_NAT64_PREFIXES = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+
+
+def _embedded_ipv4(ip: ipaddress.IPv4Address | ipaddress.IPv6Address
+                   ) -> list[ipaddress.IPv4Address]:
+    """IPv4 addresses an IPv6 address routes to: mapped (::ffff:a.b.c.d), 6to4 (2002::/16),
+    Teredo (2001::/32, its client and server) and NAT64 (64:ff9b::/96, 64:ff9b:1::/48)."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return []
+    found = [ip.ipv4_mapped, ip.sixtofour, *(ip.teredo or ())]
+    if any(ip in prefix for prefix in _NAT64_PREFIXES):
+        found.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return [address for address in found if address is not None]
 
 
 def _resolve(host: str, port: int, modality: Modality, deadline: _Deadline) -> list[str]:

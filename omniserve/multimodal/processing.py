@@ -26,6 +26,7 @@ from omniserve.multimodal.context import (
     BaseDummyInputsBuilder,
     BaseProcessingInfo,
     InputProcessingContext,
+    RequestKwarg,
 )
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.multimodal.hasher import MultiModalHasher
@@ -51,6 +52,7 @@ __all__ = [
     "PromptReplacement",
     "PromptUpdate",
     "PromptUpdateDetails",
+    "RequestKwarg",
 ]
 
 # modality -> (the HF processor's kwargs group, the sub-processor attribute that consumes it)

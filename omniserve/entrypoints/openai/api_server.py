@@ -152,7 +152,8 @@ class APIKeyMiddleware:
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(),
                                                                         self.api_key):
-                error = ServingError("Invalid or missing API key.", HTTPStatus.UNAUTHORIZED)
+                error = ServingError("Invalid or missing API key.", HTTPStatus.UNAUTHORIZED,
+                                     code="invalid_api_key")
                 await error_json(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -220,9 +221,59 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         return Response(body, media_type=content_type)
 
     app.include_router(_api_router(engine, chat, completion, names))
-    if getattr(args, "api_key", None):
+    max_body_mb = getattr(args, "max_request_body_mb", None)
+    if max_body_mb is not None:
+        app.add_middleware(BodySizeLimitMiddleware, max_bytes=int(max_body_mb * 2**20))
+    if getattr(args, "api_key", None):  # added last: outermost, before any body is read
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
     return app
+
+
+class BodySizeLimitMiddleware:
+    """Refuse request bodies over ``max_bytes`` with a 413, from Content-Length when declared,
+    else as the body streams in, before anything parses it.
+
+    The body is read here and replayed to the app; later ``receive`` calls go to the server, so
+    disconnect listeners still see the client leave.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await error_json(self._too_large())(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left; nobody to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await error_json(self._too_large())(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Any:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self) -> ServingError:
+        return ServingError(
+            f"The request body is larger than this server accepts ({self.max_bytes} bytes; "
+            "--max-request-body-mb).", HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            code="request_too_large")
 
 
 def _api_router(engine: AsyncLLM, chat: OpenAIServingChat,
@@ -277,12 +328,14 @@ async def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> Tokeniz
                 chat_template_kwargs=request.chat_template_kwargs,
                 mm_processor_kwargs=request.mm_processor_kwargs)
         else:
-            prompt = serving.tokenize_text(request.prompt, request.add_special_tokens)
+            prompt = await serving.tokenize_text(request.prompt, request.add_special_tokens)
         ids = prompt.token_ids
         if prompt.mm_data:
             preprocessor = serving.engine.processor.input_preprocessor
             try:
-                ids = preprocessor.preprocess(prompt.to_engine_input()).prompt_token_ids
+                processed = await serving.engine.run_input_work(preprocessor.preprocess,
+                                                                prompt.to_engine_input())
+                ids = processed.prompt_token_ids
             except MultiModalInputError as exc:
                 raise locate_mm_error(exc, prompt.mm_locations or {}) from exc
     except ValueError as exc:
@@ -299,7 +352,8 @@ async def serve(args: argparse.Namespace) -> None:
     engine_args.served_model_name = names[0] if names else None
     stat_logger = PrometheusStatLogger(names[0] if names else args.model,
                                        num_engines=engine_args.data_parallel_size)
-    engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger])
+    engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger],
+                                       input_threads=args.input_processing_threads)
     try:
         app = build_app(engine, args)
         config = uvicorn.Config(app, host=args.host, port=args.port,

@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic), with vLLM's extra fields.
 
 Requests ignore unknown fields (clients send many we do not need); every value the engine cannot
-honour is rejected with a 400 before it reaches the engine. Responses follow OpenAI's shapes so the
-official SDKs parse them; ``stop_reason`` is vLLM's extra field on choices.
+honour is rejected with a 400 before it reaches the engine. Booleans and integers are strict (no
+"yes" for true, no 1.0 for 1), as OpenAI's own API validates them. Responses follow OpenAI's
+shapes so the official SDKs parse them; ``stop_reason`` is vLLM's extra field on choices.
 """
 
 from __future__ import annotations
@@ -10,11 +11,20 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
+
+from omniserve.sampling_params import SEED_MAX, SEED_MIN
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
-INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1  # what a seed can be on the wire to the engine
 
 
 class OpenAIBaseModel(BaseModel):
@@ -26,9 +36,9 @@ class OpenAIBaseModel(BaseModel):
 
 class ErrorInfo(OpenAIBaseModel):
     message: str
-    type: str
+    type: Literal["invalid_request_error", "server_error"]
     param: str | None = None
-    code: int
+    code: str | None = None
 
 
 class ErrorResponse(OpenAIBaseModel):
@@ -64,8 +74,8 @@ class UsageInfo(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
     """vLLM's extra: put the running usage on every chunk."""
 
 
@@ -76,30 +86,30 @@ class SamplingRequest(OpenAIBaseModel):
     """The sampling fields chat and completions share (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0.0)
+    top_p: StrictFloat | None = None
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stream: bool = False
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     # vLLM's extra body fields
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
 
     @model_validator(mode="after")
     def _check_supported(self) -> SamplingRequest:
@@ -117,12 +127,12 @@ class SamplingRequest(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's extra body fields
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     """Per-request HF processor kwargs, e.g. {"max_pixels": 200704, "num_frames": 8}."""
@@ -145,9 +155,9 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -170,19 +180,19 @@ class CompletionRequest(SamplingRequest):
 class TokenizeCompletionRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
 class TokenizeChatRequest(OpenAIBaseModel):
     model: str | None = None
     messages: list[dict[str, Any]]
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool = False
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
 
 
 TokenizeRequest = TokenizeChatRequest | TokenizeCompletionRequest
@@ -197,7 +207,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(OpenAIBaseModel):

@@ -39,7 +39,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         self.check_model(request.model)
         self.check_engine()
-        prompts = [self._to_engine_prompt(p) for p in _split_prompts(request.prompt)]
+        prompts = [await self._to_engine_prompt(p) for p in _split_prompts(request.prompt)]
         # Every prompt gets the same params; the longest prompt decides the context-length check.
         longest = max(len(p.token_ids) for p in prompts)
         # echo with logprobs reports the prompt's logprobs too (as OpenAI does).
@@ -54,9 +54,9 @@ class OpenAIServingCompletion(OpenAIServing):
             return self._stream(request, request_id, prompts, generators)
         return await self._full(request, request_id, prompts, generators)
 
-    def _to_engine_prompt(self, prompt: str | list[int]) -> EnginePrompt:
+    async def _to_engine_prompt(self, prompt: str | list[int]) -> EnginePrompt:
         if isinstance(prompt, str):
-            engine_prompt = self.tokenize_text(prompt)
+            engine_prompt = await self.tokenize_text(prompt)
             if not engine_prompt.token_ids:
                 raise to_serving_error(ValueError("The prompt is empty."))
             return engine_prompt

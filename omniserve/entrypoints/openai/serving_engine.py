@@ -8,6 +8,7 @@ engine exceptions (``ValueError`` -> 400, ``EngineDeadError`` -> 503) onto it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import uuid
@@ -17,7 +18,7 @@ from http import HTTPStatus
 from typing import Any, TypeVar
 
 from omniserve.engine.async_llm import AsyncLLM
-from omniserve.engine.exceptions import EngineDeadError
+from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError
 from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
 from omniserve.entrypoints.openai.protocol import (
     ErrorInfo,
@@ -37,38 +38,44 @@ OutputStream = AsyncGenerator[RequestOutput, None]
 EventStream = AsyncGenerator[str, None]
 """A streamed response's server-sent events."""
 
-# The OpenAI SDK's exception names where it has one; else the status phrase ("NotFoundError").
-_ERROR_TYPES = {HTTPStatus.UNAUTHORIZED: "AuthenticationError"}
-
-
 class ServingError(Exception):
-    """A request the server refuses, with its HTTP status and OpenAI error fields."""
+    """A request the server refuses, with its HTTP status and OpenAI error fields.
+
+    OpenAI's shape: ``type`` is "invalid_request_error" for the client's mistakes and
+    "server_error" for ours; ``code`` is a machine-readable string where OpenAI has one
+    ("model_not_found", "invalid_api_key", "context_length_exceeded", ...), else null.
+    """
 
     def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
-                 param: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.code = code
 
     def to_response(self) -> ErrorResponse:
-        name = self.status.phrase.replace(" ", "")
-        name = _ERROR_TYPES.get(self.status, name if name.endswith("Error") else name + "Error")
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=name, param=self.param,
-                                             code=int(self.status)))
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param,
+                                             code=self.code))
 
 
 def to_serving_error(exc: BaseException) -> ServingError:
-    """Client mistakes are 400s, a dead engine is 503; anything else is our bug (500)."""
+    """Client mistakes are 400s, a dead engine is 503, a request the engine failed on is a 500
+    (the engine lives on); anything else is our bug (500, logged, its text not sent)."""
     if isinstance(exc, ServingError):
         return exc
     if isinstance(exc, EngineDeadError):
         return ServingError("The engine is dead; the server cannot serve requests.",
-                            HTTPStatus.SERVICE_UNAVAILABLE)
+                            HTTPStatus.SERVICE_UNAVAILABLE, code="engine_dead")
+    if isinstance(exc, EngineGenerateError):
+        return ServingError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR, code="internal_error")
     if isinstance(exc, (ValueError, TypeError)):
         return ServingError(str(exc))
-    logger.error("Internal error while serving a request", exc_info=exc)
-    return ServingError(f"Internal error: {exc!r}", HTTPStatus.INTERNAL_SERVER_ERROR)
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("Internal error %s while serving a request", error_id, exc_info=exc)
+    return ServingError(f"Internal server error (id {error_id}; the server log has the cause).",
+                        HTTPStatus.INTERNAL_SERVER_ERROR, code="internal_error")
 
 
 def sse_event(payload: Any) -> str:
@@ -152,7 +159,7 @@ class OpenAIServing:
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_model_names:
             raise ServingError(f"The model `{name}` does not exist.", HTTPStatus.NOT_FOUND,
-                               param="model")
+                               param="model", code="model_not_found")
 
     def check_engine(self) -> None:
         if self.engine.errored:
@@ -162,9 +169,29 @@ class OpenAIServing:
     def new_request_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> EnginePrompt:
-        ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
-        return EnginePrompt(text, list(ids))
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters one token stands for (its longest vocabulary entry, in bytes
+        for byte-level vocabularies): a text longer than max_model_len times this cannot fit,
+        whatever it tokenizes to."""
+        return max(map(len, self.tokenizer.get_vocab()))
+
+    def check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuse text that cannot fit before spending any time tokenizing it."""
+        limit = self.max_model_len * self.max_chars_per_token
+        if num_chars > limit:
+            raise ServingError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and no "
+                f"text longer than {limit} characters fits in it; the {param} text has "
+                f"{num_chars} characters.", param=param, code="context_length_exceeded")
+
+    async def tokenize_text(self, text: str, add_special_tokens: bool = True,
+                            param: str = "prompt") -> EnginePrompt:
+        """Token ids of ``text``, checked for length first and tokenized off the event loop."""
+        self.check_text_length(len(text), param)
+        encoding = await self.engine.run_input_work(
+            functools.partial(self.tokenizer, text, add_special_tokens=add_special_tokens))
+        return EnginePrompt(text, list(encoding.input_ids))
 
     async def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                           continue_final_message: bool,
@@ -175,8 +202,10 @@ class OpenAIServing:
         The token count here is before placeholder expansion; the engine's processor checks
         the expanded prompt against max_model_len again.
         """
+        self.engine.processor.input_preprocessor.check_mm_kwargs(mm_processor_kwargs or {})
+        self.check_text_length(_text_chars(messages), "messages")
         prompt, locations = await self.renderer.render_async(
-            messages, mm_processor_kwargs=mm_processor_kwargs,
+            messages, mm_processor_kwargs=mm_processor_kwargs, executor=self.engine.input_pool,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs)
@@ -204,7 +233,7 @@ class OpenAIServing:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in "
                 "the completion). Please reduce the length of the messages or completion.",
-                param="max_tokens")
+                param="max_tokens", code="context_length_exceeded")
         return requested
 
     def sampling_params(self, request: SamplingRequest, prompt_len: int, *,
@@ -287,6 +316,19 @@ class OpenAIServing:
                 raise to_serving_error(exc) from exc
             raise
         return [_prepend(first, gen) for first, gen in zip(firsts, generators, strict=True)]
+
+
+def _text_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of text in chat messages (string contents and text parts)."""
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part["text"]) for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return total
 
 
 async def _prepend(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
