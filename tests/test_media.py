@@ -431,6 +431,11 @@ def test_private_addresses_refused_by_default(server: _Server) -> None:
         connector.fetch_image(_url(server, "/p.png", host="localhost"))
     with _raises("fetch", "image", "which is loopback"):  # IPv4-mapped IPv6
         connector.fetch_image(_url(server, "/p.png", host="[::ffff:127.0.0.1]"))
+    # IPv4 embedded in IPv6: 6to4, NAT64 and Teredo (client 127.0.1.1, stored inverted).
+    for host in ("[2002:7f00:1::]", "[64:ff9b::7f00:1]",
+                 "[2001:0:4136:e378:8000:63bf:80ff:fefe]"):
+        with _raises("fetch", "image", "which is loopback"):
+            connector.fetch_image(_url(server, "/p.png", host=host))
     for host, kind in (
         ("169.254.169.254", "link-local"),
         ("10.1.2.3", "private"),
@@ -597,3 +602,16 @@ def test_async_variants_run_off_the_event_loop(server: _Server, mp4: bytes) -> N
     assert video.frame_indices == [0, 14, 29] and video.audio is not None
     with _raises("fetch", "image", "HTTP 404"):
         asyncio.run(connector.fetch_image_async(_url(server, "/none.png")))
+
+
+def test_audio_longer_than_the_limit_is_refused_before_resampling() -> None:
+    """2 KB of WAV declared at 1 Hz is 2,000 s of audio: refused at decode, not resampled."""
+    tiny_rate = _sf_bytes(np.zeros(2000, dtype=np.float32), 1, "WAV", "PCM_16")
+    connector = MediaConnector()
+    with _raises("decode", "audio", r"lasts 2000\.0 s \(2000 samples at 1 Hz\), over the limit "
+                                    r"of 600 s"):
+        connector.load_audio_bytes(tiny_rate)
+    short = MediaConnector(MediaConfig(max_audio_seconds=0.5))
+    with _raises("decode", "audio", "over the limit of 0.5 s"):
+        short.load_audio_bytes(_sf_bytes(_tone(1.0, 16000), 16000, "WAV"))
+    assert connector.load_audio_bytes(_sf_bytes(_tone(1.0, 16000), 16000, "WAV"))[1] == 16000

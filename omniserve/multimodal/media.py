@@ -72,6 +72,9 @@ class MediaConfig:
     """Images (and video frames) above this many pixels are refused before decoding."""
     video_num_frames: int = 32
     """Frames sampled from a video when a request gives no num_frames (also caps fps sampling)."""
+    max_audio_seconds: float = 600.0
+    """Longest audio clip (or video audio track) accepted: resampling and featurizing scale
+    with its duration, not its bytes (a 2 KB file declared at 1 Hz holds 2,000 s)."""
 
     def __post_init__(self) -> None:
         for modality in ("image", "audio", "video"):
@@ -81,6 +84,8 @@ class MediaConfig:
                 raise ValueError(f"{modality}_max_bytes must be > 0")
         if self.max_image_pixels <= 0 or self.video_num_frames <= 0:
             raise ValueError("max_image_pixels and video_num_frames must be > 0")
+        if not self.max_audio_seconds > 0:
+            raise ValueError("max_audio_seconds must be > 0")
 
 
 class MediaConnector:
@@ -133,7 +138,9 @@ class MediaConnector:
 
     def load_audio_bytes(self, data: bytes) -> tuple[np.ndarray, int]:
         self._check_size(len(data), "audio", "the audio")
-        return decode_audio(data)
+        audio = decode_audio(data)
+        self._check_duration(audio, "audio", "the audio")
+        return audio
 
     def load_video_bytes(
         self, data: bytes, *, num_frames: int | None = None, fps: float | None = None
@@ -159,9 +166,22 @@ class MediaConnector:
         if num_frames is None:
             num_frames = self.config.video_num_frames
         self._check_size(len(data), "video", "the video")
-        return decode_video(
+        video = decode_video(
             data, num_frames=num_frames, fps=fps, max_pixels=self.config.max_image_pixels
         )
+        if video.audio is not None:
+            self._check_duration(video.audio, "video", "the video's audio track")
+        return video
+
+    def _check_duration(self, audio: tuple[np.ndarray, int], modality: Modality,
+                        what: str) -> None:
+        """Refuse a clip longer than ``max_audio_seconds`` before it is resampled."""
+        waveform, rate = audio
+        seconds = waveform.size / rate
+        if seconds > self.config.max_audio_seconds:
+            raise MultiModalInputError(
+                f"{what} lasts {seconds:.1f} s ({waveform.size} samples at {rate} Hz), over the "
+                f"limit of {self.config.max_audio_seconds:g} s", stage="decode", modality=modality)
 
     # -- URL dispatch ---------------------------------------------------------------------------
 
