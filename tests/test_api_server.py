@@ -484,6 +484,18 @@ def test_error_bodies_have_openai_types_and_codes(server: Server) -> None:
     assert too_long["code"] == "context_length_exceeded"
 
 
+def test_openapi_schema_documents_bodies_and_real_statuses(server: Server) -> None:
+    """What a schema fuzzer checks responses against: each route's body model, and the error
+    statuses it really returns (400 for validation, never FastAPI's default 422)."""
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    chat = paths["/v1/chat/completions"]["post"]["responses"]
+    assert chat["200"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ChatCompletionResponse")
+    assert "text/event-stream" in chat["200"]["content"]
+    assert {"400", "401", "404", "413", "500", "503"} <= set(chat)
+    assert all("422" not in op["responses"] for ops in paths.values() for op in ops.values())
+
+
 def _engine_pid(server_pid: int) -> int:
     """The engine core: the server's spawned child (not multiprocessing's resource tracker)."""
     for entry in Path("/proc").iterdir():

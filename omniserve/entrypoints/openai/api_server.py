@@ -32,9 +32,14 @@ from omniserve.engine.async_llm import AsyncLLM
 from omniserve.entrypoints.chat_utils import locate_mm_error
 from omniserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
     CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
@@ -196,7 +201,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     app.add_exception_handler(ServingError, lambda _, exc: error_json(exc))  # type: ignore
     app.add_exception_handler(Exception, _unexpected_error)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"model": ErrorResponse, "description": "Engine dead"}})
     async def health() -> Response:
         try:
             await engine.check_health()
@@ -221,6 +226,18 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         return Response(body, media_type=content_type)
 
     app.include_router(_api_router(engine, chat, completion, names))
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema without the 422s it documents by default: validation errors are
+        400s here (``_validation_error``), as in OpenAI's API."""
+        if app.openapi_schema is None:
+            for operations in default_openapi().get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     max_body_mb = getattr(args, "max_request_body_mb", None)
     if max_body_mb is not None:
         app.add_middleware(BodySizeLimitMiddleware, max_bytes=int(max_body_mb * 2**20))
@@ -276,6 +293,24 @@ class BodySizeLimitMiddleware:
             code="request_too_large")
 
 
+def _documented(body: type | None = None, chunk: type | None = None) -> dict[int | str, Any]:
+    """The OpenAPI responses a route really gives: its body (JSON, or with ``stream`` an SSE
+    stream of ``chunk`` events), and the error statuses, all in OpenAI's error shape."""
+    responses: dict[int | str, Any] = {
+        int(status): {"model": ErrorResponse, "description": status.phrase}
+        for status in (HTTPStatus.BAD_REQUEST, HTTPStatus.UNAUTHORIZED, HTTPStatus.NOT_FOUND,
+                       HTTPStatus.REQUEST_ENTITY_TOO_LARGE, HTTPStatus.INTERNAL_SERVER_ERROR,
+                       HTTPStatus.SERVICE_UNAVAILABLE)}
+    if body is not None:
+        content: dict[str, Any] = {"application/json": {}}
+        if chunk is not None:
+            content["text/event-stream"] = {"schema": {
+                "type": "string", "description": f"data: <{chunk.__name__}> events, then "
+                                                 "data: [DONE]"}}
+        responses[200] = {"model": body, "content": content}
+    return responses
+
+
 def _api_router(engine: AsyncLLM, chat: OpenAIServingChat,
                 completion: OpenAIServingCompletion, names: list[str]) -> APIRouter:
     router = APIRouter()
@@ -286,27 +321,30 @@ def _api_router(engine: AsyncLLM, chat: OpenAIServingChat,
             return EventStreamResponse(result)
         return Response(result.model_dump_json(), media_type="application/json")
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", responses={401: {"model": ErrorResponse,
+                                               "description": "Unauthorized"}})
     async def show_models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, root=engine.model_config.model,
                                          max_model_len=max_model_len) for name in names])
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", responses=_documented(ChatCompletionResponse,
+                                                               ChatCompletionStreamResponse))
     @with_cancellation
     async def create_chat_completion(request: ChatCompletionRequest,
                                      raw_request: Request) -> Response:
         return respond(await chat.create_chat_completion(request))
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", responses=_documented(CompletionResponse,
+                                                          CompletionStreamResponse))
     @with_cancellation
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return respond(await completion.create_completion(request))
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", responses=_documented())
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         return await _tokenize(completion, request)
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", responses=_documented())
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         completion.check_model(request.model)
         try:
