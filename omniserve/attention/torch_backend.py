@@ -204,8 +204,11 @@ class TorchAttentionBackend(AttentionBackend):
 
         query/out ``[num_tokens, num_heads, head_size]``; token_rows ``[n]`` int64; block_table
         ``[n, max_blocks]`` int32 and seq_lens ``[n]`` int32 (contiguous) for the same n requests.
+        A hook for backends with a decode kernel (the CPU backend's); only called after
+        ``decode_kernel_supports`` said yes, which plain torch never does.
         """
-        raise NotImplementedError
+        raise RuntimeError(f"{type(self).__name__} has no decode kernel; "
+                           "decode_kernel_supports() is False for it.")
 
     def _plan(
         self, md: AttentionMetadata, block_size: int, sliding_window: int | None, use_kernel: bool
