@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from omniserve.config import OmniConfig
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.core_client import AsyncMPClient
-from omniserve.engine.exceptions import EngineDeadError
+from omniserve.engine.exceptions import EngineDeadError, EngineStoppingError
 from omniserve.engine.output_processor import OutputProcessor
 from omniserve.engine.processor import Processor
 from omniserve.inputs.data import PromptType
@@ -64,6 +64,7 @@ class AsyncLLM:
         self.stat_loggers = list(stat_loggers or [])
         self._output_handler: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
+        self.stopping_error: EngineStoppingError | None = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -86,9 +87,11 @@ class AsyncLLM:
         """Validate and submit; raises ValueError/TypeError for bad input, EngineDeadError."""
         if self.dead_error is not None:
             raise EngineDeadError("The engine core is dead.") from self.dead_error
+        self._check_not_stopping()
         self._ensure_output_handler()
         processed = await self.run_input_work(self.processor.process_inputs, request_id, prompt,
                                               params, arrival_time)
+        self._check_not_stopping()  # it may have begun while the input was processed
         collector = RequestOutputCollector()
         self.output_processor.add_processed_request(request_id, processed, params, collector)
         for stat_logger in self.stat_loggers:
@@ -122,6 +125,20 @@ class AsyncLLM:
             stat_logger.record_aborted(child_ids)
         if child_ids and self.dead_error is None:
             await self.engine_core.abort_requests_async(child_ids)
+
+    async def stop_requests(self, error: EngineStoppingError) -> None:
+        """End every in-flight request with ``error`` and refuse new ones with it, the engine
+        left running (a server's drain ran out of time and it is about to stop)."""
+        self.stopping_error = error
+        child_ids = self.output_processor.propagate_error(error)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_aborted(child_ids)
+        if child_ids and self.dead_error is None:
+            await self.engine_core.abort_requests_async(child_ids)
+
+    def _check_not_stopping(self) -> None:
+        if self.stopping_error is not None:
+            raise EngineStoppingError(str(self.stopping_error))
 
     def _ensure_output_handler(self) -> None:
         if self._output_handler is None or self._output_handler.done():

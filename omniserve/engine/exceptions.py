@@ -7,6 +7,11 @@ class EngineGenerateError(Exception):
     """One request failed inside the engine; the engine itself is still healthy."""
 
 
+class EngineStoppingError(Exception):
+    """The engine is being stopped on purpose (the server is shutting down): in-flight requests
+    end with this, and new ones are refused with it."""
+
+
 class EngineDeadError(Exception):
     """The engine core process is gone. Every in-flight and later call fails with this; a new
     engine must be started."""

@@ -260,13 +260,17 @@ class OutputProcessor:
             self._emit(parent, None)
         return to_abort
 
-    def propagate_error(self, error: BaseException) -> None:
-        """The engine died: hand ``error`` to every queued request and forget all requests."""
+    def propagate_error(self, error: BaseException) -> list[str]:
+        """End every request with ``error`` (the engine died, or is being stopped): hand it to
+        each queued request and forget them all. Returns the child ids still unfinished."""
         for parent in self._parents.values():
             if parent.queue is not None:
                 parent.queue.put(error)
+        unfinished = [child_id for child_id, child in self._children.items()
+                      if not child.finished]
         self._parents.clear()
         self._children.clear()
+        return unfinished
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)

@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Largest request body accepted (413 above it), media included.")
     server.add_argument("--input-processing-threads", type=int, default=1,
                         help="Threads that tokenize and process media off the event loop.")
+    server.add_argument("--shutdown-timeout", type=float, default=0.0,
+                        help="On SIGTERM/SIGINT, seconds the requests in flight get to finish "
+                             "(new ones get 503 meanwhile); those left then end with an error. "
+                             "0: end them at once.")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level (info logs every request).")

@@ -4,6 +4,10 @@ Every error leaves in OpenAI's shape ``{"error": {"message", "type", "param", "c
 validation failures are 400s (FastAPI's default would be 422). A client that disconnects aborts its
 request: non-streaming handlers race a disconnect listener (``with_cancellation``), and streams stop
 through ``EventStreamResponse``. Both end up closing ``AsyncLLM.generate``, which aborts.
+
+SIGTERM/SIGINT drain first (``DrainingServer``): new requests and /health get 503 at once, the
+requests in flight get up to ``--shutdown-timeout`` seconds to finish, then those left end with an
+error (a final error event in a stream), and only then does uvicorn close and the engine stop.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import logging
 import secrets
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import anyio
@@ -29,6 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from omniserve import __version__
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.async_llm import AsyncLLM
+from omniserve.engine.exceptions import EngineStoppingError
 from omniserve.entrypoints.chat_utils import locate_mm_error
 from omniserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -56,8 +64,14 @@ from omniserve.entrypoints.openai.serving_engine import (
 from omniserve.metrics import PrometheusStatLogger
 from omniserve.multimodal.errors import MultiModalInputError
 
+logger = logging.getLogger(__name__)
+
 STATS_TIMEOUT_S = 2.0
 """How long /metrics waits for fresh scheduler stats before serving the last ones."""
+FLUSH_TIMEOUT_S = 2.0
+"""After a drain runs out of time: how long the ended requests get to send their error."""
+CLOSE_TIMEOUT_S = 5.0
+"""uvicorn's own graceful-shutdown bound, a backstop once the drain is over."""
 
 
 class EventStreamResponse(StreamingResponse):
@@ -164,6 +178,94 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class Lifecycle:
+    """What the drain needs to know: whether it has begun, and how many requests are in flight."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+
+
+class DrainMiddleware:
+    """Counts the requests in flight; once draining, answers every new one (and /health, so load
+    balancers stop routing here) with a 503. /metrics and /version stay open to watch the drain.
+    """
+
+    OPEN_PATHS = ("/metrics", "/version")
+
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
+        self.app = app
+        self.lifecycle = lifecycle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.lifecycle.draining and scope["path"] not in self.OPEN_PATHS:
+            error = ServingError("The server is shutting down; send the request to another "
+                                 "replica.", HTTPStatus.SERVICE_UNAVAILABLE,
+                                 code="server_shutting_down")
+            await error_json(error)(scope, receive, send)
+            return
+        self.lifecycle.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.lifecycle.in_flight -= 1
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose first SIGTERM/SIGINT drains before it stops (see the module docstring);
+    a second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, lifecycle: Lifecycle,
+                 shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.lifecycle = lifecycle
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets: list[Any] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.lifecycle.draining or self._loop is None:
+            if self.lifecycle.draining:
+                logger.warning("Second signal: stopping now, without waiting for requests.")
+                self.force_exit = True
+            super().handle_exit(sig, frame)
+            return
+        self.lifecycle.draining = True  # from here on, new requests get 503
+        self._loop.call_soon_threadsafe(self._start_drain, sig)
+
+    def _start_drain(self, sig: int) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain(sig))
+
+    async def _drain(self, sig: int) -> None:
+        loop = asyncio.get_running_loop()
+        if self.lifecycle.in_flight:
+            logger.info("%s: draining %d request(s) in flight for up to %g s "
+                        "(--shutdown-timeout); signal again to stop now.",
+                        signal.Signals(sig).name, self.lifecycle.in_flight,
+                        self.shutdown_timeout)
+        await self._wait_for_requests(loop.time() + self.shutdown_timeout)
+        if self.lifecycle.in_flight:
+            logger.warning("Ending %d request(s) still in flight with an error: the server is "
+                           "stopping.", self.lifecycle.in_flight)
+            await self.engine.stop_requests(EngineStoppingError(
+                "The server is shutting down and stopped this request before it finished."))
+            await self._wait_for_requests(loop.time() + FLUSH_TIMEOUT_S)
+        super().handle_exit(sig, None)  # uvicorn's shutdown; its lifespan stops the engine
+
+    async def _wait_for_requests(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        while self.lifecycle.in_flight and loop.time() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+
+
 def load_chat_template(value: str | None) -> str | None:
     """``--chat-template``: a file path, or the Jinja template itself."""
     if value is None:
@@ -241,8 +343,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     max_body_mb = getattr(args, "max_request_body_mb", None)
     if max_body_mb is not None:
         app.add_middleware(BodySizeLimitMiddleware, max_bytes=int(max_body_mb * 2**20))
-    if getattr(args, "api_key", None):  # added last: outermost, before any body is read
+    if getattr(args, "api_key", None):  # before any body is read
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    app.state.lifecycle = Lifecycle()
+    app.add_middleware(DrainMiddleware, lifecycle=app.state.lifecycle)  # outermost: counts all
     return app
 
 
@@ -395,8 +499,9 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         app = build_app(engine, args)
         config = uvicorn.Config(app, host=args.host, port=args.port,
-                                log_level=args.uvicorn_log_level, timeout_keep_alive=5)
-        await uvicorn.Server(config).serve()
+                                log_level=args.uvicorn_log_level, timeout_keep_alive=5,
+                                timeout_graceful_shutdown=CLOSE_TIMEOUT_S)
+        await DrainingServer(config, engine, app.state.lifecycle, args.shutdown_timeout).serve()
     finally:
         engine.shutdown()
 

@@ -18,7 +18,7 @@ from http import HTTPStatus
 from typing import Any, TypeVar
 
 from omniserve.engine.async_llm import AsyncLLM
-from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError
+from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
 from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
 from omniserve.entrypoints.openai.protocol import (
     ErrorInfo,
@@ -61,13 +61,15 @@ class ServingError(Exception):
 
 
 def to_serving_error(exc: BaseException) -> ServingError:
-    """Client mistakes are 400s, a dead engine is 503, a request the engine failed on is a 500
-    (the engine lives on); anything else is our bug (500, logged, its text not sent)."""
+    """Client mistakes are 400s, a dead or stopping engine is 503, a request the engine failed
+    on is a 500 (the engine lives on); anything else is our bug (500, logged, text not sent)."""
     if isinstance(exc, ServingError):
         return exc
     if isinstance(exc, EngineDeadError):
         return ServingError("The engine is dead; the server cannot serve requests.",
                             HTTPStatus.SERVICE_UNAVAILABLE, code="engine_dead")
+    if isinstance(exc, EngineStoppingError):
+        return ServingError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, code="server_shutting_down")
     if isinstance(exc, EngineGenerateError):
         return ServingError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR, code="internal_error")
     if isinstance(exc, (ValueError, TypeError)):
