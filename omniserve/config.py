@@ -194,6 +194,8 @@ class MultiModalConfig:
     """If set, http(s) media may only come from these hosts."""
     allow_private_media_urls: bool = False
     """Let http(s) media come from loopback/private addresses (off: SSRF protection)."""
+    media_io_kwargs: dict[str, dict[str, object]] = field(default_factory=dict)
+    """Per-modality media limits, e.g. {"video": {"num_frames": 16}} (``MediaConfig``)."""
 
     def __post_init__(self) -> None:
         if self.mm_processor_cache_gb < 0:

@@ -61,6 +61,29 @@ def cpu_kernels() -> str:
     return value
 
 
+def media_fetch_timeout(modality: str) -> float | None:
+    """Seconds fetching one media item may take, all of it (DNS, connect, redirects, body):
+    ``VLLM_{IMAGE,AUDIO,VIDEO}_FETCH_TIMEOUT``, vLLM's names; None: the built-in default."""
+    name = f"VLLM_{modality.upper()}_FETCH_TIMEOUT"
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, not {value!r}.") from None
+
+
+def media_loading_threads() -> int:
+    """Threads that fetch and decode media URLs (``VLLM_MEDIA_LOADING_THREAD_COUNT``, vLLM's
+    name, default 8)."""
+    value = os.environ.get("VLLM_MEDIA_LOADING_THREAD_COUNT", "8")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"VLLM_MEDIA_LOADING_THREAD_COUNT must be an integer >= 1, not "
+                         f"{value!r}.")
+    return int(value)
+
+
 def configure_logging() -> bool:
     """Whether omniserve sets up its own log output (``OMNISERVE_CONFIGURE_LOGGING``, default 1)."""
     return os.environ.get("OMNISERVE_CONFIGURE_LOGGING", "1") not in ("0", "false", "False")

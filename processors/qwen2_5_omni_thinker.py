@@ -204,6 +204,8 @@ class Qwen2_5OmniThinkerProcessingInfo(Qwen2VLProcessingInfo, Qwen2AudioProcessi
         **Qwen2VLProcessingInfo.request_kwargs,
         **{flag: RequestKwarg(bool) for flag in _FLAG_KWARGS},
     }
+    model_bound_kwargs = (Qwen2VLProcessingInfo.model_bound_kwargs
+                          | Qwen2AudioProcessingInfo.model_bound_kwargs | {"n_window"})
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"image": None, "video": None, "audio": None}

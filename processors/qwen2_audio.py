@@ -28,6 +28,8 @@ def get_audio_num_tokens(num_mel_frames: int) -> int:
 
 
 class Qwen2AudioProcessingInfo(BaseProcessingInfo):
+    model_bound_kwargs = frozenset({"feature_size", "sampling_rate", "hop_length", "n_fft"})
+
     def get_feature_extractor(self) -> Any:
         return self.get_hf_processor().feature_extractor
 

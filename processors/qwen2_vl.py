@@ -85,6 +85,7 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
         "fps": RequestKwarg(float, 0.01, 240),
         "num_frames": RequestKwarg(int, 1, 1024),
     }
+    model_bound_kwargs = frozenset({"patch_size", "merge_size", "temporal_patch_size"})
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"image": None, "video": None}
@@ -96,9 +97,9 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
         kwargs = self.ctx.mm_processor_kwargs
         size = dict(kwargs.get("size") or sub.size)
         return VisionGeometry(
-            patch_size=int(kwargs.get("patch_size", sub.patch_size)),
-            merge_size=int(kwargs.get("merge_size", sub.merge_size)),
-            temporal_patch_size=int(kwargs.get("temporal_patch_size", sub.temporal_patch_size)),
+            patch_size=int(sub.patch_size),  # model-bound: never overridden
+            merge_size=int(sub.merge_size),
+            temporal_patch_size=int(sub.temporal_patch_size),
             min_pixels=int(kwargs.get("min_pixels", size["shortest_edge"])),
             max_pixels=int(kwargs.get("max_pixels", size["longest_edge"])),
         )

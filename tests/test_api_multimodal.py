@@ -113,12 +113,14 @@ def servers(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory,
     """The three servers, started side by side (their start-ups overlap)."""
     local = ("--allowed-local-media-path", str(media_dir))
     flags = {
-        "vl": (VL_ARCH, "--allow-private-media-urls", *local),
+        "vl": (VL_ARCH, "--allow-private-media-urls", *local,
+               "--media-io-kwargs", '{"video": {"max_frames": 20}}'),
         # max_pixels 12544 = 8x8 patches: at most 16 image tokens, within the 32-token budget.
         "strict": (STRICT_ARCH, *local, "--limit-mm-per-prompt", '{"image": 2}',
                    "--mm-processor-kwargs", '{"max_pixels": 12544}',
                    "--max-num-encoder-input-tokens", "32", "--encoder-cache-size", "32"),
-        "audio": (AUDIO_ARCH, "--allow-private-media-urls", *local),
+        "audio": (AUDIO_ARCH, "--allow-private-media-urls", *local,
+                  "--media-io-kwargs", '{"audio": {"max_seconds": 5}}'),
     }
     specs = [(tiny_checkpoint(arch), tmp_path_factory.mktemp(name), (*ENGINE_FLAGS, *rest))
              for name, (arch, *rest) in flags.items()]
@@ -366,6 +368,18 @@ BAD_CASES = [
                  id="private address"),
     pytest.param("strict", _png_part(BIG_IMAGE), "image budget", "needs 64 embeddings",
                  {"mm_processor_kwargs": {"max_pixels": 50176}}, id="item too large"),
+    # 1008x1008 kept whole: 1296 image tokens, over max_model_len 1024.
+    pytest.param("vl", _png_part(Image.new("RGB", (1008, 1008))), "image budget",
+                 "tokens long, which leaves no room to generate within max_model_len=1024 "
+                 "(1296 for image,", {"mm_processor_kwargs": {"max_pixels": 1008 * 1008}},
+                 id="prompt too long"),
+    pytest.param("audio", _input_audio(_wav(np.zeros(6 * 16000, np.float32), 16000)),
+                 "audio decode", 'lasts 6.0 s, over the limit of 5 s (--media-io-kwargs '
+                 '{"audio": {"max_seconds": ...}})', {}, id="audio over --media-io-kwargs"),
+    pytest.param("vl", {"type": "video_url", "video_url": {
+        "url": _data_url("video/mp4", _video(num_frames=30, audio_rate=None))}},
+                 "video decode", "30 or more frames, over the limit of 20", {},
+                 id="video over --media-io-kwargs"),
 ]
 
 

@@ -21,6 +21,7 @@ import torch
 from model_zoo.qwen2_5_omni_audio import get_feat_extract_output_lengths as qwen2_5_lengths
 from model_zoo.qwen3_omni_audio import get_feat_extract_output_lengths as qwen3_lengths
 from omniserve.config import ModelConfig
+from omniserve.engine.arg_utils import EngineArgs
 from omniserve.multimodal.cache import ProcessorCache
 from omniserve.multimodal.context import InputProcessingContext
 from omniserve.multimodal.errors import MultiModalInputError
@@ -377,3 +378,20 @@ def test_requests_set_only_the_declared_processor_options(make_processor, arch: 
     ):
         with pytest.raises(MultiModalInputError, match=re.escape(phrase)):
             info.check_request_kwargs(kwargs)
+
+
+def test_server_kwargs_may_not_change_what_the_encoder_fixes(tiny_checkpoint: Any) -> None:
+    """``--mm-processor-kwargs n_window`` (or a patch size) would desync the placeholder count
+    from the encoder's output: refused at start-up, with the per-request ranges checked too."""
+    from omniserve.engine.processor import Processor
+
+    path = str(tiny_checkpoint(QWEN3))
+    for kwargs, needle in [({"n_window": 25}, "n_window is fixed by the checkpoint's encoder"),
+                           ({"patch_size": 16}, "patch_size is fixed"),
+                           ({"max_pixels": -5}, "mm_processor_kwargs.max_pixels must be an "
+                                                "integer in")]:
+        config = EngineArgs(path, mm_processor_kwargs=kwargs).create_config()
+        with pytest.raises(ValueError, match=needle):
+            Processor(config)
+    config = EngineArgs(path, mm_processor_kwargs={"max_pixels": 12544}).create_config()
+    assert Processor(config).input_preprocessor.default_mm_kwargs == {"max_pixels": 12544}

@@ -85,6 +85,7 @@ class EngineArgs:
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     allow_private_media_urls: bool = False
+    media_io_kwargs: dict[str, dict[str, object]] | str | None = None
 
     def create_config(self, *, default_batched_tokens: int = 8192) -> OmniConfig:
         model_config = ModelConfig.from_path(
@@ -104,7 +105,7 @@ class EngineArgs:
                 if self.enable_chunked_prefill
                 else max(default_batched_tokens, max_len)
             )
-        return OmniConfig(
+        config = OmniConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -130,6 +131,7 @@ class EngineArgs:
                 allowed_local_media_path=self.allowed_local_media_path,
                 allowed_media_domains=tuple(self.allowed_media_domains or ()),
                 allow_private_media_urls=self.allow_private_media_urls,
+                media_io_kwargs=_json_arg("media_io_kwargs", self.media_io_kwargs),
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -138,6 +140,10 @@ class EngineArgs:
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
         )
+        from omniserve.multimodal.media import media_config  # numpy, PIL, av: only here
+
+        media_config(config.multimodal_config)  # a bad --media-io-kwargs fails here, at start
+        return config
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -227,6 +233,11 @@ class EngineArgs:
                         help="Only fetch http(s) media from these hosts.")
         mm.add_argument("--allow-private-media-urls", action="store_true",
                         help="Allow http(s) media from loopback/private addresses (testing).")
+        mm.add_argument("--media-io-kwargs", default=None,
+                        help='Media limits per modality, as JSON: image max_bytes, max_pixels; '
+                        'audio max_bytes, max_seconds; video num_frames, max_bytes, max_seconds, '
+                        'max_frames, max_total_pixels; e.g. {"video": {"num_frames": 16}}. '
+                        "Fetch timeouts: VLLM_{IMAGE,AUDIO,VIDEO}_FETCH_TIMEOUT.")
         return parser
 
     @classmethod

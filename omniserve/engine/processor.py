@@ -94,6 +94,7 @@ class Processor:
         token_ids = inputs.prompt_token_ids
         self._validate_prompt(token_ids)
         self._validate_mm_budget(inputs)
+        self._validate_length(inputs)
         max_len = self.model_config.max_model_len
         max_tokens = max_len - len(token_ids)
         if params.max_tokens is not None:
@@ -157,12 +158,23 @@ class Processor:
                 f"Token id {max_id if max_id >= self.vocab_size else min(token_ids)} "
                 f"is out of vocabulary (size {self.vocab_size})."
             )
-        max_len = self.model_config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"The prompt is {len(token_ids)} tokens long, which leaves no room to "
-                f"generate within max_model_len={max_len}."
-            )
+
+    def _validate_length(self, inputs: ProcessedInputs) -> None:
+        """The prompt must leave room to generate; when its media made it too long, the error
+        names the modality (the server adds the chat part), each one's share, and the stage."""
+        num_tokens, max_len = len(inputs.prompt_token_ids), self.model_config.max_model_len
+        if num_tokens < max_len:
+            return
+        message = (f"the prompt is {num_tokens} tokens long, which leaves no room to generate "
+                   f"within max_model_len={max_len}")
+        if not inputs.num_mm_tokens:
+            raise ValueError(message[0].upper() + message[1:] + ".")
+        shares = ", ".join(f"{n} for {m}" for m, n in inputs.num_mm_tokens.items())
+        num_text = num_tokens - sum(inputs.num_mm_tokens.values())
+        raise MultiModalInputError(
+            f"{message} ({shares}, {num_text} for text); send shorter or smaller media "
+            "(e.g. lower max_pixels, num_frames or fps) or raise --max-model-len",
+            stage="budget", modality=max(inputs.num_mm_tokens, key=inputs.num_mm_tokens.get))
 
 
 def _create_mm_processor(config: OmniConfig, tokenizer: Any) -> Any | None:

@@ -250,7 +250,7 @@ class ChatRenderer:
     def from_config(cls, config: Any, tokenizer: Any,
                     chat_template: str | None = None) -> ChatRenderer:
         from omniserve.multimodal.context import InputProcessingContext
-        from omniserve.multimodal.media import MediaConfig, MediaConnector
+        from omniserve.multimodal.media import MediaConnector, media_config
         from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
         from omniserve.registry import ModelRegistry
 
@@ -259,10 +259,7 @@ class ChatRenderer:
             return cls(tokenizer, chat_template=chat_template)
         model_cls = ModelRegistry.resolve_model_cls(config.model_config.architecture)
         mm = config.multimodal_config
-        connector = MediaConnector(MediaConfig(
-            allowed_local_media_path=mm.allowed_local_media_path,
-            allowed_media_domains=mm.allowed_media_domains,
-            allow_private_addresses=mm.allow_private_media_urls))
+        connector = MediaConnector(media_config(mm))
         # The engine's own item-count rules, so a chat part breaking them is named (and nothing
         # is fetched for a request that would be refused).
         info = factories.info(InputProcessingContext(

@@ -34,6 +34,11 @@ class InputPreprocessor:
         self.tokenizer = tokenizer
         self.mm_processor = mm_processor
         self.default_mm_kwargs = dict(default_mm_kwargs or {})
+        if self.default_mm_kwargs:
+            if mm_processor is None:
+                raise ValueError("--mm-processor-kwargs is set, but this model takes no "
+                                 "multimodal input.")
+            mm_processor.info.check_server_kwargs(self.default_mm_kwargs)
 
     def preprocess(self, prompt: PromptType) -> ProcessedInputs:
         if isinstance(prompt, str):

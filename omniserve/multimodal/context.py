@@ -91,6 +91,10 @@ class BaseProcessingInfo(ABC):
     request_kwargs: Mapping[str, RequestKwarg] = {}
     """The ``mm_processor_kwargs`` a request may set, per name; the server's
     ``--mm-processor-kwargs`` may set any HF processor option, a request only these."""
+    model_bound_kwargs: frozenset[str] = frozenset()
+    """HF processor options the checkpoint's encoder fixes (patch size, mel bins, windowing):
+    another value would make the placeholder count disagree with what the encoder outputs, so
+    not even the server's ``--mm-processor-kwargs`` may set them."""
 
     def __init__(self, ctx: InputProcessingContext) -> None:
         self.ctx = ctx
@@ -117,6 +121,20 @@ class BaseProcessingInfo(ABC):
     ) -> Mapping[str, int]:
         """An upper bound on one item's placeholder tokens per modality, computed analytically
         (no dummy processing), given ``mm_counts`` items share a ``seq_len`` prompt."""
+
+    def check_server_kwargs(self, kwargs: Mapping[str, object]) -> None:
+        """``--mm-processor-kwargs``: any HF option but the model-bound ones, and the
+        per-request options within their ranges; raises ValueError at start-up."""
+        for name, value in kwargs.items():
+            if name in self.model_bound_kwargs:
+                raise ValueError(f"--mm-processor-kwargs: {name} is fixed by the checkpoint's "
+                                 "encoder; another value would not match what it computes.")
+            rule = self.request_kwargs.get(name)
+            if rule is not None:
+                try:
+                    rule.check(name, value)
+                except MultiModalInputError as exc:
+                    raise ValueError(f"--mm-processor-kwargs: {exc.detail}") from None
 
     def check_request_kwargs(self, kwargs: Mapping[str, object]) -> None:
         """Refuse options not declared in ``request_kwargs`` and values out of their range."""

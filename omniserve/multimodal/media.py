@@ -22,25 +22,36 @@ import base64
 import binascii
 import functools
 import ipaddress
+import math
 import socket
 import ssl
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import httpx
 import numpy as np
 from PIL import Image
 
+from omniserve import envs
 from omniserve.multimodal.errors import MultiModalInputError
-from omniserve.multimodal.media_io import VideoItem, decode_audio, decode_image, decode_video
+from omniserve.multimodal.media_io import (
+    VideoBudget,
+    VideoItem,
+    decode_audio,
+    decode_image,
+    decode_video,
+)
 
-__all__ = ["MediaConfig", "MediaConnector", "VideoItem"]
+if TYPE_CHECKING:
+    from omniserve.config import MultiModalConfig
+
+__all__ = ["MediaConfig", "MediaConnector", "VideoItem", "media_config"]
 
 Modality = Literal["image", "audio", "video"]
 T = TypeVar("T")
@@ -48,13 +59,13 @@ T = TypeVar("T")
 _MiB = 1 << 20
 _MAX_REDIRECTS = 5
 _REDIRECT_STATUSES = (301, 302, 303, 307, 308)
-_NUM_LOADER_THREADS = 8  # async fetches run the sync path on this pool
 _NUM_DNS_THREADS = 4  # separate pool: a saturated loader pool must not starve DNS lookups
 
 
 @dataclass(frozen=True)
 class MediaConfig:
-    """Limits and permissions for loading media from URLs."""
+    """Limits and permissions for loading media. Every limit is checked before the work it
+    bounds (bytes before reading, a header's size and duration before decoding)."""
 
     allowed_local_media_path: str | None = None
     """file:// URLs are served only from under this directory (None: file:// refused)."""
@@ -75,17 +86,84 @@ class MediaConfig:
     max_audio_seconds: float = 600.0
     """Longest audio clip (or video audio track) accepted: resampling and featurizing scale
     with its duration, not its bytes (a 2 KB file declared at 1 Hz holds 2,000 s)."""
+    max_video_seconds: float = 600.0
+    max_video_frames: int = 18_000
+    """Source frames decoded (all are, to sample some): ten minutes at 30 fps."""
+    max_video_total_pixels: int = 18_000 * 640 * 480
+    """Source frames times their pixels, the decoding work: ten minutes of 480p at 30 fps."""
 
     def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.type not in ("int", "float"):
+                continue
+            kind = int if item.type == "int" else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise ValueError(f"{self.describe(item.name)} must be a number > 0, got "
+                                 f"{value!r}")
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{self.describe(item.name)} must be > 0, got {value!r}")
+
+    @classmethod
+    def from_options(cls, media_io_kwargs: dict[str, Any] | None = None,
+                     **permissions: Any) -> MediaConfig:
+        """The server's media config: ``--media-io-kwargs`` (vLLM's flag, e.g.
+        ``{"video": {"num_frames": 16, "max_seconds": 120}}``) and vLLM's fetch-timeout
+        environment variables over the defaults."""
+        values: dict[str, Any] = {}
         for modality in ("image", "audio", "video"):
-            if getattr(self, f"{modality}_timeout_s") <= 0:
-                raise ValueError(f"{modality}_timeout_s must be > 0")
-            if getattr(self, f"{modality}_max_bytes") <= 0:
-                raise ValueError(f"{modality}_max_bytes must be > 0")
-        if self.max_image_pixels <= 0 or self.video_num_frames <= 0:
-            raise ValueError("max_image_pixels and video_num_frames must be > 0")
-        if not self.max_audio_seconds > 0:
-            raise ValueError("max_audio_seconds must be > 0")
+            timeout = envs.media_fetch_timeout(modality)
+            if timeout is not None:
+                values[f"{modality}_timeout_s"] = timeout
+        for modality, options in (media_io_kwargs or {}).items():
+            keys = MEDIA_IO_KWARGS.get(modality)
+            if keys is None:
+                raise ValueError(f"--media-io-kwargs: {modality!r} is not a modality; use "
+                                 f"{', '.join(MEDIA_IO_KWARGS)}.")
+            if not isinstance(options, dict):
+                raise ValueError(f"--media-io-kwargs: {modality!r} must map to an object of "
+                                 f"options, got {options!r}.")
+            for key, value in options.items():
+                if key not in keys:
+                    raise ValueError(f"--media-io-kwargs: {modality}.{key} is not an option; "
+                                     f"{modality} takes {', '.join(keys)}.")
+                values[keys[key]] = value
+        return cls(**permissions, **values)
+
+    @staticmethod
+    def describe(name: str) -> str:
+        """A field as an operator sets it (the --media-io-kwargs key, or the field name)."""
+        for modality, keys in MEDIA_IO_KWARGS.items():
+            for key, field_name in keys.items():
+                if field_name == name:
+                    return f"--media-io-kwargs {modality}.{key}"
+        return name
+
+    @property
+    def video_budget(self) -> VideoBudget:
+        return VideoBudget(max_frame_pixels=self.max_image_pixels,
+                           max_frames=self.max_video_frames, max_seconds=self.max_video_seconds,
+                           max_total_pixels=self.max_video_total_pixels,
+                           max_audio_seconds=self.max_audio_seconds)
+
+
+def media_config(mm: MultiModalConfig) -> MediaConfig:
+    """The media rules an engine's config sets (``--media-io-kwargs`` and the URL permissions)."""
+    return MediaConfig.from_options(
+        mm.media_io_kwargs, allowed_local_media_path=mm.allowed_local_media_path,
+        allowed_media_domains=mm.allowed_media_domains,
+        allow_private_addresses=mm.allow_private_media_urls)
+
+
+MEDIA_IO_KWARGS: dict[str, dict[str, str]] = {
+    "image": {"max_bytes": "image_max_bytes", "max_pixels": "max_image_pixels"},
+    "audio": {"max_bytes": "audio_max_bytes", "max_seconds": "max_audio_seconds"},
+    "video": {"num_frames": "video_num_frames", "max_bytes": "video_max_bytes",
+              "max_seconds": "max_video_seconds", "max_frames": "max_video_frames",
+              "max_total_pixels": "max_video_total_pixels"},
+}
+"""``--media-io-kwargs`` keys per modality -> the ``MediaConfig`` field each sets. The decoders'
+error messages name these keys, so a refused item says how to raise its limit."""
 
 
 class MediaConnector:
@@ -138,9 +216,7 @@ class MediaConnector:
 
     def load_audio_bytes(self, data: bytes) -> tuple[np.ndarray, int]:
         self._check_size(len(data), "audio", "the audio")
-        audio = decode_audio(data)
-        self._check_duration(audio, "audio", "the audio")
-        return audio
+        return decode_audio(data, max_seconds=self.config.max_audio_seconds)
 
     def load_video_bytes(
         self, data: bytes, *, num_frames: int | None = None, fps: float | None = None
@@ -166,22 +242,8 @@ class MediaConnector:
         if num_frames is None:
             num_frames = self.config.video_num_frames
         self._check_size(len(data), "video", "the video")
-        video = decode_video(
-            data, num_frames=num_frames, fps=fps, max_pixels=self.config.max_image_pixels
-        )
-        if video.audio is not None:
-            self._check_duration(video.audio, "video", "the video's audio track")
-        return video
-
-    def _check_duration(self, audio: tuple[np.ndarray, int], modality: Modality,
-                        what: str) -> None:
-        """Refuse a clip longer than ``max_audio_seconds`` before it is resampled."""
-        waveform, rate = audio
-        seconds = waveform.size / rate
-        if seconds > self.config.max_audio_seconds:
-            raise MultiModalInputError(
-                f"{what} lasts {seconds:.1f} s ({waveform.size} samples at {rate} Hz), over the "
-                f"limit of {self.config.max_audio_seconds:g} s", stage="decode", modality=modality)
+        return decode_video(data, num_frames=num_frames, fps=fps,
+                            budget=self.config.video_budget)
 
     # -- URL dispatch ---------------------------------------------------------------------------
 
@@ -204,7 +266,8 @@ class MediaConnector:
         cap = getattr(self.config, f"{modality}_max_bytes")
         if num_bytes > cap:
             raise _fetch_error(
-                modality, f"{what} is too large (more than the {modality} limit of {cap} bytes)"
+                modality, f"{what} is too large (more than the {modality} limit of {cap} bytes; "
+                          f"{self.config.describe(f'{modality}_max_bytes')})"
             )
 
     def _read_data_url(self, url: str, modality: Modality) -> bytes:
@@ -457,7 +520,7 @@ def _dns_pool() -> ThreadPoolExecutor:
 
 @functools.cache
 def _loader_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(_NUM_LOADER_THREADS, thread_name_prefix="omniserve-media")
+    return ThreadPoolExecutor(envs.media_loading_threads(), thread_name_prefix="omniserve-media")
 
 
 @functools.cache

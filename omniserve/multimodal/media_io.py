@@ -95,20 +95,28 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 # ---------------------------------------------------------------------------------------- audio
 
 
-def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
+def decode_audio(data: bytes, *, max_seconds: float) -> tuple[np.ndarray, int]:
     """Decode audio to (mono float32 waveform [num_samples], native sample rate).
 
     soundfile (libsndfile) handles wav/flac/ogg (and mp3 with libsndfile >= 1.1); anything
     else (m4a/aac, webm, mp4 audio, ...) goes through PyAV. Channels are averaged on both paths.
+    A clip longer than ``max_seconds`` is refused from its header, before any sample is decoded
+    (a 2 KB file declared at 1 Hz holds 2,000 s), and again while decoding (headers can lie).
     """
     try:
-        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        info = soundfile.info(io.BytesIO(data))
     except Exception as sf_exc:  # libsndfile refuses unknown formats with several error types
         try:
             with av.open(io.BytesIO(data)) as container:
                 if not container.streams.audio:
                     raise _decode_error("audio", "the file has no audio stream")
-                waveform, rate = decode_audio_stream(container, container.streams.audio[0])
+                stream = container.streams.audio[0]
+                _check_seconds("audio", "the audio", _stream_seconds(stream, container),
+                               max_seconds, _AUDIO_SECONDS)
+                track = _AudioTrack(stream, "audio", "the audio", max_seconds)
+                for frame in container.decode(stream):
+                    track.add(frame)
+                waveform, rate = track.finish()
         except MultiModalInputError:
             raise
         except Exception as av_exc:
@@ -116,33 +124,68 @@ def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
                 "audio", f"cannot decode audio (soundfile: {sf_exc}; PyAV: {av_exc})"
             ) from av_exc
     else:
+        if info.samplerate > 0:
+            _check_seconds("audio", "the audio", info.frames / info.samplerate, max_seconds,
+                           _AUDIO_SECONDS)
+        try:
+            samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        except Exception as exc:
+            raise _decode_error("audio", f"cannot decode audio: {exc}") from exc
         waveform = np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32)
+        _check_seconds("audio", "the audio", waveform.size / rate, max_seconds, _AUDIO_SECONDS)
     if waveform.size == 0:
         raise _decode_error("audio", "the audio has no samples")
     return waveform, int(rate)
 
 
-def decode_audio_stream(
-    container: av.container.InputContainer, stream: av.AudioStream
-) -> tuple[np.ndarray, int]:
-    """Decode one audio stream of an open container to (mono float32, native rate)."""
-    track = _AudioTrack(stream)
-    for frame in container.decode(stream):
-        track.add(frame)
-    return track.finish()
+def _check_seconds(modality: str, what: str, seconds: float | None, limit: float,
+                   knob: str, so_far: bool = False) -> None:
+    """``so_far``: ``seconds`` is what decoding has produced yet, not the whole length."""
+    if seconds is not None and seconds > limit:
+        length = f"at least {seconds:.1f} s" if so_far else f"{seconds:.1f} s"
+        raise _decode_error(modality, f"{what} lasts {length}, over the limit of {limit:g} s "
+                                      f"({knob})")
+
+
+def _knob(modality: str, key: str) -> str:
+    """How an operator raises a limit: the --media-io-kwargs entry that sets it."""
+    return f"--media-io-kwargs {{\"{modality}\": {{\"{key}\": ...}}}}"
+
+
+_AUDIO_SECONDS = _knob("audio", "max_seconds")
+"""An audio track in a video counts against the audio clip limit."""
+
+
+def _stream_seconds(stream: av.stream.Stream, container: av.container.InputContainer
+                    ) -> float | None:
+    """A stream's duration as its container declares it (None: not declared)."""
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return container.duration / av.time_base
+    return None
 
 
 class _AudioTrack:
     """Collects decoded audio frames as planar float at the stream's own rate, then averages
-    the channels (the same downmix as the soundfile path)."""
+    the channels (the same downmix as the soundfile path). Refuses more than ``max_seconds``
+    as the samples arrive."""
 
-    def __init__(self, stream: av.AudioStream) -> None:
+    def __init__(self, stream: av.AudioStream, modality: str, what: str,
+                 max_seconds: float) -> None:
         self.rate = int(stream.codec_context.sample_rate or stream.rate)
         self._resampler = av.AudioResampler(format="fltp", rate=self.rate)  # layout kept
         self._chunks: list[np.ndarray] = []  # each [channels, n]
+        self._num_samples = 0
+        self._limit = (modality, what, max_seconds)
 
     def add(self, frame: av.AudioFrame | None) -> None:
-        self._chunks.extend(out.to_ndarray() for out in self._resampler.resample(frame))
+        for out in self._resampler.resample(frame):
+            self._chunks.append(out.to_ndarray())
+            self._num_samples += self._chunks[-1].shape[1]
+        modality, what, max_seconds = self._limit
+        _check_seconds(modality, what, self._num_samples / self.rate, max_seconds, _AUDIO_SECONDS,
+                       so_far=True)
 
     def finish(self) -> tuple[np.ndarray, int]:
         self.add(None)  # flush the resampler
@@ -174,8 +217,24 @@ def sample_frame_indices(
     return np.linspace(0, num_source_frames - 1, count).round().astype(int).tolist()
 
 
+@dataclass(frozen=True)
+class VideoBudget:
+    """What decoding one video may cost. Checked from the container's header before any frame
+    is decoded, and again while decoding, since headers can lie."""
+
+    max_frame_pixels: int
+    """Pixels of one frame (the decompression-bomb guard images have too)."""
+    max_frames: int
+    """Source frames decoded (every frame is decoded, even those not sampled)."""
+    max_seconds: float
+    max_total_pixels: int
+    """Source frames x their pixels: the decoding work itself."""
+    max_audio_seconds: float
+    """The audio track, as for an audio clip."""
+
+
 def decode_video(
-    data: bytes, *, num_frames: int | None, fps: float | None, max_pixels: int
+    data: bytes, *, num_frames: int | None, fps: float | None, budget: VideoBudget
 ) -> VideoItem:
     """Decode a video's sampled frames (RGB) and its first audio track, if any.
 
@@ -190,20 +249,30 @@ def decode_video(
             video = container.streams.video[0]
             audio = container.streams.audio[0] if container.streams.audio else None
             width, height = video.codec_context.width, video.codec_context.height
-            if width * height > max_pixels:
+            if width * height > budget.max_frame_pixels:
                 raise _decode_error(
                     "video",
-                    f"video frames are {width}x{height}, over the "
-                    f"limit of {max_pixels} pixels per frame",
+                    f"video frames are {width}x{height}, over the limit of "
+                    f"{budget.max_frame_pixels} pixels per frame ({_knob('image', 'max_pixels')})",
                 )
             source_fps = _source_fps(video)
-            expected = video.frames or _estimate_num_frames(video, container, source_fps)
+            seconds = _stream_seconds(video, container)
+            _check_seconds("video", "the video", seconds, budget.max_seconds,
+                           _knob("video", "max_seconds"))
+            if audio is not None:
+                _check_seconds("video", "the video's audio track",
+                               _stream_seconds(audio, container), budget.max_audio_seconds,
+                               _AUDIO_SECONDS)
+            expected = video.frames or (round(seconds * source_fps) if seconds else 0)
+            meter = _DecodeMeter(budget)
+            meter.check(expected, expected * width * height)
             indices = sample_frame_indices(expected, source_fps, num_frames=num_frames, fps=fps)
-            frames, total, track = _decode_pass(container, video, audio, indices)
+            frames, total, track = _decode_pass(container, video, audio, indices, meter)
         if total != expected:
             indices = sample_frame_indices(total, source_fps, num_frames=num_frames, fps=fps)
             with av.open(io.BytesIO(data)) as container:
-                frames, _, _ = _decode_pass(container, container.streams.video[0], None, indices)
+                frames, _, _ = _decode_pass(container, container.streams.video[0], None, indices,
+                                            _DecodeMeter(budget))
         if not frames:
             raise _decode_error("video", "the video has no frames")
         stacked = np.stack(frames)  # [T, H, W, 3]; raises if the resolution changes midway
@@ -221,6 +290,34 @@ def decode_video(
     )
 
 
+class _DecodeMeter:
+    """Counts the frames and pixels a decode pass spends, refusing the video once over budget."""
+
+    def __init__(self, budget: VideoBudget) -> None:
+        self.budget = budget
+        self.frames = 0
+        self.pixels = 0
+
+    def add(self, frame: av.VideoFrame) -> None:
+        if frame.width * frame.height > self.budget.max_frame_pixels:
+            raise _decode_error("video", f"a frame is {frame.width}x{frame.height}, over the "
+                                         f"limit of {self.budget.max_frame_pixels} pixels per "
+                                         f"frame ({_knob('image', 'max_pixels')})")
+        self.frames += 1
+        self.pixels += frame.width * frame.height
+        self.check(self.frames, self.pixels)
+
+    def check(self, frames: int, pixels: int) -> None:
+        if frames > self.budget.max_frames:
+            raise _decode_error("video", f"the video has {frames} or more frames, over the "
+                                         f"limit of {self.budget.max_frames} "
+                                         f"({_knob('video', 'max_frames')})")
+        if pixels > self.budget.max_total_pixels:
+            raise _decode_error("video", f"decoding the video means {pixels} or more pixels, "
+                                         f"over the limit of {self.budget.max_total_pixels} "
+                                         f"({_knob('video', 'max_total_pixels')})")
+
+
 def _source_fps(video: av.VideoStream) -> float:
     rate: Fraction | None = video.average_rate or video.guessed_rate or video.base_rate
     if not rate or rate <= 0:
@@ -228,32 +325,23 @@ def _source_fps(video: av.VideoStream) -> float:
     return float(rate)
 
 
-def _estimate_num_frames(
-    video: av.VideoStream, container: av.container.InputContainer, source_fps: float
-) -> int:
-    if video.duration is not None and video.time_base is not None:
-        seconds = float(video.duration * video.time_base)
-    elif container.duration is not None:
-        seconds = container.duration / av.time_base
-    else:
-        return 0  # unknown: the first pass only counts, the second samples
-    return round(seconds * source_fps)
-
-
 def _decode_pass(
     container: av.container.InputContainer,
     video: av.VideoStream,
     audio: av.AudioStream | None,
     indices: list[int],
+    meter: _DecodeMeter,
 ) -> tuple[list[np.ndarray], int, tuple[np.ndarray, int] | None]:
     """Decode every video frame (converting only those in ``indices``) and the audio track."""
     wanted = set(indices)
     frames: list[np.ndarray] = []  # each [H, W, 3]
     total = 0
-    track = _AudioTrack(audio) if audio is not None else None
+    track = (None if audio is None else
+             _AudioTrack(audio, "video", "the video's audio track", meter.budget.max_audio_seconds))
     for packet in container.demux(*([video] if audio is None else [video, audio])):
         for frame in packet.decode():
             if isinstance(frame, av.VideoFrame):
+                meter.add(frame)
                 if total in wanted:
                     frames.append(frame.to_ndarray(format="rgb24"))
                 total += 1

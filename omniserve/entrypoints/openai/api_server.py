@@ -29,7 +29,7 @@ import anyio
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -303,7 +303,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     app.add_exception_handler(ServingError, lambda _, exc: error_json(exc))  # type: ignore
     app.add_exception_handler(Exception, _unexpected_error)
 
-    @app.get("/health", responses={503: {"model": ErrorResponse, "description": "Engine dead"}})
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "The engine is alive (empty body)", "content": None},
+        503: {"model": ErrorResponse, "description": "The engine is dead or the server is "
+                                                      "shutting down"}})
     async def health() -> Response:
         try:
             await engine.check_health()
@@ -315,7 +318,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition format"},
+        404: {"model": ErrorResponse, "description": "Metrics are not enabled"}})
     async def metrics() -> Response:
         if stat_logger is None:
             raise ServingError("Metrics are not enabled.", HTTPStatus.NOT_FOUND)
@@ -407,10 +412,17 @@ def _documented(body: type | None = None, chunk: type | None = None) -> dict[int
                        HTTPStatus.SERVICE_UNAVAILABLE)}
     if body is not None:
         content: dict[str, Any] = {"application/json": {}}
-        if chunk is not None:
+        if chunk is not None:  # the schema of one event, as OpenAPI 3.1 tools read SSE
             content["text/event-stream"] = {"schema": {
-                "type": "string", "description": f"data: <{chunk.__name__}> events, then "
-                                                 "data: [DONE]"}}
+                "type": "object", "required": ["data"],
+                "properties": {"event": {"type": "string"}, "data": {"anyOf": [
+                    {"const": "[DONE]"},
+                    {"type": "string", "contentMediaType": "application/json",
+                     "contentSchema": {"$ref": f"#/components/schemas/{chunk.__name__}"}},
+                    {"type": "string", "contentMediaType": "application/json",
+                     "contentSchema": {"$ref": "#/components/schemas/ErrorResponse"}}]}},
+                "description": f"data: <{chunk.__name__}> events (an error event if the "
+                               "request fails midway), then data: [DONE]"}}
         responses[200] = {"model": body, "content": content}
     return responses
 

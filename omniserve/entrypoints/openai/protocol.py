@@ -126,6 +126,13 @@ class SamplingRequest(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8},
+        {"messages": [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+         "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4,
+         "logprobs": True, "top_logprobs": 2, "n": 2, "temperature": 0.7, "seed": 1}]})
+
     messages: list[dict[str, Any]]
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
@@ -155,6 +162,11 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "Once upon a time", "max_tokens": 8},
+        {"prompt": [[1, 2, 3], "two prompts"], "max_tokens": 4, "stream": True, "echo": True,
+         "logprobs": 2}]})
+
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
