@@ -45,8 +45,8 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with launch_server(None, tmp_path_factory.mktemp("soak"), "--max-model-len", "1024",
-                       "--kv-cache-memory", "64MiB", "--mm-processor-cache-gb", "0.015625",
-                       "--media-io-kwargs", '{"audio": {"max_seconds": 5}}') as running:
+                       "--kv-cache-memory", "64MiB", "--mm-processor-cache-gb", "0.015625"
+                       ) as running:
         yield running
 
 
@@ -81,7 +81,9 @@ GREEDY_PROBES = [
 BAD_BODIES = [  # each a 400: bad media at fetch, decode and budget, and bad parameters
     _chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGEgcG5n"}}]),
     _chat([{"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest"}}]),
-    _chat([_audio_part(7, seconds=6.0)]),  # over --media-io-kwargs audio.max_seconds
+    _chat([{"type": "input_audio", "input_audio": {  # 2,000 s declared at 1 Hz: over 600 s
+        "data": base64.b64encode(_wav(np.zeros(2000, np.float32), 1)).decode(),
+        "format": "wav"}}]),
     _chat("hi", temperature=1e39, min_tokens=4),
     _chat("hi", top_k=2**63),
     _chat([_audio_part(8)], mm_processor_kwargs={"n_window": -1}),
@@ -208,3 +210,39 @@ def test_soak_leaves_no_trace(server: Server) -> None:
     assert rss_after - rss_warm < RSS_GROWTH_BOUND
     assert _greedy(server) == before
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_heavy_media_does_not_stall_other_requests(server: Server) -> None:
+    """While one client sends a 60 s clip and a 600-frame video, another's small chats and
+    /health keep being answered: none waits for the heavy requests (their media is decoded and
+    processed off the event loop, on threads of their own). How much the small requests' time to
+    first token grows is measured by scripts/bench_stall.py, not asserted here."""
+    from scripts.bench_stall import audio_clip, video_clip
+
+    heavy = [_chat([audio_clip(60.0, seed=1), {"type": "text", "text": "What is it?"}]),
+             {**_chat([video_clip(600, seed=2), {"type": "text", "text": "What is it?"}]),
+              "mm_processor_kwargs": {"num_frames": 8}}]  # all 600 decoded, 8 fit the context
+
+    async def run() -> tuple[list[float], float, list[float]]:
+        async with httpx.AsyncClient(base_url=server.url, headers=HEADERS,
+                                     timeout=120) as client:
+            async def heavy_requests() -> float:
+                for body in heavy:
+                    response = await client.post("/v1/chat/completions", json=body)
+                    assert response.status_code == 200, response.text[:300]
+                return time.monotonic()
+
+            heavy_task = asyncio.ensure_future(heavy_requests())
+            small_done, health = [], []
+            while not heavy_task.done():
+                start = time.monotonic()
+                assert (await client.get("/health")).status_code == 200
+                health.append(time.monotonic() - start)
+                response = await client.post("/v1/chat/completions", json=_chat("Hi"))
+                assert response.status_code == 200
+                small_done.append(time.monotonic())
+            return small_done, await heavy_task, health
+
+    small_done, heavy_done, health = asyncio.run(run())
+    assert sum(t < heavy_done for t in small_done) >= 3, small_done
+    assert max(health) < 1.0, health  # an event loop blocked by media would take seconds

@@ -49,12 +49,13 @@ class RequestOutputCollector:
 class AsyncLLM:
     def __init__(self, config: OmniConfig, stat_loggers: list[Any] | None = None,
                  input_threads: int = 1) -> None:
-        """``input_threads``: the pool that tokenizes, renders and runs HF processing, so the
-        event loop never blocks on a request's input (one thread keeps the tokenizer single-
-        threaded; more overlap several requests' media processing)."""
+        """Input work runs off the event loop, in two pools so that no text-only request waits
+        behind another's media: ``input_pool`` (one thread) tokenizes and renders templates,
+        ``mm_pool`` (``input_threads``) runs the HF processing of prompts with media."""
         if input_threads < 1:
             raise ValueError(f"input_threads must be >= 1, got {input_threads}.")
-        self.input_pool = ThreadPoolExecutor(input_threads, thread_name_prefix="omniserve-input")
+        self.input_pool = ThreadPoolExecutor(1, thread_name_prefix="omniserve-input")
+        self.mm_pool = ThreadPoolExecutor(input_threads, thread_name_prefix="omniserve-mm")
         self.config = config
         self.model_config = config.model_config
         self.processor = Processor(config, engine_in_other_process=True)
@@ -90,7 +91,9 @@ class AsyncLLM:
         self._check_not_stopping()
         self._ensure_output_handler()
         processed = await self.run_input_work(self.processor.process_inputs, request_id, prompt,
-                                              params, arrival_time)
+                                              params, arrival_time,
+                                              media=isinstance(prompt, dict)
+                                              and bool(prompt.get("multi_modal_data")))
         self._check_not_stopping()  # it may have begun while the input was processed
         collector = RequestOutputCollector()
         self.output_processor.add_processed_request(request_id, processed, params, collector)
@@ -114,9 +117,11 @@ class AsyncLLM:
             if not finished:
                 await self.abort(request_id)
 
-    async def run_input_work(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the input pool (tokenizing, templating, media processing)."""
-        return await asyncio.get_running_loop().run_in_executor(self.input_pool, fn, *args)
+    async def run_input_work(self, fn: Callable[..., T], *args: Any, media: bool = False) -> T:
+        """``fn(*args)`` off the event loop: on ``mm_pool`` for work on media, else on
+        ``input_pool`` (tokenizing, templating)."""
+        pool = self.mm_pool if media else self.input_pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -183,5 +188,6 @@ class AsyncLLM:
     def shutdown(self) -> None:
         if self._output_handler is not None:
             self._output_handler.cancel()
-        self.input_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.input_pool, self.mm_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
         self.engine_core.shutdown()

@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-request-body-mb", type=float, default=100.0,
                         help="Largest request body accepted (413 above it), media included.")
     server.add_argument("--input-processing-threads", type=int, default=1,
-                        help="Threads that tokenize and process media off the event loop.")
+                        help="Threads that run the HF processing of prompts with media, off "
+                             "the event loop (text is tokenized on a thread of its own).")
     server.add_argument("--shutdown-timeout", type=float, default=0.0,
                         help="On SIGTERM/SIGINT, seconds the requests in flight get to finish "
                              "(new ones get 503 meanwhile); those left then end with an error. "

@@ -487,8 +487,8 @@ async def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> Tokeniz
         if prompt.mm_data:
             preprocessor = serving.engine.processor.input_preprocessor
             try:
-                processed = await serving.engine.run_input_work(preprocessor.preprocess,
-                                                                prompt.to_engine_input())
+                processed = await serving.engine.run_input_work(
+                    preprocessor.preprocess, prompt.to_engine_input(), media=True)
                 ids = processed.prompt_token_ids
             except MultiModalInputError as exc:
                 raise locate_mm_error(exc, prompt.mm_locations or {}) from exc
