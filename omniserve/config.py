@@ -39,6 +39,10 @@ class ModelConfig:
     """Seed for the engine's global RNG (requests may bring their own)."""
     served_model_name: str = ""
     """The name clients use; defaults to ``model``."""
+    generation_config: str = "auto"
+    """Where the default sampling settings come from, as vLLM's ``--generation-config``:
+    "auto" the checkpoint's generation_config.json, "vllm" none (OpenAI's defaults), or a
+    directory holding a generation_config.json."""
 
     @staticmethod
     def from_path(
@@ -90,10 +94,38 @@ class ModelConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        if self.generation_config not in ("auto", "vllm"):
+            file = Path(self.generation_config).expanduser() / GENERATION_CONFIG_FILE
+            if not file.is_file():
+                raise ValueError(f"--generation-config {self.generation_config!r}: no "
+                                 f"{GENERATION_CONFIG_FILE} there (or use 'auto' or 'vllm').")
+
+    def default_sampling_params(self) -> dict[str, float | int]:
+        """The sampling settings the model's creator recommends, for fields a request omits:
+        the ``SamplingParams`` names of what generation_config.json sets among temperature,
+        top_p, top_k, min_p, repetition_penalty and max_new_tokens (as ``max_tokens``)."""
+        if self.generation_config == "vllm":
+            return {}
+        folder = self.model if self.generation_config == "auto" else self.generation_config
+        file = Path(folder).expanduser() / GENERATION_CONFIG_FILE
+        if not file.is_file():
+            return {}
+        try:
+            settings = json.loads(file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{file} is not valid JSON: {exc}") from exc
+        return {name: settings[key] for key, name in _GENERATION_DEFAULTS.items()
+                if settings.get(key) is not None}
 
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+_GENERATION_DEFAULTS = {  # generation_config.json key -> SamplingParams field (vLLM's set)
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def _derive_max_model_len(hf_config: dict) -> int | None:

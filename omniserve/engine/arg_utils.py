@@ -65,6 +65,7 @@ class EngineArgs:
     seed: int = 0
     max_model_len: int | None = None
     served_model_name: str | None = None
+    generation_config: str = "auto"
     block_size: int = 16
     kv_cache_memory: str | int | None = None
     num_gpu_blocks_override: int | None = None
@@ -96,6 +97,7 @@ class EngineArgs:
             device=self.device,
             seed=self.seed,
             served_model_name=self.served_model_name or "",
+            generation_config=self.generation_config,
         )
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
@@ -160,6 +162,10 @@ class EngineArgs:
         )
         add("--device", default="auto", help="auto (CUDA when present), cpu or cuda.")
         add("--seed", type=int, default=0, help="Engine RNG seed.")
+        add("--generation-config", default="auto",
+            help="Default sampling settings for fields a request omits: 'auto' the "
+            "checkpoint's generation_config.json, 'vllm' none (OpenAI's defaults), or a "
+            "directory holding a generation_config.json.")
         add(
             "--max-model-len",
             type=int,

@@ -28,6 +28,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without sampling params: the checkpoint's
+        recommended settings (``generation_config``), else SamplingParams' defaults."""
+        return SamplingParams(**self.llm_engine.config.model_config.default_sampling_params())
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -39,7 +44,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (
             [sampling_params] * len(prompts)
             if isinstance(sampling_params, SamplingParams)

@@ -287,6 +287,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     chat_template = load_chat_template(getattr(args, "chat_template", None))
     chat = OpenAIServingChat(engine, names, chat_template)
     completion = OpenAIServingCompletion(engine, names, chat_template)
+    if chat.default_sampling:
+        logger.info("Default sampling parameters from the checkpoint's generation config, for "
+                    "fields a request omits: %s (--generation-config vllm turns them off).",
+                    chat.default_sampling)
     stat_logger = next((s for s in engine.stat_loggers if isinstance(s, PrometheusStatLogger)),
                        None)
 
@@ -441,7 +445,9 @@ def _api_router(engine: AsyncLLM, chat: OpenAIServingChat,
                                                "description": "Unauthorized"}})
     async def show_models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, root=engine.model_config.model,
-                                         max_model_len=max_model_len) for name in names])
+                                         max_model_len=max_model_len,
+                                         default_sampling_params=completion.default_sampling)
+                               for name in names])
 
     @router.post("/v1/chat/completions", responses=_documented(ChatCompletionResponse,
                                                                ChatCompletionStreamResponse))

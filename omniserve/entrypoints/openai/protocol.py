@@ -52,6 +52,9 @@ class ModelCard(OpenAIBaseModel):
     owned_by: str = "omniserve"
     root: str | None = None
     max_model_len: int | None = None
+    default_sampling_params: dict[str, float] = Field(default_factory=dict)
+    """The checkpoint's recommended settings used for fields a request omits
+    (``--generation-config``); empty: OpenAI's defaults."""
 
 
 class ModelList(OpenAIBaseModel):
@@ -168,6 +171,8 @@ class CompletionRequest(SamplingRequest):
          "logprobs": 2}]})
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    """16 when omitted, as in OpenAI's and vLLM's completions API (null: up to the context)."""
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None

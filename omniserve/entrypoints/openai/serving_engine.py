@@ -153,6 +153,7 @@ class OpenAIServing:
         self.max_model_len = engine.model_config.max_model_len
         self.served_model_names = served_model_names
         self.renderer = ChatRenderer.from_config(engine.config, engine.tokenizer, chat_template)
+        self.default_sampling = engine.model_config.default_sampling_params()
 
     @property
     def model_name(self) -> str:
@@ -228,8 +229,8 @@ class OpenAIServing:
                 f"This model's maximum context length is {limit} tokens. However, your request "
                 f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
                 param="messages")
-        if requested is None:
-            return limit - prompt_len
+        if requested is None:  # the checkpoint's max_new_tokens caps the default, as in vLLM
+            return min(limit - prompt_len, self.default_sampling.get("max_tokens", limit))
         if prompt_len + requested > limit:
             raise ServingError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -241,22 +242,27 @@ class OpenAIServing:
     def sampling_params(self, request: SamplingRequest, prompt_len: int, *,
                         max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """The one mapping from request fields to SamplingParams (OpenAI defaults for None)."""
+        """The one mapping from request fields to SamplingParams: a field the request omits
+        takes the checkpoint's recommended value (``--generation-config``), else OpenAI's."""
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+
+        def field(name: str, openai_default: float) -> Any:
+            value = getattr(request, name)
+            return self.default_sampling.get(name, openai_default) if value is None else value
+
         try:
             return SamplingParams(
                 n=request.n,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=0 if request.top_k is None else request.top_k,
-                min_p=0.0 if request.min_p is None else request.min_p,
+                temperature=field("temperature", 1.0),
+                top_p=field("top_p", 1.0),
+                top_k=field("top_k", 0),
+                min_p=field("min_p", 0.0),
                 seed=request.seed,
                 stop=request.stop or [],
                 stop_token_ids=request.stop_token_ids or [],
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=(1.0 if request.repetition_penalty is None
-                                    else request.repetition_penalty),
+                repetition_penalty=field("repetition_penalty", 1.0),
                 ignore_eos=request.ignore_eos,
                 max_tokens=self.resolve_max_tokens(prompt_len, max_tokens),
                 min_tokens=request.min_tokens,
