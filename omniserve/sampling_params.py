@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -24,6 +25,42 @@ class RequestOutputKind(IntEnum):
     CUMULATIVE = 0  # all text/tokens so far
     DELTA = 1  # only what is new since the last output
     FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's ``structured_outputs``): exactly one of a JSON schema
+    (``json``, a dict or its JSON text), any JSON object (``json_object``), a regular expression,
+    a choice among strings, an EBNF ``grammar``, or an xgrammar ``structural_tag`` (JSON text).
+    The engine masks every token the constraint does not allow."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    """JSON without optional whitespace (else any amount, as JSON allows)."""
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, "
+                             f"regex, choice, grammar, structural_tag; got {given or 'none'}.")
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json)
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+
+    @property
+    def kind(self) -> str:
+        """The constraint's field name ("json", "regex", ...)."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass
@@ -51,6 +88,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +97,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
         if self.temperature < SAMPLING_EPS:
             # Greedy: the truncation knobs cannot change the argmax.

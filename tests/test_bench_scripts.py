@@ -146,3 +146,14 @@ def test_stall_benchmark_runs_on_the_default_model(monkeypatch, capsys):
     assert lines[0].split()[:2] == ["phase", "TTFT"]
     assert [line.split()[0] for line in lines[1:]] == ["idle", "while", "while"]
     assert all(" x " in line for line in lines[2:])  # heavy requests ran beside the probes
+
+
+def test_structured_benchmark_runs_on_a_tiny_checkpoint(monkeypatch, capsys):
+    bench = _load_script("bench_structured")
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "1")  # restored after; main sets 0
+    monkeypatch.setattr(sys, "argv", ["bench_structured.py", "--num-prompts", "3",
+                                      "--output-len", "4", "--fields", "5"])
+    bench.main()
+    out = capsys.readouterr().out
+    assert "constrained: 12 tokens" in out and "x free" in out
+    assert "compile of a 5-field schema" in out

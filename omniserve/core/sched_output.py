@@ -61,6 +61,9 @@ class SchedulerOutput:
     """req_id -> indices of the multimodal items to encode this step."""
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
     """Encoder outputs (by item hash) the workers may drop."""
+    grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
+    """req_id -> the tokens its structured output allows next, as packed int32 bit words; only
+    for constrained requests that sample this step."""
 
     @staticmethod
     def make_empty() -> SchedulerOutput:

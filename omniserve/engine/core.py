@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -20,6 +21,7 @@ from typing import Any, NoReturn
 
 import msgspec
 import zmq
+from transformers import AutoConfig
 
 from omniserve.config import OmniConfig
 from omniserve.core.request import Request, RequestStatus
@@ -34,6 +36,7 @@ from omniserve.engine.messages import (
 from omniserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from omniserve.executor.abstract import Executor
 from omniserve.plugins import load_plugins
+from omniserve.structured_output import StructuredOutputManager, wait_any
 
 logger = logging.getLogger(__name__)
 
@@ -56,31 +59,101 @@ class EngineCore:
         # Batches in flight, newest first (only used when the executor runs several at once).
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        # Requests with structured outputs wait here, outside the scheduler, for their grammar.
+        self.grammar_waiting: dict[str, tuple[Request, Future[Any]]] = {}
+
+    @functools.cached_property
+    def structured_output(self) -> StructuredOutputManager:
+        model = self.config.model_config
+        vocab_size = AutoConfig.from_pretrained(
+            model.model, local_files_only=True).get_text_config().vocab_size
+        return StructuredOutputManager(model.tokenizer, vocab_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.num_requests_received += 1
-        self.scheduler.add_request(Request(
+        engine_request = Request(
             request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
             sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
             arrival_time=request.arrival_time, max_tokens=request.max_tokens,
-            mm_features=list(request.mm_features)))
+            mm_features=list(request.mm_features))
+        constraint = request.sampling_params.structured_outputs
+        if constraint is None:
+            self.scheduler.add_request(engine_request)
+            return
+        if self.batch_queue_size > 1:  # a batch's mask would be built before the last's tokens
+            raise ValueError("structured outputs are not supported with pipeline parallelism.")
+        self.grammar_waiting[request.request_id] = (
+            engine_request, self.structured_output.compile_async(constraint))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for req_id in request_ids:
+            self.grammar_waiting.pop(req_id, None)
+            if "structured_output" in self.__dict__:
+                self.structured_output.remove(req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.grammar_waiting)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Hand requests whose grammar is compiled to the scheduler; a compile that failed ends
+        its request with an error. With nothing else to run, wait a little for one."""
+        if not self.grammar_waiting:
+            return []
+        if not self.scheduler.has_unfinished_requests():
+            wait_any([future for _, future in self.grammar_waiting.values()], timeout=0.05)
+        failed = []
+        for req_id, (request, future) in list(self.grammar_waiting.items()):
+            if not future.done():
+                continue
+            del self.grammar_waiting[req_id]
+            if future.exception() is not None:
+                logger.error("Compiling the grammar of request %s failed: %s", req_id,
+                             future.exception())
+                failed.append(EngineCoreOutput(request_id=req_id, new_token_ids=[],
+                                               finish_reason=FinishReason.ERROR))
+                continue
+            self.structured_output.start(req_id, future.result())
+            self.scheduler.add_request(request)
+        return failed
+
+    def _attach_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        """A bitmask row for each constrained request that samples in this step."""
+        if "structured_output" not in self.__dict__ or not self.structured_output.matchers:
+            return
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.scheduler.requests.get(req_id)
+            if (req_id in self.structured_output.matchers and request is not None
+                    and request.num_computed_tokens >= request.num_tokens):
+                scheduler_output.grammar_bitmask[req_id] = self.structured_output.bitmask_row(
+                    req_id)
+
+    def _advance_grammars(self, outputs: EngineCoreOutputs) -> None:
+        if "structured_output" not in self.__dict__:
+            return
+        manager = self.structured_output
+        for output in outputs.outputs:
+            if output.request_id in manager.matchers:
+                manager.accept(output.request_id, output.new_token_ids)
+                if output.finished:
+                    manager.remove(output.request_id)
 
     def step(self) -> EngineCoreOutputs:
         """Run one step; return what it produced (empty when there was nothing to run)."""
+        failed = self._admit_compiled()
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(timestamp=time.time())
+            return EngineCoreOutputs(outputs=failed, timestamp=time.time(),
+                                     engine_index=self.engine_index)
         scheduler_output = self.scheduler.schedule()
+        self._attach_grammar_bitmask(scheduler_output)
         try:
             model_output = self.model_executor.execute_model(scheduler_output)
         except Exception as exc:
-            return self._fail_step([scheduler_output], exc)
-        return self._update_from_output(scheduler_output, model_output)
+            outputs = self._fail_step([scheduler_output], exc)
+        else:
+            outputs = self._update_from_output(scheduler_output, model_output)
+        outputs.outputs = failed + outputs.outputs
+        return outputs
 
     def step_with_batch_queue(self) -> EngineCoreOutputs | None:
         """Keep up to ``batch_queue_size`` batches in flight (pipeline parallelism).
@@ -128,6 +201,10 @@ class EngineCore:
                      len(req_ids), "failing it" if len(req_ids) == 1 else
                      "rerunning each alone to find the cause", exc_info=exc)
         outputs = [o for so in scheduler_outputs for o in self.scheduler.fail_step(so).outputs]
+        if "structured_output" in self.__dict__:
+            for output in outputs:
+                if output.finished:
+                    self.structured_output.remove(output.request_id)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time(),
                                  engine_index=self.engine_index,
                                  scheduler_stats=self.make_stats())
@@ -135,6 +212,7 @@ class EngineCore:
     def _update_from_output(self, scheduler_output: SchedulerOutput,
                             model_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self._advance_grammars(outputs)
         outputs.timestamp = time.time()
         outputs.engine_index = self.engine_index
         outputs.scheduler_stats = self.make_stats()
@@ -157,6 +235,8 @@ class EngineCore:
         return self.model_executor.model_info()
 
     def shutdown(self) -> None:
+        if "structured_output" in self.__dict__:
+            self.structured_output.shutdown()
         self.model_executor.shutdown()
 
 
@@ -285,7 +365,7 @@ class EngineCoreProc(EngineCore):
                 self.output_queue.put((EngineCoreOutputType.OUTPUTS, outputs))
 
     def _has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        return self.has_unfinished_requests() or bool(self.batch_queue)
 
     def _process_input_queue(self) -> None:
         block = not self._has_work()

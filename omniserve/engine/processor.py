@@ -21,6 +21,7 @@ from omniserve.inputs.data import PromptType
 from omniserve.inputs.preprocess import InputPreprocessor, ProcessedInputs
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.sampling_params import SamplingParams
+from omniserve.structured_output import validate_structured_outputs
 from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
 
 MAX_LOGPROBS = 20
@@ -136,6 +137,8 @@ class Processor:
                 )
 
     def _validate_params(self, params: SamplingParams) -> None:
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:

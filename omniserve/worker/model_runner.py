@@ -19,6 +19,7 @@ from omniserve.config import CacheConfig, SchedulerConfig
 from omniserve.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from omniserve.forward_context import set_forward_context
 from omniserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
+from omniserve.structured_output import apply_bitmask_rows
 from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
 
@@ -103,6 +104,12 @@ class ModelRunner:
             hidden_states = self.model(  # [num_tokens, hidden]
                 input_ids, self._positions(step), inputs_embeds=inputs_embeds)
         logits = self.model.compute_logits(hidden_states[step.logits_indices])  # [S, vocab]
+        if scheduler_output.grammar_bitmask:
+            sampling_ids = [r for r, samples in zip(step.req_ids, step.sample_mask, strict=True)
+                            if samples]
+            apply_bitmask_rows(logits, {j: scheduler_output.grammar_bitmask[req_id]
+                                        for j, req_id in enumerate(sampling_ids)
+                                        if req_id in scheduler_output.grammar_bitmask})
         sample_rows = step.rows[step.sample_mask]
         sampler_output = self.sampler(logits, self._sampling_metadata(sample_rows))
         sampled = sampler_output.sampled_token_ids.tolist()

@@ -85,6 +85,40 @@ class StreamOptions(OpenAIBaseModel):
 # ---- requests ----
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON of a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema is required with type json_schema.")
+        return self
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: StrictBool = False
+    """An option, not a constraint: may go with response_format or a guided_* field."""
+
+
 class SamplingRequest(OpenAIBaseModel):
     """The sampling fields chat and completions share (OpenAI's, then vLLM's extras)."""
 
@@ -101,7 +135,7 @@ class SamplingRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     # vLLM's extra body fields
     top_k: StrictInt | None = None
@@ -113,6 +147,38 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    """vLLM's older spellings of ``structured_outputs`` fields."""
+
+    @property
+    def constraint(self) -> dict[str, Any] | None:
+        """The one output constraint the request asks for, as ``StructuredOutputsParams``
+        fields: from response_format, structured_outputs or a guided_* field."""
+        found: dict[str, dict[str, Any]] = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.response_format.type == "json_object":
+                found["response_format"] = {"json_object": True}
+            else:
+                assert self.response_format.json_schema is not None
+                found["response_format"] = {"json": self.response_format.json_schema.schema_}
+        options: dict[str, Any] = {}
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
+            options = {"disable_any_whitespace": fields.pop("disable_any_whitespace")}
+            if fields:
+                found["structured_outputs"] = fields
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found[f"guided_{name}"] = {name: value}
+        if len(found) > 1:
+            raise ValueError(f"Give one output constraint, not {' and '.join(found)}.")
+        constraint = next(iter(found.values()), None)
+        return None if constraint is None else {**constraint, **options}
 
     @model_validator(mode="after")
     def _check_supported(self) -> SamplingRequest:
@@ -121,8 +187,7 @@ class SamplingRequest(OpenAIBaseModel):
         # Refused rather than ignored: silently dropping them would return wrong answers.
         if self.logit_bias:
             raise ValueError("logit_bias is not supported.")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than 'text' is not supported.")
+        self.constraint  # noqa: B018  (raises for conflicting constraints)
         if self.tools:
             raise ValueError("tools (function calling) are not supported.")
         return self

@@ -271,7 +271,8 @@ class OpenAIServing:
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
-                output_kind=kind)
+                output_kind=kind,
+                structured_outputs=request.constraint)
         except ValueError as exc:
             field = str(exc).split(" ", 1)[0]
             raise ServingError(str(exc), param=field if field.isidentifier() else None) from exc

@@ -1,0 +1,148 @@
+"""Structured outputs: a grammar per request, compiled with xgrammar, masking the logits.
+
+The front end only checks a constraint (``validate_structured_outputs``: parsing, no compiling),
+so a bad schema or regex is a 400. The engine core compiles it on a thread of its own
+(``StructuredOutputManager``; xgrammar caches compiled grammars by their text) while the request
+waits outside the scheduler, so no step waits for a compile. Each step the core fills one bitmask
+row per constrained request that samples, the runner masks those rows' logits, and the core
+advances each request's matcher with the token it got. Constrained and free requests share the
+batch; ``n > 1`` children each have their own matcher.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from omniserve.sampling_params import StructuredOutputsParams
+
+
+def _grammar_source(params: StructuredOutputsParams) -> tuple[str, Any]:
+    """(what kind of xgrammar input, the input)."""
+    kind = params.kind
+    if kind == "choice":  # an alternation of JSON-escaped literals, as EBNF
+        assert params.choice is not None
+        return "ebnf", "root ::= " + " | ".join(json.dumps(c) for c in params.choice)
+    if kind == "json_object":
+        return "json_object", None
+    return kind, getattr(params, kind)
+
+
+def validate_structured_outputs(params: StructuredOutputsParams) -> None:
+    """Parse the constraint (cheap, no tokenizer needed); ValueError naming the field."""
+    import xgrammar as xgr
+
+    kind, source = _grammar_source(params)
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(source)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(source)
+        elif kind in ("ebnf", "grammar"):
+            xgr.Grammar.from_ebnf(source)
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(source)
+    except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"structured_outputs.{params.kind} is not valid: {message}") from None
+
+
+class StructuredOutputManager:
+    """The engine core's grammars: compiles them off the busy loop, keeps one matcher per
+    request, fills bitmask rows and advances matchers with sampled tokens."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="omniserve-grammar")
+        self.matchers: dict[str, Any] = {}  # req_id -> xgr.GrammarMatcher
+
+    @functools.cached_property
+    def _compiler(self) -> Any:
+        import xgrammar as xgr
+
+        from omniserve.tokenizer import get_tokenizer
+
+        info = xgr.TokenizerInfo.from_huggingface(get_tokenizer(self.tokenizer_dir),
+                                                  vocab_size=self.vocab_size)
+        return xgr.GrammarCompiler(info, max_threads=1)
+
+    def compile_async(self, params: StructuredOutputsParams) -> Future[Any]:
+        return self._pool.submit(self._compile, params)
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        compiler = self._compiler
+        kind, source = _grammar_source(params)
+        any_whitespace = not params.disable_any_whitespace
+        if kind == "json":
+            return compiler.compile_json_schema(source, any_whitespace=any_whitespace)
+        if kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}',
+                                                any_whitespace=any_whitespace)
+        if kind == "regex":
+            return compiler.compile_regex(source)
+        if kind == "structural_tag":
+            return compiler.compile_structural_tag(source)
+        return compiler.compile_grammar(source)  # EBNF: grammar, choice
+
+    def start(self, req_id: str, compiled: Any) -> None:
+        import xgrammar as xgr
+
+        self.matchers[req_id] = xgr.GrammarMatcher(compiled)
+
+    @functools.cached_property
+    def _bitmask(self) -> Any:
+        import xgrammar as xgr
+
+        return xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, words] int32, reused
+
+    def bitmask_row(self, req_id: str) -> bytes:
+        """The allowed next tokens of ``req_id``, as packed int32 bit words (bit i of word j:
+        token 32 j + i)."""
+        self.matchers[req_id].fill_next_token_bitmask(self._bitmask, 0)
+        return self._bitmask[0].numpy().tobytes()
+
+    def accept(self, req_id: str, token_ids: list[int]) -> None:
+        matcher = self.matchers.get(req_id)
+        if matcher is None:
+            return
+        for token in token_ids:
+            if matcher.is_terminated():
+                break
+            if not matcher.accept_token(token):
+                raise RuntimeError(f"request {req_id} sampled token {token} its grammar forbids")
+
+    def remove(self, req_id: str) -> None:
+        self.matchers.pop(req_id, None)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def wait_any(futures: list[Future[Any]], timeout: float) -> None:
+    """Block until one compile finishes (or ``timeout``): an engine with nothing else to run."""
+    concurrent.futures.wait(futures, timeout=timeout,
+                            return_when=concurrent.futures.FIRST_COMPLETED)
+
+
+def apply_bitmask_rows(logits: Any, rows: dict[int, bytes]) -> None:
+    """Mask ``logits`` [num_rows, vocab] in place: in row r, every token whose bit is 0 in
+    ``rows[r]`` gets -inf (and tokens past the bitmask's vocabulary too)."""
+    import torch
+
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    words = torch.from_numpy(np.stack([np.frombuffer(b, dtype=np.int32) for b in rows.values()]))
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [n, W, 32]
+    allowed = bits.reshape(len(rows), -1)[:, :vocab].bool().to(logits.device)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    sub = logits[index]
+    logits[index] = sub.masked_fill(~allowed, -torch.inf)
