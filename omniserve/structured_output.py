@@ -101,10 +101,14 @@ class StructuredOutputManager:
 
         return xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, words] int32, reused
 
-    def bitmask_row(self, req_id: str) -> bytes:
+    def bitmask_row(self, req_id: str) -> bytes | None:
         """The allowed next tokens of ``req_id``, as packed int32 bit words (bit i of word j:
-        token 32 j + i)."""
-        self.matchers[req_id].fill_next_token_bitmask(self._bitmask, 0)
+        token 32 j + i); None once its grammar ended with a stop token and the request goes on
+        (``ignore_eos``): what follows is free, as in vLLM."""
+        matcher = self.matchers[req_id]
+        if matcher.is_terminated():
+            return None
+        matcher.fill_next_token_bitmask(self._bitmask, 0)
         return self._bitmask[0].numpy().tobytes()
 
     def accept(self, req_id: str, token_ids: list[int]) -> None:

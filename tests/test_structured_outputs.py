@@ -152,3 +152,10 @@ def test_bad_constraints_are_400s(server: Server, fields: dict, needle: str) -> 
             **fields}
     error = assert_error(server.post("/v1/chat/completions", body), 400)
     assert needle in error["message"], error
+
+
+def test_ignore_eos_goes_on_after_the_grammar_ends(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.generate("Well?", params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 12 and out.text.startswith(("yes", "no"))

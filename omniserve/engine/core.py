@@ -125,8 +125,9 @@ class EngineCore:
             request = self.scheduler.requests.get(req_id)
             if (req_id in self.structured_output.matchers and request is not None
                     and request.num_computed_tokens >= request.num_tokens):
-                scheduler_output.grammar_bitmask[req_id] = self.structured_output.bitmask_row(
-                    req_id)
+                row = self.structured_output.bitmask_row(req_id)
+                if row is not None:
+                    scheduler_output.grammar_bitmask[req_id] = row
 
     def _advance_grammars(self, outputs: EngineCoreOutputs) -> None:
         if "structured_output" not in self.__dict__:
