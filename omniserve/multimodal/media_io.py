@@ -332,12 +332,7 @@ def _decode_pass(
     indices: list[int],
     meter: _DecodeMeter,
 ) -> tuple[list[np.ndarray], int, tuple[np.ndarray, int] | None]:
-    """Decode every video frame (converting only those in ``indices``) and the audio track.
-
-    On one decoder thread: FFmpeg's default is one per core, and the server shares the cores
-    with the engine, whose every step would then wait for a video being decoded beside it.
-    """
-    video.codec_context.thread_count = 1
+    """Decode every video frame (converting only those in ``indices``) and the audio track."""
     wanted = set(indices)
     frames: list[np.ndarray] = []  # each [H, W, 3]
     total = 0
