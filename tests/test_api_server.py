@@ -512,6 +512,56 @@ def _engine_pid(server_pid: int) -> int:
     raise AssertionError("no engine child process found")
 
 
+# ---- vLLM's request fields: each works, or is a 400 naming it ----
+
+CHAT_FIELDS_THAT_WORK = {
+    "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "stop_token_ids": [5],
+    "include_stop_str_in_output": True, "ignore_eos": True, "min_tokens": 1,
+    "skip_special_tokens": False, "spaces_between_special_tokens": False, "seed": 3,
+    "structured_outputs": {"choice": ["a", "b"]}, "guided_choice": ["a", "b"],
+    "documents": [{"title": "t", "text": "x"}], "reasoning_effort": "low",
+    "include_reasoning": True, "parallel_tool_calls": False, "user": "u",
+    "chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": True,
+    "max_completion_tokens": 3, "logprobs": True, "tool_choice": "none",
+    "response_format": {"type": "text"}, "some_other_servers_field": 1,
+}
+CHAT_FIELDS_REFUSED = {
+    "best_of": 2, "use_beam_search": True, "length_penalty": 0.5, "truncate_prompt_tokens": 8,
+    "allowed_token_ids": [1, 2], "bad_words": ["x"], "logits_processors": ["m.p"],
+    "return_tokens_as_token_ids": True, "return_token_ids": True, "cache_salt": "s",
+    "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "priority": 1,
+    "chat_template": "{{ messages }}", "echo": True, "add_special_tokens": True,
+    "tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}],
+    "logit_bias": {"5": 1.0},
+}
+
+
+@pytest.mark.parametrize(("field", "value"), list(CHAT_FIELDS_THAT_WORK.items()))
+def test_vllm_chat_fields_that_work(server: Server, field: str, value: Any) -> None:
+    body = {"model": MODEL, "messages": _chat("Hi"), "max_tokens": 3, field: value}
+    response = server.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(("field", "value"), list(CHAT_FIELDS_REFUSED.items()))
+def test_vllm_chat_fields_refused_by_name(server: Server, field: str, value: Any) -> None:
+    body = {"model": MODEL, "messages": _chat("Hi"), "max_tokens": 3, field: value}
+    error = assert_error(server.post("/v1/chat/completions", body), 400)
+    assert field in error["message"] and "not supported" in error["message"], error
+
+
+def test_vllm_completion_fields_and_request_id(server: Server) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "add_special_tokens": False,
+            "request_id": "my-id-1"}
+    response = server.post("/v1/completions", body)
+    assert response.status_code == 200 and response.json()["id"] == "cmpl-my-id-1"
+    for field, value in (("prompt_embeds", "AAAA"), ("suffix", "x"), ("priority", 2)):
+        error = assert_error(server.post("/v1/completions", {**body, field: value}), 400)
+        assert field in error["message"]
+    assert "Ignored request fields this server does not use: some_other_servers_field" in \
+        server.log.read_text()
+
+
 def test_engine_death_fails_requests_and_health(server: Server) -> None:
     """Runs last: it kills the module's engine."""
     assert_kill_fails_cleanly(server, _engine_pid(server.proc.pid),

@@ -8,8 +8,9 @@ shapes so the official SDKs parse them; ``stop_reason`` is vLLM's extra field on
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,12 +24,50 @@ from pydantic import (
 
 from omniserve.sampling_params import SEED_MAX, SEED_MIN
 
+logger = logging.getLogger(__name__)
+
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body that refuses vLLM's fields it cannot honour (``unsupported``)."""
+
+    unsupported: ClassVar[dict[str, tuple[Any, str]]] = {}
+    """vLLM's fields with no meaning here yet, with their no-op value and why: any other value
+    is a 400 naming the field (a silently dropped field would change answers without a word)."""
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> RequestModel:
+        for name, (default, reason) in self.unsupported.items():
+            if getattr(self, name) not in (default, None):
+                raise ValueError(f"{name} is not supported: {reason}.")
+        return self
+
+
+SAMPLING_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "best_of": (1, "sample n instead"),
+    "use_beam_search": (False, "there is no beam search"),
+    "length_penalty": (1.0, "it applies to beam search, which there is not"),
+    "truncate_prompt_tokens": (None, "send the prompt you want computed"),
+    "allowed_token_ids": (None, "use structured_outputs (e.g. choice or regex)"),
+    "bad_words": ([], "there are no banned-word lists"),
+    "logits_processors": (None, "there are no custom logits processors"),
+    "return_tokens_as_token_ids": (False, "logprobs name tokens by their text"),
+    "return_token_ids": (False, "use /tokenize for token ids"),
+    "cache_salt": (None, "the prefix cache is shared by every request"),
+    "kv_transfer_params": (None, "there is no KV transfer between instances"),
+    "vllm_xargs": (None, "there are no extra engine arguments per request"),
+    "priority": (0, "requests are scheduled first-come, first-served"),
+}
+CHAT_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "chat_template": (None, "set the template with --chat-template"),
+    "add_special_tokens": (False, "the chat template already adds them"),
+}
 
 
 # ---- errors, models, usage ----
@@ -119,8 +158,24 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     """An option, not a constraint: may go with response_format or a guided_* field."""
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(RequestModel):
     """The sampling fields chat and completions share (OpenAI's, then vLLM's extras)."""
+
+    unsupported: ClassVar[dict[str, tuple[Any, str]]] = SAMPLING_UNSUPPORTED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown(cls, data: Any) -> Any:
+        """Fields this server does not know are ignored with one warning naming them, as in
+        vLLM (clients send fields of other servers)."""
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {
+                info.alias for info in cls.model_fields.values() if info.alias}
+            unknown = sorted(str(key) for key in data if key not in known)
+            if unknown:
+                logger.warning("Ignored request fields this server does not use: %s",
+                               ", ".join(unknown))
+        return data
 
     model: str | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
@@ -153,6 +208,22 @@ class SamplingRequest(OpenAIBaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     """vLLM's older spellings of ``structured_outputs`` fields."""
+    request_id: str | None = None
+    """vLLM's: the response id is built from it (a random one when absent)."""
+    # vLLM's fields refused unless left at their no-op value (UNSUPPORTED_FIELDS)
+    best_of: StrictInt | None = None
+    use_beam_search: StrictBool = False
+    length_penalty: StrictFloat = 1.0
+    truncate_prompt_tokens: StrictInt | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: StrictBool = False
+    return_token_ids: StrictBool = False
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    priority: StrictInt = 0
 
     @property
     def constraint(self) -> dict[str, Any] | None:
@@ -194,6 +265,10 @@ class SamplingRequest(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    unsupported: ClassVar[dict[str, tuple[Any, str]]] = {
+        **SAMPLING_UNSUPPORTED, **CHAT_UNSUPPORTED,
+        "echo": (False, "the chat endpoint does not echo messages"),
+        "tool_choice": ("none", "tools (function calling) are not supported")}
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8},
         {"messages": [{"role": "system", "content": "Be brief."},
@@ -211,6 +286,24 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     """Per-request HF processor kwargs, e.g. {"max_pixels": 200704, "num_frames": 8}."""
+    documents: list[dict[str, str]] | None = None
+    """Given to the chat template (RAG templates read them), as vLLM does."""
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    """Given to the chat template as ``reasoning_effort``, as vLLM does."""
+    include_reasoning: StrictBool = True
+    parallel_tool_calls: StrictBool | None = None
+    """Accepted for OpenAI clients; without tools nothing is called."""
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template: str | None = None
+    echo: StrictBool = False
+    add_special_tokens: StrictBool = False
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs with the fields vLLM also hands the template."""
+        extra = {name: getattr(self, name) for name in ("documents", "reasoning_effort")
+                 if getattr(self, name) is not None}
+        return {**(self.chat_template_kwargs or {}), **extra} or None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -230,6 +323,8 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
+    unsupported: ClassVar[dict[str, tuple[Any, str]]] = {
+        **SAMPLING_UNSUPPORTED, "prompt_embeds": (None, "prompts are text or token ids")}
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"prompt": "Once upon a time", "max_tokens": 8},
         {"prompt": [[1, 2, 3], "two prompts"], "max_tokens": 4, "stream": True, "echo": True,
@@ -241,6 +336,9 @@ class CompletionRequest(SamplingRequest):
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
+    add_special_tokens: StrictBool = True
+    """Whether text prompts get the tokenizer's special tokens (e.g. BOS), as in vLLM."""
+    prompt_embeds: str | list[str] | None = None
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
@@ -259,14 +357,15 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs
 
 
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: StrictBool = True
     return_token_strs: StrictBool = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(RequestModel):
+    unsupported: ClassVar[dict[str, tuple[Any, str]]] = CHAT_UNSUPPORTED
     model: str | None = None
     messages: list[dict[str, Any]]
     add_generation_prompt: StrictBool = True
@@ -275,6 +374,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     mm_processor_kwargs: dict[str, Any] | None = None
     add_special_tokens: StrictBool = False
     return_token_strs: StrictBool = False
+    chat_template: str | None = None
 
 
 TokenizeRequest = TokenizeChatRequest | TokenizeCompletionRequest
@@ -287,7 +387,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[StrictInt]
 

@@ -41,14 +41,14 @@ class OpenAIServingChat(OpenAIServing):
             prompt = await self.render_chat(
                 request.messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs,
+                chat_template_kwargs=request.template_kwargs,
                 mm_processor_kwargs=request.mm_processor_kwargs)
         except ValueError as exc:
             raise to_serving_error(exc) from exc
         prompt_len = len(prompt.token_ids)
         params = self.sampling_params(request, prompt_len, max_tokens=request.output_limit,
                                       logprobs=request.num_logprobs)
-        request_id = self.new_request_id("chatcmpl")
+        request_id = self.new_request_id("chatcmpl", request.request_id)
         (generator,) = await self.start_generation([prompt], params, request_id)
         if request.stream:
             return self._stream(request, request_id, generator)

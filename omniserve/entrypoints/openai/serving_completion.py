@@ -39,24 +39,27 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         self.check_model(request.model)
         self.check_engine()
-        prompts = [await self._to_engine_prompt(p) for p in _split_prompts(request.prompt)]
+        prompts = [await self._to_engine_prompt(p, request.add_special_tokens)
+                   for p in _split_prompts(request.prompt)]
         # Every prompt gets the same params; the longest prompt decides the context-length check.
         longest = max(len(p.token_ids) for p in prompts)
         # echo with logprobs reports the prompt's logprobs too (as OpenAI does).
         params = self.sampling_params(
             request, longest, max_tokens=request.output_limit, logprobs=request.num_logprobs,
             prompt_logprobs=request.num_logprobs if request.echo else None)
-        if request.max_tokens is None:
-            params = params.clone(max_tokens=None)  # each prompt runs to its own context limit
-        request_id = self.new_request_id("cmpl")
+        if request.max_tokens is None:  # each prompt runs to its own context limit, or the
+            # checkpoint's max_new_tokens
+            params = params.clone(max_tokens=self.default_sampling.get("max_tokens"))
+        request_id = self.new_request_id("cmpl", request.request_id)
         generators = await self.start_generation(prompts, params, request_id)
         if request.stream:
             return self._stream(request, request_id, prompts, generators)
         return await self._full(request, request_id, prompts, generators)
 
-    async def _to_engine_prompt(self, prompt: str | list[int]) -> EnginePrompt:
+    async def _to_engine_prompt(self, prompt: str | list[int],
+                                add_special_tokens: bool) -> EnginePrompt:
         if isinstance(prompt, str):
-            engine_prompt = await self.tokenize_text(prompt)
+            engine_prompt = await self.tokenize_text(prompt, add_special_tokens)
             if not engine_prompt.token_ids:
                 raise to_serving_error(ValueError("The prompt is empty."))
             return engine_prompt

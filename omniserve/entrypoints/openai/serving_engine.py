@@ -169,8 +169,9 @@ class OpenAIServing:
             raise to_serving_error(EngineDeadError("engine dead"))
 
     @staticmethod
-    def new_request_id(prefix: str) -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
+    def new_request_id(prefix: str, given: str | None = None) -> str:
+        """The response id: from the request's own ``request_id`` (vLLM's field), else random."""
+        return f"{prefix}-{given if given is not None else uuid.uuid4().hex}"
 
     @functools.cached_property
     def max_chars_per_token(self) -> int:
