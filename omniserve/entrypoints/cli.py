@@ -7,6 +7,7 @@ import json
 import sys
 
 from omniserve.engine.arg_utils import EngineArgs
+from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
 
 DEFAULT_ARCHITECTURE = "Qwen3OmniMoeThinkerForConditionalGeneration"
 
@@ -189,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--input-processing-threads", type=int, default=1,
                         help="Threads that run the HF processing of prompts with media, off "
                              "the event loop (text is tokenized on a thread of its own).")
+    server.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="Split <think>...</think> off chat answers into reasoning_content.")
     server.add_argument("--shutdown-timeout", type=float, default=0.0,
                         help="On SIGTERM/SIGINT, seconds the requests in flight get to finish "
                              "(new ones get 503 meanwhile); those left then end with an error. "

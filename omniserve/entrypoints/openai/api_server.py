@@ -54,6 +54,7 @@ from omniserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from omniserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from omniserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from omniserve.entrypoints.openai.serving_engine import (
@@ -285,7 +286,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     """
     names = list(getattr(args, "served_model_name", None) or [engine.model_config.name])
     chat_template = load_chat_template(getattr(args, "chat_template", None))
-    chat = OpenAIServingChat(engine, names, chat_template)
+    parser_name = getattr(args, "reasoning_parser", None)
+    chat = OpenAIServingChat(engine, names, chat_template,
+                             reasoning_parser=REASONING_PARSERS[parser_name] if parser_name
+                             else None)
     completion = OpenAIServingCompletion(engine, names, chat_template)
     if chat.default_sampling:
         logger.info("Default sampling parameters from the checkpoint's generation config, for "

@@ -416,6 +416,8 @@ class ChatCompletionLogprobs(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None
+    """The thinking, split off by ``--reasoning-parser`` (vLLM's field)."""
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -438,7 +440,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class ChatCompletionStreamChoice(OpenAIBaseModel):
     index: int
     delta: dict[str, str]
-    """Only the keys that changed: {"role": ...} first, then {"content": ...}."""
+    """Only the keys that changed: {"role": ...} first, then {"content": ...} and, with a
+    reasoning parser, {"reasoning_content": ...}."""
     logprobs: ChatCompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

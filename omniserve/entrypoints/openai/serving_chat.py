@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from omniserve.entrypoints.openai.protocol import (
     ChatCompletionLogprobs,
@@ -16,6 +17,7 @@ from omniserve.entrypoints.openai.protocol import (
     ChatMessage,
     UsageInfo,
 )
+from omniserve.entrypoints.openai.reasoning import ReasoningParser, StreamingSplit
 from omniserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
     EventStream,
@@ -29,6 +31,11 @@ from omniserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args: Any, reasoning_parser: ReasoningParser | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reasoning_parser = reasoning_parser
+
     async def create_chat_completion(
             self, request: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
         """A full response, or (``stream=true``) the SSE events of one.
@@ -50,12 +57,22 @@ class OpenAIServingChat(OpenAIServing):
                                       logprobs=request.num_logprobs)
         request_id = self.new_request_id("chatcmpl", request.request_id)
         (generator,) = await self.start_generation([prompt], params, request_id)
+        thinking = (self.reasoning_parser is not None
+                    and self.reasoning_parser.opens_in_prompt(prompt.text))
         if request.stream:
-            return self._stream(request, request_id, generator)
-        return await self._full(request, request_id, generator)
+            return self._stream(request, request_id, generator, thinking)
+        return await self._full(request, request_id, generator, thinking)
+
+    def _message(self, request: ChatCompletionRequest, text: str,
+                 thinking: bool) -> ChatMessage:
+        if self.reasoning_parser is None:
+            return ChatMessage(role="assistant", content=text)
+        reasoning, content = self.reasoning_parser.split(text, thinking)
+        return ChatMessage(role="assistant", content=content,
+                           reasoning_content=reasoning if request.include_reasoning else None)
 
     async def _full(self, request: ChatCompletionRequest, request_id: str,
-                    generator: OutputStream) -> ChatCompletionResponse:
+                    generator: OutputStream, thinking: bool) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         try:
             async for output in generator:
@@ -65,7 +82,7 @@ class OpenAIServingChat(OpenAIServing):
         assert final is not None and final.finished, "a FINAL_ONLY request ends with its output"
         choices = [
             ChatCompletionResponseChoice(
-                index=out.index, message=ChatMessage(role="assistant", content=out.text),
+                index=out.index, message=self._message(request, out.text, thinking),
                 logprobs=self._logprobs(out, request.top_logprobs) if request.logprobs else None,
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             for out in sorted(final.outputs, key=lambda o: o.index)]
@@ -74,11 +91,24 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=usage)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
-                      generator: OutputStream) -> EventStream:
-        """OpenAI's chunk sequence: a role chunk per choice, content deltas, usage, [DONE]."""
+                      generator: OutputStream, thinking: bool) -> EventStream:
+        """OpenAI's chunk sequence: a role chunk per choice, content (and reasoning) deltas,
+        usage, [DONE]."""
         created = int(time.time())
         options = request.stream_options
         num_generated = [0] * request.n
+        texts = [""] * request.n
+        splits = ([StreamingSplit(self.reasoning_parser, thinking) for _ in range(request.n)]
+                  if self.reasoning_parser is not None else None)
+
+        def delta(index: int, text: str, final: bool) -> dict[str, str]:
+            if splits is None:
+                return {"content": text} if text else {}
+            texts[index] += text
+            reasoning, content = splits[index].feed(texts[index], final)
+            fields = {"reasoning_content": reasoning if request.include_reasoning else "",
+                      "content": content}
+            return {key: value for key, value in fields.items() if value}
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse_event(ChatCompletionStreamResponse(
@@ -95,10 +125,11 @@ class OpenAIServingChat(OpenAIServing):
                 for out in output.outputs:
                     num_generated[out.index] += len(out.token_ids)
                     wants_logprobs = request.logprobs and out.token_ids
-                    if not (out.text or out.finish_reason or wants_logprobs):
+                    changes = delta(out.index, out.text, out.finish_reason is not None)
+                    if not (changes or out.finish_reason or wants_logprobs):
                         continue  # e.g. text held back while it may still become a stop string
                     choice = ChatCompletionStreamChoice(
-                        index=out.index, delta={"content": out.text} if out.text else {},
+                        index=out.index, delta=changes,
                         logprobs=(self._logprobs(out, request.top_logprobs)
                                   if wants_logprobs else None),
                         finish_reason=out.finish_reason, stop_reason=out.stop_reason)
