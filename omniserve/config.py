@@ -39,6 +39,8 @@ class ModelConfig:
     """Seed for the engine's global RNG (requests may bring their own)."""
     served_model_name: str = ""
     """The name clients use; defaults to ``model``."""
+    max_logprobs: int = 20
+    """Most logprobs a request may ask for per token (vLLM's --max-logprobs)."""
     generation_config: str = "auto"
     """Where the default sampling settings come from, as vLLM's ``--generation-config``:
     "auto" the checkpoint's generation_config.json, "vllm" none (OpenAI's defaults), or a
@@ -150,8 +152,15 @@ class CacheConfig:
     """Exact number of KV blocks (tests use it to force preemption)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prefixes across requests."""
+    gpu_memory_utilization: float | None = None
+    """vLLM's: the share of the device's memory (the machine's, on a CPU) this engine may use
+    for weights, KV cache and activations; the KV cache gets what the rest leaves. None: 0.9 on a
+    GPU, half the memory available after loading on a CPU."""
 
     def __post_init__(self) -> None:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}.")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

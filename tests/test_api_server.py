@@ -562,6 +562,13 @@ def test_vllm_completion_fields_and_request_id(server: Server) -> None:
         server.log.read_text()
 
 
+def test_cors_preflight_is_answered_without_a_key(server: Server) -> None:
+    response = httpx.options(server.url + "/v1/chat/completions", headers={
+        "Origin": "http://example.com", "Access-Control-Request-Method": "POST"})
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] in ("*", "http://example.com")
+
+
 def test_engine_death_fails_requests_and_health(server: Server) -> None:
     """Runs last: it kills the module's engine."""
     assert_kill_fails_cleanly(server, _engine_pid(server.proc.pid),

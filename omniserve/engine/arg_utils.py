@@ -69,6 +69,8 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: str | int | None = None
     num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_logprobs: int = 20
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -98,6 +100,7 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self.served_model_name or "",
             generation_config=self.generation_config,
+            max_logprobs=self.max_logprobs,
         )
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
@@ -114,6 +117,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=parse_bytes(self.kv_cache_memory),
                 num_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -185,6 +189,12 @@ class EngineArgs:
             default=None,
             help="Exact number of KV blocks (testing).",
         )
+        add("--gpu-memory-utilization", type=float, default=None,
+            help="Share of the device's memory (the machine's on a CPU) for weights, KV cache "
+            "and activations; the KV cache gets the rest. None: 0.9 on a GPU, half of what is "
+            "available after loading on a CPU. --kv-cache-memory overrides it.")
+        add("--max-logprobs", type=int, default=20,
+            help="Most logprobs (and prompt_logprobs) a request may ask for per token.")
         add(
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,

@@ -24,8 +24,6 @@ from omniserve.sampling_params import SamplingParams
 from omniserve.structured_output import validate_structured_outputs
 from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
 
-MAX_LOGPROBS = 20
-
 
 @dataclass
 class ProcessedRequest:
@@ -141,9 +139,9 @@ class Processor:
             validate_structured_outputs(params.structured_outputs)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > MAX_LOGPROBS:
+            if value is not None and value > self.model_config.max_logprobs:
                 raise ValueError(
-                    f"Requested {name}={value}, but at most {MAX_LOGPROBS} "
+                    f"Requested {name}={value}, but at most {self.model_config.max_logprobs} "
                     "logprobs per token are supported."
                 )
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_ARCHITECTURE = "Qwen3OmniMoeThinkerForConditionalGeneration"
 
@@ -50,6 +53,52 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for prompt, output in zip(prompts, outputs, strict=True):
         print(f"{prompt!r} -> {output.outputs[0].text!r}")
     return 0
+
+
+NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
+    "--enforce-eager": ({"action": "store_true"}, "omniserve captures no CUDA graphs yet"),
+    "--trust-remote-code": ({"action": "store_true"},
+                            "no code from checkpoints runs: omniserve's model classes load them"),
+    "--disable-log-requests": ({"action": "store_true"}, "requests are not logged anyway"),
+    "--disable-log-stats": ({"action": "store_true"}, "there are no periodic stats logs"),
+    "--swap-space": ({"type": float}, "preempted requests are recomputed, never swapped"),
+    "--disable-custom-all-reduce": ({"action": "store_true"},
+                                    "tensor parallelism uses torch.distributed's all-reduce"),
+    "--tokenizer-mode": ({"choices": ["auto", "hf"]}, "the Hugging Face tokenizer is used"),
+    "--load-format": ({"choices": ["auto", "safetensors"]}, "safetensors is the only format"),
+    "--kv-cache-dtype": ({"choices": ["auto"]}, "the KV cache is in the model's dtype"),
+    "--download-dir": ({}, "nothing is downloaded: models are local directories"),
+}
+"""vLLM's flags that mean nothing here: accepted, each logged once with why."""
+MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
+    "--enable-auto-tool-choice": ({"action": "store_true"}, "tool calling"),
+    "--tool-call-parser": ({}, "tool calling"),
+    "--enable-log-requests": ({"action": "store_true"}, "request logging"),
+    "--speculative-config": ({}, "speculative decoding"),
+    "--enable-lora": ({"action": "store_true"}, "LoRA adapters"),
+    "--lora-modules": ({"nargs": "+"}, "LoRA adapters"),
+    "--quantization": ({}, "quantized checkpoints"),
+    "--enable-prompt-embeds": ({"action": "store_true"}, "prompt embeddings"),
+    "--enable-mm-embeds": ({"action": "store_true"}, "precomputed multimodal embeddings"),
+    "--cpu-offload-gb": ({"type": float}, "weight offloading"),
+    "--enable-sleep-mode": ({"action": "store_true"}, "sleep mode"),
+    "--kv-transfer-config": ({}, "KV transfer between instances"),
+    "--enable-expert-parallel": ({"action": "store_true"}, "expert parallelism"),
+}
+"""vLLM's flags for features omniserve does not have: start-up fails naming the feature."""
+
+
+def _flag_dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _check_compat_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for flag, (_, feature) in MISSING_FEATURE_FLAGS.items():
+        if getattr(args, _flag_dest(flag), None) not in (None, False):
+            parser.error(f"{flag}: {feature} is not implemented in omniserve.")
+    for flag, (_, why) in NO_EFFECT_FLAGS.items():
+        if getattr(args, _flag_dest(flag), None) not in (None, False):
+            logger.info("%s has no effect here: %s.", flag, why)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -196,11 +245,24 @@ def build_parser() -> argparse.ArgumentParser:
                         help="On SIGTERM/SIGINT, seconds the requests in flight get to finish "
                              "(new ones get 503 meanwhile); those left then end with an error. "
                              "0: end them at once.")
+    server.add_argument("--allowed-origins", type=json.loads, default=["*"],
+                        help="CORS: allowed origins, as a JSON list.")
+    server.add_argument("--allowed-methods", type=json.loads, default=["*"],
+                        help="CORS: allowed methods, as a JSON list.")
+    server.add_argument("--allowed-headers", type=json.loads, default=["*"],
+                        help="CORS: allowed headers, as a JSON list.")
+    server.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: allow credentials.")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level (info logs every request).")
     EngineArgs.add_cli_args(serve)
-    serve.set_defaults(func=_cmd_serve)
+    compat = serve.add_argument_group(
+        "vLLM compatibility", "vLLM's flags that mean nothing here (accepted, logged) or name a "
+        "feature omniserve lacks (start-up fails naming it).")
+    for flag, (kwargs, why) in {**NO_EFFECT_FLAGS, **MISSING_FEATURE_FLAGS}.items():
+        compat.add_argument(flag, default=None, help=why, **kwargs)
+    serve.set_defaults(func=_cmd_serve, check=_check_compat_flags)
 
     tiny = sub.add_parser("make-tiny", formatter_class=fmt,
                           help="Build a tiny Hugging Face checkpoint offline.")
@@ -230,7 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if hasattr(args, "check"):
+        args.check(parser, args)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as exc:

@@ -71,6 +71,22 @@ def check_model_fits(
     )
 
 
+def cpu_kv_budget_for_utilization(utilization: float, num_workers: int) -> int:
+    """Each CPU worker's KV share when the engine may use ``utilization`` of the machine's
+    memory: that share of the total, less what the workers hold now (the weights) and the
+    reserve."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    used = _process_rss_bytes() * num_workers
+    return max(int(total * utilization) - used - RESERVE_BYTES, 0) // num_workers
+
+
+def _process_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def default_cpu_kv_budget(num_workers: int) -> int:
     """Each of ``num_workers`` CPU workers' KV-cache share of the memory available now."""
     usable = max(available_memory_bytes() - RESERVE_BYTES, 0)

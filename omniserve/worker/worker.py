@@ -22,7 +22,12 @@ from omniserve.layers.tp import get_tp_size
 from omniserve.plugins import load_plugins
 from omniserve.registry import ModelRegistry
 from omniserve.worker.host_allocator import keep_freed_memory, release_freed_memory
-from omniserve.worker.memory import check_model_fits, default_cpu_kv_budget, gib
+from omniserve.worker.memory import (
+    check_model_fits,
+    cpu_kv_budget_for_utilization,
+    default_cpu_kv_budget,
+    gib,
+)
 from omniserve.worker.model_loader import load_model_weights
 from omniserve.worker.model_runner import ModelRunner
 
@@ -160,15 +165,18 @@ class Worker:
         return int(num_blocks)
 
     def _kv_budget_bytes(self) -> int:
-        budget = self.config.cache_config.kv_cache_memory_bytes
-        if budget is not None:
-            return budget
+        cache = self.config.cache_config
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        utilization = cache.gpu_memory_utilization
         if self.device.type != "cuda":
-            return default_cpu_kv_budget(get_tp_size())
+            if utilization is None:
+                return default_cpu_kv_budget(get_tp_size())
+            return cpu_kv_budget_for_utilization(utilization, get_tp_size())
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free
+        used = total - free  # the weights, and whatever else runs on the device
         # Leave room for activations: a rough share of the step's token budget.
-        return int(total * _GPU_MEMORY_FRACTION - used_by_others - (1 << 30))
+        return int(total * (utilization or _GPU_MEMORY_FRACTION) - used - (1 << 30))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks, self.dtype)

@@ -29,6 +29,7 @@ import anyio
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -358,6 +359,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         app.add_middleware(BodySizeLimitMiddleware, max_bytes=int(max_body_mb * 2**20))
     if getattr(args, "api_key", None):  # before any body is read
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(CORSMiddleware, allow_origins=getattr(args, "allowed_origins", ["*"]),
+                       allow_methods=getattr(args, "allowed_methods", ["*"]),
+                       allow_headers=getattr(args, "allowed_headers", ["*"]),
+                       allow_credentials=getattr(args, "allow_credentials", False))
     app.state.lifecycle = Lifecycle()
     app.add_middleware(DrainMiddleware, lifecycle=app.state.lifecycle)  # outermost: counts all
     return app

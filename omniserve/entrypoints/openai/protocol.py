@@ -27,7 +27,6 @@ from omniserve.sampling_params import SEED_MAX, SEED_MIN
 logger = logging.getLogger(__name__)
 
 MAX_N = 128
-MAX_TOP_LOGPROBS = 20
 
 
 class OpenAIBaseModel(BaseModel):
@@ -279,7 +278,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[dict[str, Any]]
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(None, ge=0)
     # vLLM's extra body fields
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
@@ -334,7 +333,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: StrictInt | None = Field(16, ge=1)
     """16 when omitted, as in OpenAI's and vLLM's completions API (null: up to the context)."""
     echo: StrictBool = False
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: StrictInt | None = Field(None, ge=0)
     suffix: str | None = None
     add_special_tokens: StrictBool = True
     """Whether text prompts get the tokenizer's special tokens (e.g. BOS), as in vLLM."""

@@ -246,6 +246,11 @@ class OpenAIServing:
         """The one mapping from request fields to SamplingParams: a field the request omits
         takes the checkpoint's recommended value (``--generation-config``), else OpenAI's."""
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        limit = self.engine.model_config.max_logprobs
+        if logprobs is not None and logprobs > limit:
+            name = "top_logprobs" if hasattr(request, "top_logprobs") else "logprobs"
+            raise ServingError(f"{name} may be at most {limit} (--max-logprobs), got "
+                               f"{logprobs}.", param=name)
 
         def field(name: str, openai_default: float) -> Any:
             value = getattr(request, name)
