@@ -319,6 +319,27 @@ class Qwen2_5OmniThinkerMultiModalProcessor(Qwen2VLMultiModalProcessor):
         get_audio_in_video_order
     )
 
+    def _to_mm_items(self, mm_data: Mapping[str, Any],
+                     mm_kwargs: Mapping[str, object]) -> MultiModalDataItems:
+        """vLLM's offline form of videos with their audio: ``{"video": v, "audio": a}`` with
+        ``use_audio_in_video`` and no track inside any video, audio item i the track of video i
+        (only the videos have placeholders). Each track joins its video, as if the video had
+        carried it. When videos carry their tracks, audio items are clips of their own."""
+        mm_items = super()._to_mm_items(mm_data, mm_kwargs)
+        videos = mm_items.get("video")
+        if not (uses_audio_in_video(mm_kwargs) and "audio" in mm_items
+                and isinstance(videos, OmniVideoProcessorItems)
+                and all(track is None for track in videos.audios)):
+            return mm_items
+        clips = mm_items.pop("audio")
+        if len(clips) != len(videos):
+            raise MultiModalInputError(
+                f"with use_audio_in_video and videos without tracks, audio item i is the track "
+                f"of video i, but there are {len(clips)} audio items for {len(videos)} videos",
+                stage="process", modality="audio")
+        videos.audios = list(clips.items)
+        return mm_items
+
     def _call_hf_processor(
         self, mm_data: Mapping[str, Any], mm_kwargs: Mapping[str, object]
     ) -> Mapping[str, Any]:

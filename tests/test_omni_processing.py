@@ -256,6 +256,13 @@ def test_video_with_its_audio_matches_hf(make_processor, hf_processor, arch: str
     pair = processor.apply(text, {"video": [(item, (track, 8_000))]}, AUDIO_IN_VIDEO)
     assert pair.prompt_token_ids == ours.prompt_token_ids
     assert pair.mm_features[0].identifier == feature.identifier
+    # So does vLLM's offline form: the track as the audio item beside its video.
+    bare = SimpleNamespace(frames=frames, fps=1.0, audio=None)
+    vllm_form = processor.apply(text, {"video": bare, "audio": (track, 8_000)}, AUDIO_IN_VIDEO)
+    assert vllm_form.prompt_token_ids == ours.prompt_token_ids
+    assert [f.identifier for f in vllm_form.mm_features] == [feature.identifier]
+    with pytest.raises(MultiModalInputError, match="2 audio items for 1 videos"):
+        processor.apply(text, {"video": bare, "audio": [(track, 8_000)] * 2}, AUDIO_IN_VIDEO)
     silent = processor.apply(
         text, {"video": SimpleNamespace(frames=frames, fps=1.0, audio=None)}, AUDIO_IN_VIDEO
     )

@@ -195,7 +195,7 @@ class BaseMultiModalProcessor(ABC):
         use_cache: bool,
     ) -> MultiModalInputs:
         mm_kwargs = {**self.info.ctx.mm_processor_kwargs, **(hf_processor_mm_kwargs or {})}
-        mm_items = self._to_mm_items(mm_data)
+        mm_items = self._to_mm_items(mm_data, mm_kwargs)
         if isinstance(prompt, str):
             prompt_text = prompt
             token_ids = list(self.info.get_tokenizer().encode(prompt, add_special_tokens=True))
@@ -214,7 +214,9 @@ class BaseMultiModalProcessor(ABC):
     def _data_parser(self) -> MultiModalDataParser:
         return self.info.get_data_parser()
 
-    def _to_mm_items(self, mm_data: Mapping[str, Any]) -> MultiModalDataItems:
+    def _to_mm_items(self, mm_data: Mapping[str, Any],
+                     mm_kwargs: Mapping[str, object]) -> MultiModalDataItems:
+        """Parse and count-check the items (``mm_kwargs`` may change how they pair up)."""
         mm_items = self._data_parser.parse_mm_data(mm_data)
         self.info.validate_num_items(mm_items.get_all_counts())
         return mm_items
