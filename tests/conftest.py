@@ -49,3 +49,16 @@ def tiny_checkpoint() -> Callable[..., Path]:
         return built[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`omniserve serve` with no model (the built-in tiny omni thinker), started once for the
+    modules that drive it: fp32 (exact against offline runs), a 16 MiB processor cache (the soak
+    keeps it evicting)."""
+    from tests.server_utils import launch_server
+
+    with launch_server(None, tmp_path_factory.mktemp("default"), "--dtype", "float32",
+                       "--max-model-len", "1024", "--kv-cache-memory", "64MiB",
+                       "--mm-processor-cache-gb", "0.015625") as server:
+        yield server

@@ -137,17 +137,6 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
     assert "x the bound" in table and "x the GEMM time" in table
 
 
-def test_stall_benchmark_runs_on_the_default_model(monkeypatch, capsys):
-    bench = _load_script("bench_stall")
-    monkeypatch.setattr(sys, "argv", ["bench_stall.py", "--probes", "3", "--audio-seconds", "2",
-                                      "--video-frames", "20", "--variants", "2"])
-    bench.main()
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].split()[:2] == ["phase", "TTFT"]
-    assert [line.split()[0] for line in lines[1:]] == ["idle", "while", "while"]
-    assert all(" x " in line for line in lines[2:])  # heavy requests ran beside the probes
-
-
 def test_structured_benchmark_runs_on_a_tiny_checkpoint(monkeypatch, capsys):
     bench = _load_script("bench_structured")
     monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "1")  # restored after; main sets 0

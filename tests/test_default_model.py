@@ -9,7 +9,7 @@ import pytest
 
 from omniserve import LLM, SamplingParams
 from omniserve.entrypoints.cli import DEFAULT_ARCHITECTURE, default_model
-from tests.server_utils import MODEL, launch_server
+from tests.server_utils import MODEL
 from tests.test_api_multimodal import IMAGE, WAV, WAVEFORM, _png
 from tests.test_media import _video
 
@@ -20,9 +20,8 @@ def _messages(image_part: dict, audio_part: dict) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with launch_server(None, tmp_path_factory.mktemp("default"), "--dtype", "float32") as s:
-        yield s
+def server(default_server):
+    return default_server
 
 
 def test_default_model_is_the_omni_thinker():

@@ -18,7 +18,8 @@ import pytest
 from tests.server_utils import MODEL, Server, assert_error, launch_server
 
 MAX_MODEL_LEN = 2048
-LONG = {"max_tokens": 1500, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+LONG = {"max_tokens": 400, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+"""Seconds of decoding on the tiny model: outlives the checks made right after SIGTERM."""
 EXIT_TIMEOUT_S = 20
 
 
