@@ -83,7 +83,7 @@ def test_serve_takes_vllm_flags(caplog):
     parser = build_parser()
     args = parser.parse_args(["serve", "model-dir", *VLLM_SERVE_FLAGS])
     with caplog.at_level("INFO", logger="omniserve.entrypoints.cli"):
-        args.check(parser, args)
+        args.check_flags(parser, args)
     assert (args.gpu_memory_utilization, args.max_logprobs, args.allowed_origins) == (
         0.5, 5, ["http://a"])
     assert "--enforce-eager has no effect here" in caplog.text

@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         "feature omniserve lacks (start-up fails naming it).")
     for flag, (kwargs, why) in {**NO_EFFECT_FLAGS, **MISSING_FEATURE_FLAGS}.items():
         compat.add_argument(flag, default=None, help=why, **kwargs)
-    serve.set_defaults(func=_cmd_serve, check=_check_compat_flags)
+    serve.set_defaults(func=_cmd_serve, check_flags=_check_compat_flags)
 
     tiny = sub.add_parser("make-tiny", formatter_class=fmt,
                           help="Build a tiny Hugging Face checkpoint offline.")
@@ -294,8 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if hasattr(args, "check"):
-        args.check(parser, args)
+    if hasattr(args, "check_flags"):
+        args.check_flags(parser, args)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as exc:
