@@ -15,11 +15,14 @@ import concurrent.futures
 import functools
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from omniserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from omniserve.config import ModelConfig
 
 
 def _grammar_source(params: StructuredOutputsParams) -> tuple[str, Any]:
@@ -56,11 +59,19 @@ class StructuredOutputManager:
     """The engine core's grammars: compiles them off the busy loop, keeps one matcher per
     request, fills bitmask rows and advances matchers with sampled tokens."""
 
-    def __init__(self, tokenizer_dir: str, vocab_size: int) -> None:
-        self.tokenizer_dir = tokenizer_dir
-        self.vocab_size = vocab_size
+    def __init__(self, model_config: ModelConfig) -> None:
+        """Cheap: the tokenizer, vocabulary and compiler load with the first grammar."""
+        self.model_config = model_config
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="omniserve-grammar")
         self.matchers: dict[str, Any] = {}  # req_id -> xgr.GrammarMatcher
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """The logits' width (the model's vocabulary, padding included)."""
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(self.model_config.model, local_files_only=True)
+        return hf_config.get_text_config().vocab_size
 
     @functools.cached_property
     def _compiler(self) -> Any:
@@ -68,7 +79,7 @@ class StructuredOutputManager:
 
         from omniserve.tokenizer import get_tokenizer
 
-        info = xgr.TokenizerInfo.from_huggingface(get_tokenizer(self.tokenizer_dir),
+        info = xgr.TokenizerInfo.from_huggingface(get_tokenizer(self.model_config.tokenizer),
                                                   vocab_size=self.vocab_size)
         return xgr.GrammarCompiler(info, max_threads=1)
 

@@ -671,9 +671,12 @@ def test_media_io_kwargs_and_vllm_timeout_env(monkeypatch: pytest.MonkeyPatch) -
             ({"picture": {}}, "'picture' is not a modality; use image, audio, video"),
             ({"video": {"fps": 2}}, "video.fps is not an option; video takes num_frames"),
             ({"video": 16}, "'video' must map to an object"),
-            ({"audio": {"max_seconds": -1}}, "--media-io-kwargs audio.max_seconds must be > 0"),
-            ({"video": {"num_frames": 2.5}}, "video.num_frames must be a number"),
-            ({"image": {"max_pixels": True}}, "image.max_pixels must be a number")]:
+            ({"audio": {"max_seconds": -1}},
+             r'--media-io-kwargs \{"audio": \{"max_seconds": \.\.\.\}\} must be > 0'),
+            ({"video": {"num_frames": 2.5}}, r'\{"video": \{"num_frames": \.\.\.\}\} must be a '
+                                             "number"),
+            ({"image": {"max_pixels": True}}, r'\{"image": \{"max_pixels": \.\.\.\}\} must be a '
+                                              "number")]:
         with pytest.raises(ValueError, match=needle):
             MediaConfig.from_options(options)
     monkeypatch.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "2.5")

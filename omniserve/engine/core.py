@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -21,7 +20,6 @@ from typing import Any, NoReturn
 
 import msgspec
 import zmq
-from transformers import AutoConfig
 
 from omniserve.config import OmniConfig
 from omniserve.core.request import Request, RequestStatus
@@ -61,13 +59,7 @@ class EngineCore:
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
         # Requests with structured outputs wait here, outside the scheduler, for their grammar.
         self.grammar_waiting: dict[str, tuple[Request, Future[Any]]] = {}
-
-    @functools.cached_property
-    def structured_output(self) -> StructuredOutputManager:
-        model = self.config.model_config
-        vocab_size = AutoConfig.from_pretrained(
-            model.model, local_files_only=True).get_text_config().vocab_size
-        return StructuredOutputManager(model.tokenizer, vocab_size)
+        self.structured_output = StructuredOutputManager(config.model_config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.num_requests_received += 1
@@ -89,8 +81,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for req_id in request_ids:
             self.grammar_waiting.pop(req_id, None)
-            if "structured_output" in self.__dict__:
-                self.structured_output.remove(req_id)
+            self.structured_output.remove(req_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.grammar_waiting)
@@ -119,7 +110,7 @@ class EngineCore:
 
     def _attach_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
         """A bitmask row for each constrained request that samples in this step."""
-        if "structured_output" not in self.__dict__ or not self.structured_output.matchers:
+        if not self.structured_output.matchers:
             return
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.scheduler.requests.get(req_id)
@@ -130,9 +121,9 @@ class EngineCore:
                     scheduler_output.grammar_bitmask[req_id] = row
 
     def _advance_grammars(self, outputs: EngineCoreOutputs) -> None:
-        if "structured_output" not in self.__dict__:
-            return
         manager = self.structured_output
+        if not manager.matchers:
+            return
         for output in outputs.outputs:
             if output.request_id in manager.matchers:
                 manager.accept(output.request_id, output.new_token_ids)
@@ -202,10 +193,9 @@ class EngineCore:
                      len(req_ids), "failing it" if len(req_ids) == 1 else
                      "rerunning each alone to find the cause", exc_info=exc)
         outputs = [o for so in scheduler_outputs for o in self.scheduler.fail_step(so).outputs]
-        if "structured_output" in self.__dict__:
-            for output in outputs:
-                if output.finished:
-                    self.structured_output.remove(output.request_id)
+        for output in outputs:
+            if output.finished:
+                self.structured_output.remove(output.request_id)
         return EngineCoreOutputs(outputs=outputs, timestamp=time.time(),
                                  engine_index=self.engine_index,
                                  scheduler_stats=self.make_stats())
@@ -236,8 +226,7 @@ class EngineCore:
         return self.model_executor.model_info()
 
     def shutdown(self) -> None:
-        if "structured_output" in self.__dict__:
-            self.structured_output.shutdown()
+        self.structured_output.shutdown()
         self.model_executor.shutdown()
 
 

@@ -46,6 +46,7 @@ from omniserve.multimodal.media_io import (
     decode_audio,
     decode_image,
     decode_video,
+    media_io_knob,
 )
 
 if TYPE_CHECKING:
@@ -132,11 +133,11 @@ class MediaConfig:
 
     @staticmethod
     def describe(name: str) -> str:
-        """A field as an operator sets it (the --media-io-kwargs key, or the field name)."""
+        """A field as an operator sets it (its --media-io-kwargs entry, or the field name)."""
         for modality, keys in MEDIA_IO_KWARGS.items():
             for key, field_name in keys.items():
                 if field_name == name:
-                    return f"--media-io-kwargs {modality}.{key}"
+                    return media_io_knob(modality, key)
         return name
 
     @property

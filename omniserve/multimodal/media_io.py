@@ -147,12 +147,12 @@ def _check_seconds(modality: str, what: str, seconds: float | None, limit: float
                                       f"({knob})")
 
 
-def _knob(modality: str, key: str) -> str:
+def media_io_knob(modality: str, key: str) -> str:
     """How an operator raises a limit: the --media-io-kwargs entry that sets it."""
     return f"--media-io-kwargs {{\"{modality}\": {{\"{key}\": ...}}}}"
 
 
-_AUDIO_SECONDS = _knob("audio", "max_seconds")
+_AUDIO_SECONDS = media_io_knob("audio", "max_seconds")
 """An audio track in a video counts against the audio clip limit."""
 
 
@@ -253,12 +253,13 @@ def decode_video(
                 raise _decode_error(
                     "video",
                     f"video frames are {width}x{height}, over the limit of "
-                    f"{budget.max_frame_pixels} pixels per frame ({_knob('image', 'max_pixels')})",
+                    f"{budget.max_frame_pixels} pixels per frame "
+                    f"({media_io_knob('image', 'max_pixels')})",
                 )
             source_fps = _source_fps(video)
             seconds = _stream_seconds(video, container)
             _check_seconds("video", "the video", seconds, budget.max_seconds,
-                           _knob("video", "max_seconds"))
+                           media_io_knob("video", "max_seconds"))
             if audio is not None:
                 _check_seconds("video", "the video's audio track",
                                _stream_seconds(audio, container), budget.max_audio_seconds,
@@ -302,7 +303,7 @@ class _DecodeMeter:
         if frame.width * frame.height > self.budget.max_frame_pixels:
             raise _decode_error("video", f"a frame is {frame.width}x{frame.height}, over the "
                                          f"limit of {self.budget.max_frame_pixels} pixels per "
-                                         f"frame ({_knob('image', 'max_pixels')})")
+                                         f"frame ({media_io_knob('image', 'max_pixels')})")
         self.frames += 1
         self.pixels += frame.width * frame.height
         self.check(self.frames, self.pixels)
@@ -311,11 +312,11 @@ class _DecodeMeter:
         if frames > self.budget.max_frames:
             raise _decode_error("video", f"the video has {frames} or more frames, over the "
                                          f"limit of {self.budget.max_frames} "
-                                         f"({_knob('video', 'max_frames')})")
+                                         f"({media_io_knob('video', 'max_frames')})")
         if pixels > self.budget.max_total_pixels:
             raise _decode_error("video", f"decoding the video means {pixels} or more pixels, "
                                          f"over the limit of {self.budget.max_total_pixels} "
-                                         f"({_knob('video', 'max_total_pixels')})")
+                                         f"({media_io_knob('video', 'max_total_pixels')})")
 
 
 def _source_fps(video: av.VideoStream) -> float:

@@ -227,7 +227,7 @@ class DrainingServer(uvicorn.Server):
         self.lifecycle = lifecycle
         self.shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task | None = None  # held: the loop keeps tasks weakly
 
     async def serve(self, sockets: list[Any] | None = None) -> None:
         self._loop = asyncio.get_running_loop()

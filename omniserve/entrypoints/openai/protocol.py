@@ -161,6 +161,8 @@ class SamplingRequest(RequestModel):
     """The sampling fields chat and completions share (OpenAI's, then vLLM's extras)."""
 
     unsupported: ClassVar[dict[str, tuple[Any, str]]] = SAMPLING_UNSUPPORTED
+    logprobs_field: ClassVar[str]
+    """The field that says how many logprobs per token (named in its errors)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -264,6 +266,7 @@ class SamplingRequest(RequestModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    logprobs_field: ClassVar[str] = "top_logprobs"
     unsupported: ClassVar[dict[str, tuple[Any, str]]] = {
         **SAMPLING_UNSUPPORTED, **CHAT_UNSUPPORTED,
         "echo": (False, "the chat endpoint does not echo messages"),
@@ -322,6 +325,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
+    logprobs_field: ClassVar[str] = "logprobs"
     unsupported: ClassVar[dict[str, tuple[Any, str]]] = {
         **SAMPLING_UNSUPPORTED, "prompt_embeds": (None, "prompts are text or token ids")}
     model_config = ConfigDict(json_schema_extra={"examples": [

@@ -248,7 +248,7 @@ class OpenAIServing:
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         limit = self.engine.model_config.max_logprobs
         if logprobs is not None and logprobs > limit:
-            name = "top_logprobs" if hasattr(request, "top_logprobs") else "logprobs"
+            name = request.logprobs_field
             raise ServingError(f"{name} may be at most {limit} (--max-logprobs), got "
                                f"{logprobs}.", param=name)
 
