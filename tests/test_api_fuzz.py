@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.server_utils import API_KEY, Server, launch_server
 
-CASES_PER_OPERATION = 20
+CASES_PER_OPERATION = 10
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 STATUSES: Counter[tuple[str, int]] = Counter()
