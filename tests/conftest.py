@@ -59,6 +59,6 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from tests.server_utils import launch_server
 
     with launch_server(None, tmp_path_factory.mktemp("default"), "--dtype", "float32",
-                       "--max-model-len", "1024", "--kv-cache-memory", "64MiB",
+                       "--max-model-len", "1024", "--kv-cache-memory", "16MiB",
                        "--mm-processor-cache-gb", "0.015625") as server:
         yield server

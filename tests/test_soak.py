@@ -30,14 +30,14 @@ from tests.test_api_multimodal import _wav
 pytestmark = pytest.mark.slow
 
 NUM_REQUESTS = 1_000
-WARMUP_REQUESTS = 2_000
+WARMUP_REQUESTS = 1_000
 CONCURRENCY = 8
 RSS_GROWTH_BOUND = 64 * 2**20
 """Bytes the server's processes (API server and engine core) may grow over the soak after warm-
-up. The KV cache (64 MiB here) is left uninitialised, so its pages join the engine's RSS as
-blocks are first used: measured on 2 cores, the engine grows by ~60, ~35, ~25, then under 10 MiB
-per thousand requests and goes flat near 140 MiB, while the API process stays within 3 MiB. A
-leak of 64 KB per request (the images here are ~5 KB) would break this bound on its own."""
+up. Measured on 2 cores: 37-40 MiB over the 1,000 requests after a 1,000-request warm-up, 34-37
+after 2,000; over 8,000 the engine grows ~60, 37, 26, 8, 3, 4, 1 MiB per thousand and then stays
+flat (allocator arenas settling on the mixed prompts' shapes), while the API process stays within
+3 MiB. A leak of 64 KB per request (the images here are ~5 KB) would break this bound on its own."""
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
