@@ -531,7 +531,6 @@ CHAT_FIELDS_REFUSED = {
     "return_tokens_as_token_ids": True, "return_token_ids": True, "cache_salt": "s",
     "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "priority": 1,
     "chat_template": "{{ messages }}", "echo": True, "add_special_tokens": True,
-    "tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}],
     "logit_bias": {"5": 1.0},
 }
 

@@ -73,7 +73,8 @@ VLLM_SERVE_FLAGS = [  # from `vllm serve --help`: each means the same here, or n
     "--allow-credentials", "--enforce-eager", "--trust-remote-code", "--disable-log-requests",
     "--disable-log-stats", "--swap-space", "4", "--disable-custom-all-reduce",
     "--tokenizer-mode", "auto", "--load-format", "safetensors", "--kv-cache-dtype", "auto",
-    "--download-dir", "/tmp",
+    "--download-dir", "/tmp", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    "--exclude-tools-when-tool-choice-none",
 ]
 
 
@@ -84,8 +85,8 @@ def test_serve_takes_vllm_flags(caplog):
     args = parser.parse_args(["serve", "model-dir", *VLLM_SERVE_FLAGS])
     with caplog.at_level("INFO", logger="omniserve.entrypoints.cli"):
         args.check_flags(parser, args)
-    assert (args.gpu_memory_utilization, args.max_logprobs, args.allowed_origins) == (
-        0.5, 5, ["http://a"])
+    assert (args.gpu_memory_utilization, args.max_logprobs, args.allowed_origins,
+            args.tool_call_parser) == (0.5, 5, ["http://a"], "hermes")
     assert "--enforce-eager has no effect here" in caplog.text
     assert "--swap-space has no effect here: preempted requests are recomputed" in caplog.text
 
@@ -93,14 +94,16 @@ def test_serve_takes_vllm_flags(caplog):
 def test_serve_refuses_flags_of_missing_features(capsys):
     from omniserve.entrypoints.cli import main
 
-    for flags, feature in ((["--tool-call-parser", "hermes"], "tool calling"),
-                           (["--enable-lora"], "LoRA adapters"),
-                           (["--speculative-config", "{}"], "speculative decoding")):
+    for flags, message in (
+            (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+            (["--enable-lora"], "--enable-lora: LoRA adapters is not implemented"),
+            (["--speculative-config", "{}"],
+             "--speculative-config: speculative decoding is not implemented")):
         try:
             main(["serve", "model-dir", *flags])
         except SystemExit as exit_:
             assert exit_.code == 2
-        assert f"{flags[0]}: {feature} is not implemented" in capsys.readouterr().err
+        assert message in capsys.readouterr().err
 
 
 def test_max_logprobs_and_memory_utilization(tiny_checkpoint, monkeypatch):

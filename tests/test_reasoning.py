@@ -1,25 +1,18 @@
 """``--reasoning-parser qwen3``: ``<think>…</think>`` goes to ``reasoning_content``, streamed and
-not; ``chat_template_kwargs={"enable_thinking": false}`` reaches the template. The random model is
-made to think on cue with a regex constraint, and the template opens the thinking like Qwen3's."""
+not; ``chat_template_kwargs={"enable_thinking": false}`` reaches the tiny Qwen3's own template,
+which has Qwen3's switch. The random model is made to think on cue with a regex constraint."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from omniserve.entrypoints.openai.reasoning import ReasoningParser, StreamingSplit
-from tests.server_utils import MODEL, Server, launch_server
+from tests.server_utils import MODEL, Server
 
-# Qwen3's switch: thinking opens in the prompt unless enable_thinking is false.
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% else %}<think>\n{% endif %}{% endif %}")
-THOUGHT_THEN_ANSWER = r"[a-z]{2,8}</think>[a-z]{2,8}"
+THOUGHT_THEN_ANSWER = r"<think>\n[a-z]{2,8}\n</think>\n\n[a-z]{2,8}"
 
 
 @pytest.mark.parametrize(("text", "in_prompt", "expected"), [
@@ -44,11 +37,8 @@ def test_streaming_split_matches_the_whole_split_whatever_the_chunks() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with launch_server(tiny_checkpoint("Qwen3ForCausalLM"), tmp_path_factory.mktemp("think"),
-                       "--max-model-len", "256", "--kv-cache-memory", "16MiB",
-                       "--reasoning-parser", "qwen3", "--chat-template", TEMPLATE) as running:
-        yield running
+def server(qwen3_server: Server) -> Server:
+    return qwen3_server
 
 
 def _ask(server: Server, regex: str, **kwargs: Any) -> Any:
@@ -62,7 +52,7 @@ def _ask(server: Server, regex: str, **kwargs: Any) -> Any:
 def test_thinking_is_split_off_streamed_and_not(server: Server) -> None:
     message = _ask(server, THOUGHT_THEN_ANSWER).choices[0].message
     reasoning = message.model_extra["reasoning_content"]
-    assert re.fullmatch("[a-z]{2,8}", reasoning) and re.fullmatch("[a-z]{2,8}", message.content)
+    assert re.fullmatch("\n[a-z]{2,8}\n", reasoning) and re.fullmatch("[a-z]{2,8}", message.content)
     chunks = list(_ask(server, THOUGHT_THEN_ANSWER, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     streamed = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
@@ -72,11 +62,14 @@ def test_thinking_is_split_off_streamed_and_not(server: Server) -> None:
     assert hidden.choices[0].message.model_extra.get("reasoning_content") is None
 
 
-def test_enable_thinking_false_reaches_the_template(server: Server) -> None:
+def test_enable_thinking_false_closes_the_thinking_in_the_template(server: Server) -> None:
+    """The checkpoint's own (Qwen3) template: with the switch off, the prompt already holds an
+    empty thinking block, so what the model writes is all content."""
+    prompt = server.post("/tokenize", {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "chat_template_kwargs": {"enable_thinking": False}, "return_token_strs": True}).json()
+    assert "".join(prompt["token_strs"]).endswith("<think>ĊĊ</think>ĊĊ")
     message = _ask(server, "[a-z]{2,8}", extra_body={
         "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
     assert message.model_extra.get("reasoning_content") is None
     assert re.fullmatch("[a-z]{2,8}", message.content)
-    written = _ask(server, "<think>[a-z]{2,8}</think>[a-z]{2,8}", extra_body={
-        "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
-    assert written.model_extra["reasoning_content"] and written.content  # the model's own tags

@@ -15,7 +15,7 @@ import pytest
 
 from omniserve import LLM, SamplingParams
 from omniserve.sampling_params import StructuredOutputsParams
-from tests.server_utils import MODEL, Server, assert_error, launch_server
+from tests.server_utils import MODEL, Server, assert_error
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "ok", "n"],
           "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
@@ -89,10 +89,8 @@ def test_bad_constraints_are_value_errors(llm: LLM, constraint: dict, needle: st
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with launch_server(tiny_checkpoint("Qwen3ForCausalLM"), tmp_path_factory.mktemp("so"),
-                       "--max-model-len", "512", "--kv-cache-memory", "32MiB") as running:
-        yield running
+def server(qwen3_server: Server) -> Server:
+    return qwen3_server
 
 
 def test_sdk_parse_returns_the_pydantic_object(server: Server) -> None:

@@ -22,6 +22,7 @@ from omniserve.checkpoint_builder.templates import (
     QWEN2_5_OMNI_TEMPLATE,
     QWEN2_AUDIO_TEMPLATE,
     QWEN3_OMNI_TEMPLATE,
+    QWEN3_TEMPLATE,
 )
 
 # Qwen2's pre-tokenizer split (numbers one digit at a time).
@@ -78,6 +79,8 @@ QWEN_TOKENIZER = TokenizerFamily(
 )
 
 QWEN2_AUDIO_TOKENIZER = dataclasses.replace(QWEN_TOKENIZER, chat_template=QWEN2_AUDIO_TEMPLATE)
+QWEN3_TOKENIZER = dataclasses.replace(QWEN_TOKENIZER, chat_template=QWEN3_TEMPLATE)
+"""The Qwen tokenizer with Qwen3's chat template (no default system turn, the thinking switch)."""
 """The Qwen tokenizer (same vocabulary and ids) with Qwen2-Audio's chat template."""
 
 QWEN2_5_OMNI_TOKENIZER = dataclasses.replace(

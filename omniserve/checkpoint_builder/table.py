@@ -12,6 +12,7 @@ from omniserve.checkpoint_builder.omni_table import OMNI_ARCH_SPECS
 from omniserve.checkpoint_builder.specs import (
     LLAMA3_TOKENIZER,
     QWEN2_AUDIO_TOKENIZER,
+    QWEN3_TOKENIZER,
     QWEN_TOKENIZER,
     ArchSpec,
     MultiModalSpec,
@@ -104,7 +105,7 @@ ARCH_SPECS: Mapping[str, ArchSpec] = frozen_mapping({
             config_kwargs=dict(tie_word_embeddings=True, rope_parameters=_QWEN_ROPE),
         ),
         ArchSpec(
-            "Qwen3ForCausalLM", "Qwen3Config", QWEN_TOKENIZER,
+            "Qwen3ForCausalLM", "Qwen3Config", QWEN3_TOKENIZER,
             config_kwargs=dict(tie_word_embeddings=False, rope_parameters=_QWEN_ROPE),
             # head_dim != hidden_size / num_heads, as in the real Qwen3 models.
             size_kwargs={"tiny": dict(head_dim=32), "bench": dict(head_dim=128)},
@@ -117,7 +118,7 @@ ARCH_SPECS: Mapping[str, ArchSpec] = frozen_mapping({
             ),
         ),
         ArchSpec(
-            "Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN_TOKENIZER,
+            "Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_TOKENIZER,
             # Routing as in Qwen3-30B-A3B (renormalised top-k, every layer sparse).
             config_kwargs=dict(
                 tie_word_embeddings=False, rope_parameters=_QWEN_ROPE, num_experts=8,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import re
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
@@ -86,6 +87,8 @@ def parse_chat_messages(messages: list[dict[str, Any]], *, content_format: str =
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise ChatTemplateError(f"messages[{i}] must be an object with a 'role'.")
+        if message.get("tool_calls"):
+            message = {**message, "tool_calls": _template_tool_calls(i, message["tool_calls"])}
         content = message.get("content")
         if content is None or isinstance(content, str):
             inputs.conversation.append({**message, "content": content or ""})
@@ -101,6 +104,28 @@ def parse_chat_messages(messages: list[dict[str, Any]], *, content_format: str =
             rendered = "\n".join(p if isinstance(p, str) else p["placeholder"] for p in parts)
         inputs.conversation.append({**message, "content": rendered})
     return inputs
+
+
+def _template_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` with each call's JSON arguments as an object, as
+    chat templates expect them (they write ``arguments | tojson``), as vLLM passes them."""
+    if not isinstance(calls, list):
+        raise ChatTemplateError(f"messages[{i}].tool_calls must be a list.")
+    parsed = []
+    for j, call in enumerate(calls):
+        location = f"messages[{i}].tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ChatTemplateError(f"{location} needs a function with a name.")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise ChatTemplateError(
+                    f"{location}.function.arguments is not JSON: {arguments[:80]!r}") from None
+        parsed.append({**call, "function": {**function, "arguments": arguments}})
+    return parsed
 
 
 def _parse_part(i: int, j: int, part: Any, inputs: ChatInputs, counts: dict[str, int],
@@ -214,7 +239,10 @@ async def load_media_async(inputs: ChatInputs, connector: Any,
 def apply_chat_template(tokenizer: Any, conversation: list[dict[str, Any]], *,
                         chat_template: str | None = None, add_generation_prompt: bool = True,
                         continue_final_message: bool = False,
-                        chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                        chat_template_kwargs: dict[str, Any] | None = None,
+                        tools: list[dict[str, Any]] | None = None) -> str:
+    """The conversation as the template renders it; ``tools`` (OpenAI's function tools) go to
+    templates that list them for the model."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("The tokenizer has no chat template; pass --chat-template.")
     if add_generation_prompt and continue_final_message:
@@ -223,7 +251,8 @@ def apply_chat_template(tokenizer: Any, conversation: list[dict[str, Any]], *,
         return tokenizer.apply_chat_template(
             conversation, chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            continue_final_message=continue_final_message,
+            **{**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})})
     except Exception as exc:  # jinja errors are many types; all mean "cannot render"
         raise ChatTemplateError(f"Cannot apply the chat template: {exc}") from exc
 

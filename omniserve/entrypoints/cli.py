@@ -9,6 +9,7 @@ import sys
 
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
+from omniserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,6 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
 }
 """vLLM's flags that mean nothing here: accepted, each logged once with why."""
 MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
-    "--enable-auto-tool-choice": ({"action": "store_true"}, "tool calling"),
-    "--tool-call-parser": ({}, "tool calling"),
     "--enable-log-requests": ({"action": "store_true"}, "request logging"),
     "--speculative-config": ({}, "speculative decoding"),
     "--enable-lora": ({"action": "store_true"}, "LoRA adapters"),
@@ -92,7 +91,9 @@ def _flag_dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
 
 
-def _check_compat_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
     for flag, (_, feature) in MISSING_FEATURE_FLAGS.items():
         if getattr(args, _flag_dest(flag), None) not in (None, False):
             parser.error(f"{flag}: {feature} is not implemented in omniserve.")
@@ -241,6 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "the event loop (text is tokenized on a thread of its own).")
     server.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="Split <think>...</think> off chat answers into reasoning_content.")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='Let the model decide when to call tools (tool_choice "auto", the '
+                             "default with tools); needs --tool-call-parser.")
+    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                        help="The format the model writes tool calls in (hermes: the Qwen "
+                             "family's <tool_call> blocks).")
+    server.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                        help='With tool_choice "none", do not list the tools in the prompt.')
     server.add_argument("--shutdown-timeout", type=float, default=0.0,
                         help="On SIGTERM/SIGINT, seconds the requests in flight get to finish "
                              "(new ones get 503 meanwhile); those left then end with an error. "
@@ -262,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         "feature omniserve lacks (start-up fails naming it).")
     for flag, (kwargs, why) in {**NO_EFFECT_FLAGS, **MISSING_FEATURE_FLAGS}.items():
         compat.add_argument(flag, default=None, help=why, **kwargs)
-    serve.set_defaults(func=_cmd_serve, check_flags=_check_compat_flags)
+    serve.set_defaults(func=_cmd_serve, check_flags=_check_serve_flags)
 
     tiny = sub.add_parser("make-tiny", formatter_class=fmt,
                           help="Build a tiny Hugging Face checkpoint offline.")

@@ -65,10 +65,12 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template (loading any attached media), then
         generate. Content parts are those of the OpenAI API, plus ``image_pil`` and
-        ``audio_array`` for in-memory media."""
+        ``audio_array`` for in-memory media; ``tools`` (OpenAI's function tools) are listed for
+        the model by templates that take them (its calls are in the text, as vLLM's LLM.chat)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         renderer = ChatRenderer.from_config(self.llm_engine.config, self.get_tokenizer(),
                                             chat_template)
@@ -76,7 +78,7 @@ class LLM:
             renderer.render(conversation, mm_processor_kwargs=mm_processor_kwargs,
                             add_generation_prompt=add_generation_prompt,
                             continue_final_message=continue_final_message,
-                            chat_template_kwargs=chat_template_kwargs)
+                            chat_template_kwargs=chat_template_kwargs, tools=tools)
             for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

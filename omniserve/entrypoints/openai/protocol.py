@@ -192,7 +192,6 @@ class SamplingRequest(RequestModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
     # vLLM's extra body fields
     top_k: StrictInt | None = None
     min_p: StrictFloat | None = None
@@ -247,10 +246,15 @@ class SamplingRequest(RequestModel):
             value = getattr(self, f"guided_{name}")
             if value is not None:
                 found[f"guided_{name}"] = {name: value}
+        found.update(self.forced_output())
         if len(found) > 1:
             raise ValueError(f"Give one output constraint, not {' and '.join(found)}.")
         constraint = next(iter(found.values()), None)
         return None if constraint is None else {**constraint, **options}
+
+    def forced_output(self) -> dict[str, dict[str, Any]]:
+        """Constraints the request implies beyond the constraint fields (named like them)."""
+        return {}
 
     @model_validator(mode="after")
     def _check_supported(self) -> SamplingRequest:
@@ -260,17 +264,55 @@ class SamplingRequest(RequestModel):
         if self.logit_bias:
             raise ValueError("logit_bias is not supported.")
         self.constraint  # noqa: B018  (raises for conflicting constraints)
-        if self.tools:
-            raise ValueError("tools (function calling) are not supported.")
         return self
+
+
+# ---- tools ----
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments (None: no arguments)."""
+    strict: StrictBool | None = None
+
+    @property
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.parameters or {"type": "object", "properties": {}}
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+    """JSON text, as OpenAI sends it."""
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatCompletionRequest(SamplingRequest):
     logprobs_field: ClassVar[str] = "top_logprobs"
     unsupported: ClassVar[dict[str, tuple[Any, str]]] = {
         **SAMPLING_UNSUPPORTED, **CHAT_UNSUPPORTED,
-        "echo": (False, "the chat endpoint does not echo messages"),
-        "tool_choice": ("none", "tools (function calling) are not supported")}
+        "echo": (False, "the chat endpoint does not echo messages")}
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8},
         {"messages": [{"role": "system", "content": "Be brief."},
@@ -293,9 +335,11 @@ class ChatCompletionRequest(SamplingRequest):
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     """Given to the chat template as ``reasoning_effort``, as vLLM does."""
     include_reasoning: StrictBool = True
-    parallel_tool_calls: StrictBool | None = None
-    """Accepted for OpenAI clients; without tools nothing is called."""
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """None: "auto" with tools, else "none" (OpenAI's defaults)."""
+    parallel_tool_calls: StrictBool = True
+    """False: at most one call per answer."""
     chat_template: str | None = None
     echo: StrictBool = False
     add_special_tokens: StrictBool = False
@@ -312,6 +356,57 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true.")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_tool_choice(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("tool_choice") is None:
+            return {**data, "tool_choice": "auto" if data.get("tools") else "none"}
+        return data
+
+    def _check_tools(self) -> None:
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: each function needs its own name.")
+        if self.tool_choice != "none" and not names:
+            raise ValueError("tool_choice is only allowed when tools are given.")
+        if isinstance(self.tool_choice, NamedToolChoice) and \
+                self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r},"
+                             " which is not among the tools.")
+
+    def forced_output(self) -> dict[str, dict[str, Any]]:
+        """``tool_choice`` "required" or a named function: the grammar engine makes the answer
+        the calls' JSON (vLLM's forms): a list of {"name", "parameters"} objects, or the named
+        function's arguments. Checks the tool fields first (SamplingRequest's validator asks
+        for the constraint, so this runs on every request)."""
+        self._check_tools()
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return {"tool_choice": {"json": self.named_tool.arguments_schema}}
+        if self.tool_choice != "required":
+            return {}
+        calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+             "properties": {"name": {"enum": [tool.function.name]},
+                            "parameters": tool.function.arguments_schema}}
+            for tool in self.tools or []]}}
+        if not self.parallel_tool_calls:
+            calls["maxItems"] = 1
+        return {"tool_choice": {"json": calls}}
+
+    @property
+    def named_tool(self) -> FunctionDefinition:
+        """The function a named tool_choice forces."""
+        assert isinstance(self.tool_choice, NamedToolChoice)
+        return next(tool.function for tool in self.tools or []
+                    if tool.function.name == self.tool_choice.function.name)
+
+    def template_tools(self, exclude_when_none: bool) -> list[dict[str, Any]] | None:
+        """The tools as the chat template lists them (not with tool_choice "none" when the
+        server excludes them then)."""
+        if not self.tools or (exclude_when_none and self.tool_choice == "none"):
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @property
     def output_limit(self) -> int | None:
@@ -378,6 +473,7 @@ class TokenizeChatRequest(RequestModel):
     add_special_tokens: StrictBool = False
     return_token_strs: StrictBool = False
     chat_template: str | None = None
+    tools: list[ChatCompletionTool] | None = None
 
 
 TokenizeRequest = TokenizeChatRequest | TokenizeCompletionRequest
@@ -421,6 +517,7 @@ class ChatMessage(OpenAIBaseModel):
     content: str | None = None
     reasoning_content: str | None = None
     """The thinking, split off by ``--reasoning-parser`` (vLLM's field)."""
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -442,9 +539,10 @@ class ChatCompletionResponse(OpenAIBaseModel):
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):
     index: int
-    delta: dict[str, str]
-    """Only the keys that changed: {"role": ...} first, then {"content": ...} and, with a
-    reasoning parser, {"reasoning_content": ...}."""
+    delta: dict[str, Any]
+    """Only the keys that changed: {"role": ...} first, then {"content": ...}, with a reasoning
+    parser {"reasoning_content": ...}, and with tools {"tool_calls": [{"index", "id", "type",
+    "function": {"name", "arguments"}}]} (later chunks of a call: index and more arguments)."""
     logprobs: ChatCompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

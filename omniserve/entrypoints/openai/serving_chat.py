@@ -15,6 +15,8 @@ from omniserve.entrypoints.openai.protocol import (
     ChatLogprob,
     ChatLogprobsContent,
     ChatMessage,
+    FunctionCall,
+    ToolCall,
     UsageInfo,
 )
 from omniserve.entrypoints.openai.reasoning import ReasoningParser, StreamingSplit
@@ -27,14 +29,60 @@ from omniserve.entrypoints.openai.serving_engine import (
     sse_event,
     to_serving_error,
 )
+from omniserve.entrypoints.openai.tool_parsers import ToolCallReader, tool_call_reader
 from omniserve.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class ChatAnswer:
+    """One choice's answer as OpenAI message fields, fed its text as it grows: the thinking
+    split off (``--reasoning-parser``), then tool calls read from the rest (``tools``). A whole
+    answer is one final feed, so streamed and whole answers are split by the same code."""
+
+    def __init__(self, reasoning: StreamingSplit | None, tools: ToolCallReader | None,
+                 include_reasoning: bool) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+        self.include_reasoning = include_reasoning
+        self.text = ""
+
+    def feed(self, new_text: str, final: bool) -> dict[str, Any]:
+        """The delta's fields that changed: reasoning_content, content, tool_calls."""
+        self.text += new_text
+        reasoning, content = (self.reasoning.feed(self.text, final) if self.reasoning
+                              else ("", new_text))
+        delta: dict[str, Any] = {}
+        if reasoning and self.include_reasoning:
+            delta["reasoning_content"] = reasoning
+        if self.tools is not None:
+            content, calls = self.tools.feed(content, final)
+            if calls:
+                delta["tool_calls"] = calls
+        if content:
+            delta["content"] = content
+        return delta
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        return self.tools.finish_reason(engine_reason) if self.tools else engine_reason
+
+    @staticmethod
+    def message(delta: dict[str, Any]) -> ChatMessage:
+        """A whole answer's message from its one (final) delta."""
+        calls = [ToolCall(id=call["id"], function=FunctionCall(**call["function"]))
+                 for call in delta.get("tool_calls", [])]
+        return ChatMessage(role="assistant", content=delta.get("content"),
+                           reasoning_content=delta.get("reasoning_content"),
+                           tool_calls=calls or None)
 
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, reasoning_parser: ReasoningParser | None = None,
-                 **kwargs: Any) -> None:
+                 tool_call_parser: str | None = None,
+                 exclude_tools_when_tool_choice_none: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reasoning_parser = reasoning_parser
+        self.tool_call_parser = tool_call_parser
+        """The format of "auto" tool calls (None: the server takes no "auto" tool choice)."""
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
 
     async def create_chat_completion(
             self, request: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
@@ -45,11 +93,13 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         self.check_engine()
         try:
+            tool_call_reader(request, self.tool_call_parser)  # "auto" needs a parser
+            tools = request.template_tools(self.exclude_tools_when_tool_choice_none)
             prompt = await self.render_chat(
                 request.messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.template_kwargs,
-                mm_processor_kwargs=request.mm_processor_kwargs)
+                mm_processor_kwargs=request.mm_processor_kwargs, tools=tools)
         except ValueError as exc:
             raise to_serving_error(exc) from exc
         prompt_len = len(prompt.token_ids)
@@ -63,13 +113,11 @@ class OpenAIServingChat(OpenAIServing):
             return self._stream(request, request_id, generator, thinking)
         return await self._full(request, request_id, generator, thinking)
 
-    def _message(self, request: ChatCompletionRequest, text: str,
-                 thinking: bool) -> ChatMessage:
-        if self.reasoning_parser is None:
-            return ChatMessage(role="assistant", content=text)
-        reasoning, content = self.reasoning_parser.split(text, thinking)
-        return ChatMessage(role="assistant", content=content,
-                           reasoning_content=reasoning if request.include_reasoning else None)
+    def _answer(self, request: ChatCompletionRequest, thinking: bool) -> ChatAnswer:
+        split = (StreamingSplit(self.reasoning_parser, thinking)
+                 if self.reasoning_parser is not None else None)
+        return ChatAnswer(split, tool_call_reader(request, self.tool_call_parser),
+                          request.include_reasoning)
 
     async def _full(self, request: ChatCompletionRequest, request_id: str,
                     generator: OutputStream, thinking: bool) -> ChatCompletionResponse:
@@ -80,35 +128,26 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:
             raise to_serving_error(exc) from exc
         assert final is not None and final.finished, "a FINAL_ONLY request ends with its output"
-        choices = [
-            ChatCompletionResponseChoice(
-                index=out.index, message=self._message(request, out.text, thinking),
+        choices = []
+        for out in sorted(final.outputs, key=lambda o: o.index):
+            answer = self._answer(request, thinking)
+            choices.append(ChatCompletionResponseChoice(
+                index=out.index, message=answer.message(answer.feed(out.text, final=True)),
                 logprobs=self._logprobs(out, request.top_logprobs) if request.logprobs else None,
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason)
-            for out in sorted(final.outputs, key=lambda o: o.index)]
+                finish_reason=answer.finish_reason(out.finish_reason),
+                stop_reason=out.stop_reason))
         usage = self.usage([final], sum(len(out.token_ids) for out in final.outputs))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=usage)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
                       generator: OutputStream, thinking: bool) -> EventStream:
-        """OpenAI's chunk sequence: a role chunk per choice, content (and reasoning) deltas,
-        usage, [DONE]."""
+        """OpenAI's chunk sequence: a role chunk per choice, content (reasoning, tool call)
+        deltas, usage, [DONE]."""
         created = int(time.time())
         options = request.stream_options
         num_generated = [0] * request.n
-        texts = [""] * request.n
-        splits = ([StreamingSplit(self.reasoning_parser, thinking) for _ in range(request.n)]
-                  if self.reasoning_parser is not None else None)
-
-        def delta(index: int, text: str, final: bool) -> dict[str, str]:
-            if splits is None:
-                return {"content": text} if text else {}
-            texts[index] += text
-            reasoning, content = splits[index].feed(texts[index], final)
-            fields = {"reasoning_content": reasoning if request.include_reasoning else "",
-                      "content": content}
-            return {key: value for key, value in fields.items() if value}
+        answers = [self._answer(request, thinking) for _ in range(request.n)]
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse_event(ChatCompletionStreamResponse(
@@ -125,14 +164,16 @@ class OpenAIServingChat(OpenAIServing):
                 for out in output.outputs:
                     num_generated[out.index] += len(out.token_ids)
                     wants_logprobs = request.logprobs and out.token_ids
-                    changes = delta(out.index, out.text, out.finish_reason is not None)
+                    answer = answers[out.index]
+                    changes = answer.feed(out.text, out.finish_reason is not None)
                     if not (changes or out.finish_reason or wants_logprobs):
                         continue  # e.g. text held back while it may still become a stop string
                     choice = ChatCompletionStreamChoice(
                         index=out.index, delta=changes,
                         logprobs=(self._logprobs(out, request.top_logprobs)
                                   if wants_logprobs else None),
-                        finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                        finish_reason=answer.finish_reason(out.finish_reason),
+                        stop_reason=out.stop_reason)
                     running = (self.usage(latest, sum(num_generated))
                                if options and options.continuous_usage_stats else None)
                     yield chunk([choice], running)

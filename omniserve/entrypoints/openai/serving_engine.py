@@ -200,7 +200,8 @@ class OpenAIServing:
     async def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                           continue_final_message: bool,
                           chat_template_kwargs: dict[str, Any] | None,
-                          mm_processor_kwargs: dict[str, Any] | None = None) -> EnginePrompt:
+                          mm_processor_kwargs: dict[str, Any] | None = None,
+                          tools: list[dict[str, Any]] | None = None) -> EnginePrompt:
         """Messages -> the templated prompt and its media, fetched concurrently.
 
         The token count here is before placeholder expansion; the engine's processor checks
@@ -212,7 +213,7 @@ class OpenAIServing:
             messages, mm_processor_kwargs=mm_processor_kwargs, executor=self.engine.input_pool,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs)
+            chat_template_kwargs=chat_template_kwargs, tools=tools)
         return EnginePrompt(prompt["prompt"], prompt["prompt_token_ids"],
                             prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs"),
                             locations)
