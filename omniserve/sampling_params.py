@@ -89,6 +89,16 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    """token id -> added to its logit before sampling (OpenAI's, each in [-100, 100])."""
+    allowed_token_ids: list[int] | None = None
+    """Sample only among these tokens (vLLM's)."""
+    bad_words: list[str] = field(default_factory=list)
+    """Words never to write: a word's last token is banned wherever the tokens before it were
+    just generated (vLLM's)."""
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    """``bad_words`` as token sequences, with and without a leading space (the Processor fills
+    it from the tokenizer)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -150,6 +160,15 @@ class SamplingParams:
             fail("stop_token_ids", "a list of token ids (non-negative integers)")
         if self.seed is not None and not is_int(self.seed, SEED_MIN, SEED_MAX):
             fail("seed", f"None or an integer in [{SEED_MIN}, {SEED_MAX}]")
+        if self.logit_bias is not None and not all(
+                is_int(t, 0, INT32_MAX) and is_real(b) and -100 <= b <= 100
+                for t, b in self.logit_bias.items()):
+            fail("logit_bias", "a map of token ids to biases in [-100, 100]")
+        if self.allowed_token_ids is not None and not (self.allowed_token_ids and all(
+                is_int(t, 0, INT32_MAX) for t in self.allowed_token_ids)):
+            fail("allowed_token_ids", "a non-empty list of token ids")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            fail("bad_words", "a list of non-empty strings")
 
     @property
     def greedy(self) -> bool:

@@ -263,7 +263,11 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": []}, 400, "empty"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 9]}, 400, "vocabulary"),
     ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"one": 5}}, 400,
+     "logit_bias keys must be token ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 500}}, 400, "[-100, 100]"),
+    ("/v1/chat/completions", {"messages": _chat("hi"), "allowed_token_ids": [10 ** 9]}, 400,
+     "allowed_token_ids: token ids"),
     ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "does not exist"),
     ("/v1/chat/completions", [1, 2], 400, "object"),
 ]
@@ -524,14 +528,14 @@ CHAT_FIELDS_THAT_WORK = {
     "chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": True,
     "max_completion_tokens": 3, "logprobs": True, "tool_choice": "none",
     "response_format": {"type": "text"}, "some_other_servers_field": 1,
+    "allowed_token_ids": [1, 2], "bad_words": ["x"], "logit_bias": {"5": 1.0},
 }
 CHAT_FIELDS_REFUSED = {
     "best_of": 2, "use_beam_search": True, "length_penalty": 0.5, "truncate_prompt_tokens": 8,
-    "allowed_token_ids": [1, 2], "bad_words": ["x"], "logits_processors": ["m.p"],
+    "logits_processors": ["m.p"],
     "return_tokens_as_token_ids": True, "return_token_ids": True, "cache_salt": "s",
     "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "priority": 1,
     "chat_template": "{{ messages }}", "echo": True, "add_special_tokens": True,
-    "logit_bias": {"5": 1.0},
 }
 
 

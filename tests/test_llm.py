@@ -173,3 +173,26 @@ def test_bad_model_dirs(tmp_path, model_dir):
         LLM(str(no_weights), dtype="float32")
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(model_dir, max_model_len=10**7)
+
+
+def test_allowed_token_ids_bad_words_and_logit_bias(llm):
+    """Offline, as over the API: each rule changes what greedy decoding writes, only for the
+    request that asked for it."""
+    free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (base,) = llm.generate("Tell me", free, use_tqdm=False)
+    ids = base.outputs[0].token_ids
+    tokenizer = llm.get_tokenizer()
+    allowed = sorted(set(ids[1:4]) | {7})
+    outs = llm.generate(["Tell me"] * 4, [
+        free.clone(allowed_token_ids=allowed),
+        free.clone(bad_words=[tokenizer.decode(ids[:1])]),
+        free.clone(logit_bias={7: 100.0}),
+        free], use_tqdm=False)
+    assert set(outs[0].outputs[0].token_ids) <= set(allowed)
+    assert ids[0] not in outs[1].outputs[0].token_ids[:1]
+    assert outs[2].outputs[0].token_ids == [7] * 8
+    assert outs[3].outputs[0].token_ids == ids
+    with pytest.raises(ValueError, match=r"logit_bias: token ids \[999999\] are outside"):
+        llm.generate("x", free.clone(logit_bias={999_999: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
+        free.clone(allowed_token_ids=[])

@@ -11,6 +11,7 @@ from omniserve.layers.sampler import (
     Sampler,
     SamplingMetadata,
     apply_penalties,
+    banned_by_bad_words,
     compute_logprobs,
 )
 from omniserve.sampling_params import SamplingParams
@@ -68,6 +69,11 @@ def make_metadata(
         prompt_token_ids=prompt_token_ids,
         output_token_ids=outputs,
         min_tokens=min_tokens,
+        allowed_token_ids={i: p.allowed_token_ids for i, p in enumerate(params)
+                           if p.allowed_token_ids},
+        banned_token_ids={i: banned for i, p in enumerate(params)
+                          if (banned := banned_by_bad_words(p.bad_words_token_ids, outputs[i]))},
+        logit_bias={i: p.logit_bias for i, p in enumerate(params) if p.logit_bias},
     )
 
 
@@ -252,6 +258,24 @@ def test_min_tokens_blocks_eos_and_stop_ids() -> None:
         eos_token_id=0,
     )
     assert 0 not in tokens.tolist()
+
+
+def test_token_rules_allowed_ids_bad_words_and_logit_bias() -> None:
+    """Each rule touches only its own row; greedy and random rows alike; logprobs stay raw."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]]).repeat(4, 1)
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=[3, 4]),
+              SamplingParams(temperature=0.0, bad_words_token_ids=[[2, 0], [1]]),
+              SamplingParams(temperature=0.0, logit_bias={4: 10.0, 0: -100.0}),
+              SamplingParams(temperature=0.0)]
+    outputs = [[], [2], [], []]  # row 1 just wrote 2: the bad word [2, 0] bans 0, [1] bans 1
+    assert sample(logits, params, outputs=outputs).tolist() == [3, 2, 4, 0]
+    random_rows = [SamplingParams(allowed_token_ids=[1, 3], logprobs=1)] * 200
+    metadata = make_metadata(random_rows, outputs=[[]] * 200, vocab_size=5)
+    out = Sampler()(logits[:1].repeat(200, 1), metadata)
+    assert set(out.sampled_token_ids.tolist()) == {1, 3}
+    assert out.logprobs.token_ids[:, 1].eq(0).all()  # the raw distribution's top token
+    assert banned_by_bad_words([[7, 8, 9]], [1, 7, 8]) == [9]
+    assert banned_by_bad_words([[7, 8, 9]], [7, 1, 8]) == []
 
 
 def test_logprobs_are_raw_with_ranks_and_top_k() -> None:

@@ -104,6 +104,8 @@ class Processor:
             # all of them end generation, as in transformers' generate.
             extra = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
             params = params.clone(stop_token_ids=params.stop_token_ids + extra)
+        if params.bad_words:
+            params = params.clone(bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         arrival = arrival_time if arrival_time is not None else time.time()
         if params.n == 1:
             children = [(request_id, params)]
@@ -144,11 +146,24 @@ class Processor:
                     f"Requested {name}={value}, but at most {self.model_config.max_logprobs} "
                     "logprobs per token are supported."
                 )
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"stop_token_ids {bad} are outside the vocabulary (size {self.vocab_size})."
-            )
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = sorted({t for t in ids if t >= self.vocab_size})
+            if bad:
+                raise ValueError(
+                    f"{name}: token ids {bad} are outside the vocabulary (size {self.vocab_size})."
+                )
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens alone and after a space (how it reads mid-sentence), as vLLM."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

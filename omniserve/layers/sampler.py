@@ -1,8 +1,9 @@
 """The sampler: last-position logits of each request -> its next token (and logprobs).
 
 Order of operations (vLLM's): raw logprobs (log_softmax of the model's logits, before anything
-else), min_tokens blocking, penalties, then greedy rows take the argmax and random rows go through
-temperature, min-p, top-k, top-p and a random draw.
+else), the token rules (allowed_token_ids, bad words, logit_bias), min_tokens blocking, penalties,
+then greedy rows take the argmax and random rows go through temperature, min-p, top-k, top-p and a
+random draw.
 
 CPU speed is a design goal (batch 256 x vocab 150k), so:
 
@@ -59,6 +60,12 @@ class SamplingMetadata:
     """Per row, the tokens generated so far."""
     min_tokens: dict[int, tuple[int, set[int]]]
     """row -> (min_tokens, ids blocked while fewer tokens were generated: eos + stop ids)."""
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    """row -> the only ids it may sample."""
+    banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    """row -> ids it may not sample this step (the bad words its last tokens began)."""
+    logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
+    """row -> {token id: bias added to its logit}."""
 
 
 @dataclass
@@ -131,6 +138,8 @@ class Sampler(nn.Module):
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_reqs, vocab]
+        if metadata.allowed_token_ids or metadata.banned_token_ids or metadata.logit_bias:
+            _apply_token_rules(logits, metadata)
         if metadata.min_tokens:
             _block_min_tokens(logits, metadata)
         if not metadata.no_penalties:
@@ -141,6 +150,31 @@ class Sampler(nn.Module):
             assert metadata.max_num_logprobs is not None
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, logprobs)
+
+
+def banned_by_bad_words(sequences: list[list[int]], output_token_ids: list[int]) -> list[int]:
+    """The last token of each bad word whose other tokens the output just ended with."""
+    banned = []
+    for sequence in sequences:
+        prefix = sequence[:-1]
+        if not prefix or output_token_ids[len(output_token_ids) - len(prefix):] == prefix:
+            banned.append(sequence[-1])
+    return banned
+
+
+def _apply_token_rules(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """allowed_token_ids, bad words and logit_bias, touching only the listed rows."""
+    device = logits.device
+    for row, allowed in md.allowed_token_ids.items():
+        keep = torch.tensor(allowed, device=device)
+        values = logits[row, keep]
+        logits[row] = -torch.inf
+        logits[row, keep] = values
+    for row, banned in md.banned_token_ids.items():
+        logits[row, torch.tensor(banned, device=device)] = -torch.inf
+    for row, bias in md.logit_bias.items():
+        ids = torch.tensor(list(bias), device=device)
+        logits[row, ids] += torch.tensor(list(bias.values()), device=device)
 
 
 def _block_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> None:

@@ -18,7 +18,12 @@ from omniserve.attention.metadata import AttentionMetadata
 from omniserve.config import CacheConfig, SchedulerConfig
 from omniserve.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from omniserve.forward_context import set_forward_context
-from omniserve.layers.sampler import Sampler, SamplingMetadata, compute_logprobs
+from omniserve.layers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    banned_by_bad_words,
+    compute_logprobs,
+)
 from omniserve.structured_output import apply_bitmask_rows
 from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
@@ -247,6 +252,7 @@ class ModelRunner:
             )
             prompt_token_ids = torch.from_numpy(prompt).to(self.device)
         generators, min_tokens = {}, {}
+        allowed, banned, bias = {}, {}, {}
         max_num_logprobs = None
         for i, state in enumerate(states):
             assert state is not None
@@ -260,6 +266,14 @@ class ModelRunner:
                 if state.eos_token_id is not None:
                     blocked.add(state.eos_token_id)
                 min_tokens[i] = (params.min_tokens, blocked)
+            if params.allowed_token_ids:
+                allowed[i] = params.allowed_token_ids
+            if params.logit_bias:
+                bias[i] = params.logit_bias
+            if params.bad_words_token_ids:
+                ids = banned_by_bad_words(params.bad_words_token_ids, state.output_token_ids)
+                if ids:
+                    banned[i] = ids
 
         def tensor(values: np.ndarray, skip: bool) -> torch.Tensor | None:
             return None if skip else torch.from_numpy(values).to(self.device)
@@ -280,6 +294,9 @@ class ModelRunner:
             prompt_token_ids=prompt_token_ids,
             output_token_ids=[s.output_token_ids for s in states],  # type: ignore[union-attr]
             min_tokens=min_tokens,
+            allowed_token_ids=allowed,
+            banned_token_ids=banned,
+            logit_bias=bias,
         )
 
     def _prompt_logprobs(

@@ -53,8 +53,6 @@ SAMPLING_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "use_beam_search": (False, "there is no beam search"),
     "length_penalty": (1.0, "it applies to beam search, which there is not"),
     "truncate_prompt_tokens": (None, "send the prompt you want computed"),
-    "allowed_token_ids": (None, "use structured_outputs (e.g. choice or regex)"),
-    "bad_words": ([], "there are no banned-word lists"),
     "logits_processors": (None, "there are no custom logits processors"),
     "return_tokens_as_token_ids": (False, "logprobs name tokens by their text"),
     "return_token_ids": (False, "use /tokenize for token ids"),
@@ -191,6 +189,7 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    """Token id (as a string, OpenAI's form) -> bias in [-100, 100] added to its logit."""
     response_format: ResponseFormat | None = None
     # vLLM's extra body fields
     top_k: StrictInt | None = None
@@ -210,13 +209,13 @@ class SamplingRequest(RequestModel):
     """vLLM's older spellings of ``structured_outputs`` fields."""
     request_id: str | None = None
     """vLLM's: the response id is built from it (a random one when absent)."""
-    # vLLM's fields refused unless left at their no-op value (UNSUPPORTED_FIELDS)
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    # vLLM's fields refused unless left at their no-op value (`unsupported`)
     best_of: StrictInt | None = None
     use_beam_search: StrictBool = False
     length_penalty: StrictFloat = 1.0
     truncate_prompt_tokens: StrictInt | None = None
-    allowed_token_ids: list[StrictInt] | None = None
-    bad_words: list[str] = Field(default_factory=list)
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: StrictBool = False
     return_token_ids: StrictBool = False
@@ -256,14 +255,22 @@ class SamplingRequest(RequestModel):
         """Constraints the request implies beyond the constraint fields (named like them)."""
         return {}
 
+    @property
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """logit_bias keyed by token id."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids (integers as strings).") from None
+
     @model_validator(mode="after")
     def _check_supported(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream=true.")
-        # Refused rather than ignored: silently dropping them would return wrong answers.
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported.")
         self.constraint  # noqa: B018  (raises for conflicting constraints)
+        self.token_logit_bias  # noqa: B018  (raises for keys that are not token ids)
         return self
 
 

@@ -279,7 +279,10 @@ class OpenAIServing:
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 output_kind=kind,
-                structured_outputs=request.constraint)
+                structured_outputs=request.constraint,
+                logit_bias=request.token_logit_bias,
+                allowed_token_ids=request.allowed_token_ids,
+                bad_words=request.bad_words)
         except ValueError as exc:
             field = str(exc).split(" ", 1)[0]
             raise ServingError(str(exc), param=field if field.isidentifier() else None) from exc
