@@ -68,12 +68,12 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def qwen3_server(tiny_checkpoint: Callable[..., Path],
                  tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A tiny Qwen3 (its template has tools and the thinking switch) served as agents use it:
-    ``--reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser hermes``; shared by
-    the structured-output, reasoning and tool-call modules."""
+    ``--reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser hermes``, trusting
+    request chat templates; shared by the structured-output, reasoning and tool-call modules."""
     from tests.server_utils import launch_server
 
     with launch_server(tiny_checkpoint("Qwen3ForCausalLM"), tmp_path_factory.mktemp("qwen3"),
                        "--max-model-len", "1024", "--kv-cache-memory", "32MiB",
                        "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
-                       "--tool-call-parser", "hermes") as server:
+                       "--tool-call-parser", "hermes", "--trust-request-chat-template") as server:
         yield server

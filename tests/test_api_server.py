@@ -529,13 +529,12 @@ CHAT_FIELDS_THAT_WORK = {
     "max_completion_tokens": 3, "logprobs": True, "tool_choice": "none",
     "response_format": {"type": "text"}, "some_other_servers_field": 1,
     "allowed_token_ids": [1, 2], "bad_words": ["x"], "logit_bias": {"5": 1.0},
+    "truncate_prompt_tokens": 8, "cache_salt": "s", "return_token_ids": True,
+    "return_tokens_as_token_ids": True, "echo": True, "add_special_tokens": True,
 }
 CHAT_FIELDS_REFUSED = {
-    "best_of": 2, "use_beam_search": True, "length_penalty": 0.5, "truncate_prompt_tokens": 8,
-    "logits_processors": ["m.p"],
-    "return_tokens_as_token_ids": True, "return_token_ids": True, "cache_salt": "s",
+    "best_of": 2, "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["m.p"],
     "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "priority": 1,
-    "chat_template": "{{ messages }}", "echo": True, "add_special_tokens": True,
 }
 
 
@@ -563,6 +562,72 @@ def test_vllm_chat_fields_refused_by_name(server: Server) -> None:
     for field, response in _post_each(server, CHAT_FIELDS_REFUSED).items():
         error = assert_error(response, 400)
         assert field in error["message"] and "not supported" in error["message"], error
+
+
+def test_prompt_options_truncation_and_cache_salt(server: Server) -> None:
+    """truncate_prompt_tokens keeps the prompt's last tokens; cache_salt keeps prefix-cache
+    blocks to the requests with the same salt."""
+    prompt = "one two three four five six seven eight nine ten " * 12
+    ids = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "return_token_ids": True}
+    cut = server.post("/v1/completions", {**body, "truncate_prompt_tokens": 5}).json()
+    assert cut["usage"]["prompt_tokens"] == 5 and cut["choices"][0]["prompt_token_ids"] == ids[-5:]
+    assert_error(server.post("/v1/completions", {**body, "truncate_prompt_tokens": 0}), 400)
+
+    def cached(salt: str | None) -> int:
+        answer = server.post("/v1/completions", {**body, "cache_salt": salt}).json()
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("alice") == 0 and cached("alice") > 0  # the second one hits alice's blocks
+    assert cached("bob") == 0 and cached(None) == 0  # nor bob's request nor an unsalted one
+
+
+def test_return_token_ids_and_tokens_as_ids(server: Server) -> None:
+    body = {"model": MODEL, "messages": _chat("Hi"), "max_tokens": 5, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 1,
+            "return_tokens_as_token_ids": True}
+    whole = server.post("/v1/chat/completions", body).json()
+    prompt = server.post("/tokenize", {"messages": _chat("Hi")}).json()["tokens"]
+    assert whole["prompt_token_ids"] == prompt
+    (choice,) = whole["choices"]
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [
+        f"token_id:{t}" for t in choice["token_ids"]]
+    chunks = [json.loads(line[6:]) for line in server.post(
+        "/v1/chat/completions", {**body, "stream": True}).text.splitlines()
+        if line.startswith("data: {")]
+    assert [c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")] == [prompt]
+    assert sum((c["choices"][0].get("token_ids") or [] for c in chunks if c["choices"]),
+               []) == choice["token_ids"]
+
+
+def test_chat_echo_and_request_templates(server: Server) -> None:
+    """echo starts the answer with the assistant message it continues; a request's own chat
+    template needs --trust-request-chat-template."""
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0.0, "echo": True,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "messages": [*_chat("Count."), {"role": "assistant", "content": "One, two,"}]}
+    whole = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    assert whole.startswith("One, two,") and len(whole) > len("One, two,")
+    streamed = [json.loads(line[6:]) for line in server.post(
+        "/v1/chat/completions", {**body, "stream": True}).text.splitlines()
+        if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed
+                   if c["choices"]) == whole
+    error = assert_error(server.post("/v1/chat/completions", {
+        "model": MODEL, "messages": _chat("Hi"), "chat_template": "{{ messages }}"}), 400)
+    assert error["param"] == "chat_template" and "--trust-request-chat-template" in \
+        error["message"]
+
+
+def test_a_trusted_request_template_renders_the_prompt(qwen3_server: Server) -> None:
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    prompt = qwen3_server.post("/tokenize", {"messages": _chat("Hi"), "chat_template": template})
+    text = qwen3_server.post("/detokenize", {"tokens": prompt.json()["tokens"]}).json()["prompt"]
+    assert text == "[user] Hi\n[assistant]"
+    answer = qwen3_server.post("/v1/chat/completions", {
+        "model": MODEL, "messages": _chat("Hi"), "chat_template": template, "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
 
 
 def test_vllm_completion_fields_and_request_id(server: Server) -> None:

@@ -21,15 +21,18 @@ ROOT_BLOCK_HASH = 0
 _HASH_BYTES = 32
 
 
-def block_extra_keys(request: Request, start: int, end: int) -> tuple[tuple[str, int], ...]:
+def block_extra_keys(request: Request, start: int, end: int) -> tuple[tuple[str, int | str], ...]:
     """What besides token ids decides the KV of tokens [start, end).
 
     Multimodal placeholders share one token id per modality, so a block covering part of an
     item also mixes in ``(identifier, offset - start)`` of every item overlapping it: two images
     with identical placeholder tokens never share blocks, nor does one image placed at another
-    offset. Identifiers are content hashes, so these keys are process-independent.
+    offset. Identifiers are content hashes, so these keys are process-independent. The first
+    block also mixes in the request's cache salt (every later hash chains from it).
     """
-    keys = []
+    keys: list[tuple[str, int | str]] = []
+    if start == 0 and request.cache_salt is not None:
+        keys.append(("cache_salt", request.cache_salt))
     for feature in request.mm_features:  # in prompt order
         pos = feature.mm_position
         if pos.offset >= end:

@@ -44,6 +44,8 @@ class Request:
     """Resolved cap on output tokens (sampling max_tokens or what max_model_len leaves)."""
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     """Multimodal items in prompt order (placeholder ranges and identifiers)."""
+    cache_salt: str | None = None
+    """Only requests with the same salt share prefix-cache blocks (vLLM's cache_salt)."""
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

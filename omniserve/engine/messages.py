@@ -39,6 +39,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     """Resolved output cap (never None here)."""
     mm_features: list[MultiModalFeatureSpec] = []
     """Multimodal items in prompt order, with their placeholder ranges and encoder inputs."""
+    cache_salt: str | None = None
+    """Mixed into the prefix-cache hashes: only requests with the same salt share KV blocks."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -118,7 +118,8 @@ class Processor:
                 for i in range(params.n)
             ]
         requests = [
-            EngineCoreRequest(rid, token_ids, p, eos, arrival, max_tokens, inputs.mm_features)
+            EngineCoreRequest(rid, token_ids, p, eos, arrival, max_tokens, inputs.mm_features,
+                              _cache_salt(prompt))
             for rid, p in children
         ]
         return ProcessedRequest(inputs.prompt, token_ids, requests, inputs.num_mm_tokens)
@@ -191,6 +192,14 @@ class Processor:
             f"{message} ({shares}, {num_text} for text); send shorter or smaller media "
             "(e.g. lower max_pixels, num_frames or fps) or raise --max-model-len",
             stage="budget", modality=max(inputs.num_mm_tokens, key=inputs.num_mm_tokens.get))
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's ``cache_salt`` (vLLM's): a non-empty string, or None."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError("cache_salt must be a non-empty string.")
+    return salt
 
 
 def _create_mm_processor(config: OmniConfig, tokenizer: Any) -> Any | None:

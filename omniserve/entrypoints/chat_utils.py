@@ -14,6 +14,7 @@ model's placeholder string inside the text ("string" format), as vLLM's "auto" m
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import json
 import re
@@ -301,15 +302,25 @@ class ChatRenderer:
         return parse_chat_messages(messages, content_format=self.content_format,
                                    placeholder=self.placeholder, check_counts=self.check_counts)
 
+    def for_template(self, chat_template: str | None) -> ChatRenderer:
+        """This renderer with another template (a request's own); itself for None."""
+        if chat_template is None:
+            return self
+        other = copy.copy(self)
+        other.chat_template = chat_template
+        other.content_format = detect_content_format(chat_template)
+        return other
+
     def _prompt(self, inputs: ChatInputs, mm_data: dict[str, list[Any]],
-                mm_processor_kwargs: dict[str, Any] | None, **template_kwargs: Any
-                ) -> dict[str, Any]:
+                mm_processor_kwargs: dict[str, Any] | None, add_special_tokens: bool = False,
+                **template_kwargs: Any) -> dict[str, Any]:
         text = apply_chat_template(self.tokenizer, inputs.conversation,
                                    chat_template=self.chat_template, **template_kwargs)
-        # The template already holds any BOS; do not let the tokenizer add another.
+        # The template already holds any BOS: the tokenizer adds its specials only on request.
         prompt: dict[str, Any] = {
             "prompt": text,
-            "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
+            "prompt_token_ids": self.tokenizer(
+                text, add_special_tokens=add_special_tokens).input_ids}
         if mm_data:
             prompt["multi_modal_data"] = mm_data
         if mm_processor_kwargs:

@@ -235,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Require 'Authorization: Bearer KEY' on the API routes.")
     server.add_argument("--chat-template", default=None,
                         help="A chat template file (or inline Jinja) replacing the checkpoint's.")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="Let requests bring their own chat_template (rendered in jinja's "
+                             "sandbox); without it such a request is a 400.")
     server.add_argument("--max-request-body-mb", type=float, default=100.0,
                         help="Largest request body accepted (413 above it), media included.")
     server.add_argument("--input-processing-threads", type=int, default=1,

@@ -289,13 +289,15 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     chat_template = load_chat_template(getattr(args, "chat_template", None))
     parser_name = getattr(args, "reasoning_parser", None)
     auto_tools = getattr(args, "enable_auto_tool_choice", False)
+    trust = getattr(args, "trust_request_chat_template", False)
     chat = OpenAIServingChat(
-        engine, names, chat_template,
+        engine, names, chat_template, trust_request_chat_template=trust,
         reasoning_parser=REASONING_PARSERS[parser_name] if parser_name else None,
         tool_call_parser=getattr(args, "tool_call_parser", None) if auto_tools else None,
         exclude_tools_when_tool_choice_none=getattr(
             args, "exclude_tools_when_tool_choice_none", False))
-    completion = OpenAIServingCompletion(engine, names, chat_template)
+    completion = OpenAIServingCompletion(engine, names, chat_template,
+                                         trust_request_chat_template=trust)
     if chat.default_sampling:
         logger.info("Default sampling parameters from the checkpoint's generation config, for "
                     "fields a request omits: %s (--generation-config vllm turns them off).",
@@ -496,11 +498,7 @@ async def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> Tokeniz
     try:
         if isinstance(request, TokenizeChatRequest):
             prompt = await serving.render_chat(
-                request.messages, add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs,
-                mm_processor_kwargs=request.mm_processor_kwargs,
-                tools=[tool.model_dump(exclude_none=True) for tool in request.tools or []])
+                request, [tool.model_dump(exclude_none=True) for tool in request.tools or []])
         else:
             prompt = await serving.tokenize_text(request.prompt, request.add_special_tokens)
         ids = prompt.token_ids

@@ -52,18 +52,10 @@ SAMPLING_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "best_of": (1, "sample n instead"),
     "use_beam_search": (False, "there is no beam search"),
     "length_penalty": (1.0, "it applies to beam search, which there is not"),
-    "truncate_prompt_tokens": (None, "send the prompt you want computed"),
     "logits_processors": (None, "there are no custom logits processors"),
-    "return_tokens_as_token_ids": (False, "logprobs name tokens by their text"),
-    "return_token_ids": (False, "use /tokenize for token ids"),
-    "cache_salt": (None, "the prefix cache is shared by every request"),
     "kv_transfer_params": (None, "there is no KV transfer between instances"),
     "vllm_xargs": (None, "there are no extra engine arguments per request"),
     "priority": (0, "requests are scheduled first-come, first-served"),
-}
-CHAT_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "chat_template": (None, "set the template with --chat-template"),
-    "add_special_tokens": (False, "the chat template already adds them"),
 }
 
 
@@ -211,15 +203,19 @@ class SamplingRequest(RequestModel):
     """vLLM's: the response id is built from it (a random one when absent)."""
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] = Field(default_factory=list)
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
+    """Keep only the prompt's last k tokens (-1: max_model_len); text prompts only."""
+    cache_salt: str | None = Field(None, min_length=1)
+    """Only requests with the same salt share prefix-cache blocks."""
+    return_token_ids: StrictBool = False
+    """Also return the prompt's and the answer's token ids."""
+    return_tokens_as_token_ids: StrictBool = False
+    """Logprobs name tokens as "token_id:<id>" (for tokens that are not valid text alone)."""
     # vLLM's fields refused unless left at their no-op value (`unsupported`)
     best_of: StrictInt | None = None
     use_beam_search: StrictBool = False
     length_penalty: StrictFloat = 1.0
-    truncate_prompt_tokens: StrictInt | None = None
     logits_processors: list[Any] | None = None
-    return_tokens_as_token_ids: StrictBool = False
-    return_token_ids: StrictBool = False
-    cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     priority: StrictInt = 0
@@ -271,6 +267,8 @@ class SamplingRequest(RequestModel):
             raise ValueError("stream_options can only be set when stream=true.")
         self.constraint  # noqa: B018  (raises for conflicting constraints)
         self.token_logit_bias  # noqa: B018  (raises for keys that are not token ids)
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or >= 1.")
         return self
 
 
@@ -317,9 +315,6 @@ class ToolCall(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     logprobs_field: ClassVar[str] = "top_logprobs"
-    unsupported: ClassVar[dict[str, tuple[Any, str]]] = {
-        **SAMPLING_UNSUPPORTED, **CHAT_UNSUPPORTED,
-        "echo": (False, "the chat endpoint does not echo messages")}
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8},
         {"messages": [{"role": "system", "content": "Be brief."},
@@ -348,8 +343,12 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: StrictBool = True
     """False: at most one call per answer."""
     chat_template: str | None = None
+    """This request's own template (the server must run with --trust-request-chat-template)."""
     echo: StrictBool = False
+    """Start the answer with the last message's content when it is the assistant's (with
+    continue_final_message: the text the model continues)."""
     add_special_tokens: StrictBool = False
+    """Also add the tokenizer's special tokens (e.g. BOS) to the templated prompt."""
 
     @property
     def template_kwargs(self) -> dict[str, Any] | None:
@@ -470,7 +469,6 @@ class TokenizeCompletionRequest(RequestModel):
 
 
 class TokenizeChatRequest(RequestModel):
-    unsupported: ClassVar[dict[str, tuple[Any, str]]] = CHAT_UNSUPPORTED
     model: str | None = None
     messages: list[dict[str, Any]]
     add_generation_prompt: StrictBool = True
@@ -481,6 +479,10 @@ class TokenizeChatRequest(RequestModel):
     return_token_strs: StrictBool = False
     chat_template: str | None = None
     tools: list[ChatCompletionTool] | None = None
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return self.chat_template_kwargs
 
 
 TokenizeRequest = TokenizeChatRequest | TokenizeCompletionRequest
@@ -533,6 +535,8 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """The answer's token ids (``return_token_ids``)."""
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -542,6 +546,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+    """The prompt's token ids, media placeholders expanded (``return_token_ids``)."""
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):
@@ -553,6 +559,8 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """This chunk's new token ids (``return_token_ids``)."""
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -562,6 +570,8 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """On the first chunk (``return_token_ids``)."""
 
 
 # ---- completion responses ----
@@ -580,6 +590,10 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    """This choice's prompt (on its first chunk when streaming; ``return_token_ids``)."""
+    token_ids: list[int] | None = None
+    """The answer's (this chunk's) token ids (``return_token_ids``)."""
 
 
 class CompletionResponse(OpenAIBaseModel):

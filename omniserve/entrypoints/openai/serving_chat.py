@@ -95,20 +95,17 @@ class OpenAIServingChat(OpenAIServing):
         try:
             tool_call_reader(request, self.tool_call_parser)  # "auto" needs a parser
             tools = request.template_tools(self.exclude_tools_when_tool_choice_none)
-            prompt = await self.render_chat(
-                request.messages, add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.template_kwargs,
-                mm_processor_kwargs=request.mm_processor_kwargs, tools=tools)
+            prompt = await self.render_chat(request, tools)
         except ValueError as exc:
             raise to_serving_error(exc) from exc
+        thinking = (self.reasoning_parser is not None
+                    and self.reasoning_parser.opens_in_prompt(prompt.text))
+        prompt = self.apply_prompt_options(prompt, request)
         prompt_len = len(prompt.token_ids)
         params = self.sampling_params(request, prompt_len, max_tokens=request.output_limit,
                                       logprobs=request.num_logprobs)
         request_id = self.new_request_id("chatcmpl", request.request_id)
         (generator,) = await self.start_generation([prompt], params, request_id)
-        thinking = (self.reasoning_parser is not None
-                    and self.reasoning_parser.opens_in_prompt(prompt.text))
         if request.stream:
             return self._stream(request, request_id, generator, thinking)
         return await self._full(request, request_id, generator, thinking)
@@ -129,35 +126,48 @@ class OpenAIServingChat(OpenAIServing):
             raise to_serving_error(exc) from exc
         assert final is not None and final.finished, "a FINAL_ONLY request ends with its output"
         choices = []
+        echo = _echo(request)
         for out in sorted(final.outputs, key=lambda o: o.index):
             answer = self._answer(request, thinking)
+            message = answer.message(answer.feed(out.text, final=True))
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
-                index=out.index, message=answer.message(answer.feed(out.text, final=True)),
-                logprobs=self._logprobs(out, request.top_logprobs) if request.logprobs else None,
+                index=out.index, message=message,
+                logprobs=self._logprobs(request, out) if request.logprobs else None,
                 finish_reason=answer.finish_reason(out.finish_reason),
-                stop_reason=out.stop_reason))
+                stop_reason=out.stop_reason,
+                token_ids=list(out.token_ids) if request.return_token_ids else None))
         usage = self.usage([final], sum(len(out.token_ids) for out in final.outputs))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=usage)
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=usage,
+            prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
                       generator: OutputStream, thinking: bool) -> EventStream:
-        """OpenAI's chunk sequence: a role chunk per choice, content (reasoning, tool call)
-        deltas, usage, [DONE]."""
+        """OpenAI's chunk sequence: a role chunk per choice (and the echoed message), content
+        (reasoning, tool call) deltas, usage, [DONE]. With return_token_ids, the first chunk of
+        output carries the prompt's token ids and each chunk its new ones."""
         created = int(time.time())
         options = request.stream_options
         num_generated = [0] * request.n
         answers = [self._answer(request, thinking) for _ in range(request.n)]
+        prompt_ids_sent = not request.return_token_ids
 
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None,
+                  prompt_token_ids: list[int] | None = None) -> str:
             return sse_event(ChatCompletionStreamResponse(
                 id=request_id, created=created, model=self.model_name, choices=choices,
-                usage=usage))
+                usage=usage, prompt_token_ids=prompt_token_ids))
 
         try:
+            echo = _echo(request)
             for index in range(request.n):
                 yield chunk([ChatCompletionStreamChoice(
                     index=index, delta={"role": "assistant", "content": ""})])
+                if echo:
+                    yield chunk([ChatCompletionStreamChoice(index=index,
+                                                            delta={"content": echo})])
             latest: list[RequestOutput] = []
             async for output in generator:
                 latest = [output]
@@ -170,13 +180,15 @@ class OpenAIServingChat(OpenAIServing):
                         continue  # e.g. text held back while it may still become a stop string
                     choice = ChatCompletionStreamChoice(
                         index=out.index, delta=changes,
-                        logprobs=(self._logprobs(out, request.top_logprobs)
-                                  if wants_logprobs else None),
+                        logprobs=self._logprobs(request, out) if wants_logprobs else None,
                         finish_reason=answer.finish_reason(out.finish_reason),
-                        stop_reason=out.stop_reason)
+                        stop_reason=out.stop_reason,
+                        token_ids=list(out.token_ids) if request.return_token_ids else None)
                     running = (self.usage(latest, sum(num_generated))
                                if options and options.continuous_usage_stats else None)
-                    yield chunk([choice], running)
+                    yield chunk([choice], running,
+                                None if prompt_ids_sent else output.prompt_token_ids)
+                    prompt_ids_sent = True
             if options and options.include_usage:
                 yield chunk([], self.usage(latest, sum(num_generated)))
         except Exception as exc:  # e.g. the engine died mid-stream: tell the client in-band
@@ -185,17 +197,32 @@ class OpenAIServingChat(OpenAIServing):
             await generator.aclose()  # aborts it if unfinished
         yield SSE_DONE
 
-    def _logprobs(self, out: CompletionOutput, top_logprobs: int | None) -> ChatCompletionLogprobs:
+    def _logprobs(self, request: ChatCompletionRequest,
+                  out: CompletionOutput) -> ChatCompletionLogprobs:
         """OpenAI's chat shape: per generated token, its logprob and the top alternatives."""
+        as_ids = request.return_tokens_as_token_ids
         content = []
         for token_id, position in zip(out.token_ids, out.logprobs or [], strict=False):
             content.append(ChatLogprobsContent(
-                **self._entry(token_id, position.get(token_id)).model_dump(),
-                top_logprobs=[self._entry(t, lp)
-                              for t, lp in self.top_entries(position, top_logprobs or 0)]))
+                **self._entry(token_id, position.get(token_id), as_ids).model_dump(),
+                top_logprobs=[self._entry(t, lp, as_ids) for t, lp in
+                              self.top_entries(position, request.top_logprobs or 0)]))
         return ChatCompletionLogprobs(content=content)
 
-    def _entry(self, token_id: int, logprob: Logprob | None) -> ChatLogprob:
-        text = self.token_text(token_id, logprob)
+    def _entry(self, token_id: int, logprob: Logprob | None, as_id: bool) -> ChatLogprob:
+        text = self.token_text(token_id, logprob, as_id)
         return ChatLogprob(token=text, bytes=list(text.encode("utf-8")),
                            logprob=clamp_logprob(logprob.logprob) if logprob else -9999.0)
+
+
+def _echo(request: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before the answer: the last message's text when it is the assistant's
+    (the role of the answer), as vLLM; else nothing."""
+    last = request.messages[-1] if request.echo and request.messages else None
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return ""
+    content = last.get("content")
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content
+                       if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return content if isinstance(content, str) else ""

@@ -39,7 +39,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         self.check_model(request.model)
         self.check_engine()
-        prompts = [await self._to_engine_prompt(p, request.add_special_tokens)
+        prompts = [self.apply_prompt_options(
+                       await self._to_engine_prompt(p, request.add_special_tokens), request)
                    for p in _split_prompts(request.prompt)]
         # Every prompt gets the same params; the longest prompt decides the context-length check.
         longest = max(len(p.token_ids) for p in prompts)
@@ -88,7 +89,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                               echo=request.echo, offset=0)
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + out.index, text=text, logprobs=logprobs,
-                    finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                    **_token_ids(request, final, out.token_ids, first=True)))
         usage = self.usage([f for f in finals if f is not None], num_generated)
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                   usage=usage)
@@ -101,6 +103,7 @@ class OpenAIServingCompletion(OpenAIServing):
         latest: dict[int, RequestOutput] = {}  # prompt index -> its latest output (for usage)
         num_generated = 0
         echoed: set[int] = set()  # choice indices whose prompt was already echoed
+        started: set[int] = set()  # choice indices that sent a chunk
         offsets: dict[int, int] = {}  # choice index -> text offset of its next logprobs token
 
         def chunk(choices: list[CompletionResponseChoice], usage: UsageInfo | None = None) -> str:
@@ -131,7 +134,10 @@ class OpenAIServingCompletion(OpenAIServing):
                                if options and options.continuous_usage_stats else None)
                     yield chunk([CompletionResponseChoice(
                         index=index, text=text, logprobs=logprobs,
-                        finish_reason=out.finish_reason, stop_reason=out.stop_reason)], running)
+                        finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                        **_token_ids(request, output, out.token_ids,
+                                     first=index not in started))], running)
+                    started.add(index)
             if options and options.include_usage:
                 yield chunk([], self.usage(list(latest.values()), num_generated))
         except Exception as exc:  # e.g. the engine died mid-stream: tell the client in-band
@@ -147,7 +153,7 @@ class OpenAIServingCompletion(OpenAIServing):
                   logprobs: list[dict[int, Logprob]], *, echo: bool,
                   offset: int) -> CompletionLogprobs:
         """OpenAI's completions shape; with echo the prompt's tokens come first."""
-        k = request.logprobs or 0
+        k, as_ids = request.logprobs or 0, request.return_tokens_as_token_ids
         positions: list[tuple[int, dict[int, Logprob] | None]] = []
         if echo:
             prompt_logprobs = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
@@ -156,7 +162,7 @@ class OpenAIServingCompletion(OpenAIServing):
         result = CompletionLogprobs()
         for token_id, position in positions:
             chosen = position.get(token_id) if position else None
-            text = self.token_text(token_id, chosen)
+            text = self.token_text(token_id, chosen, as_ids)
             result.tokens.append(text)
             result.text_offset.append(offset)
             offset += len(text)
@@ -165,7 +171,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 result.top_logprobs.append(None)
                 continue
             # vLLM's shape: the top k plus the chosen token, keyed by text.
-            top = {self.token_text(t, lp): clamp_logprob(lp.logprob)
+            top = {self.token_text(t, lp, as_ids): clamp_logprob(lp.logprob)
                    for t, lp in self.top_entries(position, k)}
             if chosen is not None:
                 top.setdefault(text, clamp_logprob(chosen.logprob))
@@ -186,3 +192,13 @@ def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> lis
     if all(isinstance(p, int) for p in prompt):
         return [prompt]  # type: ignore[list-item]
     return list(prompt)  # type: ignore[arg-type]
+
+
+def _token_ids(request: CompletionRequest, output: RequestOutput, token_ids: list[int], *,
+               first: bool) -> dict[str, list[int] | None]:
+    """A choice's ``return_token_ids`` fields: its new token ids, and on its first chunk (or in
+    a whole response) its prompt's."""
+    if not request.return_token_ids:
+        return {}
+    return {"token_ids": list(token_ids),
+            "prompt_token_ids": output.prompt_token_ids if first else None}

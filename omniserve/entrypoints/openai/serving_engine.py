@@ -8,6 +8,7 @@ engine exceptions (``ValueError`` -> 400, ``EngineDeadError`` -> 503) onto it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -21,10 +22,12 @@ from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
 from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
 from omniserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
     ErrorInfo,
     ErrorResponse,
     PromptTokensDetails,
     SamplingRequest,
+    TokenizeChatRequest,
     UsageInfo,
 )
 from omniserve.multimodal.errors import MultiModalInputError
@@ -133,9 +136,12 @@ class EnginePrompt:
     mm_processor_kwargs: dict[str, Any] | None = None
     mm_locations: dict[str, list[str]] | None = None
     """modality -> the chat part of each item, to name it in the engine's errors."""
+    cache_salt: str | None = None
 
     def to_engine_input(self) -> dict[str, Any]:
         prompt: dict[str, Any] = {"prompt": self.text, "prompt_token_ids": self.token_ids}
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
         if self.mm_data:
             prompt["multi_modal_data"] = self.mm_data
         if self.mm_processor_kwargs:
@@ -147,12 +153,15 @@ class OpenAIServing:
     """Base of the endpoint handlers: model names, tokenization, limits and sampling params."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str],
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None,
+                 trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
         self.served_model_names = served_model_names
         self.renderer = ChatRenderer.from_config(engine.config, engine.tokenizer, chat_template)
+        self.trust_request_chat_template = trust_request_chat_template
+        """Whether requests may bring their own chat template (rendered in jinja's sandbox)."""
         self.default_sampling = engine.model_config.default_sampling_params()
 
     @property
@@ -197,26 +206,43 @@ class OpenAIServing:
             functools.partial(self.tokenizer, text, add_special_tokens=add_special_tokens))
         return EnginePrompt(text, list(encoding.input_ids))
 
-    async def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                          continue_final_message: bool,
-                          chat_template_kwargs: dict[str, Any] | None,
-                          mm_processor_kwargs: dict[str, Any] | None = None,
+    async def render_chat(self, request: ChatCompletionRequest | TokenizeChatRequest,
                           tools: list[dict[str, Any]] | None = None) -> EnginePrompt:
-        """Messages -> the templated prompt and its media, fetched concurrently.
+        """A chat request's messages -> the templated prompt and its media, fetched
+        concurrently; ``tools`` are listed by the template.
 
         The token count here is before placeholder expansion; the engine's processor checks
         the expanded prompt against max_model_len again.
         """
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise ServingError("A chat_template in the request needs the server started with "
+                               "--trust-request-chat-template.", param="chat_template")
+        mm_processor_kwargs = request.mm_processor_kwargs
         self.engine.processor.input_preprocessor.check_mm_kwargs(mm_processor_kwargs or {})
-        self.check_text_length(_text_chars(messages), "messages")
-        prompt, locations = await self.renderer.render_async(
-            messages, mm_processor_kwargs=mm_processor_kwargs, executor=self.engine.input_pool,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs, tools=tools)
+        self.check_text_length(_text_chars(request.messages), "messages")
+        prompt, locations = await self.renderer.for_template(request.chat_template).render_async(
+            request.messages, mm_processor_kwargs=mm_processor_kwargs,
+            executor=self.engine.input_pool, add_special_tokens=request.add_special_tokens,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.template_kwargs, tools=tools)
         return EnginePrompt(prompt["prompt"], prompt["prompt_token_ids"],
                             prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs"),
                             locations)
+
+    def apply_prompt_options(self, prompt: EnginePrompt, request: SamplingRequest
+                             ) -> EnginePrompt:
+        """``truncate_prompt_tokens`` (keep the last k tokens; -1: max_model_len) and
+        ``cache_salt``, as vLLM applies them to the tokenized prompt."""
+        keep = request.truncate_prompt_tokens
+        if keep is not None:
+            if prompt.mm_data:
+                raise ServingError("truncate_prompt_tokens cannot cut a prompt with media (it "
+                                   "would cut their placeholders).", param="truncate_prompt_tokens")
+            keep = self.max_model_len if keep == -1 else keep
+            if len(prompt.token_ids) > keep:
+                prompt = dataclasses.replace(prompt, text=None, token_ids=prompt.token_ids[-keep:])
+        return dataclasses.replace(prompt, cache_salt=request.cache_salt)
 
     def check_token_ids(self, token_ids: list[int]) -> EnginePrompt:
         if not token_ids:
@@ -287,7 +313,11 @@ class OpenAIServing:
             field = str(exc).split(" ", 1)[0]
             raise ServingError(str(exc), param=field if field.isidentifier() else None) from exc
 
-    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+    def token_text(self, token_id: int, logprob: Logprob | None = None,
+                   as_id: bool = False) -> str:
+        """A logprobs entry's token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
+        if as_id:
+            return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
