@@ -4,17 +4,23 @@ free requests in the same batch; a bad constraint is a 400 (a ValueError offline
 
 from __future__ import annotations
 
+import base64
 import json
+import random
 import re
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import jsonschema
+import numpy as np
 import pydantic
 import pytest
 
 from omniserve import LLM, SamplingParams
 from omniserve.sampling_params import StructuredOutputsParams
+from omniserve.structured_output import StructuredOutputManager
+from omniserve.tokenizer import get_tokenizer
 from tests.server_utils import MODEL, Server, assert_error
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "ok", "n"],
@@ -157,3 +163,46 @@ def test_ignore_eos_goes_on_after_the_grammar_ends(llm: LLM) -> None:
                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     out = llm.generate("Well?", params, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 12 and out.text.startswith(("yes", "no"))
+
+
+@pytest.mark.parametrize("architecture", [
+    "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2_5OmniThinkerForConditionalGeneration",
+    "Qwen3OmniMoeThinkerForConditionalGeneration"])
+def test_every_tokenizer_family_writes_valid_json(tiny_checkpoint: Any,
+                                                  architecture: str) -> None:
+    """The zoo's tokenizer families (Qwen's, Llama 3's byte-level one, the omni ones with their
+    added specials): a writer that takes random allowed tokens always ends with JSON that
+    validates, so the grammar engine reads each vocabulary right."""
+    path = str(tiny_checkpoint(architecture))
+    manager = StructuredOutputManager(SimpleNamespace(model=path, tokenizer=path))
+    params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    tokenizer, rng = get_tokenizer(path), random.Random(0)
+    for sample in range(3):
+        manager.start(str(sample), manager.compile_async(params).result())
+        written: list[int] = []
+        while (row := manager.bitmask_row(str(sample))) is not None:
+            bits = np.unpackbits(np.frombuffer(row, dtype=np.uint8), bitorder="little")
+            token = rng.choice(np.flatnonzero(bits[:manager.vocab_size]).tolist())
+            manager.accept(str(sample), [token])
+            written.append(token)
+        text = tokenizer.decode(written, skip_special_tokens=True)
+        jsonschema.validate(json.loads(text), SCHEMA)
+    manager.shutdown()
+
+
+def test_json_schema_with_image_and_audio(default_server: Server) -> None:
+    """On the default omni model, constrained and given an image and a sound."""
+    from tests.test_default_model import IMAGE, WAV, _messages, _png
+
+    content = default_server.client().chat.completions.create(
+        model=MODEL, max_tokens=MAX_TOKENS, temperature=0.0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": SCHEMA}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
+        messages=_messages(
+            {"type": "image_url", "image_url": {
+                "url": "data:image/png;base64," + base64.b64encode(_png(IMAGE)).decode()}},
+            {"type": "input_audio", "input_audio": {
+                "data": base64.b64encode(WAV).decode(), "format": "wav"}})
+    ).choices[0].message.content
+    jsonschema.validate(json.loads(content), SCHEMA)
