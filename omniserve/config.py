@@ -185,11 +185,17 @@ class SchedulerConfig:
     """Encoder compute budget of one step, in embeddings."""
     encoder_cache_size: int = 8192
     """Capacity of the encoder-output cache, in embeddings."""
+    policy: str = "fcfs"
+    """"fcfs": first come, first served; "priority": by each request's priority (lower first),
+    then arrival; preemption takes the last in that order (vLLM's policies)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got "
+                             f"{self.policy!r}.")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len "

@@ -534,7 +534,7 @@ CHAT_FIELDS_THAT_WORK = {
 }
 CHAT_FIELDS_REFUSED = {
     "best_of": 2, "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["m.p"],
-    "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "priority": 1,
+    "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
 }
 
 

@@ -196,3 +196,10 @@ def test_allowed_token_ids_bad_words_and_logit_bias(llm):
         llm.generate("x", free.clone(logit_bias={999_999: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
         free.clone(allowed_token_ids=[])
+
+
+def test_priority_needs_the_priority_policy(llm):
+    with pytest.raises(ValueError, match="priority=2 needs --scheduling-policy priority"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=False, priority=[0, 2])
+    with pytest.raises(ValueError, match="Got 1 priorities for 2 prompts"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=False, priority=[0])

@@ -142,6 +142,38 @@ def test_preempted_request_resumes_and_completes() -> None:
     assert_all_free(scheduler)
 
 
+def test_priority_policy_admits_and_preempts_by_priority_then_arrival() -> None:
+    """Lower priority values run first; ties go by arrival; when KV runs out the least urgent
+    running request is preempted, even when it arrived first."""
+    scheduler = make_scheduler(block_size=4, num_blocks=8, max_model_len=32, max_num_seqs=2,
+                               policy="priority")
+    low, high, mid, high2 = make_requests(4, 12, max_tokens=12)
+    for request, priority, arrival in ((low, 5, 0.0), (high, -1, 1.0), (mid, 0, 2.0),
+                                       (high2, -1, 3.0)):
+        request.priority, request.arrival_time = priority, arrival
+        scheduler.add_request(request)
+    assert list(scheduler.waiting) == [high, high2, mid, low]
+    first = scheduler.schedule()
+    assert [r.req_id for r in first.scheduled_new_reqs] == [high.request_id, high2.request_id]
+    scheduler.update_from_output(first, make_runner_output(scheduler, first))
+    fcfs = make_scheduler(policy="fcfs")
+    for request, priority in zip(make_requests(3, 4, prefix="f"), (3, 2, 1), strict=True):
+        request.priority = priority  # ignored under fcfs
+        fcfs.add_request(request)
+    assert [r.request_id for r in fcfs.waiting] == ["f-0", "f-1", "f-2"]
+    # Both running grow past the pool (2 x 6 blocks > 8): the later of the two urgent ones,
+    # high2, is preempted, and goes back ahead of mid and low.
+    preempted = set()
+    while not preempted:
+        so = scheduler.schedule()
+        preempted = so.preempted_req_ids
+        scheduler.update_from_output(so, make_runner_output(scheduler, so))
+    assert preempted == {high2.request_id}
+    assert list(scheduler.waiting)[:3] == [high2, mid, low]
+    run_to_completion(scheduler)
+    assert_all_free(scheduler)
+
+
 def test_second_identical_prompt_hits_the_prefix_cache() -> None:
     scheduler = make_scheduler(block_size=16)
     first, second = make_requests(2, 40, same_prompt=True, max_tokens=2)

@@ -34,8 +34,10 @@ def make_scheduler(
     max_num_encoder_input_tokens: int = 8192,
     encoder_cache_size: int = 8192,
     max_mm_item_embeds: int = 0,
+    policy: str = "fcfs",
 ) -> Scheduler:
     scheduler_config = SchedulerConfig(
+        policy=policy,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,

@@ -46,6 +46,8 @@ class Request:
     """Multimodal items in prompt order (placeholder ranges and identifiers)."""
     cache_salt: str | None = None
     """Only requests with the same salt share prefix-cache blocks (vLLM's cache_salt)."""
+    priority: int = 0
+    """Lower is served first under the priority policy."""
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

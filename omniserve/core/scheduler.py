@@ -68,8 +68,9 @@ class _StepBudget:
 class Scheduler:
     """Decides which requests run each step and how many tokens each computes.
 
-    Order within a step: RUNNING requests in list order (preempting the newest running request by
-    recompute when KV blocks run out), then WAITING requests FCFS while budget and seats remain
+    Order within a step: RUNNING requests in list order (preempting the last running request by
+    recompute when KV blocks run out: the newest, or under the priority policy the least urgent),
+    then WAITING requests in queue order (FCFS, or by priority) while budget and seats remain
     and nothing was preempted this step. Each request's window is first cut by the encoder rules
     (``encoder_planner``); only running requests hold encoder-cache references.
     """
@@ -124,7 +125,20 @@ class Scheduler:
         check_request_items(request, self.scheduler_config)
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, request: Request, *, front: bool) -> None:
+        """Into ``waiting``: at the back (new) or the front (preempted) under fcfs; in
+        (priority, arrival) order under the priority policy."""
+        if self.scheduler_config.policy == "priority":
+            key = _priority_key(request)
+            index = next((i for i, r in enumerate(self.waiting) if _priority_key(r) > key),
+                         len(self.waiting))
+            self.waiting.insert(index, request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus
@@ -187,6 +201,8 @@ class Scheduler:
         preempted: list[Request] = []
         config = self.scheduler_config
         budget = _StepBudget(config.max_num_batched_tokens, config.max_num_encoder_input_tokens)
+        if config.policy == "priority":  # the back of `running` is what preemption takes
+            self.running.sort(key=_priority_key)
         if self._isolate_suspect(preempted):
             self._schedule_running(scheduled, preempted, budget)
             if not self.running:
@@ -288,7 +304,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     def _isolate_suspect(self, preempted: list[Request]) -> bool:
         """While requests of a step that raised are suspects, run one of them per step, alone.
@@ -314,7 +330,8 @@ class Scheduler:
         self, scheduled: dict[str, _ScheduledRequest], budget: _StepBudget,
         max_num_seqs: int | None = None,
     ) -> None:
-        """Admit WAITING requests FCFS; the first that cannot run this step stops admission."""
+        """Admit WAITING requests in queue order; the first that cannot run this step stops
+        admission."""
         config = self.scheduler_config
         kv = self.kv_cache_manager
         max_num_seqs = config.max_num_seqs if max_num_seqs is None else max_num_seqs
@@ -478,3 +495,7 @@ class Scheduler:
             for req_id, items in scheduler_output.scheduled_encoder_inputs.items()
             if req_id in by_id for i in items)
         return EngineCoreOutputs(outputs=outputs)
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time

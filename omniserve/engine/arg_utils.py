@@ -76,6 +76,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
     tensor_parallel_size: int = 1
@@ -125,6 +126,7 @@ class EngineArgs:
                 max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,
                 # Default: as large as the step's token budget, and never below 8192 embeddings.
                 max_num_encoder_input_tokens=self.max_num_encoder_input_tokens
                 or max(8192, batched),
@@ -202,6 +204,9 @@ class EngineArgs:
             help="Reuse KV blocks of shared prefixes.",
         )
         add("--max-num-seqs", type=int, default=256, help="Most requests running at once.")
+        add("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+            help="fcfs: first come, first served; priority: by each request's priority "
+                 "(lower first), then arrival, preempting the last in that order.")
         add(
             "--max-num-batched-tokens",
             type=int,

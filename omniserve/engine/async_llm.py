@@ -84,6 +84,7 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> RequestOutputCollector:
         """Validate and submit; raises ValueError/TypeError for bad input, EngineDeadError."""
         if self.dead_error is not None:
@@ -91,7 +92,7 @@ class AsyncLLM:
         self._check_not_stopping()
         self._ensure_output_handler()
         processed = await self.run_input_work(self.processor.process_inputs, request_id, prompt,
-                                              params, arrival_time,
+                                              params, arrival_time, priority,
                                               media=isinstance(prompt, dict)
                                               and bool(prompt.get("multi_modal_data")))
         self._check_not_stopping()  # it may have begun while the input was processed
@@ -103,10 +104,13 @@ class AsyncLLM:
         return collector
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's outputs until it finishes; aborts it if the consumer leaves."""
-        collector = await self.add_request(request_id, prompt, sampling_params)
+        """Yield the request's outputs until it finishes; aborts it if the consumer leaves.
+        ``priority``: lower runs first under ``--scheduling-policy priority``."""
+        collector = await self.add_request(request_id, prompt, sampling_params,
+                                           priority=priority)
         finished = False
         try:
             while not finished:

@@ -67,7 +67,8 @@ class EngineCore:
             request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
             sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
             arrival_time=request.arrival_time, max_tokens=request.max_tokens,
-            mm_features=list(request.mm_features), cache_salt=request.cache_salt)
+            mm_features=list(request.mm_features), cache_salt=request.cache_salt,
+            priority=request.priority)
         constraint = request.sampling_params.structured_outputs
         if constraint is None:
             self.scheduler.add_request(engine_request)

@@ -36,9 +36,11 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request; raises ValueError/TypeError for bad input."""
-        processed = self.processor.process_inputs(request_id, prompt, params, arrival_time)
+        processed = self.processor.process_inputs(request_id, prompt, params, arrival_time,
+                                                  priority)
         self.output_processor.add_processed_request(request_id, processed, params)
         self.engine_core.add_requests(processed.engine_requests)
 

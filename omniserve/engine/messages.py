@@ -41,6 +41,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     """Multimodal items in prompt order, with their placeholder ranges and encoder inputs."""
     cache_salt: str | None = None
     """Mixed into the prefix-cache hashes: only requests with the same salt share KV blocks."""
+    priority: int = 0
+    """Lower is served first under the priority scheduling policy."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

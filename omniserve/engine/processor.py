@@ -70,6 +70,7 @@ class Processor:
         self.vocab_size = hf_config.get_text_config().vocab_size
         self.eos_token_ids = get_eos_token_ids(model_config.model, self.tokenizer)
         sched = config.scheduler_config
+        self.scheduling_policy = sched.policy
         # An item larger than this can never be encoded in one step or held in the cache.
         self.max_item_embeds = min(sched.max_num_encoder_input_tokens, sched.encoder_cache_size)
         self.mm_processor = _create_mm_processor(config, self.tokenizer)
@@ -83,10 +84,14 @@ class Processor:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> ProcessedRequest:
         """Tokenize and validate; raise ``ValueError``/``TypeError`` naming the problem."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Expected SamplingParams, got {type(params).__name__}.")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs --scheduling-policy priority (this "
+                             "engine serves first come, first served).")
         self._validate_params(params)
         with torch_threads(self.featurize_threads):
             inputs = self.input_preprocessor.preprocess(prompt)
@@ -119,7 +124,7 @@ class Processor:
             ]
         requests = [
             EngineCoreRequest(rid, token_ids, p, eos, arrival, max_tokens, inputs.mm_features,
-                              _cache_salt(prompt))
+                              _cache_salt(prompt), priority)
             for rid, p in children
         ]
         return ProcessedRequest(inputs.prompt, token_ids, requests, inputs.num_mm_tokens)

@@ -38,8 +38,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in prompt order."""
+        """One finished RequestOutput per prompt, in prompt order; ``priority`` (one per prompt,
+        lower first) needs ``scheduling_policy="priority"``."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -52,7 +54,10 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"Got {len(params)} sampling params for {len(prompts)} prompts.")
-        request_ids = self._add_requests(prompts, params)
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"Got {len(priorities)} priorities for {len(prompts)} prompts.")
+        request_ids = self._add_requests(prompts, params, priorities)
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(
@@ -82,12 +87,13 @@ class LLM:
             for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
+                      priorities: list[int]) -> list[str]:
         request_ids: list[str] = []
         try:
-            for prompt, param in zip(prompts, params, strict=True):
+            for prompt, param, priority in zip(prompts, params, priorities, strict=True):
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(request_id, prompt, param)
+                self.llm_engine.add_request(request_id, prompt, param, priority=priority)
                 request_ids.append(request_id)
         except Exception:
             # One bad prompt rejects the call; leave the engine clean for the next one.

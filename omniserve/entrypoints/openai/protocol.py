@@ -55,7 +55,6 @@ SAMPLING_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "logits_processors": (None, "there are no custom logits processors"),
     "kv_transfer_params": (None, "there is no KV transfer between instances"),
     "vllm_xargs": (None, "there are no extra engine arguments per request"),
-    "priority": (0, "requests are scheduled first-come, first-served"),
 }
 
 
@@ -211,6 +210,8 @@ class SamplingRequest(RequestModel):
     """Also return the prompt's and the answer's token ids."""
     return_tokens_as_token_ids: StrictBool = False
     """Logprobs name tokens as "token_id:<id>" (for tokens that are not valid text alone)."""
+    priority: StrictInt = Field(0, ge=-(2**31), lt=2**31)
+    """Lower runs first (the server needs --scheduling-policy priority for any other than 0)."""
     # vLLM's fields refused unless left at their no-op value (`unsupported`)
     best_of: StrictInt | None = None
     use_beam_search: StrictBool = False
@@ -218,7 +219,6 @@ class SamplingRequest(RequestModel):
     logits_processors: list[Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
-    priority: StrictInt = 0
 
     @property
     def constraint(self) -> dict[str, Any] | None:

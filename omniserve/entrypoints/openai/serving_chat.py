@@ -105,7 +105,8 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, prompt_len, max_tokens=request.output_limit,
                                       logprobs=request.num_logprobs)
         request_id = self.new_request_id("chatcmpl", request.request_id)
-        (generator,) = await self.start_generation([prompt], params, request_id)
+        (generator,) = await self.start_generation([prompt], params, request_id,
+                                                   request.priority)
         if request.stream:
             return self._stream(request, request_id, generator, thinking)
         return await self._full(request, request_id, generator, thinking)

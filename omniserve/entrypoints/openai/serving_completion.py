@@ -52,7 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
             # checkpoint's max_new_tokens
             params = params.clone(max_tokens=self.default_sampling.get("max_tokens"))
         request_id = self.new_request_id("cmpl", request.request_id)
-        generators = await self.start_generation(prompts, params, request_id)
+        generators = await self.start_generation(prompts, params, request_id, request.priority)
         if request.stream:
             return self._stream(request, request_id, prompts, generators)
         return await self._full(request, request_id, prompts, generators)

@@ -341,7 +341,7 @@ class OpenAIServing:
                          prompt_tokens_details=details)
 
     async def start_generation(self, prompts: list[EnginePrompt], params: SamplingParams,
-                               request_id: str) -> list[OutputStream]:
+                               request_id: str, priority: int = 0) -> list[OutputStream]:
         """Submit every prompt and wait for each one's first output.
 
         Waiting for the first output makes submission errors (the processor's validation) a 400
@@ -349,7 +349,8 @@ class OpenAIServing:
         """
         generators = [
             self.engine.generate(p.to_engine_input(), params,
-                                 request_id if len(prompts) == 1 else f"{request_id}-{i}")
+                                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                                 priority)
             for i, p in enumerate(prompts)]
         tasks = [asyncio.ensure_future(anext(g)) for g in generators]
         try:
