@@ -18,7 +18,7 @@ from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.core_client import AsyncMPClient
 from omniserve.engine.exceptions import EngineDeadError, EngineStoppingError
 from omniserve.engine.output_processor import OutputProcessor
-from omniserve.engine.processor import Processor
+from omniserve.engine.processor import start_with_engine
 from omniserve.inputs.data import PromptType
 from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import SamplingParams
@@ -58,10 +58,10 @@ class AsyncLLM:
         self.mm_pool = ThreadPoolExecutor(input_threads, thread_name_prefix="omniserve-mm")
         self.config = config
         self.model_config = config.model_config
-        self.processor = Processor(config, engine_in_other_process=True)
+        self.processor, self.engine_core = start_with_engine(
+            config, lambda: AsyncMPClient(config), engine_in_other_process=True)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = AsyncMPClient(config)
         self.stat_loggers = list(stat_loggers or [])
         self._output_handler: asyncio.Task | None = None
         self.dead_error: BaseException | None = None

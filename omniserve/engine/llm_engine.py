@@ -9,7 +9,7 @@ from omniserve.config import OmniConfig
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.core_client import EngineCoreClient
 from omniserve.engine.output_processor import OutputProcessor
-from omniserve.engine.processor import Processor
+from omniserve.engine.processor import start_with_engine
 from omniserve.inputs.data import PromptType
 from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import SamplingParams
@@ -18,10 +18,11 @@ from omniserve.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, config: OmniConfig) -> None:
         self.config = config
-        self.processor = Processor(config, engine_in_other_process=envs.engine_multiprocessing())
+        self.processor, self.engine_core = start_with_engine(
+            config, lambda: EngineCoreClient.make_client(config),
+            engine_in_other_process=envs.engine_multiprocessing())
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCoreClient.make_client(config)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

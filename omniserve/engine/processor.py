@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoConfig
@@ -24,6 +25,8 @@ from omniserve.sampling_params import SamplingParams
 from omniserve.structured_output import validate_structured_outputs
 from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
 
+T = TypeVar("T")
+
 
 @dataclass
 class ProcessedRequest:
@@ -33,6 +36,27 @@ class ProcessedRequest:
     """One per sequence: a single request for n == 1, else the children."""
     num_mm_tokens: dict[str, int]
     """Placeholder tokens per modality in the prompt."""
+
+
+def start_with_engine(config: OmniConfig, make_client: Callable[[], T], *,
+                      engine_in_other_process: bool) -> tuple[Processor, T]:
+    """The front end's Processor and the engine core client (``make_client``).
+
+    With the core in its own process, the Processor (tokenizer, HF processor, model modules) is
+    built on a thread while the client starts the core and waits for it, so the two processes'
+    imports and loading overlap (on 2 cores the default model's server was ready in 11.7 s
+    instead of 15.8). In-process, they are built one after the other.
+    """
+    if not engine_in_other_process:
+        return Processor(config, engine_in_other_process=False), make_client()
+    with ThreadPoolExecutor(1, thread_name_prefix="omniserve-processor") as pool:
+        processor = pool.submit(Processor, config, engine_in_other_process=True)
+        client = make_client()  # if it raises, leaving the pool waits for the processor
+        try:
+            return processor.result(), client
+        except BaseException:
+            client.shutdown()
+            raise
 
 
 def child_request_id(parent_id: str, index: int) -> str:
