@@ -4,7 +4,9 @@ Content parts: text (``text``, ``input_text``, ``output_text``, ``refusal``), ``
 (``{"url", "detail"}`` or a bare string; ``detail`` is accepted and ignored), ``input_audio``
 (``{"data": base64, "format"}``), ``audio_url``, ``video_url``, the shorthand forms
 ``{"image_url": ...}`` / ``{"audio_url": ...}`` / ``{"video_url": ...}``, and for offline use
-``image_pil`` (a PIL image) and ``audio_array`` ((waveform, rate)).
+``image_pil`` (a PIL image) and ``audio_array`` ((waveform, rate)). A media part may carry a
+``uuid`` (vLLM's): the item is known by it; a part with a uuid and no data reuses the item last
+sent under it (the processor keeps it; an unknown uuid is an error naming the part).
 
 Media parts become placeholders the model's processor later expands: passed to the chat template as
 typed parts when the template iterates over content parts ("openai" format), otherwise as the
@@ -44,6 +46,8 @@ class _PendingMedia:
     location: str
     kind: str  # the part type
     payload: Any
+    uuid: str | None = None
+    """The part's ``uuid`` (vLLM's): the item's identity; without a payload, reuse it."""
 
 
 @dataclass
@@ -56,6 +60,13 @@ class ChatInputs:
     @property
     def has_media(self) -> bool:
         return bool(self.pending)
+
+    def item_uuids(self) -> dict[str, list[str | None]]:
+        """modality -> each item's uuid (None: none given), for modalities where one is."""
+        uuids: dict[str, list[str | None]] = {}
+        for item in self.pending:
+            uuids.setdefault(item.modality, []).append(item.uuid)
+        return {m: values for m, values in uuids.items() if any(v is not None for v in values)}
 
     def item_locations(self) -> dict[str, list[str]]:
         """modality -> the chat part of each of its items, in item order."""
@@ -152,10 +163,13 @@ def _parse_part(i: int, j: int, part: Any, inputs: ChatInputs, counts: dict[str,
     if placeholder is None:
         raise MultiModalInputError("this model takes no multimodal input", stage="process",
                                    modality=modality, location=location)
-    payload = part.get(kind)
-    if payload is None:
-        raise MultiModalInputError(f"the {kind!r} part has no {kind!r} field", stage="fetch",
-                                   modality=modality, location=location)
+    payload, uuid = part.get(kind), part.get("uuid")
+    if uuid is not None and not (isinstance(uuid, str) and uuid):
+        raise ChatTemplateError(f"{location}.uuid must be a non-empty string.")
+    if payload is None and uuid is None:
+        raise MultiModalInputError(f"the {kind!r} part has no {kind!r} field (nor a uuid of an "
+                                   "item sent before)", stage="fetch", modality=modality,
+                                   location=location)
     index = counts.get(modality, 0)
     counts[modality] = index + 1
     if check_counts is not None:
@@ -163,7 +177,7 @@ def _parse_part(i: int, j: int, part: Any, inputs: ChatInputs, counts: dict[str,
             check_counts({modality: index + 1})
         except MultiModalInputError as exc:
             raise exc.at(location) from exc
-    inputs.pending.append(_PendingMedia(modality, location, kind, payload))
+    inputs.pending.append(_PendingMedia(modality, location, kind, payload, uuid))
     return {"type": modality, "placeholder": placeholder(modality, index)}
 
 
@@ -192,8 +206,8 @@ def load_media(inputs: ChatInputs, connector: Any,
     """Fetch and decode every media part, in order; errors name the part."""
     mm_data: dict[str, list[Any]] = {}
     for item in inputs.pending:
-        if item.kind in ("image_pil", "audio_array"):
-            value = item.payload
+        if item.payload is None or item.kind in ("image_pil", "audio_array"):
+            value = item.payload  # None: the item kept under its uuid
         else:
             fetch = getattr(connector, f"fetch_{item.modality}")
             try:
@@ -221,8 +235,8 @@ async def load_media_async(inputs: ChatInputs, connector: Any,
     """``load_media`` with every fetch running concurrently off the event loop."""
 
     async def one(item: _PendingMedia) -> Any:
-        if item.kind in ("image_pil", "audio_array"):
-            return item.payload
+        if item.payload is None or item.kind in ("image_pil", "audio_array"):
+            return item.payload  # None: the item kept under its uuid
         fetch = getattr(connector, f"fetch_{item.modality}_async")
         try:
             return await fetch(_media_url(item),
@@ -323,6 +337,8 @@ class ChatRenderer:
                 text, add_special_tokens=add_special_tokens).input_ids}
         if mm_data:
             prompt["multi_modal_data"] = mm_data
+        if inputs.item_uuids():
+            prompt["multi_modal_uuids"] = inputs.item_uuids()
         if mm_processor_kwargs:
             prompt["mm_processor_kwargs"] = dict(mm_processor_kwargs)
         return prompt

@@ -56,9 +56,13 @@ class InputPreprocessor:
         if text is None and token_ids is None:
             raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
         mm_data = prompt.get("multi_modal_data")
+        uuids = prompt.get("multi_modal_uuids")
+        if uuids is not None and not (isinstance(uuids, dict) and mm_data):
+            raise TypeError("multi_modal_uuids must be a dict (modality -> uuids) next to the "
+                            "multi_modal_data its items belong to.")
         if mm_data:
             return self._process_multimodal(
-                text, token_ids, mm_data, prompt.get("mm_processor_kwargs") or {}
+                text, token_ids, mm_data, prompt.get("mm_processor_kwargs") or {}, uuids
             )
         if token_ids is None:
             token_ids = self._tokenize(text)  # type: ignore[arg-type]
@@ -70,6 +74,7 @@ class InputPreprocessor:
         token_ids: list[int] | None,
         mm_data: dict[str, Any],
         mm_kwargs: dict[str, object],
+        mm_uuids: dict[str, Any] | None = None,
     ) -> ProcessedInputs:
         if self.mm_processor is None:
             modality = next(iter(mm_data), None)
@@ -81,6 +86,7 @@ class InputPreprocessor:
             token_ids if token_ids is not None else text,
             mm_data,
             {**self.default_mm_kwargs, **mm_kwargs},
+            mm_uuids,
         )
         return ProcessedInputs(
             text,

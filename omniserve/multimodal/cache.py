@@ -14,7 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
 _GIB = 1 << 30
 
@@ -53,15 +55,16 @@ class ProcessorCache:
             raise ValueError(f"mm_processor_cache_gb must be >= 0, got {gb}.")
         return cls(int(gb * _GIB)) if gb > 0 else None
 
-    def get(self, key: str) -> dict[str, Any] | None:
-        """The item's tensors (a fresh dict; do not modify the tensors), counting a hit or miss."""
+    def get(self, key: str, *, count: bool = True) -> dict[str, Any] | None:
+        """The item's tensors (a fresh dict; do not modify the tensors), counting a hit or miss
+        (not for ``count=False``: lookups of media kept by uuid, which are not processing)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                self._misses += 1
+                self._misses += count
                 return None
             self._entries.move_to_end(key)
-            self._hits += 1
+            self._hits += count
             return dict(entry[0])
 
     def put(self, key: str, data: Mapping[str, Any]) -> None:
@@ -105,5 +108,19 @@ class ProcessorCache:
 
 
 def item_nbytes(data: Mapping[str, Any]) -> int:
-    """Bytes an item's tensors hold (non-tensor values count as nothing)."""
-    return sum(v.numel() * v.element_size() for v in data.values() if isinstance(v, torch.Tensor))
+    """Bytes an entry holds: processed tensors, or the media kept under a uuid (arrays, images,
+    (waveform, rate) pairs, loaded videos); other values count as nothing."""
+    return sum(_nbytes(value) for value in data.values())
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, Image.Image):
+        return value.width * value.height * len(value.getbands())
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    frames = getattr(value, "frames", None)  # a loaded video (media.VideoItem)
+    return _nbytes(frames) if frames is not None else 0

@@ -147,9 +147,17 @@ class BaseMultiModalProcessor(ABC):
         prompt: str | list[int],
         mm_data: Mapping[str, Any],
         hf_processor_mm_kwargs: Mapping[str, object] | None = None,
+        mm_uuids: Mapping[str, Any] | None = None,
     ) -> MultiModalInputs:
-        """Process one prompt; bad media raise ``MultiModalInputError`` (stage "process")."""
-        return self._apply(prompt, mm_data, hf_processor_mm_kwargs, use_cache=True)
+        """Process one prompt; bad media raise ``MultiModalInputError`` (stage "process").
+
+        ``mm_uuids`` (vLLM's ``multi_modal_uuids``): modality -> one uuid (or None) per item
+        of ``mm_data[modality]``, then a list. An item with a uuid is known by it instead of
+        its content; an item given as None with a uuid is the one last sent under that uuid,
+        kept in the processor cache (an error names it when it is not there)."""
+        mm_data, uuids = self._resolve_uuids(mm_data, mm_uuids or {})
+        return self._apply(prompt, mm_data, hf_processor_mm_kwargs, use_cache=True,
+                           uuids=uuids)
 
     def get_dummy_mm_inputs(self, seq_len: int, mm_counts: Mapping[str, int]) -> MultiModalInputs:
         """Worst-case processed inputs for the profile run (bypasses the cache)."""
@@ -193,6 +201,7 @@ class BaseMultiModalProcessor(ABC):
         hf_processor_mm_kwargs: Mapping[str, object] | None,
         *,
         use_cache: bool,
+        uuids: Mapping[str, list[str | None]] | None = None,
     ) -> MultiModalInputs:
         mm_kwargs = {**self.info.ctx.mm_processor_kwargs, **(hf_processor_mm_kwargs or {})}
         mm_items = self._to_mm_items(mm_data, mm_kwargs)
@@ -201,7 +210,8 @@ class BaseMultiModalProcessor(ABC):
             token_ids = list(self.info.get_tokenizer().encode(prompt, add_special_tokens=True))
         else:
             prompt_text, token_ids = None, [int(t) for t in prompt]
-        hashed = self._cached_apply_hf_processor(mm_items, mm_kwargs, use_cache=use_cache)
+        hashed = self._cached_apply_hf_processor(mm_items, mm_kwargs, use_cache=use_cache,
+                                                 uuids=uuids or {})
         token_ids, features = self._maybe_apply_prompt_updates(
             token_ids, mm_items, mm_kwargs, hashed
         )
@@ -221,18 +231,66 @@ class BaseMultiModalProcessor(ABC):
         self.info.validate_num_items(mm_items.get_all_counts())
         return mm_items
 
+    def _resolve_uuids(self, mm_data: Mapping[str, Any], mm_uuids: Mapping[str, Any]
+                       ) -> tuple[dict[str, Any], dict[str, list[str | None]]]:
+        """``mm_data`` with each item given as None replaced by the one kept under its uuid
+        (and each item sent with a uuid kept), and the uuids per modality as lists."""
+        data = dict(mm_data)
+        uuids: dict[str, list[str | None]] = {}
+        for modality, given in mm_uuids.items():
+            values = given if isinstance(given, list) else [given]
+            items = data.get(modality)
+            items = items if isinstance(items, list) else [items]
+            if len(items) != len(values) or not all(
+                    u is None or (isinstance(u, str) and u) for u in values):
+                raise MultiModalInputError(
+                    f"multi_modal_uuids[{modality!r}] must give one uuid (a non-empty string) or "
+                    f"None per item: {len(values)} for {len(items)} items", stage="process",
+                    modality=modality)
+            for index, (uuid, item) in enumerate(zip(values, items, strict=True)):
+                key = f"uuid/{modality}/{uuid}"
+                if uuid is None:
+                    if item is None:
+                        raise MultiModalInputError(f"item {index} has neither data nor a uuid",
+                                                   stage="process", modality=modality)
+                elif item is not None:
+                    if self.cache is not None:
+                        self.cache.put(key, {"item": item})
+                else:
+                    items[index] = self._kept_item(modality, uuid, key)
+            data[modality], uuids[modality] = items, values
+        return data, uuids
+
+    def _kept_item(self, modality: str, uuid: str, key: str) -> Any:
+        if self.cache is None:
+            raise MultiModalInputError(
+                f"an item sent by uuid {uuid!r} alone needs the processor cache, which is off "
+                "(--mm-processor-cache-gb 0); send its data", stage="process", modality=modality)
+        kept = self.cache.get(key, count=False)
+        if kept is None:
+            raise MultiModalInputError(
+                f"no {modality} is kept under uuid {uuid!r} (never sent with its data, or "
+                "evicted from the processor cache); send its data again", stage="process",
+                modality=modality)
+        return kept["item"]
+
     def _cached_apply_hf_processor(
-        self, mm_items: MultiModalDataItems, mm_kwargs: Mapping[str, object], *, use_cache: bool
+        self, mm_items: MultiModalDataItems, mm_kwargs: Mapping[str, object], *, use_cache: bool,
+        uuids: Mapping[str, list[str | None]],
     ) -> dict[str, list[tuple[str, dict[str, Any]]]]:
-        """modality -> [(identifier, tensors)] per item; HF runs once, on the distinct misses."""
+        """modality -> [(identifier, tensors)] per item; HF runs once, on the distinct misses.
+        An item with a uuid is identified by it (and the kwargs), not by its content."""
         cache = self.cache if use_cache else None
+
+        def identifier(modality: str, items: Any, i: int) -> str:
+            given = uuids.get(modality, [])
+            uuid = given[i] if i < len(given) and len(given) == len(items) else None
+            payload = ("uuid", uuid) if uuid is not None else items.hash_payload(i)
+            return MultiModalHasher.hash_item(
+                modality, payload, self._kwargs_affecting(modality, mm_kwargs))
+
         hashes = {
-            modality: [
-                MultiModalHasher.hash_item(
-                    modality, items.hash_payload(i), self._kwargs_affecting(modality, mm_kwargs)
-                )
-                for i in range(len(items))
-            ]
+            modality: [identifier(modality, items, i) for i in range(len(items))]
             for modality, items in mm_items.items()
         }
         found: dict[str, dict[str, Any]] = {}

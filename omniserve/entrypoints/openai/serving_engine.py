@@ -137,6 +137,7 @@ class EnginePrompt:
     mm_locations: dict[str, list[str]] | None = None
     """modality -> the chat part of each item, to name it in the engine's errors."""
     cache_salt: str | None = None
+    mm_uuids: dict[str, list[str | None]] | None = None
 
     def to_engine_input(self) -> dict[str, Any]:
         prompt: dict[str, Any] = {"prompt": self.text, "prompt_token_ids": self.token_ids}
@@ -144,6 +145,8 @@ class EnginePrompt:
             prompt["cache_salt"] = self.cache_salt
         if self.mm_data:
             prompt["multi_modal_data"] = self.mm_data
+        if self.mm_uuids:
+            prompt["multi_modal_uuids"] = self.mm_uuids
         if self.mm_processor_kwargs:
             prompt["mm_processor_kwargs"] = self.mm_processor_kwargs
         return prompt
@@ -228,7 +231,7 @@ class OpenAIServing:
             chat_template_kwargs=request.template_kwargs, tools=tools)
         return EnginePrompt(prompt["prompt"], prompt["prompt_token_ids"],
                             prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs"),
-                            locations)
+                            locations, mm_uuids=prompt.get("multi_modal_uuids"))
 
     def apply_prompt_options(self, prompt: EnginePrompt, request: SamplingRequest
                              ) -> EnginePrompt:
