@@ -243,6 +243,8 @@ class MultiModalConfig:
     """Let http(s) media come from loopback/private addresses (off: SSRF protection)."""
     media_io_kwargs: dict[str, dict[str, object]] = field(default_factory=dict)
     """Per-modality media limits, e.g. {"video": {"num_frames": 16}} (``MediaConfig``)."""
+    enable_mm_embeds: bool = False
+    """Accept precomputed embeddings (``image_embeds`` / ``audio_embeds``) in place of media."""
 
     def __post_init__(self) -> None:
         if self.mm_processor_cache_gb < 0:

@@ -97,6 +97,12 @@ class Qwen2AudioMultiModalProcessor(BaseMultiModalProcessor):
             "feature_attention_mask": MultiModalFieldConfig.batched("audio"),  # [1, frames]
         }
 
+    def _embeds_fields(self, modality: str, embeds: dict[str, Any]) -> dict[str, Any]:
+        """Audio embeddings (the projected encoder output): one placeholder token per row."""
+        if modality != "audio":
+            return super()._embeds_fields(modality, embeds)
+        return {"audio_embeds": embeds["audio_embeds"]}
+
     def _get_prompt_updates(
         self,
         mm_items: MultiModalDataItems,
@@ -107,7 +113,10 @@ class Qwen2AudioMultiModalProcessor(BaseMultiModalProcessor):
         token_id = hf_processor.audio_token_id
 
         def replacement(i: int) -> list[int]:
-            num_frames = int(out_items["audio"][i]["feature_attention_mask"].sum())
+            data = out_items["audio"][i]
+            if "audio_embeds" in data:  # precomputed: one placeholder per row
+                return [token_id] * data["audio_embeds"].shape[0]
+            num_frames = int(data["feature_attention_mask"].sum())
             return [token_id] * get_audio_num_tokens(num_frames)
 
         return [PromptReplacement("audio", hf_processor.audio_token, replacement)]

@@ -12,8 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.multimodal.parse import MultiModalDataItems
 from omniserve.multimodal.processing import (
     BaseDummyInputsBuilder,
@@ -173,6 +175,27 @@ class Qwen2VLMultiModalProcessor(BaseMultiModalProcessor):
                 fields[grid] = MultiModalFieldConfig.batched(modality)
         fields["second_per_grid_ts"] = MultiModalFieldConfig.batched("video")  # Qwen2.5-VL
         return fields
+
+    def _embeds_fields(self, modality: str, embeds: dict[str, Any]) -> dict[str, Any]:
+        """Image embeddings (the vision tower's merged output) with their ``image_grid_thw``,
+        which the placeholder count and M-RoPE positions need."""
+        if modality != "image":
+            return super()._embeds_fields(modality, embeds)
+        grid = embeds.get("image_grid_thw")
+        if not (isinstance(grid, torch.Tensor) and grid.numel() == 3
+                and not grid.is_floating_point() and bool((grid > 0).all())):
+            raise MultiModalInputError(
+                "image_embeds need image_grid_thw: 3 positive integers (t, h, w patches)",
+                stage="process", modality="image")
+        grid = grid.reshape(1, 3).long()
+        merge = self.info.get_hf_processor().image_processor.merge_size
+        rows = embeds["image_embeds"].shape[0]
+        if int(grid.prod()) // (merge * merge) != rows:
+            raise MultiModalInputError(
+                f"image_embeds has {rows} rows, but image_grid_thw {grid.tolist()[0]} makes "
+                f"{int(grid.prod()) // (merge * merge)} merged patches", stage="process",
+                modality="image")
+        return {"image_embeds": embeds["image_embeds"], "image_grid_thw": grid}
 
     def _get_prompt_updates(
         self,

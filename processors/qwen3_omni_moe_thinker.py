@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from model_zoo.qwen3_omni_audio import TOKENS_PER_FULL_WINDOW, get_feat_extract_output_lengths
+from omniserve.multimodal.errors import MultiModalInputError
 from processors.qwen2_5_omni_thinker import (
     Qwen2_5OmniThinkerDummyInputsBuilder,
     Qwen2_5OmniThinkerMultiModalProcessor,
@@ -91,6 +92,13 @@ class Qwen3OmniMoeThinkerMultiModalProcessor(Qwen2_5OmniThinkerMultiModalProcess
     audio_in_video_order: Callable[[Mapping[str, Any]], torch.Tensor] = staticmethod(
         get_audio_in_video_order
     )
+
+    def _embeds_fields(self, modality: str, embeds: dict[str, Any]) -> dict[str, Any]:
+        """Refused: the vision tower's DeepStack levels feed early decoder layers too, and
+        embeddings of its last layer alone cannot supply them."""
+        raise MultiModalInputError(
+            f"Qwen3-Omni takes no precomputed {modality} embeddings (its encoders' DeepStack "
+            "outputs feed decoder layers too)", stage="process", modality=modality)
 
     def _audio_in_video_params(
         self, metadata: Mapping[str, Any], merged: Mapping[str, Any]

@@ -90,6 +90,7 @@ class EngineArgs:
     allowed_media_domains: list[str] | None = None
     allow_private_media_urls: bool = False
     media_io_kwargs: dict[str, dict[str, object]] | str | None = None
+    enable_mm_embeds: bool = False
 
     def create_config(self, *, default_batched_tokens: int = 8192) -> OmniConfig:
         model_config = ModelConfig.from_path(
@@ -140,6 +141,7 @@ class EngineArgs:
                 allowed_media_domains=tuple(self.allowed_media_domains or ()),
                 allow_private_media_urls=self.allow_private_media_urls,
                 media_io_kwargs=_json_arg("media_io_kwargs", self.media_io_kwargs),
+                enable_mm_embeds=self.enable_mm_embeds,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -254,6 +256,9 @@ class EngineArgs:
                         help="Only fetch http(s) media from these hosts.")
         mm.add_argument("--allow-private-media-urls", action="store_true",
                         help="Allow http(s) media from loopback/private addresses (testing).")
+        mm.add_argument("--enable-mm-embeds", action="store_true",
+                        help="Accept precomputed image_embeds / audio_embeds in place of media "
+                             "(the encoder is skipped for them; trust the client's tensors).")
         mm.add_argument("--media-io-kwargs", default=None,
                         help='Media limits per modality, as JSON: image max_bytes, max_pixels; '
                         'audio max_bytes, max_seconds; video num_frames, max_bytes, max_seconds, '

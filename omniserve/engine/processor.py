@@ -245,5 +245,6 @@ def _create_mm_processor(config: OmniConfig, tokenizer: Any) -> Any | None:
         else None
     )
     return MULTIMODAL_REGISTRY.create_processor(
-        config.model_config, tokenizer, cache=cache, limit_mm_per_prompt=mm.limit_mm_per_prompt
+        config.model_config, tokenizer, cache=cache, limit_mm_per_prompt=mm.limit_mm_per_prompt,
+        enable_mm_embeds=mm.enable_mm_embeds,
     )

@@ -4,7 +4,8 @@ Content parts: text (``text``, ``input_text``, ``output_text``, ``refusal``), ``
 (``{"url", "detail"}`` or a bare string; ``detail`` is accepted and ignored), ``input_audio``
 (``{"data": base64, "format"}``), ``audio_url``, ``video_url``, the shorthand forms
 ``{"image_url": ...}`` / ``{"audio_url": ...}`` / ``{"video_url": ...}``, and for offline use
-``image_pil`` (a PIL image) and ``audio_array`` ((waveform, rate)). A media part may carry a
+``image_pil`` (a PIL image) and ``audio_array`` ((waveform, rate)); with ``--enable-mm-embeds``,
+``image_embeds`` / ``audio_embeds`` (base64 of ``torch.save``d tensors). A media part may carry a
 ``uuid`` (vLLM's): the item is known by it; a part with a uuid and no data reuses the item last
 sent under it (the processor keeps it; an unknown uuid is an error naming the part).
 
@@ -16,8 +17,10 @@ model's placeholder string inside the text ("string" format), as vLLM's "auto" m
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import functools
+import io
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -29,7 +32,9 @@ from omniserve.multimodal.errors import MultiModalInputError
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
 MEDIA_PART_TYPES = {"image_url": "image", "image_pil": "image", "input_audio": "audio",
-                    "audio_url": "audio", "audio_array": "audio", "video_url": "video"}
+                    "audio_url": "audio", "audio_array": "audio", "video_url": "video",
+                    "image_embeds": "image", "audio_embeds": "audio"}
+EMBEDS_PART_TYPES = ("image_embeds", "audio_embeds")
 # A template that reads content parts itself ("openai" content format).
 _PARTS_TEMPLATE = re.compile(
     r"""\[\s*['"]type['"]\s*\]|\.type\b|for\s+\w+\s+in\s+message\s*(\[\s*['"]content['"]\s*\]"""
@@ -201,14 +206,43 @@ def _fetch_kwargs(item: _PendingMedia, mm_processor_kwargs: dict[str, Any]) -> d
     return {k: mm_processor_kwargs[k] for k in ("num_frames", "fps") if k in mm_processor_kwargs}
 
 
+def _decode_embeds(item: _PendingMedia) -> dict[str, Any]:
+    """An ``image_embeds`` / ``audio_embeds`` part: base64 of ``torch.save(tensor)`` (the
+    embeddings), or a dict of such (the embeddings and the fields the model needs, e.g.
+    ``image_grid_thw``); loaded with ``weights_only=True``, so no code runs."""
+    import torch
+
+    fields = item.payload if isinstance(item.payload, dict) else {item.kind: item.payload}
+    decoded = {}
+    for name, text in fields.items():
+        try:
+            value = torch.load(io.BytesIO(base64.b64decode(text, validate=True)),
+                               weights_only=True, map_location="cpu")
+        except Exception as exc:  # binascii, pickle and torch errors all mean "not a tensor"
+            raise MultiModalInputError(
+                f"{item.kind}.{name} is not base64 of a torch.save()d tensor ({exc})",
+                stage="decode", modality=item.modality, location=item.location) from None
+        decoded[name] = value
+    return decoded
+
+
+def _local_value(item: _PendingMedia) -> tuple[bool, Any]:
+    """(True, the item's value) for parts that need no fetch: in-memory media, embeddings,
+    and items reused by uuid (None)."""
+    if item.kind in EMBEDS_PART_TYPES and item.payload is not None:
+        return True, _decode_embeds(item)
+    if item.payload is None or item.kind in ("image_pil", "audio_array"):
+        return True, item.payload
+    return False, None
+
+
 def load_media(inputs: ChatInputs, connector: Any,
                mm_processor_kwargs: dict[str, Any] | None = None) -> dict[str, list[Any]]:
     """Fetch and decode every media part, in order; errors name the part."""
     mm_data: dict[str, list[Any]] = {}
     for item in inputs.pending:
-        if item.payload is None or item.kind in ("image_pil", "audio_array"):
-            value = item.payload  # None: the item kept under its uuid
-        else:
+        local, value = _local_value(item)
+        if not local:
             fetch = getattr(connector, f"fetch_{item.modality}")
             try:
                 value = fetch(_media_url(item), **_fetch_kwargs(item, mm_processor_kwargs or {}))
@@ -235,8 +269,11 @@ async def load_media_async(inputs: ChatInputs, connector: Any,
     """``load_media`` with every fetch running concurrently off the event loop."""
 
     async def one(item: _PendingMedia) -> Any:
-        if item.payload is None or item.kind in ("image_pil", "audio_array"):
-            return item.payload  # None: the item kept under its uuid
+        if item.kind in EMBEDS_PART_TYPES and item.payload is not None:
+            return await asyncio.to_thread(_decode_embeds, item)
+        local, value = _local_value(item)
+        if local:
+            return value
         fetch = getattr(connector, f"fetch_{item.modality}_async")
         try:
             return await fetch(_media_url(item),

@@ -78,7 +78,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--lora-modules": ({"nargs": "+"}, "LoRA adapters"),
     "--quantization": ({}, "quantized checkpoints"),
     "--enable-prompt-embeds": ({"action": "store_true"}, "prompt embeddings"),
-    "--enable-mm-embeds": ({"action": "store_true"}, "precomputed multimodal embeddings"),
     "--cpu-offload-gb": ({"type": float}, "weight offloading"),
     "--enable-sleep-mode": ({"action": "store_true"}, "sleep mode"),
     "--kv-transfer-config": ({}, "KV transfer between instances"),

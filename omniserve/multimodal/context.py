@@ -32,9 +32,12 @@ class InputProcessingContext:
         *,
         mm_processor_kwargs: Mapping[str, object] | None = None,
         limit_mm_per_prompt: Mapping[str, int] | None = None,
+        enable_mm_embeds: bool = False,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.enable_mm_embeds = enable_mm_embeds
+        """Whether precomputed embeddings may stand for items (``--enable-mm-embeds``)."""
         self.mm_processor_kwargs = dict(mm_processor_kwargs or {})
         """Defaults for every request (``--mm-processor-kwargs``); requests override them."""
         self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})

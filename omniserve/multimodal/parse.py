@@ -118,7 +118,7 @@ class MultiModalDataParser:
             data = list(data)
         images = list(data) if isinstance(data, list | tuple) else [data]
         for index, image in enumerate(images):
-            if isinstance(image, Image.Image):
+            if isinstance(image, Image.Image) or embeds_of("image", image) is not None:
                 continue
             if not _is_array(image) or image.ndim != 3:
                 raise _bad_item(
@@ -128,7 +128,8 @@ class MultiModalDataParser:
 
     def _parse_audio(self, data: Any) -> AudioProcessorItems:
         clips = data if isinstance(data, list) else [data]
-        waveforms = [self._to_waveform(index, clip) for index, clip in enumerate(clips)]
+        waveforms = [clip if embeds_of("audio", clip) is not None else
+                     self._to_waveform(index, clip) for index, clip in enumerate(clips)]
         return AudioProcessorItems(waveforms)
 
     def _to_waveform(self, index: int, clip: Any) -> np.ndarray:
@@ -194,6 +195,15 @@ def _video_to_array(index: int, video: Any) -> tuple[np.ndarray, dict[str, Any]]
         "width": width,
     }
     return np.ascontiguousarray(video), meta
+
+
+def embeds_of(modality: str, item: Any) -> dict[str, Any] | None:
+    """An item given as precomputed embeddings (``--enable-mm-embeds``): a dict holding
+    ``<modality>_embeds`` ([num_embeds, hidden]) and any fields the model's placeholders need
+    (e.g. ``image_grid_thw``); None for media."""
+    if isinstance(item, Mapping) and f"{modality}_embeds" in item:
+        return dict(item)
+    return None
 
 
 def _is_array(value: Any) -> bool:

@@ -31,7 +31,7 @@ from omniserve.multimodal.context import (
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.multimodal.hasher import MultiModalHasher
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
-from omniserve.multimodal.parse import MultiModalDataItems, MultiModalDataParser
+from omniserve.multimodal.parse import MultiModalDataItems, MultiModalDataParser, embeds_of
 from omniserve.multimodal.prompt_update import (
     PromptInsertion,
     PromptReplacement,
@@ -261,6 +261,34 @@ class BaseMultiModalProcessor(ABC):
             data[modality], uuids[modality] = items, values
         return data, uuids
 
+    def _checked_embeds(self, modality: str, index: int, embeds: dict[str, Any]
+                        ) -> dict[str, Any]:
+        """An embeddings item's processed fields, after checking it can stand for the item."""
+        def fail(why: str) -> MultiModalInputError:
+            return MultiModalInputError(f"item {index}: {why}", stage="process", modality=modality)
+
+        if not self.info.ctx.enable_mm_embeds:
+            raise fail("precomputed embeddings need the server started with --enable-mm-embeds")
+        tensor = embeds[f"{modality}_embeds"]
+        hidden = self.info.ctx.hf_config.get_text_config().hidden_size
+        if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+                and tensor.ndim == 2 and tensor.shape[0] > 0 and tensor.shape[1] == hidden):
+            got = (f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor)
+                   else type(tensor).__name__)
+            raise fail(f"{modality}_embeds must be a floating-point [num_embeds, {hidden}] "
+                       f"tensor (the model's hidden size), got {got}")
+        if not bool(torch.isfinite(tensor).all()):
+            raise fail(f"{modality}_embeds holds NaN or infinite values")
+        return self._embeds_fields(modality, {**embeds, f"{modality}_embeds": tensor.detach()})
+
+    def _embeds_fields(self, modality: str, embeds: dict[str, Any]) -> dict[str, Any]:
+        """What this model's placeholder update (and positions) read from an item given as
+        ``<modality>_embeds`` (checked: floating, [n, hidden], finite), besides the embeddings;
+        a model that takes none of ``modality`` refuses here."""
+        raise MultiModalInputError(
+            f"this model takes no precomputed {modality} embeddings", stage="process",
+            modality=modality)
+
     def _kept_item(self, modality: str, uuid: str, key: str) -> Any:
         if self.cache is None:
             raise MultiModalInputError(
@@ -299,6 +327,10 @@ class BaseMultiModalProcessor(ABC):
             for index, item_hash in enumerate(item_hashes):
                 if item_hash in found or item_hash in missing.get(modality, {}):
                     continue  # the same item twice in one prompt
+                embeds = embeds_of(modality, mm_items[modality].items[index])
+                if embeds is not None:
+                    found[item_hash] = self._checked_embeds(modality, index, embeds)
+                    continue
                 cached = cache.get(item_hash) if cache is not None else None
                 if cached is not None:
                     found[item_hash] = cached

@@ -89,6 +89,7 @@ class MultiModalRegistry:
         cache: ProcessorCache | None = None,
         limit_mm_per_prompt: Mapping[str, int] | None = None,
         mm_processor_kwargs: Mapping[str, object] | None = None,
+        enable_mm_embeds: bool = False,
     ) -> BaseMultiModalProcessor | None:
         """The model's multimodal processor (None for text-only architectures).
 
@@ -103,6 +104,7 @@ class MultiModalRegistry:
             tokenizer,
             mm_processor_kwargs=mm_processor_kwargs,
             limit_mm_per_prompt=limit_mm_per_prompt,
+            enable_mm_embeds=enable_mm_embeds,
         )
         info = factories.info(ctx)
         return factories.processor(info, factories.dummy_inputs(info), cache=cache)

@@ -47,13 +47,18 @@ class EncoderRunner:
                     continue
                 queued.add(feature.identifier)
                 by_modality.setdefault(feature.modality, []).append(feature)
-        for modality, features in by_modality.items():
+        for modality, all_features in by_modality.items():
+            key = f"{modality}_embeds"  # precomputed (--enable-mm-embeds): no encoder to run
+            given = [f for f in all_features if f.data is not None and key in f.data]
+            features = [f for f in all_features if f.data is None or key not in f.data]
             outputs = self.model.get_multimodal_embeddings(
-                modality, [_to_device(f.data, self.device) for f in features])
+                modality, [_to_device(f.data, self.device) for f in features]) if features else []
             if len(outputs) != len(features):
                 raise RuntimeError(f"The {modality} encoder returned {len(outputs)} outputs for "
                                    f"{len(features)} items.")
-            for feature, output in zip(features, outputs, strict=True):
+            dtype = next(self.model.parameters()).dtype
+            outputs = [*outputs, *(f.data[key].to(self.device, dtype) for f in given)]
+            for feature, output in zip([*features, *given], outputs, strict=True):
                 if output.shape[0] != feature.mm_position.num_embeds:
                     raise RuntimeError(
                         f"The {modality} encoder produced {output.shape[0]} embeddings for an item "
