@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from omniserve import LLM, SamplingParams
+from omniserve.config import ModelConfig
 from omniserve.multimodal.errors import MultiModalInputError
+from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
+from omniserve.tokenizer import get_tokenizer
 from tests.server_utils import MODEL, assert_error, launch_server
 from tests.test_api_multimodal import IMAGE
 
@@ -49,23 +52,26 @@ def vl(tiny_checkpoint: Any) -> Any:
     llm.llm_engine.shutdown()
 
 
-def test_image_embeds_answer_as_the_image(vl: LLM) -> None:
-    image_prompt = {"prompt": VL_PROMPT, "multi_modal_data": {"image": IMAGE}}
-    direct = vl.generate(image_prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    embeds = _encoder_output(vl, image_prompt, "image")
-    given = vl.generate({"prompt": VL_PROMPT, "multi_modal_data": {"image": embeds}}, GREEDY,
-                        use_tqdm=False)[0].outputs[0].token_ids
+def _same_answer(llm: LLM, prompt: str, modality: str, item: Any) -> None:
+    media = {"prompt": prompt, "multi_modal_data": {modality: item}}
+    direct = llm.generate(media, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    embeds = _encoder_output(llm, media, modality)
+    given = llm.generate({"prompt": prompt, "multi_modal_data": {modality: embeds}}, GREEDY,
+                         use_tqdm=False)[0].outputs[0].token_ids
     assert given == direct
+
+
+def test_image_embeds_answer_as_the_image(vl: LLM, tiny_checkpoint: Any) -> None:
+    _same_answer(vl, VL_PROMPT, "image", IMAGE)
+    omni = _llm(tiny_checkpoint("Qwen2_5OmniThinkerForConditionalGeneration"),
+                enable_mm_embeds=True)
+    _same_answer(omni, "<|vision_bos|><|IMAGE|><|vision_eos|>What is it?", "image", IMAGE)
+    omni.llm_engine.shutdown()
 
 
 def test_audio_embeds_answer_as_the_clip(tiny_checkpoint: Any) -> None:
     llm = _llm(tiny_checkpoint("Qwen2AudioForConditionalGeneration"), enable_mm_embeds=True)
-    clip_prompt = {"prompt": AUDIO_PROMPT, "multi_modal_data": {"audio": TONE}}
-    direct = llm.generate(clip_prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    embeds = _encoder_output(llm, clip_prompt, "audio")
-    given = llm.generate({"prompt": AUDIO_PROMPT, "multi_modal_data": {"audio": embeds}},
-                         GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    assert given == direct
+    _same_answer(llm, AUDIO_PROMPT, "audio", TONE)
     llm.llm_engine.shutdown()
 
 
@@ -84,6 +90,13 @@ def test_bad_embeds_are_errors_naming_the_item(vl: LLM, tiny_checkpoint: Any) ->
         with pytest.raises(MultiModalInputError, match=needle):
             vl.generate({"prompt": VL_PROMPT, "multi_modal_data": {"image": item}}, GREEDY,
                         use_tqdm=False)
+    path = str(tiny_checkpoint("Qwen3OmniMoeThinkerForConditionalGeneration"))
+    qwen3_omni = MULTIMODAL_REGISTRY.create_processor(
+        ModelConfig.from_path(path), get_tokenizer(path), enable_mm_embeds=True)
+    hidden = qwen3_omni.info.ctx.hf_config.get_text_config().hidden_size
+    with pytest.raises(MultiModalInputError, match="Qwen3-Omni takes no precomputed image"):
+        qwen3_omni.apply("<|vision_start|><|image_pad|><|vision_end|>", {"image": {
+            "image_embeds": torch.zeros(4, hidden), "image_grid_thw": torch.tensor([1, 4, 4])}})
     plain = _llm(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
     with pytest.raises(MultiModalInputError, match="--enable-mm-embeds"):
         plain.generate({"prompt": VL_PROMPT, "multi_modal_data": {"image": good}}, GREEDY,
