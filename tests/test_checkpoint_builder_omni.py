@@ -182,6 +182,49 @@ def test_full_omni_checkpoint_wraps_the_same_thinker(tiny_checkpoint, arch):
     assert text_ids.shape[0] == 1 and waveform.numel() > 1000
 
 
+@pytest.mark.parametrize("arch", list(THINKER_OF))
+def test_full_omni_speech_half_reacts_to_its_inputs(tiny_checkpoint, arch):
+    """The vocoder hears its codes (a change of half of them moves the waveform by a visible
+    share of its spread, nothing clipped, causal for Qwen3's code2wav) and a greedy talker
+    speaks (its first code is never end-of-speech)."""
+    model = getattr(transformers, arch).from_pretrained(tiny_checkpoint(arch))
+    generator = torch.Generator().manual_seed(3)
+    if arch.startswith("Qwen3"):
+        codec = model.config.code2wav_config
+        codes = torch.randint(0, codec.codebook_size, (1, codec.num_quantizers, 20),
+                              generator=generator)
+        changed = codes.clone()
+        changed[..., 10:] = (changed[..., 10:] + 1) % codec.codebook_size
+
+        def speak(c: torch.Tensor) -> torch.Tensor:
+            return model.code2wav(c)
+    else:
+        speaker = next(iter(torch.load(tiny_checkpoint(arch) / "spk_dict.pt").values()))
+        codes = torch.randint(0, 100, (1, 20), generator=generator)
+        changed = codes.clone()
+        changed[..., 10:] += 1
+
+        def speak(c: torch.Tensor) -> torch.Tensor:
+            torch.manual_seed(0)  # the DiT starts from noise: the same for both
+            return model.token2wav(c, conditioning=speaker["cond"].float(),
+                                   reference_mel=speaker["ref_mel"].float())
+    with torch.no_grad():
+        wave, other = speak(codes), speak(changed)
+    assert 0.05 < float(wave.std()) < 0.5 and float((wave.abs() >= 0.999).float().mean()) < 0.01
+    assert float((wave - other).std()) > 0.1 * float(wave.std())
+    if arch.startswith("Qwen3"):  # causal: the first half's samples do not hear the second
+        head = wave.shape[-1] // 3
+        assert torch.equal(wave[..., :head], other[..., :head])
+    processor = AutoProcessor.from_pretrained(tiny_checkpoint(arch))
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    with torch.no_grad():
+        _, waveform = model.generate(**processor(text=[prompt], return_tensors="pt"),
+                                     thinker_max_new_tokens=4, talker_max_new_tokens=6,
+                                     talker_do_sample=False)
+    assert waveform.numel() > 1000
+
+
 def test_omni_tokenizers_keep_the_qwen_ids(tiny_checkpoint):
     qwen = AutoTokenizer.from_pretrained(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
     for arch, extra in (

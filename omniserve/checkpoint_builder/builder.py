@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any
 from omniserve import envs
 from omniserve.checkpoint_builder.processors import build_hf_processor
 from omniserve.checkpoint_builder.specs import ArchSpec, MultiModalSpec, SpeechSpec
-from omniserve.checkpoint_builder.speech import init_fused_experts, speech_submodels, write_speakers
+from omniserve.checkpoint_builder.speech import (
+    init_fused_experts,
+    speech_submodels,
+    tune_speech_weights,
+    write_speakers,
+)
 from omniserve.checkpoint_builder.table import ARCH_SPECS
 from omniserve.checkpoint_builder.tokenizer import build_hf_tokenizer
 
@@ -28,7 +33,7 @@ if TYPE_CHECKING:
         PreTrainedTokenizerBase,
     )
 
-BUILDER_VERSION = 4
+BUILDER_VERSION = 5
 """Bump when the output of a build changes, so cached checkpoints are rebuilt."""
 
 BUILD_INFO_FILE = "omniserve_build.json"
@@ -321,6 +326,8 @@ def _make_model(spec: ArchSpec, config: PreTrainedConfig, num_tokens: int) -> Pr
     if thinker is not None:
         init_fused_experts(model)
     _perturb_one_d_params(model)
+    if thinker is not None:
+        tune_speech_weights(model)
     if thinker is not None:
         model.thinker.load_state_dict(thinker.state_dict())
     else:

@@ -87,3 +87,78 @@ def init_fused_experts(model: torch.nn.Module) -> None:
                 param = getattr(module, name, None)
                 if isinstance(param, torch.nn.Parameter) and param.ndim == 3:
                     param.normal_(0.0, std)  # [num_experts, out_features, in_features]
+
+
+# Waveform standard deviation the tiny vocoders are calibrated to: loud enough that any change
+# of codes shows, far from the [-1, 1] clamp.
+VOCODER_OUTPUT_STD = 0.2
+
+
+def tune_speech_weights(model: torch.nn.Module) -> None:
+    """Make a random full omni model's speech half behave like a trained one where tests look.
+
+    - The talker's end-of-speech row of its codec head is zeroed: its logit is 0 while the codes'
+      spread both ways, so a greedy talker never ends at step 0 (with random rows it did about as
+      often as any code won; transformers' Qwen3-Omni then crashes on an empty code sequence).
+    - The vocoder's convolutions and projections (Qwen3-Omni's code2wav; Qwen2.5-Omni's DiT and
+      BigVGAN) are drawn variance-preserving (std 1/sqrt(fan_in), biases 0, embeddings unit)
+      instead of transformers' 0.02, whose product over dozens of layers left a change of codes
+      1e-4 (Qwen3) to 1e-7 (Qwen2.5) of the waveform's spread; then the last convolution is
+      scaled so a probe input comes out at ``VOCODER_OUTPUT_STD``. Measured after: a change of
+      half the codes moves the waveform by 74% (Qwen3) and 19% (Qwen2.5, through the DiT's mel)
+      of its spread, nothing clipped. Draws use the global RNG (the builder seeds it), so builds
+      stay deterministic.
+    """
+    import torch
+
+    talker, config = model.talker, model.config.talker_config
+    eos = getattr(config, "codec_eos_token_id", None)
+    if eos is None:  # Qwen2.5-Omni's name for it
+        eos = config.tts_codec_end_token_id
+    with torch.no_grad():
+        talker.codec_head.weight[eos] = 0.0
+    if hasattr(model, "code2wav"):  # Qwen3-Omni: codes -> waveform
+        codec = model.config.code2wav_config
+        vocoder = model.code2wav
+        probe = torch.randint(0, codec.codebook_size, (1, codec.num_quantizers, 16))
+        _variance_preserving(vocoder)
+        _calibrate_output(vocoder, lambda: vocoder(probe))
+    else:  # Qwen2.5-Omni: codes -> mel (DiT) -> waveform (BigVGAN)
+        dit, bigvgan = model.token2wav.code2wav_dit_model, model.token2wav.code2wav_bigvgan_model
+        mel = torch.randn(1, model.config.token2wav_config.dit_config.mel_dim, 40)
+        _variance_preserving(dit)
+        _variance_preserving(bigvgan)
+        _calibrate_output(bigvgan, lambda: bigvgan(mel))
+
+
+def _variance_preserving(module: torch.nn.Module) -> None:
+    import torch
+    from torch import nn
+
+    with torch.no_grad():
+        for _, layer in sorted(module.named_modules()):
+            if isinstance(layer, nn.Embedding):
+                layer.weight.normal_(0.0, 1.0)
+            elif isinstance(layer, nn.Conv1d | nn.ConvTranspose1d | nn.Linear):
+                weight = layer.weight
+                fan_in = weight[0].numel()
+                if isinstance(layer, nn.ConvTranspose1d):  # each output sees in/stride taps
+                    fan_in = weight.shape[0] * weight.shape[2] / layer.stride[0]
+                weight.normal_(0.0, fan_in**-0.5)
+                if layer.bias is not None:
+                    layer.bias.zero_()
+
+
+def _calibrate_output(module: torch.nn.Module, run: Any) -> None:
+    """Scale ``module``'s last Conv1d until ``run()`` has VOCODER_OUTPUT_STD (a clamped output
+    reads low, so an output near the clamp is first cut by 10)."""
+    import torch
+    from torch import nn
+
+    last = [layer for layer in module.modules() if isinstance(layer, nn.Conv1d)][-1]
+    with torch.no_grad():
+        for _ in range(8):
+            std = float(run().std())
+            if abs(std - VOCODER_OUTPUT_STD) < 0.01 * VOCODER_OUTPUT_STD:
+                return
+            last.weight.mul_(0.1 if std > 0.9 else VOCODER_OUTPUT_STD / max(std, 1e-12))
