@@ -342,6 +342,10 @@ class ChatCompletionRequest(SamplingRequest):
     """None: "auto" with tools, else "none" (OpenAI's defaults)."""
     parallel_tool_calls: StrictBool = True
     """False: at most one call per answer."""
+    modalities: list[Literal["text", "audio"]] | None = None
+    """OpenAI's output modalities; only text is served yet (audio is a 400, not silence)."""
+    audio: dict[str, Any] | None = None
+    """OpenAI's audio output settings (voice, format): refused until audio output exists."""
     chat_template: str | None = None
     """This request's own template (the server must run with --trust-request-chat-template)."""
     echo: StrictBool = False
@@ -361,6 +365,14 @@ class ChatCompletionRequest(SamplingRequest):
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true.")
+        return self
+
+    @model_validator(mode="after")
+    def _text_out_only(self) -> ChatCompletionRequest:
+        if "audio" in (self.modalities or []) or self.audio is not None:
+            raise ValueError(
+                "audio output (modalities with \"audio\", or audio) is not supported yet: "
+                "omniserve serves the thinker's text; ask for modalities [\"text\"].")
         return self
 
     @model_validator(mode="before")
