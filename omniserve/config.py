@@ -21,6 +21,30 @@ _DTYPE_ALIASES = {
 
 
 @dataclass(frozen=True)
+class SpeechConfig:
+    """What a model that speaks (a full omni checkpoint with its talker and vocoder) offers, read
+    from its config.json; the front end validates requests against it."""
+
+    voices: tuple[str, ...]
+    """The checkpoint's speakers, as its config names them; requests match them
+    case-insensitively."""
+    default_voice: str
+    sample_rate: int
+    talker_defaults: dict[str, float | int] = field(default_factory=dict)
+    """The reference's talker sampling defaults (``SpeechParams`` field names)."""
+
+    def resolve_voice(self, voice: str | None) -> str:
+        """The checkpoint's name of ``voice`` (None: the default); ValueError listing the voices."""
+        if voice is None:
+            return self.default_voice
+        for name in self.voices:
+            if name.lower() == voice.lower():
+                return name
+        raise ValueError(f"Unknown voice {voice!r}; this model's voices are "
+                         f"{', '.join(self.voices)}.")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model: str
     """Local directory of a Hugging Face checkpoint (config.json, safetensors, tokenizer)."""
@@ -45,6 +69,12 @@ class ModelConfig:
     """Where the default sampling settings come from, as vLLM's ``--generation-config``:
     "auto" the checkpoint's generation_config.json, "vllm" none (OpenAI's defaults), or a
     directory holding a generation_config.json."""
+    disable_audio_output: bool = False
+    """Load a full omni checkpoint's thinker alone (no talker, no vocoder): text output only."""
+    speech: SpeechConfig | None = None
+    """Set from config.json when the model speaks (and audio output is not disabled)."""
+    no_speech_reason: str = ""
+    """Why ``speech`` is None, for the error an audio request gets."""
 
     @staticmethod
     def from_path(
@@ -79,9 +109,13 @@ class ModelConfig:
             )
         if max_model_len is None:
             raise ValueError(f"{config_file} gives no max_position_embeddings; pass max_model_len.")
+        speech, no_speech_reason = _speech_of(
+            hf_config, architectures[0], bool(kwargs.get("disable_audio_output")))
         return ModelConfig(
             model=str(path),
             architecture=architectures[0],
+            speech=speech,
+            no_speech_reason=no_speech_reason,
             max_model_len=max_model_len,
             tokenizer=str(Path(tokenizer).expanduser()) if tokenizer else str(path),
             **kwargs,
@@ -128,6 +162,41 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 _GENERATION_DEFAULTS = {  # generation_config.json key -> SamplingParams field (vLLM's set)
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+# Architectures whose speech stages (talker + vocoder) omniserve runs -> how to read their voices.
+def _qwen3_omni_speech(hf_config: dict) -> SpeechConfig:
+    talker = hf_config.get("talker_config") or {}
+    voices = tuple(talker.get("speaker_id") or {})
+    if not voices:
+        raise ValueError("config.json: talker_config.speaker_id names no voices.")
+    return SpeechConfig(
+        voices=voices,
+        default_voice="ethan" if "ethan" in voices else voices[0],  # the reference's default
+        sample_rate=24000,
+        # Qwen3OmniMoeForConditionalGeneration.generate's talker defaults.
+        talker_defaults={"temperature": 0.9, "top_k": 50, "top_p": 1.0,
+                         "repetition_penalty": 1.05, "max_tokens": 4096},
+    )
+
+
+_SPEAKING_ARCHITECTURES = {"Qwen3OmniMoeForConditionalGeneration": _qwen3_omni_speech}
+
+
+def _speech_of(hf_config: dict, architecture: str,
+               disabled: bool) -> tuple[SpeechConfig | None, str]:
+    """``(speech, why not)``: what the checkpoint can say, or why it says nothing."""
+    has_speech_half = "talker_config" in hf_config and hf_config.get("enable_audio_output", True)
+    if not has_speech_half:
+        return None, (f"this model ({architecture}) has no talker and vocoder (a text or "
+                      "thinker-only checkpoint), so it cannot speak; serve a full omni checkpoint "
+                      "for audio output")
+    if disabled:
+        return None, "audio output is disabled on this server (--disable-audio-output)"
+    reader = _SPEAKING_ARCHITECTURES.get(architecture)
+    if reader is None:
+        return None, f"speech output of {architecture} is not served yet (text only)"
+    return reader(hf_config), ""
 
 
 def _derive_max_model_len(hf_config: dict) -> int | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class Logprob:
@@ -32,6 +34,12 @@ class CompletionOutput:
     """"stop", "length", "abort", or "error" (the engine failed on this request; only offline:
     the server answers such a request with a 500); None while running."""
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    audio: np.ndarray | None = None
+    """Spoken answer of an audio-output request: float32 mono samples in [-1, 1] at the model's
+    ``SpeechConfig.sample_rate``; shaped by ``output_kind`` like the text (DELTA: the samples
+    new since the last output, which may be none). None for text-only requests."""
+    num_audio_tokens: int = 0
+    """Codec frames spoken so far (what usage counts as audio tokens)."""
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -19,6 +19,15 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 INT32_MAX = 2**31 - 1
 
 
+def is_int(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
 class RequestOutputKind(IntEnum):
     """What each streamed RequestOutput carries."""
 
@@ -62,6 +71,26 @@ class StructuredOutputsParams:
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
+OUTPUT_MODALITIES = ("text", "audio")
+
+
+@dataclass
+class SpeechParams:
+    """How to speak a request's answer when ``output_modalities`` has "audio". Unset (None)
+    talker settings take the model's defaults: the reference's ``generate`` defaults
+    (``SpeechConfig.talker_defaults``)."""
+
+    voice: str | None = None
+    """One of the checkpoint's speakers (case-insensitive); None: the model's default voice."""
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    """Seeds the talker's (and code predictor's) sampling."""
+    max_tokens: int | None = None
+    """Most codec frames to speak (the talker's max_new_tokens)."""
+
 
 @dataclass
 class SamplingParams:
@@ -99,6 +128,11 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     """``bad_words`` as token sequences, with and without a leading space (the Processor fills
     it from the tokenizer)."""
+    output_modalities: list[str] = field(default_factory=lambda: ["text"])
+    """What the request produces: "text", "audio" or both. Audio needs a model that speaks (a
+    full omni checkpoint); the text is generated either way (it is what is spoken)."""
+    speech: SpeechParams | None = None
+    """The voice and talker settings of audio output (None: the defaults)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,6 +143,11 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.speech, dict):
+            self.speech = SpeechParams(**self.speech)
+        self.output_modalities = list(self.output_modalities)
+        if self.wants_audio and self.speech is None:
+            self.speech = SpeechParams()
         self._validate()
         if self.temperature < SAMPLING_EPS:
             # Greedy: the truncation knobs cannot change the argmax.
@@ -117,13 +156,6 @@ class SamplingParams:
     def _validate(self) -> None:
         def fail(name: str, rule: str) -> None:
             raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}.")
-
-        def is_int(value: object, low: int, high: int) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-        def is_real(value: object) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and math.isfinite(value)
 
         if not is_int(self.n, 1, INT32_MAX):
             fail("n", "an integer >= 1")
@@ -169,6 +201,39 @@ class SamplingParams:
             fail("allowed_token_ids", "a non-empty list of token ids")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             fail("bad_words", "a list of non-empty strings")
+        if not self.output_modalities or len(set(self.output_modalities)) != len(
+                self.output_modalities) or not set(self.output_modalities) <= set(
+                OUTPUT_MODALITIES):
+            fail("output_modalities", f"a non-empty list of distinct {OUTPUT_MODALITIES}")
+        if self.speech is not None:
+            self._validate_speech(self.speech)
+
+    @staticmethod
+    def _validate_speech(speech: SpeechParams) -> None:
+        def fail(name: str, rule: str) -> None:
+            raise ValueError(f"speech.{name} must be {rule}, got {getattr(speech, name)!r}.")
+
+        if speech.voice is not None and (not isinstance(speech.voice, str) or not speech.voice):
+            fail("voice", "None or a voice name")
+        if speech.temperature is not None and not (
+                is_real(speech.temperature) and 0.0 <= speech.temperature <= FP32_MAX):
+            fail("temperature", f"a finite number in [0, {FP32_MAX:.4g}]")
+        if speech.top_k is not None and not is_int(speech.top_k, 0, INT32_MAX):
+            fail("top_k", "0 (disabled) or a positive integer")
+        if speech.top_p is not None and not (is_real(speech.top_p)
+                                             and FP32_TINY <= speech.top_p <= 1.0):
+            fail("top_p", "in (0, 1]")
+        rep = speech.repetition_penalty
+        if rep is not None and not (is_real(rep) and FP32_TINY <= rep <= 1.0 / FP32_TINY):
+            fail("repetition_penalty", "> 0 (and within float32 range)")
+        if speech.seed is not None and not is_int(speech.seed, SEED_MIN, SEED_MAX):
+            fail("seed", f"None or an integer in [{SEED_MIN}, {SEED_MAX}]")
+        if speech.max_tokens is not None and not is_int(speech.max_tokens, 1, INT32_MAX):
+            fail("max_tokens", f"an integer in [1, {INT32_MAX}]")
+
+    @property
+    def wants_audio(self) -> bool:
+        return "audio" in self.output_modalities
 
     @property
     def greedy(self) -> bool:

@@ -91,6 +91,7 @@ class EngineArgs:
     allow_private_media_urls: bool = False
     media_io_kwargs: dict[str, dict[str, object]] | str | None = None
     enable_mm_embeds: bool = False
+    disable_audio_output: bool = False
 
     def create_config(self, *, default_batched_tokens: int = 8192) -> OmniConfig:
         model_config = ModelConfig.from_path(
@@ -103,6 +104,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or "",
             generation_config=self.generation_config,
             max_logprobs=self.max_logprobs,
+            disable_audio_output=self.disable_audio_output,
         )
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
@@ -174,6 +176,9 @@ class EngineArgs:
             help="Default sampling settings for fields a request omits: 'auto' the "
             "checkpoint's generation_config.json, 'vllm' none (OpenAI's defaults), or a "
             "directory holding a generation_config.json.")
+        add("--disable-audio-output", action="store_true",
+            help="Serve a full omni checkpoint's thinker alone (text output only; the talker "
+            "and vocoder are not loaded).")
         add(
             "--max-model-len",
             type=int,
