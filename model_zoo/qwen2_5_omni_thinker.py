@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -177,12 +177,14 @@ def load_thinker_weights(
     model: MultiModalDecoderBase,
     weights: Iterable[tuple[str, torch.Tensor]],
     speech_submodels: tuple[str, ...],
+    speech_route: Callable[[str], WeightRoute | None] | None = None,
 ) -> set[str]:
-    """Load a full omni checkpoint into its thinker.
+    """Load a full omni checkpoint.
 
     The rule: ``thinker.<name>`` loads as the thinker checkpoint's ``<name>``; keys of the speech
-    sub-models (``speech_submodels``, e.g. talker and token2wav) are skipped, as omniserve serves
-    text output only, and counted in a log line; any other key is reported as unexpected.
+    sub-models (``speech_submodels``, e.g. talker and token2wav) go through ``speech_route``, or
+    when the model does not speak (no route) are skipped and counted in a log line; any other
+    key is reported as unexpected.
     """
     skipped: Counter[str] = Counter()
 
@@ -190,6 +192,8 @@ def load_thinker_weights(
         if name.startswith("thinker."):
             return model.route_weight(name.removeprefix("thinker."))
         submodel = name.split(".", 1)[0]
+        if submodel in speech_submodels and speech_route is not None:
+            return speech_route(name)
         if submodel in speech_submodels:
             skipped[submodel] += 1
             return None

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeAudioEncoder,
+    Qwen3OmniMoeCode2Wav,
     Qwen3OmniMoeVisionEncoder,
 )
 
@@ -52,6 +53,7 @@ from model_zoo.qwen2_5_omni_thinker import (
 )
 from model_zoo.qwen3_moe import Qwen3MoeForCausalLM
 from model_zoo.qwen3_omni_audio import get_feat_extract_output_lengths
+from model_zoo.qwen3_omni_moe_speech import Qwen3OmniMoeSpeechConfig, Qwen3OmniMoeTalker
 from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.rotary_embedding import MRotaryEmbedding
 from omniserve.layers.weight_utils import WeightRoute
@@ -119,6 +121,10 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
         self.hidden_size: int = text_config.hidden_size
         self.num_deepstack = len(config.vision_config.deepstack_visual_indexes)
         self._deepstack: DeepstackInput | None = None
+        self.tap_layer: int | None = None
+        """Keep ``hidden_states[tap_layer]`` of each forward (transformers' numbering: 0 the
+        embeddings, i the output of layer i) in ``tapped``: the talker reads it."""
+        self.tapped: torch.Tensor | None = None
 
     # ---- encoders --------------------------------------------------------------------------------
     def vision_outputs(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
@@ -194,12 +200,19 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
                 f"{inputs_embeds.shape[0]}: call get_input_embeddings right before forward."
             )
         hidden_states = inputs_embeds  # [num_tokens, hidden_size]
+        if self.tap_layer == 0:
+            self.tapped = hidden_states
         cos, sin = model.rotary_emb(positions, hidden_states.dtype)
         for i, layer in enumerate(model.layers):
             hidden_states = layer(hidden_states, cos, sin)
+            if self.tap_layer == i + 1 < len(model.layers):
+                self.tapped = hidden_states  # transformers records a layer's output before DeepStack
             if deepstack is not None and i < self.num_deepstack:
                 hidden_states = hidden_states.index_add(0, deepstack.rows, deepstack.embeds[:, i])
-        return model.norm(hidden_states)
+        hidden_states = model.norm(hidden_states)
+        if self.tap_layer == len(model.layers):
+            self.tapped = hidden_states  # its last "hidden state" is the normed output
+        return hidden_states
 
     def route_weight(self, name: str) -> WeightRoute | None:
         return FusedMoE.route_expert_weight(self.checkpoint_to_param_name(name)) or (
@@ -279,12 +292,28 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
     dummy_inputs=Qwen3OmniMoeThinkerDummyInputsBuilder,
 )
 class Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeThinkerForConditionalGeneration):
-    """The full checkpoint (thinker + talker + code2wav) served as its thinker."""
+    """The full checkpoint: the thinker, and unless ``enable_audio_output`` is off (what
+    ``--disable-audio-output`` sets) the talker and code2wav, which the talker runner drives."""
 
     speech_submodels: ClassVar[tuple[str, ...]] = ("talker", "code2wav")
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config.thinker_config)
+        self.speaks = bool(getattr(config, "enable_audio_output", True))
+        if self.speaks:
+            self.speech_config = Qwen3OmniMoeSpeechConfig(config)
+            self.talker = Qwen3OmniMoeTalker(config.talker_config)
+            self.code2wav = Qwen3OmniMoeCode2Wav(config.code2wav_config)
+            self.tap_layer = self.speech_config.accept_hidden_layer
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_thinker_weights(self, weights, self.speech_submodels)
+        if not self.speaks:
+            return load_thinker_weights(self, weights, self.speech_submodels)
+
+        def speech_route(name: str) -> WeightRoute | None:
+            if name.startswith("code2wav."):
+                return name, ()
+            routed = self.talker.route_weight(name.removeprefix("talker."))
+            return None if routed is None else (f"talker.{routed[0]}", routed[1])
+
+        return load_thinker_weights(self, weights, self.speech_submodels, speech_route)

@@ -32,6 +32,14 @@ class SpeechConfig:
     sample_rate: int
     talker_defaults: dict[str, float | int] = field(default_factory=dict)
     """The reference's talker sampling defaults (``SpeechParams`` field names)."""
+    im_start_token_id: int = -1
+    user_token_id: int = -1
+    assistant_token_id: int = -1
+    """The ChatML ids the talker's prompt is cut by (user turns, the assistant's reply)."""
+    assistant_prompt_len: int = 0
+    """Talker prompt positions after the user turns."""
+    talker_max_len: int = 0
+    """The talker's longest sequence (prompt + frames)."""
 
     def resolve_voice(self, voice: str | None) -> str:
         """The checkpoint's name of ``voice`` (None: the default); ValueError listing the voices."""
@@ -177,6 +185,12 @@ def _qwen3_omni_speech(hf_config: dict) -> SpeechConfig:
         # Qwen3OmniMoeForConditionalGeneration.generate's talker defaults.
         talker_defaults={"temperature": 0.9, "top_k": 50, "top_p": 1.0,
                          "repetition_penalty": 1.05, "max_tokens": 4096},
+        im_start_token_id=hf_config["im_start_token_id"],
+        user_token_id=hf_config["user_token_id"],
+        assistant_token_id=hf_config["assistant_token_id"],
+        assistant_prompt_len=9,
+        talker_max_len=int((talker.get("text_config") or {}).get("max_position_embeddings",
+                                                                  32768)),
     )
 
 

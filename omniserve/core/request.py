@@ -26,6 +26,21 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
 
+@dataclass
+class SpeechRequest:
+    """What the talker stage needs of one request, resolved by the front end."""
+
+    voice: str
+    sampling_params: SamplingParams
+    """The talker's (and its code predictor's) sampling; ``max_tokens`` caps talker tokens."""
+    user_positions: list[int]
+    """Thinker prompt positions of the user turns' tokens, in order (the talker's prompt)."""
+    text_start: int
+    """Thinker position of the first reply token (after the last ``<|im_start|>assistant\\n``)."""
+    prompt_len: int
+    """Talker prompt length: the user positions plus the assistant prefix."""
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence being generated.
@@ -48,6 +63,8 @@ class Request:
     """Only requests with the same salt share prefix-cache blocks (vLLM's cache_salt)."""
     priority: int = 0
     """Lower is served first under the priority policy."""
+    speech: SpeechRequest | None = None
+    """Audio output: what the talker stage needs (None: text only)."""
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from omniserve.core.request import SpeechRequest
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
 
@@ -44,6 +45,46 @@ class CachedRequestData:
         return len(self.req_ids)
 
 
+TEXT_END = -1
+"""Reply entry after the last spoken token (the talker's ``tts_eos`` input)."""
+
+
+@dataclass
+class NewTalkerRequestData:
+    req_id: str
+    speech: SpeechRequest
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class TalkerSchedulerOutput:
+    new_reqs: list[NewTalkerRequestData] = field(default_factory=list)
+    """Requests whose talker the workers start (or restart after preemption: a worker keeps
+    what was spoken and recomputes the KV)."""
+    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_text: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> reply entries the worker has not been sent yet."""
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Talker requests done or aborted since the last step: workers drop their state."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class SpeechStepOutput:
+    """A talker request's progress after a step (from the worker)."""
+
+    num_frames: int
+    done: bool
+    audio: object = None
+    """Newly final waveform samples (a float32 numpy array), or None."""
+
+
 @dataclass
 class SchedulerOutput:
     """What one step computes."""
@@ -64,6 +105,8 @@ class SchedulerOutput:
     grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
     """req_id -> the tokens its structured output allows next, as packed int32 bit words; only
     for constrained requests that sample this step."""
+    talker: TalkerSchedulerOutput | None = None
+    """The speech stage's part of the step (None: the model does not speak)."""
 
     @staticmethod
     def make_empty() -> SchedulerOutput:
@@ -71,7 +114,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        return self.total_num_scheduled_tokens == 0 and (
+            self.talker is None or self.talker.is_empty)
 
 
 @dataclass
@@ -98,3 +142,5 @@ class ModelRunnerOutput:
     """req_id -> logprobs of the sampled tokens (only requests that asked)."""
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     """req_id -> logprobs of the prompt positions computed this step (only requests that asked)."""
+    speech: dict[str, SpeechStepOutput] = field(default_factory=dict)
+    """req_id -> the talker's progress, for talker requests scheduled this step."""

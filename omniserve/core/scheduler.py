@@ -32,6 +32,7 @@ from omniserve.core.sched_output import (
     SchedulerOutput,
 )
 from omniserve.core.stop_conditions import append_and_check_stop
+from omniserve.core.talker_scheduler import TalkerScheduler
 from omniserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
 _STATUS_TO_FINISH_REASON = {
@@ -81,9 +82,11 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_mm_item_embeds: int = 0,
+        num_talker_blocks: int = 0,
     ) -> None:
         """``max_mm_item_embeds``: the model's largest multimodal item in embeddings (0: text
-        only or unknown); start-up fails if that item could never be encoded."""
+        only or unknown); start-up fails if that item could never be encoded.
+        ``num_talker_blocks``: the speech stage's own KV pool (0: the model does not speak)."""
         if max_mm_item_embeds:
             check_encoder_limits(scheduler_config, max_mm_item_embeds)
         self.scheduler_config = scheduler_config
@@ -100,6 +103,10 @@ class Scheduler:
             num_blocks, self.block_size, cache_config.enable_prefix_caching
         )
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
+        self.talker = (TalkerScheduler(num_talker_blocks, self.block_size,
+                                       scheduler_config.max_num_seqs,
+                                       scheduler_config.max_num_batched_tokens)
+                       if num_talker_blocks else None)
         # req_id -> every unfinished request (waiting, running or preempted)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -123,6 +130,11 @@ class Scheduler:
                 f"tokens; needs 1..max_model_len ({self.max_model_len})."
             )
         check_request_items(request, self.scheduler_config)
+        if request.speech is not None:
+            if self.talker is None:
+                raise ValueError(f"Request {request.request_id!r} asks for audio output, but "
+                                 "this engine has no speech stage.")
+            self.talker.add(request, request.speech)
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
         self._enqueue(request, front=False)
@@ -152,6 +164,8 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         for req_id in request_ids:
+            if self.talker is not None:
+                self.talker.finish(req_id)
             request = self.requests.get(req_id)
             if request is None:
                 continue
@@ -169,10 +183,12 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.talker and self.talker.requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        """Requests still generating text or (past their text) still speaking."""
+        speaking = self.talker.requests.keys() - self.requests.keys() if self.talker else ()
+        return len(self.requests) + len(speaking)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -190,6 +206,8 @@ class Scheduler:
             "encoder_cache_usage": self.encoder_cache_manager.usage,
             "encoder_cache_queries": float(self.encoder_cache_queries),
             "encoder_cache_hits": float(self.encoder_cache_hits),
+            **({"talker_kv_cache_usage": self.talker.usage,
+                "num_speaking": float(len(self.talker.requests))} if self.talker else {}),
         }
 
     # ---- one step ----
@@ -212,6 +230,8 @@ class Scheduler:
             if not preempted:
                 self._schedule_waiting(scheduled, budget)
         output = self._make_output(scheduled, preempted)
+        if self.talker is not None:
+            output.talker = self.talker.schedule()
         # Optimistic: the step will compute these tokens (vLLM's _update_after_schedule).
         for record in scheduled.values():
             record.request.num_computed_tokens += record.num_new_tokens
@@ -338,6 +358,10 @@ class Scheduler:
         while self.waiting and budget.num_tokens > 0 and len(self.running) < max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            if request.speech is not None and request.mm_features:
+                # The talker needs the thinker's hidden states at the multimodal positions,
+                # which a cache hit would skip: compute the whole prompt (still cached for others).
+                hit_blocks, num_hit_tokens = KVCacheBlocks(), 0
             plan = self._plan_admission(request, num_hit_tokens, budget)
             capped = hit_limit_for_blocked_plan(request, plan, self.block_size)
             if capped < num_hit_tokens:
@@ -455,7 +479,49 @@ class Scheduler:
                 self.kv_cache_manager.update_block_hashes(request)
         if num_finished:
             self.running = [request for request in self.running if not request.is_finished]
+        if self.talker is not None:
+            outputs = self._hold_speaking(outputs) + self._speech_outputs(runner)
         return EngineCoreOutputs(outputs=outputs)
+
+    def _hold_speaking(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """A request whose text ended normally goes on speaking: its finish is reported when the
+        talker is done. An aborted or failed one stops speaking too."""
+        assert self.talker is not None
+        for output in outputs:
+            talker = self.talker.requests.get(output.request_id)
+            if talker is None or output.finish_reason is None:
+                continue
+            if output.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                output.finish_reason, output.stop_reason = None, None
+            else:
+                self.talker.finish(output.request_id)
+        return outputs
+
+    def _speech_outputs(self, runner: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Audio progress; a talker that is done (or never had text to speak) ends its request
+        with the thinker's finish reason."""
+        assert self.talker is not None
+        done = set(self.talker.update(runner.speech)) | self.talker.stopped()
+        outputs = []
+        for req_id in [*runner.speech, *(done - runner.speech.keys())]:
+            talker = self.talker.requests.get(req_id)
+            if talker is None:
+                continue
+            result = runner.speech.get(req_id)
+            finished = req_id in done
+            audio = result.audio if result is not None else None
+            if audio is None and not finished:
+                continue
+            thinker = talker.thinker
+            outputs.append(EngineCoreOutput(
+                request_id=req_id, new_token_ids=[], new_audio=audio,
+                num_audio_tokens=talker.num_frames,
+                finish_reason=_STATUS_TO_FINISH_REASON.get(thinker.status) if finished else None,
+                stop_reason=thinker.stop_reason if finished else None,
+                num_cached_tokens=max(thinker.num_cached_tokens, 0)))
+            if finished:
+                self.talker.finish(req_id)
+        return outputs
 
     # ---- a step that raised ----
 
@@ -489,6 +555,16 @@ class Scheduler:
                 self.running.remove(request)
                 self._preempt(request)
                 request.suspect = True
+        if scheduler_output.talker is not None and self.talker is not None:
+            # A talker's state in the workers may be half-advanced: its request ends in error.
+            for req_id in scheduler_output.talker.num_scheduled_tokens:
+                reported = any(o.request_id == req_id for o in outputs)
+                if req_id in self.talker.requests:
+                    self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
+                    if not reported:
+                        outputs.append(EngineCoreOutput(
+                            request_id=req_id, new_token_ids=[],
+                            finish_reason=FinishReason.ERROR))
         by_id = {request.request_id: request for request in requests}
         self.encoder_cache_manager.discard(
             by_id[req_id].mm_features[i].identifier

@@ -53,7 +53,11 @@ class EngineCore:
         num_blocks = self.model_executor.determine_num_kv_blocks()
         self.model_executor.initialize_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        num_talker_blocks = self.model_executor.determine_num_talker_kv_blocks()
+        if num_talker_blocks:
+            self.model_executor.initialize_talker_kv_cache(num_talker_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
+                                   num_talker_blocks=num_talker_blocks)
         # Batches in flight, newest first (only used when the executor runs several at once).
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
@@ -68,7 +72,7 @@ class EngineCore:
             sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
             arrival_time=request.arrival_time, max_tokens=request.max_tokens,
             mm_features=list(request.mm_features), cache_salt=request.cache_salt,
-            priority=request.priority)
+            priority=request.priority, speech=request.speech)
         constraint = request.sampling_params.structured_outputs
         if constraint is None:
             self.scheduler.add_request(engine_request)

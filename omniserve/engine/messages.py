@@ -6,10 +6,12 @@ msgspec structs, so the same shapes cross a process boundary (ZMQ) without pickl
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
 from omniserve.core.sched_output import LogprobsLists
+from omniserve.core.request import SpeechRequest
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
 
@@ -43,6 +45,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     """Mixed into the prefix-cache hashes: only requests with the same salt share KV blocks."""
     priority: int = 0
     """Lower is served first under the priority scheduling policy."""
+    speech: SpeechRequest | None = None
+    """Audio output: the talker stage's part of the request (None: text only)."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -55,6 +59,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    new_audio: Any = None
+    """Waveform samples finalised this step (a float32 numpy array), for audio output."""
+    num_audio_tokens: int = 0
+    """Codec frames spoken so far."""
 
     @property
     def finished(self) -> bool:

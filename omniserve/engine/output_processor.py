@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from omniserve.core.sched_output import LogprobsLists
 from omniserve.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from omniserve.engine.exceptions import EngineGenerateError
@@ -62,6 +64,10 @@ class _ChildState:
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
     changed: bool = False
+    audio_chunks: list[np.ndarray] | None = None
+    """Audio output: the waveform pieces so far (None: a text-only request)."""
+    num_sent_chunks: int = 0
+    num_audio_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -77,6 +83,11 @@ class _ChildState:
         chars_from, tokens_from = (self.num_sent_chars, self.num_sent_tokens) if delta else (0, 0)
         self.num_sent_chars, self.num_sent_tokens = len(text), len(self.token_ids)
         logprobs = None if self.logprobs is None else self.logprobs[tokens_from:]
+        audio = None
+        if self.audio_chunks is not None:
+            chunks = self.audio_chunks[self.num_sent_chunks if delta else 0:]
+            self.num_sent_chunks = len(self.audio_chunks)
+            audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
         return CompletionOutput(
             index=self.index,
             text=text[chars_from:],
@@ -85,6 +96,8 @@ class _ChildState:
             logprobs=logprobs,
             finish_reason=None if self.finish_reason is None else str(self.finish_reason),
             stop_reason=self.stop_reason,
+            audio=audio,
+            num_audio_tokens=self.num_audio_tokens,
         )
 
 
@@ -190,6 +203,8 @@ class OutputProcessor:
             child = _ChildState(child_id, index, parent, detokenizer)
             if sampling_params.logprobs is not None:
                 child.logprobs, child.cumulative_logprob = [], 0.0
+            if sampling_params.wants_audio:
+                child.audio_chunks = []
             parent.children.append(child)
             self._children[child_id] = child
         self._parents[request_id] = parent
@@ -311,6 +326,10 @@ class OutputProcessor:
                     result.reqs_to_abort.append(child.request_id)
         if output.new_logprobs is not None and child.logprobs is not None:
             self._add_sample_logprobs(child, output.new_logprobs)
+        if child.audio_chunks is not None and output.new_audio is not None:
+            child.audio_chunks.append(output.new_audio)
+            child.num_audio_tokens = output.num_audio_tokens
+            child.changed = True
         if finish_reason is not None:
             self._finish(child, finish_reason, stop_reason)
 

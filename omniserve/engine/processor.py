@@ -17,11 +17,13 @@ import torch
 from transformers import AutoConfig
 
 from omniserve.config import OmniConfig
+from omniserve.core.request import SpeechRequest
+from omniserve.core.talker_scheduler import plan_talker_prompt
 from omniserve.engine.messages import EngineCoreRequest
 from omniserve.inputs.data import PromptType
 from omniserve.inputs.preprocess import InputPreprocessor, ProcessedInputs
 from omniserve.multimodal.errors import MultiModalInputError
-from omniserve.sampling_params import SamplingParams
+from omniserve.sampling_params import SamplingParams, SpeechParams
 from omniserve.structured_output import validate_structured_outputs
 from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
 
@@ -148,7 +150,8 @@ class Processor:
             ]
         requests = [
             EngineCoreRequest(rid, token_ids, p, eos, arrival, max_tokens, inputs.mm_features,
-                              _cache_salt(prompt), priority)
+                              _cache_salt(prompt), priority,
+                              self._speech_request(p, token_ids) if p.wants_audio else None)
             for rid, p in children
         ]
         return ProcessedRequest(inputs.prompt, token_ids, requests, inputs.num_mm_tokens)
@@ -184,6 +187,34 @@ class Processor:
                 raise ValueError(
                     f"{name}: token ids {bad} are outside the vocabulary (size {self.vocab_size})."
                 )
+
+    def _speech_request(self, params: SamplingParams, token_ids: list[int]) -> SpeechRequest:
+        """The talker's part of an audio-output request: its voice, its sampling (the request's
+        ``speech`` settings over the reference's defaults; an ``n > 1`` child's seed is the
+        request's own, so children differ as their text does) and its prompt plan."""
+        config = self.model_config.speech
+        if config is None:
+            raise ValueError(f"audio output: {self.model_config.no_speech_reason}.")
+        if params.stop:
+            raise ValueError("stop strings are not supported with audio output yet (the "
+                             "talker speaks what the engine generated); use stop_token_ids.")
+        speech = params.speech or SpeechParams()
+        voice = config.resolve_voice(speech.voice)
+        user_positions, text_start = plan_talker_prompt(
+            token_ids, config.im_start_token_id, config.user_token_id,
+            config.assistant_token_id)
+        prompt_len = len(user_positions) + config.assistant_prompt_len
+        settings = {**config.talker_defaults,
+                    **{name: getattr(speech, name) for name in _TALKER_SETTINGS
+                       if getattr(speech, name) is not None}}
+        max_frames = min(int(settings.pop("max_tokens")), config.talker_max_len - prompt_len)
+        if max_frames < 1:
+            raise ValueError(f"audio output: the talker's prompt ({prompt_len} tokens of user "
+                             f"turns) leaves no room within its {config.talker_max_len} "
+                             "positions; shorten the conversation.")
+        seed = speech.seed if speech.seed is not None else params.seed
+        talker = SamplingParams(max_tokens=max_frames, seed=seed, **settings)
+        return SpeechRequest(voice, talker, user_positions, text_start, prompt_len)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens alone and after a space (how it reads mid-sentence), as vLLM."""
@@ -221,6 +252,9 @@ class Processor:
             f"{message} ({shares}, {num_text} for text); send shorter or smaller media "
             "(e.g. lower max_pixels, num_frames or fps) or raise --max-model-len",
             stage="budget", modality=max(inputs.num_mm_tokens, key=inputs.num_mm_tokens.get))
+
+
+_TALKER_SETTINGS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_tokens")
 
 
 def _cache_salt(prompt: PromptType) -> str | None:

@@ -77,6 +77,13 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
+    def determine_num_talker_kv_blocks(self) -> int:
+        """The speech stage's KV pool (0: the model does not speak)."""
+        return min(self.collective_rpc("determine_num_talker_kv_blocks"))
+
+    def initialize_talker_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_talker_kv_cache", (num_blocks,))
+
     def model_info(self) -> dict[str, Any]:
         """What rank 0 loaded and allocated (see ``Worker.model_info``)."""
         return self.collective_rpc("model_info")[0]

@@ -27,6 +27,7 @@ from omniserve.layers.sampler import (
 from omniserve.structured_output import apply_bitmask_rows
 from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
+from omniserve.worker.talker_runner import TalkerRunner
 
 
 @dataclass
@@ -66,6 +67,8 @@ class ModelRunner:
         self.encoder_runner = (EncoderRunner(model, device)
                                if getattr(model, "supports_multimodal", False) else None)
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.talker_runner = (TalkerRunner(model, self.block_size, device)
+                              if getattr(model, "speaks", False) else None)
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, dtype: torch.dtype) -> int:
@@ -97,6 +100,13 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The thinker's step, then the speech stage's (which reads what the thinker tapped)."""
+        output = self._execute_thinker(scheduler_output)
+        if self.talker_runner is not None and scheduler_output.talker is not None:
+            output.speech = self.talker_runner.execute(scheduler_output.talker)
+        return output
+
+    def _execute_thinker(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
@@ -108,6 +118,8 @@ class ModelRunner:
         with set_forward_context(step.attn_metadata):
             hidden_states = self.model(  # [num_tokens, hidden]
                 input_ids, self._positions(step), inputs_embeds=inputs_embeds)
+        if self.talker_runner is not None:
+            self._keep_talker_hidden(step)
         logits = self.model.compute_logits(hidden_states[step.logits_indices])  # [S, vocab]
         if scheduler_output.grammar_bitmask:
             sampling_ids = [r for r, samples in zip(step.req_ids, step.sample_mask, strict=True)
@@ -135,6 +147,21 @@ class ModelRunner:
                 )
         output.prompt_logprobs = self._prompt_logprobs(step, hidden_states)
         return output
+
+    def _keep_talker_hidden(self, step: StepInputs) -> None:
+        """Hand the talker the thinker's tapped hidden states at the prompt positions of this
+        step's speaking requests."""
+        assert self.talker_runner is not None
+        tapped = self.model.tapped
+        start = 0
+        for i, req_id in enumerate(step.req_ids):
+            count = int(step.query_lens[i])
+            state = self.input_batch.states[int(step.rows[i])]
+            assert state is not None
+            if state.sampling_params.wants_audio and state.mm_features:
+                positions = step.positions[start:start + count]
+                self.talker_runner.keep_hidden(req_id, positions, tapped[start:start + count])
+            start += count
 
     def _embed_with_mm(self, so: SchedulerOutput, step: StepInputs) -> torch.Tensor:
         """Run this step's encoder inputs, then merge the slices each window needs."""
@@ -184,6 +211,8 @@ class ModelRunner:
             if self.uses_mrope:
                 state.mrope_positions, state.mrope_delta = self.model.get_mrope_input_positions(
                     state.prompt_token_ids, state.mm_features)
+            if self.talker_runner is not None and params.wants_audio:
+                self.talker_runner.register(new.req_id, new.prompt_token_ids, new.mm_features)
             batch.add_request(state, new.block_ids, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(

@@ -34,6 +34,9 @@ from omniserve.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 _GPU_MEMORY_FRACTION = 0.9
+_TALKER_KV_SHARE = 0.25
+"""Share of the KV budget a speaking model's talker gets (its sequences are frames, 12.5 per
+second of speech, and it keeps no prefix cache)."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -109,6 +112,8 @@ class Worker:
         torch.manual_seed(model_config.seed)
         load_plugins()
         self.hf_config = AutoConfig.from_pretrained(model_config.model)
+        if model_config.speech is None and hasattr(self.hf_config, "enable_audio_output"):
+            self.hf_config.enable_audio_output = False  # the thinker alone (transformers' switch)
         self.dtype = resolve_dtype(
             model_config.dtype, self.device, checkpoint_dtype(self.hf_config)
         )
@@ -154,7 +159,8 @@ class Worker:
         else:
             per_block = self.model_runner.kv_cache_bytes_per_block(self.dtype)
             num_blocks = min(
-                self._kv_budget_bytes() // per_block, sched.max_num_seqs * blocks_per_seq + 1
+                self._thinker_kv_budget_bytes() // per_block,
+                sched.max_num_seqs * blocks_per_seq + 1,
             )
         if num_blocks < blocks_per_seq:
             raise ValueError(
@@ -163,6 +169,26 @@ class Worker:
                 "Raise --kv-cache-memory or lower --max-model-len."
             )
         return int(num_blocks)
+
+    def determine_num_talker_kv_blocks(self) -> int:
+        """The speech stage's KV pool: a quarter of the KV budget (0 when the model does not
+        speak); with ``num_blocks_override``, that many blocks."""
+        talker = self.model_runner.talker_runner
+        if talker is None:
+            return 0
+        cache = self.config.cache_config
+        if cache.num_blocks_override is not None:
+            return cache.num_blocks_override
+        return max(int(self._kv_budget_bytes() * _TALKER_KV_SHARE)
+                   // talker.kv_cache_bytes_per_block(self.dtype), 1)
+
+    def initialize_talker_kv_cache(self, num_blocks: int) -> None:
+        if self.model_runner.talker_runner is not None:
+            self.model_runner.talker_runner.initialize_kv_cache(num_blocks, self.dtype)
+
+    def _thinker_kv_budget_bytes(self) -> int:
+        share = 1.0 - _TALKER_KV_SHARE if self.model_runner.talker_runner is not None else 1.0
+        return int(self._kv_budget_bytes() * share)
 
     def _kv_budget_bytes(self) -> int:
         cache = self.config.cache_config

@@ -1,0 +1,165 @@
+"""Speech output of the full Qwen3-Omni-MoE checkpoint against transformers' ``generate`` (fp32,
+greedy thinker and talker): the spoken waveform, frame count and text for text, image, audio,
+video, audio-in-video and mixed prompts, a multi-turn conversation with a system turn, both
+voices; the vocoder's exact streaming; batches mixing text-only and audio requests; and the
+errors a request gets when the model cannot speak.
+
+Waveforms: transformers' own code2wav differs from itself by up to 1.6e-5 between a prefix
+decode and the full decode (fp32 convolutions over other lengths), and a change of codes moves
+this checkpoint's waveform by ~74% of its spread; so ``WAVE_ATOL`` = 1e-4 separates equal codes
+from unequal ones with a wide margin on both sides.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoProcessor
+from transformers import Qwen3OmniMoeForConditionalGeneration as HFQwen3Omni
+
+from model_zoo.qwen3_omni_moe_speech import Code2WavStream
+from omniserve import LLM, SamplingParams
+from omniserve.sampling_params import RequestOutputKind
+from tests.test_fidelity_omni import _engine_prompt, _hf_inputs, _media, _text
+
+ARCH = "Qwen3OmniMoeForConditionalGeneration"
+WAVE_ATOL = 1e-4
+THINKER_TOKENS, TALKER_TOKENS = 10, 30
+# (media kinds, voice, system turn): every modality, both voices, a conversation with a system turn.
+# Not here: a video with its audio track. transformers' generate does not pass
+# use_audio_in_video on to its talker, whose positions then treat the interleaved track as if it
+# were separate; omniserve's talker takes the thinker's (audio-in-video) positions.
+CASES = [([], "ethan", False), ([], "chelsie", False), (["image"], "ethan", False),
+         (["audio"], "chelsie", False), (["video"], "ethan", False),
+         (["image", "audio"], "ethan", False), ([], "ethan", True)]
+
+
+def _speech_params(voice: str, **changes: Any) -> SamplingParams:
+    values = {"temperature": 0.0, "max_tokens": THINKER_TOKENS,
+              "output_modalities": ["text", "audio"],
+              "speech": {"voice": voice, "temperature": 0.0, "max_tokens": TALKER_TOKENS}}
+    return SamplingParams(**{**values, **changes})
+
+
+def _with_system(text: str) -> str:
+    return ("<|im_start|>system\nYou speak.<|im_end|>\n"
+            "<|im_start|>user\nEarlier question<|im_end|>\n"
+            "<|im_start|>assistant\nEarlier answer<|im_end|>\n" + text)
+
+
+@pytest.fixture(scope="module")
+def speech_case(tiny_checkpoint):
+    model_dir = str(tiny_checkpoint(ARCH))
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = HFQwen3Omni.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # transformers 5.2x: the talker's position code reads an audio config it was not given.
+    model.talker.config.audio_config = model.config.thinker_config.audio_config
+    prompts, reference = [], []
+    with torch.inference_mode():
+        for seed, (kinds, voice, system) in enumerate(CASES):
+            items, text = _media(kinds, seed), _text(processor, kinds)
+            if system:
+                text = _with_system(text)
+            inputs = _hf_inputs(processor, text, items)
+            sequences, wave = model.generate(
+                **inputs, speaker=voice, thinker_max_new_tokens=THINKER_TOKENS,
+                thinker_do_sample=False, talker_do_sample=False,
+                thinker_eos_token_id=model.config.im_end_token_id,
+                talker_max_new_tokens=TALKER_TOKENS)
+            generated = sequences[0, inputs["input_ids"].shape[1]:].tolist()
+            reference.append((generated, wave.reshape(-1).numpy()))
+            prompts.append(_engine_prompt(text, items))
+    llm = LLM(model_dir, dtype="float32", max_model_len=2048, kv_cache_memory=32 << 20)
+    return llm, prompts, reference
+
+
+def _assert_speaks_like(output: Any, reference: tuple[list[int], np.ndarray]) -> None:
+    tokens, wave = reference
+    completion = output.outputs[0]
+    assert completion.token_ids == tokens
+    assert completion.audio is not None and completion.audio.shape == wave.shape
+    assert completion.num_audio_tokens == (len(wave) + 555) // 1920
+    np.testing.assert_allclose(completion.audio, wave, rtol=0, atol=WAVE_ATOL)
+
+
+def test_speech_matches_transformers_alone_and_batched(speech_case):
+    llm, prompts, reference = speech_case
+    params = [_speech_params(voice) for _, voice, _ in CASES]
+    for prompt, p, ref in zip(prompts, params, reference, strict=True):
+        _assert_speaks_like(llm.generate(prompt, p, use_tqdm=False)[0], ref)
+    # All together in one batch, with a text-only request among them: the same answers, and
+    # the text-only request gets no audio.
+    text_only = SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS)
+    batch = llm.generate([*prompts, prompts[0]], [*params, text_only], use_tqdm=False)
+    for output, ref in zip(batch[:-1], reference, strict=True):
+        _assert_speaks_like(output, ref)
+    assert batch[-1].outputs[0].audio is None
+    assert batch[-1].outputs[0].token_ids == reference[0][0]
+
+
+def test_streamed_audio_equals_the_whole(speech_case):
+    llm, prompts, reference = speech_case
+    ethan = reference[0][1]
+    # DELTA outputs carry only new samples; their concatenation is the whole answer.
+    engine = llm.llm_engine
+    engine.add_request("delta", prompts[0], _speech_params(
+        "ethan", output_kind=RequestOutputKind.DELTA))
+    pieces, finished = [], False
+    while not finished:
+        for output in engine.step():
+            if output.outputs[0].audio is not None:
+                pieces.append(output.outputs[0].audio)
+            finished = output.finished
+    assert len([p for p in pieces if len(p)]) >= 2  # a first short chunk, then the rest
+    np.testing.assert_allclose(np.concatenate(pieces), ethan, rtol=0, atol=WAVE_ATOL)
+
+
+def test_code2wav_streams_exactly_for_any_chunk_schedule(speech_case):
+    llm = speech_case[0]
+    model = HFQwen3Omni.from_pretrained(llm.llm_engine.config.model_config.model,
+                                        dtype=torch.float32).eval()
+    code2wav = model.code2wav
+    codes = torch.randint(0, 64, (4, 170), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = code2wav(codes[None])[0, 0].numpy()
+        stream = Code2WavStream(code2wav, left_context=80)
+        assert stream.shortfall == 555  # n frames decode to n * 1920 - 555 samples
+        for schedule in ([4, 25, 25, 25, 25, 25, 25, 16], [1, 2, 3, 50, 114], [170]):
+            pieces, emitted, done = [], 0, 0
+            for size in schedule:
+                done += size
+                (piece,) = stream.decode([(codes[:, :done], emitted, stream.window_start(
+                    done - size), done == 170)])
+                pieces.append(piece)
+                emitted += len(piece)
+            streamed = np.concatenate(pieces)
+            assert streamed.shape == whole.shape
+            np.testing.assert_allclose(streamed, whole, rtol=0, atol=WAVE_ATOL)
+        # transformers' chunked decode drops the shortfall at every chunk boundary.
+        assert code2wav.chunked_decode(codes[None], chunk_size=25, left_context_size=25
+                                       ).shape[-1] == whole.shape[0] - 6 * 555
+
+
+def test_requests_that_cannot_speak_are_refused(tiny_checkpoint, speech_case):
+    llm, prompts, _ = speech_case
+    with pytest.raises(ValueError, match="Unknown voice 'alloy'.*chelsie, ethan"):
+        llm.generate(prompts[0], _speech_params("alloy"), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings"):
+        llm.generate(prompts[0], _speech_params("ethan", stop=["x"]), use_tqdm=False)
+    with pytest.raises(ValueError, match="assistant"):
+        llm.generate({"prompt": "no chat template here"}, _speech_params("ethan"),
+                     use_tqdm=False)
+    thinker = LLM(str(tiny_checkpoint("Qwen3OmniMoeThinkerForConditionalGeneration")),
+                  dtype="float32", max_model_len=512, kv_cache_memory=8 << 20)
+    with pytest.raises(ValueError, match="no talker and vocoder"):
+        thinker.generate(prompts[0], _speech_params("ethan"), use_tqdm=False)
+    silent = LLM(llm.llm_engine.config.model_config.model, dtype="float32", max_model_len=512,
+                 kv_cache_memory=8 << 20, disable_audio_output=True)
+    with pytest.raises(ValueError, match="--disable-audio-output"):
+        silent.generate(prompts[0], _speech_params("ethan"), use_tqdm=False)
+    text = silent.generate(prompts[0], SamplingParams(temperature=0.0,
+                                                      max_tokens=THINKER_TOKENS))
+    assert text[0].outputs[0].audio is None and text[0].outputs[0].token_ids
