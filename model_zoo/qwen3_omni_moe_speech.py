@@ -38,13 +38,6 @@ from omniserve.layers.linear import ReplicatedLinear
 from omniserve.layers.rotary_embedding import get_rope, rotate_qk
 from omniserve.layers.weight_utils import WeightRoute, route_stacked
 
-# Reply-text markers in a talker request's text entries (real entries are thinker token ids).
-TTS_EOS = -1
-TTS_PAD = -2
-NUM_ASSISTANT_PROMPT = 9
-"""Talker prompt positions after the user turns (see the module docstring)."""
-
-
 class TalkerSparseMoeBlock(nn.Module):
     """Top-k experts plus a shared expert scaled by a sigmoid gate (transformers' talker MoE)."""
 

@@ -53,7 +53,12 @@ from model_zoo.qwen2_5_omni_thinker import (
 )
 from model_zoo.qwen3_moe import Qwen3MoeForCausalLM
 from model_zoo.qwen3_omni_audio import get_feat_extract_output_lengths
-from model_zoo.qwen3_omni_moe_speech import Qwen3OmniMoeSpeechConfig, Qwen3OmniMoeTalker
+from model_zoo.qwen3_omni_moe_speech import (
+    Code2WavStream,
+    Qwen3OmniMoeSpeechConfig,
+    Qwen3OmniMoeTalker,
+    code2wav_receptive_context,
+)
 from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.rotary_embedding import MRotaryEmbedding
 from omniserve.layers.weight_utils import WeightRoute
@@ -206,7 +211,7 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
         for i, layer in enumerate(model.layers):
             hidden_states = layer(hidden_states, cos, sin)
             if self.tap_layer == i + 1 < len(model.layers):
-                self.tapped = hidden_states  # transformers records a layer's output before DeepStack
+                self.tapped = hidden_states  # transformers taps a layer before DeepStack
             if deepstack is not None and i < self.num_deepstack:
                 hidden_states = hidden_states.index_add(0, deepstack.rows, deepstack.embeds[:, i])
         hidden_states = model.norm(hidden_states)
@@ -305,6 +310,10 @@ class Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeThinkerForConditionalGene
             self.talker = Qwen3OmniMoeTalker(config.talker_config)
             self.code2wav = Qwen3OmniMoeCode2Wav(config.code2wav_config)
             self.tap_layer = self.speech_config.accept_hidden_layer
+
+    def vocoder_stream(self) -> Code2WavStream:
+        """code2wav, streamed with a left context of its receptive field."""
+        return Code2WavStream(self.code2wav, code2wav_receptive_context(self.code2wav.config))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if not self.speaks:

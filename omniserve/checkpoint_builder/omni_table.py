@@ -269,6 +269,35 @@ _QWEN3_OMNI_CODE2WAV = dict(
     upsampling_ratios=[2, 2], decoder_dim=32, sliding_window=72, max_position_embeddings=8000,
 )  # fmt: skip
 
+# Bench size: the 30B's codebook (2048 codes, 16 groups) and control ids, a 2-layer MoE talker, a
+# 2-layer code predictor and a 2-layer code2wav, so the speech stages cost what they do relative
+# to each other in the real model (the predictor runs 15 passes per frame).
+_QWEN3_OMNI_TALKER_BENCH = dict(
+    text_config=dict(
+        vocab_size=2048 + 1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=512,
+        max_position_embeddings=8192,
+        rope_parameters={
+            "rope_type": "default", "rope_theta": 1_000_000.0, "interleaved": True,
+            "mrope_section": [12, 10, 10],
+        },
+    ),
+    code_predictor_config=dict(
+        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_code_groups=16,
+        max_position_embeddings=8192,
+    ),
+    num_code_groups=16, accept_hidden_layer=1, codec_pad_id=2148, codec_bos_id=2149,
+    codec_eos_token_id=2150, codec_nothink_id=2155, codec_think_bos_id=2156,
+    codec_think_eos_id=2157, speaker_id={"chelsie": 2301, "ethan": 2302, "aiden": 2303},
+)  # fmt: skip
+_QWEN3_OMNI_CODE2WAV_BENCH = dict(
+    codebook_size=2048, hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+    intermediate_size=512, num_hidden_layers=2, num_quantizers=16, upsample_rates=[8, 5, 4, 3],
+    upsampling_ratios=[2, 2], decoder_dim=256, sliding_window=72, max_position_embeddings=8000,
+)  # fmt: skip
+
 QWEN3_OMNI_FULL = dataclasses.replace(
     QWEN3_OMNI_THINKER,
     architecture="Qwen3OmniMoeForConditionalGeneration",
@@ -276,8 +305,9 @@ QWEN3_OMNI_FULL = dataclasses.replace(
     speech=SpeechSpec(
         thinker_architecture=QWEN3_OMNI_THINKER.architecture,
         submodels={
-            "talker_config": {"tiny": _QWEN3_OMNI_TALKER, "bench": _QWEN3_OMNI_TALKER},
-            "code2wav_config": {"tiny": _QWEN3_OMNI_CODE2WAV, "bench": _QWEN3_OMNI_CODE2WAV},
+            "talker_config": {"tiny": _QWEN3_OMNI_TALKER, "bench": _QWEN3_OMNI_TALKER_BENCH},
+            "code2wav_config": {"tiny": _QWEN3_OMNI_CODE2WAV,
+                                "bench": _QWEN3_OMNI_CODE2WAV_BENCH},
         },
         token_ids=frozen_mapping({
             "im_start_token_id": "<|im_start|>",

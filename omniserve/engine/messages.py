@@ -10,8 +10,8 @@ from typing import Any
 
 import msgspec
 
-from omniserve.core.sched_output import LogprobsLists
 from omniserve.core.request import SpeechRequest
+from omniserve.core.sched_output import LogprobsLists
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
 

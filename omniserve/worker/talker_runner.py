@@ -81,9 +81,7 @@ class TalkerRunner:
         self.thinker_sides: dict[str, _ThinkerSide] = {}
         self.states: dict[str, _TalkerState] = {}
         self.kv_caches: list[torch.Tensor] = []
-        from model_zoo.qwen3_omni_moe_speech import Code2WavStream, code2wav_receptive_context
-        self.vocoder = Code2WavStream(model.code2wav,
-                                      code2wav_receptive_context(model.code2wav.config))
+        self.vocoder = model.vocoder_stream()
 
     # ---- KV cache --------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, dtype: torch.dtype) -> int:
@@ -115,7 +113,9 @@ class TalkerRunner:
             return
         ids = side.prompt_token_ids
         for i, position in enumerate(positions.tolist()):
-            if position < len(ids) and ids[position] in self.config.mm_token_ids:
+            if position >= len(ids):
+                break  # generated tokens follow the prompt
+            if ids[position] in self.config.mm_token_ids:
                 side.hidden[position] = rows[i].clone()
 
     # ---- one step ------------------------------------------------------------------------------
