@@ -38,6 +38,7 @@ from omniserve.layers.linear import ReplicatedLinear
 from omniserve.layers.rotary_embedding import get_rope, rotate_qk
 from omniserve.layers.weight_utils import WeightRoute, route_stacked
 
+
 class TalkerSparseMoeBlock(nn.Module):
     """Top-k experts plus a shared expert scaled by a sigmoid gate (transformers' talker MoE)."""
 
