@@ -90,6 +90,9 @@ class SpeechParams:
     """Seeds the talker's (and code predictor's) sampling."""
     max_tokens: int | None = None
     """Most codec frames to speak (the talker's max_new_tokens)."""
+    reply_in_prompt: bool = False
+    """The words to speak are already in the prompt after the assistant's header (teacher-forced
+    speech, as /v1/audio/speech sends): all of them are spoken, and nothing generated."""
 
 
 @dataclass

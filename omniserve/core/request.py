@@ -39,6 +39,8 @@ class SpeechRequest:
     """Thinker position of the first reply token (after the last ``<|im_start|>assistant\\n``)."""
     prompt_len: int
     """Talker prompt length: the user positions plus the assistant prefix."""
+    reply_in_prompt: bool = False
+    """Speak the prompt's reply (everything after the assistant header), not generated text."""
 
 
 @dataclass(eq=False)

@@ -96,9 +96,12 @@ class TalkerRequest:
         """
         thinker, start = self.thinker, self.speech.text_start
         tokens, outputs = thinker.all_token_ids, thinker.output_token_ids
+        known = len(tokens) - start
+        if self.speech.reply_in_prompt:  # the prompt's reply, whole; nothing generated is spoken
+            reply = tokens[start:len(thinker.prompt_token_ids)]
+            return [*reply, TEXT_END] if thinker.is_finished else []
         stops = {thinker.eos_token_id, *thinker.sampling_params.stop_token_ids}
         first_stop = next((i for i, t in enumerate(outputs) if t in stops), None)
-        known = len(tokens) - start
         if thinker.is_finished or (first_stop is not None and first_stop <= known - 2):
             marker = first_stop if first_stop is not None else len(outputs)
             if thinker.is_finished:

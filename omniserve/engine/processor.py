@@ -214,7 +214,8 @@ class Processor:
                              "positions; shorten the conversation.")
         seed = speech.seed if speech.seed is not None else params.seed
         talker = SamplingParams(max_tokens=max_frames, seed=seed, **settings)
-        return SpeechRequest(voice, talker, user_positions, text_start, prompt_len)
+        return SpeechRequest(voice, talker, user_positions, text_start, prompt_len,
+                             speech.reply_in_prompt)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens alone and after a space (how it reads mid-sentence), as vLLM."""

@@ -39,6 +39,7 @@ from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineStoppingError
 from omniserve.entrypoints.chat_utils import locate_mm_error
+from omniserve.entrypoints.openai.audio_encoding import MEDIA_TYPES
 from omniserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -46,6 +47,7 @@ from omniserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    CreateSpeechRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
@@ -54,6 +56,7 @@ from omniserve.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
+    VoiceList,
 )
 from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from omniserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -63,6 +66,7 @@ from omniserve.entrypoints.openai.serving_engine import (
     ServingError,
     to_serving_error,
 )
+from omniserve.entrypoints.openai.serving_speech import OpenAIServingSpeech
 from omniserve.metrics import PrometheusStatLogger
 from omniserve.multimodal.errors import MultiModalInputError
 
@@ -298,6 +302,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
             args, "exclude_tools_when_tool_choice_none", False))
     completion = OpenAIServingCompletion(engine, names, chat_template,
                                          trust_request_chat_template=trust)
+    speech = OpenAIServingSpeech(engine, names, chat_template)
     if chat.default_sampling:
         logger.info("Default sampling parameters from the checkpoint's generation config, for "
                     "fields a request omits: %s (--generation-config vllm turns them off).",
@@ -347,7 +352,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         body, content_type = stat_logger.render()
         return Response(body, media_type=content_type)
 
-    app.include_router(_api_router(engine, chat, completion, names))
+    app.include_router(_api_router(engine, chat, completion, speech, names))
     default_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -447,7 +452,8 @@ def _documented(body: type | None = None, chunk: type | None = None) -> dict[int
 
 
 def _api_router(engine: AsyncLLM, chat: OpenAIServingChat,
-                completion: OpenAIServingCompletion, names: list[str]) -> APIRouter:
+                completion: OpenAIServingCompletion, speech: OpenAIServingSpeech,
+                names: list[str]) -> APIRouter:
     router = APIRouter()
     max_model_len = engine.model_config.max_model_len
 
@@ -476,6 +482,21 @@ def _api_router(engine: AsyncLLM, chat: OpenAIServingChat,
     @with_cancellation
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return respond(await completion.create_completion(request))
+
+    @router.post("/v1/audio/speech", response_class=Response, responses={
+        **_documented(), 200: {"description": "The audio file (or SSE events with "
+                               "stream_format sse)", "content": {
+                                   media: {} for media in {*MEDIA_TYPES.values(),
+                                                           "text/event-stream"}}}})
+    @with_cancellation
+    async def create_speech(request: CreateSpeechRequest, raw_request: Request) -> Response:
+        body, kind = await speech.create_speech(request)
+        media = "text/event-stream" if kind == "sse" else MEDIA_TYPES[request.encoding]
+        return EventStreamResponse(body, media_type=media)
+
+    @router.get("/v1/audio/voices", responses=_documented())
+    async def list_voices() -> VoiceList:
+        return speech.voices()
 
     @router.post("/tokenize", responses=_documented())
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from omniserve.entrypoints.openai.audio_encoding import AUDIO_FORMATS, STREAM_FORMAT
 from omniserve.sampling_params import SEED_MAX, SEED_MIN
 
 logger = logging.getLogger(__name__)
@@ -96,11 +97,17 @@ class PromptTokensDetails(OpenAIBaseModel):
     video_tokens: int = 0
 
 
+class CompletionTokensDetails(OpenAIBaseModel):
+    audio_tokens: int = 0
+    """Codec frames of spoken answers."""
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -313,6 +320,35 @@ class ToolCall(OpenAIBaseModel):
     function: FunctionCall
 
 
+class VoiceId(OpenAIBaseModel):
+    id: str
+
+
+class ChatCompletionAudioParam(OpenAIBaseModel):
+    """OpenAI's ``audio`` request field. ``voice``: one of the model's speakers
+    (``GET /v1/audio/voices``), case-insensitive."""
+
+    voice: str | VoiceId
+    format: Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"]
+
+    @property
+    def voice_name(self) -> str:
+        return self.voice.id if isinstance(self.voice, VoiceId) else self.voice
+
+
+class SpeechOptions(OpenAIBaseModel):
+    """The talker's sampling settings (``SpeechParams``); unset ones take the model's."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: StrictFloat | None = Field(None, ge=0.0)
+    top_k: StrictInt | None = Field(None, ge=0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0.0)
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    """Most codec frames (12.5 per second of speech)."""
+
+
 class ChatCompletionRequest(SamplingRequest):
     logprobs_field: ClassVar[str] = "top_logprobs"
     model_config = ConfigDict(json_schema_extra={"examples": [
@@ -343,9 +379,12 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: StrictBool = True
     """False: at most one call per answer."""
     modalities: list[Literal["text", "audio"]] | None = None
-    """OpenAI's output modalities; only text is served yet (audio is a 400, not silence)."""
-    audio: dict[str, Any] | None = None
-    """OpenAI's audio output settings (voice, format): refused until audio output exists."""
+    """OpenAI's output modalities: ["text"] (the default), ["text", "audio"] or ["audio"]
+    (the text then comes as the audio's transcript). Audio needs a model that speaks."""
+    audio: ChatCompletionAudioParam | None = None
+    """The voice and format of audio output (required with "audio" in modalities)."""
+    speech: SpeechOptions | None = None
+    """omniserve's extra: the talker's sampling, over the model's defaults."""
     chat_template: str | None = None
     """This request's own template (the server must run with --trust-request-chat-template)."""
     echo: StrictBool = False
@@ -367,12 +406,25 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs=true.")
         return self
 
+    @property
+    def wants_audio(self) -> bool:
+        return "audio" in (self.modalities or [])
+
     @model_validator(mode="after")
-    def _text_out_only(self) -> ChatCompletionRequest:
-        if "audio" in (self.modalities or []) or self.audio is not None:
-            raise ValueError(
-                "audio output (modalities with \"audio\", or audio) is not supported yet: "
-                "omniserve serves the thinker's text; ask for modalities [\"text\"].")
+    def _audio_output(self) -> ChatCompletionRequest:
+        if self.modalities is not None and not self.modalities:
+            raise ValueError("modalities must name at least one of text, audio.")
+        if self.wants_audio and self.audio is None:
+            raise ValueError('audio (voice and format) is required with "audio" in modalities.')
+        if not self.wants_audio and (self.audio is not None or self.speech is not None):
+            raise ValueError('audio and speech apply only with "audio" in modalities.')
+        if self.audio is not None:
+            if self.audio.format not in AUDIO_FORMATS:
+                raise ValueError(f"audio.format {self.audio.format!r} has no encoder here; use "
+                                 f"one of {', '.join(AUDIO_FORMATS)}.")
+            if self.stream and self.audio.format != STREAM_FORMAT:
+                raise ValueError(f"audio.format must be {STREAM_FORMAT} when streaming (audio "
+                                 "streams as raw PCM16 chunks, as OpenAI's API).")
         return self
 
     @model_validator(mode="before")
@@ -533,12 +585,22 @@ class ChatCompletionLogprobs(OpenAIBaseModel):
     content: list[ChatLogprobsContent] | None = None
 
 
+class ChatCompletionAudio(OpenAIBaseModel):
+    """OpenAI's ``message.audio``: the spoken answer, base64 in the requested format."""
+
+    id: str
+    data: str
+    expires_at: int
+    transcript: str
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
     reasoning_content: str | None = None
     """The thinking, split off by ``--reasoning-parser`` (vLLM's field)."""
     tool_calls: list[ToolCall] | None = None
+    audio: ChatCompletionAudio | None = None
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -624,3 +686,52 @@ class CompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+
+
+# ---- speech ----
+
+
+class CreateSpeechRequest(OpenAIBaseModel):
+    """OpenAI's ``POST /v1/audio/speech``: speak ``input`` in a voice."""
+
+    model: str | None = None
+    input: str = Field(min_length=1)
+    voice: str | VoiceId
+    instructions: str | None = None
+    """Heard as the user's turn before the words are spoken (else the words themselves)."""
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    speed: StrictFloat = Field(1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] = "audio"
+    """"audio": the file as the body (raw PCM is sent as it is spoken); "sse": events
+    ``speech.audio.delta`` (base64 PCM16) then ``speech.audio.done``."""
+    speech: SpeechOptions | None = None
+    """omniserve's extra: the talker's sampling, over the model's defaults."""
+
+    @property
+    def voice_name(self) -> str:
+        return self.voice.id if isinstance(self.voice, VoiceId) else self.voice
+
+    @property
+    def encoding(self) -> str:
+        """The audio_encoding name of ``response_format``."""
+        return "pcm16" if self.response_format == "pcm" else self.response_format
+
+    @model_validator(mode="after")
+    def _speakable(self) -> CreateSpeechRequest:
+        if self.speed != 1.0:
+            raise ValueError("speed other than 1.0 is not supported (the model speaks at its "
+                             "own pace).")
+        if self.encoding not in AUDIO_FORMATS:
+            raise ValueError(f"response_format {self.response_format!r} has no encoder here; "
+                             "use one of mp3, opus, flac, wav, pcm.")
+        if self.stream_format == "sse" and self.encoding != STREAM_FORMAT:
+            raise ValueError('stream_format "sse" sends PCM16 chunks: use response_format pcm.')
+        return self
+
+
+class VoiceList(OpenAIBaseModel):
+    """``GET /v1/audio/voices`` (omniserve's): the model's speakers."""
+
+    voices: list[str]
+    default_voice: str
+

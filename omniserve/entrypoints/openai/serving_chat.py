@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import time
+import uuid
 from typing import Any
 
+from omniserve.entrypoints.openai.audio_encoding import encode_audio, pcm16
 from omniserve.entrypoints.openai.protocol import (
+    ChatCompletionAudio,
     ChatCompletionLogprobs,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -25,12 +29,14 @@ from omniserve.entrypoints.openai.serving_engine import (
     EventStream,
     OpenAIServing,
     OutputStream,
+    ServingError,
     clamp_logprob,
     sse_event,
     to_serving_error,
 )
 from omniserve.entrypoints.openai.tool_parsers import ToolCallReader, tool_call_reader
 from omniserve.outputs import CompletionOutput, Logprob, RequestOutput
+from omniserve.sampling_params import SpeechParams
 
 
 class ChatAnswer:
@@ -104,12 +110,42 @@ class OpenAIServingChat(OpenAIServing):
         prompt_len = len(prompt.token_ids)
         params = self.sampling_params(request, prompt_len, max_tokens=request.output_limit,
                                       logprobs=request.num_logprobs)
+        if request.wants_audio:
+            params = params.clone(output_modalities=list(request.modalities or []),
+                                  speech=self._speech_params(request))
         request_id = self.new_request_id("chatcmpl", request.request_id)
         (generator,) = await self.start_generation([prompt], params, request_id,
                                                    request.priority)
         if request.stream:
             return self._stream(request, request_id, generator, thinking)
         return await self._full(request, request_id, generator, thinking)
+
+    def _speech_params(self, request: ChatCompletionRequest) -> SpeechParams:
+        """The request's voice (checked against the model's) and talker settings; a model that
+        cannot speak is a 400 saying why."""
+        config = self.engine.model_config
+        if config.speech is None:
+            raise ServingError(f"Audio output is not available: {config.no_speech_reason}.",
+                               param="modalities")
+        assert request.audio is not None  # the request model requires it with audio
+        try:
+            voice = config.speech.resolve_voice(request.audio.voice_name)
+        except ValueError as exc:
+            raise ServingError(str(exc), param="audio.voice") from exc
+        options = request.speech.model_dump(exclude_none=True) if request.speech else {}
+        return SpeechParams(voice=voice, **options)
+
+    def _audio(self, request: ChatCompletionRequest, out: CompletionOutput, audio_id: str,
+               transcript: str) -> ChatCompletionAudio | None:
+        """``message.audio`` of a whole answer (None for a text-only request)."""
+        if out.audio is None or request.audio is None:
+            return None
+        assert self.engine.model_config.speech is not None
+        data = encode_audio(out.audio, request.audio.format,
+                            self.engine.model_config.speech.sample_rate)
+        return ChatCompletionAudio(id=audio_id, data=base64.b64encode(data).decode(),
+                                   expires_at=int(time.time()) + AUDIO_TTL_S,
+                                   transcript=transcript)
 
     def _answer(self, request: ChatCompletionRequest, thinking: bool) -> ChatAnswer:
         split = (StreamingSplit(self.reasoning_parser, thinking)
@@ -133,13 +169,17 @@ class OpenAIServingChat(OpenAIServing):
             message = answer.message(answer.feed(out.text, final=True))
             if echo:
                 message.content = echo + (message.content or "")
+            message.audio = self._audio(request, out, _audio_id(), message.content or "")
+            if message.audio is not None and "text" not in (request.modalities or []):
+                message.content = None  # OpenAI: an audio-only answer's text is its transcript
             choices.append(ChatCompletionResponseChoice(
                 index=out.index, message=message,
                 logprobs=self._logprobs(request, out) if request.logprobs else None,
                 finish_reason=answer.finish_reason(out.finish_reason),
                 stop_reason=out.stop_reason,
                 token_ids=list(out.token_ids) if request.return_token_ids else None))
-        usage = self.usage([final], sum(len(out.token_ids) for out in final.outputs))
+        usage = self.usage([final], sum(len(out.token_ids) for out in final.outputs),
+                           sum(out.num_audio_tokens for out in final.outputs))
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices, usage=usage,
             prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None)
@@ -152,7 +192,10 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         options = request.stream_options
         num_generated = [0] * request.n
+        num_audio = [0] * request.n
         answers = [self._answer(request, thinking) for _ in range(request.n)]
+        audio_ids = [_audio_id() for _ in range(request.n)]
+        audio_only = request.wants_audio and "text" not in (request.modalities or [])
         prompt_ids_sent = not request.return_token_ids
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None,
@@ -177,6 +220,9 @@ class OpenAIServingChat(OpenAIServing):
                     wants_logprobs = request.logprobs and out.token_ids
                     answer = answers[out.index]
                     changes = answer.feed(out.text, out.finish_reason is not None)
+                    if out.audio is not None:
+                        num_audio[out.index] = out.num_audio_tokens
+                        changes = _audio_delta(changes, out, audio_ids[out.index], audio_only)
                     if not (changes or out.finish_reason or wants_logprobs):
                         continue  # e.g. text held back while it may still become a stop string
                     choice = ChatCompletionStreamChoice(
@@ -185,13 +231,13 @@ class OpenAIServingChat(OpenAIServing):
                         finish_reason=answer.finish_reason(out.finish_reason),
                         stop_reason=out.stop_reason,
                         token_ids=list(out.token_ids) if request.return_token_ids else None)
-                    running = (self.usage(latest, sum(num_generated))
+                    running = (self.usage(latest, sum(num_generated), sum(num_audio))
                                if options and options.continuous_usage_stats else None)
                     yield chunk([choice], running,
                                 None if prompt_ids_sent else output.prompt_token_ids)
                     prompt_ids_sent = True
             if options and options.include_usage:
-                yield chunk([], self.usage(latest, sum(num_generated)))
+                yield chunk([], self.usage(latest, sum(num_generated), sum(num_audio)))
         except Exception as exc:  # e.g. the engine died mid-stream: tell the client in-band
             yield sse_event(to_serving_error(exc).to_response())
         finally:
@@ -214,6 +260,30 @@ class OpenAIServingChat(OpenAIServing):
         text = self.token_text(token_id, logprob, as_id)
         return ChatLogprob(token=text, bytes=list(text.encode("utf-8")),
                            logprob=clamp_logprob(logprob.logprob) if logprob else -9999.0)
+
+
+AUDIO_TTL_S = 3600
+"""``expires_at`` of an answer's audio: now + an hour (answers are not stored; the field is
+OpenAI's and its clients read it)."""
+
+
+def _audio_id() -> str:
+    return f"audio-{uuid.uuid4().hex}"
+
+
+def _audio_delta(changes: dict[str, Any], out: CompletionOutput, audio_id: str,
+                 audio_only: bool) -> dict[str, Any]:
+    """A streamed chunk's ``delta.audio``: the new samples as base64 PCM16 with the answer's
+    id, the text as its transcript when only audio was asked for, and ``expires_at`` on the
+    last one (OpenAI's chunk fields)."""
+    audio: dict[str, Any] = {}
+    if out.audio is not None and len(out.audio):
+        audio.update(id=audio_id, data=base64.b64encode(pcm16(out.audio)).decode())
+    if audio_only and "content" in changes:
+        audio.update(id=audio_id, transcript=changes.pop("content"))
+    if out.finish_reason is not None:
+        audio.update(id=audio_id, expires_at=int(time.time()) + AUDIO_TTL_S)
+    return {**changes, "audio": audio} if audio else changes
 
 
 def _echo(request: ChatCompletionRequest) -> str:

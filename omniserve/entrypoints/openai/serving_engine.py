@@ -23,6 +23,7 @@ from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, En
 from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
 from omniserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    CompletionTokensDetails,
     ErrorInfo,
     ErrorResponse,
     PromptTokensDetails,
@@ -331,17 +332,22 @@ class OpenAIServing:
         return sorted(position.items(), key=lambda item: -item[1].logprob)[:k]
 
     @staticmethod
-    def usage(outputs: list[RequestOutput], completion_tokens: int) -> UsageInfo:
+    def usage(outputs: list[RequestOutput], completion_tokens: int,
+              audio_tokens: int = 0) -> UsageInfo:
         """Usage over the prompts' (expanded) tokens, with OpenAI's prompt_tokens_details:
-        prefix-cache hits and the tokens that stand for images, audio and video."""
+        prefix-cache hits and the tokens that stand for images, audio and video; spoken
+        answers' codec frames count as completion tokens too (completion_tokens_details)."""
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         details = PromptTokensDetails(
             cached_tokens=sum(o.num_cached_tokens for o in outputs),
             **{f"{m}_tokens": sum(o.num_mm_tokens.get(m, 0) for o in outputs)
                for m in ("image", "audio", "video")})
+        completion_tokens += audio_tokens
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens,
-                         prompt_tokens_details=details)
+                         prompt_tokens_details=details,
+                         completion_tokens_details=CompletionTokensDetails(
+                             audio_tokens=audio_tokens) if audio_tokens else None)
 
     async def start_generation(self, prompts: list[EnginePrompt], params: SamplingParams,
                                request_id: str, priority: int = 0) -> list[OutputStream]:
