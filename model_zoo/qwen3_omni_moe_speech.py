@@ -23,12 +23,13 @@ How transformers' ``Qwen3OmniMoeForConditionalGeneration.generate`` speaks, whic
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import DynamicCache, PretrainedConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from model_zoo.decoder import DecoderMLP, DecoderModel, DecoderSpec, head_dim_of
@@ -236,51 +237,84 @@ class Qwen3OmniMoeSpeechConfig:
                                if i != self.codec_eos_id]
 
 
-class Code2WavStream:
-    """Streams code2wav exactly: a chunk decodes its new frames with ``left_context`` frames before
-    them and emits only samples that are final.
+@dataclass
+class Code2WavState:
+    """One answer's place in the vocoder stream."""
 
-    One code2wav call on ``n`` frames returns ``n * upsample - shortfall`` samples (its causal
-    transposed convolutions trim their tails), so the last ``shortfall`` samples of a window are
-    not final until more frames arrive; cutting every chunk at ``n * upsample`` (what transformers'
-    ``chunked_decode`` does) drops them at each boundary. With a left context at least the
-    vocoder's receptive field, the concatenated stream equals a one-shot decode.
+    cache: DynamicCache
+    """The code2wav transformer's keys and values (its sliding window)."""
+    frames: int = 0
+    """Frames through the transformer so far."""
+    tail: torch.Tensor | None = None
+    """``[1, <= context, hidden]`` the last transformer outputs: the convolutions' left context."""
+    emitted: int = 0
+    """Samples handed out so far."""
+
+
+class Code2WavStream:
+    """Streams code2wav exactly, in O(new frames) per chunk.
+
+    The transformer runs incrementally over a KV cache (positions and the sliding window as in
+    one pass over all frames). The convolutions after it see only a few frames back, so each
+    chunk convolves its new transformer outputs with ``conv_context`` frames before them and
+    hands out only samples that are final: one pass over ``n`` frames yields ``n * upsample -
+    shortfall`` samples (the causal transposed convolutions trim their tails), so the last
+    ``shortfall`` samples wait for the next frames. transformers' ``chunked_decode`` instead
+    cuts every chunk at ``n * upsample`` and drops them at each boundary.
     """
 
-    def __init__(self, code2wav: Qwen3OmniMoeCode2Wav, left_context: int) -> None:
+    def __init__(self, code2wav: Qwen3OmniMoeCode2Wav, conv_context: int = 16) -> None:
         self.code2wav = code2wav
         self.upsample = int(code2wav.total_upsample)
-        self.left_context = left_context
-        probe = torch.zeros(1, code2wav.config.num_quantizers, 2, dtype=torch.long,
-                            device=code2wav.code_embedding.weight.device)
+        self.conv_context = conv_context
+        device = code2wav.code_embedding.weight.device
+        probe = torch.zeros(1, code2wav.config.num_quantizers, 2, dtype=torch.long, device=device)
         with torch.no_grad():
             self.shortfall = 2 * self.upsample - code2wav(probe).shape[-1]
+        if conv_context * self.upsample <= self.shortfall:
+            raise ValueError(f"conv_context={conv_context} frames is shorter than one chunk's "
+                             f"unfinished tail ({self.shortfall} samples).")
 
-    def decode(self, windows: list[tuple[torch.Tensor, int, int, bool]]) -> list[np.ndarray]:
-        """Each ``(codes [G, frames], emitted, start_frame, final)``: decode
-        ``codes[:, start_frame:]`` (batched, right-padded: the vocoder is causal) and return the
-        samples from ``emitted`` up to what is final (all of it when ``final``)."""
-        if not windows:
+    def new_state(self) -> Code2WavState:
+        return Code2WavState(DynamicCache(config=self.code2wav.config))
+
+    def decode(self, chunks: list[tuple[Code2WavState, torch.Tensor]]) -> list[np.ndarray]:
+        """Each ``(state, new codes [groups, n])`` -> the samples that became final (batched
+        through the convolutions, right-padded: they are causal)."""
+        if not chunks:
             return []
-        lengths = [codes.shape[1] - start for codes, _, start, _ in windows]
-        width = max(lengths)
-        batch = torch.stack([F.pad(codes[:, start:], (0, width - codes.shape[1] + start))
-                             for codes, _, start, _ in windows])
-        wave = self.code2wav(batch)[:, 0].float()  # [B, width * up - shortfall]
+        c2w, windows = self.code2wav, []
+        for state, codes in chunks:
+            embeds = c2w.code_embedding(codes[None] + c2w.code_offset).mean(1)  # [1, n, hidden]
+            positions = torch.arange(state.frames, state.frames + codes.shape[1],
+                                     device=codes.device)[None]
+            hidden = c2w.pre_transformer(inputs_embeds=embeds, cache=state.cache,
+                                         use_cache=True, position_ids=positions
+                                         ).last_hidden_state
+            window = hidden if state.tail is None else torch.cat([state.tail, hidden], dim=1)
+            windows.append((window, state.frames + codes.shape[1] - window.shape[1]))
+            state.frames += codes.shape[1]
+            state.tail = window[:, -self.conv_context:]
+        width = max(window.shape[1] for window, _ in windows)
+        batch = torch.cat([F.pad(window, (0, 0, 0, width - window.shape[1]))
+                           for window, _ in windows])
+        wave = self._convolve(batch)  # [B, width * upsample - shortfall]
         out = []
-        for row, (codes, emitted, start, _final) in enumerate(windows):
-            end = codes.shape[1] * self.upsample - self.shortfall  # final samples, all frames
-            first = start * self.upsample
-            out.append(wave[row, emitted - first:end - first].cpu().numpy())
+        for row, ((state, _), (_, first_frame)) in enumerate(zip(chunks, windows, strict=True)):
+            first = first_frame * self.upsample
+            end = state.frames * self.upsample - self.shortfall
+            out.append(wave[row, state.emitted - first:end - first].float().cpu().numpy())
+            state.emitted = end
         return out
 
-    def window_start(self, emitted_frames: int) -> int:
-        """First frame to decode when frames before ``emitted_frames`` were already streamed."""
-        return max(emitted_frames - self.left_context, 0)
+    def _convolve(self, hidden: torch.Tensor) -> torch.Tensor:
+        """code2wav's layers after its transformer (transformers' forward, from there on)."""
+        hidden = hidden.permute(0, 2, 1)
+        for blocks in self.code2wav.upsample:
+            for block in blocks:
+                hidden = block(hidden)
+        for block in self.code2wav.decoder:
+            hidden = block(hidden)
+        return hidden.clamp(min=-1, max=1)[:, 0]
 
 
-def code2wav_receptive_context(config: PretrainedConfig) -> int:
-    """Left context (frames) for ``Code2WavStream``: the transformer's attention window per layer
-    plus the convolutions' few frames. Exact for one layer; deeper stacks see further in
-    principle, but attention weight that far back is negligible (measured in the tests)."""
-    return config.sliding_window * max(config.num_hidden_layers, 1) + 8

@@ -57,7 +57,6 @@ from model_zoo.qwen3_omni_moe_speech import (
     Code2WavStream,
     Qwen3OmniMoeSpeechConfig,
     Qwen3OmniMoeTalker,
-    code2wav_receptive_context,
 )
 from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.rotary_embedding import MRotaryEmbedding
@@ -312,8 +311,8 @@ class Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeThinkerForConditionalGene
             self.tap_layer = self.speech_config.accept_hidden_layer
 
     def vocoder_stream(self) -> Code2WavStream:
-        """code2wav, streamed with a left context of its receptive field."""
-        return Code2WavStream(self.code2wav, code2wav_receptive_context(self.code2wav.config))
+        """code2wav, streamed exactly (incremental transformer, convolutions with context)."""
+        return Code2WavStream(self.code2wav)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if not self.speaks:

@@ -13,6 +13,7 @@ rest when the talker is done. Which requests compute what comes from the schedul
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -27,6 +28,9 @@ from omniserve.forward_context import set_forward_context
 from omniserve.layers.sampler import Sampler, SamplingMetadata
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.worker.encoder_runner import mrope_positions
+
+if TYPE_CHECKING:
+    from model_zoo.qwen3_omni_moe_speech import Code2WavState
 
 FIRST_CHUNK_FRAMES = 4
 CHUNK_FRAMES = 25
@@ -59,8 +63,8 @@ class _TalkerState:
     codes: list[torch.Tensor] = field(default_factory=list)  # per frame [num_groups]
     code0: list[int] = field(default_factory=list)  # group-0 codes (the repetition history)
     done: bool = False
-    emitted_samples: int = 0
-    emitted_frames: int = 0
+    vocoded_frames: int = 0
+    vocoder: Code2WavState | None = None
 
     def buildable_inputs(self) -> int:
         """Inputs that can exist now: the prompt, then decode input j once frame j and reply
@@ -319,23 +323,19 @@ class TalkerRunner:
         )
 
     # ---- vocoder ---------------------------------------------------------------------------------
-    def _stream(self, req_ids: list[str], states: list[_TalkerState]) -> dict[str,
-                                                                              SpeechStepOutput]:
-        windows, owners = [], []
+    def _stream(self, req_ids: list[str], states: list[_TalkerState]
+                ) -> dict[str, SpeechStepOutput]:
+        chunks, owners = [], []
         for req_id, state in zip(req_ids, states, strict=True):
-            pending = len(state.codes) - state.emitted_frames
-            chunk = FIRST_CHUNK_FRAMES if state.emitted_frames == 0 else CHUNK_FRAMES
+            pending = len(state.codes) - state.vocoded_frames
+            chunk = FIRST_CHUNK_FRAMES if state.vocoded_frames == 0 else CHUNK_FRAMES
             if pending and (state.done or pending >= chunk):
-                codes = torch.stack(state.codes, dim=1).to(self.device)  # [groups, frames]
-                windows.append((codes, state.emitted_samples,
-                                self.vocoder.window_start(state.emitted_frames), state.done))
+                if state.vocoder is None:
+                    state.vocoder = self.vocoder.new_state()
+                codes = torch.stack(state.codes[state.vocoded_frames:], dim=1)  # [groups, n]
+                chunks.append((state.vocoder, codes.to(self.device)))
                 owners.append(req_id)
-        audio = dict(zip(owners, self.vocoder.decode(windows), strict=True))
-        results = {}
-        for req_id, state in zip(req_ids, states, strict=True):
-            samples = audio.get(req_id)
-            if samples is not None:
-                state.emitted_samples += len(samples)
-                state.emitted_frames = len(state.codes)
-            results[req_id] = SpeechStepOutput(len(state.codes), state.done, samples)
-        return results
+                state.vocoded_frames = len(state.codes)
+        audio = dict(zip(owners, self.vocoder.decode(chunks), strict=True))
+        return {req_id: SpeechStepOutput(len(state.codes), state.done, audio.get(req_id))
+                for req_id, state in zip(req_ids, states, strict=True)}
