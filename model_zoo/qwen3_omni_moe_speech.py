@@ -32,11 +32,17 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
-from model_zoo.decoder import DecoderMLP, DecoderModel, DecoderSpec, head_dim_of
+from model_zoo.decoder import (
+    DecoderForCausalLM,
+    DecoderMLP,
+    DecoderModel,
+    DecoderSpec,
+    head_dim_of,
+)
 from omniserve.layers.fused_moe import FusedMoE, select_experts
 from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import ReplicatedLinear
-from omniserve.layers.rotary_embedding import get_rope, rotate_qk
+from omniserve.layers.rotary_embedding import MRotaryEmbedding, get_rope, rotate_qk
 from omniserve.layers.weight_utils import WeightRoute, route_stacked
 
 
@@ -172,18 +178,10 @@ class Qwen3OmniMoeTalker(nn.Module):
     has_own_kv_cache = True
     """The thinker's KV sizing skips these layers; the talker runner gives them their cache."""
 
-    stacked_params = (
-        ("qkv_proj", "q_proj", "q"),
-        ("qkv_proj", "k_proj", "k"),
-        ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0),
-        ("gate_up_proj", "up_proj", 1),
-    )
+    stacked_params = DecoderForCausalLM.stacked_params
 
-    def __init__(self, config: PretrainedConfig) -> None:
-        from model_zoo.qwen2_5_omni_thinker import thinker_rope
-        from model_zoo.qwen3_omni_moe_thinker import InterleavedMRotaryEmbedding
-
+    def __init__(self, config: PretrainedConfig, rope: MRotaryEmbedding) -> None:
+        """``rope``: the thinker family's M-RoPE, built from the talker's text config."""
         super().__init__()
         self.config = config
         text = config.text_config
@@ -191,7 +189,7 @@ class Qwen3OmniMoeTalker(nn.Module):
                            qk_norm=True)
         self.model = DecoderModel(
             text, spec, [TalkerSparseMoeBlock(text) for _ in range(text.num_hidden_layers)])
-        self.model.rotary_emb = thinker_rope(text, [24, 20, 20], InterleavedMRotaryEmbedding)
+        self.model.rotary_emb = rope
         self.codec_head = ReplicatedLinear(text.hidden_size, text.vocab_size)
         self.text_projection = ResizeMLP(config)
         self.hidden_projection = ResizeMLP(config)

@@ -98,6 +98,11 @@ class InterleavedMRotaryEmbedding(MRotaryEmbedding):
         return cos.to(dtype), sin.to(dtype)
 
 
+def qwen3_omni_rope(text_config: PretrainedConfig) -> InterleavedMRotaryEmbedding:
+    """The thinker's and the talker's M-RoPE (transformers' default section 24/20/20)."""
+    return thinker_rope(text_config, [24, 20, 20], InterleavedMRotaryEmbedding)
+
+
 @dataclass
 class DeepstackInput:
     """DeepStack rows of one step, handed from ``get_input_embeddings`` to ``forward``."""
@@ -119,7 +124,7 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
         text_config = config.text_config
-        self.model.rotary_emb = thinker_rope(text_config, [24, 20, 20], InterleavedMRotaryEmbedding)
+        self.model.rotary_emb = qwen3_omni_rope(text_config)
         self.visual = Qwen3OmniMoeVisionEncoder(config.vision_config)
         self.audio_tower = Qwen3OmniMoeAudioEncoder(config.audio_config)
         self.hidden_size: int = text_config.hidden_size
@@ -306,7 +311,8 @@ class Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeThinkerForConditionalGene
         self.speaks = bool(getattr(config, "enable_audio_output", True))
         if self.speaks:
             self.speech_config = Qwen3OmniMoeSpeechConfig(config)
-            self.talker = Qwen3OmniMoeTalker(config.talker_config)
+            self.talker = Qwen3OmniMoeTalker(config.talker_config,
+                                             qwen3_omni_rope(config.talker_config.text_config))
             self.code2wav = Qwen3OmniMoeCode2Wav(config.code2wav_config)
             self.tap_layer = self.speech_config.accept_hidden_layer
 
