@@ -231,6 +231,9 @@ class CacheConfig:
     """Tokens per KV block."""
     kv_cache_memory_bytes: int | None = None
     """Memory for the KV cache across all layers; None: a device-dependent default."""
+    talker_kv_cache_memory_bytes: int | None = None
+    """A speaking model's talker KV pool; None: a quarter of the KV budget (the thinker gets the
+    rest), or ``num_blocks_override`` blocks when that is set."""
     num_blocks_override: int | None = None
     """Exact number of KV blocks (tests use it to force preemption)."""
     enable_prefix_caching: bool = True
@@ -246,8 +249,9 @@ class CacheConfig:
                              f"{self.gpu_memory_utilization}.")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError("kv_cache_memory_bytes must be positive.")
+        for name in ("kv_cache_memory_bytes", "talker_kv_cache_memory_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive.")
         if self.num_blocks_override is not None and self.num_blocks_override < 1:
             raise ValueError("num_blocks_override must be >= 1.")
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import AutoProcessor
+from transformers import AutoConfig, AutoProcessor
 from transformers import Qwen3OmniMoeForConditionalGeneration as HFQwen3Omni
 
 from model_zoo.qwen3_omni_moe_speech import Code2WavStream
@@ -171,3 +171,33 @@ def test_requests_that_cannot_speak_are_refused(tiny_checkpoint, speech_case):
     text = silent.generate(prompts[0], SamplingParams(temperature=0.0,
                                                       max_tokens=THINKER_TOKENS))
     assert text[0].outputs[0].audio is None and text[0].outputs[0].token_ids
+
+
+def test_talker_preempted_by_its_pool_still_speaks_the_same(speech_case):
+    """A talker KV pool that holds the longest of 5 text-prompted speaking requests but not all
+    of them: their short prompts are admitted together, their growth preempts the newest
+    (recomputed from its kept inputs), every answer equals its uncontended reference, and the
+    pools are empty afterwards."""
+    llm, prompts, reference = speech_case
+    picks = [i for i, (kinds, _, _) in enumerate(CASES) if not kinds] * 2
+    model_dir = llm.llm_engine.config.model_config.model
+    talker = AutoConfig.from_pretrained(model_dir).talker_config.text_config
+    block_size = 16
+    per_block = (2 * block_size * talker.num_key_value_heads * talker.head_dim * 4
+                 * talker.num_hidden_layers)  # fp32 keys and values
+    tokenizer = llm.get_tokenizer()
+    # talker positions: the thinker's prompt and reply, then one per frame (an upper bound)
+    needs = [len(tokenizer(prompts[i]["prompt"]).input_ids) + THINKER_TOKENS
+             + len(reference[i][1]) // 1920 for i in picks]
+    pool = -(-max(needs) // block_size) + 1
+    assert pool * block_size < sum(needs)
+    small = LLM(model_dir, dtype="float32", max_model_len=2048, kv_cache_memory=32 << 20,
+                block_size=block_size, talker_kv_cache_memory=pool * per_block)
+    outputs = small.generate([prompts[i] for i in picks],
+                             [_speech_params(CASES[i][1]) for i in picks], use_tqdm=False)
+    for output, i in zip(outputs, picks, strict=True):
+        _assert_speaks_like(output, reference[i])
+    stats = small.llm_engine.engine_core.call_utility("get_stats")
+    assert stats["num_talker_preemptions"] > 0
+    assert stats["talker_kv_cache_usage"] == 0 and stats["kv_cache_usage"] == 0
+    assert stats["num_speaking"] == 0

@@ -207,7 +207,9 @@ class Scheduler:
             "encoder_cache_queries": float(self.encoder_cache_queries),
             "encoder_cache_hits": float(self.encoder_cache_hits),
             **({"talker_kv_cache_usage": self.talker.usage,
-                "num_speaking": float(len(self.talker.requests))} if self.talker else {}),
+                "num_speaking": float(len(self.talker.requests)),
+                "num_talker_preemptions": float(self.talker.num_preemptions)}
+               if self.talker else {}),
         }
 
     # ---- one step ----

@@ -128,6 +128,7 @@ class TalkerScheduler:
         self.finished_req_ids: set[str] = set()
         self.cut: set[str] = set()
         """Requests whose talker outgrew the whole pool alone: they end with what was spoken."""
+        self.num_preemptions = 0
 
     def add(self, thinker: Request, speech: SpeechRequest) -> None:
         self.requests[thinker.request_id] = TalkerRequest(thinker, speech)
@@ -170,6 +171,8 @@ class TalkerScheduler:
             if num_new <= 0:
                 continue  # its prompt is not known yet; later arrivals may be ready
             if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                if not any(r.has_blocks for r in self.requests.values()):
+                    self.cut.add(request.request_id)  # nothing to wait for: it never fits
                 break
             request.has_blocks = True
             seats -= 1
@@ -202,6 +205,7 @@ class TalkerScheduler:
         request.has_blocks = False
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         out.preempted_req_ids.add(request.request_id)
 
     def update(self, outputs: dict[str, SpeechStepOutput]) -> list[str]:

@@ -68,6 +68,7 @@ class EngineArgs:
     generation_config: str = "auto"
     block_size: int = 16
     kv_cache_memory: str | int | None = None
+    talker_kv_cache_memory: str | int | None = None
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float | None = None
     max_logprobs: int = 20
@@ -119,6 +120,7 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_memory_bytes=parse_bytes(self.kv_cache_memory),
+                talker_kv_cache_memory_bytes=parse_bytes(self.talker_kv_cache_memory),
                 num_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
@@ -192,6 +194,9 @@ class EngineArgs:
             help="KV-cache memory, e.g. 4GiB; None: on CPU half the memory available after "
             "loading the weights (less 1 GiB), on GPU 90%% of its memory less what is in use.",
         )
+        add("--talker-kv-cache-memory", default=None,
+            help="A speaking model's talker KV pool, e.g. 256MiB; None: a quarter of the KV "
+            "budget (the thinker gets the rest).")
         add(
             "--num-gpu-blocks-override",
             type=int,

@@ -171,24 +171,28 @@ class Worker:
         return int(num_blocks)
 
     def determine_num_talker_kv_blocks(self) -> int:
-        """The speech stage's KV pool: a quarter of the KV budget (0 when the model does not
-        speak); with ``num_blocks_override``, that many blocks."""
+        """The speech stage's KV pool (0 when the model does not speak): its own memory when
+        given, else that many blocks with ``num_blocks_override``, else a quarter of the KV
+        budget."""
         talker = self.model_runner.talker_runner
         if talker is None:
             return 0
         cache = self.config.cache_config
+        per_block = talker.kv_cache_bytes_per_block(self.dtype)
+        if cache.talker_kv_cache_memory_bytes is not None:
+            return max(cache.talker_kv_cache_memory_bytes // per_block, 1)
         if cache.num_blocks_override is not None:
             return cache.num_blocks_override
-        return max(int(self._kv_budget_bytes() * _TALKER_KV_SHARE)
-                   // talker.kv_cache_bytes_per_block(self.dtype), 1)
+        return max(int(self._kv_budget_bytes() * _TALKER_KV_SHARE) // per_block, 1)
 
     def initialize_talker_kv_cache(self, num_blocks: int) -> None:
         if self.model_runner.talker_runner is not None:
             self.model_runner.talker_runner.initialize_kv_cache(num_blocks, self.dtype)
 
     def _thinker_kv_budget_bytes(self) -> int:
-        share = 1.0 - _TALKER_KV_SHARE if self.model_runner.talker_runner is not None else 1.0
-        return int(self._kv_budget_bytes() * share)
+        talker_own = self.config.cache_config.talker_kv_cache_memory_bytes is not None
+        shares = self.model_runner.talker_runner is not None and not talker_own
+        return int(self._kv_budget_bytes() * (1.0 - _TALKER_KV_SHARE if shares else 1.0))
 
     def _kv_budget_bytes(self) -> int:
         cache = self.config.cache_config
