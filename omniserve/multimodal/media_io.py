@@ -13,13 +13,15 @@ import io
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-import av
 import numpy as np
-import soundfile
 from PIL import Image
 
 from omniserve.multimodal.errors import MultiModalInputError
+
+if TYPE_CHECKING:
+    import av
 
 
 @dataclass
@@ -103,6 +105,9 @@ def decode_audio(data: bytes, *, max_seconds: float) -> tuple[np.ndarray, int]:
     A clip longer than ``max_seconds`` is refused from its header, before any sample is decoded
     (a 2 KB file declared at 1 Hz holds 2,000 s), and again while decoding (headers can lie).
     """
+    import av
+    import soundfile
+
     try:
         info = soundfile.info(io.BytesIO(data))
     except Exception as sf_exc:  # libsndfile refuses unknown formats with several error types
@@ -159,6 +164,8 @@ _AUDIO_SECONDS = media_io_knob("audio", "max_seconds")
 def _stream_seconds(stream: av.stream.Stream, container: av.container.InputContainer
                     ) -> float | None:
     """A stream's duration as its container declares it (None: not declared)."""
+    import av
+
     if stream.duration is not None and stream.time_base is not None:
         return float(stream.duration * stream.time_base)
     if container.duration is not None:
@@ -173,6 +180,8 @@ class _AudioTrack:
 
     def __init__(self, stream: av.AudioStream, modality: str, what: str,
                  max_seconds: float) -> None:
+        import av
+
         self.rate = int(stream.codec_context.sample_rate or stream.rate)
         self._resampler = av.AudioResampler(format="fltp", rate=self.rate)  # layout kept
         self._chunks: list[np.ndarray] = []  # each [channels, n]
@@ -242,6 +251,8 @@ def decode_video(
     sample is planned from the container's frame count; when that is missing or wrong (e.g.
     Matroska stores none), a second pass samples from the count the first pass observed.
     """
+    import av
+
     try:
         with av.open(io.BytesIO(data)) as container:
             if not container.streams.video:
@@ -334,6 +345,8 @@ def _decode_pass(
     meter: _DecodeMeter,
 ) -> tuple[list[np.ndarray], int, tuple[np.ndarray, int] | None]:
     """Decode every video frame (converting only those in ``indices``) and the audio track."""
+    import av
+
     wanted = set(indices)
     frames: list[np.ndarray] = []  # each [H, W, 3]
     total = 0
