@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 _DTYPE_ALIASES = {
     "fp32": "float32",
     "float": "float32",
@@ -67,6 +68,9 @@ class ModelConfig:
     checkpoint on a GPU), "float32", "bfloat16" or "float16"."""
     device: str = "auto"
     """"auto" (CUDA when present), "cpu" or "cuda"."""
+    attention_backend: str = "auto"
+    """Paged-attention backend (``attention/selector.py``): "auto" (Triton on CUDA, the CPU
+    backend's C decode kernel on CPU), "triton" or "torch"."""
     seed: int = 0
     """Seed for the engine's global RNG (requests may bring their own)."""
     served_model_name: str = ""
@@ -136,6 +140,9 @@ class ModelConfig:
         object.__setattr__(self, "dtype", dtype)  # normalising an alias, not patching state
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                             f"{self.attention_backend!r}.")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if self.generation_config not in ("auto", "vllm"):

@@ -31,6 +31,11 @@ def device_override() -> str | None:
     return os.environ.get("OMNISERVE_DEVICE") or None
 
 
+def attention_backend() -> str:
+    """Default of ``--attention-backend`` (``OMNISERVE_ATTENTION_BACKEND``, "auto")."""
+    return os.environ.get("OMNISERVE_ATTENTION_BACKEND") or "auto"
+
+
 def engine_multiprocessing() -> bool:
     """Run the engine core in its own process (``OMNISERVE_ENABLE_MULTIPROCESSING``, default on)."""
     return os.environ.get("OMNISERVE_ENABLE_MULTIPROCESSING", "1") not in ("0", "false", "False")

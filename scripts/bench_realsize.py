@@ -3,7 +3,7 @@
 On random-weight checkpoints in real architectures' shapes (bf16, real vocabulary; built once
 into the cache dir by ``omniserve.checkpoint_builder.build_realsize_checkpoint``), in one run:
 
-- offline throughput at batch 1, 8 and 32 (128-token prompts, 128 new tokens) and on a
+- offline throughput at batch 1, 8, 32 and 128 (128-token prompts, 128 new tokens) and on a
   prefill-heavy mix (16 x 128 prompt tokens, 32 new), greedy, ignore_eos;
 - the prefill alone (16 x 128 tokens, 1 new) and, on the omni thinkers, the time to the first
   token of an image + audio prompt;
@@ -42,7 +42,8 @@ import numpy as np
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-WORKLOADS = ("b1", "b8", "b32", "prefill_mix", "prefill", "ttft_mm")
+WORKLOADS = ("b1", "b8", "b32", "b128", "prefill_mix", "prefill", "ttft_mm")
+DEFAULT_WORKLOADS = ("b1", "b8", "b32", "prefill_mix", "prefill", "ttft_mm")  # b128: GPU-sized
 MAX_MODEL_LEN = 4096
 KV_CACHE_GIB = 4
 PROMPT_LEN = 128
@@ -51,33 +52,53 @@ SAMPLE_RATE = 16000
 # ---- the machine's limits ---------------------------------------------------------------------
 
 
-def measure_roofline() -> dict[str, float]:
-    """bf16 GEMV bandwidth (one row through oneDNN-packed weights larger than the caches, as a
-    decode step reads them) and bf16 GEMM rate (2048 rows, a prefill's shape)."""
+def measure_roofline(device: str) -> dict[str, float]:
+    """bf16 GEMV bandwidth (one row through weights larger than the caches, as a decode step
+    reads them) and bf16 GEMM rate (a prefill's shape), on ``device``: oneDNN-packed weights on
+    CPU, cuBLAS on CUDA."""
     import torch
 
-    weights = [torch.randn(8960, 2048).bfloat16() for _ in range(16)]  # 587 MB > L3
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
-    del weights
-    x1, xm = torch.randn(1, 2048).bfloat16(), torch.randn(2048, 2048).bfloat16()
+    on_cpu = device == "cpu"
+    # CPU: 16 x 8960 x 2048 (587 MB > L3), GEMM 2048 rows; CUDA: 64 of them (2.3 GB > L2), 16k rows
+    count, rows, k, n = (16, 2048, 2048, 8960) if on_cpu else (64, 16384, 8192, 8192)
+    weights = [torch.randn(8960, 2048, device=device).bfloat16() for _ in range(count)]
+    gemm_weight = torch.randn(n, k, device=device).bfloat16()
+    x1 = torch.randn(1, 2048, device=device).bfloat16()
+    xm = torch.randn(rows, k, device=device).bfloat16()
+    if on_cpu:
+        weights = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+        gemm_weight = torch.ops.mkldnn._reorder_linear_weight(gemm_weight, rows)
 
-    def linear(x: Any, w: Any) -> Any:
-        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        def linear(x: Any, w: Any) -> Any:
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
-    best_gemv = best_gemm = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for w in packed:
-            linear(x1, w)
-        best_gemv = min(best_gemv, time.perf_counter() - start)
-    for _ in range(3):
-        start = time.perf_counter()
-        linear(xm, packed[0])
-        best_gemm = min(best_gemm, time.perf_counter() - start)
-    return {
-        "gemv_bytes_per_s": 16 * 8960 * 2048 * 2 / best_gemv,
-        "gemm_flops_per_s": 2 * 2048 * 8960 * 2048 / best_gemm,
+        def sync() -> None:
+            pass
+    else:
+        linear, sync = torch.nn.functional.linear, torch.cuda.synchronize
+
+    def best_of(repeats: int, fn: Any) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    gemv_s = best_of(5, lambda: [linear(x1, w) for w in weights])
+    gemm_s = best_of(3, lambda: linear(xm, gemm_weight))
+    roofline = {
+        "gemv_bytes_per_s": count * 8960 * 2048 * 2 / gemv_s,
+        "gemm_flops_per_s": 2 * rows * k * n / gemm_s,
     }
+    if not on_cpu:  # HBM: a 4 GiB device copy (read + write), faster than cuBLAS's GEMV
+        src = torch.empty(4 << 30, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        roofline["gemv_bytes_per_s"] = max(roofline["gemv_bytes_per_s"],
+                                           2 * src.numel() / best_of(5, lambda: dst.copy_(src)))
+    return roofline
 
 
 def model_costs(model_dir: Path) -> dict[str, float]:
@@ -120,8 +141,8 @@ def _token_prompts(num: int, seed: int, vocab_size: int) -> list[list[int]]:
 
 
 def write_media(directory: Path, seed: int) -> tuple[str, str]:
-    """A 448 x 448 image (256 tokens at 28 px per token) and a 10 s clip, as files."""
-    import soundfile
+    """A 448 x 448 image (256 tokens at 28 px per token) and a 10 s clip at 16 kHz, as files
+    (the clip as .npy, so no audio library is needed where the benchmark runs)."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
@@ -129,8 +150,8 @@ def write_media(directory: Path, seed: int) -> tuple[str, str]:
     Image.fromarray(rng.integers(0, 256, (448, 448, 3), dtype=np.uint8)).save(image)
     t = np.arange(10 * SAMPLE_RATE) / SAMPLE_RATE
     wave = 0.3 * np.sin(2 * np.pi * rng.uniform(200, 2000) * t) + 0.05 * rng.standard_normal(t.size)
-    audio = directory / f"audio-{seed}.wav"
-    soundfile.write(audio, wave.astype(np.float32), SAMPLE_RATE)
+    audio = directory / f"audio-{seed}.npy"
+    np.save(audio, wave.astype(np.float32))
     return str(image), str(audio)
 
 
@@ -156,8 +177,10 @@ def max_model_len(model_dir: Path) -> int:
     return min(MAX_MODEL_LEN, _text_config(model_dir).max_position_embeddings)
 
 
-def make_workload(names: list[str], model_dir: Path, media_dir: Path) -> dict[str, Any]:
-    shapes = {"b1": (1, 128), "b8": (8, 128), "b32": (32, 128), "prefill_mix": (16, 32),
+def make_workload(names: list[str], model_dir: Path, media_dir: Path,
+                  device: str) -> dict[str, Any]:  # fmt: skip
+    shapes = {"b1": (1, 128), "b8": (8, 128), "b32": (32, 128), "b128": (128, 128),
+              "prefill_mix": (16, 32),
               "prefill": (16, 1)}  # fmt: skip
     runs = []
     for i, name in enumerate(names):
@@ -174,7 +197,7 @@ def make_workload(names: list[str], model_dir: Path, media_dir: Path) -> dict[st
             {"prompt_token_ids": p, "max_tokens": new}
             for p in _token_prompts(num, i, _text_config(model_dir).vocab_size)
         ]})  # fmt: skip
-    return {"runs": runs, "max_model_len": max_model_len(model_dir)}
+    return {"runs": runs, "max_model_len": max_model_len(model_dir), "device": device}
 
 
 # ---- workers (one engine per process) -----------------------------------------------------------
@@ -207,19 +230,19 @@ class PeakRSS:
 
 
 def _load_media(request: dict[str, Any]) -> dict[str, Any]:
-    import soundfile
     from PIL import Image
 
-    wave, rate = soundfile.read(request["audio"], dtype="float32")
-    return {"image": Image.open(request["image"]).convert("RGB"), "audio": (wave, rate)}
+    image = Image.open(request["image"]).convert("RGB")
+    return {"image": image, "audio": (np.load(request["audio"]), SAMPLE_RATE)}
 
 
 def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
     from omniserve import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model_dir, max_model_len=workload["max_model_len"],
-              kv_cache_memory=KV_CACHE_GIB << 30, enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(model_dir, max_model_len=workload["max_model_len"], device=workload["device"],
+              kv_cache_memory=KV_CACHE_GIB << 30, enable_prefix_caching=False,
+              **workload.get("llm_kwargs", {}))  # fmt: skip
     load_s = time.perf_counter() - start
     info = llm.llm_engine.engine_core.call_utility("get_model_info")
     warmup = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -253,13 +276,15 @@ def run_hf(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
 
     architecture = AutoConfig.from_pretrained(model_dir).architectures[0]
     start = time.perf_counter()
+    device = workload["device"]
     model = getattr(transformers, architecture).from_pretrained(model_dir, dtype=torch.bfloat16)
-    model.eval()
+    model.to(device).eval()
     load_s = time.perf_counter() - start
     processor = None
     runs = []
     with torch.inference_mode():
-        model.generate(torch.arange(1000, 1008)[None], max_new_tokens=4, min_new_tokens=4,
+        model.generate(torch.arange(1000, 1008, device=device)[None], max_new_tokens=4,
+                       min_new_tokens=4,
                        do_sample=False)  # fmt: skip
         for run in workload["runs"]:
             requests = run["requests"]
@@ -275,8 +300,11 @@ def run_hf(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
                                         return_tensors="pt"))  # fmt: skip
                 inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
                           for k, v in inputs.items()}  # fmt: skip
+            inputs = {k: v.to(device) for k, v in inputs.items()}
             out = model.generate(**inputs, max_new_tokens=new, min_new_tokens=new,
                                  do_sample=False)  # fmt: skip
+            if device != "cpu":
+                torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
             prompt_len = inputs["input_ids"].shape[1]
             runs.append({
@@ -310,7 +338,8 @@ def warm_page_cache(model_dir: Path) -> None:
 
 
 def run_engine(engine: str, model_dir: Path, workload_file: Path, out: Path,
-               vllm_python: str | None) -> dict[str, Any] | None:  # fmt: skip
+               vllm_python: str | None,
+               timeout: float | None) -> dict[str, Any] | None:  # fmt: skip
     warm_page_cache(model_dir)
     if engine == "vllm":
         cmd = [vllm_python, str(REPO / "scripts" / "vllm_offline_runner.py"),
@@ -323,7 +352,12 @@ def run_engine(engine: str, model_dir: Path, workload_file: Path, out: Path,
         cmd = [sys.executable, __file__, "--worker", engine, "--model", str(model_dir),
                "--workload", str(workload_file), "--out", str(out)]  # fmt: skip
     print(f"  {engine}: {' '.join(cmd[:2])} ...", flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        print(f"  {engine} did not finish in {timeout} s: skipped.", flush=True)
+        return None
     if proc.returncode or not out.is_file():
         print(f"  {engine} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
         return None
@@ -395,11 +429,17 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(REALSIZE_MODELS))
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                        help=f"Any of {','.join(WORKLOADS)}.")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda.")
+    parser.add_argument("--llm-kwargs", default="{}",
+                        help="JSON of extra LLM(...) arguments for omniserve.")
     parser.add_argument("--engines", default="omniserve,hf,vllm")
     parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
                         help="Python of a venv with vLLM's CPU build; vLLM is skipped without.")
     parser.add_argument("--out", default=None, help="Write every figure as JSON here too.")
+    parser.add_argument("--engine-timeout", type=float, default=None,
+                        help="Seconds one engine's run may take before it is skipped.")
     parser.add_argument("--worker", choices=["omniserve", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -412,10 +452,15 @@ def main() -> None:
         print(f"No vLLM venv at {args.vllm_python}: vLLM skipped.")
         engines.remove("vllm")
     print("Measuring this machine's bf16 GEMV bandwidth and GEMM rate ...", flush=True)
-    roofline = measure_roofline()
-    print(f"bf16 GEMV {roofline['gemv_bytes_per_s'] / 1e9:.1f} GB/s, "
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    roofline = measure_roofline(device)
+    print(f"{device}: memory {roofline['gemv_bytes_per_s'] / 1e9:.1f} GB/s, "
           f"bf16 GEMM {roofline['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s")  # fmt: skip
-    all_results: dict[str, Any] = {"roofline": roofline, "models": {}}
+    all_results: dict[str, Any] = {"device": device, "roofline": roofline, "models": {}}
     lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-realsize-") as tmp:
         for name in args.models.split(","):
@@ -424,11 +469,14 @@ def main() -> None:
             omni = "Omni" in REALSIZE_MODELS[name].architecture
             names = [w for w in args.workloads.split(",") if w != "ttft_mm" or omni]
             workload_file = Path(tmp) / f"{name}.json"
-            workload_file.write_text(json.dumps(make_workload(names, model_dir, Path(tmp))))
+            workload = make_workload(names, model_dir, Path(tmp), device)
+            workload["llm_kwargs"] = json.loads(args.llm_kwargs)
+            workload_file.write_text(json.dumps(workload))
             results = {}
             for engine in engines:
                 result = run_engine(engine, model_dir, workload_file,
-                                    Path(tmp) / f"{name}-{engine}.json", args.vllm_python)
+                                    Path(tmp) / f"{name}-{engine}.json", args.vllm_python,
+                                    args.engine_timeout)  # fmt: skip
                 if result is not None:
                     results[engine] = result
             costs = model_costs(model_dir)

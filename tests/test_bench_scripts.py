@@ -113,7 +113,7 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
     the media request timed, memory and the limits reported (timings are not checked)."""
     bench = _load_script("bench_realsize")
     model_dir = tiny_checkpoint("Qwen3OmniMoeThinkerForConditionalGeneration")
-    workload = bench.make_workload(["b1", "prefill", "ttft_mm"], model_dir, tmp_path)
+    workload = bench.make_workload(["b1", "prefill", "ttft_mm"], model_dir, tmp_path, "cpu")
     assert [run["name"] for run in workload["runs"]] == ["b1", "prefill", "ttft_mm_warmup",
                                                           "ttft_mm"]  # fmt: skip
     workload_file = tmp_path / "workload.json"
@@ -121,7 +121,7 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
     results = {}
     for engine in ("omniserve", "hf"):
         results[engine] = bench.run_engine(engine, model_dir, workload_file,
-                                           tmp_path / f"{engine}.json", None)  # fmt: skip
+                                           tmp_path / f"{engine}.json", None, 600)  # fmt: skip
         runs = {run["name"]: run for run in results[engine]["runs"]}
         assert runs["b1"]["num_output_tokens"] == 128 and runs["b1"]["num_prompt_tokens"] == 128
         assert runs["prefill"]["num_output_tokens"] == 16

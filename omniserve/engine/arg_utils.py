@@ -6,9 +6,11 @@ import argparse
 import dataclasses
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from omniserve import envs
 from omniserve.config import (
+    ATTENTION_BACKENDS,
     CacheConfig,
     ModelConfig,
     MultiModalConfig,
@@ -62,6 +64,7 @@ class EngineArgs:
     tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    attention_backend: str = field(default_factory=envs.attention_backend)
     seed: int = 0
     max_model_len: int | None = None
     served_model_name: str | None = None
@@ -101,6 +104,7 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             dtype=self.dtype,
             device=self.device,
+            attention_backend=self.attention_backend,
             seed=self.seed,
             served_model_name=self.served_model_name or "",
             generation_config=self.generation_config,
@@ -173,6 +177,9 @@ class EngineArgs:
             "native bf16, fp32; on a GPU, bf16 for an fp32 checkpoint).",
         )
         add("--device", default="auto", help="auto (CUDA when present), cpu or cuda.")
+        add("--attention-backend", default=envs.attention_backend(), choices=ATTENTION_BACKENDS,
+            help="Paged attention: auto (Triton on CUDA, C decode kernel on CPU), triton or "
+            "torch (the reference). Default: $OMNISERVE_ATTENTION_BACKEND or auto.")
         add("--seed", type=int, default=0, help="Engine RNG seed.")
         add("--generation-config", default="auto",
             help="Default sampling settings for fields a request omits: 'auto' the "

@@ -27,10 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-# NOTE: read once at import, the moment @triton.jit below decides between compiled and interpreted
-# kernels. Triton 3.8's interpreter multiplies bf16 dot operands as raw uint16 bits, so interpreted
-# kernels upcast dot operands to fp32 (exact for bf16/fp16 products, still fp32-accumulated).
-_INTERPRETED: bool = triton.knobs.runtime.interpret
+from omniserve.triton_utils import INTERPRETED, dot
 
 
 class ExpertAlignment(NamedTuple):
@@ -75,14 +72,6 @@ def align_pairs_by_expert(
     block_expert_ids = torch.searchsorted(block_end, blocks, right=True)  # [max_blocks]
     block_expert_ids = torch.where(block_expert_ids < num_experts, block_expert_ids, -1)
     return ExpertAlignment(sorted_pair_ids, block_expert_ids.to(torch.int32))
-
-
-@triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -137,10 +126,10 @@ def _grouped_gemm_kernel(
         k_valid = offs_k < K - k_start
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         w_mask = k_valid[:, None] & n_valid[None, :]
-        acc = _dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, UPCAST_DOT, DOT_PRECISION)
+        acc = dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, UPCAST_DOT, DOT_PRECISION)
         if GATED:
             up = tl.load(up_ptrs, mask=w_mask, other=0.0)
-            acc_up = _dot(a, up, acc_up, UPCAST_DOT, DOT_PRECISION)
+            acc_up = dot(a, up, acc_up, UPCAST_DOT, DOT_PRECISION)
             up_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
@@ -203,7 +192,7 @@ def _grouped_gemm(
         PAIRS_PER_A_ROW=pairs_per_a_row,
         GATED=gated,
         APPLY_ROUTING_WEIGHT=not gated,
-        UPCAST_DOT=_INTERPRETED,
+        UPCAST_DOT=INTERPRETED,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,  # fp32: no TF32
         BLOCK_M=block_m,
         BLOCK_N=block_n,

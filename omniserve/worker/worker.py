@@ -14,6 +14,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from omniserve import envs
 from omniserve.attention.layer import get_attention_layers
+from omniserve.attention.selector import apply_attention_backend
 from omniserve.config import OmniConfig
 from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from omniserve.cpu.backend import CpuBackendReport, apply_cpu_backend
@@ -140,6 +141,9 @@ class Worker:
             self.backend_report = apply_cpu_backend(model)
             logger.info(self.backend_report.summary())
             release_freed_memory()  # the weights the backend replaced
+        self.attention_backends = apply_attention_backend(
+            model, model_config.attention_backend, self.device, self.dtype)
+        logger.info("Attention layers by backend: %s", self.attention_backends)
         self.load_seconds = time.perf_counter() - start
         vocab_size = self.hf_config.get_text_config().vocab_size
         self.model_runner = ModelRunner(
@@ -234,6 +238,7 @@ class Worker:
             "num_kv_tokens": self.num_kv_blocks * block_size,
             "load_seconds": self.load_seconds,
             "cpu_backend": dict(self.backend_report.placements),
+            "attention_backends": dict(self.attention_backends),
         }
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

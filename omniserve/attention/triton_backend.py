@@ -1,0 +1,214 @@
+"""Paged attention in Triton for CUDA: one kernel for prefill chunks and decodes, reading keys and
+values straight from the paged cache (no gather, no padding, no per-request launches).
+
+A program owns one tile of one request's new tokens for one KV head. The tile's rows are
+(query token, query head of the group) pairs, so a KV head's keys are read once for its whole
+group of query heads (grouped-query attention) and a decode, with one query token, still fills
+its rows with the group. Keys are walked ``_BLOCK_N`` positions at a time; each position is
+looked up in the block table (any block size) and masked by causality within the chunk, the
+sequence length and the sliding window, then folded into an online softmax in fp32
+(FlashAttention's recurrence; an fp32 cache multiplies in IEEE fp32, not TF32). Decodes and
+prefill chunks are launched separately with tile heights that suit them, from one kernel source.
+A step's tiles are planned once on the host from the metadata's host copies and reused by every
+layer. The new keys and values reach their slots through a small store kernel first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import triton
+import triton.language as tl
+
+from omniserve.attention.base import AttentionBackend
+from omniserve.attention.metadata import AttentionMetadata
+from omniserve.triton_utils import INTERPRETED, dot
+
+_DECODE_ROWS = 16
+"""Rows of a decode tile: the smallest height ``tl.dot`` takes (more when a group is larger)."""
+_PREFILL_ROWS = 64
+"""Rows of a prefill tile (query tokens x group heads)."""
+_BLOCK_N = 64
+"""Key positions per step of the online softmax."""
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, num_kv_heads, head_size,
+    HEAD_PAD: tl.constexpr,
+):  # fmt: skip
+    """Program (token, KV head): that head's key and value of the token to its cache slot."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    d = tl.arange(0, HEAD_PAD)
+    mask = d < head_size
+    k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
+    dst = (slot * num_kv_heads + head) * head_size + d
+    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
+    tile_req_ptr, tile_first_ptr, query_start_ptr, seq_lens_ptr, block_table_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    scale, window, num_kv_heads, head_size, block_size,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program (tile, KV head): attention of the tile's (token, group head) rows."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.load(tile_req_ptr + tile)
+    first = tl.load(tile_first_ptr + tile)  # the tile's first query token within its request
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    context = tl.load(seq_lens_ptr + req) - q_len  # keys cached before this step
+
+    rows = tl.arange(0, ROWS)
+    token = first + rows // GROUP_PAD
+    sub = rows % GROUP_PAD
+    head = kv_head * GROUP + sub
+    row_ok = (token < q_len) & (sub < GROUP)
+    pos = context + token  # each row's absolute position
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < head_size
+    q_rows = (q_start + token).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
+    last = tl.minimum(first + ROWS // GROUP_PAD, q_len) - 1
+    end = context + last + 1  # no row of the tile sees a key past its last token
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(context + first - window + 1, 0)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        page = tl.load(block_table_ptr + req * stride_bt + n // block_size, mask=n_ok, other=0)
+        slot = page.to(tl.int64) * block_size + n % block_size
+        kv_off = (slot * num_kv_heads + kv_head)[:, None] * head_size + d[None, :]
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = dot(q, tl.trans(k), tl.zeros([ROWS, BLOCK_N], tl.float32), UPCAST, PRECISION)
+        visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+
+
+@dataclass
+class _Tiles:
+    """One launch's tiles: request index and first query token of each."""
+
+    req: torch.Tensor  # [num_tiles] int32
+    first: torch.Tensor  # [num_tiles] int32
+
+
+def plan_tiles(query_lens: list[int], tokens_per_tile: int, decodes: bool) -> tuple[list[int],
+                                                                                  list[int]]:
+    """The (request, first token) tiles of the decodes (query length 1) or of the prefill chunks
+    (longer queries), ``tokens_per_tile`` query tokens each."""
+    reqs: list[int] = []
+    firsts: list[int] = []
+    for req, query_len in enumerate(query_lens):
+        if (query_len == 1) != decodes:
+            continue
+        for first in range(0, query_len, tokens_per_tile):
+            reqs.append(req)
+            firsts.append(first)
+    return reqs, firsts
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention through the Triton kernels above; CUDA (or the Triton interpreter)."""
+
+    name: ClassVar[str] = "triton"
+
+    def __init__(self) -> None:
+        self._metadata: AttentionMetadata | None = None
+        self._tiles: dict[tuple[int, bool], _Tiles | None] = {}
+
+    def _tiles_for(self, metadata: AttentionMetadata, tokens_per_tile: int,
+                   decodes: bool) -> _Tiles | None:  # fmt: skip
+        """This step's tiles, planned once and reused by every layer (None: no such requests)."""
+        if metadata is not self._metadata:
+            self._metadata, self._tiles = metadata, {}
+        key = (tokens_per_tile, decodes)
+        if key not in self._tiles:
+            reqs, firsts = plan_tiles(metadata.query_lens_cpu, tokens_per_tile, decodes)
+            device = metadata.query_start_loc.device
+            self._tiles[key] = _Tiles(
+                torch.tensor(reqs, dtype=torch.int32, device=device),
+                torch.tensor(firsts, dtype=torch.int32, device=device),
+            ) if reqs else None  # fmt: skip
+        return self._tiles[key]
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_size = query.shape
+        num_kv_heads = key.shape[1]
+        head_pad = max(triton.next_power_of_2(head_size), 16)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        key, value = _unit_stride(key), _unit_stride(value)
+        if num_tokens:
+            _store_kv_kernel[(num_tokens, num_kv_heads)](
+                key, value, key_cache, value_cache, metadata.slot_mapping,
+                key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                num_kv_heads, head_size, HEAD_PAD=head_pad,
+            )  # fmt: skip
+        query = _unit_stride(query)
+        out = torch.empty_like(query)
+        group = num_heads // num_kv_heads
+        group_pad = triton.next_power_of_2(group)
+        block_table = metadata.block_table
+        for decodes, rows in ((True, _DECODE_ROWS), (False, _PREFILL_ROWS)):
+            rows = max(rows, group_pad)
+            tiles = self._tiles_for(metadata, rows // group_pad, decodes)
+            if tiles is None:
+                continue
+            _paged_attention_kernel[(tiles.req.shape[0], num_kv_heads)](
+                out, query, key_cache, value_cache, tiles.req, tiles.first,
+                metadata.query_start_loc, metadata.seq_lens, block_table,
+                query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                block_table.stride(0), scale, sliding_window or 0, num_kv_heads, head_size,
+                kv_cache.shape[2], GROUP=group, GROUP_PAD=group_pad, ROWS=rows,
+                HEAD_PAD=head_pad, BLOCK_N=_BLOCK_N, HAS_WINDOW=sliding_window is not None,
+                UPCAST=INTERPRETED, PRECISION="ieee" if kv_cache.dtype == torch.float32 else None,
+            )  # fmt: skip
+        return out
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """The kernels index the last dimension densely."""
+    return x if x.stride(-1) == 1 else x.contiguous()
