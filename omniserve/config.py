@@ -71,6 +71,8 @@ class ModelConfig:
     attention_backend: str = "auto"
     """Paged-attention backend (``attention/selector.py``): "auto" (Triton on CUDA, the CPU
     backend's C decode kernel on CPU), "triton" or "torch"."""
+    enforce_eager: bool = False
+    """Run decode steps eagerly instead of replaying captured CUDA graphs."""
     seed: int = 0
     """Seed for the engine's global RNG (requests may bring their own)."""
     served_model_name: str = ""

@@ -20,6 +20,9 @@ class AttentionBackend(ABC):
     """Computes causal attention for a flattened batch of prefill chunks and decodes."""
 
     name: ClassVar[str]
+    supports_cuda_graphs: ClassVar[bool] = False
+    """Whether a forward depends on the metadata's device tensors alone (nothing planned on the
+    host from per-step values), so a decode step can be captured once and replayed."""
 
     @abstractmethod
     def forward(

@@ -7,7 +7,8 @@ already in the paged cache (an earlier chunk or a prefix-cache hit). Requests ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,9 @@ class AttentionMetadata:
     """Host copy of the query lengths, so backends split the batch without a device sync."""
     seq_lens_cpu: list[int]
     """Host copy of ``seq_lens``."""
+    plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    """What a backend derives from this layout once and every layer reuses (the Triton
+    backend's tiles); it lives as long as the metadata, so a captured graph's stays valid."""
 
     def __post_init__(self) -> None:
         num_reqs = len(self.query_lens_cpu)

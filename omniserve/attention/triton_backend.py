@@ -40,12 +40,13 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh, num_kv_heads, head_size,
     HEAD_PAD: tl.constexpr,
 ):  # fmt: skip
-    """Program (token, KV head): that head's key and value of the token to its cache slot."""
+    """Program (token, KV head): that head's key and value of the token to its cache slot (a
+    negative slot is a padding row of a captured batch: nothing is written)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     d = tl.arange(0, HEAD_PAD)
-    mask = d < head_size
+    mask = (d < head_size) & (slot >= 0)
     k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
     dst = (slot * num_kv_heads + head) * head_size + d
@@ -145,25 +146,21 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention through the Triton kernels above; CUDA (or the Triton interpreter)."""
 
     name: ClassVar[str] = "triton"
+    supports_cuda_graphs: ClassVar[bool] = True
 
-    def __init__(self) -> None:
-        self._metadata: AttentionMetadata | None = None
-        self._tiles: dict[tuple[int, bool], _Tiles | None] = {}
-
-    def _tiles_for(self, metadata: AttentionMetadata, tokens_per_tile: int,
+    @staticmethod
+    def _tiles_for(metadata: AttentionMetadata, tokens_per_tile: int,
                    decodes: bool) -> _Tiles | None:  # fmt: skip
         """This step's tiles, planned once and reused by every layer (None: no such requests)."""
-        if metadata is not self._metadata:
-            self._metadata, self._tiles = metadata, {}
-        key = (tokens_per_tile, decodes)
-        if key not in self._tiles:
+        key = ("triton", tokens_per_tile, decodes)
+        if key not in metadata.plans:
             reqs, firsts = plan_tiles(metadata.query_lens_cpu, tokens_per_tile, decodes)
             device = metadata.query_start_loc.device
-            self._tiles[key] = _Tiles(
+            metadata.plans[key] = _Tiles(
                 torch.tensor(reqs, dtype=torch.int32, device=device),
                 torch.tensor(firsts, dtype=torch.int32, device=device),
             ) if reqs else None  # fmt: skip
-        return self._tiles[key]
+        return metadata.plans[key]
 
     def forward(
         self,

@@ -65,6 +65,7 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = field(default_factory=envs.attention_backend)
+    enforce_eager: bool = False
     seed: int = 0
     max_model_len: int | None = None
     served_model_name: str | None = None
@@ -105,6 +106,7 @@ class EngineArgs:
             dtype=self.dtype,
             device=self.device,
             attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
             seed=self.seed,
             served_model_name=self.served_model_name or "",
             generation_config=self.generation_config,
@@ -180,6 +182,9 @@ class EngineArgs:
         add("--attention-backend", default=envs.attention_backend(), choices=ATTENTION_BACKENDS,
             help="Paged attention: auto (Triton on CUDA, C decode kernel on CPU), triton or "
             "torch (the reference). Default: $OMNISERVE_ATTENTION_BACKEND or auto.")
+        add("--enforce-eager", action="store_true",
+            help="Run decode steps eagerly: capture no CUDA graphs (they need an attention "
+            "backend without per-step host plans: Triton).")
         add("--seed", type=int, default=0, help="Engine RNG seed.")
         add("--generation-config", default="auto",
             help="Default sampling settings for fields a request omits: 'auto' the "

@@ -57,7 +57,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
-    "--enforce-eager": ({"action": "store_true"}, "omniserve captures no CUDA graphs yet"),
     "--trust-remote-code": ({"action": "store_true"},
                             "no code from checkpoints runs: omniserve's model classes load them"),
     "--disable-log-requests": ({"action": "store_true"}, "requests are not logged anyway"),

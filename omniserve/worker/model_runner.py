@@ -25,6 +25,7 @@ from omniserve.layers.sampler import (
     compute_logprobs,
 )
 from omniserve.structured_output import apply_bitmask_rows
+from omniserve.worker.cuda_graph import DecodeGraphs, graph_batch_sizes
 from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
 from omniserve.worker.talker_runner import TalkerRunner
@@ -59,6 +60,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         max_len = scheduler_config.max_model_len
         self.max_num_blocks_per_req = -(-max_len // self.block_size)
+        self.max_num_seqs = scheduler_config.max_num_seqs
         self.input_batch = InputBatch(
             scheduler_config.max_num_seqs, max_len, self.max_num_blocks_per_req
         )
@@ -69,6 +71,7 @@ class ModelRunner:
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         self.talker_runner = (TalkerRunner(model, self.block_size, device)
                               if getattr(model, "speaks", False) else None)
+        self.decode_graphs: DecodeGraphs | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, dtype: torch.dtype) -> int:
@@ -97,6 +100,19 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
+    @torch.inference_mode()
+    def capture_decode_graphs(self) -> list[int]:
+        """Capture the decode forward at each size of the ladder (after the KV cache exists);
+        returns the sizes, none where a layer's attention backend plans on the host."""
+        if not all(layer.backend.supports_cuda_graphs
+                   for layer in get_attention_layers(self.model)):  # fmt: skip
+            return []
+        self.decode_graphs = DecodeGraphs(self.model, graph_batch_sizes(self.max_num_seqs),
+                                          self.max_num_blocks_per_req, self.device,
+                                          self.uses_mrope)  # fmt: skip
+        self.decode_graphs.capture()
+        return self.decode_graphs.sizes
+
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -111,13 +127,15 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         step = self._prepare_inputs(scheduler_output)
-        input_ids, inputs_embeds = step.input_ids, None
-        if self.encoder_runner is not None:
-            inputs_embeds = self._embed_with_mm(scheduler_output, step)
-            input_ids = None
-        with set_forward_context(step.attn_metadata):
-            hidden_states = self.model(  # [num_tokens, hidden]
-                input_ids, self._positions(step), inputs_embeds=inputs_embeds)
+        hidden_states = self._replay_decode(scheduler_output, step)  # [num_tokens, hidden]
+        if hidden_states is None:
+            input_ids, inputs_embeds = step.input_ids, None
+            if self.encoder_runner is not None:
+                inputs_embeds = self._embed_with_mm(scheduler_output, step)
+                input_ids = None
+            with set_forward_context(step.attn_metadata):
+                hidden_states = self.model(
+                    input_ids, self._positions(step), inputs_embeds=inputs_embeds)
         if self.talker_runner is not None:
             self._keep_talker_hidden(step)
         logits = self.model.compute_logits(hidden_states[step.logits_indices])  # [S, vocab]
@@ -147,6 +165,16 @@ class ModelRunner:
                 )
         output.prompt_logprobs = self._prompt_logprobs(step, hidden_states)
         return output
+
+    def _replay_decode(self, so: SchedulerOutput, step: StepInputs) -> torch.Tensor | None:
+        """The step's hidden states from a captured graph when every request feeds back one
+        generated token (a one-token prefill chunk may be a media placeholder, so it does not
+        count); None: run eagerly."""
+        if (self.decode_graphs is None or so.scheduled_encoder_inputs
+                or (step.query_lens != 1).any()
+                or (step.positions < self.input_batch.num_prompt_tokens[step.rows]).any()):
+            return None
+        return self.decode_graphs.run(step.input_ids, self._positions(step), step.attn_metadata)
 
     def _keep_talker_hidden(self, step: StepInputs) -> None:
         """Hand the talker the thinker's tapped hidden states at the prompt positions of this

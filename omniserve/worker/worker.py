@@ -144,6 +144,7 @@ class Worker:
         self.attention_backends = apply_attention_backend(
             model, model_config.attention_backend, self.device, self.dtype)
         logger.info("Attention layers by backend: %s", self.attention_backends)
+        self.graph_sizes: list[int] = []  # decode batch sizes replayed from CUDA graphs
         self.load_seconds = time.perf_counter() - start
         vocab_size = self.hf_config.get_text_config().vocab_size
         self.model_runner = ModelRunner(
@@ -215,6 +216,13 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks, self.dtype)
         self.num_kv_blocks = num_blocks
+        if not self.config.model_config.enforce_eager:
+            start = time.perf_counter()
+            self.graph_sizes = self.model_runner.capture_decode_graphs()
+            if self.graph_sizes:
+                logger.info("Captured decode graphs for %d batch sizes (1 to %d) in %.1f s",
+                            len(self.graph_sizes), self.graph_sizes[-1],
+                            time.perf_counter() - start)  # fmt: skip
         if self.rank == 0:
             info = self.model_info()
             logger.info(
@@ -239,6 +247,9 @@ class Worker:
             "load_seconds": self.load_seconds,
             "cpu_backend": dict(self.backend_report.placements),
             "attention_backends": dict(self.attention_backends),
+            "cuda_graph_sizes": list(self.graph_sizes),
+            "cuda_graph_replays": (graphs.num_replays
+                                   if (graphs := self.model_runner.decode_graphs) else 0),
         }
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
