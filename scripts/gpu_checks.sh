@@ -21,19 +21,18 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 triton.__version__, 'transformers', transformers.__version__)"
 MODELS=${MODELS:-qwen2.5-omni-3b-thinker}
 LLM_KWARGS=${LLM_KWARGS:-'{}'}
-# the real-size checkpoints build on the CPUs while the GPU tests run
+# pytest: a per-test limit, and SIGINT at the end of the budget so it still prints its summary
+PYTEST="$PY -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout=${PER_TEST_TIMEOUT:-120}"
+timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST -m gpu tests/test_triton_attention.py \
+  tests/test_cuda_graph.py tests/test_triton_fused_moe.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST --maxfail=3 tests/test_fidelity.py \
+  tests/test_fidelity_bf16.py -k "not arithmetic" 2>&1 | tee "$OUT/fidelity.log" | tail -15
+# the real-size checkpoints build on the CPUs after the tests (HF references run there too)
 $PY -c "
 from omniserve.checkpoint_builder import build_realsize_checkpoint
 for name in '$MODELS'.split(','):
-    print(name, build_realsize_checkpoint(name), flush=True)" >"$OUT/build.log" 2>&1 &
-build=$!
-timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider -x -m gpu \
-  tests/test_triton_attention.py tests/test_triton_fused_moe.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
-timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider --maxfail=3 \
-  tests/test_fidelity.py tests/test_fidelity_bf16.py -k "not arithmetic" 2>&1 \
-  | tee "$OUT/fidelity.log" | tail -8
-wait $build; tail -2 "$OUT/build.log"
-timeout "${BENCH_TIMEOUT:-400}" $PY scripts/bench_realsize.py --models "$MODELS" \
+    print(name, build_realsize_checkpoint(name), flush=True)" 2>&1 | tail -2
+timeout -s INT "${BENCH_TIMEOUT:-400}" $PY scripts/bench_realsize.py --models "$MODELS" \
   --engines omniserve,hf --workloads "${WORKLOADS:-b1,b32,b128,ttft_mm}" \
   --engine-timeout "${ENGINE_TIMEOUT:-180}" --llm-kwargs "$LLM_KWARGS" \
   --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"

@@ -96,3 +96,37 @@ def test_cpu_kv_budget_is_a_share_of_what_is_available(monkeypatch) -> None:
     assert memory.default_cpu_kv_budget(2) == 2 << 30  # split between tensor-parallel workers
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 512 << 20)
     assert memory.default_cpu_kv_budget(1) == 0
+
+
+def test_gpu_kv_budget_from_a_profile() -> None:
+    """80 GiB at 0.9: 72 GiB, less the profiled peak (weights + activations), what lives outside
+    torch and the encoder cache at capacity."""
+    total = 80 << 30
+    assert memory.gpu_kv_budget(total, 0.9, 20 << 30, 1 << 30, 1 << 30) == int(total * 0.9) - (
+        22 << 30)
+    with pytest.raises(MemoryError) as error:
+        memory.gpu_kv_budget(total, 0.5, 39 << 30, 1 << 30, 1 << 29)
+    message = str(error.value)
+    for expected in ("--gpu-memory-utilization 0.5 of 80.00 GiB is 40.00 GiB",
+                     "took 39.00 GiB", "1.00 GiB is held outside torch",
+                     "encoder cache needs 0.50 GiB", "--max-num-batched-tokens"):
+        assert expected in message, message
+
+
+def test_profile_run_takes_the_largest_items_and_step(tiny_checkpoint) -> None:
+    """The profile's inputs on an omni thinker: one worst-case item per modality allowed (not
+    one where --limit-mm-per-prompt forbids it), each as many embeddings as the processor's
+    bound, through the encoders, then a full step; on CPU (no peak to read), it must run."""
+    from omniserve.engine.arg_utils import EngineArgs
+    from omniserve.worker.worker import Worker
+
+    model_dir = str(tiny_checkpoint("Qwen2_5OmniThinkerForConditionalGeneration"))
+    config = EngineArgs(model=model_dir, dtype="float32", max_model_len=2048,
+                        max_num_batched_tokens=512, kv_cache_memory=8 << 20,
+                        limit_mm_per_prompt='{"video": 0}').create_config()  # fmt: skip
+    worker = Worker(config)
+    items = worker.largest_media_items()
+    assert sorted(item.modality for item in items) == ["audio", "image"]
+    for item in items:
+        assert item.mm_position.length > 100  # worst case, not a thumbnail
+    worker.model_runner.profile_run(items)

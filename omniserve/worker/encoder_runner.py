@@ -19,7 +19,7 @@ from omniserve.core.sched_output import SchedulerOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 
 
-def _to_device(data: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
+def to_device(data: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
     if data is None:
         raise RuntimeError("A scheduled encoder input carries no data.")
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in data.items()}
@@ -52,7 +52,7 @@ class EncoderRunner:
             given = [f for f in all_features if f.data is not None and key in f.data]
             features = [f for f in all_features if f.data is None or key not in f.data]
             outputs = self.model.get_multimodal_embeddings(
-                modality, [_to_device(f.data, self.device) for f in features]) if features else []
+                modality, [to_device(f.data, self.device) for f in features]) if features else []
             if len(outputs) != len(features):
                 raise RuntimeError(f"The {modality} encoder returned {len(outputs)} outputs for "
                                    f"{len(features)} items.")

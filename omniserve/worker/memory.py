@@ -87,6 +87,27 @@ def _process_rss_bytes() -> int:
     return 0
 
 
+def gpu_kv_budget(total_bytes: int, utilization: float, peak_torch_bytes: int,
+                  non_torch_bytes: int, encoder_cache_bytes: int) -> int:
+    """A GPU worker's KV cache: its share ``utilization`` of the device, less the profiled peak
+    of torch's allocations (weights and the largest step's and media item's activations), what
+    lives outside torch (CUDA context, cuBLAS workspaces, other processes) and the encoder cache
+    at capacity. Raises MemoryError naming the sizes when nothing is left."""
+    budget = int(total_bytes * utilization) - peak_torch_bytes - non_torch_bytes
+    budget -= encoder_cache_bytes
+    if budget <= 0:
+        raise MemoryError(
+            f"No GPU memory is left for a KV cache: --gpu-memory-utilization {utilization} of "
+            f"{gib(total_bytes)} is {gib(total_bytes * utilization)}, but the profile run's peak "
+            f"(weights and the largest step and media item) took {gib(peak_torch_bytes)}, "
+            f"{gib(non_torch_bytes)} is held outside torch and the encoder cache needs "
+            f"{gib(encoder_cache_bytes)}. Raise --gpu-memory-utilization, lower "
+            "--max-num-batched-tokens or the media limits (--limit-mm-per-prompt, "
+            "--mm-processor-kwargs), or serve a smaller model."
+        )
+    return budget
+
+
 def default_cpu_kv_budget(num_workers: int) -> int:
     """Each of ``num_workers`` CPU workers' KV-cache share of the memory available now."""
     usable = max(available_memory_bytes() - RESERVE_BYTES, 0)

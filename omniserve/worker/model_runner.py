@@ -24,9 +24,10 @@ from omniserve.layers.sampler import (
     banned_by_bad_words,
     compute_logprobs,
 )
+from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.structured_output import apply_bitmask_rows
 from omniserve.worker.cuda_graph import DecodeGraphs, graph_batch_sizes
-from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions
+from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions, to_device
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
 from omniserve.worker.talker_runner import TalkerRunner
 
@@ -61,6 +62,7 @@ class ModelRunner:
         max_len = scheduler_config.max_model_len
         self.max_num_blocks_per_req = -(-max_len // self.block_size)
         self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.input_batch = InputBatch(
             scheduler_config.max_num_seqs, max_len, self.max_num_blocks_per_req
         )
@@ -99,6 +101,24 @@ class ModelRunner:
             )
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+
+    @torch.inference_mode()
+    def profile_run(self, media: list[MultiModalFeatureSpec]) -> None:
+        """The start-up memory profile's work: each media item through its encoder, then the
+        largest step (``max_num_batched_tokens`` tokens as one causal sequence, no cache) and
+        the logits and sampling probabilities of a full batch."""
+        for feature in media:
+            self.model.get_multimodal_embeddings(feature.modality,
+                                                 [to_device(feature.data, self.device)])
+        num_tokens = self.max_num_batched_tokens
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        if self.uses_mrope:
+            positions = positions.expand(3, num_tokens)
+        with set_forward_context(None):
+            hidden_states = self.model(input_ids, positions)
+        logits = self.model.compute_logits(hidden_states[: self.max_num_seqs])
+        torch.softmax(logits, dim=-1)
 
     @torch.inference_mode()
     def capture_decode_graphs(self) -> list[int]:

@@ -20,14 +20,18 @@ from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from omniserve.cpu.backend import CpuBackendReport, apply_cpu_backend
 from omniserve.cpu.build import has_native_bf16
 from omniserve.layers.tp import get_tp_size
+from omniserve.multimodal.inputs import MultiModalFeatureSpec
+from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from omniserve.plugins import load_plugins
 from omniserve.registry import ModelRegistry
+from omniserve.tokenizer import get_tokenizer
 from omniserve.worker.host_allocator import keep_freed_memory, release_freed_memory
 from omniserve.worker.memory import (
     check_model_fits,
     cpu_kv_budget_for_utilization,
     default_cpu_kv_budget,
     gib,
+    gpu_kv_budget,
 )
 from omniserve.worker.model_loader import load_model_weights
 from omniserve.worker.model_runner import ModelRunner
@@ -145,6 +149,7 @@ class Worker:
             model, model_config.attention_backend, self.device, self.dtype)
         logger.info("Attention layers by backend: %s", self.attention_backends)
         self.graph_sizes: list[int] = []  # decode batch sizes replayed from CUDA graphs
+        self._gpu_kv_budget: int | None = None  # from the memory profile, once
         self.load_seconds = time.perf_counter() - start
         vocab_size = self.hf_config.get_text_config().vocab_size
         self.model_runner = ModelRunner(
@@ -208,10 +213,50 @@ class Worker:
             if utilization is None:
                 return default_cpu_kv_budget(get_tp_size())
             return cpu_kv_budget_for_utilization(utilization, get_tp_size())
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free  # the weights, and whatever else runs on the device
-        # Leave room for activations: a rough share of the step's token budget.
-        return int(total * (utilization or _GPU_MEMORY_FRACTION) - used - (1 << 30))
+        if self._gpu_kv_budget is None:
+            peak = self.profile_peak_bytes()
+            free, total = torch.cuda.mem_get_info(self.device)
+            non_torch = max(total - free - torch.cuda.memory_reserved(self.device), 0)
+            encoder_cache = 0
+            if self.model_runner.encoder_runner is not None:
+                elem = torch.empty((), dtype=self.dtype).element_size()
+                hidden = self.hf_config.get_text_config().hidden_size
+                encoder_cache = self.config.scheduler_config.encoder_cache_size * hidden * elem
+            self._gpu_kv_budget = gpu_kv_budget(total, utilization or _GPU_MEMORY_FRACTION, peak,
+                                                non_torch, encoder_cache)  # fmt: skip
+            logger.info("Memory profile: peak %s in torch (weights, the largest step and media "
+                        "item), %s outside it; KV budget %s", gib(peak), gib(non_torch),
+                        gib(self._gpu_kv_budget))  # fmt: skip
+        return self._gpu_kv_budget
+
+    def profile_peak_bytes(self) -> int:
+        """torch's peak allocation on the device over one run of the largest step and of the
+        largest item of each modality the limits allow (weights included)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.model_runner.profile_run(self.largest_media_items())
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return peak
+
+    def largest_media_items(self) -> list[MultiModalFeatureSpec]:
+        """One worst-case item per modality this deployment takes, processed as requests are
+        (the processor's dummy inputs under --limit-mm-per-prompt and --mm-processor-kwargs)."""
+        model_config, mm = self.config.model_config, self.config.multimodal_config
+        if not MULTIMODAL_REGISTRY.supports_multimodal(model_config):
+            return []
+        processor = MULTIMODAL_REGISTRY.create_processor(
+            model_config, get_tokenizer(model_config.tokenizer),
+            limit_mm_per_prompt=mm.limit_mm_per_prompt, mm_processor_kwargs=mm.mm_processor_kwargs,
+        )  # fmt: skip
+        assert processor is not None
+        items: list[MultiModalFeatureSpec] = []
+        for modality, limit in processor.info.get_allowed_mm_limits().items():
+            if limit != 0:
+                items += processor.get_dummy_mm_inputs(model_config.max_model_len,
+                                                       {modality: 1}).mm_features  # fmt: skip
+        return items
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks, self.dtype)
