@@ -58,6 +58,8 @@ def measure_roofline(device: str) -> dict[str, float]:
     CPU, cuBLAS on CUDA."""
     import torch
 
+    from omniserve.cpu.linear import onednn_packs
+
     on_cpu = device == "cpu"
     # CPU: 16 x 8960 x 2048 (587 MB > L3), GEMM 2048 rows; CUDA: 64 of them (2.3 GB > L2), 16k rows
     count, rows, k, n = (16, 2048, 2048, 8960) if on_cpu else (64, 16384, 8192, 8192)
@@ -65,7 +67,7 @@ def measure_roofline(device: str) -> dict[str, float]:
     gemm_weight = torch.randn(n, k, device=device).bfloat16()
     x1 = torch.randn(1, 2048, device=device).bfloat16()
     xm = torch.randn(rows, k, device=device).bfloat16()
-    if on_cpu:
+    if on_cpu and onednn_packs(torch.bfloat16):
         weights = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         gemm_weight = torch.ops.mkldnn._reorder_linear_weight(gemm_weight, rows)
 
@@ -74,8 +76,9 @@ def measure_roofline(device: str) -> dict[str, float]:
 
         def sync() -> None:
             pass
-    else:
-        linear, sync = torch.nn.functional.linear, torch.cuda.synchronize
+    else:  # CUDA, or a CPU whose oneDNN packs no bf16 (AVX2 only): what the engine runs there
+        linear = torch.nn.functional.linear
+        sync = torch.cuda.synchronize if not on_cpu else lambda: None
 
     def best_of(repeats: int, fn: Any) -> float:
         best = float("inf")

@@ -16,6 +16,7 @@ once for up to ``ROWS_KERNEL_MAX_ROWS`` rows; larger batches (prompt logprobs) u
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,19 @@ def release_weight(layer: nn.Module, name: str = "weight") -> None:
     setattr(layer, name, nn.Parameter(torch.empty_like(old, device="meta"), requires_grad=False))
 
 
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` weights on this CPU (its bf16 path needs AVX-512 BW/VL/DQ
+    or AVX-NE-CONVERT; an AVX2-only CPU keeps bf16 layers on torch)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), PACK_ROWS_HINT)
+    except RuntimeError:
+        return False
+    return True
+
+
 class OneDnnLinear:
     """``x @ weight.T + bias`` on a oneDNN-packed copy that replaces the layer's weight."""
 
@@ -64,10 +78,10 @@ class OneDnnLinear:
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
         return (
-            torch.backends.mkldnn.is_available()
-            and weight.device.type == "cpu"
+            weight.device.type == "cpu"
             and weight.dtype in (torch.float32, torch.bfloat16)
             and weight.dim() == 2
+            and onednn_packs(weight.dtype)
         )
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
