@@ -321,6 +321,7 @@ def run_hf(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
 def worker_main(args: argparse.Namespace) -> None:
     workload = json.loads(Path(args.workload).read_text())
     rss = PeakRSS()
+    workload["llm_kwargs"] = {**workload.get("llm_kwargs", {}), **json.loads(args.worker_kwargs)}
     runner = run_omniserve if args.worker == "omniserve" else run_hf
     result = runner(args.model, workload)
     result["peak_rss_bytes"] = rss.stop()
@@ -341,8 +342,10 @@ def warm_page_cache(model_dir: Path) -> None:
 
 
 def run_engine(engine: str, model_dir: Path, workload_file: Path, out: Path,
-               vllm_python: str | None,
-               timeout: float | None) -> dict[str, Any] | None:  # fmt: skip
+               vllm_python: str | None, timeout: float | None,
+               variant_kwargs: dict[str, Any] | None = None) -> dict[str, Any] | None:  # fmt: skip
+    """One engine's run in its own process; ``omniserve:LABEL`` is omniserve with
+    ``variant_kwargs`` over the workload's LLM arguments."""
     warm_page_cache(model_dir)
     if engine == "vllm":
         cmd = [vllm_python, str(REPO / "scripts" / "vllm_offline_runner.py"),
@@ -352,8 +355,9 @@ def run_engine(engine: str, model_dir: Path, workload_file: Path, out: Path,
                "--llm-kwargs", json.dumps({"enable_prefix_caching": False,
                                            "mm_processor_cache_gb": 0})]  # fmt: skip
     else:
-        cmd = [sys.executable, __file__, "--worker", engine, "--model", str(model_dir),
-               "--workload", str(workload_file), "--out", str(out)]  # fmt: skip
+        cmd = [sys.executable, __file__, "--worker", engine.partition(":")[0],
+               "--model", str(model_dir), "--workload", str(workload_file), "--out", str(out),
+               "--worker-kwargs", json.dumps(variant_kwargs or {})]  # fmt: skip
     print(f"  {engine}: {' '.join(cmd[:2])} ...", flush=True)
     try:
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -437,7 +441,11 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda.")
     parser.add_argument("--llm-kwargs", default="{}",
                         help="JSON of extra LLM(...) arguments for omniserve.")
-    parser.add_argument("--engines", default="omniserve,hf,vllm")
+    parser.add_argument("--engines", default="omniserve,hf,vllm",
+                        help="omniserve, hf, vllm, and omniserve:LABEL for each --variants entry.")
+    parser.add_argument("--variants", default="{}",
+                        help='JSON {"LABEL": {LLM arguments}}: omniserve:LABEL runs omniserve '
+                        'with them, e.g. {"eager": {"enforce_eager": true}}.')
     parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
                         help="Python of a venv with vLLM's CPU build; vLLM is skipped without.")
     parser.add_argument("--out", default=None, help="Write every figure as JSON here too.")
@@ -446,6 +454,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=["omniserve", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-kwargs", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker_main(args)
@@ -477,9 +486,11 @@ def main() -> None:
             workload_file.write_text(json.dumps(workload))
             results = {}
             for engine in engines:
+                label = engine.partition(":")[2]
                 result = run_engine(engine, model_dir, workload_file,
-                                    Path(tmp) / f"{name}-{engine}.json", args.vllm_python,
-                                    args.engine_timeout)  # fmt: skip
+                                    Path(tmp) / f"{name}-{engine.replace(':', '-')}.json",
+                                    args.vllm_python, args.engine_timeout,
+                                    json.loads(args.variants).get(label))  # fmt: skip
                 if result is not None:
                     results[engine] = result
             costs = model_costs(model_dir)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one run (a lent GPU machine has minutes, not hours): the `gpu` test marker
 # (compiled Triton attention and fused MoE), the fp32 and bf16 fidelity suites with the engine on
-# CUDA (transformers on CPU as the reference), then the real-size benchmark against transformers'
-# batched generate on the same GPU. Logs land in $OUT (or ./gpu-checks).
+# CUDA (transformers on CPU as the reference), then the real-size benchmark: omniserve with CUDA
+# graphs, eager (and, with ENGINES=...,omniserve:torch, the torch attention backend) against
+# transformers' batched generate on the same GPU. Logs land in $OUT (or ./gpu-checks).
 #
 #   bash scripts/gpu_checks.sh                 # on a machine with CUDA, omniserve installed
 #   WHEELS=.whl bash scripts/gpu_checks.sh     # first install carried wheels (no registry there)
@@ -33,6 +34,8 @@ from omniserve.checkpoint_builder import build_realsize_checkpoint
 for name in '$MODELS'.split(','):
     print(name, build_realsize_checkpoint(name), flush=True)" 2>&1 | tail -2
 timeout -s INT "${BENCH_TIMEOUT:-400}" $PY scripts/bench_realsize.py --models "$MODELS" \
-  --engines omniserve,hf --workloads "${WORKLOADS:-b1,b32,b128,ttft_mm}" \
+  --engines "${ENGINES:-omniserve,omniserve:eager,hf}" \
+  --variants '{"eager": {"enforce_eager": true}, "torch": {"enforce_eager": true, "attention_backend": "torch"}}' \
+  --workloads "${WORKLOADS:-b1,b32,b128,ttft_mm}" \
   --engine-timeout "${ENGINE_TIMEOUT:-180}" --llm-kwargs "$LLM_KWARGS" \
   --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"

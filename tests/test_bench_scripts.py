@@ -128,6 +128,10 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
         assert runs["ttft_mm"]["num_output_tokens"] == 1
         assert runs["ttft_mm"]["num_prompt_tokens"] > 200  # 448 px image + 10 s clip
         assert results[engine]["peak_rss_bytes"] > 0
+    variant = bench.run_engine("omniserve:torch", model_dir, workload_file, tmp_path / "v.json",
+                               None, 600, {"attention_backend": "torch"})  # fmt: skip
+    assert set(variant["model_info"]["attention_backends"]) == {"torch"}
+    assert set(results["omniserve"]["model_info"]["attention_backends"]) == {"cpu"}
     costs = bench.model_costs(model_dir)
     assert costs["decode_bytes_per_step"] > 0 and costs["prefill_flops_per_token"] > 0
     lines = bench.report("tiny", results, costs, {"gemv_bytes_per_s": 1e10,
