@@ -13,7 +13,7 @@ from omniserve.engine.llm_engine import LLMEngine
 from omniserve.entrypoints.chat_utils import ChatRenderer
 from omniserve.inputs.data import PromptType
 from omniserve.outputs import RequestOutput
-from omniserve.sampling_params import SamplingParams
+from omniserve.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -90,8 +90,16 @@ class LLM:
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
                       priorities: list[int]) -> list[str]:
         request_ids: list[str] = []
+        # Only finished outputs are returned: a cumulative request would rebuild its whole
+        # output every step for nothing (vLLM's LLM does the same).
+        final_only: dict[int, SamplingParams] = {}
         try:
             for prompt, param, priority in zip(prompts, params, priorities, strict=True):
+                if param.output_kind == RequestOutputKind.CUMULATIVE:
+                    if id(param) not in final_only:
+                        final_only[id(param)] = param.clone(
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+                    param = final_only[id(param)]
                 request_id = str(next(self._request_counter))
                 self.llm_engine.add_request(request_id, prompt, param, priority=priority)
                 request_ids.append(request_id)
