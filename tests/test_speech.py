@@ -201,3 +201,23 @@ def test_talker_preempted_by_its_pool_still_speaks_the_same(speech_case):
     assert stats["num_talker_preemptions"] > 0
     assert stats["talker_kv_cache_usage"] == 0 and stats["kv_cache_usage"] == 0
     assert stats["num_speaking"] == 0
+
+
+def test_talker_that_never_fits_its_pool_is_cut_not_waited_on(speech_case):
+    """A talker pool of one block cannot hold any request's talker prompt: each request ends
+    with its full text and the speech spoken so far (none), instead of the engine waiting
+    forever for blocks that never come."""
+    llm, prompts, reference = speech_case
+    model_dir = llm.llm_engine.config.model_config.model
+    talker = AutoConfig.from_pretrained(model_dir).talker_config.text_config
+    per_block = 2 * 16 * talker.num_key_value_heads * talker.head_dim * 4 * talker.num_hidden_layers
+    small = LLM(model_dir, dtype="float32", max_model_len=2048, kv_cache_memory=32 << 20,
+                talker_kv_cache_memory=per_block)
+    outputs = small.generate(prompts[:2], [_speech_params(v) for _, v, _ in CASES[:2]],
+                             use_tqdm=False)
+    for output, (tokens, _) in zip(outputs, reference[:2], strict=True):
+        completion = output.outputs[0]
+        assert completion.token_ids == tokens
+        assert completion.audio is not None and completion.audio.size == 0
+    stats = small.llm_engine.engine_core.call_utility("get_stats")
+    assert stats["num_speaking"] == 0 and stats["talker_kv_cache_usage"] == 0

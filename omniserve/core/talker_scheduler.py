@@ -23,6 +23,7 @@ for ever. A text-only request never enters this scheduler and costs nothing.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from omniserve.core.kv_cache_manager import KVCacheManager
@@ -33,6 +34,8 @@ from omniserve.core.sched_output import (
     SpeechStepOutput,
     TalkerSchedulerOutput,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def plan_talker_prompt(prompt_token_ids: list[int], im_start_id: int, user_id: int,
@@ -158,7 +161,7 @@ class TalkerScheduler:
                     break
             if blocks is None:
                 if index == 0:  # alone, it still outgrew the pool: its speech ends here
-                    self.cut.add(request.request_id)
+                    self._cut(request)
                 break
             self._commit(request, num_new, blocks.get_block_ids(), False, out)
             budget -= num_new
@@ -172,7 +175,7 @@ class TalkerScheduler:
                 continue  # its prompt is not known yet; later arrivals may be ready
             if self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 if not any(r.has_blocks for r in self.requests.values()):
-                    self.cut.add(request.request_id)  # nothing to wait for: it never fits
+                    self._cut(request)  # nothing to wait for: it never fits
                 break
             request.has_blocks = True
             seats -= 1
@@ -199,6 +202,14 @@ class TalkerScheduler:
         if len(entries) > request.num_text_sent:
             out.new_text[req_id] = entries[request.num_text_sent:]
             request.num_text_sent = len(entries)
+
+    def _cut(self, request: TalkerRequest) -> None:
+        self.cut.add(request.request_id)
+        logger.warning(
+            "Request %s: its talker needs more than the whole talker KV pool (%d blocks of %d "
+            "tokens); its speech ends after %d frames. Raise --talker-kv-cache-memory.",
+            request.request_id, self.kv_cache_manager.block_pool.num_blocks,
+            self.kv_cache_manager.block_size, request.num_frames)  # fmt: skip
 
     def _preempt(self, request: TalkerRequest, out: TalkerSchedulerOutput) -> None:
         self.kv_cache_manager.free(request)
