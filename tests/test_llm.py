@@ -203,3 +203,19 @@ def test_priority_needs_the_priority_policy(llm):
         llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=False, priority=[0, 2])
     with pytest.raises(ValueError, match="Got 1 priorities for 2 prompts"):
         llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=False, priority=[0])
+
+
+def test_generate_returns_whole_outputs_whatever_the_output_kind(tiny_checkpoint) -> None:
+    """LLM.generate returns finished outputs only, so every kind gives the whole answer (a
+    delta request's last output alone would hold its last token)."""
+    from omniserve.sampling_params import RequestOutputKind
+
+    llm = LLM(str(tiny_checkpoint("Qwen3ForCausalLM")), dtype="float32", max_model_len=256,
+              kv_cache_memory=8 << 20)  # fmt: skip
+    prompt = {"prompt_token_ids": list(range(100, 110))}
+    answers = [llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6,
+                                                   ignore_eos=True, output_kind=kind),
+                            use_tqdm=False)[0].outputs[0]  # fmt: skip
+               for kind in RequestOutputKind]
+    assert all(len(a.token_ids) == 6 for a in answers)
+    assert len({(tuple(a.token_ids), a.text) for a in answers}) == 1

@@ -90,12 +90,13 @@ class LLM:
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
                       priorities: list[int]) -> list[str]:
         request_ids: list[str] = []
-        # Only finished outputs are returned: a cumulative request would rebuild its whole
-        # output every step for nothing (vLLM's LLM does the same).
+        # Only finished outputs are returned, whole (vLLM's LLM does the same): a cumulative
+        # request would rebuild its output every step for nothing, and a delta request's last
+        # output would hold only its last piece.
         final_only: dict[int, SamplingParams] = {}
         try:
             for prompt, param, priority in zip(prompts, params, priorities, strict=True):
-                if param.output_kind == RequestOutputKind.CUMULATIVE:
+                if param.output_kind != RequestOutputKind.FINAL_ONLY:
                     if id(param) not in final_only:
                         final_only[id(param)] = param.clone(
                             output_kind=RequestOutputKind.FINAL_ONLY)
