@@ -40,23 +40,18 @@ from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineStoppingError
 from omniserve.entrypoints.chat_utils import locate_mm_error
 from omniserve.entrypoints.openai.audio_encoding import MEDIA_TYPES
+from omniserve.entrypoints.openai.completion_protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+)
 from omniserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionStreamResponse,
-    CreateSpeechRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeChatRequest,
-    TokenizeRequest,
-    TokenizeResponse,
-    VoiceList,
 )
 from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from omniserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -67,6 +62,14 @@ from omniserve.entrypoints.openai.serving_engine import (
     to_serving_error,
 )
 from omniserve.entrypoints.openai.serving_speech import OpenAIServingSpeech
+from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest, VoiceList
+from omniserve.entrypoints.openai.tokenize_protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from omniserve.metrics import PrometheusStatLogger
 from omniserve.multimodal.errors import MultiModalInputError
 

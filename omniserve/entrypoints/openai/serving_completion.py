@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 
-from omniserve.entrypoints.openai.protocol import (
+from omniserve.entrypoints.openai.completion_protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
-    UsageInfo,
 )
+from omniserve.entrypoints.openai.protocol import UsageInfo
 from omniserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
     EnginePrompt,

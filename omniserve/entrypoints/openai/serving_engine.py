@@ -28,9 +28,9 @@ from omniserve.entrypoints.openai.protocol import (
     ErrorResponse,
     PromptTokensDetails,
     SamplingRequest,
-    TokenizeChatRequest,
     UsageInfo,
 )
+from omniserve.entrypoints.openai.tokenize_protocol import TokenizeChatRequest
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.outputs import Logprob, RequestOutput
 from omniserve.sampling_params import RequestOutputKind, SamplingParams

@@ -12,11 +12,7 @@ import numpy as np
 
 from omniserve.config import SpeechConfig
 from omniserve.entrypoints.openai.audio_encoding import encode_audio, pcm16
-from omniserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CreateSpeechRequest,
-    VoiceList,
-)
+from omniserve.entrypoints.openai.protocol import ChatCompletionRequest
 from omniserve.entrypoints.openai.serving_engine import (
     EnginePrompt,
     OpenAIServing,
@@ -24,6 +20,7 @@ from omniserve.entrypoints.openai.serving_engine import (
     sse_event,
     to_serving_error,
 )
+from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest, VoiceList
 from omniserve.sampling_params import RequestOutputKind, SamplingParams, SpeechParams
 
 
