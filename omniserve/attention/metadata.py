@@ -31,8 +31,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     """Host copy of ``seq_lens``."""
     plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
-    """What a backend derives from this layout once and every layer reuses (the Triton
-    backend's tiles); it lives as long as the metadata, so a captured graph's stays valid."""
+    """What a backend derives from this layout once and every layer reuses (the torch
+    backend's gathers, the Triton backend's tiles), keyed by backend; it lives as long as the
+    metadata, so a captured graph's stays valid."""
 
     def __post_init__(self) -> None:
         num_reqs = len(self.query_lens_cpu)

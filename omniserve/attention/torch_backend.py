@@ -176,10 +176,6 @@ class TorchAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "torch"
 
     def __init__(self) -> None:
-        # NOTE: plans are keyed by the identity of the step's metadata object (the runner builds a
-        # fresh one per step and never mutates it); holding the reference keeps the id unique.
-        self._planned_for: AttentionMetadata | None = None
-        self._plans: dict[tuple[int, int | None, bool], _BatchPlan] = {}
         # Reused destination of the key/value gathers: a fresh multi-MiB tensor per layer costs
         # more in page faults than the copy itself on CPU.
         self._workspace: torch.Tensor | None = None
@@ -213,12 +209,11 @@ class TorchAttentionBackend(AttentionBackend):
     def _plan(
         self, md: AttentionMetadata, block_size: int, sliding_window: int | None, use_kernel: bool
     ) -> _BatchPlan:
-        if md is not self._planned_for:
-            self._planned_for, self._plans = md, {}
-        key = (block_size, sliding_window, use_kernel)
-        if key not in self._plans:
-            self._plans[key] = _plan_batch(md, block_size, sliding_window, use_kernel)
-        return self._plans[key]
+        """The step's plan, made once and kept on its metadata for every layer."""
+        key = ("torch", block_size, sliding_window, use_kernel)
+        if key not in md.plans:
+            md.plans[key] = _plan_batch(md, block_size, sliding_window, use_kernel)
+        return md.plans[key]
 
     def _gather(
         self, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
