@@ -15,8 +15,9 @@ its merged (t, h, w) grid, frame group i at temporal offset
 audio-in-video item the two start markers share one position, the interleaved video and audio
 both start right after them, and the two end markers share the position after the last chunk.
 
-Full-model checkpoints (``Qwen2_5OmniForConditionalGeneration``: thinker, talker, token2wav)
-serve the thinker: ``thinker.*`` keys load, the speech sub-models' keys are skipped and logged.
+Full-model checkpoints (``Qwen2_5OmniForConditionalGeneration``: thinker, talker, token2wav) load
+all three and speak (``model_zoo.qwen2_5_omni_speech``); with ``--disable-audio-output`` the
+thinker alone loads and the speech sub-models' keys are skipped and logged.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniAudioEncoder,
+    Qwen2_5OmniToken2WavModel,
     Qwen2_5OmniVisionEncoder,
 )
 
@@ -38,8 +40,14 @@ from model_zoo.decoder import head_dim_of
 from model_zoo.multimodal import MultiModalDecoderBase
 from model_zoo.qwen2 import Qwen2ForCausalLM
 from model_zoo.qwen2_5_omni_audio import get_feat_extract_output_lengths
+from model_zoo.qwen2_5_omni_speech import (
+    Qwen2_5OmniSpeechConfig,
+    Qwen2_5OmniTalker,
+    Token2WavOnce,
+    load_voices,
+)
 from omniserve.layers.rotary_embedding import MRotaryEmbedding, get_rope
-from omniserve.layers.weight_utils import WeightRoute, load_weights_by_route
+from omniserve.layers.weight_utils import WeightRoute, default_dtype, load_weights_by_route
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from processors.qwen2_5_omni_thinker import (
@@ -390,12 +398,37 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerBase):
     dummy_inputs=Qwen2_5OmniThinkerDummyInputsBuilder,
 )
 class Qwen2_5OmniForConditionalGeneration(Qwen2_5OmniThinkerForConditionalGeneration):
-    """The full checkpoint (thinker + talker + token2wav) served as its thinker."""
+    """The full checkpoint: the thinker, and unless ``enable_audio_output`` is off (what
+    ``--disable-audio-output`` sets) the talker and token2wav, which the talker runner drives."""
 
     speech_submodels: ClassVar[tuple[str, ...]] = ("talker", "token2wav")
+    speech_family: ClassVar[str] = "qwen2_5_omni"
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config.thinker_config)
+        self.speaks = bool(getattr(config, "enable_audio_output", True))
+        if self.speaks:
+            talker = config.talker_config
+            self.speech_config = Qwen2_5OmniSpeechConfig(config,
+                                                         load_voices(config._name_or_path))
+            self.talker = Qwen2_5OmniTalker(
+                talker, thinker_rope(talker, [16, 24, 24], MRotaryEmbedding))
+            # token2wav runs in fp32 whatever the thinker's dtype (its filters are built here).
+            with default_dtype(torch.float32):
+                self.token2wav = Qwen2_5OmniToken2WavModel(config.token2wav_config)
+
+    def vocoder_stream(self) -> Token2WavOnce:
+        return Token2WavOnce(self.token2wav, self.speech_config.voices)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_thinker_weights(self, weights, self.speech_submodels)
+        if not self.speaks:
+            return load_thinker_weights(self, weights, self.speech_submodels)
+
+        def speech_route(name: str) -> WeightRoute | None:
+            if name.startswith("token2wav."):
+                return name, ()
+            routed = self.talker.route_weight(name.removeprefix("talker."))
+            return None if routed is None else (f"talker.{routed[0]}", routed[1])
+
+        return load_thinker_weights(self, weights, self.speech_submodels, speech_route)
+

@@ -305,6 +305,7 @@ class Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeThinkerForConditionalGene
     ``--disable-audio-output`` sets) the talker and code2wav, which the talker runner drives."""
 
     speech_submodels: ClassVar[tuple[str, ...]] = ("talker", "code2wav")
+    speech_family: ClassVar[str] = "qwen3_omni"
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config.thinker_config)

@@ -37,8 +37,14 @@ class SpeechConfig:
     user_token_id: int = -1
     assistant_token_id: int = -1
     """The ChatML ids the talker's prompt is cut by (user turns, the assistant's reply)."""
+    user_turns_only: bool = True
+    """The talker's prompt keeps the user turns (Qwen3-Omni, cut by the ids above), or the
+    whole prompt before the reply (Qwen2.5-Omni: the reply is what is generated)."""
     assistant_prompt_len: int = 0
-    """Talker prompt positions after the user turns."""
+    """Talker prompt positions after those taken from the thinker's prompt."""
+    reads_hidden: str = "multimodal"
+    """Where the talker reads the thinker's hidden states: "multimodal" (prompt positions of
+    media, Qwen3-Omni) or "all" (every prompt and reply position, Qwen2.5-Omni)."""
     talker_max_len: int = 0
     """The talker's longest sequence (prompt + frames)."""
 
@@ -124,7 +130,7 @@ class ModelConfig:
         if max_model_len is None:
             raise ValueError(f"{config_file} gives no max_position_embeddings; pass max_model_len.")
         speech, no_speech_reason = _speech_of(
-            hf_config, architectures[0], bool(kwargs.get("disable_audio_output")))
+            hf_config, architectures[0], bool(kwargs.get("disable_audio_output")), str(path))
         return ModelConfig(
             model=str(path),
             architecture=architectures[0],
@@ -181,8 +187,10 @@ _GENERATION_DEFAULTS = {  # generation_config.json key -> SamplingParams field (
     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-# Architectures whose speech stages (talker + vocoder) omniserve runs -> how to read their voices.
-def _qwen3_omni_speech(hf_config: dict) -> SpeechConfig:
+# Architectures whose speech stages (talker + vocoder) omniserve runs -> how to read their voices
+# (each reader takes config.json and the checkpoint's directory).
+def _qwen3_omni_speech(hf_config: dict, model_dir: str) -> SpeechConfig:
+    del model_dir  # its voices are in config.json
     talker = hf_config.get("talker_config") or {}
     voices = tuple(talker.get("speaker_id") or {})
     if not voices:
@@ -203,11 +211,40 @@ def _qwen3_omni_speech(hf_config: dict) -> SpeechConfig:
     )
 
 
-_SPEAKING_ARCHITECTURES = {"Qwen3OmniMoeForConditionalGeneration": _qwen3_omni_speech}
+def _qwen2_5_omni_speech(hf_config: dict, model_dir: str) -> SpeechConfig:
+    """Qwen2.5-Omni keeps its voices in ``spk_dict.pt`` (name -> text bos id, DiT conditioning,
+    reference mel), as transformers' ``from_pretrained`` reads them."""
+    import torch
+
+    path = Path(model_dir) / "spk_dict.pt"
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: a Qwen2.5-Omni checkpoint keeps its voices there.")
+    voices = tuple(torch.load(path, weights_only=True))
+    if not voices:
+        raise ValueError(f"{path} names no voices.")
+    talker = hf_config.get("talker_config") or {}
+    return SpeechConfig(
+        voices=voices,
+        default_voice="Chelsie" if "Chelsie" in voices else voices[0],  # the reference's default
+        sample_rate=24000,
+        # Qwen2_5OmniForConditionalGeneration.generate's talker defaults.
+        talker_defaults={"temperature": 0.9, "top_k": 40, "top_p": 0.8,
+                         "repetition_penalty": 1.05, "max_tokens": 4096},
+        user_turns_only=False,
+        assistant_prompt_len=2,  # the voice's text bos, then the first reply token
+        reads_hidden="all",
+        talker_max_len=int(talker.get("max_position_embeddings", 32768)),
+    )
 
 
-def _speech_of(hf_config: dict, architecture: str,
-               disabled: bool) -> tuple[SpeechConfig | None, str]:
+_SPEAKING_ARCHITECTURES = {
+    "Qwen3OmniMoeForConditionalGeneration": _qwen3_omni_speech,
+    "Qwen2_5OmniForConditionalGeneration": _qwen2_5_omni_speech,
+}
+
+
+def _speech_of(hf_config: dict, architecture: str, disabled: bool,
+               model_dir: str) -> tuple[SpeechConfig | None, str]:
     """``(speech, why not)``: what the checkpoint can say, or why it says nothing."""
     has_speech_half = "talker_config" in hf_config and hf_config.get("enable_audio_output", True)
     if not has_speech_half:
@@ -219,7 +256,7 @@ def _speech_of(hf_config: dict, architecture: str,
     reader = _SPEAKING_ARCHITECTURES.get(architecture)
     if reader is None:
         return None, f"speech output of {architecture} is not served yet (text only)"
-    return reader(hf_config), ""
+    return reader(hf_config, model_dir), ""
 
 
 def _derive_max_model_len(hf_config: dict) -> int | None:

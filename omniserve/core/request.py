@@ -33,14 +33,21 @@ class SpeechRequest:
     voice: str
     sampling_params: SamplingParams
     """The talker's (and its code predictor's) sampling; ``max_tokens`` caps talker tokens."""
-    user_positions: list[int]
-    """Thinker prompt positions of the user turns' tokens, in order (the talker's prompt)."""
+    prompt_positions: list[int]
+    """Thinker prompt positions the talker's prompt is built from, in order (Qwen3-Omni: the
+    user turns' tokens; Qwen2.5-Omni: everything before the reply)."""
     text_start: int
     """Thinker position of the first reply token (after the last ``<|im_start|>assistant\\n``)."""
     prompt_len: int
-    """Talker prompt length: the user positions plus the assistant prefix."""
+    """Talker prompt length: the prompt positions plus the assistant prefix."""
     reply_in_prompt: bool = False
     """Speak the prompt's reply (everything after the assistant header), not generated text."""
+    reads_prompt_hidden: bool = False
+    """The talker reads the thinker's hidden states at prompt positions, which a prefix-cache
+    hit would skip: the thinker computes the whole prompt."""
+    reads_reply_hidden: bool = False
+    """The talker reads the thinker's hidden state at each reply token too, so a reply entry is
+    usable only once the thinker has computed (been fed) that token."""
 
 
 @dataclass(eq=False)

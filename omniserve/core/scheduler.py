@@ -232,11 +232,12 @@ class Scheduler:
             if not preempted:
                 self._schedule_waiting(scheduled, budget)
         output = self._make_output(scheduled, preempted)
-        if self.talker is not None:
-            output.talker = self.talker.schedule()
-        # Optimistic: the step will compute these tokens (vLLM's _update_after_schedule).
+        # Optimistic: the step will compute these tokens (vLLM's _update_after_schedule). The
+        # talker runs after the thinker in the same step, so it may read what they produce.
         for record in scheduled.values():
             record.request.num_computed_tokens += record.num_new_tokens
+        if self.talker is not None:
+            output.talker = self.talker.schedule()
         return output
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
@@ -360,9 +361,9 @@ class Scheduler:
         while self.waiting and budget.num_tokens > 0 and len(self.running) < max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            if request.speech is not None and request.mm_features:
-                # The talker needs the thinker's hidden states at the multimodal positions,
-                # which a cache hit would skip: compute the whole prompt (still cached for others).
+            if request.speech is not None and request.speech.reads_prompt_hidden:
+                # The talker needs the thinker's hidden states at prompt positions, which a
+                # cache hit would skip: compute the whole prompt (still cached for others).
                 hit_blocks, num_hit_tokens = KVCacheBlocks(), 0
             plan = self._plan_admission(request, num_hit_tokens, budget)
             capped = hit_limit_for_blocked_plan(request, plan, self.block_size)

@@ -110,8 +110,10 @@ class TalkerRequest:
             if thinker.is_finished:
                 marker = min(marker, known - 2)
             return [*tokens[start:start + 1 + marker], TEXT_END] if marker >= 0 else []
-        limit = len(outputs) if first_stop is None else first_stop
-        return list(tokens[start:start + min(known, limit + 1)])
+        limit = min(known, (len(outputs) if first_stop is None else first_stop) + 1)
+        if self.speech.reads_reply_hidden:  # only tokens the thinker has been fed this far
+            limit = min(limit, thinker.num_computed_tokens - start)
+        return list(tokens[start:start + max(limit, 0)])
 
     def usable_text(self) -> int:
         entries = self.text_entries()

@@ -7,6 +7,7 @@ so that the engine core only ever sees single-sequence requests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -151,7 +152,8 @@ class Processor:
         requests = [
             EngineCoreRequest(rid, token_ids, p, eos, arrival, max_tokens, inputs.mm_features,
                               _cache_salt(prompt), priority,
-                              self._speech_request(p, token_ids) if p.wants_audio else None)
+                              self._speech_request(p, token_ids, bool(inputs.mm_features))
+                              if p.wants_audio else None)
             for rid, p in children
         ]
         return ProcessedRequest(inputs.prompt, token_ids, requests, inputs.num_mm_tokens)
@@ -188,7 +190,8 @@ class Processor:
                     f"{name}: token ids {bad} are outside the vocabulary (size {self.vocab_size})."
                 )
 
-    def _speech_request(self, params: SamplingParams, token_ids: list[int]) -> SpeechRequest:
+    def _speech_request(self, params: SamplingParams, token_ids: list[int],
+                        has_media: bool) -> SpeechRequest:
         """The talker's part of an audio-output request: its voice, its sampling (the request's
         ``speech`` settings over the reference's defaults; an ``n > 1`` child's seed is the
         request's own, so children differ as their text does) and its prompt plan."""
@@ -200,10 +203,15 @@ class Processor:
                              "talker speaks what the engine generated); use stop_token_ids.")
         speech = params.speech or SpeechParams()
         voice = config.resolve_voice(speech.voice)
-        user_positions, text_start = plan_talker_prompt(
-            token_ids, config.im_start_token_id, config.user_token_id,
-            config.assistant_token_id)
-        prompt_len = len(user_positions) + config.assistant_prompt_len
+        if config.user_turns_only:
+            prompt_positions, text_start = plan_talker_prompt(
+                token_ids, config.im_start_token_id, config.user_token_id,
+                config.assistant_token_id)
+        else:
+            text_start = (self._reply_start(token_ids) if speech.reply_in_prompt
+                          else len(token_ids))
+            prompt_positions = list(range(text_start))
+        prompt_len = len(prompt_positions) + config.assistant_prompt_len
         settings = {**config.talker_defaults,
                     **{name: getattr(speech, name) for name in _TALKER_SETTINGS
                        if getattr(speech, name) is not None}}
@@ -214,8 +222,23 @@ class Processor:
                              "positions; shorten the conversation.")
         seed = speech.seed if speech.seed is not None else params.seed
         talker = SamplingParams(max_tokens=max_frames, seed=seed, **settings)
-        return SpeechRequest(voice, talker, user_positions, text_start, prompt_len,
-                             speech.reply_in_prompt)
+        return SpeechRequest(
+            voice, talker, prompt_positions, text_start, prompt_len, speech.reply_in_prompt,
+            reads_prompt_hidden=config.reads_hidden == "all" or has_media,
+            reads_reply_hidden=config.reads_hidden == "all")
+
+    def _reply_start(self, token_ids: list[int]) -> int:
+        """Where the reply begins in a prompt that carries it: after the last assistant header."""
+        header = self._assistant_header
+        for start in range(len(token_ids) - len(header), -1, -1):
+            if token_ids[start:start + len(header)] == header:
+                return start + len(header)
+        raise ValueError("audio output of a given reply needs a chat prompt with an "
+                         "assistant turn (<|im_start|>assistant).")
+
+    @functools.cached_property
+    def _assistant_header(self) -> list[int]:
+        return self.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens alone and after a space (how it reads mid-sentence), as vLLM."""

@@ -15,13 +15,14 @@ weight once; otherwise (a dtype cast, a column slice for tensor parallelism) one
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
 import os
 import struct
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -253,3 +254,14 @@ def load_weights_by_route(
         for name, seen in shards_seen.items()
         if seen >= getattr(params[name], "shard_ids", {()})
     }
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build parameters in ``dtype`` inside the block (the model classes create them plainly)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

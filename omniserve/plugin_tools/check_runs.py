@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from omniserve.layers.weight_utils import default_dtype
 from omniserve.plugin_tools.report import CheckReport, ModalityCase
-from omniserve.worker.worker import default_dtype
 
 LOGPROB_ATOL = 1e-3
 """Largest |logprob difference| to transformers that still passes (fp32, CPU)."""

@@ -29,7 +29,7 @@ from omniserve.structured_output import apply_bitmask_rows
 from omniserve.worker.cuda_graph import DecodeGraphs, graph_batch_sizes
 from omniserve.worker.encoder_runner import EncoderRunner, to_device
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
-from omniserve.worker.talker_runner import TalkerRunner
+from omniserve.worker.talker_families import create_talker_runner
 
 
 @dataclass
@@ -71,7 +71,7 @@ class ModelRunner:
         self.encoder_runner = (EncoderRunner(model, device)
                                if getattr(model, "supports_multimodal", False) else None)
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
-        self.talker_runner = (TalkerRunner(model, self.block_size, device)
+        self.talker_runner = (create_talker_runner(model, self.block_size, device)
                               if getattr(model, "speaks", False) else None)
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -157,7 +157,7 @@ class ModelRunner:
                 hidden_states = self.model(
                     input_ids, self._positions(step), inputs_embeds=inputs_embeds)
         if self.talker_runner is not None:
-            self._keep_talker_hidden(step)
+            self._keep_talker_hidden(step, hidden_states)
         logits = self.model.compute_logits(hidden_states[step.logits_indices])  # [S, vocab]
         if scheduler_output.grammar_bitmask:
             sampling_ids = [r for r, samples in zip(step.req_ids, step.sample_mask, strict=True)
@@ -196,17 +196,18 @@ class ModelRunner:
             return None
         return self.decode_graphs.run(step.input_ids, self._positions(step), step.attn_metadata)
 
-    def _keep_talker_hidden(self, step: StepInputs) -> None:
-        """Hand the talker the thinker's tapped hidden states at the prompt positions of this
-        step's speaking requests."""
-        assert self.talker_runner is not None
-        tapped = self.model.tapped
+    def _keep_talker_hidden(self, step: StepInputs, hidden_states: torch.Tensor) -> None:
+        """Hand the talker the thinker's hidden states (its output, or the layer the model
+        tapped) at the positions of this step's speaking requests."""
+        talker = self.talker_runner
+        assert talker is not None
+        tapped = hidden_states if talker.taps_output else self.model.tapped
         start = 0
         for i, req_id in enumerate(step.req_ids):
             count = int(step.query_lens[i])
             state = self.input_batch.states[int(step.rows[i])]
             assert state is not None
-            if state.sampling_params.wants_audio and state.mm_features:
+            if state.sampling_params.wants_audio and talker.wants_hidden(bool(state.mm_features)):
                 positions = step.positions[start:start + count]
                 self.talker_runner.keep_hidden(req_id, positions, tapped[start:start + count])
             start += count

@@ -1,21 +1,23 @@
 """TalkerRunner: the speech stage of a step, after the thinker's forward.
 
-It keeps each speaking request's worker-side state (the thinker's tapped hidden states at the
-prompt's multimodal positions, the talker's inputs, the frames spoken, the vocoder's progress),
-runs the talker over its own paged KV cache, completes each sampled code into a frame with the
-code predictor (batched over rows), and streams the vocoder: a first chunk after
-``FIRST_CHUNK_FRAMES`` frames (short time to first audio), then every ``CHUNK_FRAMES``, and the
+It keeps each speaking request's worker-side state (the thinker's tapped hidden states, the
+talker's inputs, the frames spoken, the vocoder's progress), runs the talker over its own paged
+KV cache, samples each frame, and streams the vocoder: a first chunk after
+``first_chunk_frames`` frames (short time to first audio), then every ``chunk_frames``, and the
 rest when the talker is done. Which requests compute what comes from the scheduler
-(``TalkerSchedulerOutput``); the model supplies the modules (``talker``, ``code2wav``,
-``speech_config``, the thinker's embeddings and M-RoPE positions).
+(``TalkerSchedulerOutput``); the model supplies the modules (``talker``, the vocoder,
+``speech_config``, the thinker's embeddings and M-RoPE positions). What differs between model
+families (how the talker's prompt and decode inputs are built from the thinker's side, how a
+frame is sampled, what the thinker must tap) is each family's subclass
+(``worker/talker_families.py``).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, ClassVar
 
-import msgspec
 import numpy as np
 import torch
 from torch import nn
@@ -29,29 +31,22 @@ from omniserve.layers.sampler import Sampler, SamplingMetadata
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.worker.encoder_runner import mrope_positions
 
-if TYPE_CHECKING:
-    from model_zoo.qwen3_omni_moe_speech import Code2WavState
-
-FIRST_CHUNK_FRAMES = 4
-CHUNK_FRAMES = 25
-# The code predictor's sampling when the talker samples (transformers hard-codes these).
-PREDICTOR_TOP_K, PREDICTOR_TOP_P = 50, 0.8
-
 
 @dataclass
-class _ThinkerSide:
+class ThinkerSide:
     """What the thinker leaves for a speaking request (registered when it is scheduled)."""
 
     prompt_token_ids: list[int]
     mm_features: list[MultiModalFeatureSpec]
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Prompt position -> the thinker's tapped hidden state there (multimodal positions)."""
+    """Thinker position -> the thinker's tapped hidden state there (the positions the family
+    keeps)."""
 
 
 @dataclass
-class _TalkerState:
+class TalkerState:
     speech: SpeechRequest
-    thinker: _ThinkerSide
+    thinker: ThinkerSide
     generator: torch.Generator | None
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -61,10 +56,10 @@ class _TalkerState:
     positions: torch.Tensor | None = None  # [3, prompt_len] M-RoPE positions of the prompt
     delta: int | float = 0
     codes: list[torch.Tensor] = field(default_factory=list)  # per frame [num_groups]
-    code0: list[int] = field(default_factory=list)  # group-0 codes (the repetition history)
+    history: list[int] = field(default_factory=list)  # sampled talker tokens (the repetition set)
     done: bool = False
     vocoded_frames: int = 0
-    vocoder: Code2WavState | None = None
+    vocoder: Any = None  # the vocoder stream's per-answer state
 
     def buildable_inputs(self) -> int:
         """Inputs that can exist now: the prompt, then decode input j once frame j and reply
@@ -74,7 +69,14 @@ class _TalkerState:
         return self.speech.prompt_len + max(decodes, 0)
 
 
-class TalkerRunner:
+class TalkerRunner(ABC):
+    first_chunk_frames: ClassVar[int | None] = 4
+    """Frames before the first vocoder chunk; None: vocode once, when the talker is done."""
+    chunk_frames: ClassVar[int] = 25
+    taps_output: ClassVar[bool] = False
+    """The talker reads the thinker's final hidden states (its forward's output), not a tapped
+    intermediate layer (``model.tapped``)."""
+
     def __init__(self, model: nn.Module, block_size: int, device: torch.device) -> None:
         self.model = model
         self.talker = model.talker
@@ -82,10 +84,35 @@ class TalkerRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
-        self.thinker_sides: dict[str, _ThinkerSide] = {}
-        self.states: dict[str, _TalkerState] = {}
+        self.thinker_sides: dict[str, ThinkerSide] = {}
+        self.states: dict[str, TalkerState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.vocoder = model.vocoder_stream()
+
+    # ---- family hooks ----------------------------------------------------------------------
+    @abstractmethod
+    def wants_hidden(self, has_media: bool) -> bool:
+        """Whether a speaking request's thinker steps must hand over hidden states at all."""
+
+    @abstractmethod
+    def keeps(self, side: ThinkerSide, position: int) -> bool:
+        """Whether the talker reads the thinker's hidden state at ``position``."""
+
+    @abstractmethod
+    def build_prompt(self, state: TalkerState) -> torch.Tensor:
+        """The talker's prompt rows ``[prompt_len, hidden]``; sets ``state.positions/delta``."""
+
+    @abstractmethod
+    def decode_row(self, state: TalkerState, j: int) -> torch.Tensor:
+        """Decode input ``j`` ``[1, hidden]``: from frame ``j`` and reply entry ``j + 1``."""
+
+    @abstractmethod
+    def sample_frames(self, states: list[TalkerState], hidden: torch.Tensor) -> None:
+        """Sample each state's next frame from the talker's last hidden state (appending to
+        ``codes``, or setting ``done``)."""
+
+    def new_vocoder_state(self, state: TalkerState) -> Any:
+        return self.vocoder.new_state()
 
     # ---- KV cache --------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, dtype: torch.dtype) -> int:
@@ -105,22 +132,20 @@ class TalkerRunner:
     def register(self, req_id: str, prompt_token_ids: list[int],
                  mm_features: list[MultiModalFeatureSpec]) -> None:
         """A speaking request reached the thinker (again, after a preemption: its taps stay)."""
-        side = self.thinker_sides.get(req_id)
-        if side is None:
-            self.thinker_sides[req_id] = _ThinkerSide(list(prompt_token_ids), list(mm_features))
+        if req_id not in self.thinker_sides:
+            self.thinker_sides[req_id] = ThinkerSide(list(prompt_token_ids), list(mm_features))
 
     def keep_hidden(self, req_id: str, positions: np.ndarray, rows: torch.Tensor) -> None:
-        """Tapped thinker hidden states ``rows [n, H]`` at prompt ``positions``; only the
-        multimodal ones are kept (text positions are read from the embeddings instead)."""
+        """The thinker's tapped hidden states ``rows [n, H]`` at ``positions``; the family says
+        which it keeps."""
         side = self.thinker_sides.get(req_id)
         if side is None:
             return
-        ids = side.prompt_token_ids
-        for i, position in enumerate(positions.tolist()):
-            if position >= len(ids):
-                break  # generated tokens follow the prompt
-            if ids[position] in self.config.mm_token_ids:
-                side.hidden[position] = rows[i].clone()
+        kept = [i for i, position in enumerate(positions.tolist()) if self.keeps(side, position)]
+        if kept:
+            copy = rows[kept].clone()  # the step's buffers are reused
+            for row, i in enumerate(kept):
+                side.hidden[int(positions[i])] = copy[row]
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -162,7 +187,8 @@ class TalkerRunner:
         sampling = [i for i, state in enumerate(states)
                     if state.num_computed == state.buildable_inputs() and not state.done]
         if sampling:
-            self._sample(req_ids, states, sampling, hidden[torch.from_numpy(ends[sampling])])
+            self.sample_frames([states[i] for i in sampling],
+                               hidden[torch.from_numpy(ends[sampling])])
         return self._stream(req_ids, states)
 
     def _update_states(self, so: TalkerSchedulerOutput) -> None:
@@ -180,7 +206,7 @@ class TalkerRunner:
                 generator = None
                 if params.seed is not None and not params.greedy:
                     generator = torch.Generator(device=self.device).manual_seed(params.seed)
-                state = _TalkerState(new.speech, self.thinker_sides[new.req_id], generator)
+                state = TalkerState(new.speech, self.thinker_sides[new.req_id], generator)
                 self.states[new.req_id] = state
             state.block_ids, state.num_computed = list(new.block_ids), new.num_computed_tokens
         cached = so.cached_reqs
@@ -193,145 +219,58 @@ class TalkerRunner:
             self.states[req_id].text.extend(entries)
 
     # ---- inputs --------------------------------------------------------------------------------
-    def _inputs(self, state: _TalkerState, start: int, end: int) -> torch.Tensor:
+    def _inputs(self, state: TalkerState, start: int, end: int) -> torch.Tensor:
         """Talker input rows ``[start, end)``, building the prompt and decode rows on first use."""
         if state.prompt is None:
-            state.prompt = self._prompt(state)
+            state.prompt = self.build_prompt(state)
         prompt_len = state.speech.prompt_len
         while prompt_len + len(state.decode_rows) < end:
-            j = len(state.decode_rows)  # decode input j: frame j plus reply entry j + 1
-            frame = state.codes[j].to(self.device)
-            row = self.talker.embed_codes(frame[:1], frame[None, 1:])
-            state.decode_rows.append(row + self._text_row(state, j + 1))
+            state.decode_rows.append(self.decode_row(state, len(state.decode_rows)))
         parts = [state.prompt[start:end]] if start < prompt_len else []
         parts += state.decode_rows[max(start - prompt_len, 0):max(end - prompt_len, 0)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def _project_text(self, token_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor(token_ids, device=self.device)
-        return self.talker.text_projection(self.model.model.embed_tokens(ids))
-
-    def _text_row(self, state: _TalkerState, entry: int) -> torch.Tensor:
-        if entry < len(state.text) and state.text[entry] != TEXT_END:
-            return self._project_text([state.text[entry]])
-        bos, eos, pad = self.config.tts_ids
-        return self._project_text([eos if entry < len(state.text) else pad])
-
-    def _prompt(self, state: _TalkerState) -> torch.Tensor:
-        """The talker's prompt rows (see ``model_zoo.qwen3_omni_moe_speech``) and positions."""
-        config, speech, side = self.config, state.speech, state.thinker
-        ids = side.prompt_token_ids
-        user_ids = [ids[p] for p in speech.user_positions]
-        is_mm = torch.tensor([t in config.mm_token_ids for t in user_ids], dtype=torch.bool)
-        hidden_size = self.talker.config.text_config.hidden_size
-        dtype = self.talker.codec_head.weight.dtype
-        user = torch.empty(len(user_ids), hidden_size, dtype=dtype, device=self.device)
-        if (~is_mm).any():
-            user[~is_mm] = self._project_text([t for t, m in zip(user_ids, is_mm.tolist(),
-                                                                 strict=True) if not m])
-        if is_mm.any():
-            rows = [side.hidden[p] for p, m in zip(speech.user_positions, is_mm.tolist(),
-                                                   strict=True) if m]
-            user[is_mm] = self.talker.hidden_projection(torch.stack(rows).to(self.device))
-        start = speech.text_start - 3
-        bos, eos, pad = config.tts_ids
-        text_side = self._project_text([*ids[start:start + 3], pad, pad, pad, pad, bos,
-                                        state.text[0]])
-        voice_id = config.speaker_ids[speech.voice]
-        codec_ids = [*config.codec_prefix, voice_id, config.codec_pad_id, config.codec_bos_id]
-        codec = self.talker.model.embed_tokens(torch.tensor(codec_ids, device=self.device))
-        codec = torch.cat([codec.new_zeros(3, hidden_size), codec])
-        self._prompt_positions(state, user_ids)
-        return torch.cat([user, text_side + codec])
-
-    def _prompt_positions(self, state: _TalkerState, user_ids: list[int]) -> None:
-        """transformers' talker positions: M-RoPE over ``user ids + tts_pad x 9`` when the
-        thinker had multimodal input, else sequential."""
-        speech = state.speech
-        talker_ids = [*user_ids, *[self.config.tts_pad_id] * (speech.prompt_len - len(user_ids))]
-        where = {p: i for i, p in enumerate(speech.user_positions)}
-        features = [msgspec.structs.replace(f, mm_position=msgspec.structs.replace(
-                        f.mm_position, offset=where[f.mm_position.offset]))
-                    for f in state.thinker.mm_features if f.mm_position.offset in where]
-        if state.thinker.mm_features:
-            state.positions, state.delta = self.model.get_mrope_input_positions(talker_ids,
-                                                                                features)
-        else:
-            state.positions = torch.arange(speech.prompt_len).expand(3, -1)
-            state.delta = 0
-
     # ---- sampling --------------------------------------------------------------------------------
-    def _sample(self, req_ids: list[str], states: list[_TalkerState], rows: list[int],
-                hidden: torch.Tensor) -> None:
-        picked = [states[i] for i in rows]
-        logits = self.talker.codec_head(hidden).float()
-        code0 = self.sampler(logits, self._metadata(picked, talker=True)).sampled_token_ids
-        speaking = [i for i, (state, code) in enumerate(zip(picked, code0.tolist(), strict=True))
-                    if code != self.config.codec_eos_id]
-        for state, code in zip(picked, code0.tolist(), strict=True):
-            state.code0.append(code)
-            if code == self.config.codec_eos_id:
-                state.done = True
-        if not speaking:
-            return
-        index = torch.tensor(speaking, device=hidden.device)
-        rows_state = [picked[i] for i in speaking]
-        first = code0[index]
-        metadata = self._metadata(rows_state, talker=False)
-
-        def pick(group_logits: torch.Tensor, group: int) -> torch.Tensor:
-            return self.sampler(group_logits, metadata).sampled_token_ids
-
-        rest = self.talker.code_predictor.predict(
-            hidden[index], self.talker.model.embed_tokens(first), pick)
-        for state, frame in zip(rows_state, torch.cat([first[:, None], rest], 1).cpu(),
-                                strict=True):
-            state.codes.append(frame)
-            # transformers' cap: max_tokens talker tokens, the last of which gets no frame.
-            if len(state.codes) >= state.speech.sampling_params.max_tokens - 1:
-                state.done = True
-
-    def _metadata(self, states: list[_TalkerState], talker: bool) -> SamplingMetadata:
-        """The talker's sampling (its settings, repetition over its own codes, control ids
-        suppressed) or the code predictor's (greedy, or top-k 50 / top-p 0.8, no penalties)."""
+    def sampling_metadata(self, states: list[TalkerState], *, banned: list[int],
+                          prompt_codes: list[int] | None = None) -> SamplingMetadata:
+        """The talker's sampling: each request's settings, repetition over its own sampled
+        codes (and ``prompt_codes``, where the reference penalises its prompt's too), ``banned``
+        control ids suppressed."""
         n, dev = len(states), self.device
         params = [s.speech.sampling_params for s in states]
         greedy = [p.greedy for p in params]
-        temperature = [0.0 if g else (p.temperature if talker else 1.0)
-                       for g, p in zip(greedy, params, strict=True)]
-        top_k = [p.top_k if talker else (0 if g else PREDICTOR_TOP_K)
-                 for g, p in zip(greedy, params, strict=True)]
-        top_p = [p.top_p if talker else (1.0 if g else PREDICTOR_TOP_P)
-                 for g, p in zip(greedy, params, strict=True)]
-        repetition = [p.repetition_penalty if talker else 1.0 for p in params]
         return SamplingMetadata(
-            temperature=torch.tensor(temperature, device=dev),
+            temperature=torch.tensor([0.0 if g else p.temperature
+                                      for g, p in zip(greedy, params, strict=True)], device=dev),
             all_greedy=all(greedy), all_random=not any(greedy),
-            top_p=None if all(p >= 1.0 for p in top_p) else torch.tensor(top_p, device=dev),
-            top_k=None if not any(top_k) else torch.tensor(top_k, device=dev),
+            top_p=(None if all(p.top_p >= 1.0 for p in params)
+                   else torch.tensor([p.top_p for p in params], device=dev)),
+            top_k=(None if not any(p.top_k for p in params)
+                   else torch.tensor([p.top_k for p in params], device=dev)),
             min_p=None,
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
             max_num_logprobs=None,
-            no_penalties=all(r == 1.0 for r in repetition),
+            no_penalties=all(p.repetition_penalty == 1.0 for p in params),
             presence_penalties=torch.zeros(n, device=dev),
             frequency_penalties=torch.zeros(n, device=dev),
-            repetition_penalties=torch.tensor(repetition, device=dev),
-            prompt_token_ids=None,  # transformers penalises the talker's generated codes only
-            output_token_ids=[s.code0 for s in states],
+            repetition_penalties=torch.tensor([p.repetition_penalty for p in params], device=dev),
+            prompt_token_ids=(None if prompt_codes is None else
+                              torch.tensor([prompt_codes] * n, device=dev)),
+            output_token_ids=[s.history for s in states],
             min_tokens={},
-            banned_token_ids={i: self.config.suppressed_ids for i in range(n)} if talker else {},
+            banned_token_ids={i: banned for i in range(n)},
         )
 
     # ---- vocoder ---------------------------------------------------------------------------------
-    def _stream(self, req_ids: list[str], states: list[_TalkerState]
+    def _stream(self, req_ids: list[str], states: list[TalkerState]
                 ) -> dict[str, SpeechStepOutput]:
         chunks, owners = [], []
         for req_id, state in zip(req_ids, states, strict=True):
             pending = len(state.codes) - state.vocoded_frames
-            chunk = FIRST_CHUNK_FRAMES if state.vocoded_frames == 0 else CHUNK_FRAMES
-            if pending and (state.done or pending >= chunk):
+            chunk = self.first_chunk_frames if state.vocoded_frames == 0 else self.chunk_frames
+            if pending and (state.done or (chunk is not None and pending >= chunk)):
                 if state.vocoder is None:
-                    state.vocoder = self.vocoder.new_state()
+                    state.vocoder = self.new_vocoder_state(state)
                 codes = torch.stack(state.codes[state.vocoded_frames:], dim=1)  # [groups, n]
                 chunks.append((state.vocoder, codes.to(self.device)))
                 owners.append(req_id)

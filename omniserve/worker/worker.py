@@ -20,6 +20,7 @@ from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from omniserve.cpu.backend import CpuBackendReport, apply_cpu_backend
 from omniserve.cpu.build import has_native_bf16
 from omniserve.layers.tp import get_tp_size
+from omniserve.layers.weight_utils import default_dtype
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from omniserve.plugins import load_plugins
@@ -90,17 +91,6 @@ def skip_weight_init() -> Iterator[None]:
 
     with no_init_weights():
         yield
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Build parameters in ``dtype`` inside the block (the model classes create them plainly)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 class Worker:
