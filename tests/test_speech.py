@@ -203,21 +203,32 @@ def test_talker_preempted_by_its_pool_still_speaks_the_same(speech_case):
     assert stats["num_speaking"] == 0
 
 
-def test_talker_that_never_fits_its_pool_is_cut_not_waited_on(speech_case):
-    """A talker pool of one block cannot hold any request's talker prompt: each request ends
-    with its full text and the speech spoken so far (none), instead of the engine waiting
-    forever for blocks that never come."""
+def test_talker_pool_too_small_is_refused_at_admission(speech_case):
+    """A request whose talker prompt and frames could never fit the talker's KV pool is refused
+    when it arrives, naming the pool and the flag (not cut short, silently, mid-answer); an
+    unset frame cap becomes what the pool holds; text-only requests are unaffected."""
     llm, prompts, reference = speech_case
     model_dir = llm.llm_engine.config.model_config.model
     talker = AutoConfig.from_pretrained(model_dir).talker_config.text_config
     per_block = 2 * 16 * talker.num_key_value_heads * talker.head_dim * 4 * talker.num_hidden_layers
-    small = LLM(model_dir, dtype="float32", max_model_len=2048, kv_cache_memory=32 << 20,
-                talker_kv_cache_memory=per_block)
-    outputs = small.generate(prompts[:2], [_speech_params(v) for _, v, _ in CASES[:2]],
-                             use_tqdm=False)
-    for output, (tokens, _) in zip(outputs, reference[:2], strict=True):
-        completion = output.outputs[0]
-        assert completion.token_ids == tokens
-        assert completion.audio is not None and completion.audio.size == 0
-    stats = small.llm_engine.engine_core.call_utility("get_stats")
+    one_block = LLM(model_dir, dtype="float32", max_model_len=2048, kv_cache_memory=32 << 20,
+                    talker_kv_cache_memory=per_block)
+    with pytest.raises(ValueError, match=r"KV pool holds \(16 tokens\).*--talker-kv-cache-memory"):
+        one_block.generate(prompts[0], _speech_params("ethan"), use_tqdm=False)
+    text = one_block.generate(prompts[0], SamplingParams(temperature=0.0,
+                                                         max_tokens=THINKER_TOKENS))
+    assert text[0].outputs[0].token_ids == reference[0][0]
+    del one_block
+    four_blocks = LLM(model_dir, dtype="float32", max_model_len=2048, kv_cache_memory=32 << 20,
+                      talker_kv_cache_memory=4 * per_block)
+    with pytest.raises(ValueError, match="lower speech.max_tokens"):
+        four_blocks.generate(prompts[0], _speech_params(
+            "ethan", speech={"voice": "ethan", "temperature": 0.0, "max_tokens": 64}),
+            use_tqdm=False)
+    (capped,) = four_blocks.generate(prompts[0], _speech_params(
+        "ethan", speech={"voice": "ethan", "temperature": 0.0}), use_tqdm=False)
+    completion = capped.outputs[0]
+    assert completion.token_ids == reference[0][0]
+    assert 0 < completion.num_audio_tokens < 64 and completion.audio.size > 0
+    stats = four_blocks.llm_engine.engine_core.call_utility("get_stats")
     assert stats["num_speaking"] == 0 and stats["talker_kv_cache_usage"] == 0

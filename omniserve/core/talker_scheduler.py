@@ -132,7 +132,9 @@ class TalkerScheduler:
         self.requests: dict[str, TalkerRequest] = {}  # arrival order
         self.finished_req_ids: set[str] = set()
         self.cut: set[str] = set()
-        """Requests whose talker outgrew the whole pool alone: they end with what was spoken."""
+        """Requests whose talker outgrew the whole pool alone: they end with what was spoken.
+        The front end refuses such requests (``talker_capacity``); this guards the engine
+        against one that reached it another way, which would otherwise wait forever."""
         self.num_preemptions = 0
 
     def add(self, thinker: Request, speech: SpeechRequest) -> None:

@@ -56,6 +56,12 @@ class EngineCore:
         num_talker_blocks = self.model_executor.determine_num_talker_kv_blocks()
         if num_talker_blocks:
             self.model_executor.initialize_talker_kv_cache(num_talker_blocks)
+        self.talker_capacity = num_talker_blocks * config.cache_config.block_size
+        """Talker positions the speech KV pool holds: one request's talker prompt and frames
+        must fit (the front end checks at admission, so no talker outgrows the pool alone)."""
+        if num_talker_blocks:
+            logger.info("Talker KV pool: %d positions (one request's talker prompt and frames "
+                        "must fit; --talker-kv-cache-memory sets it).", self.talker_capacity)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
                                    num_talker_blocks=num_talker_blocks)
         # Batches in flight, newest first (only used when the executor runs several at once).
@@ -333,7 +339,7 @@ class EngineCoreProc(EngineCore):
             ready_pipe.send(("FAILED", (traceback.format_exc(), type(exc).__name__, str(exc))))
             ready_pipe.close()
             sys.exit(1)
-        ready_pipe.send(("READY", engine.num_kv_blocks))
+        ready_pipe.send(("READY", (engine.num_kv_blocks, engine.talker_capacity)))
         ready_pipe.close()
         _shutdown_when_parent_dies(engine, ipc_dir)
         exit_code = 0

@@ -62,6 +62,10 @@ _SHUTDOWN_TIMEOUT_S = 5.0
 
 
 class EngineCoreClient(ABC):
+    talker_capacity: int
+    """Talker positions each engine's speech KV pool holds (the smallest over the engines; 0:
+    the model does not speak); the Processor checks audio requests against it."""
+
     @staticmethod
     def make_client(config: OmniConfig) -> EngineCoreClient:
         """The synchronous client: background engine processes unless multiprocessing is off."""
@@ -107,6 +111,7 @@ class InprocClient(EngineCoreClient):
                 "but OMNISERVE_ENABLE_MULTIPROCESSING=0 keeps the engine in this process; unset "
                 "it or use data_parallel_size=1.")
         self.engine_core = EngineCore(config)
+        self.talker_capacity = self.engine_core.talker_capacity
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)
@@ -275,11 +280,13 @@ class MPClient:
                 resources.procs.append(proc)
                 ready_pipes.append(ready_pipe)
             _close_at_exit(resources)
-            self.engine_num_kv_blocks = wait_until_ready(resources.procs, ready_pipes)
+            ready = wait_until_ready(resources.procs, ready_pipes)
         except BaseException:
             self.shutdown()
             raise
+        self.engine_num_kv_blocks = [num_blocks for num_blocks, _ in ready]
         self.num_kv_blocks = sum(self.engine_num_kv_blocks)
+        self.talker_capacity = min(capacity for _, capacity in ready)
         self.balancer = LoadBalancer(self.num_engines)
         self.encoder = MsgpackEncoder()
 

@@ -96,8 +96,10 @@ def skip_main_reimport() -> Iterator[None]:
 
 
 def wait_until_ready(procs: list[BaseProcess],
-                     ready_pipes: list[multiprocessing.connection.Connection]) -> list[int]:
-    """Block until every engine reports READY; their numbers of KV blocks, by rank."""
+                     ready_pipes: list[multiprocessing.connection.Connection]
+                     ) -> list[tuple[int, int]]:
+    """Block until every engine reports READY; by rank, its number of KV blocks and its talker
+    pool's capacity in positions."""
     try:
         return [_wait_until_ready(proc, pipe)
                 for proc, pipe in zip(procs, ready_pipes, strict=True)]
@@ -107,7 +109,7 @@ def wait_until_ready(procs: list[BaseProcess],
 
 
 def _wait_until_ready(proc: BaseProcess, ready_pipe: multiprocessing.connection.Connection,
-                      ) -> int:
+                      ) -> tuple[int, int]:
     try:
         multiprocessing.connection.wait([ready_pipe, proc.sentinel])
         message = ready_pipe.recv() if ready_pipe.poll() else None
@@ -127,7 +129,8 @@ def _wait_until_ready(proc: BaseProcess, ready_pipe: multiprocessing.connection.
         if user_error is not None:
             raise user_error(text) from error
         raise error
-    return int(value)
+    num_kv_blocks, talker_capacity = value
+    return int(num_kv_blocks), int(talker_capacity)
 
 
 # Start-up failures that are the caller's mistake keep their type in the parent.

@@ -51,15 +51,18 @@ def start_with_engine(config: OmniConfig, make_client: Callable[[], T], *,
     instead of 15.8). In-process, they are built one after the other.
     """
     if not engine_in_other_process:
-        return Processor(config, engine_in_other_process=False), make_client()
-    with ThreadPoolExecutor(1, thread_name_prefix="omniserve-processor") as pool:
-        processor = pool.submit(Processor, config, engine_in_other_process=True)
-        client = make_client()  # if it raises, leaving the pool waits for the processor
-        try:
-            return processor.result(), client
-        except BaseException:
-            client.shutdown()
-            raise
+        processor, client = Processor(config, engine_in_other_process=False), make_client()
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="omniserve-processor") as pool:
+            future = pool.submit(Processor, config, engine_in_other_process=True)
+            client = make_client()  # if it raises, leaving the pool waits for the processor
+            try:
+                processor = future.result()
+            except BaseException:
+                client.shutdown()
+                raise
+    processor.talker_capacity = client.talker_capacity
+    return processor, client
 
 
 def child_request_id(parent_id: str, index: int) -> str:
@@ -101,6 +104,8 @@ class Processor:
         # An item larger than this can never be encoded in one step or held in the cache.
         self.max_item_embeds = min(sched.max_num_encoder_input_tokens, sched.encoder_cache_size)
         self.mm_processor = _create_mm_processor(config, self.tokenizer)
+        self.talker_capacity = 0
+        """Talker positions the engine's speech KV pool holds (set once the engine started)."""
         self.input_preprocessor = InputPreprocessor(
             self.tokenizer, self.mm_processor, config.multimodal_config.mm_processor_kwargs
         )
@@ -217,9 +222,18 @@ class Processor:
                        if getattr(speech, name) is not None}}
         max_frames = min(int(settings.pop("max_tokens")), config.talker_max_len - prompt_len)
         if max_frames < 1:
-            raise ValueError(f"audio output: the talker's prompt ({prompt_len} tokens of user "
-                             f"turns) leaves no room within its {config.talker_max_len} "
-                             "positions; shorten the conversation.")
+            raise ValueError(f"audio output: the talker's prompt ({prompt_len} tokens) leaves no "
+                             f"room within its {config.talker_max_len} positions; shorten the "
+                             "conversation.")
+        room = self.talker_capacity - prompt_len  # what one request may use of the talker pool
+        if speech.max_tokens is not None and max_frames > room or room < 1:
+            raise ValueError(
+                f"audio output: the talker's prompt ({prompt_len} tokens) and "
+                f"{max_frames if speech.max_tokens is not None else 1} frame(s) need more than "
+                f"the talker's KV pool holds ({self.talker_capacity} tokens); lower "
+                "speech.max_tokens, shorten the conversation, or raise the server's "
+                "--talker-kv-cache-memory.")
+        max_frames = min(max_frames, room)  # the default cap: what the pool can hold
         seed = speech.seed if speech.seed is not None else params.seed
         talker = SamplingParams(max_tokens=max_frames, seed=seed, **settings)
         return SpeechRequest(
