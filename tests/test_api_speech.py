@@ -117,7 +117,6 @@ def test_audio_speech_endpoint(speaking):
     ({"audio": {"voice": "ethan", "format": "aac"}}, "wav, pcm16, flac, mp3, opus"),
     ({"audio": {"voice": "ethan", "format": "wav"}, "stream": True}, "pcm16 when streaming"),
     ({"audio": None}, "audio (voice and format) is required"),
-    ({"messages": QUESTION, "stop": ["x"]}, "stop strings"),
 ])
 def test_bad_audio_requests_are_400s(speaking, changes, needle):
     server, _ = speaking

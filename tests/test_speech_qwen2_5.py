@@ -223,7 +223,58 @@ def test_served_through_the_api(speech_case, tmp_path_factory):
                   if chunk.choices and getattr(chunk.choices[0].delta, "audio", None)
                   and chunk.choices[0].delta.audio.data]
         assert len(pieces) == 1 and pieces[0] == pcm16(offline.audio)
+        # A stop string through the server's engine process: the same text and speech as
+        # offline, streamed (the front end must not cut the speech short when it sees it).
+        stop = offline.text[3:5]
+        (stopped,) = llm.chat(question, _speech_params("Chelsie", 3, max_tokens=8, stop=[stop]))
+        stopped = stopped.outputs[0]
+        text, pcm = "", b""
+        for chunk in client.chat.completions.create(
+                **ask, audio={"voice": "chelsie", "format": "pcm16"}, stream=True, stop=[stop]):
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                audio = getattr(choice.delta, "audio", None)
+                pcm += base64.b64decode(audio.data or "") if audio else b""
+        assert text == stopped.text == offline.text[:offline.text.index(stop)]
+        assert pcm == pcm16(stopped.audio) and not np.allclose(stopped.audio, offline.audio)
         speech = client.audio.speech.create(model=MODEL, voice="ethan", input="Good morning",
                                             response_format="wav", extra_body=seeded)
         spoken, _ = soundfile.read(io.BytesIO(speech.content), dtype="float32")
         assert len(spoken) >= 5 * 480 and np.std(spoken) > 1e-2
+
+
+def test_stop_string_ends_text_and_speech_as_transformers(speech_case):
+    """A stop string with audio output: the text ends before it, and the talker speaks the
+    tokens before the one that completed it, as transformers' generate with the same stop
+    string (its talker never speaks the thinker's last token)."""
+    llm, prompts, reference = speech_case
+    tokenizer = llm.get_tokenizer()
+    tokens = reference[0][0]
+    full = tokenizer.decode(tokens)
+    prefix = tokenizer.decode(tokens[:5])
+    stop = full[len(prefix):len(prefix) + 2]
+    assert stop and stop not in prefix
+    model_dir = llm.llm_engine.config.model_config.model
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = HFQwen2_5Omni.from_pretrained(model_dir, dtype=torch.float32).eval()
+    text = _text(processor, [])
+    inputs = _hf_inputs(processor, text, [])
+    talker = model.config.talker_config
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        sequences, wave = model.generate(
+            **inputs, speaker="Ethan", thinker_max_new_tokens=THINKER_TOKENS,
+            thinker_do_sample=False, thinker_stop_strings=[stop],
+            thinker_tokenizer=processor.tokenizer, talker_do_sample=False,
+            talker_max_new_tokens=TALKER_TOKENS,
+            talker_eos_token_id=[talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id])
+    generated = sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    assert len(generated) < len(tokens)  # the stop string ended it
+    (output,) = llm.generate(prompts[0], _speech_params("Ethan", 0, stop=[stop]),
+                             use_tqdm=False)
+    completion = output.outputs[0]
+    assert completion.token_ids == generated
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert completion.text == full[:full.index(stop)]
+    np.testing.assert_allclose(completion.audio, wave.reshape(-1).numpy(), rtol=0,
+                               atol=WAVE_ATOL)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
@@ -74,6 +75,9 @@ class Request:
     """Lower is served first under the priority policy."""
     speech: SpeechRequest | None = None
     """Audio output: what the talker stage needs (None: text only)."""
+    text_stop: Any = None
+    """A speaking request's stop-string matcher (made by the scheduler's ``make_text_stop``):
+    the engine ends its text at a stop string before the talker could speak past it."""
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -9,8 +9,9 @@ encoder cache; their rules live in ``encoder_planner``. Pure Python (no torch).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from omniserve.config import CacheConfig, SchedulerConfig
 from omniserve.core.encoder_cache_manager import EncoderCacheManager
@@ -42,6 +43,12 @@ _STATUS_TO_FINISH_REASON = {
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
+
+
+class TextStop(Protocol):
+    """Matches stop strings in a request's output text, fed the new tokens each step."""
+
+    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None: ...
 
 @dataclass(slots=True)
 class _ScheduledRequest:
@@ -83,10 +90,13 @@ class Scheduler:
         num_blocks: int,
         max_mm_item_embeds: int = 0,
         num_talker_blocks: int = 0,
+        make_text_stop: Callable[[Request], TextStop] | None = None,
     ) -> None:
         """``max_mm_item_embeds``: the model's largest multimodal item in embeddings (0: text
         only or unknown); start-up fails if that item could never be encoded.
-        ``num_talker_blocks``: the speech stage's own KV pool (0: the model does not speak)."""
+        ``num_talker_blocks``: the speech stage's own KV pool (0: the model does not speak).
+        ``make_text_stop``: a stop-string matcher for a speaking request (the front end matches
+        stop strings of the others, a step later)."""
         if max_mm_item_embeds:
             check_encoder_limits(scheduler_config, max_mm_item_embeds)
         self.scheduler_config = scheduler_config
@@ -103,6 +113,7 @@ class Scheduler:
             num_blocks, self.block_size, cache_config.enable_prefix_caching
         )
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
+        self.make_text_stop = make_text_stop
         self.talker = (TalkerScheduler(num_talker_blocks, self.block_size,
                                        scheduler_config.max_num_seqs,
                                        scheduler_config.max_num_batched_tokens)
@@ -460,6 +471,7 @@ class Scheduler:
             index = req_id_to_index.get(req_id)
             sampled = runner.sampled_token_ids[index] if index is not None else []
             new_token_ids = append_and_check_stop(request, sampled, self.max_model_len)
+            self._check_text_stop(request, new_token_ids)
             if new_token_ids:
                 request.suspect = False  # it ran past the step that failed
             prompt_logprobs = runner.prompt_logprobs.get(req_id)
@@ -485,6 +497,20 @@ class Scheduler:
         if self.talker is not None:
             outputs = self._hold_speaking(outputs) + self._speech_outputs(runner)
         return EngineCoreOutputs(outputs=outputs)
+
+    def _check_text_stop(self, request: Request, new_token_ids: list[int]) -> None:
+        """End a speaking request's text at a stop string now, before the next step's talker
+        could read a token past it (its final token, which completed the stop string, is not
+        spoken, as with any last token)."""
+        if (request.speech is None or not request.sampling_params.stop or not new_token_ids
+                or request.is_finished or self.make_text_stop is None):
+            return
+        if request.text_stop is None:
+            request.text_stop = self.make_text_stop(request)
+        stop_string = request.text_stop.update(new_token_ids, stop_terminated=False)
+        if stop_string is not None:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = stop_string
 
     def _hold_speaking(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """A request whose text ended normally goes on speaking: its finish is reported when the

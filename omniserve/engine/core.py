@@ -25,6 +25,7 @@ from omniserve.config import OmniConfig
 from omniserve.core.request import Request, RequestStatus
 from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from omniserve.core.scheduler import Scheduler
+from omniserve.engine.detokenizer import IncrementalDetokenizer
 from omniserve.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -35,6 +36,7 @@ from omniserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from omniserve.executor.abstract import Executor
 from omniserve.plugins import load_plugins
 from omniserve.structured_output import StructuredOutputManager, wait_any
+from omniserve.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +65,22 @@ class EngineCore:
             logger.info("Talker KV pool: %d positions (one request's talker prompt and frames "
                         "must fit; --talker-kv-cache-memory sets it).", self.talker_capacity)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
-                                   num_talker_blocks=num_talker_blocks)
+                                   num_talker_blocks=num_talker_blocks,
+                                   make_text_stop=self._make_text_stop)
         # Batches in flight, newest first (only used when the executor runs several at once).
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
         # Requests with structured outputs wait here, outside the scheduler, for their grammar.
         self.grammar_waiting: dict[str, tuple[Request, Future[Any]]] = {}
         self.structured_output = StructuredOutputManager(config.model_config)
+        self._tokenizer: Any = None  # for speaking requests' stop strings, loaded on first use
+
+    def _make_text_stop(self, request: Request) -> IncrementalDetokenizer:
+        """The front end's detokenizer, here for a speaking request with stop strings."""
+        if self._tokenizer is None:
+            self._tokenizer = get_tokenizer(self.config.model_config.tokenizer)
+        return IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids,
+                                      request.sampling_params)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.num_requests_received += 1

@@ -98,6 +98,9 @@ class IncrementalDetokenizer:
         self.stop_buffer_length = (
             self._max_stop_len - 1 if self.stop and not self.include_stop_str_in_output else 0
         )
+        self.stopped = False
+        """A stop string matched: the text is final (a speaking request keeps receiving audio
+        after it, and no more tokens)."""
 
     def update(
         self, new_token_ids: list[int], stop_terminated: bool, finished: bool = False
@@ -108,6 +111,8 @@ class IncrementalDetokenizer:
         text is left out unless ``include_stop_str_in_output``. ``finished``: no more tokens will
         come, so pending incomplete characters are flushed.
         """
+        if self.stopped:
+            return None
         self.num_output_tokens += len(new_token_ids)
         if stop_terminated and new_token_ids and not self.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
@@ -117,13 +122,14 @@ class IncrementalDetokenizer:
         # Like vLLM, stop strings count only once min_tokens tokens have been generated.
         if self.stop and self.num_output_tokens > self.min_tokens:
             stop_string = self._check_stop_strings(old_len)
+            self.stopped = stop_string is not None
         if finished and stop_string is None:
             self.output_text += self._flush()
         return stop_string
 
     def visible_text_length(self, finished: bool) -> int:
-        """How much of ``output_text`` may be shown now (all of it once finished)."""
-        if finished or not self.stop_buffer_length:
+        """How much of ``output_text`` may be shown now (all of it once final)."""
+        if finished or self.stopped or not self.stop_buffer_length:
             return len(self.output_text)
         return max(len(self.output_text) - self.stop_buffer_length, 0)
 

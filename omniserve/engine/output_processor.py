@@ -320,7 +320,9 @@ class OutputProcessor:
             stop_string = child.detokenizer.update(
                 new_ids, finish_reason == FinishReason.STOP, finished=output.finished
             )
-            if stop_string is not None:
+            # A speaking request is not cut here: the engine matched the same stop string
+            # before its talker could speak past it, and ends the request once it has spoken.
+            if stop_string is not None and (child.audio_chunks is None or output.finished):
                 finish_reason, stop_reason = FinishReason.STOP, stop_string
                 if not output.finished:
                     result.reqs_to_abort.append(child.request_id)

@@ -203,9 +203,6 @@ class Processor:
         config = self.model_config.speech
         if config is None:
             raise ValueError(f"audio output: {self.model_config.no_speech_reason}.")
-        if params.stop:
-            raise ValueError("stop strings are not supported with audio output yet (the "
-                             "talker speaks what the engine generated); use stop_token_ids.")
         speech = params.speech or SpeechParams()
         voice = config.resolve_voice(speech.voice)
         if config.user_turns_only:
