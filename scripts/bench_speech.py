@@ -1,7 +1,9 @@
 """Speech output: time to first audio (TTFA) and real-time factor (RTF) of omniserve at
 concurrency 1, 4 and 16, beside transformers' ``generate(return_audio=True)`` one request at a
 time, on the bench-size full Qwen3-Omni-MoE checkpoint (a 8-layer MoE thinker, a 2-layer MoE
-talker, 16 code groups over a 2048-code book, a 2-layer code2wav), in one run.
+talker, 16 code groups over a 2048-code book, a 2-layer code2wav), in one run; ``--arch
+qwen2.5-omni``: the full Qwen2.5-Omni checkpoint (its bench-size thinker, the tiny talker and
+token2wav, which vocodes each answer whole, so its TTFA is the whole answer's time).
 
 Every request is a short chat turn; the thinker writes ``--text-tokens`` tokens (greedy, end of
 turn ignored on both sides) and the talker speaks up to ``--frames`` frames (12.5 per second of
@@ -13,6 +15,7 @@ concurrency 1.
 
     python scripts/bench_speech.py
     python scripts/bench_speech.py --requests 16 --frames 50 --skip-hf
+    python scripts/bench_speech.py --arch qwen2.5-omni
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from omniserve.engine.async_llm import AsyncLLM  # noqa: E402
 from omniserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from omniserve.worker.worker import checkpoint_dtype, resolve_dtype  # noqa: E402
 
-ARCH = "Qwen3OmniMoeForConditionalGeneration"
+# --arch -> (architecture, codec frames per second of audio)
+ARCHS = {"qwen3-omni": ("Qwen3OmniMoeForConditionalGeneration", 12.5),
+         "qwen2.5-omni": ("Qwen2_5OmniForConditionalGeneration", 50.0)}
 SAMPLE_RATE = 24000
 QUESTIONS = ["Tell me about the sea.", "What is a cat?", "Describe a red apple.",
              "Why is the sky blue?", "Count to five.", "Say something kind."]
@@ -84,11 +89,17 @@ async def run_concurrency(engine: AsyncLLM, texts: list[str], args: argparse.Nam
 
 def run_hf(model_dir: Path, texts: list[str], args: argparse.Namespace,
            dtype: torch.dtype) -> dict[str, float]:
+    import transformers
     from transformers import AutoProcessor
-    from transformers import Qwen3OmniMoeForConditionalGeneration as HFModel
 
     processor = AutoProcessor.from_pretrained(model_dir)
-    model = HFModel.from_pretrained(model_dir, dtype=dtype).eval()
+    architecture = ARCHS[args.arch][0]
+    model = getattr(transformers, architecture).from_pretrained(model_dir, dtype=dtype).eval()
+    extra = {}
+    if args.arch == "qwen2.5-omni":  # the reference hard-codes the 7B's end-of-speech ids
+        talker = model.config.talker_config
+        extra = {"speaker": "Chelsie", "talker_eos_token_id": [
+            talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id]}
     times, rtf, audio_seconds = [], [], 0.0
     wall = time.perf_counter()
     for i, text in enumerate(texts):
@@ -98,7 +109,7 @@ def run_hf(model_dir: Path, texts: list[str], args: argparse.Namespace,
             inputs = processor(text=[text], return_tensors="pt")
             _, wave = model.generate(
                 **inputs, thinker_max_new_tokens=args.text_tokens, thinker_do_sample=False,
-                thinker_eos_token_id=-1, talker_max_new_tokens=args.frames + 1)
+                thinker_eos_token_id=-1, talker_max_new_tokens=args.frames + 1, **extra)
         elapsed = time.perf_counter() - start
         seconds = wave.numel() / SAMPLE_RATE
         audio_seconds += seconds
@@ -130,17 +141,19 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=4)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="qwen3-omni")
     args = parser.parse_args()
 
-    model_dir = build_tiny_checkpoint(ARCH, size="bench")
+    architecture, frame_rate = ARCHS[args.arch]
+    model_dir = build_tiny_checkpoint(architecture, size="bench")
     dtype = resolve_dtype(args.dtype, torch.device("cpu"),
                           checkpoint_dtype(AutoConfig.from_pretrained(model_dir)))
     rows = asyncio.run(run_omniserve(model_dir, args))
     if not args.skip_hf:
         texts = prompts(AutoTokenizer.from_pretrained(model_dir), args.hf_requests)
         rows["transformers (one at a time)"] = run_hf(model_dir, texts, args, dtype)
-    print(f"\n{ARCH} bench size ({model_dir.name}), {dtype}, {args.text_tokens} text "
-          f"tokens, up to {args.frames} frames ({args.frames / 12.5:.1f} s) per request\n")
+    print(f"\n{architecture} bench size ({model_dir.name}), {dtype}, {args.text_tokens} text "
+          f"tokens, up to {args.frames} frames ({args.frames / frame_rate:.1f} s) per request\n")
     print(f"{'system':32s} {'TTFA p50':>9s} {'TTFA max':>9s} {'RTF':>7s} {'audio s/s':>10s}")
     for name, row in rows.items():
         print(f"{name:32s} {row['ttfa_p50']:8.3f}s {row['ttfa_max']:8.3f}s "

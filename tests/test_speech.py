@@ -100,6 +100,15 @@ def test_speech_matches_transformers_alone_and_batched(speech_case):
     assert batch[-1].outputs[0].token_ids == reference[0][0]
 
 
+def test_voices_speak_differently(speech_case):
+    """The same prompt in two voices: the voice reaches the talker, so the speech differs."""
+    _, _, reference = speech_case
+    assert CASES[0][0] == CASES[1][0] == [] and CASES[0][1] != CASES[1][1]
+    ethan, chelsie = reference[0][1], reference[1][1]
+    n = min(len(ethan), len(chelsie))
+    assert np.abs(ethan[:n] - chelsie[:n]).max() > 0.1
+
+
 def test_streamed_audio_equals_the_whole(speech_case):
     llm, prompts, reference = speech_case
     ethan = reference[0][1]

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
         PreTrainedTokenizerBase,
     )
 
-BUILDER_VERSION = 5
+BUILDER_VERSION = 6
 """Bump when the output of a build changes, so cached checkpoints are rebuilt."""
 
 BUILD_INFO_FILE = "omniserve_build.json"

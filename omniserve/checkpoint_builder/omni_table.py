@@ -247,6 +247,7 @@ _QWEN3_OMNI_TALKER = dict(
     text_config=dict(
         vocab_size=64 + 1024, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+        initializer_range=0.2,
         num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32,
         max_position_embeddings=2048,
         rope_parameters={

@@ -100,6 +100,9 @@ def tune_speech_weights(model: torch.nn.Module) -> None:
     - The talker's end-of-speech row of its codec head is zeroed: its logit is 0 while the codes'
       spread both ways, so a greedy talker never ends at step 0 (with random rows it did about as
       often as any code won; transformers' Qwen3-Omni then crashes on an empty code sequence).
+    - Qwen3-Omni's speaker rows of the talker's codec embedding are drawn at unit scale: at
+      transformers' 0.02 the voice, one prompt position among dozens, changed no greedy code, so
+      every voice spoke the same waveform. (Qwen2.5-Omni's voices differ through spk_dict.pt.)
     - The vocoder's convolutions and projections (Qwen3-Omni's code2wav; Qwen2.5-Omni's DiT and
       BigVGAN) are drawn variance-preserving (std 1/sqrt(fan_in), biases 0, embeddings unit)
       instead of transformers' 0.02, whose product over dozens of layers left a change of codes
@@ -117,6 +120,11 @@ def tune_speech_weights(model: torch.nn.Module) -> None:
         eos = config.tts_codec_end_token_id
     with torch.no_grad():
         talker.codec_head.weight[eos] = 0.0
+        speakers = sorted(getattr(config, "speaker_id", None) or {})
+        if speakers:  # Qwen3-Omni: a voice is one codec row of the talker's prompt
+            rows = [config.speaker_id[name] for name in speakers]
+            talker.model.codec_embedding.weight[rows] = torch.randn(
+                len(rows), talker.model.codec_embedding.weight.shape[1])
     if hasattr(model, "code2wav"):  # Qwen3-Omni: codes -> waveform
         codec = model.config.code2wav_config
         vocoder = model.code2wav
