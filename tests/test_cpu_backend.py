@@ -155,9 +155,11 @@ def _moe_reference(x, layer, weights, ids) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 2, 7, 33, 64, 300])
-def test_moe_matches_the_reference(tokens: int, dtype: torch.dtype) -> None:
+def test_moe_matches_the_reference(tokens: int, dtype: torch.dtype,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Experts with 0 to many rows (row tiles of 4 cut anywhere), every activation range, H off
-    the 64-row work blocks."""
+    the 64-row work blocks (the kernel at every size: prefill-sized batches would go to torch)."""
+    monkeypatch.setattr(cpu_moe, "MAX_ROUTED_PER_EXPERT", 1 << 30)
     x, layer, weights, ids = _moe_case(tokens, dtype, hidden=96)
     x[0] *= 40  # large gate values: silu's exp at both ends of its range
     assert CpuMoE.supports(layer)
@@ -189,6 +191,23 @@ def test_bf16_moe_at_the_flagship_shape(tokens: int, flagship_moe: FusedMoE) -> 
     with torch.inference_mode():
         got = CpuMoE(flagship_moe)(x, weights, ids)
     _close(got, _moe_reference(x, flagship_moe, weights, ids), torch.bfloat16)
+
+
+def test_prefill_sized_moe_batches_take_the_grouped_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above MAX_ROUTED_PER_EXPERT routed tokens per expert the kernel is not called (its cost
+    grows per token; the per-expert GEMMs read each expert once); at or below it, it is."""
+    calls = []
+    x, layer, weights, ids = _moe_case(64, torch.float32)
+    moe = CpuMoE(layer)
+    kernel = moe.kernel
+    monkeypatch.setattr(moe, "kernel", lambda *args: calls.append(args[1]) or kernel(*args))
+    num_experts, top_k = layer.gate_up_proj.shape[0], ids.shape[1]
+    decode = cpu_moe.MAX_ROUTED_PER_EXPERT * num_experts // top_k
+    with torch.inference_mode():
+        for n in (decode, decode + 1, 64):
+            _close(moe(x[:n], weights[:n], ids[:n]),
+                   _moe_reference(x[:n], layer, weights[:n], ids[:n]), torch.float32)
+    assert calls == [decode]
 
 
 def test_moe_top1_all_on_one_expert_and_chunked_calls(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,5 @@
-"""The MoE expert block for CPUs: one C call per layer (``csrc/moe.c``) on the loaded experts.
+"""The MoE expert block for CPUs: one C call per layer (``csrc/moe.c``) on the loaded experts, for
+decode-sized batches (prefills take torch's per-expert GEMMs, see ``MAX_ROUTED_PER_EXPERT``).
 
 The torch reference runs a small matmul pair per selected expert; at a decode step of a
 128-expert top-8 layer that is ~250 small ops. The kernel does routing's sort, the gathers, both
@@ -18,6 +19,12 @@ from omniserve.layers.fused_moe import FusedMoE, fused_experts
 
 TOKENS_PER_CALL = 1024
 """Scratch per call is about tokens x top_k x (3 H + I) x 4 bytes: 100 MiB at H 2048, top-8."""
+MAX_ROUTED_PER_EXPERT = 4
+"""Above this many routed tokens per expert on average (a prefill), torch's per-expert GEMMs
+win: they read each expert's weights once for all its tokens, while the kernel's cost grows
+with every token. Measured on the 2-core AVX2 EPYC (fp32): the crossover lies at 3-8 routed
+tokens per expert for both the bench-size (8 experts, top-2) and the 30B's (128, top-8) shapes;
+at 400 tokens the kernel took 5.5x (bench) and 3.2x (30B) the GEMMs' time."""
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURE = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int)
@@ -51,13 +58,14 @@ class CpuMoE:
     ) -> torch.Tensor:
         layer = self.layer
         gate_up, down = layer.gate_up_proj.detach(), layer.down_proj.detach()
-        if x.dtype != gate_up.dtype or not inference_tensors(x):
+        num_experts, top_k = gate_up.shape[0], topk_ids.shape[1]
+        if (x.dtype != gate_up.dtype or not inference_tensors(x)
+                or x.shape[0] * top_k > MAX_ROUTED_PER_EXPERT * num_experts):
             return fused_experts(x, gate_up, down, topk_weights, topk_ids)
         x = x.contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
         ids = topk_ids.to(torch.int64).contiguous()
         out = torch.empty_like(x)
-        num_experts, top_k = gate_up.shape[0], ids.shape[1]
         for start in range(0, x.shape[0], TOKENS_PER_CALL):
             count = min(TOKENS_PER_CALL, x.shape[0] - start)
             status = self.kernel(

@@ -3,8 +3,9 @@
 It keeps each speaking request's worker-side state (the thinker's tapped hidden states, the
 talker's inputs, the frames spoken, the vocoder's progress), runs the talker over its own paged
 KV cache, samples each frame, and streams the vocoder: a first chunk after
-``first_chunk_frames`` frames (short time to first audio), then every ``chunk_frames``, and the
-rest when the talker is done. Which requests compute what comes from the scheduler
+``first_chunk_frames`` frames (short time to first audio), then chunks as long as what was
+already vocoded (the audio out stays ahead of playback while calls get fewer) up to
+``max_chunk_frames``, and the rest when the talker is done. Which requests compute what comes from the scheduler
 (``TalkerSchedulerOutput``); the model supplies the modules (``talker``, the vocoder,
 ``speech_config``, the thinker's embeddings and M-RoPE positions). What differs between model
 families (how the talker's prompt and decode inputs are built from the thinker's side, how a
@@ -70,9 +71,9 @@ class TalkerState:
 
 
 class TalkerRunner(ABC):
-    first_chunk_frames: ClassVar[int | None] = 4
+    first_chunk_frames: ClassVar[int | None] = 2
     """Frames before the first vocoder chunk; None: vocode once, when the talker is done."""
-    chunk_frames: ClassVar[int] = 25
+    max_chunk_frames: ClassVar[int] = 25
     taps_output: ClassVar[bool] = False
     """The talker reads the thinker's final hidden states (its forward's output), not a tapped
     intermediate layer (``model.tapped``)."""
@@ -267,7 +268,9 @@ class TalkerRunner(ABC):
         chunks, owners = [], []
         for req_id, state in zip(req_ids, states, strict=True):
             pending = len(state.codes) - state.vocoded_frames
-            chunk = self.first_chunk_frames if state.vocoded_frames == 0 else self.chunk_frames
+            first = self.first_chunk_frames
+            chunk = None if first is None else min(max(first, state.vocoded_frames),
+                                                    self.max_chunk_frames)
             if pending and (state.done or (chunk is not None and pending >= chunk)):
                 if state.vocoder is None:
                     state.vocoder = self.new_vocoder_state(state)
