@@ -10,6 +10,7 @@ import signal
 import time
 
 import httpx
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -54,6 +55,33 @@ def test_text_model_tp2_matches_tp1_and_hf(tiny_checkpoint):
     tp2 = _generate(model_dir, engine_prompts, tp=2, max_num_batched_tokens=16)
     assert _tokens(tp2) == _tokens(tp1)
     assert_matches_reference(tp2, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("architecture", "voice"), [
+    ("Qwen3OmniMoeForConditionalGeneration", "chelsie"),
+    ("Qwen2_5OmniForConditionalGeneration", "Ethan")])
+def test_speech_tp2_matches_tp1(tiny_checkpoint, architecture, voice):
+    """The talker's layers split over two ranks (its one KV head replicated), the vocoder on
+    each: the same text and the same waveform (to fp32 reduction order) as one rank."""
+    model_dir = str(tiny_checkpoint(architecture))
+    prompt = "<|im_start|>user\nHello there say<|im_end|>\n<|im_start|>assistant\n"
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                            output_modalities=["text", "audio"],
+                            speech={"voice": voice, "temperature": 0.0, "max_tokens": 20,
+                                    "seed": 1})
+    outputs = []
+    for tp in (1, 2):
+        llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, max_model_len=1024,
+                  kv_cache_memory=16 << 20)
+        try:
+            outputs.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0])
+        finally:
+            llm.shutdown()
+    one, two = outputs
+    assert two.token_ids == one.token_ids and two.num_audio_tokens == one.num_audio_tokens
+    assert two.audio.shape == one.audio.shape and np.std(one.audio) > 1e-2
+    np.testing.assert_allclose(two.audio, one.audio, rtol=0, atol=1e-4)
 
 
 @pytest.mark.slow

@@ -5,11 +5,11 @@ talker's inputs, the frames spoken, the vocoder's progress), runs the talker ove
 KV cache, samples each frame, and streams the vocoder: a first chunk after
 ``first_chunk_frames`` frames (short time to first audio), then chunks as long as what was
 already vocoded (the audio out stays ahead of playback while calls get fewer) up to
-``max_chunk_frames``, and the rest when the talker is done. Which requests compute what comes from the scheduler
-(``TalkerSchedulerOutput``); the model supplies the modules (``talker``, the vocoder,
-``speech_config``, the thinker's embeddings and M-RoPE positions). What differs between model
-families (how the talker's prompt and decode inputs are built from the thinker's side, how a
-frame is sampled, what the thinker must tap) is each family's subclass
+``max_chunk_frames``, and the rest when the talker is done. Which requests compute what comes
+from the scheduler (``TalkerSchedulerOutput``); the model supplies the modules (``talker``, the
+vocoder, ``speech_config``, the thinker's embeddings and M-RoPE positions). What differs between
+model families (how the talker's prompt and decode inputs are built from the thinker's side, how
+a frame is sampled, what the thinker must tap) is each family's subclass
 (``worker/talker_families.py``).
 """
 
