@@ -94,7 +94,9 @@ def run_hf(model_dir: Path, texts: list[str], args: argparse.Namespace,
 
     processor = AutoProcessor.from_pretrained(model_dir)
     architecture = ARCHS[args.arch][0]
-    model = getattr(transformers, architecture).from_pretrained(model_dir, dtype=dtype).eval()
+    # .to(dtype): transformers 5.2x leaves Qwen2.5-Omni sub-models in their own config dtype.
+    model = getattr(transformers, architecture).from_pretrained(model_dir, dtype=dtype)
+    model = model.to(dtype).eval()
     extra = {}
     if args.arch == "qwen2.5-omni":  # the reference hard-codes the 7B's end-of-speech ids
         talker = model.config.talker_config
