@@ -231,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "None: the model path.")
     server.add_argument("--api-key", default=None,
                         help="Require 'Authorization: Bearer KEY' on the API routes.")
+    server.add_argument("--no-playground", action="store_true",
+                        help="Do not serve the web playground (a chat page at /).")
     server.add_argument("--chat-template", default=None,
                         help="A chat template file (or inline Jinja) replacing the checkpoint's.")
     server.add_argument("--trust-request-chat-template", action="store_true",

@@ -16,7 +16,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from omniserve.multimodal.errors import MultiModalInputError
 
@@ -70,6 +70,9 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
         raise
     except Image.DecompressionBombError as exc:
         raise _decode_error("image", f"image too large (decompression-bomb guard): {exc}") from exc
+    except UnidentifiedImageError as exc:  # its message names an in-memory buffer's address
+        raise _decode_error("image", f"cannot decode image: not a known image format "
+                                     f"({len(data)} bytes starting {data[:8]!r})") from exc
     except Exception as exc:  # PIL plugins raise many types (OSError, SyntaxError, ...)
         raise _decode_error("image", f"cannot decode image: {exc}") from exc
 

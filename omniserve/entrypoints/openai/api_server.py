@@ -45,6 +45,7 @@ from omniserve.entrypoints.openai.completion_protocol import (
     CompletionResponse,
     CompletionStreamResponse,
 )
+from omniserve.entrypoints.openai.playground import playground_router
 from omniserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -356,6 +357,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         return Response(body, media_type=content_type)
 
     app.include_router(_api_router(engine, chat, completion, speech, names))
+    if not getattr(args, "no_playground", False):
+        app.include_router(playground_router(_playground_info(engine, names),
+                                             getattr(args, "api_key", None)))
     default_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -452,6 +456,20 @@ def _documented(body: type | None = None, chunk: type | None = None) -> dict[int
                                "request fails midway), then data: [DONE]"}}
         responses[200] = {"model": body, "content": content}
     return responses
+
+
+def _playground_info(engine: AsyncLLM, names: list[str]) -> dict[str, Any]:
+    """The served model as the playground shows it: its name and limits, the media it takes
+    (modality -> items per prompt, None: no limit) and its voices."""
+    mm_processor = engine.processor.mm_processor
+    speech = engine.model_config.speech
+    return {
+        "model": names[0],
+        "max_model_len": engine.model_config.max_model_len,
+        "media": mm_processor.info.get_allowed_mm_limits() if mm_processor is not None else {},
+        "voices": list(speech.voices) if speech is not None else [],
+        "default_voice": speech.default_voice if speech is not None else None,
+    }
 
 
 def _api_router(engine: AsyncLLM, chat: OpenAIServingChat,
