@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -181,31 +181,34 @@ def thinker_rope(
 
 
 # ---- full-model checkpoints ----------------------------------------------------------------------
-def load_thinker_weights(
+def load_omni_weights(
     model: MultiModalDecoderBase,
     weights: Iterable[tuple[str, torch.Tensor]],
     speech_submodels: tuple[str, ...],
-    speech_route: Callable[[str], WeightRoute | None] | None = None,
 ) -> set[str]:
     """Load a full omni checkpoint.
 
-    The rule: ``thinker.<name>`` loads as the thinker checkpoint's ``<name>``; keys of the speech
-    sub-models (``speech_submodels``, e.g. talker and token2wav) go through ``speech_route``, or
-    when the model does not speak (no route) are skipped and counted in a log line; any other
-    key is reported as unexpected.
+    The rule: ``thinker.<name>`` loads as the thinker checkpoint's ``<name>``. Keys of the speech
+    sub-models (``speech_submodels``: the talker and the vocoder), when the model speaks: the
+    talker's through its ``route_weight``, the vocoder's as they are; when it does not, they are
+    skipped and counted in a log line. Any other key is reported as unexpected.
     """
     skipped: Counter[str] = Counter()
+    speaks = getattr(model, "speaks", False)
 
     def route(name: str) -> WeightRoute | None:
         if name.startswith("thinker."):
             return model.route_weight(name.removeprefix("thinker."))
         submodel = name.split(".", 1)[0]
-        if submodel in speech_submodels and speech_route is not None:
-            return speech_route(name)
-        if submodel in speech_submodels:
+        if submodel not in speech_submodels:
+            return "", ()  # no parameter is named "": load_weights_by_route reports the key
+        if not speaks:
             skipped[submodel] += 1
             return None
-        return "", ()  # no parameter is named "": load_weights_by_route reports the key
+        if submodel != "talker":
+            return name, ()
+        routed = model.talker.route_weight(name.removeprefix("talker."))
+        return None if routed is None else (f"talker.{routed[0]}", routed[1])
 
     loaded = load_weights_by_route(model, weights, route)
     if skipped:
@@ -421,14 +424,5 @@ class Qwen2_5OmniForConditionalGeneration(Qwen2_5OmniThinkerForConditionalGenera
         return Token2WavOnce(self.token2wav, self.speech_config.voices)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        if not self.speaks:
-            return load_thinker_weights(self, weights, self.speech_submodels)
-
-        def speech_route(name: str) -> WeightRoute | None:
-            if name.startswith("token2wav."):
-                return name, ()
-            routed = self.talker.route_weight(name.removeprefix("talker."))
-            return None if routed is None else (f"talker.{routed[0]}", routed[1])
-
-        return load_thinker_weights(self, weights, self.speech_submodels, speech_route)
+        return load_omni_weights(self, weights, self.speech_submodels)
 

@@ -47,7 +47,7 @@ from model_zoo.qwen2_5_omni_thinker import (
     grid_thw,
     is_audio_in_video,
     item_data,
-    load_thinker_weights,
+    load_omni_weights,
     seconds_per_grid,
     thinker_rope,
 )
@@ -322,13 +322,4 @@ class Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeThinkerForConditionalGene
         return Code2WavStream(self.code2wav)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        if not self.speaks:
-            return load_thinker_weights(self, weights, self.speech_submodels)
-
-        def speech_route(name: str) -> WeightRoute | None:
-            if name.startswith("code2wav."):
-                return name, ()
-            routed = self.talker.route_weight(name.removeprefix("talker."))
-            return None if routed is None else (f"talker.{routed[0]}", routed[1])
-
-        return load_thinker_weights(self, weights, self.speech_submodels, speech_route)
+        return load_omni_weights(self, weights, self.speech_submodels)

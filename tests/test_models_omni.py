@@ -376,14 +376,13 @@ def test_full_model_checkpoint_loads_the_thinker_only(
     full_dir, thinker_dir = tiny_checkpoint(full_arch), tiny_checkpoint(arch)
     state = load_file(full_dir / "model.safetensors")
     assert {name.split(".")[0] for name in state} == {"thinker", "talker", vocoder}
-    if arch == QWEN3:
-        # Qwen3-Omni speaks: its full model loads the speech half, unless audio output is off
-        # (transformers' enable_audio_output, which --disable-audio-output sets).
-        assert {"talker", "code2wav"} <= {n.split(".")[0] for n, _ in
-                                         load_ours(full_dir).named_parameters()}
-        config = json.loads((full_dir / "config.json").read_text())
-        full_dir = _write_checkpoint(tmp_path / "silent", {**config, "enable_audio_output": False},
-                                     state)
+    # A full model speaks: it loads the speech half, unless audio output is off
+    # (transformers' enable_audio_output, which --disable-audio-output sets).
+    assert {"talker", vocoder} <= {n.split(".")[0] for n, _ in
+                                   load_ours(full_dir).named_parameters()}
+    config = json.loads((full_dir / "config.json").read_text())
+    full_dir = _write_checkpoint(tmp_path / "silent", {**config, "enable_audio_output": False},
+                                 state)
     with caplog.at_level(logging.INFO, logger="model_zoo.qwen2_5_omni_thinker"):
         full = load_ours(full_dir)
     for submodel in ("talker", vocoder):  # named and counted in the log, not skipped silently

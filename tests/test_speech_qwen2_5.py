@@ -2,7 +2,7 @@
 greedy thinker and talker, the DiT's noise from the same seed on both sides): the talker's codes,
 the waveform and the text for text, image, audio, video, audio-in-video and mixed prompts, a
 conversation with a system turn, both voices, alone and batched with a text-only request; the
-talker's logits teacher-forced against transformers' module; the OpenAI API on top.
+stop strings; the OpenAI API on top (the talker's logits: test_speech_layers.py).
 
 Waveforms: token2wav is transformers' own module on both sides, so equal codes and noise give
 equal samples up to fp32 reordering; ``WAVE_ATOL`` = 1e-4 is far below the change one different
@@ -24,13 +24,9 @@ from transformers import AutoProcessor
 from transformers import Qwen2_5OmniForConditionalGeneration as HFQwen2_5Omni
 
 from omniserve import LLM, SamplingParams
-from omniserve.attention.layer import get_attention_layers
-from omniserve.attention.metadata import AttentionMetadata
 from omniserve.entrypoints.openai.audio_encoding import pcm16
-from omniserve.forward_context import set_forward_context
 from tests.server_utils import MODEL, launch_server
 from tests.test_fidelity_omni import _engine_prompt, _hf_inputs, _media, _text
-from tests.test_models_mm import load_ours
 
 ARCH = "Qwen2_5OmniForConditionalGeneration"
 WAVE_ATOL = 1e-4
@@ -153,42 +149,6 @@ def test_voices_and_refusals(speech_case):
                         [_speech_params("ethan", 0), _speech_params("CHELSIE", 0)],
                         use_tqdm=False)
     assert np.abs(a.outputs[0].audio - b.outputs[0].audio).max() > 1e-2
-
-
-def test_talker_logits_match_transformers(tiny_checkpoint):
-    """The talker over a paged cache, two chunks, teacher-forced on the same thinker-wide rows
-    as transformers' talker (projection, decoder, codec head)."""
-    model_dir = tiny_checkpoint(ARCH)
-    ours = load_ours(model_dir)
-    hf = HFQwen2_5Omni.from_pretrained(model_dir, dtype=torch.float32).eval()
-    width, length = hf.config.talker_config.embedding_size, 21
-    rows = torch.randn(length, width, generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(length)
-    talker = ours.talker
-    for layer in get_attention_layers(talker):
-        layer.kv_cache = torch.zeros(2, 4, 16, layer.num_kv_heads, layer.head_size)
-    hidden = []
-    with torch.inference_mode():
-        for start, end in ((0, 13), (13, length)):
-            metadata = AttentionMetadata(
-                query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
-                seq_lens=torch.tensor([end], dtype=torch.int32),
-                block_table=torch.tensor([[0, 1]], dtype=torch.int32),
-                slot_mapping=torch.arange(start, end), query_lens_cpu=[end - start],
-                seq_lens_cpu=[end])
-            with set_forward_context(metadata):
-                hidden.append(talker.model(
-                    None, positions[start:end].expand(3, -1),
-                    inputs_embeds=talker.thinker_to_talker_proj(rows[start:end])))
-        ours_logits = talker.codec_head(torch.cat(hidden))
-        reference = hf.talker.model(
-            inputs_embeds=hf.talker.thinker_to_talker_proj(rows[None]),
-            position_ids=positions.view(1, 1, -1).expand(3, 1, -1))
-        hf_logits = hf.talker.codec_head(reference.last_hidden_state)[0]
-        torch.testing.assert_close(ours_logits, hf_logits, rtol=0, atol=1e-4)
-        codes = torch.tensor([3, 17, 99])
-        torch.testing.assert_close(talker.codec_embedding(codes),
-                                   hf.talker.get_input_embeddings()(codes), rtol=0, atol=0)
 
 
 def test_served_through_the_api(speech_case, tmp_path_factory):
