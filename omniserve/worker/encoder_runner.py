@@ -8,7 +8,7 @@ dropped (``free_encoder_mm_hashes``), so this cache and its bookkeeping agree ex
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -97,16 +97,20 @@ class EncoderRunner:
         return torch.cat(pieces), torch.from_numpy(is_mm).to(self.device)
 
 
-def mrope_positions(prompt_positions: torch.Tensor, delta: int, start: int, end: int,
-                    num_prompt_tokens: int) -> torch.Tensor:
-    """M-RoPE positions ``[3, end - start]`` of tokens ``[start, end)``: the precomputed prompt
-    positions, then ``p + delta`` on all three axes for generated tokens."""
-    prompt_end = min(end, num_prompt_tokens)
-    parts = []
-    if start < prompt_end:
-        parts.append(prompt_positions[:, start:prompt_end])
-    gen_start = max(start, num_prompt_tokens)
-    if gen_start < end:
-        generated = torch.arange(gen_start, end, dtype=torch.int64) + delta
-        parts.append(generated.expand(3, -1))
-    return torch.cat(parts, dim=1)
+def mrope_positions(positions: np.ndarray, query_lens: np.ndarray, deltas: np.ndarray,
+                    num_prompt: np.ndarray, prompt_positions: Sequence[torch.Tensor | None]
+                    ) -> torch.Tensor:
+    """M-RoPE positions ``[3, num_tokens]`` of a step's tokens (``positions``, grouped per request
+    by ``query_lens``): a generated token sits at ``p + delta`` on all three axes; only tokens of
+    a prompt window (below the request's ``num_prompt``) read its precomputed, media-shaped
+    ``prompt_positions [3, prompt_len]``."""
+    shifted = positions + np.repeat(deltas, query_lens)
+    out = np.repeat(shifted[None], 3, axis=0)
+    starts = np.cumsum(query_lens) - query_lens
+    for i in np.flatnonzero(positions[starts] < num_prompt).tolist():
+        first = int(positions[starts[i]])
+        end = min(first + int(query_lens[i]), int(num_prompt[i]))
+        prompt = prompt_positions[i]
+        assert prompt is not None  # a request with prompt tokens to compute has its positions
+        out[:, starts[i]:starts[i] + end - first] = prompt[:, first:end].numpy()
+    return torch.from_numpy(out)

@@ -27,7 +27,7 @@ from omniserve.layers.sampler import (
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.structured_output import apply_bitmask_rows
 from omniserve.worker.cuda_graph import DecodeGraphs, graph_batch_sizes
-from omniserve.worker.encoder_runner import EncoderRunner, to_device
+from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions, to_device
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
 from omniserve.worker.talker_families import create_talker_runner
 
@@ -226,22 +226,13 @@ class ModelRunner:
     def _positions(self, step: StepInputs) -> torch.Tensor:
         if not self.uses_mrope:
             return torch.from_numpy(step.positions).to(self.device)  # [num_tokens]
-        # M-RoPE: a generated token sits at p + delta on all three axes; only tokens of a
-        # prompt window read their precomputed (media-shaped) positions.
-        batch = self.input_batch
-        states = [batch.states[row] for row in step.rows.tolist()]
+        states = [self.input_batch.states[row] for row in step.rows.tolist()]
         deltas = np.fromiter((int(s.mrope_delta) for s in states),  # type: ignore[union-attr]
                              np.int64, len(states))  # fmt: skip
-        shifted = step.positions + np.repeat(deltas, step.query_lens)
-        positions = np.repeat(shifted[None], 3, axis=0)  # [3, num_tokens]
-        num_prompt = batch.num_prompt_tokens[step.rows]
-        starts = np.cumsum(step.query_lens) - step.query_lens
-        for i in np.flatnonzero(step.positions[starts] < num_prompt).tolist():
-            first = int(step.positions[starts[i]])
-            end = min(first + int(step.query_lens[i]), int(num_prompt[i]))
-            prompt = states[i].mrope_positions  # type: ignore[union-attr]
-            positions[:, starts[i]:starts[i] + end - first] = prompt[:, first:end].numpy()
-        return torch.from_numpy(positions).to(self.device)
+        return mrope_positions(
+            step.positions, step.query_lens, deltas,
+            self.input_batch.num_prompt_tokens[step.rows],
+            [s.mrope_positions for s in states]).to(self.device)  # type: ignore[union-attr]
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch

@@ -55,7 +55,7 @@ class TalkerState:
     prompt: torch.Tensor | None = None  # [prompt_len, hidden] talker prompt rows
     decode_rows: list[torch.Tensor] = field(default_factory=list)  # [1, hidden] per frame
     positions: torch.Tensor | None = None  # [3, prompt_len] M-RoPE positions of the prompt
-    delta: int | float = 0
+    delta: int = 0
     codes: list[torch.Tensor] = field(default_factory=list)  # per frame [num_groups]
     history: list[int] = field(default_factory=list)  # sampled talker tokens (the repetition set)
     done: bool = False
@@ -159,9 +159,8 @@ class TalkerRunner(ABC):
         embeds, positions, slots, query_lens, seq_lens = [], [], [], [], []
         for state, req_id in zip(states, req_ids, strict=True):
             start, count = state.num_computed, so.num_scheduled_tokens[req_id]
-            embeds.append(self._inputs(state, start, start + count))
-            positions.append(mrope_positions(state.positions, state.delta, start, start + count,
-                                             state.speech.prompt_len))
+            embeds.append(self._inputs(state, start, start + count))  # sets state.positions
+            positions.append(np.arange(start, start + count))
             table = np.asarray(state.block_ids, dtype=np.int64)
             pos = np.arange(start, start + count)
             slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
@@ -181,9 +180,12 @@ class TalkerRunner(ABC):
             block_table=torch.from_numpy(tables).to(dev, torch.int32),
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        rope = mrope_positions(
+            np.concatenate(positions), np.asarray(query_lens),
+            np.asarray([int(s.delta) for s in states]),
+            np.asarray([s.speech.prompt_len for s in states]), [s.positions for s in states])
         with set_forward_context(metadata):
-            hidden = self.talker.model(None, torch.cat(positions, dim=1).to(dev),
-                                       inputs_embeds=torch.cat(embeds))
+            hidden = self.talker.model(None, rope.to(dev), inputs_embeds=torch.cat(embeds))
         ends = np.cumsum(query_lens) - 1
         sampling = [i for i, state in enumerate(states)
                     if state.num_computed == state.buildable_inputs() and not state.done]
