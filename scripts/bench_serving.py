@@ -10,6 +10,7 @@ first chunk) / (output tokens - 1), per request.
 
     python scripts/bench_serving.py                      # bench-size Qwen3, sweep 1 4 16 64
     python scripts/bench_serving.py --size tiny --concurrency 1 4 --output-len 16
+    python scripts/bench_serving.py --playground-ablation   # omniserve with vs without it
 """
 
 from __future__ import annotations
@@ -214,9 +215,9 @@ def print_tables(results: dict[str, list[LevelResult]]) -> None:
                   + " ".join(f"{fn(level):12.2f}" for _, fn in columns))
     if len(results) != 2:
         return
-    ours, base = results.values()
-    print("\nomniserve / transformers: throughput ratios (>1: omniserve more), "
-          "latency ratios as transformers / omniserve (>1: omniserve faster)")
+    (ours_name, ours), (base_name, base) = results.items()
+    print(f"\n{ours_name} / {base_name}: throughput ratios (>1: {ours_name} more), "
+          f"latency ratios as {base_name} / {ours_name} (>1: {ours_name} faster)")
     print(f"{'conc':>4s} " + " ".join(f"{c:>12s}" for c, _ in columns))
     for a, b in zip(ours, base, strict=True):
         cells = []
@@ -241,6 +242,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32",
                         help="Both servers' dtype (the same for a fair comparison).")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--playground-ablation", action="store_true",
+                        help="Compare omniserve with its web playground (the default) against "
+                             "omniserve --no-playground, instead of against transformers.")
     parser.add_argument("--hf-continuous-batching", action=argparse.BooleanOptionalAction,
                         default=True, help="Run `transformers serve --continuous-batching`.")
     parser.add_argument("--log-dir", default="/tmp/omniserve-bench-serving")
@@ -261,7 +265,10 @@ def main() -> None:
                       "--port", "{port}", "--served-model-name", "bench",
                       "--dtype", args.dtype, "--uvicorn-log-level", "warning"],
         "bench", {"ignore_eos": True})]
-    if not args.skip_transformers:
+    if args.playground_ablation:
+        specs.append(ServerSpec("no-playground", [*specs[0].command, "--no-playground"],
+                                "bench", {"ignore_eos": True}))
+    elif not args.skip_transformers:
         hf = shutil.which("transformers") or "transformers"
         command = [hf, "serve", str(model), "--host", "127.0.0.1", "--port", "{port}",
                    "--device", "cpu", "--dtype", args.dtype, "--log-level", "warning"]
