@@ -6,10 +6,12 @@ The stage contract (plain data, so the talker could later move to its own proces
   prompt comes from in the thinker's prompt (``plan_talker_prompt``).
 - Each step, ``TalkerSchedulerOutput`` tells the workers which talker requests compute how many
   inputs, their blocks, and the reply text entries they may use (``new_text``): thinker token
-  ids, then ``TEXT_END`` once the thinker has finished. The thinker's hidden states at the
-  prompt's multimodal positions stay in the worker that computed them (the talker runner keeps
-  them per request); to have them, a speech request with multimodal items never reads the prefix
-  cache (its prompt is computed, and tapped, in full; it still writes the cache for others).
+  ids, then ``TEXT_END`` once the thinker has finished. The thinker's hidden states the talker
+  reads (Qwen3-Omni: at the prompt's multimodal positions; Qwen2.5-Omni: at every position) stay
+  in the worker that computed them (the talker runner keeps them per request); to have them, such
+  a request never reads the prefix cache (``SpeechRequest.reads_prompt_hidden``: its prompt is
+  computed, and tapped, in full; it still writes the cache for others), and where the talker
+  reads reply tokens' hidden states too, a reply token is usable once the thinker was fed it.
 - ``SpeechStepOutput`` comes back: frames spoken so far, whether the talker finished, and the
   waveform samples the vocoder finalised this step.
 
