@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 from omniserve.config import CacheConfig, SchedulerConfig
 from omniserve.core.encoder_cache_manager import EncoderCacheManager
@@ -32,23 +31,15 @@ from omniserve.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from omniserve.core.stop_conditions import append_and_check_stop
+from omniserve.core.stop_conditions import (
+    FINISH_REASONS,
+    TextStop,
+    append_and_check_stop,
+    check_text_stop,
+)
 from omniserve.core.talker_scheduler import TalkerScheduler
 from omniserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
-_STATUS_TO_FINISH_REASON = {
-    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
-    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
-    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
-}
-
-
-
-class TextStop(Protocol):
-    """Matches stop strings in a request's output text, fed the new tokens each step."""
-
-    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None: ...
 
 @dataclass(slots=True)
 class _ScheduledRequest:
@@ -471,7 +462,8 @@ class Scheduler:
             index = req_id_to_index.get(req_id)
             sampled = runner.sampled_token_ids[index] if index is not None else []
             new_token_ids = append_and_check_stop(request, sampled, self.max_model_len)
-            self._check_text_stop(request, new_token_ids)
+            if self.make_text_stop is not None:
+                check_text_stop(request, new_token_ids, self.make_text_stop)
             if new_token_ids:
                 request.suspect = False  # it ran past the step that failed
             prompt_logprobs = runner.prompt_logprobs.get(req_id)
@@ -482,7 +474,7 @@ class Scheduler:
                         new_token_ids=new_token_ids,
                         new_logprobs=runner.logprobs.get(req_id),
                         new_prompt_logprobs=prompt_logprobs,
-                        finish_reason=_STATUS_TO_FINISH_REASON.get(request.status),
+                        finish_reason=FINISH_REASONS.get(request.status),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens,
                     )
@@ -495,62 +487,8 @@ class Scheduler:
         if num_finished:
             self.running = [request for request in self.running if not request.is_finished]
         if self.talker is not None:
-            outputs = self._hold_speaking(outputs) + self._speech_outputs(runner)
+            outputs = self.talker.hold(outputs) + self.talker.outputs(runner.speech)
         return EngineCoreOutputs(outputs=outputs)
-
-    def _check_text_stop(self, request: Request, new_token_ids: list[int]) -> None:
-        """End a speaking request's text at a stop string now, before the next step's talker
-        could read a token past it (its final token, which completed the stop string, is not
-        spoken, as with any last token)."""
-        if (request.speech is None or not request.sampling_params.stop or not new_token_ids
-                or request.is_finished or self.make_text_stop is None):
-            return
-        if request.text_stop is None:
-            request.text_stop = self.make_text_stop(request)
-        stop_string = request.text_stop.update(new_token_ids, stop_terminated=False)
-        if stop_string is not None:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = stop_string
-
-    def _hold_speaking(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        """A request whose text ended normally goes on speaking: its finish is reported when the
-        talker is done. An aborted or failed one stops speaking too."""
-        assert self.talker is not None
-        for output in outputs:
-            talker = self.talker.requests.get(output.request_id)
-            if talker is None or output.finish_reason is None:
-                continue
-            if output.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                output.finish_reason, output.stop_reason = None, None
-            else:
-                self.talker.finish(output.request_id)
-        return outputs
-
-    def _speech_outputs(self, runner: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Audio progress; a talker that is done (or never had text to speak) ends its request
-        with the thinker's finish reason."""
-        assert self.talker is not None
-        done = set(self.talker.update(runner.speech)) | self.talker.stopped()
-        outputs = []
-        for req_id in [*runner.speech, *(done - runner.speech.keys())]:
-            talker = self.talker.requests.get(req_id)
-            if talker is None:
-                continue
-            result = runner.speech.get(req_id)
-            finished = req_id in done
-            audio = result.audio if result is not None else None
-            if audio is None and not finished:
-                continue
-            thinker = talker.thinker
-            outputs.append(EngineCoreOutput(
-                request_id=req_id, new_token_ids=[], new_audio=audio,
-                num_audio_tokens=talker.num_frames,
-                finish_reason=_STATUS_TO_FINISH_REASON.get(thinker.status) if finished else None,
-                stop_reason=thinker.stop_reason if finished else None,
-                num_cached_tokens=max(thinker.num_cached_tokens, 0)))
-            if finished:
-                self.talker.finish(req_id)
-        return outputs
 
     # ---- a step that raised ----
 

@@ -1,12 +1,31 @@
 """Stop conditions: when a request is done, checked token by token as sampled tokens arrive.
 
-Stop strings are matched in the front end (they need detokenized text); everything decidable on
+Stop strings are matched in the front end (they need detokenized text), except a speaking
+request's (``check_text_stop``, with a matcher the engine core supplies); everything decidable on
 token ids is decided here. Pure Python (no torch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 from omniserve.core.request import Request, RequestStatus
+from omniserve.engine.messages import FinishReason
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+"""A finished status -> the finish reason the engine reports."""
+
+
+class TextStop(Protocol):
+    """Matches stop strings in a request's output text, fed the new tokens each step."""
+
+    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None: ...
 
 
 def append_and_check_stop(request: Request, sampled: list[int], max_model_len: int) -> list[int]:
@@ -33,3 +52,19 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
     if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None
+
+
+def check_text_stop(request: Request, new_token_ids: list[int],
+                    make_text_stop: Callable[[Request], TextStop]) -> None:
+    """End a speaking request's text at a stop string now, before the next step's talker could
+    read a token past it (its final token, which completed the stop string, is not spoken, as
+    with any last token)."""
+    if (request.speech is None or not request.sampling_params.stop or not new_token_ids
+            or request.is_finished):
+        return
+    if request.text_stop is None:
+        request.text_stop = make_text_stop(request)
+    stop_string = request.text_stop.update(new_token_ids, stop_terminated=False)
+    if stop_string is not None:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = stop_string

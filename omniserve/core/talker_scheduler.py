@@ -36,6 +36,8 @@ from omniserve.core.sched_output import (
     SpeechStepOutput,
     TalkerSchedulerOutput,
 )
+from omniserve.core.stop_conditions import FINISH_REASONS
+from omniserve.engine.messages import EngineCoreOutput, FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -248,3 +250,41 @@ class TalkerScheduler:
     @property
     def usage(self) -> float:
         return self.kv_cache_manager.usage
+
+    # ---- what the engine reports --------------------------------------------------------------
+    def hold(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """A request whose text ended normally goes on speaking: its finish is reported when the
+        talker is done. An aborted or failed one stops speaking too."""
+        for output in outputs:
+            if output.request_id not in self.requests or output.finish_reason is None:
+                continue
+            if output.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                output.finish_reason, output.stop_reason = None, None
+            else:
+                self.finish(output.request_id)
+        return outputs
+
+    def outputs(self, speech: dict[str, SpeechStepOutput]) -> list[EngineCoreOutput]:
+        """Audio progress from the workers' ``speech``; a talker that is done (or never had text
+        to speak, or was cut) ends its request with the thinker's finish reason."""
+        done = set(self.update(speech)) | self.stopped()
+        outputs = []
+        for req_id in [*speech, *(done - speech.keys())]:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            result = speech.get(req_id)
+            finished = req_id in done
+            audio = result.audio if result is not None else None
+            if audio is None and not finished:
+                continue
+            thinker = request.thinker
+            outputs.append(EngineCoreOutput(
+                request_id=req_id, new_token_ids=[], new_audio=audio,
+                num_audio_tokens=request.num_frames,
+                finish_reason=FINISH_REASONS.get(thinker.status) if finished else None,
+                stop_reason=thinker.stop_reason if finished else None,
+                num_cached_tokens=max(thinker.num_cached_tokens, 0)))
+            if finished:
+                self.finish(req_id)
+        return outputs
