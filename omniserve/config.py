@@ -301,6 +301,21 @@ class CacheConfig:
         if self.num_blocks_override is not None and self.num_blocks_override < 1:
             raise ValueError("num_blocks_override must be >= 1.")
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks that hold ``num_tokens`` tokens (a sequence's block-table width)."""
+        return -(-num_tokens // self.block_size)
+
+    def check_holds_one_sequence(self, num_blocks: int, max_model_len: int) -> None:
+        """Refuse a pool smaller than one max_model_len sequence: a request that outgrows the
+        whole pool would preempt itself forever."""
+        needed = self.blocks_for(max_model_len)
+        if num_blocks < needed:
+            raise ValueError(
+                f"The KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than "
+                f"one max_model_len={max_model_len} sequence needs ({needed}). "
+                "Raise --kv-cache-memory or lower --max-model-len."
+            )
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

@@ -300,7 +300,7 @@ def test_add_request_validates() -> None:
         scheduler.add_request(make_request("a", [1, 2]))
     with pytest.raises(ValueError, match="max_model_len"):
         scheduler.add_request(make_request("b", list(range(17))))
-    with pytest.raises(ValueError, match="cannot hold"):
+    with pytest.raises(ValueError, match="fewer than one max_model_len=64 sequence needs"):
         make_scheduler(max_model_len=64, block_size=16, num_blocks=3)
 
 

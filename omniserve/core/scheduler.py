@@ -93,13 +93,7 @@ class Scheduler:
         self.scheduler_config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        if num_blocks < blocks_per_seq:
-            # A request that outgrows the whole pool would preempt itself forever.
-            raise ValueError(
-                f"{num_blocks} KV blocks of {self.block_size} tokens cannot hold one "
-                f"max_model_len={self.max_model_len} sequence ({blocks_per_seq} blocks)."
-            )
+        cache_config.check_holds_one_sequence(num_blocks, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, cache_config.enable_prefix_caching
         )

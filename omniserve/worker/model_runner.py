@@ -60,7 +60,7 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.vocab_size = vocab_size
         max_len = scheduler_config.max_model_len
-        self.max_num_blocks_per_req = -(-max_len // self.block_size)
+        self.max_num_blocks_per_req = cache_config.blocks_for(max_len)
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.input_batch = InputBatch(

@@ -153,21 +153,15 @@ class Worker:
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit the memory budget, but no more than the scheduler could ever use."""
         cache, sched = self.config.cache_config, self.config.scheduler_config
-        blocks_per_seq = -(-sched.max_model_len // cache.block_size)
         if cache.num_blocks_override is not None:
             num_blocks = cache.num_blocks_override
         else:
             per_block = self.model_runner.kv_cache_bytes_per_block(self.dtype)
             num_blocks = min(
                 self._thinker_kv_budget_bytes() // per_block,
-                sched.max_num_seqs * blocks_per_seq + 1,
+                sched.max_num_seqs * cache.blocks_for(sched.max_model_len) + 1,
             )
-        if num_blocks < blocks_per_seq:
-            raise ValueError(
-                f"The KV cache holds {num_blocks} blocks of {cache.block_size} tokens, fewer than "
-                f"one max_model_len={sched.max_model_len} sequence needs ({blocks_per_seq}). "
-                "Raise --kv-cache-memory or lower --max-model-len."
-            )
+        cache.check_holds_one_sequence(num_blocks, sched.max_model_len)
         return int(num_blocks)
 
     def determine_num_talker_kv_blocks(self) -> int:
