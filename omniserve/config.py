@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -140,6 +142,14 @@ class ModelConfig:
             tokenizer=str(Path(tokenizer).expanduser()) if tokenizer else str(path),
             **kwargs,
         )  # type: ignore[arg-type]
+
+    @cached_property
+    def hf_config(self) -> Any:
+        """The checkpoint's transformers config (local files only), loaded once per process and
+        shared by the processor, the multimodal context and the worker."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.model, local_files_only=True)
 
     def __post_init__(self) -> None:
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-from transformers import AutoConfig
 
 from omniserve.config import OmniConfig
 from omniserve.core.request import SpeechRequest
@@ -96,8 +95,7 @@ class Processor:
         self.featurize_threads = 1 if engine_in_other_process else None
         self.model_config = model_config = config.model_config
         self.tokenizer: Any = get_tokenizer(model_config.tokenizer)
-        hf_config = AutoConfig.from_pretrained(model_config.model, local_files_only=True)
-        self.vocab_size = hf_config.get_text_config().vocab_size
+        self.vocab_size = model_config.hf_config.get_text_config().vocab_size
         self.eos_token_ids = get_eos_token_ids(model_config.model, self.tokenizer)
         sched = config.scheduler_config
         self.scheduling_policy = sched.policy

@@ -11,7 +11,6 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -43,11 +42,9 @@ class InputProcessingContext:
         self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
         self._hf_processors: dict[str, Any] = {}
 
-    @cached_property
+    @property
     def hf_config(self) -> Any:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(self.model_config.model, local_files_only=True)
+        return self.model_config.hf_config
 
     def get_hf_processor(self, **kwargs: object) -> Any:
         """The checkpoint's HF processor (local files only), built once per distinct kwargs."""

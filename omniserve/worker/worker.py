@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import sys
 import time
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from omniserve import envs
 from omniserve.attention.layer import get_attention_layers
@@ -106,9 +107,11 @@ class Worker:
                 torch.set_num_threads(max(1, envs.num_threads() // get_tp_size()))
         torch.manual_seed(model_config.seed)
         load_plugins()
-        self.hf_config = AutoConfig.from_pretrained(model_config.model)
+        self.hf_config = model_config.hf_config
         if model_config.speech is None and hasattr(self.hf_config, "enable_audio_output"):
-            self.hf_config.enable_audio_output = False  # the thinker alone (transformers' switch)
+            # The thinker alone (transformers' switch), on a copy: the front end shares it.
+            self.hf_config = copy.deepcopy(self.hf_config)
+            self.hf_config.enable_audio_output = False
         self.dtype = resolve_dtype(
             model_config.dtype, self.device, checkpoint_dtype(self.hf_config)
         )
