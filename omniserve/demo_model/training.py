@@ -1,0 +1,129 @@
+"""Turning demo examples into transformers training batches, as the server would see them.
+
+Media go through omniserve's own decoders (`MediaConnector`) and then the checkpoint's HF
+processor with the arguments the serving processor passes (a decoded video's own frame rate,
+audio-in-video as one item), so the token ids a model is trained on are the ones it is served
+(`tests/test_demo_model.py` checks this for every task).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from omniserve.demo_model.tasks import SAMPLE_RATE, Example
+from omniserve.multimodal.media import MediaConnector
+
+ARCHITECTURE = "Qwen3OmniMoeThinkerForConditionalGeneration"
+MODEL_OVERRIDES: dict[str, Any] = {
+    "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "moe_intermediate_size": 128,
+    "initializer_range": 0.02, "max_position_embeddings": 4096,
+    "vision_config": {"hidden_size": 96, "intermediate_size": 192, "num_heads": 3,
+                      "initializer_range": 0.02},
+    "audio_config": {"d_model": 96, "encoder_layers": 3, "encoder_attention_heads": 3,
+                     "encoder_ffn_dim": 192, "downsample_hidden_size": 32,
+                     "initializer_range": 0.02},
+}  # fmt: skip
+"""The builder's tiny Qwen3-Omni-MoE thinker, widened enough to learn the tasks, with the usual
+0.02 init (the tiny test models' large init makes random outputs peaked, which training does
+not want)."""
+
+_CONNECTOR = MediaConnector()
+
+
+def init_encoders(model: torch.nn.Module) -> None:
+    """Re-draw the vision and audio towers' matrices at std 1/sqrt(fan_in).
+
+    At transformers' fixed std (0.02) the audio tower's conv stem shrinks the mel features to
+    ~1e-3 against unit-scale sinusoidal position embeddings (and the vision tower's content is
+    similarly buried), so both towers start out input-independent; trained so, they collapsed to
+    a constant "this is audio/image" vector and the model answered from the question alone.
+    Fan-in scaling keeps the content at unit scale through every layer.
+    """
+    towers = [model.model.audio_tower, model.model.visual]
+    with torch.no_grad():
+        for module in (m for tower in towers for m in tower.modules()):
+            if isinstance(module, torch.nn.Linear | torch.nn.Conv1d | torch.nn.Conv2d
+                          | torch.nn.Conv3d):
+                fan_in = module.weight[0].numel()
+                module.weight.normal_(0.0, fan_in ** -0.5)
+                if module.bias is not None:
+                    module.bias.zero_()
+_PART_TYPES = (("image", "image"), ("video", "video"), ("audio", "audio"))
+
+
+def prompt_messages(example: Example) -> list[dict[str, Any]]:
+    """The example's question in the processor's chat format, parts in `Example.messages` order."""
+    parts = [{"type": part} for attr, part in _PART_TYPES if getattr(example, attr) is not None]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": example.question}]}]
+
+
+def encode(processor: Any, example: Example, *, with_answer: bool = True) -> dict[str, Any]:
+    """The HF processor's tensors for one example; with the answer, `input_ids` continue with
+    the answer and `<|im_end|>`, and `labels` mark those tokens alone."""
+    prompt = processor.apply_chat_template(prompt_messages(example), add_generation_prompt=True,
+                                           tokenize=False)
+    media: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {}
+    if example.image is not None:
+        media["images"] = [_CONNECTOR.load_image_bytes(example.image)]
+    if example.audio is not None:
+        waveform, _ = _CONNECTOR.load_audio_bytes(example.audio)
+        media["audio"] = [waveform]
+    if example.video is not None:
+        video = _CONNECTOR.load_video_bytes(example.video)
+        media["videos"] = [video.frames]
+        kwargs["videos_kwargs"] = {"fps": video.fps}
+        if example.use_audio_in_video:
+            waveform, rate = video.audio
+            if rate != SAMPLE_RATE:
+                raise ValueError(f"the demo videos' tracks are {SAMPLE_RATE} Hz, got {rate}")
+            media["audio"] = [waveform]
+            kwargs.update(load_audio_from_video=True, audio_from_video_indices=[0])
+    inputs = dict(processor(text=[prompt], return_tensors="pt", **media, **kwargs))
+    if with_answer:
+        tokenizer = processor.tokenizer
+        answer = tokenizer(example.answer + "<|im_end|>", add_special_tokens=False,
+                           return_tensors="pt")["input_ids"]
+        prompt_ids = inputs["input_ids"]
+        inputs["input_ids"] = torch.cat([prompt_ids, answer], dim=1)
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs["labels"] = torch.cat([torch.full_like(prompt_ids, -100), answer], dim=1)
+    inputs["use_audio_in_video"] = example.use_audio_in_video
+    return inputs
+
+
+def collate(items: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
+    """One right-padded batch of `encode` outputs that share `use_audio_in_video`."""
+    flags = {item["use_audio_in_video"] for item in items}
+    if len(flags) != 1:
+        raise ValueError("a batch mixes audio-in-video with plain examples")
+    width = max(item["input_ids"].shape[1] for item in items)
+    batch: dict[str, Any] = {
+        "input_ids": _pad_cat([item["input_ids"] for item in items], width, pad_token_id),
+        "attention_mask": _pad_cat([item["attention_mask"] for item in items], width, 0),
+        "labels": _pad_cat([item["labels"] for item in items], width, -100),
+        "use_audio_in_video": flags.pop(),
+    }
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                "video_second_per_grid"):
+        parts = [item[key] for item in items if key in item]
+        if parts:
+            batch[key] = torch.cat(parts)
+    features = [item for item in items if "input_features" in item]
+    if features:
+        frames = max(item["input_features"].shape[-1] for item in features)
+        batch["input_features"] = torch.cat([
+            torch.nn.functional.pad(item["input_features"],
+                                    (0, frames - item["input_features"].shape[-1]))
+            for item in features])
+        batch["feature_attention_mask"] = _pad_cat(
+            [item["feature_attention_mask"] for item in features], frames, 0)
+    return batch
+
+
+def _pad_cat(rows: list[torch.Tensor], width: int, value: int) -> torch.Tensor:
+    return torch.cat([torch.nn.functional.pad(row, (0, width - row.shape[1]), value=value)
+                      for row in rows])
