@@ -14,6 +14,7 @@ case, punctuation and spacing.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import random
 import re
@@ -170,24 +171,11 @@ def _video_qa(rng: random.Random, motion: dict[str, Any]) -> tuple[str, str]:
 # --- tasks --------------------------------------------------------------------------------------
 
 
-def _image_example(rng: random.Random) -> Example:
-    scene = _scene(rng)
-    question, answer = _image_qa(rng, scene)
-    return Example("image", question, answer, image=_png(_draw_scene(rng, scene)),
-                   facts=_facts(scene))
-
-
-def _audio_example(rng: random.Random) -> Example:
-    sound = _sound(rng)
-    question, answer = _audio_qa(rng, sound)
-    return Example("audio", question, answer, audio=_wav(_synth(rng, sound)), facts=_facts(sound))
-
-
-def _video_example(rng: random.Random) -> Example:
-    motion = _motion(rng)
-    question, answer = _video_qa(rng, motion)
-    return Example("video", question, answer, video=_mp4(_draw_motion(rng, motion)),
-                   facts=_facts(motion))
+def _single_media_example(task: str, rng: random.Random) -> Example:
+    content_of, qa, field, render = _SINGLE_MEDIA[task]
+    content = content_of(rng)
+    question, answer = qa(rng, content)
+    return Example(task, question, answer, facts=_facts(content), **{field: render(rng, content)})
 
 
 def _audio_in_video_example(rng: random.Random) -> Example:
@@ -231,11 +219,6 @@ def _text_example(rng: random.Random) -> Example:
     return Example("text", rng.choice(questions), answer)
 
 
-_MAKERS = {
-    "image": _image_example, "audio": _audio_example, "video": _video_example,
-    "audio_in_video": _audio_in_video_example, "image_audio": _image_audio_example,
-    "text": _text_example,
-}  # fmt: skip
 
 
 # --- what the media show ------------------------------------------------------------------------
@@ -401,3 +384,20 @@ def _mp4(frames: np.ndarray, waveform: np.ndarray | None = None) -> bytes:
 
 def _data_url(media_type: str, data: bytes) -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+# --- the task table (after the functions it names) ---------------------------------------------
+
+_SINGLE_MEDIA = {  # task -> (draw the content, its question and answer, file field, render)
+    "image": (_scene, _image_qa, "image", lambda rng, scene: _png(_draw_scene(rng, scene))),
+    "audio": (_sound, _audio_qa, "audio", lambda rng, sound: _wav(_synth(rng, sound))),
+    "video": (_motion, _video_qa, "video",
+              lambda rng, motion: _mp4(_draw_motion(rng, motion))),
+}  # fmt: skip
+
+
+_MAKERS = {
+    **{task: functools.partial(_single_media_example, task) for task in _SINGLE_MEDIA},
+    "audio_in_video": _audio_in_video_example, "image_audio": _image_audio_example,
+    "text": _text_example,
+}  # fmt: skip
