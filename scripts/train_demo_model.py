@@ -44,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--encoder-lr", type=float, default=None,
+                        help="peak learning rate of the vision and audio towers (default: --lr)")
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=100)
@@ -94,6 +96,15 @@ def linear_patch_embed(model: torch.nn.Module) -> None:
     embed.forward = forward
 
 
+def _param_groups(model: torch.nn.Module, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The towers at `--encoder-lr`, the rest at `--lr` (as a scale of the one schedule)."""
+    towers = ("model.audio_tower.", "model.visual.")
+    named = list(model.named_parameters())
+    scale = (args.encoder_lr or args.lr) / args.lr
+    return [{"params": [p for n, p in named if not n.startswith(towers)], "lr_scale": 1.0},
+            {"params": [p for n, p in named if n.startswith(towers)], "lr_scale": scale}]
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -117,7 +128,7 @@ def main() -> None:
     init_encoders(model)
     model.train()
     linear_patch_embed(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
+    optimizer = torch.optim.AdamW(_param_groups(model, args), weight_decay=0.01,
                                   betas=(0.9, 0.98))
     state_file = args.work_dir / f"state-s{args.seed}.pt"
     start, history, seconds = 0, [], 0.0
@@ -139,7 +150,7 @@ def main() -> None:
     for step, batch in enumerate(bar, start=start):
         task = batch.pop("task")
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
+            group["lr"] = lr_at(step, args) * group["lr_scale"]
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -157,7 +168,7 @@ def main() -> None:
 
 def _run_key(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in vars(args).items()
-            if key in ("steps", "batch_size", "lr", "warmup", "seed", "tasks")}
+            if key in ("steps", "batch_size", "lr", "encoder_lr", "warmup", "seed", "tasks")}
 
 
 def _save_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
