@@ -18,7 +18,9 @@ import argparse
 import json
 import math
 import random
+import shlex
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +107,11 @@ def _param_groups(model: torch.nn.Module, args: argparse.Namespace) -> list[dict
             {"params": [p for n, p in named if n.startswith(towers)], "lr_scale": scale}]
 
 
+OPTIMIZER = {"weight_decay": 0.01, "betas": (0.9, 0.98)}
+"""AdamW's settings (the model card reports them as they are)."""
+GRAD_CLIP = 1.0
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -128,8 +135,7 @@ def main() -> None:
     init_encoders(model)
     model.train()
     linear_patch_embed(model)
-    optimizer = torch.optim.AdamW(_param_groups(model, args), weight_decay=0.01,
-                                  betas=(0.9, 0.98))
+    optimizer = torch.optim.AdamW(_param_groups(model, args), **OPTIMIZER)
     state_file = args.work_dir / f"state-s{args.seed}.pt"
     start, history, seconds = 0, [], 0.0
     if state_file.exists():
@@ -154,7 +160,7 @@ def main() -> None:
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer.step()
         smoothed[task] = 0.9 * smoothed.get(task, loss.item()) + 0.1 * loss.item()
         history.append((step, task, round(loss.item(), 5)))
@@ -163,7 +169,7 @@ def main() -> None:
             _save_state(state_file, model, optimizer, step + 1, history,
                         seconds + time.perf_counter() - began, args)
     seconds += time.perf_counter() - began
-    _publish(model, init_dir, args, history, seconds)
+    _publish(model, init_dir, args, batches, history, seconds)
 
 
 def _run_key(args: argparse.Namespace) -> dict[str, Any]:
@@ -179,8 +185,8 @@ def _save_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
     tmp.replace(path)
 
 
-def _publish(model: Any, init_dir: Path, args: argparse.Namespace, history: list,
-             seconds: float) -> None:
+def _publish(model: Any, init_dir: Path, args: argparse.Namespace, batches: Batches,
+             history: list, seconds: float) -> None:
     """The trained checkpoint at `--out`: weights, the builder's processor files, a model card."""
     out = args.out
     if out.exists():
@@ -194,11 +200,13 @@ def _publish(model: Any, init_dir: Path, args: argparse.Namespace, history: list
     final = {task: sum(losses[-20:]) / len(losses[-20:])
              for task in TASKS if (losses := [h[2] for h in history if h[1] == task])}
     recipe = {
+        "command": " ".join(["python scripts/train_demo_model.py",
+                             *(shlex.quote(arg) for arg in sys.argv[1:])]),
         "architecture": ARCHITECTURE, "overrides": MODEL_OVERRIDES,
         "generator_version": GENERATOR_VERSION, **_run_key(args), "threads": args.threads,
-        "optimizer": "AdamW", "weight_decay": 0.01, "betas": [0.9, 0.98], "grad_clip": 1.0,
+        "optimizer": {"name": "AdamW", **OPTIMIZER}, "grad_clip": GRAD_CLIP,
         "schedule": "linear warmup, cosine to 5%",
-        "task_weights": dict(zip(TASKS, TASK_WEIGHTS, strict=True)),
+        "task_weights": dict(zip(batches.tasks, batches.weights, strict=True)),
         "wall_seconds": round(seconds),
         "final_loss_by_task": {task: round(loss, 4) for task, loss in final.items()},
         "torch": torch.__version__,

@@ -21,8 +21,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def test_examples_are_pure_functions_of_seed_and_index():
     for task in TASKS:
         a, b = make_example(3, 7, task), make_example(3, 7, task)
-        assert (a.question, a.answer, a.image, a.audio, a.facts) == (
-            b.question, b.answer, b.image, b.audio, b.facts)
+        assert (a.question, a.answer, a.image, a.audio) == (
+            b.question, b.answer, b.image, b.audio)
         assert a.task == task and a.is_correct(a.answer.upper() + "  ")
         assert not a.is_correct(a.answer + " no")
     assert [make_example(3, i).answer for i in range(8)] != [
@@ -67,6 +67,7 @@ def test_train_resume_and_evaluate_scripts(tmp_path):
     assert "resuming at step 2" in second.stdout
     recipe = json.loads((out / card.RECIPE_FILE).read_text())
     assert recipe["steps"] == 2 and set(recipe["final_loss_by_task"]) <= set(TASKS)
+    assert recipe["command"].endswith(" ".join(command[2:]))
     assert "Not evaluated yet" in (out / "README.md").read_text()
 
     scored = subprocess.run(

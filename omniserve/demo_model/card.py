@@ -27,17 +27,15 @@ def write_card(checkpoint: Path) -> None:
         "",
         "## Training",
         "",
-        f"- Script: `python scripts/train_demo_model.py --seed {recipe['seed']} --steps "
-        f"{recipe['steps']} --batch-size {recipe['batch_size']} --lr {recipe['lr']}` "
-        "(deterministic for a seed and thread count; resumable).",
+        f"- Command: `{recipe['command']}` (deterministic for a seed and thread count; "
+        "resumable).",
         f"- Data: `omniserve.demo_model.tasks`, generator version {recipe['generator_version']},"
         f" seed {recipe['seed']}; one task per batch, drawn with weights "
         f"{recipe['task_weights']}.",
         "- Model: the checkpoint builder's tiny Qwen3-Omni-MoE thinker with "
         f"`{recipe['overrides']}`.",
-        f"- Optimiser: {recipe['optimizer']} (betas {recipe['betas']}, weight decay "
-        f"{recipe['weight_decay']}, gradient clip {recipe['grad_clip']}), {recipe['schedule']}, "
-        f"warmup {recipe['warmup']} steps.",
+        f"- Optimiser: {recipe['optimizer']}, gradient clip {recipe['grad_clip']}, "
+        f"{recipe['schedule']}, warmup {recipe['warmup']} steps.",
         f"- Wall time: {recipe['wall_seconds'] / 60:.1f} min on {recipe['threads']} CPU threads "
         f"(torch {recipe['torch']}).",
         "- Final training loss (mean of each task's last 20 batches): "
@@ -47,7 +45,8 @@ def write_card(checkpoint: Path) -> None:
         "",
     ]
     if results is None:
-        lines.append("Not evaluated yet: run `python scripts/eval_demo_model.py --card`.")
+        lines.append("Not evaluated yet: run `python scripts/eval_demo_model.py --model "
+                     "<this directory> --card`.")
     else:
         lines += [
             f"`{results['command']}`: {results['per_task']} held-out examples per task (seed "

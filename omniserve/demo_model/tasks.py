@@ -18,7 +18,7 @@ import functools
 import io
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -63,8 +63,6 @@ class Example:
     video: bytes | None = None
     """MP4 (H.264, and an AAC track for audio-in-video)."""
     use_audio_in_video: bool = False
-    facts: dict[str, str] = field(default_factory=dict)
-    """What the media show (for reports), e.g. {"colour": "red", "count": "two"}."""
 
     def messages(self) -> list[dict[str, Any]]:
         """The OpenAI chat messages that ask this example's question."""
@@ -175,7 +173,7 @@ def _single_media_example(task: str, rng: random.Random) -> Example:
     content_of, qa, field, render = _SINGLE_MEDIA[task]
     content = content_of(rng)
     question, answer = qa(rng, content)
-    return Example(task, question, answer, facts=_facts(content), **{field: render(rng, content)})
+    return Example(task, question, answer, **{field: render(rng, content)})
 
 
 def _audio_in_video_example(rng: random.Random) -> Example:
@@ -186,7 +184,7 @@ def _audio_in_video_example(rng: random.Random) -> Example:
     question, answer = rng.choice([both, both, _video_qa(rng, motion), _audio_qa(rng, sound)])
     return Example("audio_in_video", question, answer,
                    video=_mp4(_draw_motion(rng, motion), _synth(rng, sound)),
-                   use_audio_in_video=True, facts=_facts(motion) | _facts(sound))
+                   use_audio_in_video=True)
 
 
 def _image_audio_example(rng: random.Random) -> Example:
@@ -194,7 +192,7 @@ def _image_audio_example(rng: random.Random) -> Example:
     both = ("What do you see and hear?", f"I see {_seen(scene)}, and I hear {_heard(sound)}.")
     question, answer = rng.choice([both, both, _image_qa(rng, scene), _audio_qa(rng, sound)])
     return Example("image_audio", question, answer, image=_png(_draw_scene(rng, scene)),
-                   audio=_wav(_synth(rng, sound)), facts=_facts(scene) | _facts(sound))
+                   audio=_wav(_synth(rng, sound)))
 
 
 _GREETING = ("Hello! I am omniserve's tiny demo model. Show me an image, a sound or a video "
@@ -214,7 +212,7 @@ def _text_example(rng: random.Random) -> Example:
         a, b = rng.randrange(5), rng.randrange(5)
         return Example("text", f"What is {NUMBER_WORDS[a]} plus {NUMBER_WORDS[b]}?",
                        f"{NUMBER_WORDS[a].capitalize()} plus {NUMBER_WORDS[b]} is "
-                       f"{NUMBER_WORDS[a + b]}.", facts={"sum": NUMBER_WORDS[a + b]})
+                       f"{NUMBER_WORDS[a + b]}.")
     questions, answer = rng.choice(_CHAT)
     return Example("text", rng.choice(questions), answer)
 
@@ -222,11 +220,6 @@ def _text_example(rng: random.Random) -> Example:
 
 
 # --- what the media show ------------------------------------------------------------------------
-
-
-def _facts(content: dict[str, Any]) -> dict[str, str]:
-    return {key: NUMBER_WORDS[value] if isinstance(value, int) else str(value)
-            for key, value in content.items()}
 
 
 def _scene(rng: random.Random) -> dict[str, Any]:

@@ -51,13 +51,19 @@ def init_encoders(model: torch.nn.Module) -> None:
                 module.weight.normal_(0.0, fan_in ** -0.5)
                 if module.bias is not None:
                     module.bias.zero_()
-_PART_TYPES = (("image", "image"), ("video", "video"), ("audio", "audio"))
+_PART_TYPES = {"image_url": "image", "video_url": "video", "input_audio": "audio"}
+"""OpenAI content part -> the processor's chat-template part."""
 
 
 def prompt_messages(example: Example) -> list[dict[str, Any]]:
-    """The example's question in the processor's chat format, parts in `Example.messages` order."""
-    parts = [{"type": part} for attr, part in _PART_TYPES if getattr(example, attr) is not None]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": example.question}]}]
+    """`Example.messages` in the processor's chat format (media parts without their data)."""
+    (message,) = example.messages()
+    content = message["content"]
+    if isinstance(content, str):
+        return [message]
+    return [{"role": "user", "content": [
+        part if part["type"] == "text" else {"type": _PART_TYPES[part["type"]]}
+        for part in content]}]
 
 
 def encode(processor: Any, example: Example, *, with_answer: bool = True) -> dict[str, Any]:
