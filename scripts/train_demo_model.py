@@ -33,6 +33,7 @@ from omniserve.demo_model.tasks import GENERATOR_VERSION, TASK_WEIGHTS, TASKS, m
 from omniserve.demo_model.training import (
     ARCHITECTURE,
     MODEL_OVERRIDES,
+    TowerProbes,
     collate,
     encode,
     init_encoders,
@@ -48,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--encoder-lr", type=float, default=None,
                         help="peak learning rate of the vision and audio towers (default: --lr)")
+    parser.add_argument("--probe-weight", type=float, default=1.0,
+                        help="weight of the towers' fact-probe loss (training.TowerProbes)")
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=100)
@@ -80,9 +83,10 @@ class Batches(torch.utils.data.Dataset):
             self.processor = AutoProcessor.from_pretrained(self.init_dir)
         task = self.task(step)
         first = step * self.batch_size
-        items = [encode(self.processor, make_example(self.seed, first + j, task))
-                 for j in range(self.batch_size)]
-        return {"task": task, **collate(items, self.processor.tokenizer.pad_token_id)}
+        examples = [make_example(self.seed, first + j, task) for j in range(self.batch_size)]
+        items = [encode(self.processor, example) for example in examples]
+        return {"task": task, "facts": [example.facts for example in examples],
+                **collate(items, self.processor.tokenizer.pad_token_id)}
 
 
 def linear_patch_embed(model: torch.nn.Module) -> None:
@@ -98,10 +102,12 @@ def linear_patch_embed(model: torch.nn.Module) -> None:
     embed.forward = forward
 
 
-def _param_groups(model: torch.nn.Module, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The towers at `--encoder-lr`, the rest at `--lr` (as a scale of the one schedule)."""
+def _param_groups(model: torch.nn.Module, probes: TowerProbes, args: argparse.Namespace
+                  ) -> list[dict[str, Any]]:
+    """The towers at `--encoder-lr`, the rest (and the probes) at `--lr` (as a scale of the one
+    schedule)."""
     towers = ("model.audio_tower.", "model.visual.")
-    named = list(model.named_parameters())
+    named = [*model.named_parameters(), *probes.named_parameters(prefix="probes")]
     scale = (args.encoder_lr or args.lr) / args.lr
     return [{"params": [p for n, p in named if not n.startswith(towers)], "lr_scale": 1.0},
             {"params": [p for n, p in named if n.startswith(towers)], "lr_scale": scale}]
@@ -133,9 +139,10 @@ def main() -> None:
     model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(init_dir,
                                                                         dtype=torch.float32)
     init_encoders(model)
+    probes = TowerProbes(model)
     model.train()
     linear_patch_embed(model)
-    optimizer = torch.optim.AdamW(_param_groups(model, args), **OPTIMIZER)
+    optimizer = torch.optim.AdamW(_param_groups(model, probes, args), **OPTIMIZER)
     state_file = args.work_dir / f"state-s{args.seed}.pt"
     start, history, seconds = 0, [], 0.0
     if state_file.exists():
@@ -143,6 +150,7 @@ def main() -> None:
         if state["args"] != _run_key(args):
             raise SystemExit(f"{state_file} is from a run with other arguments; remove it first")
         model.load_state_dict(state["model"])
+        probes.load_state_dict(state["probes"])
         optimizer.load_state_dict(state["optimizer"])
         start, history, seconds = state["step"], state["history"], state["seconds"]
         print(f"resuming at step {start}")
@@ -154,19 +162,23 @@ def main() -> None:
     began = time.perf_counter()
     bar = tqdm(loader, initial=start, total=args.steps, desc="training", unit="step")
     for step, batch in enumerate(bar, start=start):
-        task = batch.pop("task")
+        task, facts = batch.pop("task"), batch.pop("facts")
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args) * group["lr_scale"]
         loss = model(**batch).loss
+        probe_loss = probes.loss(facts)
+        total = loss if probe_loss is None else loss + args.probe_weight * probe_loss
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), *probes.parameters()], GRAD_CLIP)
         optimizer.step()
-        smoothed[task] = 0.9 * smoothed.get(task, loss.item()) + 0.1 * loss.item()
+        for key, value in ((task, loss), ("probe", probe_loss)):
+            if value is not None:
+                smoothed[key] = 0.9 * smoothed.get(key, value.item()) + 0.1 * value.item()
         history.append((step, task, round(loss.item(), 5)))
         bar.set_postfix({t[:5]: f"{v:.3f}" for t, v in sorted(smoothed.items())})
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            _save_state(state_file, model, optimizer, step + 1, history,
+            _save_state(state_file, model, probes, optimizer, step + 1, history,
                         seconds + time.perf_counter() - began, args)
     seconds += time.perf_counter() - began
     _publish(model, init_dir, args, batches, history, seconds)
@@ -174,13 +186,16 @@ def main() -> None:
 
 def _run_key(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in vars(args).items()
-            if key in ("steps", "batch_size", "lr", "encoder_lr", "warmup", "seed", "tasks")}
+            if key in ("steps", "batch_size", "lr", "encoder_lr", "probe_weight", "warmup", "seed",
+                       "tasks")}
 
 
-def _save_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                history: list, seconds: float, args: argparse.Namespace) -> None:
+def _save_state(path: Path, model: torch.nn.Module, probes: TowerProbes,
+                optimizer: torch.optim.Optimizer, step: int, history: list, seconds: float,
+                args: argparse.Namespace) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+    torch.save({"model": model.state_dict(), "probes": probes.state_dict(),
+                "optimizer": optimizer.state_dict(), "step": step,
                 "history": history, "seconds": seconds, "args": _run_key(args)}, tmp)
     tmp.replace(path)
 

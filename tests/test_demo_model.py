@@ -51,6 +51,42 @@ def test_training_inputs_are_the_servers_prompt(tiny_checkpoint, monkeypatch):
         llm.shutdown()
 
 
+def test_tower_probes_pool_each_example_and_score_its_facts(tiny_checkpoint):
+    """In a batch, each example's pooled tower output is the one it gets alone, and every media
+    task gives the probes facts to score (text gives none)."""
+    import torch
+    from transformers import AutoProcessor, Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from omniserve.demo_model.training import TowerProbes, collate, encode
+
+    checkpoint = tiny_checkpoint(ARCHITECTURE, overrides=MODEL_OVERRIDES)
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
+        checkpoint, dtype=torch.float32).eval()
+    probes = TowerProbes(model)
+    pad = processor.tokenizer.pad_token_id
+    towers = {"image": {"visual"}, "video": {"visual"}, "audio": {"audio_tower"},
+              "audio_in_video": {"visual", "audio_tower"},
+              "image_audio": {"visual", "audio_tower"}, "text": set()}
+    for task in TASKS:
+        examples = [make_example(5, i, task) for i in range(3)]
+        encoded = [encode(processor, example) for example in examples]
+        with torch.no_grad():
+            alone = []
+            for item in encoded:
+                model(**collate([item], pad))
+                alone.append(dict(probes.pooled))
+                probes.loss([{}])
+            model(**collate(encoded, pad))
+        assert set(probes.pooled) == towers[task], task
+        for tower, pooled in probes.pooled.items():
+            assert torch.allclose(pooled, torch.cat([a[tower] for a in alone]), atol=1e-4), task
+        loss = probes.loss([example.facts for example in examples])
+        assert (loss is None) == (task == "text"), task
+        assert loss is None or torch.isfinite(loss)
+        assert probes.pooled == {}
+
+
 @pytest.mark.slow
 def test_train_resume_and_evaluate_scripts(tmp_path):
     """Two steps, then the same command again: it resumes from the saved state (nothing left to

@@ -18,12 +18,12 @@ import functools
 import io
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 """Bump when an example for a given (seed, index) changes; the model card records it."""
 
 SHAPES = ("circle", "square", "triangle")
@@ -63,6 +63,9 @@ class Example:
     video: bytes | None = None
     """MP4 (H.264, and an AAC track for audio-in-video)."""
     use_audio_in_video: bool = False
+    facts: dict[str, Any] = field(default_factory=dict)
+    """What the media show (`count`, `colour`, `beeps`, ...): training supervises the towers
+    with them."""
 
     def messages(self) -> list[dict[str, Any]]:
         """The OpenAI chat messages that ask this example's question."""
@@ -170,10 +173,10 @@ def _video_qa(rng: random.Random, motion: dict[str, Any]) -> tuple[str, str]:
 
 
 def _single_media_example(task: str, rng: random.Random) -> Example:
-    content_of, qa, field, render = _SINGLE_MEDIA[task]
+    content_of, qa, media, render = _SINGLE_MEDIA[task]
     content = content_of(rng)
     question, answer = qa(rng, content)
-    return Example(task, question, answer, **{field: render(rng, content)})
+    return Example(task, question, answer, **{media: render(rng, content)}, facts=content)
 
 
 def _audio_in_video_example(rng: random.Random) -> Example:
@@ -184,7 +187,7 @@ def _audio_in_video_example(rng: random.Random) -> Example:
     question, answer = rng.choice([both, both, _video_qa(rng, motion), _audio_qa(rng, sound)])
     return Example("audio_in_video", question, answer,
                    video=_mp4(_draw_motion(rng, motion), _synth(rng, sound)),
-                   use_audio_in_video=True)
+                   use_audio_in_video=True, facts={**motion, **sound})
 
 
 def _image_audio_example(rng: random.Random) -> Example:
@@ -192,7 +195,7 @@ def _image_audio_example(rng: random.Random) -> Example:
     both = ("What do you see and hear?", f"I see {_seen(scene)}, and I hear {_heard(sound)}.")
     question, answer = rng.choice([both, both, _image_qa(rng, scene), _audio_qa(rng, sound)])
     return Example("image_audio", question, answer, image=_png(_draw_scene(rng, scene)),
-                   audio=_wav(_synth(rng, sound)))
+                   audio=_wav(_synth(rng, sound)), facts={**scene, **sound})
 
 
 _GREETING = ("Hello! I am omniserve's tiny demo model. Show me an image, a sound or a video "
@@ -271,16 +274,16 @@ def _draw_shape(pixels: np.ndarray, shape: str, colour: str, cx: float, cy: floa
 def _draw_scene(rng: random.Random, scene: dict[str, Any]) -> np.ndarray:
     width, height = rng.choice((96, 128, 160)), rng.choice((96, 128, 160))
     pixels = _background(rng, width, height)
-    radius = rng.uniform(0.09, 0.13) * min(width, height)
+    radius = rng.uniform(0.15, 0.2) * min(width, height)
     if scene["count"] == 1:
         cx, cy = _position_centre(rng, scene["position"], width, height)
         _draw_shape(pixels, scene["shape"], scene["colour"], cx, cy, radius, rng)
         return pixels
-    centres: list[tuple[float, float]] = []
-    while len(centres) < scene["count"]:  # rejection-sample centres that do not overlap
-        cx, cy = rng.uniform(radius, width - radius), rng.uniform(radius, height - radius)
-        if all((cx - x) ** 2 + (cy - y) ** 2 > (2.4 * radius) ** 2 for x, y in centres):
-            centres.append((cx, cy))
+    cells = rng.sample([(col, row) for col in range(2) for row in range(2)], scene["count"])
+    cell_w, cell_h = width / 2, height / 2  # one shape per quarter: never overlapping
+    centres = [((col + 0.5) * cell_w + rng.uniform(-1, 1) * (cell_w / 2 - radius),
+                (row + 0.5) * cell_h + rng.uniform(-1, 1) * (cell_h / 2 - radius))
+               for col, row in cells]
     for cx, cy in centres:
         _draw_shape(pixels, scene["shape"], scene["colour"], cx, cy, radius, rng)
     return pixels
@@ -288,7 +291,7 @@ def _draw_scene(rng: random.Random, scene: dict[str, Any]) -> np.ndarray:
 
 def _position_centre(rng: random.Random, position: str, width: int, height: int
                      ) -> tuple[float, float]:
-    near, mid = rng.uniform(0.15, 0.25), rng.uniform(0.4, 0.6)
+    near, mid = rng.uniform(0.22, 0.3), rng.uniform(0.4, 0.6)
     far = 1.0 - near
     x, y = {"left": (near, mid), "right": (far, mid), "top": (mid, near),
             "bottom": (mid, far)}[position]
@@ -299,8 +302,8 @@ def _draw_motion(rng: random.Random, motion: dict[str, Any]) -> np.ndarray:
     """[VIDEO_FRAMES, H, W, 3]: the shape crosses most of the frame in `direction`."""
     size = VIDEO_SIZE
     background = _background(rng, size, size)
-    radius = rng.uniform(0.1, 0.14) * size
-    start, end = rng.uniform(0.15, 0.3), rng.uniform(0.7, 0.85)
+    radius = rng.uniform(0.15, 0.2) * size
+    start, end = rng.uniform(0.2, 0.3), rng.uniform(0.7, 0.8)
     across = rng.uniform(0.3, 0.7)
     sign = 1 if motion["direction"] in ("right", "down") else -1
     frames = []

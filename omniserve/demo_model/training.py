@@ -12,7 +12,18 @@ from typing import Any
 
 import torch
 
-from omniserve.demo_model.tasks import SAMPLE_RATE, Example
+from omniserve.demo_model.tasks import (
+    COLOURS,
+    DIRECTIONS,
+    LOUDNESS,
+    MAX_BEEPS,
+    MAX_SHAPES,
+    PITCHES,
+    POSITIONS,
+    SAMPLE_RATE,
+    SHAPES,
+    Example,
+)
 from omniserve.multimodal.media import MediaConnector
 
 ARCHITECTURE = "Qwen3OmniMoeThinkerForConditionalGeneration"
@@ -51,6 +62,75 @@ def init_encoders(model: torch.nn.Module) -> None:
                 module.weight.normal_(0.0, fan_in ** -0.5)
                 if module.bias is not None:
                     module.bias.zero_()
+
+
+PROBED_FACTS: dict[str, dict[str, tuple[Any, ...]]] = {
+    "visual": {"colour": tuple(COLOURS), "shape": SHAPES,
+               "count": tuple(range(1, MAX_SHAPES + 1)), "position": POSITIONS,
+               "direction": DIRECTIONS},
+    "audio_tower": {"beeps": tuple(range(1, MAX_BEEPS + 1)), "pitch": tuple(PITCHES),
+                    "loudness": tuple(LOUDNESS)},
+}  # fmt: skip
+"""Tower -> the example facts its mean output is trained to predict, with their values."""
+
+
+class TowerProbes(torch.nn.Module):
+    """Training-only linear classifiers of each example's facts from a tower's mean output.
+
+    Trained from scratch on the answers alone, the towers collapse to a constant "an image /
+    a sound is here" vector: the decoder first learns the answers' wording from the question,
+    and the little gradient that reaches the towers through it does not pull the content apart.
+    A direct loss on the facts makes every tower's mean output carry them from the first steps,
+    and the mean is what the decoder reads when it attends evenly to a media item's tokens.
+    The heads are not part of the published model.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        hidden = model.config.text_config.hidden_size
+        self.heads = torch.nn.ModuleDict({
+            f"{tower}-{fact}": torch.nn.Linear(hidden, len(values))
+            for tower, facts in PROBED_FACTS.items() for fact, values in facts.items()})
+        self._n_window = model.model.audio_tower.n_window
+        self._merge = model.model.visual.spatial_merge_size ** 2
+        self.pooled: dict[str, torch.Tensor] = {}
+        """Tower -> its mean output per media item of the last forward, in batch order."""
+        model.model.visual.register_forward_hook(self._pool_visual, with_kwargs=True)
+        model.model.audio_tower.register_forward_hook(self._pool_audio, with_kwargs=True)
+
+    def _pool_visual(self, module: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        sizes = (kwargs["grid_thw"].prod(-1) // self._merge).tolist()
+        self.pooled["visual"] = _means(out.pooler_output, sizes)
+
+    def _pool_audio(self, module: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            _get_feat_extract_output_lengths,
+        )
+
+        sizes = _get_feat_extract_output_lengths(kwargs["feature_lens"], self._n_window)
+        self.pooled["audio_tower"] = _means(out.last_hidden_state, sizes.tolist())
+
+    def loss(self, facts: list[dict[str, Any]]) -> torch.Tensor | None:
+        """Mean cross-entropy over the facts of the towers the last forward ran (then forgets
+        them); None when it ran none."""
+        losses = []
+        for tower, pooled in self.pooled.items():
+            if pooled.shape[0] != len(facts):
+                raise ValueError(f"{tower} saw {pooled.shape[0]} items for {len(facts)} examples")
+            for fact, values in PROBED_FACTS[tower].items():
+                targets = torch.tensor([values.index(f[fact]) if fact in f else -100
+                                        for f in facts])
+                if (targets >= 0).any():
+                    logits = self.heads[f"{tower}-{fact}"](pooled)
+                    losses.append(torch.nn.functional.cross_entropy(logits, targets))
+        self.pooled.clear()
+        return torch.stack(losses).mean() if losses else None
+
+
+def _means(tokens: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    return torch.stack([part.mean(0) for part in torch.split(tokens, sizes)])
+
+
 _PART_TYPES = {"image_url": "image", "video_url": "video", "input_audio": "audio"}
 """OpenAI content part -> the processor's chat-template part."""
 
