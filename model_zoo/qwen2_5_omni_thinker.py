@@ -39,7 +39,6 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 from model_zoo.decoder import head_dim_of
 from model_zoo.multimodal import MultiModalDecoderBase
 from model_zoo.qwen2 import Qwen2ForCausalLM
-from model_zoo.qwen2_5_omni_audio import get_feat_extract_output_lengths
 from model_zoo.qwen2_5_omni_speech import (
     Qwen2_5OmniSpeechConfig,
     Qwen2_5OmniTalker,
@@ -50,6 +49,7 @@ from omniserve.layers.rotary_embedding import MRotaryEmbedding, get_rope
 from omniserve.layers.weight_utils import WeightRoute, default_dtype, load_weights_by_route
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
+from processors.qwen2_5_omni_audio import get_feat_extract_output_lengths
 from processors.qwen2_5_omni_thinker import (
     Qwen2_5OmniThinkerDummyInputsBuilder,
     Qwen2_5OmniThinkerMultiModalProcessor,

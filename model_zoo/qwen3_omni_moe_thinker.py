@@ -52,7 +52,6 @@ from model_zoo.qwen2_5_omni_thinker import (
     thinker_rope,
 )
 from model_zoo.qwen3_moe import Qwen3MoeForCausalLM
-from model_zoo.qwen3_omni_audio import get_feat_extract_output_lengths
 from model_zoo.qwen3_omni_moe_speech import (
     Code2WavStream,
     Qwen3OmniMoeSpeechConfig,
@@ -63,6 +62,7 @@ from omniserve.layers.rotary_embedding import MRotaryEmbedding
 from omniserve.layers.weight_utils import WeightRoute
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
+from processors.qwen3_omni_audio import get_feat_extract_output_lengths
 from processors.qwen3_omni_moe_thinker import (
     Qwen3OmniMoeThinkerDummyInputsBuilder,
     Qwen3OmniMoeThinkerMultiModalProcessor,

@@ -28,7 +28,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from omniserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from omniserve.messages import EngineCoreOutputs, EngineCoreRequest
 
 PREFIX = "omniserve:"
 # Seconds; fine at the low end (a step of a small model) and up to long CPU generations.

@@ -58,7 +58,7 @@ def _load_entry_points() -> None:
 
 def _load_user_registry() -> None:
     global _user_file_state
-    from omniserve.plugin_tools.user_registry import (
+    from omniserve.user_registry import (
         UserRegistryError,
         read_user_registry,
         registry_file,

@@ -44,7 +44,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from model_zoo.qwen2_5_omni_audio import get_feat_extract_output_lengths
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.multimodal.parse import (
     MultiModalDataItems,
@@ -61,6 +60,7 @@ from omniserve.multimodal.processing import (
     PromptUpdateDetails,
     RequestKwarg,
 )
+from processors.qwen2_5_omni_audio import get_feat_extract_output_lengths
 from processors.qwen2_audio import Qwen2AudioProcessingInfo
 from processors.qwen2_vl import (
     _MAX_ASPECT_RATIO,

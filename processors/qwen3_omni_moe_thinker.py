@@ -10,7 +10,7 @@ inside ``<|audio_start|>..<|audio_end|>``; per-item field names; audio-in-video 
   frames (the clip featurized alone; HF pads a batch to its longest clip, which changes a
   shorter clip's last frame and can add one frame to its count, so multi-clip requests match
   HF exactly only when the clips are whole frames long), and the token count is the windowed
-  formula of ``model_zoo.qwen3_omni_audio``;
+  formula of ``processors.qwen3_omni_audio``;
 - ``video_second_per_grid`` defaults to ``temporal_patch_size / 1.0`` (HF's fps default);
 - audio-in-video interleaves by timestamps: a video token at time ``t`` position ids comes
   before the audio tokens at ``>= t`` (audio token ``k`` sits at ``k``);
@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from model_zoo.qwen3_omni_audio import TOKENS_PER_FULL_WINDOW, get_feat_extract_output_lengths
 from omniserve.multimodal.errors import MultiModalInputError
 from processors.qwen2_5_omni_thinker import (
     Qwen2_5OmniThinkerDummyInputsBuilder,
@@ -34,6 +33,7 @@ from processors.qwen2_5_omni_thinker import (
     Qwen2_5OmniThinkerProcessingInfo,
     _video_times,
 )
+from processors.qwen3_omni_audio import TOKENS_PER_FULL_WINDOW, get_feat_extract_output_lengths
 
 
 def get_audio_in_video_order(data: Mapping[str, Any]) -> torch.Tensor:

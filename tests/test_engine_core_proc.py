@@ -23,9 +23,9 @@ from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.core import EngineCore
 from omniserve.engine.core_client import AsyncMPClient, InprocClient, SyncMPClient
 from omniserve.engine.exceptions import EngineDeadError, EngineStartupError
-from omniserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from omniserve.entrypoints.llm import LLM
 from omniserve.executor.uniproc import UniProcExecutor
+from omniserve.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from omniserve.sampling_params import SamplingParams
 
 ARCH = "Qwen3ForCausalLM"

@@ -18,8 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-from model_zoo.qwen2_5_omni_audio import get_feat_extract_output_lengths as qwen2_5_lengths
-from model_zoo.qwen3_omni_audio import get_feat_extract_output_lengths as qwen3_lengths
 from omniserve.config import ModelConfig
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.multimodal.cache import ProcessorCache
@@ -29,6 +27,8 @@ from omniserve.multimodal.processing import BaseMultiModalProcessor, MultiModalI
 from omniserve.tokenizer import get_tokenizer
 from processors import qwen2_5_omni_thinker as qwen2_5
 from processors import qwen3_omni_moe_thinker as qwen3
+from processors.qwen2_5_omni_audio import get_feat_extract_output_lengths as qwen2_5_lengths
+from processors.qwen3_omni_audio import get_feat_extract_output_lengths as qwen3_lengths
 
 QWEN2_5 = "Qwen2_5OmniThinkerForConditionalGeneration"
 QWEN3 = "Qwen3OmniMoeThinkerForConditionalGeneration"

@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from omniserve.core.sched_output import LogprobsLists
-from omniserve.engine.messages import EngineCoreOutput, FinishReason
 from omniserve.engine.output_processor import OutputProcessor
+from omniserve.messages import EngineCoreOutput, FinishReason, LogprobsLists
 from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.test_detokenizer import byte_token_ids

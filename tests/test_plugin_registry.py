@@ -16,9 +16,9 @@ import pytest
 
 from omniserve.entrypoints.cli import main
 from omniserve.plugin_tools.checkpoints import tiny_checkpoint_as
-from omniserve.plugin_tools.user_registry import read_user_registry
 from omniserve.plugins import load_plugins
 from omniserve.registry import ModelRegistry
+from omniserve.user_registry import read_user_registry
 
 FORCED_TOKEN = 42
 _module_ids = itertools.count()

@@ -14,9 +14,9 @@ import torch
 from omniserve import LLM, SamplingParams
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.engine.exceptions import EngineGenerateError
-from omniserve.engine.messages import EngineCoreOutput, FinishReason
 from omniserve.engine.output_processor import OutputProcessor
 from omniserve.layers.sampler import Sampler
+from omniserve.messages import EngineCoreOutput, FinishReason
 from omniserve.sampling_params import FP32_MAX, FP32_TINY, RequestOutputKind
 from omniserve.worker.model_runner import ModelRunner
 from tests.hf_reference import make_prompts

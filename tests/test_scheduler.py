@@ -6,7 +6,7 @@ import pytest
 
 from omniserve.core.request import Request, RequestStatus
 from omniserve.core.scheduler import Scheduler
-from omniserve.engine.messages import EngineCoreOutput, FinishReason
+from omniserve.messages import EngineCoreOutput, FinishReason
 from tests.utils import (
     EOS_TOKEN_ID,
     assert_all_free,

@@ -10,14 +10,14 @@ import pytest
 import torch
 import zmq
 
-from omniserve.core.sched_output import LogprobsLists
-from omniserve.engine.messages import (
+from omniserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from omniserve.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    LogprobsLists,
 )
-from omniserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
 from omniserve.sampling_params import RequestOutputKind, SamplingParams
 
 

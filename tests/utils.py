@@ -9,8 +9,9 @@ from collections.abc import Callable, Sequence
 
 from omniserve.config import CacheConfig, SchedulerConfig
 from omniserve.core.request import Request, RequestStatus
-from omniserve.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from omniserve.core.sched_output import SchedulerOutput
 from omniserve.core.scheduler import Scheduler
+from omniserve.messages import LogprobsLists, ModelRunnerOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from omniserve.sampling_params import SamplingParams
 

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from omniserve.messages import SpeechRequest
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
 
@@ -25,30 +26,6 @@ class RequestStatus(enum.IntEnum):
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
-
-
-@dataclass
-class SpeechRequest:
-    """What the talker stage needs of one request, resolved by the front end."""
-
-    voice: str
-    sampling_params: SamplingParams
-    """The talker's (and its code predictor's) sampling; ``max_tokens`` caps talker tokens."""
-    prompt_positions: list[int]
-    """Thinker prompt positions the talker's prompt is built from, in order (Qwen3-Omni: the
-    user turns' tokens; Qwen2.5-Omni: everything before the reply)."""
-    text_start: int
-    """Thinker position of the first reply token (after the last ``<|im_start|>assistant\\n``)."""
-    prompt_len: int
-    """Talker prompt length: the prompt positions plus the assistant prefix."""
-    reply_in_prompt: bool = False
-    """Speak the prompt's reply (everything after the assistant header), not generated text."""
-    reads_prompt_hidden: bool = False
-    """The talker reads the thinker's hidden states at prompt positions, which a prefix-cache
-    hit would skip: the thinker computes the whole prompt."""
-    reads_reply_hidden: bool = False
-    """The talker reads the thinker's hidden state at each reply token too, so a reply entry is
-    usable only once the thinker has computed (been fed) that token."""
 
 
 @dataclass(eq=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from omniserve.core.request import SpeechRequest
+from omniserve.messages import SpeechRequest
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
 
@@ -76,16 +76,6 @@ class TalkerSchedulerOutput:
 
 
 @dataclass
-class SpeechStepOutput:
-    """A talker request's progress after a step (from the worker)."""
-
-    num_frames: int
-    done: bool
-    audio: object = None
-    """Newly final waveform samples (a float32 numpy array), or None."""
-
-
-@dataclass
 class SchedulerOutput:
     """What one step computes."""
 
@@ -116,31 +106,3 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0 and (
             self.talker is None or self.talker.is_empty)
-
-
-@dataclass
-class LogprobsLists:
-    """Logprobs of a run of positions: per position, the chosen token first, then the top-k.
-
-    ``token_ids[i][0]`` is the sampled (or, for prompts, the actual next) token; ``ranks[i]`` is its
-    rank in the distribution (1 = most likely).
-    """
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What a step produced, per scheduled request."""
-
-    req_ids: list[str]
-    sampled_token_ids: list[list[int]]
-    """Per request in ``req_ids``: the tokens sampled (empty while a prefill is still partial)."""
-    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    """req_id -> logprobs of the sampled tokens (only requests that asked)."""
-    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    """req_id -> logprobs of the prompt positions computed this step (only requests that asked)."""
-    speech: dict[str, SpeechStepOutput] = field(default_factory=dict)
-    """req_id -> the talker's progress, for talker requests scheduled this step."""

@@ -25,12 +25,7 @@ from omniserve.core.encoder_planner import (
 )
 from omniserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from omniserve.core.request import Request, RequestStatus
-from omniserve.core.sched_output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from omniserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from omniserve.core.stop_conditions import (
     FINISH_REASONS,
     TextStop,
@@ -38,7 +33,7 @@ from omniserve.core.stop_conditions import (
     check_text_stop,
 )
 from omniserve.core.talker_scheduler import TalkerScheduler
-from omniserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from omniserve.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, ModelRunnerOutput
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from omniserve.core.request import Request, RequestStatus
-from omniserve.engine.messages import FinishReason
+from omniserve.messages import FinishReason
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,

@@ -29,15 +29,10 @@ import logging
 from dataclasses import dataclass, field
 
 from omniserve.core.kv_cache_manager import KVCacheManager
-from omniserve.core.request import Request, SpeechRequest
-from omniserve.core.sched_output import (
-    TEXT_END,
-    NewTalkerRequestData,
-    SpeechStepOutput,
-    TalkerSchedulerOutput,
-)
+from omniserve.core.request import Request
+from omniserve.core.sched_output import TEXT_END, NewTalkerRequestData, TalkerSchedulerOutput
 from omniserve.core.stop_conditions import FINISH_REASONS
-from omniserve.engine.messages import EngineCoreOutput, FinishReason
+from omniserve.messages import EngineCoreOutput, FinishReason, SpeechRequest, SpeechStepOutput
 
 logger = logging.getLogger(__name__)
 

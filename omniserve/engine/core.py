@@ -23,18 +23,20 @@ import zmq
 
 from omniserve.config import OmniConfig
 from omniserve.core.request import Request, RequestStatus
-from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from omniserve.core.sched_output import SchedulerOutput
 from omniserve.core.scheduler import Scheduler
 from omniserve.engine.detokenizer import IncrementalDetokenizer
-from omniserve.engine.messages import (
+from omniserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from omniserve.executor.abstract import Executor
+from omniserve.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    ModelRunnerOutput,
 )
-from omniserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
-from omniserve.executor.abstract import Executor
 from omniserve.plugins import load_plugins
+from omniserve.process_utils import on_parent_death
 from omniserve.structured_output import StructuredOutputManager, wait_any
 from omniserve.tokenizer import get_tokenizer
 
@@ -477,12 +479,8 @@ def _exit_on_signal(signum: int, frame: object) -> NoReturn:
 def _shutdown_when_parent_dies(engine: EngineCoreProc, ipc_dir: str | None) -> None:
     """A parent killed without cleanup (SIGKILL, OOM) must not leave this process (or its socket
     directory) behind."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
 
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
+    def shut_down() -> None:
         logger.warning("The front-end process died; the engine core is shutting down.")
         engine.input_queue.put((EngineCoreRequestType.SHUTDOWN, None))
         if ipc_dir is not None:
@@ -490,4 +488,4 @@ def _shutdown_when_parent_dies(engine: EngineCoreProc, ipc_dir: str | None) -> N
         time.sleep(_PARENT_DEATH_GRACE_S)
         os._exit(1)  # the graceful path did not finish in time
 
-    threading.Thread(target=watch, name="omniserve-parent-watch", daemon=True).start()
+    on_parent_death(shut_down)

@@ -51,8 +51,8 @@ from omniserve.engine.core import (
 from omniserve.engine.core_launcher import engine_envs, launch_engine, wait_until_ready
 from omniserve.engine.data_parallel import LoadBalancer, combine_results
 from omniserve.engine.exceptions import EngineDeadError
-from omniserve.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from omniserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder
+from omniserve.messages import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 

@@ -7,12 +7,9 @@ environment the child starts with, so it holds before anything in the child touc
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
-import sys
-from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 
 import torch
@@ -22,6 +19,7 @@ from omniserve.config import OmniConfig
 from omniserve.engine.core import EngineCoreProc
 from omniserve.engine.data_parallel import engine_env
 from omniserve.engine.exceptions import EngineStartupError
+from omniserve.process_utils import spawn_context, spawning
 
 
 def engine_envs(config: OmniConfig) -> list[dict[str, str]]:
@@ -44,7 +42,7 @@ def launch_engine(config: OmniConfig, engine_index: int, input_address: str,
                   output_address: str, ipc_dir: str, env: dict[str, str],
                   ) -> tuple[BaseProcess, multiprocessing.connection.Connection]:
     """Spawn engine core ``engine_index``; returns the process and the pipe it reports on."""
-    mp_ctx = multiprocessing.get_context("spawn")  # fork is unsafe with CUDA and threads
+    mp_ctx = spawn_context()
     reader, writer = mp_ctx.Pipe(duplex=False)
     name = ("OmniEngineCore" if config.parallel_config.data_parallel_size == 1
             else f"OmniEngineCore_DP{engine_index}")
@@ -52,47 +50,10 @@ def launch_engine(config: OmniConfig, engine_index: int, input_address: str,
     proc = mp_ctx.Process(target=EngineCoreProc.run_engine_core, name=name,
                           args=(config, input_address, output_address, writer, ipc_dir,
                                 engine_index))
-    with skip_main_reimport(), _environ(env):
+    with spawning(env):
         proc.start()
     writer.close()
     return proc, reader
-
-
-@contextlib.contextmanager
-def _environ(overrides: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``overrides`` while a child is spawned (it inherits the environment
-    as it is at that moment). The front end starts its engines from one thread."""
-    saved = {key: os.environ.get(key) for key in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-@contextlib.contextmanager
-def skip_main_reimport() -> Iterator[None]:
-    """Keep spawn from re-running the user's script in the engine process.
-
-    spawn re-imports a script's ``__main__`` in the child, which re-runs unguarded top-level code
-    (``LLM(...)`` without ``if __name__ == "__main__":``) and fails there. The engine needs nothing
-    from ``__main__``; hiding its ``__file__`` while the child is prepared makes spawn treat it
-    like an interactive session's ``__main__``.
-    """
-    main = sys.modules["__main__"]
-    main_file = getattr(main, "__file__", None)
-    if main_file is None or getattr(main, "__spec__", None) is not None:
-        yield  # interactive, or run with -m (spawn already skips a package's __main__)
-        return
-    del main.__file__
-    try:
-        yield
-    finally:
-        main.__file__ = main_file
 
 
 def wait_until_ready(procs: list[BaseProcess],

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from omniserve.core.sched_output import LogprobsLists
 from omniserve.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from omniserve.engine.exceptions import EngineGenerateError
-from omniserve.engine.messages import EngineCoreOutput, FinishReason
+from omniserve.messages import EngineCoreOutput, FinishReason, LogprobsLists
 from omniserve.outputs import (
     CompletionOutput,
     Logprob,

@@ -17,11 +17,10 @@ from typing import Any, TypeVar
 import torch
 
 from omniserve.config import OmniConfig
-from omniserve.core.request import SpeechRequest
 from omniserve.core.talker_scheduler import plan_talker_prompt
-from omniserve.engine.messages import EngineCoreRequest
 from omniserve.inputs.data import PromptType
 from omniserve.inputs.preprocess import InputPreprocessor, ProcessedInputs
+from omniserve.messages import EngineCoreRequest, SpeechRequest
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.sampling_params import SamplingParams, SpeechParams
 from omniserve.structured_output import validate_structured_outputs

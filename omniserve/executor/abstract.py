@@ -8,7 +8,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, overload
 
 from omniserve.config import OmniConfig
-from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from omniserve.core.sched_output import SchedulerOutput
+from omniserve.messages import ModelRunnerOutput
 
 
 class Executor(ABC):

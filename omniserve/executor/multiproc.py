@@ -32,10 +32,12 @@ from typing import Any, NoReturn
 import zmq
 
 from omniserve.config import OmniConfig
-from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from omniserve.core.sched_output import SchedulerOutput
 from omniserve.executor.abstract import Executor
 from omniserve.executor.broadcast import BroadcastReceiver, BroadcastSender
 from omniserve.executor.worker_wrapper import REPLY_ALL, REPLY_RANK0, WorkerWrapper
+from omniserve.messages import ModelRunnerOutput
+from omniserve.process_utils import on_parent_death, spawn_context, spawning
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +73,10 @@ class MultiprocExecutor(Executor):
             raise
 
     def _start_workers(self) -> None:
-        # Deferred: the engine package imports the engine core, which imports this package.
-        from omniserve.engine.core_launcher import skip_main_reimport
-
-        mp_ctx = multiprocessing.get_context("spawn")  # fork is unsafe with CUDA and threads
+        mp_ctx = spawn_context()
         args = (f"file://{self._ipc_dir}/rendezvous", f"ipc://{self._ipc_dir}/calls",
                 f"ipc://{self._ipc_dir}/results")
-        with skip_main_reimport():
+        with spawning():
             for rank in range(self.world_size):
                 proc = mp_ctx.Process(target=run_worker, name=f"OmniWorker-TP{rank}",
                                       args=(self.config, rank, self.world_size, *args),
@@ -230,12 +229,4 @@ def _reply_error(socket: zmq.Socket, call_id: int, rank: int, exc: BaseException
 def _exit_when_parent_dies() -> None:
     """An engine core killed without cleanup must not leave its workers behind."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front end, which stops us
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="omniserve-parent-watch", daemon=True).start()
+    on_parent_death(lambda: os._exit(1))

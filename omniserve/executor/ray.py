@@ -15,9 +15,10 @@ import logging
 from typing import Any
 
 from omniserve.config import OmniConfig
-from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from omniserve.core.sched_output import SchedulerOutput
 from omniserve.executor.abstract import Executor
 from omniserve.executor.worker_wrapper import REPLY_ALL, REPLY_RANK0, WorkerWrapper
+from omniserve.messages import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from omniserve.core.sched_output import LogprobsLists
+from omniserve.messages import LogprobsLists
 from omniserve.sampling_params import SAMPLING_EPS
 
 # Candidates taken with topk for rows truncated only by top-p / min-p, tried in turn (topk of 1k

@@ -38,7 +38,7 @@ from omniserve.plugin_tools.interface import (
     validate_plugin,
 )
 from omniserve.plugin_tools.report import CheckReport, ModalityCase
-from omniserve.plugin_tools.user_registry import UserModel, write_user_registry
+from omniserve.user_registry import UserModel, write_user_registry
 
 
 def check_plugin(

@@ -12,13 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from omniserve.plugin_tools.interface import PluginError, add_to_sys_path, validate_plugin
-from omniserve.plugin_tools.user_registry import (
+from omniserve.registry import USER_FILE_SOURCE, ModelRegistry
+from omniserve.user_registry import (
     UserModel,
     read_user_registry,
     registry_file,
     write_user_registry,
 )
-from omniserve.registry import USER_FILE_SOURCE, ModelRegistry
 
 Echo = Callable[[str], None]
 

@@ -16,7 +16,7 @@ from torch import nn
 from omniserve.attention.layer import get_attention_layers
 from omniserve.attention.metadata import AttentionMetadata
 from omniserve.config import CacheConfig, SchedulerConfig
-from omniserve.core.sched_output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from omniserve.core.sched_output import SchedulerOutput
 from omniserve.forward_context import set_forward_context
 from omniserve.layers.sampler import (
     Sampler,
@@ -24,6 +24,7 @@ from omniserve.layers.sampler import (
     banned_by_bad_words,
     compute_logprobs,
 )
+from omniserve.messages import LogprobsLists, ModelRunnerOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.structured_output import apply_bitmask_rows
 from omniserve.worker.cuda_graph import DecodeGraphs, graph_batch_sizes

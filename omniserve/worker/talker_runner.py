@@ -25,10 +25,10 @@ from torch import nn
 
 from omniserve.attention.layer import get_attention_layers
 from omniserve.attention.metadata import AttentionMetadata
-from omniserve.core.request import SpeechRequest
-from omniserve.core.sched_output import TEXT_END, SpeechStepOutput, TalkerSchedulerOutput
+from omniserve.core.sched_output import TEXT_END, TalkerSchedulerOutput
 from omniserve.forward_context import set_forward_context
 from omniserve.layers.sampler import Sampler, SamplingMetadata
+from omniserve.messages import SpeechRequest, SpeechStepOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.worker.encoder_runner import mrope_positions
 

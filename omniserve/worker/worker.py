@@ -17,11 +17,12 @@ from omniserve import envs
 from omniserve.attention.layer import get_attention_layers
 from omniserve.attention.selector import apply_attention_backend
 from omniserve.config import OmniConfig
-from omniserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from omniserve.core.sched_output import SchedulerOutput
 from omniserve.cpu.backend import CpuBackendReport, apply_cpu_backend
 from omniserve.cpu.build import has_native_bf16
 from omniserve.layers.tp import get_tp_size
 from omniserve.layers.weight_utils import default_dtype
+from omniserve.messages import ModelRunnerOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from omniserve.plugins import load_plugins
