@@ -54,14 +54,16 @@ class Qwen2_5OmniTalker(nn.Module):
         self.config = config
         spec = DecoderSpec(qkv_bias=True, o_bias=False)
         self.model = DecoderModel(
-            config, spec, [DecoderMLP(config, config.intermediate_size)
-                           for _ in range(config.num_hidden_layers)])
+            config,
+            spec,
+            [DecoderMLP(config, config.intermediate_size) for _ in range(config.num_hidden_layers)],
+        )
         self.model.rotary_emb = rope
         # The codec ids embed at the thinker's width (they are added to thinker rows).
-        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size,
-                                                         config.embedding_size)
-        self.thinker_to_talker_proj = ReplicatedLinear(config.embedding_size, config.hidden_size,
-                                                       bias=True)
+        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.embedding_size)
+        self.thinker_to_talker_proj = ReplicatedLinear(
+            config.embedding_size, config.hidden_size, bias=True
+        )
         self.codec_head = ReplicatedLinear(config.hidden_size, config.vocab_size)
 
     @property
@@ -93,13 +95,18 @@ class Qwen2_5OmniSpeechConfig:
     def __init__(self, config: PretrainedConfig, voices: dict[str, Voice]) -> None:
         talker, thinker = config.talker_config, config.thinker_config
         self.mm_token_ids = frozenset(
-            (thinker.audio_token_index, thinker.image_token_index, thinker.video_token_index))
+            (thinker.audio_token_index, thinker.image_token_index, thinker.video_token_index)
+        )
         self.codec_pad_id: int = talker.tts_codec_pad_token_id
         self.codec_bos_id: int = talker.tts_codec_start_token_id
-        self.codec_eos_ids = frozenset((talker.tts_codec_pad_token_id,
-                                        talker.tts_codec_end_token_id))
-        self.prompt_codes = [talker.tts_codec_mask_token_id, talker.tts_codec_pad_token_id,
-                             talker.tts_codec_start_token_id]
+        self.codec_eos_ids = frozenset(
+            (talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id)
+        )
+        self.prompt_codes = [
+            talker.tts_codec_mask_token_id,
+            talker.tts_codec_pad_token_id,
+            talker.tts_codec_start_token_id,
+        ]
         self.text_eos_id: int = talker.tts_text_end_token_id
         self.text_pad_id: int = talker.tts_text_pad_token_id
         self.voices = voices
@@ -108,10 +115,14 @@ class Qwen2_5OmniSpeechConfig:
 def load_voices(model_dir: str | Path) -> dict[str, Voice]:
     path = Path(model_dir) / "spk_dict.pt"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: a Qwen2.5-Omni checkpoint keeps its voices "
-                                "there (or serve it with --disable-audio-output).")
-    return {name: Voice(int(v["bos_token"]), v["cond"].float(), v["ref_mel"].float())
-            for name, v in torch.load(path, weights_only=True, map_location="cpu").items()}
+        raise FileNotFoundError(
+            f"{path} is missing: a Qwen2.5-Omni checkpoint keeps its voices "
+            "there (or serve it with --disable-audio-output)."
+        )
+    return {
+        name: Voice(int(v["bos_token"]), v["cond"].float(), v["ref_mel"].float())
+        for name, v in torch.load(path, weights_only=True, map_location="cpu").items()
+    }
 
 
 @dataclass
@@ -124,9 +135,14 @@ class Token2WavOnce:
     """token2wav over a whole answer's codes, with the starting noise drawn from the request's
     own generator (the reference draws it from the global RNG: a test seeds both alike)."""
 
-    def __init__(self, token2wav: Qwen2_5OmniToken2WavModel, voices: dict[str, Voice],
-                 num_steps: int = 10, guidance_scale: float = 0.5,
-                 sway_coefficient: float = -1.0) -> None:
+    def __init__(
+        self,
+        token2wav: Qwen2_5OmniToken2WavModel,
+        voices: dict[str, Voice],
+        num_steps: int = 10,
+        guidance_scale: float = 0.5,
+        sway_coefficient: float = -1.0,
+    ) -> None:
         self.token2wav = token2wav
         self.voices = voices
         self.num_steps, self.guidance_scale = num_steps, guidance_scale
@@ -145,8 +161,10 @@ class Token2WavOnce:
         device = dit.proj_out.weight.device
         duration = codes.shape[1] * dit.repeats
         if duration > dit.config.max_position_embeddings:
-            raise ValueError(f"{codes.shape[1]} codes exceed token2wav's "
-                             f"{dit.config.max_position_embeddings // dit.repeats}.")
+            raise ValueError(
+                f"{codes.shape[1]} codes exceed token2wav's "
+                f"{dit.config.max_position_embeddings // dit.repeats}."
+            )
         generator = torch.Generator(device=device).manual_seed(state.seed)
         noise = torch.randn(1, duration, dit.mel_dim, generator=generator, device=device)
         cond = state.voice.cond.to(device)[:, None].expand(1, duration, -1)
@@ -154,8 +172,14 @@ class Token2WavOnce:
         codes = codes.to(device)
 
         def velocity(time: torch.Tensor, mel: torch.Tensor) -> torch.Tensor:
-            out = dit(hidden_states=mel, quantized_code=codes, speaker_embedding=cond,
-                      condition_vector=ref_mel, time_step=time, apply_cfg=True)
+            out = dit(
+                hidden_states=mel,
+                quantized_code=codes,
+                speaker_embedding=cond,
+                condition_vector=ref_mel,
+                time_step=time,
+                apply_cfg=True,
+            )
             guided, unconditioned = out.chunk(2)
             return guided + (guided - unconditioned) * self.guidance_scale
 

@@ -412,10 +412,10 @@ class Qwen2_5OmniForConditionalGeneration(Qwen2_5OmniThinkerForConditionalGenera
         self.speaks = bool(getattr(config, "enable_audio_output", True))
         if self.speaks:
             talker = config.talker_config
-            self.speech_config = Qwen2_5OmniSpeechConfig(config,
-                                                         load_voices(config._name_or_path))
+            self.speech_config = Qwen2_5OmniSpeechConfig(config, load_voices(config._name_or_path))
             self.talker = Qwen2_5OmniTalker(
-                talker, thinker_rope(talker, [16, 24, 24], MRotaryEmbedding))
+                talker, thinker_rope(talker, [16, 24, 24], MRotaryEmbedding)
+            )
             # token2wav runs in fp32 whatever the thinker's dtype (its filters are built here).
             with default_dtype(torch.float32):
                 self.token2wav = Qwen2_5OmniToken2WavModel(config.token2wav_config)
@@ -425,4 +425,3 @@ class Qwen2_5OmniForConditionalGeneration(Qwen2_5OmniThinkerForConditionalGenera
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_omni_weights(self, weights, self.speech_submodels)
-

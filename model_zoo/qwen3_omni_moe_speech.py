@@ -54,15 +54,17 @@ class TalkerSparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = FusedMoE(config.num_experts, config.hidden_size,
-                                config.moe_intermediate_size)
+        self.experts = FusedMoE(
+            config.num_experts, config.hidden_size, config.moe_intermediate_size
+        )
         self.shared_expert = DecoderMLP(config, config.shared_expert_intermediate_size)
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(hidden_states)
-        topk_weights, topk_ids = select_experts(self.gate(hidden_states), self.top_k,
-                                                self.norm_topk_prob)
+        topk_weights, topk_ids = select_experts(
+            self.gate(hidden_states), self.top_k, self.norm_topk_prob
+        )
         out = self.experts(hidden_states, topk_weights, topk_ids)
         return out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
 
@@ -104,8 +106,14 @@ class CodePredictorLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: list[torch.Tensor], start: int) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: list[torch.Tensor],
+        start: int,
+    ) -> torch.Tensor:
         """x ``[B, T, H]`` at positions ``start..start+T``; ``cache`` ``[k, v]`` grows in place."""
         attn, (b, t, _) = self.self_attn, x.shape
         h = self.input_layernorm(x)
@@ -119,8 +127,9 @@ class CodePredictorLayer(nn.Module):
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         cache[:] = [k, v]
         # Rows of the batch are independent frames; within one, the new tokens are causal.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0 and t > 1,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=start == 0 and t > 1, enable_gqa=self.num_heads != self.num_kv_heads
+        )
         x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         h = self.post_attention_layernorm(x)
         return x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
@@ -134,18 +143,25 @@ class CodePredictor(nn.Module):
         super().__init__()
         self.num_groups = config.num_code_groups
         self.model = nn.Module()
-        self.model.layers = nn.ModuleList(CodePredictorLayer(config)
-                                          for _ in range(config.num_hidden_layers))
+        self.model.layers = nn.ModuleList(
+            CodePredictorLayer(config) for _ in range(config.num_hidden_layers)
+        )
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.model.codec_embedding = nn.ModuleList(
-            nn.Embedding(config.vocab_size, config.hidden_size)
-            for _ in range(self.num_groups - 1))
-        self.lm_head = nn.ModuleList(ReplicatedLinear(config.hidden_size, config.vocab_size)
-                                     for _ in range(self.num_groups - 1))
+            nn.Embedding(config.vocab_size, config.hidden_size) for _ in range(self.num_groups - 1)
+        )
+        self.lm_head = nn.ModuleList(
+            ReplicatedLinear(config.hidden_size, config.vocab_size)
+            for _ in range(self.num_groups - 1)
+        )
         self.rotary_emb = get_rope(config, head_dim_of(config))
 
-    def predict(self, talker_hidden: torch.Tensor, code0_embeds: torch.Tensor,
-                pick: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    def predict(
+        self,
+        talker_hidden: torch.Tensor,
+        code0_embeds: torch.Tensor,
+        pick: Callable[[torch.Tensor, int], torch.Tensor],
+    ) -> torch.Tensor:
         """``[B, H]`` hidden + ``[B, H]`` group-0 embeddings -> codes ``[B, G-1]``; ``pick(logits
         [B, V], group)`` chooses each group's codes (greedy or sampled, per row)."""
         x = torch.stack([talker_hidden, code0_embeds], dim=1)  # [B, 2, H]
@@ -185,10 +201,10 @@ class Qwen3OmniMoeTalker(nn.Module):
         super().__init__()
         self.config = config
         text = config.text_config
-        spec = DecoderSpec(qkv_bias=text.attention_bias, o_bias=text.attention_bias,
-                           qk_norm=True)
+        spec = DecoderSpec(qkv_bias=text.attention_bias, o_bias=text.attention_bias, qk_norm=True)
         self.model = DecoderModel(
-            text, spec, [TalkerSparseMoeBlock(text) for _ in range(text.num_hidden_layers)])
+            text, spec, [TalkerSparseMoeBlock(text) for _ in range(text.num_hidden_layers)]
+        )
         self.model.rotary_emb = rope
         self.codec_head = ReplicatedLinear(text.hidden_size, text.vocab_size)
         self.text_projection = ResizeMLP(config)
@@ -219,11 +235,18 @@ class Qwen3OmniMoeSpeechConfig:
         talker = config.talker_config
         self.accept_hidden_layer: int = talker.accept_hidden_layer
         self.mm_token_ids = frozenset(
-            (config.thinker_config.audio_token_id, config.thinker_config.image_token_id,
-             config.thinker_config.video_token_id))
+            (
+                config.thinker_config.audio_token_id,
+                config.thinker_config.image_token_id,
+                config.thinker_config.video_token_id,
+            )
+        )
         self.tts_ids = (config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id)
-        self.codec_prefix = (talker.codec_nothink_id, talker.codec_think_bos_id,
-                             talker.codec_think_eos_id)
+        self.codec_prefix = (
+            talker.codec_nothink_id,
+            talker.codec_think_bos_id,
+            talker.codec_think_eos_id,
+        )
         self.codec_pad_id: int = talker.codec_pad_id
         self.codec_bos_id: int = talker.codec_bos_id
         self.codec_eos_id: int = talker.codec_eos_token_id
@@ -231,8 +254,9 @@ class Qwen3OmniMoeSpeechConfig:
         self.speaker_ids: dict[str, int] = dict(talker.speaker_id)
         vocab = talker.text_config.vocab_size
         # generate suppresses the last 1024 ids (control codes, speakers) except end-of-speech.
-        self.suppressed_ids = [i for i in range(max(vocab - 1024, 0), vocab)
-                               if i != self.codec_eos_id]
+        self.suppressed_ids = [
+            i for i in range(max(vocab - 1024, 0), vocab) if i != self.codec_eos_id
+        ]
 
 
 @dataclass
@@ -270,8 +294,10 @@ class Code2WavStream:
         with torch.no_grad():
             self.shortfall = 2 * self.upsample - code2wav(probe).shape[-1]
         if conv_context * self.upsample <= self.shortfall:
-            raise ValueError(f"conv_context={conv_context} frames is shorter than one chunk's "
-                             f"unfinished tail ({self.shortfall} samples).")
+            raise ValueError(
+                f"conv_context={conv_context} frames is shorter than one chunk's "
+                f"unfinished tail ({self.shortfall} samples)."
+            )
 
     def new_state(self) -> Code2WavState:
         return Code2WavState(DynamicCache(config=self.code2wav.config))
@@ -284,24 +310,26 @@ class Code2WavStream:
         c2w, windows = self.code2wav, []
         for state, codes in chunks:
             embeds = c2w.code_embedding(codes[None] + c2w.code_offset).mean(1)  # [1, n, hidden]
-            positions = torch.arange(state.frames, state.frames + codes.shape[1],
-                                     device=codes.device)[None]
-            hidden = c2w.pre_transformer(inputs_embeds=embeds, cache=state.cache,
-                                         use_cache=True, position_ids=positions
-                                         ).last_hidden_state
+            positions = torch.arange(
+                state.frames, state.frames + codes.shape[1], device=codes.device
+            )[None]
+            hidden = c2w.pre_transformer(
+                inputs_embeds=embeds, cache=state.cache, use_cache=True, position_ids=positions
+            ).last_hidden_state
             window = hidden if state.tail is None else torch.cat([state.tail, hidden], dim=1)
             windows.append((window, state.frames + codes.shape[1] - window.shape[1]))
             state.frames += codes.shape[1]
-            state.tail = window[:, -self.conv_context:]
+            state.tail = window[:, -self.conv_context :]
         width = max(window.shape[1] for window, _ in windows)
-        batch = torch.cat([F.pad(window, (0, 0, 0, width - window.shape[1]))
-                           for window, _ in windows])
+        batch = torch.cat(
+            [F.pad(window, (0, 0, 0, width - window.shape[1])) for window, _ in windows]
+        )
         wave = self._convolve(batch)  # [B, width * upsample - shortfall]
         out = []
         for row, ((state, _), (_, first_frame)) in enumerate(zip(chunks, windows, strict=True)):
             first = first_frame * self.upsample
             end = state.frames * self.upsample - self.shortfall
-            out.append(wave[row, state.emitted - first:end - first].float().cpu().numpy())
+            out.append(wave[row, state.emitted - first : end - first].float().cpu().numpy())
             state.emitted = end
         return out
 
@@ -314,5 +342,3 @@ class Code2WavStream:
         for block in self.code2wav.decoder:
             hidden = block(hidden)
         return hidden.clamp(min=-1, max=1)[:, 0]
-
-

@@ -312,8 +312,9 @@ class Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeThinkerForConditionalGene
         self.speaks = bool(getattr(config, "enable_audio_output", True))
         if self.speaks:
             self.speech_config = Qwen3OmniMoeSpeechConfig(config)
-            self.talker = Qwen3OmniMoeTalker(config.talker_config,
-                                             qwen3_omni_rope(config.talker_config.text_config))
+            self.talker = Qwen3OmniMoeTalker(
+                config.talker_config, qwen3_omni_rope(config.talker_config.text_config)
+            )
             self.code2wav = Qwen3OmniMoeCode2Wav(config.code2wav_config)
             self.tap_layer = self.speech_config.accept_hidden_layer
 

@@ -57,8 +57,9 @@ class SpeechConfig:
         for name in self.voices:
             if name.lower() == voice.lower():
                 return name
-        raise ValueError(f"Unknown voice {voice!r}; this model's voices are "
-                         f"{', '.join(self.voices)}.")
+        raise ValueError(
+            f"Unknown voice {voice!r}; this model's voices are {', '.join(self.voices)}."
+        )
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,8 @@ class ModelConfig:
         if max_model_len is None:
             raise ValueError(f"{config_file} gives no max_position_embeddings; pass max_model_len.")
         speech, no_speech_reason = _speech_of(
-            hf_config, architectures[0], bool(kwargs.get("disable_audio_output")), str(path))
+            hf_config, architectures[0], bool(kwargs.get("disable_audio_output")), str(path)
+        )
         return ModelConfig(
             model=str(path),
             architecture=architectures[0],
@@ -159,15 +161,19 @@ class ModelConfig:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
-                             f"{self.attention_backend!r}.")
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                f"{self.attention_backend!r}."
+            )
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if self.generation_config not in ("auto", "vllm"):
             file = Path(self.generation_config).expanduser() / GENERATION_CONFIG_FILE
             if not file.is_file():
-                raise ValueError(f"--generation-config {self.generation_config!r}: no "
-                                 f"{GENERATION_CONFIG_FILE} there (or use 'auto' or 'vllm').")
+                raise ValueError(
+                    f"--generation-config {self.generation_config!r}: no "
+                    f"{GENERATION_CONFIG_FILE} there (or use 'auto' or 'vllm')."
+                )
 
     def default_sampling_params(self) -> dict[str, float | int]:
         """The sampling settings the model's creator recommends, for fields a request omits:
@@ -183,8 +189,11 @@ class ModelConfig:
             settings = json.loads(file.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{file} is not valid JSON: {exc}") from exc
-        return {name: settings[key] for key, name in _GENERATION_DEFAULTS.items()
-                if settings.get(key) is not None}
+        return {
+            name: settings[key]
+            for key, name in _GENERATION_DEFAULTS.items()
+            if settings.get(key) is not None
+        }
 
     @property
     def name(self) -> str:
@@ -193,8 +202,13 @@ class ModelConfig:
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 _GENERATION_DEFAULTS = {  # generation_config.json key -> SamplingParams field (vLLM's set)
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 # Architectures whose speech stages (talker + vocoder) omniserve runs -> how to read their voices
@@ -210,14 +224,18 @@ def _qwen3_omni_speech(hf_config: dict, model_dir: str) -> SpeechConfig:
         default_voice="ethan" if "ethan" in voices else voices[0],  # the reference's default
         sample_rate=24000,
         # Qwen3OmniMoeForConditionalGeneration.generate's talker defaults.
-        talker_defaults={"temperature": 0.9, "top_k": 50, "top_p": 1.0,
-                         "repetition_penalty": 1.05, "max_tokens": 4096},
+        talker_defaults={
+            "temperature": 0.9,
+            "top_k": 50,
+            "top_p": 1.0,
+            "repetition_penalty": 1.05,
+            "max_tokens": 4096,
+        },
         im_start_token_id=hf_config["im_start_token_id"],
         user_token_id=hf_config["user_token_id"],
         assistant_token_id=hf_config["assistant_token_id"],
         assistant_prompt_len=9,
-        talker_max_len=int((talker.get("text_config") or {}).get("max_position_embeddings",
-                                                                  32768)),
+        talker_max_len=int((talker.get("text_config") or {}).get("max_position_embeddings", 32768)),
     )
 
 
@@ -238,8 +256,13 @@ def _qwen2_5_omni_speech(hf_config: dict, model_dir: str) -> SpeechConfig:
         default_voice="Chelsie" if "Chelsie" in voices else voices[0],  # the reference's default
         sample_rate=24000,
         # Qwen2_5OmniForConditionalGeneration.generate's talker defaults.
-        talker_defaults={"temperature": 0.9, "top_k": 40, "top_p": 0.8,
-                         "repetition_penalty": 1.05, "max_tokens": 4096},
+        talker_defaults={
+            "temperature": 0.9,
+            "top_k": 40,
+            "top_p": 0.8,
+            "repetition_penalty": 1.05,
+            "max_tokens": 4096,
+        },
         user_turns_only=False,
         assistant_prompt_len=2,  # the voice's text bos, then the first reply token
         reads_hidden="all",
@@ -253,14 +276,17 @@ _SPEAKING_ARCHITECTURES = {
 }
 
 
-def _speech_of(hf_config: dict, architecture: str, disabled: bool,
-               model_dir: str) -> tuple[SpeechConfig | None, str]:
+def _speech_of(
+    hf_config: dict, architecture: str, disabled: bool, model_dir: str
+) -> tuple[SpeechConfig | None, str]:
     """``(speech, why not)``: what the checkpoint can say, or why it says nothing."""
     has_speech_half = "talker_config" in hf_config and hf_config.get("enable_audio_output", True)
     if not has_speech_half:
-        return None, (f"this model ({architecture}) has no talker and vocoder (a text or "
-                      "thinker-only checkpoint), so it cannot speak; serve a full omni checkpoint "
-                      "for audio output")
+        return None, (
+            f"this model ({architecture}) has no talker and vocoder (a text or "
+            "thinker-only checkpoint), so it cannot speak; serve a full omni checkpoint "
+            "for audio output"
+        )
     if disabled:
         return None, "audio output is disabled on this server (--disable-audio-output)"
     reader = _SPEAKING_ARCHITECTURES.get(architecture)
@@ -301,8 +327,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization}.")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
         for name in ("kv_cache_memory_bytes", "talker_kv_cache_memory_bytes"):
@@ -352,8 +379,9 @@ class SchedulerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got "
-                             f"{self.policy!r}.")
+            raise ValueError(
+                f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}."
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len "

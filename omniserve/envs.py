@@ -84,8 +84,7 @@ def media_loading_threads() -> int:
     name, default 8)."""
     value = os.environ.get("VLLM_MEDIA_LOADING_THREAD_COUNT", "8")
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"VLLM_MEDIA_LOADING_THREAD_COUNT must be an integer >= 1, not "
-                         f"{value!r}.")
+        raise ValueError(f"VLLM_MEDIA_LOADING_THREAD_COUNT must be an integer >= 1, not {value!r}.")
     return int(value)
 
 

@@ -32,8 +32,28 @@ from omniserve.messages import EngineCoreOutputs, EngineCoreRequest
 
 PREFIX = "omniserve:"
 # Seconds; fine at the low end (a step of a small model) and up to long CPU generations.
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
 # scheduler_stats key (also the counter's name) -> help; the engine reports them cumulatively.
 _ENGINE_COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
@@ -41,15 +61,17 @@ _ENGINE_COUNTERS = {
     "num_preemptions": "Requests preempted to free KV blocks.",
     "encoder_cache_queries": "Multimodal items a scheduled step needed encoder outputs for.",
     "encoder_cache_hits": "Of those, items whose encoder output was cached or shared (not "
-                          "encoded again).",
+    "encoded again).",
     "num_requests_received": "Requests the engine core was given (each of n samples counts).",
 }
 _ENGINE_GAUGES = {  # scheduler_stats key -> (metric name, help)
     "num_running": ("num_requests_running", "Requests in the running batch."),
     "num_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
     "kv_cache_usage": ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)."),
-    "encoder_cache_usage": ("encoder_cache_usage_perc",
-                            "Fraction of the encoder cache in use (0-1)."),
+    "encoder_cache_usage": (
+        "encoder_cache_usage_perc",
+        "Fraction of the encoder cache in use (0-1).",
+    ),
 }
 
 
@@ -77,28 +99,39 @@ class PrometheusStatLogger:
             return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
 
         def histogram(name: str, doc: str) -> Any:
-            return Histogram(PREFIX + name, doc, labels, buckets=LATENCY_BUCKETS,
-                             registry=self.registry).labels(model_name)
+            return Histogram(
+                PREFIX + name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry
+            ).labels(model_name)
 
         engine_labels = ["model_name", "engine"]
         self._engine_gauges = {
             key: Gauge(PREFIX + name, doc, engine_labels, registry=self.registry)
-            for key, (name, doc) in _ENGINE_GAUGES.items()}
+            for key, (name, doc) in _ENGINE_GAUGES.items()
+        }
         self._prefix_cache_hit_rate = Gauge(
-            PREFIX + "prefix_cache_hit_rate", "Prefix-cache hits / queries since start (tokens).",
-            engine_labels, registry=self.registry)
+            PREFIX + "prefix_cache_hit_rate",
+            "Prefix-cache hits / queries since start (tokens).",
+            engine_labels,
+            registry=self.registry,
+        )
         self._engine_counters = {
             key: Counter(PREFIX + key, doc, engine_labels, registry=self.registry)
-            for key, doc in _ENGINE_COUNTERS.items()}
+            for key, doc in _ENGINE_COUNTERS.items()
+        }
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._request_success = Counter(
-            PREFIX + "request_success", "Finished requests by finish reason.",
-            ["model_name", "finished_reason"], registry=self.registry)
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between a request's outputs.")
-        self.tpot = histogram("request_time_per_output_token_seconds",
-                              "Per request: (last token - first token) / (tokens - 1).")
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request: (last token - first token) / (tokens - 1).",
+        )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
         for engine in range(num_engines):  # every engine shows from the start, at zero
             self.record_scheduler_stats({}, engine)
@@ -106,7 +139,8 @@ class PrometheusStatLogger:
     def record_new_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
         for request in requests:
             self._requests[request.request_id] = _RequestTimes(
-                request.arrival_time, len(request.prompt_token_ids))
+                request.arrival_time, len(request.prompt_token_ids)
+            )
 
     def record(self, outputs: EngineCoreOutputs, processed: Any) -> None:
         """One engine step: token counts, latencies, finished requests, scheduler stats.
@@ -174,5 +208,6 @@ class PrometheusStatLogger:
         self._request_success.labels(self._model_name, reason).inc()
         self.e2e.observe(now - times.arrival_time)
         if times.num_generated > 1 and times.first_token_time and times.last_token_time:
-            self.tpot.observe((times.last_token_time - times.first_token_time)
-                              / (times.num_generated - 1))
+            self.tpot.observe(
+                (times.last_token_time - times.first_token_time) / (times.num_generated - 1)
+            )

@@ -24,8 +24,7 @@ def is_int(value: object, low: int, high: int) -> bool:
 
 
 def is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class RequestOutputKind(IntEnum):
@@ -55,12 +54,15 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_outputs must set exactly one of json, json_object, "
-                             f"regex, choice, grammar, structural_tag; got {given or 'none'}.")
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, "
+                f"regex, choice, grammar, structural_tag; got {given or 'none'}."
+            )
         if isinstance(self.json, dict):
             self.json = json.dumps(self.json)
-        if self.choice is not None and (not self.choice or not all(
-                isinstance(c, str) for c in self.choice)):
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
 
     @property
@@ -168,13 +170,15 @@ class SamplingParams:
                 fail(name, "in [-2, 2]")
         rep = self.repetition_penalty
         if not is_real(rep) or not FP32_TINY <= rep <= 1.0 / FP32_TINY:
-            fail("repetition_penalty", f"> 0 and within float32 range [{FP32_TINY:.3g}, "
-                 f"{1.0 / FP32_TINY:.3g}] (the sampler divides by it)")
+            fail(
+                "repetition_penalty",
+                f"> 0 and within float32 range [{FP32_TINY:.3g}, "
+                f"{1.0 / FP32_TINY:.3g}] (the sampler divides by it)",
+            )
         if not is_real(self.temperature) or not 0.0 <= self.temperature <= FP32_MAX:
             fail("temperature", f"a finite number in [0, {FP32_MAX:.4g}] (float32)")
         if not is_real(self.top_p) or not FP32_TINY <= self.top_p <= 1.0:
-            fail("top_p", "in (0, 1] and not below float32's smallest normal "
-                 f"({FP32_TINY:.3g})")
+            fail("top_p", f"in (0, 1] and not below float32's smallest normal ({FP32_TINY:.3g})")
         if not is_int(self.top_k, 0, INT32_MAX):
             fail("top_k", f"0 or -1 (disabled) or an integer in [1, {INT32_MAX}]")
         if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
@@ -196,17 +200,21 @@ class SamplingParams:
         if self.seed is not None and not is_int(self.seed, SEED_MIN, SEED_MAX):
             fail("seed", f"None or an integer in [{SEED_MIN}, {SEED_MAX}]")
         if self.logit_bias is not None and not all(
-                is_int(t, 0, INT32_MAX) and is_real(b) and -100 <= b <= 100
-                for t, b in self.logit_bias.items()):
+            is_int(t, 0, INT32_MAX) and is_real(b) and -100 <= b <= 100
+            for t, b in self.logit_bias.items()
+        ):
             fail("logit_bias", "a map of token ids to biases in [-100, 100]")
-        if self.allowed_token_ids is not None and not (self.allowed_token_ids and all(
-                is_int(t, 0, INT32_MAX) for t in self.allowed_token_ids)):
+        if self.allowed_token_ids is not None and not (
+            self.allowed_token_ids and all(is_int(t, 0, INT32_MAX) for t in self.allowed_token_ids)
+        ):
             fail("allowed_token_ids", "a non-empty list of token ids")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             fail("bad_words", "a list of non-empty strings")
-        if not self.output_modalities or len(set(self.output_modalities)) != len(
-                self.output_modalities) or not set(self.output_modalities) <= set(
-                OUTPUT_MODALITIES):
+        if (
+            not self.output_modalities
+            or len(set(self.output_modalities)) != len(self.output_modalities)
+            or not set(self.output_modalities) <= set(OUTPUT_MODALITIES)
+        ):
             fail("output_modalities", f"a non-empty list of distinct {OUTPUT_MODALITIES}")
         if self.speech is not None:
             self._validate_speech(self.speech)
@@ -219,12 +227,14 @@ class SamplingParams:
         if speech.voice is not None and (not isinstance(speech.voice, str) or not speech.voice):
             fail("voice", "None or a voice name")
         if speech.temperature is not None and not (
-                is_real(speech.temperature) and 0.0 <= speech.temperature <= FP32_MAX):
+            is_real(speech.temperature) and 0.0 <= speech.temperature <= FP32_MAX
+        ):
             fail("temperature", f"a finite number in [0, {FP32_MAX:.4g}]")
         if speech.top_k is not None and not is_int(speech.top_k, 0, INT32_MAX):
             fail("top_k", "0 (disabled) or a positive integer")
-        if speech.top_p is not None and not (is_real(speech.top_p)
-                                             and FP32_TINY <= speech.top_p <= 1.0):
+        if speech.top_p is not None and not (
+            is_real(speech.top_p) and FP32_TINY <= speech.top_p <= 1.0
+        ):
             fail("top_p", "in (0, 1]")
         rep = speech.repetition_penalty
         if rep is not None and not (is_real(rep) and FP32_TINY <= rep <= 1.0 / FP32_TINY):

@@ -79,8 +79,9 @@ class StructuredOutputManager:
 
         from omniserve.tokenizer import get_tokenizer
 
-        info = xgr.TokenizerInfo.from_huggingface(get_tokenizer(self.model_config.tokenizer),
-                                                  vocab_size=self.vocab_size)
+        info = xgr.TokenizerInfo.from_huggingface(
+            get_tokenizer(self.model_config.tokenizer), vocab_size=self.vocab_size
+        )
         return xgr.GrammarCompiler(info, max_threads=1)
 
     def compile_async(self, params: StructuredOutputsParams) -> Future[Any]:
@@ -93,8 +94,7 @@ class StructuredOutputManager:
         if kind == "json":
             return compiler.compile_json_schema(source, any_whitespace=any_whitespace)
         if kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}',
-                                                any_whitespace=any_whitespace)
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
         if kind == "regex":
             return compiler.compile_regex(source)
         if kind == "structural_tag":
@@ -141,8 +141,9 @@ class StructuredOutputManager:
 
 def wait_any(futures: list[Future[Any]], timeout: float) -> None:
     """Block until one compile finishes (or ``timeout``): an engine with nothing else to run."""
-    concurrent.futures.wait(futures, timeout=timeout,
-                            return_when=concurrent.futures.FIRST_COMPLETED)
+    concurrent.futures.wait(
+        futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED
+    )
 
 
 def apply_bitmask_rows(logits: Any, rows: dict[int, bytes]) -> None:

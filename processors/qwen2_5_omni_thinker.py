@@ -204,8 +204,11 @@ class Qwen2_5OmniThinkerProcessingInfo(Qwen2VLProcessingInfo, Qwen2AudioProcessi
         **Qwen2VLProcessingInfo.request_kwargs,
         **{flag: RequestKwarg(bool) for flag in _FLAG_KWARGS},
     }
-    model_bound_kwargs = (Qwen2VLProcessingInfo.model_bound_kwargs
-                          | Qwen2AudioProcessingInfo.model_bound_kwargs | {"n_window"})
+    model_bound_kwargs = (
+        Qwen2VLProcessingInfo.model_bound_kwargs
+        | Qwen2AudioProcessingInfo.model_bound_kwargs
+        | {"n_window"}
+    )
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"image": None, "video": None, "audio": None}
@@ -319,24 +322,30 @@ class Qwen2_5OmniThinkerMultiModalProcessor(Qwen2VLMultiModalProcessor):
         get_audio_in_video_order
     )
 
-    def _to_mm_items(self, mm_data: Mapping[str, Any],
-                     mm_kwargs: Mapping[str, object]) -> MultiModalDataItems:
+    def _to_mm_items(
+        self, mm_data: Mapping[str, Any], mm_kwargs: Mapping[str, object]
+    ) -> MultiModalDataItems:
         """vLLM's offline form of videos with their audio: ``{"video": v, "audio": a}`` with
         ``use_audio_in_video`` and no track inside any video, audio item i the track of video i
         (only the videos have placeholders). Each track joins its video, as if the video had
         carried it. When videos carry their tracks, audio items are clips of their own."""
         mm_items = super()._to_mm_items(mm_data, mm_kwargs)
         videos = mm_items.get("video")
-        if not (uses_audio_in_video(mm_kwargs) and "audio" in mm_items
-                and isinstance(videos, OmniVideoProcessorItems)
-                and all(track is None for track in videos.audios)):
+        if not (
+            uses_audio_in_video(mm_kwargs)
+            and "audio" in mm_items
+            and isinstance(videos, OmniVideoProcessorItems)
+            and all(track is None for track in videos.audios)
+        ):
             return mm_items
         clips = mm_items.pop("audio")
         if len(clips) != len(videos):
             raise MultiModalInputError(
                 f"with use_audio_in_video and videos without tracks, audio item i is the track "
                 f"of video i, but there are {len(clips)} audio items for {len(videos)} videos",
-                stage="process", modality="audio")
+                stage="process",
+                modality="audio",
+            )
         videos.audios = list(clips.items)
         return mm_items
 
@@ -505,12 +514,20 @@ class Qwen2_5OmniThinkerMultiModalProcessor(Qwen2VLMultiModalProcessor):
         self, what: str, modality: str, got: str, mm_kwargs: Mapping[str, object]
     ) -> MultiModalInputError:
         extractor = self.info.get_feature_extractor()
-        min_frames = next((n for n in range(1, _MAX_FRAMES_SEARCHED + 1)
-                           if self.info.get_num_audio_tokens(n, mm_kwargs) > 0), None)
+        min_frames = next(
+            (
+                n
+                for n in range(1, _MAX_FRAMES_SEARCHED + 1)
+                if self.info.get_num_audio_tokens(n, mm_kwargs) > 0
+            ),
+            None,
+        )
         if min_frames is None:
             return MultiModalInputError(
                 f"{what} gives no audio token ({got}) under these processor settings",
-                stage="process", modality=modality)
+                stage="process",
+                modality=modality,
+            )
         rate = extractor.sampling_rate
         min_samples = max(min_frames * extractor.hop_length, extractor.n_fft // 2 + 1)
         return MultiModalInputError(

@@ -182,19 +182,27 @@ class Qwen2VLMultiModalProcessor(BaseMultiModalProcessor):
         if modality != "image":
             return super()._embeds_fields(modality, embeds)
         grid = embeds.get("image_grid_thw")
-        if not (isinstance(grid, torch.Tensor) and grid.numel() == 3
-                and not grid.is_floating_point() and bool((grid > 0).all())):
+        if not (
+            isinstance(grid, torch.Tensor)
+            and grid.numel() == 3
+            and not grid.is_floating_point()
+            and bool((grid > 0).all())
+        ):
             raise MultiModalInputError(
                 "image_embeds need image_grid_thw: 3 positive integers (t, h, w patches)",
-                stage="process", modality="image")
+                stage="process",
+                modality="image",
+            )
         grid = grid.reshape(1, 3).long()
         merge = self.info.get_hf_processor().image_processor.merge_size
         rows = embeds["image_embeds"].shape[0]
         if int(grid.prod()) // (merge * merge) != rows:
             raise MultiModalInputError(
                 f"image_embeds has {rows} rows, but image_grid_thw {grid.tolist()[0]} makes "
-                f"{int(grid.prod()) // (merge * merge)} merged patches", stage="process",
-                modality="image")
+                f"{int(grid.prod()) // (merge * merge)} merged patches",
+                stage="process",
+                modality="image",
+            )
         return {"image_embeds": embeds["image_embeds"], "image_grid_thw": grid}
 
     def _get_prompt_updates(

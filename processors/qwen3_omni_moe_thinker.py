@@ -98,7 +98,10 @@ class Qwen3OmniMoeThinkerMultiModalProcessor(Qwen2_5OmniThinkerMultiModalProcess
         embeddings of its last layer alone cannot supply them."""
         raise MultiModalInputError(
             f"Qwen3-Omni takes no precomputed {modality} embeddings (its encoders' DeepStack "
-            "outputs feed decoder layers too)", stage="process", modality=modality)
+            "outputs feed decoder layers too)",
+            stage="process",
+            modality=modality,
+        )
 
     def _audio_in_video_params(
         self, metadata: Mapping[str, Any], merged: Mapping[str, Any]

@@ -99,8 +99,9 @@ def measure_roofline(device: str) -> dict[str, float]:
     if not on_cpu:  # HBM: a 4 GiB device copy (read + write), faster than cuBLAS's GEMV
         src = torch.empty(4 << 30, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
-        roofline["gemv_bytes_per_s"] = max(roofline["gemv_bytes_per_s"],
-                                           2 * src.numel() / best_of(5, lambda: dst.copy_(src)))
+        roofline["gemv_bytes_per_s"] = max(
+            roofline["gemv_bytes_per_s"], 2 * src.numel() / best_of(5, lambda: dst.copy_(src))
+        )
     return roofline
 
 
@@ -407,8 +408,11 @@ def report(name: str, results: dict[str, dict[str, Any]], costs: dict[str, float
         lines.append(f"| {run_name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     lines.append("| load | " + " | ".join(f"{results[e]['load_s']:.1f} s" for e in engines)
                  + " | | |")  # fmt: skip
-    lines.append("| peak RSS | " + " | ".join(
-        f"{results[e]['peak_rss_bytes'] / 2**30:.2f} GiB" for e in engines) + " | | |")
+    lines.append(
+        "| peak RSS | "
+        + " | ".join(f"{results[e]['peak_rss_bytes'] / 2**30:.2f} GiB" for e in engines)
+        + " | | |"
+    )
     ours = results.get("omniserve")
     if ours:
         info, runs = ours["model_info"], by_run["omniserve"]
@@ -436,21 +440,36 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(REALSIZE_MODELS))
-    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
-                        help=f"Any of {','.join(WORKLOADS)}.")
+    parser.add_argument(
+        "--workloads", default=",".join(DEFAULT_WORKLOADS), help=f"Any of {','.join(WORKLOADS)}."
+    )
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda.")
-    parser.add_argument("--llm-kwargs", default="{}",
-                        help="JSON of extra LLM(...) arguments for omniserve.")
-    parser.add_argument("--engines", default="omniserve,hf,vllm",
-                        help="omniserve, hf, vllm, and omniserve:LABEL for each --variants entry.")
-    parser.add_argument("--variants", default="{}",
-                        help='JSON {"LABEL": {LLM arguments}}: omniserve:LABEL runs omniserve '
-                        'with them, e.g. {"eager": {"enforce_eager": true}}.')
-    parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
-                        help="Python of a venv with vLLM's CPU build; vLLM is skipped without.")
+    parser.add_argument(
+        "--llm-kwargs", default="{}", help="JSON of extra LLM(...) arguments for omniserve."
+    )
+    parser.add_argument(
+        "--engines",
+        default="omniserve,hf,vllm",
+        help="omniserve, hf, vllm, and omniserve:LABEL for each --variants entry.",
+    )
+    parser.add_argument(
+        "--variants",
+        default="{}",
+        help='JSON {"LABEL": {LLM arguments}}: omniserve:LABEL runs omniserve '
+        'with them, e.g. {"eager": {"enforce_eager": true}}.',
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default="/work/vllm-venv/bin/python",
+        help="Python of a venv with vLLM's CPU build; vLLM is skipped without.",
+    )
     parser.add_argument("--out", default=None, help="Write every figure as JSON here too.")
-    parser.add_argument("--engine-timeout", type=float, default=None,
-                        help="Seconds one engine's run may take before it is skipped.")
+    parser.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=None,
+        help="Seconds one engine's run may take before it is skipped.",
+    )
     parser.add_argument("--worker", choices=["omniserve", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)

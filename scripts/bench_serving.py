@@ -62,8 +62,11 @@ class LevelResult:
         if name == "itl":
             values = [x for r in self.results for x in r.itls]
         elif name == "tpot":
-            values = [(r.e2e - r.ttft) / (r.num_output_tokens - 1)
-                      for r in self.results if r.num_output_tokens > 1]
+            values = [
+                (r.e2e - r.ttft) / (r.num_output_tokens - 1)
+                for r in self.results
+                if r.num_output_tokens > 1
+            ]
         else:
             values = [getattr(r, name) for r in self.results]
         if not values:
@@ -108,9 +111,14 @@ class RunningServer:
         command = [part.format(port=self.port) for part in spec.command]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log,
-                                         stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                command,
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -135,18 +143,27 @@ class RunningServer:
                 self.proc.wait()
 
 
-async def one_request(client: httpx.AsyncClient, server: RunningServer, prompt: str,
-                      output_len: int) -> RequestResult:
-    body = {"model": server.spec.model_name, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": output_len, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, **server.spec.extra_body}
+async def one_request(
+    client: httpx.AsyncClient, server: RunningServer, prompt: str, output_len: int
+) -> RequestResult:
+    body = {
+        "model": server.spec.model_name,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **server.spec.extra_body,
+    }
     start = time.perf_counter()
     chunk_times: list[float] = []
     usage_tokens = None
     async with client.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
-            raise RuntimeError(f"{server.spec.name}: HTTP {response.status_code}: "
-                               f"{(await response.aread())[:500]!r}")
+            raise RuntimeError(
+                f"{server.spec.name}: HTTP {response.status_code}: "
+                f"{(await response.aread())[:500]!r}"
+            )
         async for line in response.aiter_lines():
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
@@ -158,19 +175,23 @@ async def one_request(client: httpx.AsyncClient, server: RunningServer, prompt: 
     if not chunk_times:
         raise RuntimeError(f"{server.spec.name} streamed no content")
     return RequestResult(
-        ttft=chunk_times[0] - start, e2e=chunk_times[-1] - start,
+        ttft=chunk_times[0] - start,
+        e2e=chunk_times[-1] - start,
         itls=[b - a for a, b in zip(chunk_times, chunk_times[1:], strict=False)],
-        num_output_tokens=usage_tokens or len(chunk_times))
+        num_output_tokens=usage_tokens or len(chunk_times),
+    )
 
 
-async def run_level(server: RunningServer, prompts: list[str], concurrency: int,
-                    output_len: int) -> LevelResult:
+async def run_level(
+    server: RunningServer, prompts: list[str], concurrency: int, output_len: int
+) -> LevelResult:
     queue: asyncio.Queue[str] = asyncio.Queue()
     for prompt in prompts:
         queue.put_nowait(prompt)
     level = LevelResult(server.spec.name, concurrency, 0.0)
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+
         async def worker() -> None:
             while not queue.empty():
                 prompt = queue.get_nowait()
@@ -182,8 +203,9 @@ async def run_level(server: RunningServer, prompts: list[str], concurrency: int,
     return level
 
 
-def bench_system(spec: ServerSpec, prompts: list[str], args: argparse.Namespace,
-                 log_dir: Path) -> list[LevelResult]:
+def bench_system(
+    spec: ServerSpec, prompts: list[str], args: argparse.Namespace, log_dir: Path
+) -> list[LevelResult]:
     server = RunningServer(spec, log_dir)
     try:
         server.wait_ready()
@@ -192,8 +214,11 @@ def bench_system(spec: ServerSpec, prompts: list[str], args: argparse.Namespace,
         for concurrency in args.concurrency:
             num = max(args.min_requests, args.requests_per_slot * concurrency)
             level = asyncio.run(run_level(server, prompts[:num], concurrency, args.output_len))
-            print(f"  {spec.name:>12s} c={concurrency:<3d} {len(level.results)} requests in "
-                  f"{level.wall_time:.1f}s", flush=True)
+            print(
+                f"  {spec.name:>12s} c={concurrency:<3d} {len(level.results)} requests in "
+                f"{level.wall_time:.1f}s",
+                flush=True,
+            )
             levels.append(level)
         return levels
     finally:
@@ -201,23 +226,33 @@ def bench_system(spec: ServerSpec, prompts: list[str], args: argparse.Namespace,
 
 
 def print_tables(results: dict[str, list[LevelResult]]) -> None:
-    columns = [("req/s", lambda r: r.requests_per_s),
-               ("out tok/s", lambda r: r.output_tokens_per_s)]
+    columns = [
+        ("req/s", lambda r: r.requests_per_s),
+        ("out tok/s", lambda r: r.output_tokens_per_s),
+    ]
     for name in ("ttft", "tpot", "itl"):
         for q in (0.5, 0.99):
-            columns.append((f"{name.upper()} p{round(q * 100)} ms",
-                            lambda r, n=name, q=q: 1000 * r.percentile(n, q)))
+            columns.append(
+                (
+                    f"{name.upper()} p{round(q * 100)} ms",
+                    lambda r, n=name, q=q: 1000 * r.percentile(n, q),
+                )
+            )
     header = f"{'system':>12s} {'conc':>4s} " + " ".join(f"{c:>12s}" for c, _ in columns)
     print("\n" + header + "\n" + "-" * len(header))
     for levels in results.values():
         for level in levels:
-            print(f"{level.system:>12s} {level.concurrency:>4d} "
-                  + " ".join(f"{fn(level):12.2f}" for _, fn in columns))
+            print(
+                f"{level.system:>12s} {level.concurrency:>4d} "
+                + " ".join(f"{fn(level):12.2f}" for _, fn in columns)
+            )
     if len(results) != 2:
         return
     (ours_name, ours), (base_name, base) = results.items()
-    print(f"\n{ours_name} / {base_name}: throughput ratios (>1: {ours_name} more), "
-          f"latency ratios as {base_name} / {ours_name} (>1: {ours_name} faster)")
+    print(
+        f"\n{ours_name} / {base_name}: throughput ratios (>1: {ours_name} more), "
+        f"latency ratios as {base_name} / {ours_name} (>1: {ours_name} faster)"
+    )
     print(f"{'conc':>4s} " + " ".join(f"{c:>12s}" for c, _ in columns))
     for a, b in zip(ours, base, strict=True):
         cells = []
@@ -228,25 +263,38 @@ def print_tables(results: dict[str, list[LevelResult]]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="Checkpoint dir (default: built tiny Qwen3).")
     parser.add_argument("--size", default="bench", choices=["tiny", "bench"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--requests-per-slot", type=int, default=2,
-                        help="Requests per concurrency slot at each level.")
+    parser.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=2,
+        help="Requests per concurrency slot at each level.",
+    )
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=128, help="Prompt tokens (about).")
     parser.add_argument("--output-len", type=int, default=64, help="Generated tokens.")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32",
-                        help="Both servers' dtype (the same for a fair comparison).")
+    parser.add_argument(
+        "--dtype", default="float32", help="Both servers' dtype (the same for a fair comparison)."
+    )
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--playground-ablation", action="store_true",
-                        help="Compare omniserve with its web playground (the default) against "
-                             "omniserve --no-playground, instead of against transformers.")
-    parser.add_argument("--hf-continuous-batching", action=argparse.BooleanOptionalAction,
-                        default=True, help="Run `transformers serve --continuous-batching`.")
+    parser.add_argument(
+        "--playground-ablation",
+        action="store_true",
+        help="Compare omniserve with its web playground (the default) against "
+        "omniserve --no-playground, instead of against transformers.",
+    )
+    parser.add_argument(
+        "--hf-continuous-batching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Run `transformers serve --continuous-batching`.",
+    )
     parser.add_argument("--log-dir", default="/tmp/omniserve-bench-serving")
     args = parser.parse_args()
 
@@ -260,23 +308,62 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     most = max(args.min_requests, args.requests_per_slot * max(args.concurrency))
     prompts = make_prompts(model, most, args.input_len, args.seed)
-    specs = [ServerSpec(
-        "omniserve", [sys.executable, "-m", "omniserve.entrypoints.cli", "serve", str(model),
-                      "--port", "{port}", "--served-model-name", "bench",
-                      "--dtype", args.dtype, "--uvicorn-log-level", "warning"],
-        "bench", {"ignore_eos": True})]
+    specs = [
+        ServerSpec(
+            "omniserve",
+            [
+                sys.executable,
+                "-m",
+                "omniserve.entrypoints.cli",
+                "serve",
+                str(model),
+                "--port",
+                "{port}",
+                "--served-model-name",
+                "bench",
+                "--dtype",
+                args.dtype,
+                "--uvicorn-log-level",
+                "warning",
+            ],
+            "bench",
+            {"ignore_eos": True},
+        )
+    ]
     if args.playground_ablation:
-        specs.append(ServerSpec("no-playground", [*specs[0].command, "--no-playground"],
-                                "bench", {"ignore_eos": True}))
+        specs.append(
+            ServerSpec(
+                "no-playground",
+                [*specs[0].command, "--no-playground"],
+                "bench",
+                {"ignore_eos": True},
+            )
+        )
     elif not args.skip_transformers:
         hf = shutil.which("transformers") or "transformers"
-        command = [hf, "serve", str(model), "--host", "127.0.0.1", "--port", "{port}",
-                   "--device", "cpu", "--dtype", args.dtype, "--log-level", "warning"]
+        command = [
+            hf,
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--device",
+            "cpu",
+            "--dtype",
+            args.dtype,
+            "--log-level",
+            "warning",
+        ]
         if args.hf_continuous_batching:
             command.append("--continuous-batching")
         specs.append(ServerSpec("transformers", command, str(model), {}))
-    print(f"model {model}; prompts ~{args.input_len} tokens, {args.output_len} output tokens; "
-          f"logs in {log_dir}", flush=True)
+    print(
+        f"model {model}; prompts ~{args.input_len} tokens, {args.output_len} output tokens; "
+        f"logs in {log_dir}",
+        flush=True,
+    )
     results = {spec.name: bench_system(spec, prompts, args, log_dir) for spec in specs}
     print_tables(results)
 

@@ -40,14 +40,22 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 def audio_clip(seconds: float, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     buf = io.BytesIO()
-    soundfile.write(buf, rng.uniform(-0.3, 0.3, int(16000 * seconds)).astype(np.float32), 16000,
-                    format="WAV", subtype="PCM_16")
-    return {"type": "input_audio",
-            "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}
+    soundfile.write(
+        buf,
+        rng.uniform(-0.3, 0.3, int(16000 * seconds)).astype(np.float32),
+        16000,
+        format="WAV",
+        subtype="PCM_16",
+    )
+    return {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"},
+    }
 
 
-def video_clip(num_frames: int, seed: int, width: int = 320, height: int = 240,
-               fps: int = 30) -> dict:
+def video_clip(
+    num_frames: int, seed: int, width: int = 320, height: int = 240, fps: int = 30
+) -> dict:
     buf = io.BytesIO()
     rng = np.random.default_rng(seed)
     with av.open(buf, mode="w", format="mp4") as container:
@@ -63,16 +71,22 @@ def video_clip(num_frames: int, seed: int, width: int = 320, height: int = 240,
 
 
 def chat(content: object, max_tokens: int) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
 
 
 async def probe(client: httpx.AsyncClient, num: int, gap: float) -> tuple[list[float], list[float]]:
     ttfts, healths = [], []
     for i in range(num):
         start = time.perf_counter()
-        async with client.stream("POST", "/v1/chat/completions",
-                                 json={**chat(f"Hi {i}", 4), "stream": True}) as response:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json={**chat(f"Hi {i}", 4), "stream": True}
+        ) as response:
             lines = response.aiter_lines()
             async for line in lines:
                 if '"content":"' in line and '"content":""' not in line:
@@ -87,8 +101,9 @@ async def probe(client: httpx.AsyncClient, num: int, gap: float) -> tuple[list[f
     return ttfts, healths
 
 
-async def heavy_loop(url: str, bodies: Callable[[int], dict], stop: threading.Event,
-                     took: list[float]) -> None:
+async def heavy_loop(
+    url: str, bodies: Callable[[int], dict], stop: threading.Event, took: list[float]
+) -> None:
     async with httpx.AsyncClient(base_url=url, headers=HEADERS, timeout=600) as client:
         i = 0
         while not stop.is_set():
@@ -130,13 +145,25 @@ def main() -> None:
     parser.add_argument("--probes", type=int, default=40, help="Small requests per phase.")
     parser.add_argument("--gap", type=float, default=0.1, help="Seconds between probes.")
     parser.add_argument("--audio-seconds", type=float, default=60.0)
-    parser.add_argument("--video-frames", type=int, default=600,
-                        help="Frames in the video (320x240, 30 fps), all of them decoded.")
-    parser.add_argument("--sampled-frames", type=int, default=16,
-                        help="Frames sampled from it (num_frames), so it fits the context.")
+    parser.add_argument(
+        "--video-frames",
+        type=int,
+        default=600,
+        help="Frames in the video (320x240, 30 fps), all of them decoded.",
+    )
+    parser.add_argument(
+        "--sampled-frames",
+        type=int,
+        default=16,
+        help="Frames sampled from it (num_frames), so it fits the context.",
+    )
     parser.add_argument("--variants", type=int, default=4, help="Distinct clips and videos.")
-    parser.add_argument("--flags", nargs=argparse.REMAINDER, default=[],
-                        help="Extra `omniserve serve` flags (last).")
+    parser.add_argument(
+        "--flags",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="Extra `omniserve serve` flags (last).",
+    )
     args = parser.parse_args()
     # Built before the server starts, so the client spends no CPU on them meanwhile; the
     # server runs without its processor and prefix caches, so every heavy request does all
@@ -145,34 +172,41 @@ def main() -> None:
     clips = [audio_clip(args.audio_seconds, seed) for seed in range(args.variants)]
     text = {"type": "text", "text": "Describe it."}
     heavy: dict[str, Callable[[int], dict]] = {
-        f"{args.audio_seconds:g} s audio clip":
-            lambda i: chat([clips[i % len(clips)], text], 8),
+        f"{args.audio_seconds:g} s audio clip": lambda i: chat([clips[i % len(clips)], text], 8),
         f"{args.video_frames}-frame video": lambda i: {
             **chat([videos[i % len(videos)], text], 8),
-            "mm_processor_kwargs": {"num_frames": args.sampled_frames}},
+            "mm_processor_kwargs": {"num_frames": args.sampled_frames},
+        },
     }
     log_dir = Path("/tmp/omniserve-bench-stall")
     log_dir.mkdir(exist_ok=True)
     model = Path(args.model) if args.model else None
-    with launch_server(model, log_dir, "--mm-processor-cache-gb", "0",
-                       "--no-enable-prefix-caching", *args.flags) as server:
+    with launch_server(
+        model, log_dir, "--mm-processor-cache-gb", "0", "--no-enable-prefix-caching", *args.flags
+    ) as server:
         run_phase(server.url, None, 5, 0.0)  # warm-up
         for bodies in heavy.values():  # warm-up of each heavy path
             run_phase(server.url, lambda i, bodies=bodies: bodies(10_000 + i), 1, 0.0)
         phases = {"idle": run_phase(server.url, None, args.probes, args.gap)}
         for name, bodies in heavy.items():
-            phases[f"while a {name} is sent"] = run_phase(server.url, bodies, args.probes,
-                                                          args.gap)
+            phases[f"while a {name} is sent"] = run_phase(server.url, bodies, args.probes, args.gap)
     idle_p99 = pct(phases["idle"]["ttft"], 99)
-    print(f"{'phase':<40} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'p99/idle':>9} {'health p99':>11} "
-          f"{'heavy requests':>14}")
+    print(
+        f"{'phase':<40} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'p99/idle':>9} {'health p99':>11} "
+        f"{'heavy requests':>14}"
+    )
     for name, result in phases.items():
-        heavy_s = (f"{len(result['heavy'])} x {statistics.mean(result['heavy']):.2f} s"
-                   if result["heavy"] else "-")
-        print(f"{name:<40} {pct(result['ttft'], 50):7.1f}ms {pct(result['ttft'], 90):6.1f}ms "
-              f"{pct(result['ttft'], 99):6.1f}ms "
-              f"{pct(result['ttft'], 99) / idle_p99:8.2f}x {pct(result['health'], 99):9.1f}ms "
-              f"{heavy_s:>14}")
+        heavy_s = (
+            f"{len(result['heavy'])} x {statistics.mean(result['heavy']):.2f} s"
+            if result["heavy"]
+            else "-"
+        )
+        print(
+            f"{name:<40} {pct(result['ttft'], 50):7.1f}ms {pct(result['ttft'], 90):6.1f}ms "
+            f"{pct(result['ttft'], 99):6.1f}ms "
+            f"{pct(result['ttft'], 99) / idle_p99:8.2f}x {pct(result['health'], 99):9.1f}ms "
+            f"{heavy_s:>14}"
+        )
 
 
 if __name__ == "__main__":

@@ -24,12 +24,19 @@ from omniserve.sampling_params import StructuredOutputsParams
 
 
 def schema(num_fields: int) -> dict:
-    kinds = [{"type": "string", "maxLength": 12}, {"type": "integer"}, {"type": "boolean"},
-             {"enum": ["low", "mid", "high"]}, {"type": "array", "items": {"type": "number"},
-                                                 "maxItems": 3}]
-    return {"type": "object", "additionalProperties": False,
-            "required": [f"field_{i}" for i in range(num_fields)],
-            "properties": {f"field_{i}": kinds[i % len(kinds)] for i in range(num_fields)}}
+    kinds = [
+        {"type": "string", "maxLength": 12},
+        {"type": "integer"},
+        {"type": "boolean"},
+        {"enum": ["low", "mid", "high"]},
+        {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+    ]
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": [f"field_{i}" for i in range(num_fields)],
+        "properties": {f"field_{i}": kinds[i % len(kinds)] for i in range(num_fields)},
+    }
 
 
 def run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, int]:
@@ -42,9 +49,13 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="Checkpoint dir (default: bench Qwen3).")
-    parser.add_argument("--realsize", default=None, metavar="NAME",
-                        help="A real-size random-weight checkpoint instead (e.g. qwen3-1.7b: "
-                             "the real 151,936-token vocabulary), built once into the cache.")
+    parser.add_argument(
+        "--realsize",
+        default=None,
+        metavar="NAME",
+        help="A real-size random-weight checkpoint instead (e.g. qwen3-1.7b: "
+        "the real 151,936-token vocabulary), built once into the cache.",
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--fields", type=int, default=50, help="Fields of the compiled schema.")
@@ -61,8 +72,11 @@ def main() -> None:
     prompts = [f"Request {i}: describe the weather as JSON." for i in range(args.num_prompts)]
     free = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     constrained = SamplingParams(
-        temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
-        structured_outputs=StructuredOutputsParams(json=schema(4), disable_any_whitespace=True))
+        temperature=0.0,
+        max_tokens=args.output_len,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(json=schema(4), disable_any_whitespace=True),
+    )
     run(llm, prompts[:4], free)  # warm-up, and the small schema compiled once
     run(llm, prompts[:4], constrained)
     free_s, free_tokens = run(llm, prompts, free)
@@ -78,13 +92,25 @@ def main() -> None:
     cached = time.perf_counter() - start
 
     free_rate, constrained_rate = free_tokens / free_s, constrained_tokens / constrained_s
-    print(json.dumps({"model": model, "prompts": args.num_prompts, "output_len": args.output_len,
-                      "vocab": manager.vocab_size}))
+    print(
+        json.dumps(
+            {
+                "model": model,
+                "prompts": args.num_prompts,
+                "output_len": args.output_len,
+                "vocab": manager.vocab_size,
+            }
+        )
+    )
     print(f"free:        {free_tokens} tokens in {free_s:.2f} s = {free_rate:.1f} tok/s")
-    print(f"constrained: {constrained_tokens} tokens in {constrained_s:.2f} s = "
-          f"{constrained_rate:.1f} tok/s ({constrained_rate / free_rate:.2f}x free)")
-    print(f"compile of a {args.fields}-field schema: {cold * 1000:.0f} ms cold, "
-          f"{cached * 1000:.1f} ms cached")
+    print(
+        f"constrained: {constrained_tokens} tokens in {constrained_s:.2f} s = "
+        f"{constrained_rate:.1f} tok/s ({constrained_rate / free_rate:.2f}x free)"
+    )
+    print(
+        f"compile of a {args.fields}-field schema: {cold * 1000:.0f} ms cold, "
+        f"{cached * 1000:.1f} ms cached"
+    )
 
 
 if __name__ == "__main__":

@@ -601,8 +601,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"Default: {TEXT_ARCH} (text), both of {MM_ARCHS} (mm), {OMNI_ARCH} (omni*).",
     )  # fmt: skip
     parser.add_argument("--size", default="bench", choices=["tiny", "bench"])
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="Both systems' dtype; auto: the checkpoint's, resolved by omniserve.")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="Both systems' dtype; auto: the checkpoint's, resolved by omniserve.",
+    )
     parser.add_argument("--model", default=None, help="A checkpoint dir instead of building one.")
     parser.add_argument(
         "--num-prompts", type=int, default=None, help="Default: 64 (omni), 32 (text, mm)."
@@ -611,8 +615,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--input-len", type=int, nargs=2, default=None,
         help="Prompt tokens (text, default 16 256) or question words (mm, omni: default 8 64).",
     )  # fmt: skip
-    parser.add_argument("--output-len", type=int, nargs=2, default=None,
-                        help="Default: 32 32 (omni-av), 16 128 (the others).")
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        default=None,
+        help="Default: 32 32 (omni-av), 16 128 (the others).",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf-single", action="store_true")
     parser.add_argument(

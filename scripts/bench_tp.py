@@ -30,11 +30,17 @@ def _timed_generate(llm: LLM, prompts: list[dict], max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(model_dir: str, tp: int, prompts: list[dict], decode_steps: int,
-            repeats: int) -> tuple[float, float]:
+def measure(
+    model_dir: str, tp: int, prompts: list[dict], decode_steps: int, repeats: int
+) -> tuple[float, float]:
     """(prefill seconds, mean decode step seconds), best of ``repeats``."""
-    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, enable_prefix_caching=False,
-              max_num_seqs=len(prompts))
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        enable_prefix_caching=False,
+        max_num_seqs=len(prompts),
+    )
     try:
         _timed_generate(llm, prompts, 2)  # warm-up
         prefill = min(_timed_generate(llm, prompts, 1) for _ in range(repeats))
@@ -56,10 +62,14 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = str(build_tiny_checkpoint(args.arch, size=args.size))
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 1000) for _ in range(args.prompt_len)]}
-               for _ in range(args.batch_size)]
-    print(f"{args.arch} ({args.size}), batch {args.batch_size} x {args.prompt_len} prompt "
-          f"tokens, {args.decode_steps} decode steps")
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(100, 1000) for _ in range(args.prompt_len)]}
+        for _ in range(args.batch_size)
+    ]
+    print(
+        f"{args.arch} ({args.size}), batch {args.batch_size} x {args.prompt_len} prompt "
+        f"tokens, {args.decode_steps} decode steps"
+    )
     print(f"{'TP':>3} {'prefill (ms)':>13} {'decode step (ms)':>17} {'vs first':>9}")
     base = None
     for tp in args.tp:

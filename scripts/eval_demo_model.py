@@ -31,16 +31,21 @@ TARGET = 0.9
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None,
-                        help="checkpoint to serve (default: omniserve serve's default model)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="checkpoint to serve (default: omniserve serve's default model)",
+    )
     parser.add_argument("--base-url", default=None, help="score a running server instead")
     parser.add_argument("--api-key", default="none")
     parser.add_argument("--per-task", type=int, default=50)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--show", type=int, default=3, help="wrong replies shown per task")
-    parser.add_argument("--card", action="store_true",
-                        help="write the figures into the checkpoint's model card")
+    parser.add_argument(
+        "--card", action="store_true", help="write the figures into the checkpoint's model card"
+    )
     return parser.parse_args()
 
 
@@ -51,10 +56,18 @@ def main() -> int:
     examples = make_examples(args.seed, args.per_task * len(TASKS))
     server = None
     if args.base_url is None:
-        command = [sys.executable, "-m", "omniserve.entrypoints.cli", "serve",
-                   *([str(args.model)] if args.model else []), "--port", "{port}"]
-        server = RunningServer(ServerSpec("omniserve", command, "", {}),
-                               Path(tempfile.mkdtemp(prefix="eval-demo-")))
+        command = [
+            sys.executable,
+            "-m",
+            "omniserve.entrypoints.cli",
+            "serve",
+            *([str(args.model)] if args.model else []),
+            "--port",
+            "{port}",
+        ]
+        server = RunningServer(
+            ServerSpec("omniserve", command, "", {}), Path(tempfile.mkdtemp(prefix="eval-demo-"))
+        )
         server.wait_ready()
         args.base_url = server.url + "/v1"
     try:
@@ -69,16 +82,23 @@ def main() -> int:
     for task, value in accuracy.items():
         print(f"{task:<16}{value:>10.1%}")
         wrong = [g for g in graded if g.example.task == task and not g.correct]
-        for item in wrong[:args.show]:
-            print(f"    {item.example.question!r}: got {item.reply!r}, "
-                  f"expected {item.example.answer!r}")
+        for item in wrong[: args.show]:
+            print(
+                f"    {item.example.question!r}: got {item.reply!r}, "
+                f"expected {item.example.answer!r}"
+            )
     if args.card:
         checkpoint = args.model
         command = "python scripts/eval_demo_model.py " + " ".join(
-            shlex.quote(a) for a in sys.argv[1:] if a != "--card")
-        results = {"command": command.strip(), "seed": args.seed, "per_task": args.per_task,
-                   "generator_version": GENERATOR_VERSION,
-                   "accuracy": {task: round(value, 4) for task, value in accuracy.items()}}
+            shlex.quote(a) for a in sys.argv[1:] if a != "--card"
+        )
+        results = {
+            "command": command.strip(),
+            "seed": args.seed,
+            "per_task": args.per_task,
+            "generator_version": GENERATOR_VERSION,
+            "accuracy": {task: round(value, 4) for task, value in accuracy.items()},
+        }
         (checkpoint / card.EVAL_FILE).write_text(json.dumps(results, indent=2) + "\n")
         card.write_card(checkpoint)
         print(f"recorded in {checkpoint / 'README.md'}")

@@ -47,16 +47,29 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--encoder-lr", type=float, default=None,
-                        help="peak learning rate of the vision and audio towers (default: --lr)")
-    parser.add_argument("--probe-weight", type=float, default=1.0,
-                        help="weight of the towers' fact-probe loss (training.TowerProbes)")
+    parser.add_argument(
+        "--encoder-lr",
+        type=float,
+        default=None,
+        help="peak learning rate of the vision and audio towers (default: --lr)",
+    )
+    parser.add_argument(
+        "--probe-weight",
+        type=float,
+        default=1.0,
+        help="weight of the towers' fact-probe loss (training.TowerProbes)",
+    )
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS),
-                        help="train on these tasks only (experiments)")
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        choices=TASKS,
+        default=list(TASKS),
+        help="train on these tasks only (experiments)",
+    )
     return parser.parse_args()
 
 
@@ -65,7 +78,11 @@ class Batches(torch.utils.data.Dataset):
 
     def __init__(self, init_dir: Path, args: argparse.Namespace) -> None:
         self.init_dir, self.seed, self.batch_size, self.steps = (
-            init_dir, args.seed, args.batch_size, args.steps)
+            init_dir,
+            args.seed,
+            args.batch_size,
+            args.steps,
+        )
         self.tasks = tuple(args.tasks)
         self.weights = [TASK_WEIGHTS[TASKS.index(task)] for task in self.tasks]
         self.processor: Any = None
@@ -85,8 +102,11 @@ class Batches(torch.utils.data.Dataset):
         first = step * self.batch_size
         examples = [make_example(self.seed, first + j, task) for j in range(self.batch_size)]
         items = [encode(self.processor, example) for example in examples]
-        return {"task": task, "facts": [example.facts for example in examples],
-                **collate(items, self.processor.tokenizer.pad_token_id)}
+        return {
+            "task": task,
+            "facts": [example.facts for example in examples],
+            **collate(items, self.processor.tokenizer.pad_token_id),
+        }
 
 
 def linear_patch_embed(model: torch.nn.Module) -> None:
@@ -102,15 +122,18 @@ def linear_patch_embed(model: torch.nn.Module) -> None:
     embed.forward = forward
 
 
-def _param_groups(model: torch.nn.Module, probes: TowerProbes, args: argparse.Namespace
-                  ) -> list[dict[str, Any]]:
+def _param_groups(
+    model: torch.nn.Module, probes: TowerProbes, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     """The towers at `--encoder-lr`, the rest (and the probes) at `--lr` (as a scale of the one
     schedule)."""
     towers = ("model.audio_tower.", "model.visual.")
     named = [*model.named_parameters(), *probes.named_parameters(prefix="probes")]
     scale = (args.encoder_lr or args.lr) / args.lr
-    return [{"params": [p for n, p in named if not n.startswith(towers)], "lr_scale": 1.0},
-            {"params": [p for n, p in named if n.startswith(towers)], "lr_scale": scale}]
+    return [
+        {"params": [p for n, p in named if not n.startswith(towers)], "lr_scale": 1.0},
+        {"params": [p for n, p in named if n.startswith(towers)], "lr_scale": scale},
+    ]
 
 
 OPTIMIZER = {"weight_decay": 0.01, "betas": (0.9, 0.98)}
@@ -133,11 +156,13 @@ def main() -> None:
     from omniserve.checkpoint_builder import build_tiny_checkpoint
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    init_dir = build_tiny_checkpoint(ARCHITECTURE, args.work_dir / "init", seed=args.seed,
-                                     overrides=MODEL_OVERRIDES)
+    init_dir = build_tiny_checkpoint(
+        ARCHITECTURE, args.work_dir / "init", seed=args.seed, overrides=MODEL_OVERRIDES
+    )
     torch.manual_seed(args.seed)
-    model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(init_dir,
-                                                                        dtype=torch.float32)
+    model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
+        init_dir, dtype=torch.float32
+    )
     init_encoders(model)
     probes = TowerProbes(model)
     model.train()
@@ -156,8 +181,12 @@ def main() -> None:
         print(f"resuming at step {start}")
     batches = Batches(init_dir, args)
     loader = torch.utils.data.DataLoader(
-        torch.utils.data.Subset(batches, range(start, args.steps)), batch_size=None,
-        num_workers=1, prefetch_factor=4, persistent_workers=False)
+        torch.utils.data.Subset(batches, range(start, args.steps)),
+        batch_size=None,
+        num_workers=1,
+        prefetch_factor=4,
+        persistent_workers=False,
+    )
     smoothed: dict[str, float] = {}
     began = time.perf_counter()
     bar = tqdm(loader, initial=start, total=args.steps, desc="training", unit="step")
@@ -178,30 +207,63 @@ def main() -> None:
         history.append((step, task, round(loss.item(), 5)))
         bar.set_postfix({t[:5]: f"{v:.3f}" for t, v in sorted(smoothed.items())})
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            _save_state(state_file, model, probes, optimizer, step + 1, history,
-                        seconds + time.perf_counter() - began, args)
+            _save_state(
+                state_file,
+                model,
+                probes,
+                optimizer,
+                step + 1,
+                history,
+                seconds + time.perf_counter() - began,
+                args,
+            )
     seconds += time.perf_counter() - began
     _publish(model, init_dir, args, batches, history, seconds)
 
 
 def _run_key(args: argparse.Namespace) -> dict[str, Any]:
-    return {key: value for key, value in vars(args).items()
-            if key in ("steps", "batch_size", "lr", "encoder_lr", "probe_weight", "warmup", "seed",
-                       "tasks")}
+    return {
+        key: value
+        for key, value in vars(args).items()
+        if key
+        in ("steps", "batch_size", "lr", "encoder_lr", "probe_weight", "warmup", "seed", "tasks")
+    }
 
 
-def _save_state(path: Path, model: torch.nn.Module, probes: TowerProbes,
-                optimizer: torch.optim.Optimizer, step: int, history: list, seconds: float,
-                args: argparse.Namespace) -> None:
+def _save_state(
+    path: Path,
+    model: torch.nn.Module,
+    probes: TowerProbes,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    history: list,
+    seconds: float,
+    args: argparse.Namespace,
+) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "probes": probes.state_dict(),
-                "optimizer": optimizer.state_dict(), "step": step,
-                "history": history, "seconds": seconds, "args": _run_key(args)}, tmp)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "probes": probes.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "history": history,
+            "seconds": seconds,
+            "args": _run_key(args),
+        },
+        tmp,
+    )
     tmp.replace(path)
 
 
-def _publish(model: Any, init_dir: Path, args: argparse.Namespace, batches: Batches,
-             history: list, seconds: float) -> None:
+def _publish(
+    model: Any,
+    init_dir: Path,
+    args: argparse.Namespace,
+    batches: Batches,
+    history: list,
+    seconds: float,
+) -> None:
     """The trained checkpoint at `--out`: weights, the builder's processor files, a model card."""
     out = args.out
     if out.exists():
@@ -209,17 +271,26 @@ def _publish(model: Any, init_dir: Path, args: argparse.Namespace, batches: Batc
     out.mkdir(parents=True)
     model.save_pretrained(out)
     for file in init_dir.iterdir():
-        if not file.name.startswith(("model", "config.json", "generation_config",
-                                     "omniserve_build")):
+        if not file.name.startswith(
+            ("model", "config.json", "generation_config", "omniserve_build")
+        ):
             shutil.copy(file, out / file.name)
-    final = {task: sum(losses[-20:]) / len(losses[-20:])
-             for task in TASKS if (losses := [h[2] for h in history if h[1] == task])}
+    final = {
+        task: sum(losses[-20:]) / len(losses[-20:])
+        for task in TASKS
+        if (losses := [h[2] for h in history if h[1] == task])
+    }
     recipe = {
-        "command": " ".join(["python scripts/train_demo_model.py",
-                             *(shlex.quote(arg) for arg in sys.argv[1:])]),
-        "architecture": ARCHITECTURE, "overrides": MODEL_OVERRIDES,
-        "generator_version": GENERATOR_VERSION, **_run_key(args), "threads": args.threads,
-        "optimizer": {"name": "AdamW", **OPTIMIZER}, "grad_clip": GRAD_CLIP,
+        "command": " ".join(
+            ["python scripts/train_demo_model.py", *(shlex.quote(arg) for arg in sys.argv[1:])]
+        ),
+        "architecture": ARCHITECTURE,
+        "overrides": MODEL_OVERRIDES,
+        "generator_version": GENERATOR_VERSION,
+        **_run_key(args),
+        "threads": args.threads,
+        "optimizer": {"name": "AdamW", **OPTIMIZER},
+        "grad_clip": GRAD_CLIP,
         "schedule": "linear warmup, cosine to 5%",
         "task_weights": dict(zip(batches.tasks, batches.weights, strict=True)),
         "wall_seconds": round(seconds),
@@ -228,8 +299,11 @@ def _publish(model: Any, init_dir: Path, args: argparse.Namespace, batches: Batc
     }
     (out / card.RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
     card.write_card(out)
-    print(f"trained in {seconds / 60:.1f} min; final loss by task: "
-          + ", ".join(f"{k} {v:.4f}" for k, v in final.items()) + f"; written to {out}")
+    print(
+        f"trained in {seconds / 60:.1f} min; final loss by task: "
+        + ", ".join(f"{k} {v:.4f}" for k, v in final.items())
+        + f"; written to {out}"
+    )
 
 
 if __name__ == "__main__":

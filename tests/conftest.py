@@ -58,22 +58,42 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     keeps it evicting)."""
     from tests.server_utils import launch_server
 
-    with launch_server(None, tmp_path_factory.mktemp("default"), "--dtype", "float32",
-                       "--max-model-len", "1024", "--kv-cache-memory", "16MiB",
-                       "--mm-processor-cache-gb", "0.015625") as server:
+    with launch_server(
+        None,
+        tmp_path_factory.mktemp("default"),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "16MiB",
+        "--mm-processor-cache-gb",
+        "0.015625",
+    ) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
-def qwen3_server(tiny_checkpoint: Callable[..., Path],
-                 tmp_path_factory: pytest.TempPathFactory) -> Any:
+def qwen3_server(
+    tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Any:
     """A tiny Qwen3 (its template has tools and the thinking switch) served as agents use it:
     ``--reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser hermes``, trusting
     request chat templates; shared by the structured-output, reasoning and tool-call modules."""
     from tests.server_utils import launch_server
 
-    with launch_server(tiny_checkpoint("Qwen3ForCausalLM"), tmp_path_factory.mktemp("qwen3"),
-                       "--max-model-len", "1024", "--kv-cache-memory", "32MiB",
-                       "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
-                       "--tool-call-parser", "hermes", "--trust-request-chat-template") as server:
+    with launch_server(
+        tiny_checkpoint("Qwen3ForCausalLM"),
+        tmp_path_factory.mktemp("qwen3"),
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "32MiB",
+        "--reasoning-parser",
+        "qwen3",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--trust-request-chat-template",
+    ) as server:
         yield server

@@ -77,8 +77,11 @@ class Server:
 def metric(values: dict, name: str, **labels: str) -> float:
     """The sum of ``name``'s samples that carry ``labels`` (so over engines, unless given)."""
     wanted = set(labels.items())
-    return sum(value for (sample, sample_labels), value in values.items()
-               if sample == name and wanted <= set(sample_labels))
+    return sum(
+        value
+        for (sample, sample_labels), value in values.items()
+        if sample == name and wanted <= set(sample_labels)
+    )
 
 
 def free_port() -> int:
@@ -106,8 +109,9 @@ def launch_server(model: Path | None, log_dir: Path, *flags: str) -> Iterator[Se
 
 
 @contextlib.contextmanager
-def launch_servers(specs: list[tuple[Path | None, Path, tuple[str, ...]]]
-                   ) -> Iterator[list[Server]]:
+def launch_servers(
+    specs: list[tuple[Path | None, Path, tuple[str, ...]]],
+) -> Iterator[list[Server]]:
     """Several servers, one per (model, log dir, flags), started and stopped side by side."""
     servers: list[Server] = []
     try:
@@ -171,8 +175,9 @@ def assert_kill_fails_cleanly(server: Server, kill_pid: int, **stream_kwargs: An
     """Start a stream, SIGKILL ``kill_pid`` (an engine process) mid-stream: the stream errors
     within 10 s naming the engine, /health turns 503 and a new request gets a 503."""
     client = server.client()
-    stream = client.completions.create(model=MODEL, prompt="Still talking", stream=True,
-                                       **stream_kwargs)
+    stream = client.completions.create(
+        model=MODEL, prompt="Still talking", stream=True, **stream_kwargs
+    )
     chunks = iter(stream)
     next(chunks)
     os.kill(kill_pid, signal.SIGKILL)

@@ -21,18 +21,28 @@ from schemathesis.specs.openapi.checks import (
 from tests.server_utils import API_KEY, Server, launch_server
 
 CASES_PER_OPERATION = 10
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
 STATUSES: Counter[tuple[str, int]] = Counter()
 """(operation, status) -> responses."""
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[Server]:
-    with launch_server(tiny_checkpoint("Qwen3ForCausalLM"), tmp_path_factory.mktemp("fuzz"),
-                       "--max-model-len", "256", "--kv-cache-memory", "64MiB",
-                       "--max-request-body-mb", "1") as running:
+def fuzz_server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with launch_server(
+        tiny_checkpoint("Qwen3ForCausalLM"),
+        tmp_path_factory.mktemp("fuzz"),
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-request-body-mb",
+        "1",
+    ) as running:
         yield running
 
 
@@ -45,11 +55,11 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=CASES_PER_OPERATION, deadline=None,
-          suppress_health_check=list(HealthCheck))
+@settings(max_examples=CASES_PER_OPERATION, deadline=None, suppress_health_check=list(HealthCheck))
 def test_every_operation_answers_as_documented(case: Any, fuzz_server: Server) -> None:
-    response = case.call(base_url=fuzz_server.url,
-                         headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    response = case.call(
+        base_url=fuzz_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    )
     STATUSES[case.operation.label, response.status_code] += 1
     case.validate_response(response, checks=CHECKS)
 
@@ -58,8 +68,12 @@ def test_fuzzing_reached_both_answers_and_refusals() -> None:
     """Runs after the fuzzing above: it sent a few hundred requests, every generating operation
     answered some, the API routes refused some, and none got a server error."""
     total = sum(STATUSES.values())
-    print(f"schemathesis: {total} requests;", ", ".join(
-        f"{operation} {status}: {n}" for (operation, status), n in sorted(STATUSES.items())))
+    print(
+        f"schemathesis: {total} requests;",
+        ", ".join(
+            f"{operation} {status}: {n}" for (operation, status), n in sorted(STATUSES.items())
+        ),
+    )
     assert total >= 200, STATUSES
     answered = {operation for (operation, status) in STATUSES if status == 200}
     assert {"POST /v1/chat/completions", "POST /v1/completions", "POST /tokenize"} <= answered

@@ -35,8 +35,12 @@ AUDIO_ARCH = "Qwen2AudioForConditionalGeneration"
 MAX_TOKENS = 8
 ENGINE_FLAGS = ("--max-model-len", "1024", "--kv-cache-memory", "64MiB")
 IMAGE_TIMEOUT_S = 5.0  # MediaConfig.image_timeout_s (no flag sets it)
-GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "logprobs": True,
-          "extra_body": {"ignore_eos": True}}
+GREEDY = {
+    "temperature": 0.0,
+    "max_tokens": MAX_TOKENS,
+    "logprobs": True,
+    "extra_body": {"ignore_eos": True},
+}
 
 
 def _image(seed: int, width: int, height: int) -> Image.Image:
@@ -65,9 +69,11 @@ VIDEO = _video(num_frames=8, audio_rate=None)  # 8 frames of 64x48 mp4, written 
 
 def _user(*parts: Any) -> list[dict[str, Any]]:
     """A conversation whose last message holds ``parts`` (so errors name messages[2])."""
-    return [{"role": "user", "content": "Hello."},
-            {"role": "assistant", "content": "Hi! Send me something."},
-            {"role": "user", "content": list(parts)}]
+    return [
+        {"role": "user", "content": "Hello."},
+        {"role": "assistant", "content": "Hi! Send me something."},
+        {"role": "user", "content": list(parts)},
+    ]
 
 
 def _text(text: str = "What is this?") -> dict[str, Any]:
@@ -83,8 +89,10 @@ def _png_part(image: Image.Image) -> dict[str, Any]:
 
 
 def _input_audio(data: bytes) -> dict[str, Any]:
-    return {"type": "input_audio",
-            "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}
+    return {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"},
+    }
 
 
 # ---- fixtures: media, servers, offline engines ----
@@ -102,28 +110,55 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def http_media() -> Iterator[Any]:
     with _serving() as httpd:
-        httpd.routes.update({"/image.png": _static(_png(IMAGE)), "/tone.wav": _static(WAV),
-                             "/slow.png": _sleepy(IMAGE_TIMEOUT_S + 3, _png(IMAGE))})
+        httpd.routes.update(
+            {
+                "/image.png": _static(_png(IMAGE)),
+                "/tone.wav": _static(WAV),
+                "/slow.png": _sleepy(IMAGE_TIMEOUT_S + 3, _png(IMAGE)),
+            }
+        )
         yield httpd
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory,
-            media_dir: Path) -> Iterator[dict[str, Server]]:
+def servers(
+    tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory, media_dir: Path
+) -> Iterator[dict[str, Server]]:
     """The three servers, started side by side (their start-ups overlap)."""
     local = ("--allowed-local-media-path", str(media_dir))
     flags = {
-        "vl": (VL_ARCH, "--allow-private-media-urls", *local,
-               "--media-io-kwargs", '{"video": {"max_frames": 20}}'),
+        "vl": (
+            VL_ARCH,
+            "--allow-private-media-urls",
+            *local,
+            "--media-io-kwargs",
+            '{"video": {"max_frames": 20}}',
+        ),
         # max_pixels 12544 = 8x8 patches: at most 16 image tokens, within the 32-token budget.
-        "strict": (STRICT_ARCH, *local, "--limit-mm-per-prompt", '{"image": 2}',
-                   "--mm-processor-kwargs", '{"max_pixels": 12544}',
-                   "--max-num-encoder-input-tokens", "32", "--encoder-cache-size", "32"),
-        "audio": (AUDIO_ARCH, "--allow-private-media-urls", *local,
-                  "--media-io-kwargs", '{"audio": {"max_seconds": 5}}'),
+        "strict": (
+            STRICT_ARCH,
+            *local,
+            "--limit-mm-per-prompt",
+            '{"image": 2}',
+            "--mm-processor-kwargs",
+            '{"max_pixels": 12544}',
+            "--max-num-encoder-input-tokens",
+            "32",
+            "--encoder-cache-size",
+            "32",
+        ),
+        "audio": (
+            AUDIO_ARCH,
+            "--allow-private-media-urls",
+            *local,
+            "--media-io-kwargs",
+            '{"audio": {"max_seconds": 5}}',
+        ),
     }
-    specs = [(tiny_checkpoint(arch), tmp_path_factory.mktemp(name), (*ENGINE_FLAGS, *rest))
-             for name, (arch, *rest) in flags.items()]
+    specs = [
+        (tiny_checkpoint(arch), tmp_path_factory.mktemp(name), (*ENGINE_FLAGS, *rest))
+        for name, (arch, *rest) in flags.items()
+    ]
     with launch_servers(specs) as running:
         yield dict(zip(flags, running, strict=True))
 
@@ -194,41 +229,51 @@ def _hf_num_tokens(model_dir: Path, token: str, **media: Any) -> int:
     return int((ids == _token_id(model_dir, token)).sum())
 
 
-def _tokenize(server: Server, messages: list[dict[str, Any]], token_id: int,
-              **body: Any) -> tuple[int, int]:
+def _tokenize(
+    server: Server, messages: list[dict[str, Any]], token_id: int, **body: Any
+) -> tuple[int, int]:
     """(prompt length, tokens equal to ``token_id``) of the chat as /tokenize expands it."""
     tokens = server.post("/tokenize", {"messages": messages, **body}).json()["tokens"]
     return len(tokens), tokens.count(token_id)
 
 
 def _chat(server: Server, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
-    return server.client().chat.completions.create(model=MODEL, messages=messages,
-                                                   **{**GREEDY, **kwargs})
+    return server.client().chat.completions.create(
+        model=MODEL, messages=messages, **{**GREEDY, **kwargs}
+    )
 
 
 # ---- attachment forms vs offline LLM.chat ----
 
 
-def test_image_attachment_forms_match_offline_chat(vl: Server, vl_llm: LLM, http_media: Any,
-                                                   media_dir: Path) -> None:
+def test_image_attachment_forms_match_offline_chat(
+    vl: Server, vl_llm: LLM, http_media: Any, media_dir: Path
+) -> None:
     expected = _offline(vl_llm, _user(_text(), {"type": "image_pil", "image_pil": IMAGE}))
     data_url = _data_url("image/png", _png(IMAGE))
     file_url = (media_dir / "image.png").as_uri()
     http_url = _url(http_media, "/image.png")
-    forms = [_image_part(data_url, detail="low"), _image_part(http_url, detail="high"),
-             _image_part(file_url, detail="auto"), {"type": "image_url", "image_url": http_url},
-             {"image_url": data_url}, {"image_url": {"url": file_url}}]
+    forms = [
+        _image_part(data_url, detail="low"),
+        _image_part(http_url, detail="high"),
+        _image_part(file_url, detail="auto"),
+        {"type": "image_url", "image_url": http_url},
+        {"image_url": data_url},
+        {"image_url": {"url": file_url}},
+    ]
     for form in forms:
         _assert_same_answer(_chat(vl, _user(_text(), form)), expected)
 
 
-def test_video_url_matches_offline_chat(vl: Server, vl_llm: LLM, media_dir: Path,
-                                        tiny_checkpoint: Any) -> None:
+def test_video_url_matches_offline_chat(
+    vl: Server, vl_llm: LLM, media_dir: Path, tiny_checkpoint: Any
+) -> None:
     kwargs = {"mm_processor_kwargs": {"num_frames": 4}}
     in_memory = {"type": "video_url", "video_url": {"url": _data_url("video/mp4", VIDEO)}}
     expected = _offline(vl_llm, _user(_text(), in_memory), **kwargs)
-    messages = _user(_text(), {"type": "video_url",
-                               "video_url": {"url": (media_dir / "clip.mp4").as_uri()}})
+    messages = _user(
+        _text(), {"type": "video_url", "video_url": {"url": (media_dir / "clip.mp4").as_uri()}}
+    )
     response = _chat(vl, messages, extra_body={"ignore_eos": True, **kwargs})
     _assert_same_answer(response, expected)
     model_dir = tiny_checkpoint(VL_ARCH)
@@ -237,26 +282,34 @@ def test_video_url_matches_offline_chat(vl: Server, vl_llm: LLM, media_dir: Path
     details = response.usage.prompt_tokens_details
     assert (details.video_tokens, details.image_tokens) == (num_video, 0) and num_video > 0
     assert _tokenize(vl, messages, _token_id(model_dir, "<|video_pad|>"), **kwargs) == (
-        response.usage.prompt_tokens, num_video)
+        response.usage.prompt_tokens,
+        num_video,
+    )
 
 
-def test_audio_forms_match_offline_chat(audio: Server, audio_llm: LLM, http_media: Any,
-                                        tiny_checkpoint: Any) -> None:
+def test_audio_forms_match_offline_chat(
+    audio: Server, audio_llm: LLM, http_media: Any, tiny_checkpoint: Any
+) -> None:
     question = _text("What is it?")
-    expected = _offline(audio_llm, _user(
-        {"type": "audio_array", "audio_array": (WAVEFORM, 16000)}, question))
+    expected = _offline(
+        audio_llm, _user({"type": "audio_array", "audio_array": (WAVEFORM, 16000)}, question)
+    )
     model_dir = tiny_checkpoint(AUDIO_ARCH)
     num_audio = _hf_num_tokens(model_dir, "<|AUDIO|>", audio=[WAVEFORM], sampling_rate=16000)
-    forms = [_input_audio(WAV),
-             {"type": "audio_url", "audio_url": {"url": _url(http_media, "/tone.wav")}},
-             {"audio_url": _data_url("audio/wav", WAV)}]
+    forms = [
+        _input_audio(WAV),
+        {"type": "audio_url", "audio_url": {"url": _url(http_media, "/tone.wav")}},
+        {"audio_url": _data_url("audio/wav", WAV)},
+    ]
     for form in forms:
         messages = _user(form, question)
         response = _chat(audio, messages)
         _assert_same_answer(response, expected)
         assert response.usage.prompt_tokens_details.audio_tokens == num_audio > 0
         assert _tokenize(audio, messages, _token_id(model_dir, "<|AUDIO|>")) == (
-            response.usage.prompt_tokens, num_audio)
+            response.usage.prompt_tokens,
+            num_audio,
+        )
 
 
 # ---- usage, processor kwargs, streaming, the encoder cache ----
@@ -266,12 +319,15 @@ def test_image_usage_details_and_cached_tokens(vl: Server, tiny_checkpoint: Any)
     messages = _user(_text("Compare"), _png_part(IMAGE), _png_part(BIG_IMAGE), _text("please."))
     first = _chat(vl, messages)
     model_dir = tiny_checkpoint(VL_ARCH)
-    num_image = sum(_hf_num_tokens(model_dir, "<|image_pad|>", images=[image])
-                    for image in (IMAGE, BIG_IMAGE))
+    num_image = sum(
+        _hf_num_tokens(model_dir, "<|image_pad|>", images=[image]) for image in (IMAGE, BIG_IMAGE)
+    )
     details = first.usage.prompt_tokens_details
     assert (details.image_tokens, details.video_tokens, details.audio_tokens) == (num_image, 0, 0)
     assert _tokenize(vl, messages, _token_id(model_dir, "<|image_pad|>")) == (
-        first.usage.prompt_tokens, num_image)
+        first.usage.prompt_tokens,
+        num_image,
+    )
     again = _chat(vl, messages)
     assert again.choices[0].message.content == first.choices[0].message.content
     # The shared conversation start may hit already; the images' blocks hit only the 2nd time.
@@ -297,8 +353,12 @@ def test_stream_with_image_joins_to_full_answer(vl: Server) -> None:
         client = vl.async_client()
         full = await client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
         stream = await client.chat.completions.create(
-            model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True},
-            **GREEDY)
+            model=MODEL,
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
         chunks = [chunk async for chunk in stream]
         await client.close()
         assert chunks[0].choices[0].delta.role == "assistant"
@@ -306,8 +366,11 @@ def test_stream_with_image_joins_to_full_answer(vl: Server) -> None:
         assert text == full.choices[0].message.content
         usage, full_usage = chunks[-1].usage, full.usage
         assert usage.prompt_tokens == full_usage.prompt_tokens
-        assert usage.prompt_tokens_details.image_tokens == \
-            full_usage.prompt_tokens_details.image_tokens > 0
+        assert (
+            usage.prompt_tokens_details.image_tokens
+            == full_usage.prompt_tokens_details.image_tokens
+            > 0
+        )
 
     asyncio.run(run())
 
@@ -319,10 +382,14 @@ def test_same_image_in_concurrent_requests_is_encoded_once(vl: Server) -> None:
     async def run() -> list[Any]:
         client = vl.async_client()
         # Different text before the image: no prefix-cache block can cover the image's tokens.
-        results = await asyncio.gather(*(
-            client.chat.completions.create(model=MODEL, messages=_user(_text(lead), image),
-                                           **GREEDY)
-            for lead in ("First look:", "Second look, closer:")))
+        results = await asyncio.gather(
+            *(
+                client.chat.completions.create(
+                    model=MODEL, messages=_user(_text(lead), image), **GREEDY
+                )
+                for lead in ("First look:", "Second look, closer:")
+            )
+        )
         await client.close()
         return results
 
@@ -348,49 +415,133 @@ def _fill(part: Any, **values: str) -> Any:
 
 # (server, bad part, "<modality> <stage>", a phrase of the message, extra request fields)
 BAD_CASES = [
-    pytest.param("vl", _image_part("http://127.0.0.1:{closed_port}/a.png"), "image fetch",
-                 "cannot connect", {}, id="unreachable url"),
-    pytest.param("vl", _image_part(_data_url("image/png", b"no png")), "image decode",
-                 "cannot decode image", {}, id="undecodable image"),
-    pytest.param("vl", _image_part("data:text/plain;base64,aGk="), "image decode",
-                 "'text/plain' is not image/*", {}, id="unsupported format"),
-    pytest.param("audio", _input_audio(b"not audio"), "audio decode", "cannot decode audio", {},
-                 id="undecodable audio"),
-    pytest.param("vl", {"type": "video_url", "video_url": {"url": _data_url("video/mp4", b"x")}},
-                 "video decode", "cannot decode video", {}, id="undecodable video"),
-    pytest.param("vl", _input_audio(WAV), "audio process", "does not take audio", {},
-                 id="audio to a vision model"),
-    pytest.param("audio", {"video_url": "{media_dir}/clip.mp4"}, "video process",
-                 "does not take video", {}, id="video to an audio model"),
-    pytest.param("vl", _image_part("{media_dir}/../elsewhere.png"), "image fetch",
-                 "outside the allowed", {}, id="file outside the allowed dir"),
-    pytest.param("strict", _image_part("{http}/image.png"), "image fetch", "loopback", {},
-                 id="private address"),
-    pytest.param("strict", _png_part(BIG_IMAGE), "image budget", "needs 64 embeddings",
-                 {"mm_processor_kwargs": {"max_pixels": 50176}}, id="item too large"),
+    pytest.param(
+        "vl",
+        _image_part("http://127.0.0.1:{closed_port}/a.png"),
+        "image fetch",
+        "cannot connect",
+        {},
+        id="unreachable url",
+    ),
+    pytest.param(
+        "vl",
+        _image_part(_data_url("image/png", b"no png")),
+        "image decode",
+        "cannot decode image",
+        {},
+        id="undecodable image",
+    ),
+    pytest.param(
+        "vl",
+        _image_part("data:text/plain;base64,aGk="),
+        "image decode",
+        "'text/plain' is not image/*",
+        {},
+        id="unsupported format",
+    ),
+    pytest.param(
+        "audio",
+        _input_audio(b"not audio"),
+        "audio decode",
+        "cannot decode audio",
+        {},
+        id="undecodable audio",
+    ),
+    pytest.param(
+        "vl",
+        {"type": "video_url", "video_url": {"url": _data_url("video/mp4", b"x")}},
+        "video decode",
+        "cannot decode video",
+        {},
+        id="undecodable video",
+    ),
+    pytest.param(
+        "vl",
+        _input_audio(WAV),
+        "audio process",
+        "does not take audio",
+        {},
+        id="audio to a vision model",
+    ),
+    pytest.param(
+        "audio",
+        {"video_url": "{media_dir}/clip.mp4"},
+        "video process",
+        "does not take video",
+        {},
+        id="video to an audio model",
+    ),
+    pytest.param(
+        "vl",
+        _image_part("{media_dir}/../elsewhere.png"),
+        "image fetch",
+        "outside the allowed",
+        {},
+        id="file outside the allowed dir",
+    ),
+    pytest.param(
+        "strict",
+        _image_part("{http}/image.png"),
+        "image fetch",
+        "loopback",
+        {},
+        id="private address",
+    ),
+    pytest.param(
+        "strict",
+        _png_part(BIG_IMAGE),
+        "image budget",
+        "needs 64 embeddings",
+        {"mm_processor_kwargs": {"max_pixels": 50176}},
+        id="item too large",
+    ),
     # 1008x1008 kept whole: 1296 image tokens, over max_model_len 1024.
-    pytest.param("vl", _png_part(Image.new("RGB", (1008, 1008))), "image budget",
-                 "tokens long, which leaves no room to generate within max_model_len=1024 "
-                 "(1296 for image,", {"mm_processor_kwargs": {"max_pixels": 1008 * 1008}},
-                 id="prompt too long"),
-    pytest.param("audio", _input_audio(_wav(np.zeros(6 * 16000, np.float32), 16000)),
-                 "audio decode", 'lasts 6.0 s, over the limit of 5 s (--media-io-kwargs '
-                 '{"audio": {"max_seconds": ...}})', {}, id="audio over --media-io-kwargs"),
-    pytest.param("vl", {"type": "video_url", "video_url": {
-        "url": _data_url("video/mp4", _video(num_frames=30, audio_rate=None))}},
-                 "video decode", "30 or more frames, over the limit of 20", {},
-                 id="video over --media-io-kwargs"),
+    pytest.param(
+        "vl",
+        _png_part(Image.new("RGB", (1008, 1008))),
+        "image budget",
+        "tokens long, which leaves no room to generate within max_model_len=1024 (1296 for image,",
+        {"mm_processor_kwargs": {"max_pixels": 1008 * 1008}},
+        id="prompt too long",
+    ),
+    pytest.param(
+        "audio",
+        _input_audio(_wav(np.zeros(6 * 16000, np.float32), 16000)),
+        "audio decode",
+        'lasts 6.0 s, over the limit of 5 s (--media-io-kwargs {"audio": {"max_seconds": ...}})',
+        {},
+        id="audio over --media-io-kwargs",
+    ),
+    pytest.param(
+        "vl",
+        {
+            "type": "video_url",
+            "video_url": {"url": _data_url("video/mp4", _video(num_frames=30, audio_rate=None))},
+        },
+        "video decode",
+        "30 or more frames, over the limit of 20",
+        {},
+        id="video over --media-io-kwargs",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("server_name", "part", "where", "phrase", "extra"), BAD_CASES)
-def test_bad_input_is_a_located_400(server_name: str, part: Any, where: str, phrase: str,
-                                    extra: dict[str, Any], request: pytest.FixtureRequest,
-                                    http_media: Any, media_dir: Path) -> None:
+def test_bad_input_is_a_located_400(
+    server_name: str,
+    part: Any,
+    where: str,
+    phrase: str,
+    extra: dict[str, Any],
+    request: pytest.FixtureRequest,
+    http_media: Any,
+    media_dir: Path,
+) -> None:
     server: Server = request.getfixturevalue(server_name)
     hits = dict(http_media.hits)
-    part = _fill(part, closed_port=str(free_port()), media_dir=media_dir.as_uri(),
-                 http=_url(http_media, ""))
+    part = _fill(
+        part, closed_port=str(free_port()), media_dir=media_dir.as_uri(), http=_url(http_media, "")
+    )
     body = {"model": MODEL, "messages": _user(_text(), part), "max_tokens": 4, **extra}
     error = assert_error(server.post("/v1/chat/completions", body), 400)
     assert error["message"].startswith(f"messages[2].content[1]: {where} error: "), error
@@ -408,8 +559,9 @@ def test_too_many_items_names_the_first_part_over_the_limit(strict: Server) -> N
     assert _chat(strict, _user(_text(), *images[:2])).usage.prompt_tokens_details.image_tokens
 
 
-def test_bad_requests_leave_concurrent_good_ones_alone(vl: Server, strict: Server, vl_llm: LLM,
-                                                       http_media: Any) -> None:
+def test_bad_requests_leave_concurrent_good_ones_alone(
+    vl: Server, strict: Server, vl_llm: LLM, http_media: Any
+) -> None:
     """Bad requests (a fetch that times out, bytes that do not decode, a modality the model
     lacks, an item over the encoder budget) beside good ones on the same servers: each bad one
     gets its 400, each good one its usual answer, without waiting for the slow rejection."""
@@ -431,8 +583,10 @@ def test_bad_requests_leave_concurrent_good_ones_alone(vl: Server, strict: Serve
         client = server.async_client()
         try:
             return await client.chat.completions.create(
-                model=MODEL, messages=_user(_text(), part),
-                **{**GREEDY, "extra_body": extra or GREEDY["extra_body"]})
+                model=MODEL,
+                messages=_user(_text(), part),
+                **{**GREEDY, "extra_body": extra or GREEDY["extra_body"]},
+            )
         except openai.BadRequestError as exc:
             return exc
         finally:
@@ -451,8 +605,10 @@ def test_bad_requests_leave_concurrent_good_ones_alone(vl: Server, strict: Serve
             prefix = f"messages[2].content[1]: {name.removeprefix('bad: ')}"
             assert result.body["message"].startswith(prefix), result.body
     _assert_same_answer(results["good"], expected)
-    assert results["good strict"].choices[0].message.content == \
-        strict_expected.choices[0].message.content
+    assert (
+        results["good strict"].choices[0].message.content
+        == strict_expected.choices[0].message.content
+    )
     timed_out = finished["bad: image fetch error: timed out"]
     assert timed_out - start >= IMAGE_TIMEOUT_S
     assert max(finished["good"], finished["good strict"]) < timed_out - 1.0

@@ -33,9 +33,16 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with launch_server(tiny_checkpoint("Qwen3ForCausalLM"), tmp_path_factory.mktemp("server"),
-                       "--max-model-len", str(MAX_MODEL_LEN),
-                       "--kv-cache-memory", "64MiB", "--max-request-body-mb", "2") as running:
+    with launch_server(
+        tiny_checkpoint("Qwen3ForCausalLM"),
+        tmp_path_factory.mktemp("server"),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-request-body-mb",
+        "2",
+    ) as running:
         yield running
 
 
@@ -52,10 +59,22 @@ def test_serve_help_lists_flags_with_defaults(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for flag in ("--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
-                 "--max-num-batched-tokens", "--kv-cache-memory", "--dtype", "--device",
-                 "--api-key", "--chat-template", "--enable-prefix-caching, "
-                 "--no-enable-prefix-caching", "--seed", "--uvicorn-log-level"):
+    for flag in (
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--kv-cache-memory",
+        "--dtype",
+        "--device",
+        "--api-key",
+        "--chat-template",
+        "--enable-prefix-caching, --no-enable-prefix-caching",
+        "--seed",
+        "--uvicorn-log-level",
+    ):
         assert flag in text, flag
     assert "(default: 8000)" in text and "(default: 127.0.0.1)" in text
 
@@ -82,7 +101,8 @@ def test_models_health_version(server: Server) -> None:
 def test_chat_completion_and_usage(server: Server) -> None:
     messages = _chat("Tell me a story about a cat.")
     response = server.client().chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=10, **GREEDY)
+        model=MODEL, messages=messages, max_tokens=10, **GREEDY
+    )
     choice = response.choices[0]
     assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
     assert choice.message.role == "assistant" and choice.message.content
@@ -97,11 +117,17 @@ def test_chat_stream_joins_to_full_answer(server: Server) -> None:
     async def run() -> None:
         client = server.async_client()
         messages = _chat("Write a haiku about the sea.")
-        full = await client.chat.completions.create(model=MODEL, messages=messages,
-                                                    max_tokens=16, **GREEDY)
+        full = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=16, **GREEDY
+        )
         stream = await client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=16, stream=True,
-            stream_options={"include_usage": True}, **GREEDY)
+            model=MODEL,
+            messages=messages,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
         chunks = [chunk async for chunk in stream]
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -112,7 +138,10 @@ def test_chat_stream_joins_to_full_answer(server: Server) -> None:
         # The second run of the same prompt may hit the prefix cache: compare the counts only.
         streamed = chunks[-1].usage
         assert (streamed.prompt_tokens, streamed.completion_tokens, streamed.total_tokens) == (
-            full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens)
+            full.usage.prompt_tokens,
+            full.usage.completion_tokens,
+            full.usage.total_tokens,
+        )
         await client.close()
 
     asyncio.run(run())
@@ -123,18 +152,19 @@ def test_completion_stream_and_echo(server: Server) -> None:
     prompt = "The quick brown fox"
     full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY)
     assert full.object == "text_completion" and full.usage.completion_tokens == 12
-    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True,
-                                       **GREEDY)
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, stream=True, **GREEDY
+    )
     assert "".join(c.choices[0].text for c in stream if c.choices) == full.choices[0].text
-    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, echo=True,
-                                     **GREEDY)
+    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, echo=True, **GREEDY)
     assert echo.choices[0].text == prompt + full.choices[0].text
     # Token-id prompts and a batch of prompts: one choice per prompt, indexed in order.
     ids = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
     from_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, **GREEDY)
     assert from_ids.choices[0].text == full.choices[0].text
-    batch = client.completions.create(model=MODEL, prompt=[prompt, "Hello"], max_tokens=12,
-                                      **GREEDY)
+    batch = client.completions.create(
+        model=MODEL, prompt=[prompt, "Hello"], max_tokens=12, **GREEDY
+    )
     assert [c.index for c in batch.choices] == [0, 1]
     assert batch.choices[0].text == full.choices[0].text
     hello = server.post("/tokenize", {"prompt": "Hello"}).json()
@@ -143,8 +173,13 @@ def test_completion_stream_and_echo(server: Server) -> None:
 
 def test_n_samples(server: Server) -> None:
     client = server.client()
-    kwargs = {"model": MODEL, "messages": _chat("Name a color."), "max_tokens": 8, "n": 3,
-              "extra_body": {"ignore_eos": True}}
+    kwargs = {
+        "model": MODEL,
+        "messages": _chat("Name a color."),
+        "max_tokens": 8,
+        "n": 3,
+        "extra_body": {"ignore_eos": True},
+    }
     greedy = client.chat.completions.create(temperature=0.0, **kwargs)
     assert [c.index for c in greedy.choices] == [0, 1, 2]
     assert len({c.message.content for c in greedy.choices}) == 1
@@ -161,14 +196,20 @@ def test_n_samples(server: Server) -> None:
 
 def test_chat_logprobs(server: Server) -> None:
     response = server.client().chat.completions.create(
-        model=MODEL, messages=_chat("Count to three."), max_tokens=6, logprobs=True,
-        top_logprobs=3, **GREEDY)
+        model=MODEL,
+        messages=_chat("Count to three."),
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=3,
+        **GREEDY,
+    )
     content = response.choices[0].logprobs.content
     assert len(content) == 6
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
         assert [t.logprob for t in entry.top_logprobs] == sorted(
-            (t.logprob for t in entry.top_logprobs), reverse=True)
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
         # greedy: the chosen token is the most likely one
         assert entry.token == entry.top_logprobs[0].token
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
@@ -178,15 +219,17 @@ def test_chat_logprobs(server: Server) -> None:
 def test_completion_logprobs_and_echo(server: Server) -> None:
     client = server.client()
     prompt = "Once upon a time"
-    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logprobs=2,
-                                         **GREEDY)
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, logprobs=2, **GREEDY
+    )
     logprobs = response.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(5)]
     for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
         assert 2 <= len(top) <= 3 and chosen == pytest.approx(max(top.values()))
-    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logprobs=2,
-                                       echo=True, **GREEDY)
+    echoed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, logprobs=2, echo=True, **GREEDY
+    )
     num_prompt = echoed.usage.prompt_tokens
     echo_logprobs = echoed.choices[0].logprobs
     assert len(echo_logprobs.tokens) == num_prompt + 5
@@ -198,17 +241,26 @@ def test_completion_logprobs_and_echo(server: Server) -> None:
 def test_stop_strings(server: Server) -> None:
     client = server.client()
     prompt = "In the beginning"
-    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
-                                     **GREEDY).choices[0].text
-    stop = full[len(full) // 2:len(full) // 2 + 3]
-    expected = full[:full.index(stop)]
-    stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, stop=[stop],
-                                        **GREEDY).choices[0]
+    full = (
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **GREEDY)
+        .choices[0]
+        .text
+    )
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    expected = full[: full.index(stop)]
+    stopped = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, stop=[stop], **GREEDY
+    ).choices[0]
     assert stopped.text == expected and stopped.finish_reason == "stop"
     assert stopped.model_extra["stop_reason"] == stop
     kept = client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=24, stop=stop, temperature=0.0,
-        extra_body={"ignore_eos": True, "include_stop_str_in_output": True}).choices[0]
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=24,
+        stop=stop,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+    ).choices[0]
     assert kept.text == expected + stop
 
 
@@ -224,8 +276,9 @@ def test_tokenize_detokenize(server: Server) -> None:
 
 def test_api_key_enforced(server: Server) -> None:
     for key in (None, "wrong"):
-        error = assert_error(server.post("/v1/completions", {"model": MODEL, "prompt": "x"},
-                                          key=key), 401)
+        error = assert_error(
+            server.post("/v1/completions", {"model": MODEL, "prompt": "x"}, key=key), 401
+        )
         assert "API key" in error["message"]
     assert_error(server.post("/tokenize", {"prompt": "x"}, key=None), 401)
     with pytest.raises(openai.AuthenticationError):
@@ -238,44 +291,80 @@ LONG_TEXT = "word " * (MAX_MODEL_LEN + 10)
 ERROR_CASES = [
     ("/v1/chat/completions", {"messages": _chat(LONG_TEXT)}, 400, "maximum context length"),
     ("/v1/completions", {"prompt": LONG_TEXT, "max_tokens": 1}, 400, "maximum context length"),
-    ("/v1/chat/completions", {"messages": _chat("hi"), "max_tokens": MAX_MODEL_LEN}, 400,
-     "maximum context length"),
-    ("/v1/chat/completions", {"messages": _chat("hi"), "max_tokens": MAX_MODEL_LEN,
-                              "stream": True}, 400, "maximum context length"),
+    (
+        "/v1/chat/completions",
+        {"messages": _chat("hi"), "max_tokens": MAX_MODEL_LEN},
+        400,
+        "maximum context length",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": _chat("hi"), "max_tokens": MAX_MODEL_LEN, "stream": True},
+        400,
+        "maximum context length",
+    ),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": _chat("hi"), "max_completion_tokens": -1}, 400,
-     "max_completion_tokens"),
+    (
+        "/v1/chat/completions",
+        {"messages": _chat("hi"), "max_completion_tokens": -1},
+        400,
+        "max_completion_tokens",
+    ),
     ("/v1/chat/completions", {"messages": _chat("hi"), "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n"),
     ("/v1/chat/completions", {}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "role"),
-    ("/v1/chat/completions", {"messages": _chat("hi"), "temperature": "hot"}, 400,
-     "temperature"),
+    ("/v1/chat/completions", {"messages": _chat("hi"), "temperature": "hot"}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": _chat("hi"), "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ("/v1/chat/completions", {"messages": _chat("hi"), "logprobs": True, "top_logprobs": 50},
-     400, "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": _chat("hi"), "logprobs": True, "top_logprobs": 50},
+        400,
+        "top_logprobs",
+    ),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
-     "stream"),
-    ("/v1/completions", {"prompt": [10 ** 9]}, 400, "vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "vocabulary"),
     ("/v1/completions", {"prompt": []}, 400, "empty"),
-    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 9]}, 400, "vocabulary"),
-    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
-    ("/v1/chat/completions", {"messages": _chat("hi"), "modalities": ["text", "audio"]}, 400,
-     "audio (voice and format) is required"),
-    ("/v1/chat/completions", {"messages": _chat("hi"), "audio": {"voice": "ethan",
-                                                                 "format": "wav"}}, 400,
-     'apply only with "audio" in modalities'),
-    ("/v1/chat/completions", {"messages": _chat("hi"), "modalities": ["audio"],
-                              "audio": {"voice": "ethan", "format": "wav"}}, 400,
-     "cannot speak"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"one": 5}}, 400,
-     "logit_bias keys must be token ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}, 400, "vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    (
+        "/v1/chat/completions",
+        {"messages": _chat("hi"), "modalities": ["text", "audio"]},
+        400,
+        "audio (voice and format) is required",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": _chat("hi"), "audio": {"voice": "ethan", "format": "wav"}},
+        400,
+        'apply only with "audio" in modalities',
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": _chat("hi"),
+            "modalities": ["audio"],
+            "audio": {"voice": "ethan", "format": "wav"},
+        },
+        400,
+        "cannot speak",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {"one": 5}},
+        400,
+        "logit_bias keys must be token ids",
+    ),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 500}}, 400, "[-100, 100]"),
-    ("/v1/chat/completions", {"messages": _chat("hi"), "allowed_token_ids": [10 ** 9]}, 400,
-     "allowed_token_ids: token ids"),
+    (
+        "/v1/chat/completions",
+        {"messages": _chat("hi"), "allowed_token_ids": [10**9]},
+        400,
+        "allowed_token_ids: token ids",
+    ),
     ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "does not exist"),
     ("/v1/chat/completions", [1, 2], 400, "object"),
 ]
@@ -307,8 +396,9 @@ def test_metrics_move_after_traffic(server: Server) -> None:
     before = server.metrics()
     client = server.client()
     for _ in range(2):
-        client.completions.create(model=MODEL, prompt="Metrics please. " * 12, max_tokens=5,
-                                  **GREEDY)
+        client.completions.create(
+            model=MODEL, prompt="Metrics please. " * 12, max_tokens=5, **GREEDY
+        )
     after = server.metrics()
 
     def delta(name: str, **labels: str) -> float:
@@ -317,8 +407,11 @@ def test_metrics_move_after_traffic(server: Server) -> None:
     assert delta("omniserve:generation_tokens_total") == 10
     assert delta("omniserve:prompt_tokens_total") >= 2
     assert delta("omniserve:request_success_total", finished_reason="length") == 2
-    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                      "request_time_per_output_token_seconds"):
+    for histogram in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_time_per_output_token_seconds",
+    ):
         assert delta(f"omniserve:{histogram}_count") == 2
     assert delta("omniserve:prefix_cache_queries_total") > 0
     assert delta("omniserve:prefix_cache_hits_total") > 0  # the second prompt reused the first
@@ -334,16 +427,19 @@ def test_64_concurrent_requests_match_greedy(server: Server) -> None:
 
         async def complete(prompt: str, stream: bool) -> str:
             if not stream:
-                response = await client.completions.create(model=MODEL, prompt=prompt,
-                                                           max_tokens=12, **GREEDY)
+                response = await client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=12, **GREEDY
+                )
                 return response.choices[0].text
-            chunks = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
-                                                     stream=True, **GREEDY)
+            chunks = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=12, stream=True, **GREEDY
+            )
             return "".join([c.choices[0].text async for c in chunks if c.choices])
 
         expected = [await complete(p, stream=False) for p in prompts]
-        results = await asyncio.gather(*(complete(prompts[i % 8], stream=i % 2 == 1)
-                                         for i in range(64)))
+        results = await asyncio.gather(
+            *(complete(prompts[i % 8], stream=i % 2 == 1) for i in range(64))
+        )
         assert results == [expected[i % 8] for i in range(64)]
         await client.close()
 
@@ -354,8 +450,10 @@ def _wait_for_idle(server: Server, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         values = server.metrics()
-        idle = all(metric(values, f"omniserve:{name}") == 0 for name in (
-            "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+        idle = all(
+            metric(values, f"omniserve:{name}") == 0
+            for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        )
         if idle or time.monotonic() > deadline:
             return values
         time.sleep(0.2)
@@ -369,8 +467,12 @@ def test_cancelled_streams_free_everything(server: Server) -> None:
 
         async def read_two_chunks_then_leave() -> None:
             stream = await client.completions.create(
-                model=MODEL, prompt="Keep talking forever", max_tokens=MAX_MODEL_LEN - 16,
-                stream=True, **GREEDY)
+                model=MODEL,
+                prompt="Keep talking forever",
+                max_tokens=MAX_MODEL_LEN - 16,
+                stream=True,
+                **GREEDY,
+            )
             received = 0
             async for _ in stream:
                 received += 1
@@ -386,22 +488,32 @@ def test_cancelled_streams_free_everything(server: Server) -> None:
     assert metric(after, "omniserve:num_requests_running") == 0
     assert metric(after, "omniserve:num_requests_waiting") == 0
     assert metric(after, "omniserve:kv_cache_usage_perc") == 0
-    aborted = (metric(after, "omniserve:request_success_total", finished_reason="abort")
-               - metric(before, "omniserve:request_success_total", finished_reason="abort"))
+    aborted = metric(after, "omniserve:request_success_total", finished_reason="abort") - metric(
+        before, "omniserve:request_success_total", finished_reason="abort"
+    )
     assert aborted == 50  # every one was stopped mid-stream, none ran to its length
 
 
 def test_non_streaming_disconnect_aborts(server: Server) -> None:
     before = server.metrics()
     with pytest.raises(httpx.ReadTimeout):
-        server.post("/v1/completions", {"model": MODEL, "prompt": "A long answer",
-                                        "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True},
-                    timeout=0.5)
+        server.post(
+            "/v1/completions",
+            {
+                "model": MODEL,
+                "prompt": "A long answer",
+                "max_tokens": MAX_MODEL_LEN - 16,
+                "ignore_eos": True,
+            },
+            timeout=0.5,
+        )
     after = _wait_for_idle(server)
     assert metric(after, "omniserve:num_requests_running") == 0
     assert metric(after, "omniserve:kv_cache_usage_perc") == 0
-    assert (metric(after, "omniserve:request_success_total", finished_reason="abort")
-            - metric(before, "omniserve:request_success_total", finished_reason="abort")) == 1
+    assert (
+        metric(after, "omniserve:request_success_total", finished_reason="abort")
+        - metric(before, "omniserve:request_success_total", finished_reason="abort")
+    ) == 1
 
 
 # ---- no request can take the server down ----
@@ -423,8 +535,12 @@ ENGINE_KILLERS = [
 
 def test_engine_killing_parameters_are_400s_and_the_engine_lives(server: Server) -> None:
     messages = _chat("Hello")
-    reference = server.client().chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=8, **GREEDY).choices[0].message.content
+    reference = (
+        server.client()
+        .chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **GREEDY)
+        .choices[0]
+        .message.content
+    )
     for fields in ENGINE_KILLERS:
         body = {"model": MODEL, "messages": messages, "max_tokens": 8, **fields}
         response = server.post("/v1/chat/completions", content=json.dumps(body).encode())
@@ -432,33 +548,50 @@ def test_engine_killing_parameters_are_400s_and_the_engine_lives(server: Server)
         assert error["type"] == "invalid_request_error", (fields, error)
     # Extreme but computable values are served, n > 1 children of the largest seed included.
     extreme = server.client().chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=4, n=2, seed=2**64 - 1, temperature=3e38,
-        top_p=1.2e-38, extra_body={"repetition_penalty": 1e30, "top_k": 2**31 - 1,
-                                   "min_tokens": 2})
+        model=MODEL,
+        messages=messages,
+        max_tokens=4,
+        n=2,
+        seed=2**64 - 1,
+        temperature=3e38,
+        top_p=1.2e-38,
+        extra_body={"repetition_penalty": 1e30, "top_k": 2**31 - 1, "min_tokens": 2},
+    )
     assert len(extreme.choices) == 2
     assert httpx.get(server.url + "/health").status_code == 200
-    again = server.client().chat.completions.create(model=MODEL, messages=messages,
-                                                    max_tokens=8, **GREEDY)
+    again = server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, **GREEDY
+    )
     assert again.choices[0].message.content == reference
 
 
-@pytest.mark.parametrize(("fields", "field"), [
-    ({"stream": "yes"}, "stream"), ({"n": 1.0}, "n"), ({"max_tokens": "8"}, "max_tokens"),
-    ({"logprobs": 1}, "logprobs"), ({"ignore_eos": "true"}, "ignore_eos"),
-])
-def test_booleans_and_integers_are_strict(server: Server, fields: dict[str, Any],
-                                          field: str) -> None:
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"stream": "yes"}, "stream"),
+        ({"n": 1.0}, "n"),
+        ({"max_tokens": "8"}, "max_tokens"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"ignore_eos": "true"}, "ignore_eos"),
+    ],
+)
+def test_booleans_and_integers_are_strict(
+    server: Server, fields: dict[str, Any], field: str
+) -> None:
     body = {"model": MODEL, "messages": _chat("Hi"), "max_tokens": 4, **fields}
     error = assert_error(server.post("/v1/chat/completions", body), 400)
     assert error["param"] == field and error["message"].startswith(f"{field}: "), error
 
 
 def test_processor_kwargs_on_a_text_model_are_refused(server: Server) -> None:
-    body = {"model": MODEL, "messages": _chat("Hi"), "max_tokens": 4,
-            "mm_processor_kwargs": {"return_tensors": "np"}}
+    body = {
+        "model": MODEL,
+        "messages": _chat("Hi"),
+        "max_tokens": 4,
+        "mm_processor_kwargs": {"return_tensors": "np"},
+    }
     error = assert_error(server.post("/v1/chat/completions", body), 400)
-    assert "mm_processor_kwargs given, but this model takes no multimodal input" in \
-        error["message"]
+    assert "mm_processor_kwargs given, but this model takes no multimodal input" in error["message"]
 
 
 def test_bodies_over_the_limit_are_413s(server: Server) -> None:
@@ -466,8 +599,12 @@ def test_bodies_over_the_limit_are_413s(server: Server) -> None:
     error = assert_error(server.post("/v1/completions", content=big), 413)
     assert error["code"] == "request_too_large" and "--max-request-body-mb" in error["message"]
     chunks = (b'{"model": "x", "prompt": "' + b"y" * 2**20 for _ in range(4))
-    streamed = httpx.post(server.url + "/v1/completions", content=chunks,
-                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    streamed = httpx.post(
+        server.url + "/v1/completions",
+        content=chunks,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
     assert_error(streamed, 413)  # no Content-Length: counted as it streams in
     assert httpx.get(server.url + "/health").status_code == 200
 
@@ -476,8 +613,10 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(server: Server) -> No
     """A text longer than max_model_len times the longest token cannot fit: a 400 without
     tokenizing it (the event loop stays free)."""
     text = "hello " * 200_000  # 1.2 MB
-    for path, body in (("/v1/chat/completions", {"messages": _chat(text)}),
-                       ("/v1/completions", {"prompt": text})):
+    for path, body in (
+        ("/v1/chat/completions", {"messages": _chat(text)}),
+        ("/v1/completions", {"prompt": text}),
+    ):
         start = time.monotonic()
         error = assert_error(server.post(path, {"model": MODEL, "max_tokens": 4, **body}), 400)
         assert error["code"] == "context_length_exceeded", error
@@ -485,14 +624,23 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(server: Server) -> No
 
 
 def test_error_bodies_have_openai_types_and_codes(server: Server) -> None:
-    missing = assert_error(server.post("/v1/chat/completions",
-                                       {"model": "nope", "messages": _chat("Hi")}), 404)
-    assert (missing["type"], missing["code"], missing["param"]) == \
-        ("invalid_request_error", "model_not_found", "model")
+    missing = assert_error(
+        server.post("/v1/chat/completions", {"model": "nope", "messages": _chat("Hi")}), 404
+    )
+    assert (missing["type"], missing["code"], missing["param"]) == (
+        "invalid_request_error",
+        "model_not_found",
+        "model",
+    )
     unauthorized = assert_error(server.post("/v1/models", {}, key="wrong"), 401)
     assert unauthorized["code"] == "invalid_api_key"
-    too_long = assert_error(server.post("/v1/chat/completions", {
-        "model": MODEL, "messages": _chat("Hi"), "max_tokens": MAX_MODEL_LEN}), 400)
+    too_long = assert_error(
+        server.post(
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": _chat("Hi"), "max_tokens": MAX_MODEL_LEN},
+        ),
+        400,
+    )
     assert too_long["code"] == "context_length_exceeded"
 
 
@@ -502,7 +650,8 @@ def test_openapi_schema_documents_bodies_and_real_statuses(server: Server) -> No
     paths = httpx.get(server.url + "/openapi.json").json()["paths"]
     chat = paths["/v1/chat/completions"]["post"]["responses"]
     assert chat["200"]["content"]["application/json"]["schema"]["$ref"].endswith(
-        "/ChatCompletionResponse")
+        "/ChatCompletionResponse"
+    )
     assert "text/event-stream" in chat["200"]["content"]
     assert {"400", "401", "404", "413", "500", "503"} <= set(chat)
     assert all("422" not in op["responses"] for ops in paths.values() for op in ops.values())
@@ -527,43 +676,83 @@ def _engine_pid(server_pid: int) -> int:
 # ---- vLLM's request fields: each works, or is a 400 naming it ----
 
 CHAT_FIELDS_THAT_WORK = {
-    "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "stop_token_ids": [5],
-    "include_stop_str_in_output": True, "ignore_eos": True, "min_tokens": 1,
-    "skip_special_tokens": False, "spaces_between_special_tokens": False, "seed": 3,
-    "structured_outputs": {"choice": ["a", "b"]}, "guided_choice": ["a", "b"],
-    "documents": [{"title": "t", "text": "x"}], "reasoning_effort": "low",
-    "include_reasoning": True, "parallel_tool_calls": False, "user": "u",
-    "chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": True,
-    "max_completion_tokens": 3, "logprobs": True, "tool_choice": "none",
-    "response_format": {"type": "text"}, "some_other_servers_field": 1,
-    "allowed_token_ids": [1, 2], "bad_words": ["x"], "logit_bias": {"5": 1.0},
+    "top_k": 5,
+    "min_p": 0.1,
+    "repetition_penalty": 1.1,
+    "stop_token_ids": [5],
+    "include_stop_str_in_output": True,
+    "ignore_eos": True,
+    "min_tokens": 1,
+    "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
+    "seed": 3,
+    "structured_outputs": {"choice": ["a", "b"]},
+    "guided_choice": ["a", "b"],
+    "documents": [{"title": "t", "text": "x"}],
+    "reasoning_effort": "low",
+    "include_reasoning": True,
+    "parallel_tool_calls": False,
+    "user": "u",
+    "chat_template_kwargs": {"enable_thinking": False},
+    "add_generation_prompt": True,
+    "max_completion_tokens": 3,
+    "logprobs": True,
+    "tool_choice": "none",
+    "response_format": {"type": "text"},
+    "some_other_servers_field": 1,
+    "allowed_token_ids": [1, 2],
+    "bad_words": ["x"],
+    "logit_bias": {"5": 1.0},
     "modalities": ["text"],
-    "truncate_prompt_tokens": 8, "cache_salt": "s", "return_token_ids": True,
-    "return_tokens_as_token_ids": True, "echo": True, "add_special_tokens": True,
+    "truncate_prompt_tokens": 8,
+    "cache_salt": "s",
+    "return_token_ids": True,
+    "return_tokens_as_token_ids": True,
+    "echo": True,
+    "add_special_tokens": True,
 }
 CHAT_FIELDS_REFUSED = {
-    "best_of": 2, "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["m.p"],
-    "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
+    "best_of": 2,
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "logits_processors": ["m.p"],
+    "kv_transfer_params": {"a": 1},
+    "vllm_xargs": {"a": 1},
 }
 
 
 def _post_each(server: Server, fields: dict[str, Any]) -> dict[str, httpx.Response]:
     """A chat request per field (field -> its response), sent side by side."""
+
     async def run() -> dict[str, httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=60,
-                                     headers={"Authorization": f"Bearer {API_KEY}"}) as client:
-            responses = await asyncio.gather(*(
-                client.post("/v1/chat/completions", json={
-                    "model": MODEL, "messages": _chat("Hi"), "max_tokens": 3, field: value})
-                for field, value in fields.items()))
+        async with httpx.AsyncClient(
+            base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as client:
+            responses = await asyncio.gather(
+                *(
+                    client.post(
+                        "/v1/chat/completions",
+                        json={
+                            "model": MODEL,
+                            "messages": _chat("Hi"),
+                            "max_tokens": 3,
+                            field: value,
+                        },
+                    )
+                    for field, value in fields.items()
+                )
+            )
         return dict(zip(fields, responses, strict=True))
 
     return asyncio.run(run())
 
 
 def test_vllm_chat_fields_that_work(server: Server) -> None:
-    failed = {field: r.text for field, r in _post_each(server, CHAT_FIELDS_THAT_WORK).items()
-              if r.status_code != 200}
+    failed = {
+        field: r.text
+        for field, r in _post_each(server, CHAT_FIELDS_THAT_WORK).items()
+        if r.status_code != 200
+    }
     assert not failed
 
 
@@ -592,41 +781,67 @@ def test_prompt_options_truncation_and_cache_salt(server: Server) -> None:
 
 
 def test_return_token_ids_and_tokens_as_ids(server: Server) -> None:
-    body = {"model": MODEL, "messages": _chat("Hi"), "max_tokens": 5, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 1,
-            "return_tokens_as_token_ids": True}
+    body = {
+        "model": MODEL,
+        "messages": _chat("Hi"),
+        "max_tokens": 5,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "return_tokens_as_token_ids": True,
+    }
     whole = server.post("/v1/chat/completions", body).json()
     prompt = server.post("/tokenize", {"messages": _chat("Hi")}).json()["tokens"]
     assert whole["prompt_token_ids"] == prompt
     (choice,) = whole["choices"]
     assert [e["token"] for e in choice["logprobs"]["content"]] == [
-        f"token_id:{t}" for t in choice["token_ids"]]
-    chunks = [json.loads(line[6:]) for line in server.post(
-        "/v1/chat/completions", {**body, "stream": True}).text.splitlines()
-        if line.startswith("data: {")]
+        f"token_id:{t}" for t in choice["token_ids"]
+    ]
+    chunks = [
+        json.loads(line[6:])
+        for line in server.post("/v1/chat/completions", {**body, "stream": True}).text.splitlines()
+        if line.startswith("data: {")
+    ]
     assert [c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")] == [prompt]
-    assert sum((c["choices"][0].get("token_ids") or [] for c in chunks if c["choices"]),
-               []) == choice["token_ids"]
+    assert (
+        sum((c["choices"][0].get("token_ids") or [] for c in chunks if c["choices"]), [])
+        == choice["token_ids"]
+    )
 
 
 def test_chat_echo_and_request_templates(server: Server) -> None:
     """echo starts the answer with the assistant message it continues; a request's own chat
     template needs --trust-request-chat-template."""
-    body = {"model": MODEL, "max_tokens": 3, "temperature": 0.0, "echo": True,
-            "add_generation_prompt": False,
-            "continue_final_message": True,
-            "messages": [*_chat("Count."), {"role": "assistant", "content": "One, two,"}]}
+    body = {
+        "model": MODEL,
+        "max_tokens": 3,
+        "temperature": 0.0,
+        "echo": True,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "messages": [*_chat("Count."), {"role": "assistant", "content": "One, two,"}],
+    }
     whole = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
     assert whole.startswith("One, two,") and len(whole) > len("One, two,")
-    streamed = [json.loads(line[6:]) for line in server.post(
-        "/v1/chat/completions", {**body, "stream": True}).text.splitlines()
-        if line.startswith("data: {")]
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed
-                   if c["choices"]) == whole
-    error = assert_error(server.post("/v1/chat/completions", {
-        "model": MODEL, "messages": _chat("Hi"), "chat_template": "{{ messages }}"}), 400)
-    assert error["param"] == "chat_template" and "--trust-request-chat-template" in \
-        error["message"]
+    streamed = [
+        json.loads(line[6:])
+        for line in server.post("/v1/chat/completions", {**body, "stream": True}).text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert (
+        "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"])
+        == whole
+    )
+    error = assert_error(
+        server.post(
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": _chat("Hi"), "chat_template": "{{ messages }}"},
+        ),
+        400,
+    )
+    assert error["param"] == "chat_template" and "--trust-request-chat-template" in error["message"]
 
 
 def test_a_trusted_request_template_renders_the_prompt(qwen3_server: Server) -> None:
@@ -634,31 +849,43 @@ def test_a_trusted_request_template_renders_the_prompt(qwen3_server: Server) -> 
     prompt = qwen3_server.post("/tokenize", {"messages": _chat("Hi"), "chat_template": template})
     text = qwen3_server.post("/detokenize", {"tokens": prompt.json()["tokens"]}).json()["prompt"]
     assert text == "[user] Hi\n[assistant]"
-    answer = qwen3_server.post("/v1/chat/completions", {
-        "model": MODEL, "messages": _chat("Hi"), "chat_template": template, "max_tokens": 2})
+    answer = qwen3_server.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _chat("Hi"), "chat_template": template, "max_tokens": 2},
+    )
     assert answer.status_code == 200, answer.text
 
 
 def test_vllm_completion_fields_and_request_id(server: Server) -> None:
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "add_special_tokens": False,
-            "request_id": "my-id-1"}
+    body = {
+        "model": MODEL,
+        "prompt": "Hi",
+        "max_tokens": 2,
+        "add_special_tokens": False,
+        "request_id": "my-id-1",
+    }
     response = server.post("/v1/completions", body)
     assert response.status_code == 200 and response.json()["id"] == "cmpl-my-id-1"
     for field, value in (("prompt_embeds", "AAAA"), ("suffix", "x"), ("priority", 2)):
         error = assert_error(server.post("/v1/completions", {**body, field: value}), 400)
         assert field in error["message"]
-    assert "Ignored request fields this server does not use: some_other_servers_field" in \
-        server.log.read_text()
+    assert (
+        "Ignored request fields this server does not use: some_other_servers_field"
+        in server.log.read_text()
+    )
 
 
 def test_cors_preflight_is_answered_without_a_key(server: Server) -> None:
-    response = httpx.options(server.url + "/v1/chat/completions", headers={
-        "Origin": "http://example.com", "Access-Control-Request-Method": "POST"})
+    response = httpx.options(
+        server.url + "/v1/chat/completions",
+        headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST"},
+    )
     assert response.status_code == 200
     assert response.headers["access-control-allow-origin"] in ("*", "http://example.com")
 
 
 def test_engine_death_fails_requests_and_health(server: Server) -> None:
     """Runs last: it kills the module's engine."""
-    assert_kill_fails_cleanly(server, _engine_pid(server.proc.pid),
-                              max_tokens=MAX_MODEL_LEN - 16, **GREEDY)
+    assert_kill_fails_cleanly(
+        server, _engine_pid(server.proc.pid), max_tokens=MAX_MODEL_LEN - 16, **GREEDY
+    )

@@ -30,19 +30,40 @@ LSB = 1 / 32767
 def speaking(tiny_checkpoint, tmp_path_factory):
     model = tiny_checkpoint(ARCH)
     llm = LLM(str(model), dtype="float32", max_model_len=1024, kv_cache_memory=16 << 20)
-    (offline,) = llm.chat(QUESTION, SamplingParams(
-        temperature=0.0, max_tokens=TEXT_TOKENS, output_modalities=["text", "audio"],
-        speech={"voice": "chelsie", "temperature": 0.0, "max_tokens": FRAMES}))
+    (offline,) = llm.chat(
+        QUESTION,
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=TEXT_TOKENS,
+            output_modalities=["text", "audio"],
+            speech={"voice": "chelsie", "temperature": 0.0, "max_tokens": FRAMES},
+        ),
+    )
     del llm
-    with launch_server(model, tmp_path_factory.mktemp("speaking"), "--dtype", "float32",
-                       "--max-model-len", "1024", "--kv-cache-memory", "16MiB") as server:
+    with launch_server(
+        model,
+        tmp_path_factory.mktemp("speaking"),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "16MiB",
+    ) as server:
         yield server, offline.outputs[0]
 
 
 def _ask(**changes: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": QUESTION, "max_tokens": TEXT_TOKENS, "temperature": 0.0,
-            "modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "wav"},
-            "extra_body": {"speech": {"temperature": 0.0, "max_tokens": FRAMES}}, **changes}
+    return {
+        "model": MODEL,
+        "messages": QUESTION,
+        "max_tokens": TEXT_TOKENS,
+        "temperature": 0.0,
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "Chelsie", "format": "wav"},
+        "extra_body": {"speech": {"temperature": 0.0, "max_tokens": FRAMES}},
+        **changes,
+    }
 
 
 def test_chat_answers_with_text_and_a_wav(speaking):
@@ -58,8 +79,9 @@ def test_chat_answers_with_text_and_a_wav(speaking):
     assert response.usage.completion_tokens_details.audio_tokens == offline.num_audio_tokens
     assert response.usage.completion_tokens == len(offline.token_ids) + offline.num_audio_tokens
     # Audio only: the text is the transcript; other formats encode the same samples.
-    audio_only = server.client().chat.completions.create(**_ask(
-        modalities=["audio"], audio={"voice": "chelsie", "format": "flac"}))
+    audio_only = server.client().chat.completions.create(
+        **_ask(modalities=["audio"], audio={"voice": "chelsie", "format": "flac"})
+    )
     message = audio_only.choices[0].message
     assert message.content is None and message.audio.transcript == offline.text
     flac, _ = soundfile.read(io.BytesIO(base64.b64decode(message.audio.data)), dtype="float32")
@@ -68,9 +90,13 @@ def test_chat_answers_with_text_and_a_wav(speaking):
 
 def test_streamed_pcm16_concatenates_to_the_whole_answer(speaking):
     server, offline = speaking
-    stream = server.client().chat.completions.create(**_ask(
-        audio={"voice": "chelsie", "format": "pcm16"}, stream=True,
-        stream_options={"include_usage": True}))
+    stream = server.client().chat.completions.create(
+        **_ask(
+            audio={"voice": "chelsie", "format": "pcm16"},
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text, pcm, finishes, audio_ids, expiry, usage = "", b"", [], set(), None, None
     for chunk in stream:
         usage = chunk.usage or usage
@@ -92,32 +118,45 @@ def test_audio_speech_endpoint(speaking):
     server, _ = speaking
     client = server.client()
     seeded = {"speech": {"seed": 7}}  # the talker samples (the model's defaults), seeded
-    wav = client.audio.speech.create(model=MODEL, voice="ethan", input="Good morning",
-                                     response_format="wav", extra_body=seeded)
+    wav = client.audio.speech.create(
+        model=MODEL, voice="ethan", input="Good morning", response_format="wav", extra_body=seeded
+    )
     samples, rate = soundfile.read(io.BytesIO(wav.content), dtype="float32")
     assert rate == 24000 and len(samples) > 1920
     with client.audio.speech.with_streaming_response.create(
-            model=MODEL, voice="ethan", input="Good morning", response_format="pcm",
-            extra_body=seeded) as raw:
+        model=MODEL, voice="ethan", input="Good morning", response_format="pcm", extra_body=seeded
+    ) as raw:
         streamed = b"".join(raw.iter_bytes())
     np.testing.assert_allclose(np.frombuffer(streamed, "<i2") / 32767, samples, atol=2 * LSB)
-    events = server.post("/v1/audio/speech", {"model": MODEL, "voice": "ethan",
-                                              "input": "Good morning", "response_format": "pcm",
-                                              "stream_format": "sse", **seeded})
-    payloads = [json.loads(line[6:]) for line in events.text.splitlines()
-                if line.startswith("data: ")]
+    events = server.post(
+        "/v1/audio/speech",
+        {
+            "model": MODEL,
+            "voice": "ethan",
+            "input": "Good morning",
+            "response_format": "pcm",
+            "stream_format": "sse",
+            **seeded,
+        },
+    )
+    payloads = [
+        json.loads(line[6:]) for line in events.text.splitlines() if line.startswith("data: ")
+    ]
     assert payloads[-1]["type"] == "speech.audio.done"
     assert b"".join(base64.b64decode(p["audio"]) for p in payloads[:-1]) == streamed
     voices = server.client().get("/audio/voices", cast_to=object)
     assert voices == {"voices": ["chelsie", "ethan"], "default_voice": "ethan"}
 
 
-@pytest.mark.parametrize(("changes", "needle"), [
-    ({"audio": {"voice": "alloy", "format": "wav"}}, "chelsie, ethan"),
-    ({"audio": {"voice": "ethan", "format": "aac"}}, "wav, pcm16, flac, mp3, opus"),
-    ({"audio": {"voice": "ethan", "format": "wav"}, "stream": True}, "pcm16 when streaming"),
-    ({"audio": None}, "audio (voice and format) is required"),
-])
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "chelsie, ethan"),
+        ({"audio": {"voice": "ethan", "format": "aac"}}, "wav, pcm16, flac, mp3, opus"),
+        ({"audio": {"voice": "ethan", "format": "wav"}, "stream": True}, "pcm16 when streaming"),
+        ({"audio": None}, "audio (voice and format) is required"),
+    ],
+)
 def test_bad_audio_requests_are_400s(speaking, changes, needle):
     server, _ = speaking
     body = {key: value for key, value in _ask(**changes).items() if key != "extra_body"}
@@ -128,19 +167,23 @@ def test_bad_audio_requests_are_400s(speaking, changes, needle):
 
 def test_speech_endpoint_refusals_and_text_clients(speaking, default_server):
     server, offline = speaking
-    for body, needle in (({"voice": "ethan", "input": "hi", "speed": 2.0}, "speed"),
-                         ({"voice": "ethan", "input": "hi", "response_format": "aac"}, "aac"),
-                         ({"voice": "nobody", "input": "hi"}, "chelsie, ethan")):
+    for body, needle in (
+        ({"voice": "ethan", "input": "hi", "speed": 2.0}, "speed"),
+        ({"voice": "ethan", "input": "hi", "response_format": "aac"}, "aac"),
+        ({"voice": "nobody", "input": "hi"}, "chelsie, ethan"),
+    ):
         response = server.post("/v1/audio/speech", {"model": MODEL, **body})
         assert response.status_code == 400 and needle in response.text
     # A thinker-only model says why it cannot speak.
-    response = default_server.post("/v1/chat/completions", {
-        key: value for key, value in _ask().items() if key != "extra_body"})
+    response = default_server.post(
+        "/v1/chat/completions", {key: value for key, value in _ask().items() if key != "extra_body"}
+    )
     assert response.status_code == 400
     assert "no talker and vocoder" in response.json()["error"]["message"]
     # A text-only client of the speaking server gets text, no audio.
-    text = server.client().chat.completions.create(model=MODEL, messages=QUESTION,
-                                                   max_tokens=TEXT_TOKENS, temperature=0.0)
+    text = server.client().chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=TEXT_TOKENS, temperature=0.0
+    )
     assert text.choices[0].message.content == offline.text
     assert text.choices[0].message.audio is None
     assert encode_audio(np.zeros(4, np.float32), "pcm16", 24000) == b"\0" * 8

@@ -144,8 +144,11 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
 def test_structured_benchmark_runs_on_a_tiny_checkpoint(monkeypatch, capsys):
     bench = _load_script("bench_structured")
     monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "1")  # restored after; main sets 0
-    monkeypatch.setattr(sys, "argv", ["bench_structured.py", "--num-prompts", "3",
-                                      "--output-len", "4", "--fields", "5"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["bench_structured.py", "--num-prompts", "3", "--output-len", "4", "--fields", "5"],
+    )
     bench.main()
     out = capsys.readouterr().out
     assert "constrained: 12 tokens" in out and "x free" in out

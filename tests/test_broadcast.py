@@ -28,8 +28,10 @@ def test_every_reader_gets_every_message_in_order(tmp_path):
     messages: list = [("step", i, {"req": [i] * (i % 7)}) for i in range(5000)]
     messages[2500] = ("big", big)
     received: list[list] = [[] for _ in receivers]
-    threads = [threading.Thread(target=_read, args=(r, len(messages), out))
-               for r, out in zip(receivers, received, strict=True)]
+    threads = [
+        threading.Thread(target=_read, args=(r, len(messages), out))
+        for r, out in zip(receivers, received, strict=True)
+    ]
     for thread in threads:
         thread.start()
     for message in messages:  # sent faster than read: nothing may be dropped (no HWM)

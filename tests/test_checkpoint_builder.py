@@ -149,18 +149,35 @@ def test_qwen3_template_renders_tools_and_the_thinking_switch(tiny_checkpoint):
     <tool_call> blocks (arguments given as an object or as JSON text), consecutive tool results
     in one user turn, and enable_thinking=False closing an empty thinking block."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("Qwen3ForCausalLM"))
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}
-    calls = [{"id": "a", "type": "function",
-              "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-             {"id": "b", "type": "function",
-              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "", "tool_calls": calls},
-                {"role": "tool", "tool_call_id": "a", "content": "sunny"},
-                {"role": "tool", "tool_call_id": "b", "content": "rain"}]
-    text = tokenizer.apply_chat_template(messages, tools=[tool], add_generation_prompt=True,
-                                         tokenize=False, enable_thinking=False)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    calls = [
+        {
+            "id": "a",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+        },
+        {
+            "id": "b",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        },
+    ]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "b", "content": "rain"},
+    ]
+    text = tokenizer.apply_chat_template(
+        messages, tools=[tool], add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
     assert "<tools>\n" + json.dumps(tool) + "\n</tools>" in text
     assert text.endswith(
@@ -169,9 +186,9 @@ def test_qwen3_template_renders_tools_and_the_thinking_switch(tiny_checkpoint):
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
         "<|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n"
         "<tool_response>\nrain\n</tool_response><|im_end|>\n"
-        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    plain = tokenizer.apply_chat_template(messages[1:2], add_generation_prompt=True,
-                                          tokenize=False)
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    plain = tokenizer.apply_chat_template(messages[1:2], add_generation_prompt=True, tokenize=False)
     assert plain == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 

@@ -191,8 +191,9 @@ def test_full_omni_speech_half_reacts_to_its_inputs(tiny_checkpoint, arch):
     generator = torch.Generator().manual_seed(3)
     if arch.startswith("Qwen3"):
         codec = model.config.code2wav_config
-        codes = torch.randint(0, codec.codebook_size, (1, codec.num_quantizers, 20),
-                              generator=generator)
+        codes = torch.randint(
+            0, codec.codebook_size, (1, codec.num_quantizers, 20), generator=generator
+        )
         changed = codes.clone()
         changed[..., 10:] = (changed[..., 10:] + 1) % codec.codebook_size
 
@@ -206,8 +207,10 @@ def test_full_omni_speech_half_reacts_to_its_inputs(tiny_checkpoint, arch):
 
         def speak(c: torch.Tensor) -> torch.Tensor:
             torch.manual_seed(0)  # the DiT starts from noise: the same for both
-            return model.token2wav(c, conditioning=speaker["cond"].float(),
-                                   reference_mel=speaker["ref_mel"].float())
+            return model.token2wav(
+                c, conditioning=speaker["cond"].float(), reference_mel=speaker["ref_mel"].float()
+            )
+
     with torch.no_grad():
         wave, other = speak(codes), speak(changed)
     assert 0.05 < float(wave.std()) < 0.5 and float((wave.abs() >= 0.999).float().mean()) < 0.01
@@ -217,11 +220,15 @@ def test_full_omni_speech_half_reacts_to_its_inputs(tiny_checkpoint, arch):
         assert torch.equal(wave[..., :head], other[..., :head])
     processor = AutoProcessor.from_pretrained(tiny_checkpoint(arch))
     prompt = processor.apply_chat_template(
-        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     with torch.no_grad():
-        _, waveform = model.generate(**processor(text=[prompt], return_tensors="pt"),
-                                     thinker_max_new_tokens=4, talker_max_new_tokens=6,
-                                     talker_do_sample=False)
+        _, waveform = model.generate(
+            **processor(text=[prompt], return_tensors="pt"),
+            thinker_max_new_tokens=4,
+            talker_max_new_tokens=6,
+            talker_do_sample=False,
+        )
     assert waveform.numel() > 1000
 
 

@@ -58,22 +58,88 @@ def test_errors_are_one_line_and_nonzero(tmp_path):
 
 
 VLLM_SERVE_FLAGS = [  # from `vllm serve --help`: each means the same here, or nothing (logged)
-    "--host", "0.0.0.0", "--port", "8001", "--api-key", "k", "--served-model-name", "a", "b",
-    "--chat-template", "{{ messages }}", "--max-model-len", "128", "--dtype", "bfloat16",
-    "--seed", "1", "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
-    "--data-parallel-size", "1", "--distributed-executor-backend", "mp", "--block-size", "16",
-    "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--enable-chunked-prefill",
-    "--no-enable-prefix-caching", "--num-gpu-blocks-override", "64",
-    "--gpu-memory-utilization", "0.5", "--max-logprobs", "5", "--generation-config", "vllm",
-    "--limit-mm-per-prompt", '{"image": 1}', "--mm-processor-kwargs", '{"max_pixels": 1000}',
-    "--mm-processor-cache-gb", "1", "--media-io-kwargs", '{"video": {"num_frames": 8}}',
-    "--allowed-local-media-path", "/tmp", "--allowed-media-domains", "example.com",
-    "--reasoning-parser", "qwen3", "--shutdown-timeout", "5", "--allowed-origins",
-    '["http://a"]', "--allowed-methods", '["GET"]', "--allowed-headers", '["x"]',
-    "--allow-credentials", "--enforce-eager", "--trust-remote-code", "--disable-log-requests",
-    "--disable-log-stats", "--swap-space", "4", "--disable-custom-all-reduce",
-    "--tokenizer-mode", "auto", "--load-format", "safetensors", "--kv-cache-dtype", "auto",
-    "--download-dir", "/tmp", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    "--host",
+    "0.0.0.0",
+    "--port",
+    "8001",
+    "--api-key",
+    "k",
+    "--served-model-name",
+    "a",
+    "b",
+    "--chat-template",
+    "{{ messages }}",
+    "--max-model-len",
+    "128",
+    "--dtype",
+    "bfloat16",
+    "--seed",
+    "1",
+    "--tensor-parallel-size",
+    "1",
+    "--pipeline-parallel-size",
+    "1",
+    "--data-parallel-size",
+    "1",
+    "--distributed-executor-backend",
+    "mp",
+    "--block-size",
+    "16",
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "256",
+    "--enable-chunked-prefill",
+    "--no-enable-prefix-caching",
+    "--num-gpu-blocks-override",
+    "64",
+    "--gpu-memory-utilization",
+    "0.5",
+    "--max-logprobs",
+    "5",
+    "--generation-config",
+    "vllm",
+    "--limit-mm-per-prompt",
+    '{"image": 1}',
+    "--mm-processor-kwargs",
+    '{"max_pixels": 1000}',
+    "--mm-processor-cache-gb",
+    "1",
+    "--media-io-kwargs",
+    '{"video": {"num_frames": 8}}',
+    "--allowed-local-media-path",
+    "/tmp",
+    "--allowed-media-domains",
+    "example.com",
+    "--reasoning-parser",
+    "qwen3",
+    "--shutdown-timeout",
+    "5",
+    "--allowed-origins",
+    '["http://a"]',
+    "--allowed-methods",
+    '["GET"]',
+    "--allowed-headers",
+    '["x"]',
+    "--allow-credentials",
+    "--enforce-eager",
+    "--trust-remote-code",
+    "--disable-log-requests",
+    "--disable-log-stats",
+    "--swap-space",
+    "4",
+    "--disable-custom-all-reduce",
+    "--tokenizer-mode",
+    "auto",
+    "--load-format",
+    "safetensors",
+    "--kv-cache-dtype",
+    "auto",
+    "--download-dir",
+    "/tmp",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
     "--exclude-tools-when-tool-choice-none",
 ]
 
@@ -85,8 +151,12 @@ def test_serve_takes_vllm_flags(caplog):
     args = parser.parse_args(["serve", "model-dir", *VLLM_SERVE_FLAGS])
     with caplog.at_level("INFO", logger="omniserve.entrypoints.cli"):
         args.check_flags(parser, args)
-    assert (args.gpu_memory_utilization, args.max_logprobs, args.allowed_origins,
-            args.tool_call_parser) == (0.5, 5, ["http://a"], "hermes")
+    assert (
+        args.gpu_memory_utilization,
+        args.max_logprobs,
+        args.allowed_origins,
+        args.tool_call_parser,
+    ) == (0.5, 5, ["http://a"], "hermes")
     assert args.enforce_eager and "--enforce-eager has no effect" not in caplog.text
     assert "--swap-space has no effect here: preempted requests are recomputed" in caplog.text
 
@@ -95,10 +165,13 @@ def test_serve_refuses_flags_of_missing_features(capsys):
     from omniserve.entrypoints.cli import main
 
     for flags, message in (
-            (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
-            (["--enable-lora"], "--enable-lora: LoRA adapters is not implemented"),
-            (["--speculative-config", "{}"],
-             "--speculative-config: speculative decoding is not implemented")):
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["--enable-lora"], "--enable-lora: LoRA adapters is not implemented"),
+        (
+            ["--speculative-config", "{}"],
+            "--speculative-config: speculative decoding is not implemented",
+        ),
+    ):
         try:
             main(["serve", "model-dir", *flags])
         except SystemExit as exit_:
@@ -112,12 +185,19 @@ def test_max_logprobs_and_memory_utilization(tiny_checkpoint, monkeypatch):
 
     assert cpu_kv_budget_for_utilization(0.9, 1) > cpu_kv_budget_for_utilization(0.5, 1)
     monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
-    llm = LLM(str(tiny_checkpoint("Qwen3ForCausalLM")), max_model_len=64, max_logprobs=2,
-              gpu_memory_utilization=0.5)
+    llm = LLM(
+        str(tiny_checkpoint("Qwen3ForCausalLM")),
+        max_model_len=64,
+        max_logprobs=2,
+        gpu_memory_utilization=0.5,
+    )
     try:
         with pytest.raises(ValueError, match="at most 2 logprobs"):
             llm.generate("hi", SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)
-        assert llm.generate("hi", SamplingParams(max_tokens=2, logprobs=2),
-                            use_tqdm=False)[0].outputs[0].logprobs
+        assert (
+            llm.generate("hi", SamplingParams(max_tokens=2, logprobs=2), use_tqdm=False)[0]
+            .outputs[0]
+            .logprobs
+        )
     finally:
         llm.llm_engine.shutdown()

@@ -65,8 +65,7 @@ def test_onednn_linear_matches_torch(rows, out_features, in_features, bias, dtyp
     if not onednn_packs(dtype):  # bf16 on a CPU without AVX-512 BW/VL/DQ: torch computes it
         assert apply_cpu_backend(layer).placements == {"linear: torch": 1}
     else:
-        assert apply_cpu_backend(layer).placements == {
-            f"linear: oneDNN packed {str(dtype)[6:]}": 1}
+        assert apply_cpu_backend(layer).placements == {f"linear: oneDNN packed {str(dtype)[6:]}": 1}
         assert layer.weight.device.type == "meta" and layer.weight.shape == weight.shape
     x = torch.randn(rows, in_features).to(dtype)
     with torch.inference_mode():
@@ -123,7 +122,9 @@ def test_tied_lm_head_keeps_the_shared_embedding(dtype: torch.dtype) -> None:
     name = str(dtype)[6:]
     packed = f"linear: oneDNN packed {name}" if onednn_packs(dtype) else "linear: torch"
     assert apply_cpu_backend(model).placements == {
-        f"linear: C plain-layout {name} (shared weight)": 1, packed: 2}
+        f"linear: C plain-layout {name} (shared weight)": 1,
+        packed: 2,
+    }
     assert head.weight is embed.weight and embed.weight.device.type == "cpu"
     assert isinstance(head.kernel, RowsLinear)
     hidden = torch.randn(3, 64).to(dtype)
@@ -155,8 +156,9 @@ def _moe_reference(x, layer, weights, ids) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 2, 7, 33, 64, 300])
-def test_moe_matches_the_reference(tokens: int, dtype: torch.dtype,
-                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_moe_matches_the_reference(
+    tokens: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Experts with 0 to many rows (row tiles of 4 cut anywhere), every activation range, H off
     the 64-row work blocks (the kernel at every size: prefill-sized batches would go to torch)."""
     monkeypatch.setattr(cpu_moe, "MAX_ROUTED_PER_EXPERT", 1 << 30)
@@ -205,8 +207,11 @@ def test_prefill_sized_moe_batches_take_the_grouped_gemms(monkeypatch: pytest.Mo
     decode = cpu_moe.MAX_ROUTED_PER_EXPERT * num_experts // top_k
     with torch.inference_mode():
         for n in (decode, decode + 1, 64):
-            _close(moe(x[:n], weights[:n], ids[:n]),
-                   _moe_reference(x[:n], layer, weights[:n], ids[:n]), torch.float32)
+            _close(
+                moe(x[:n], weights[:n], ids[:n]),
+                _moe_reference(x[:n], layer, weights[:n], ids[:n]),
+                torch.float32,
+            )
     assert calls == [decode]
 
 

@@ -51,9 +51,13 @@ def compare_paths(architecture: str, device: str, dtype: str) -> dict[str, Any]:
     if "Omni" in architecture:
         tok = AutoProcessor.from_pretrained(model_dir).tokenizer
         image = f"{tok.vision_bos_token}{tok.image_token}{tok.vision_eos_token}"
-        prompts.append({"prompt": f"<|im_start|>user\n{image}What is it?<|im_end|>\n"
-                                  "<|im_start|>assistant\n",
-                        "multi_modal_data": {"image": Image.new("RGB", (56, 84), "red")}})
+        prompts.append(
+            {
+                "prompt": f"<|im_start|>user\n{image}What is it?<|im_end|>\n"
+                "<|im_start|>assistant\n",
+                "multi_modal_data": {"image": Image.new("RGB", (56, 84), "red")},
+            }
+        )
     else:
         prompts.append({"prompt_token_ids": list(range(300, 311))})
     params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True, logprobs=2)

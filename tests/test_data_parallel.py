@@ -79,16 +79,37 @@ def test_balancer_keeps_a_group_together_and_releases_each_request_once() -> Non
 
 def test_combine_stats_sums_counts_and_averages_usage() -> None:
     engine_stats = [
-        {"num_running": 2.0, "num_waiting": 1.0, "kv_cache_usage": 0.5, "num_kv_blocks": 100.0,
-         "encoder_cache_usage": 0.2, "prefix_cache_hits": 3.0, "num_requests_received": 5.0},
-        {"num_running": 1.0, "num_waiting": 0.0, "kv_cache_usage": 0.0, "num_kv_blocks": 300.0,
-         "encoder_cache_usage": 0.4, "prefix_cache_hits": 4.0, "num_requests_received": 7.0},
+        {
+            "num_running": 2.0,
+            "num_waiting": 1.0,
+            "kv_cache_usage": 0.5,
+            "num_kv_blocks": 100.0,
+            "encoder_cache_usage": 0.2,
+            "prefix_cache_hits": 3.0,
+            "num_requests_received": 5.0,
+        },
+        {
+            "num_running": 1.0,
+            "num_waiting": 0.0,
+            "kv_cache_usage": 0.0,
+            "num_kv_blocks": 300.0,
+            "encoder_cache_usage": 0.4,
+            "prefix_cache_hits": 4.0,
+            "num_requests_received": 7.0,
+        },
     ]
     combined = combine_stats(engine_stats)
-    assert combined == pytest.approx({
-        "num_running": 3.0, "num_waiting": 1.0, "kv_cache_usage": 50 / 400,
-        "num_kv_blocks": 400.0, "encoder_cache_usage": 0.3, "prefix_cache_hits": 7.0,
-        "num_requests_received": 12.0})
+    assert combined == pytest.approx(
+        {
+            "num_running": 3.0,
+            "num_waiting": 1.0,
+            "kv_cache_usage": 50 / 400,
+            "num_kv_blocks": 400.0,
+            "encoder_cache_usage": 0.3,
+            "prefix_cache_hits": 7.0,
+            "num_requests_received": 12.0,
+        }
+    )
     assert combine_results("get_stats", engine_stats) == combined
     assert combine_results("get_stats", engine_stats[:1]) is engine_stats[0]
     assert combine_results("reset_prefix_cache", [True, False]) is False
@@ -126,26 +147,32 @@ def expected(model_dir: Path) -> dict[str, list[str]]:
         llm = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB")
     try:
         chats = llm.chat(CHATS, GREEDY, use_tqdm=False)
-        tokens = llm.generate([{"prompt_token_ids": ids} for ids in TOKEN_PROMPTS], GREEDY,
-                              use_tqdm=False)
+        tokens = llm.generate(
+            [{"prompt_token_ids": ids} for ids in TOKEN_PROMPTS], GREEDY, use_tqdm=False
+        )
     finally:
         llm.shutdown()
-    return {"chat": [o.outputs[0].text for o in chats],
-            "tokens": [o.outputs[0].text for o in tokens]}
+    return {
+        "chat": [o.outputs[0].text for o in chats],
+        "tokens": [o.outputs[0].text for o in tokens],
+    }
 
 
-def test_in_process_engine_rejects_data_parallel(model_dir: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_in_process_engine_rejects_data_parallel(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
     with pytest.raises(ValueError, match="data_parallel_size=2 .*OMNISERVE_ENABLE_MULTI"):
         LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, data_parallel_size=2)
 
 
 @pytest.mark.slow
-def test_offline_dp2_matches_one_engine_and_uses_both(model_dir: Path,
-                                                      expected: dict[str, list[str]]) -> None:
-    llm = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB",
-              data_parallel_size=2)
+def test_offline_dp2_matches_one_engine_and_uses_both(
+    model_dir: Path, expected: dict[str, list[str]]
+) -> None:
+    llm = LLM(
+        str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB", data_parallel_size=2
+    )
     client = llm.llm_engine.engine_core
     procs = list(client.resources.procs)
     try:
@@ -153,18 +180,20 @@ def test_offline_dp2_matches_one_engine_and_uses_both(model_dir: Path,
         assert client.num_kv_blocks == sum(client.engine_num_kv_blocks)
 
         def received() -> list[float]:
-            return [s["num_requests_received"]
-                    for s in client.call_utility_per_engine("get_stats")]
+            return [s["num_requests_received"] for s in client.call_utility_per_engine("get_stats")]
 
         # The n samples of one prompt stay on one engine (they share its prefix cache).
-        [sampled] = llm.generate({"prompt_token_ids": TOKEN_PROMPTS[0]},
-                                 SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                ignore_eos=True, n=4), use_tqdm=False)
+        [sampled] = llm.generate(
+            {"prompt_token_ids": TOKEN_PROMPTS[0]},
+            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=4),
+            use_tqdm=False,
+        )
         assert [c.text for c in sampled.outputs] == [expected["tokens"][0]] * 4
         assert received() == [4, 0]
 
-        outputs = llm.generate([{"prompt_token_ids": ids} for ids in TOKEN_PROMPTS], GREEDY,
-                               use_tqdm=False)
+        outputs = llm.generate(
+            [{"prompt_token_ids": ids} for ids in TOKEN_PROMPTS], GREEDY, use_tqdm=False
+        )
         assert [o.outputs[0].text for o in outputs] == expected["tokens"]
         chats = llm.chat(CHATS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].text for o in chats] == expected["chat"]
@@ -182,13 +211,15 @@ def test_offline_dp2_matches_one_engine_and_uses_both(model_dir: Path,
 
 @pytest.mark.slow
 def test_startup_failure_of_two_engines_is_precise_and_leaves_no_process(
-        model_dir: Path, tmp_path: Path) -> None:
+    model_dir: Path, tmp_path: Path
+) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken)
     for weights in broken.glob("*.safetensors"):
         weights.unlink()
-    config = EngineArgs(model=str(broken), max_model_len=MAX_MODEL_LEN,
-                        data_parallel_size=2).create_config()
+    config = EngineArgs(
+        model=str(broken), max_model_len=MAX_MODEL_LEN, data_parallel_size=2
+    ).create_config()
     before = set(multiprocessing.active_children())
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         SyncMPClient(config)
@@ -200,9 +231,16 @@ def test_startup_failure_of_two_engines_is_precise_and_leaves_no_process(
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with launch_server(model_dir, tmp_path_factory.mktemp("dp_server"),
-                       "--data-parallel-size", "2", "--max-model-len", str(MAX_MODEL_LEN),
-                       "--kv-cache-memory", "64MiB") as running:
+    with launch_server(
+        model_dir,
+        tmp_path_factory.mktemp("dp_server"),
+        "--data-parallel-size",
+        "2",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory",
+        "64MiB",
+    ) as running:
         yield running
 
 
@@ -229,17 +267,23 @@ def _environ(pid: int) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_dp_server_spreads_32_concurrent_requests_and_matches_one_engine(
-        server: Server, expected: dict[str, list[str]]) -> None:
+    server: Server, expected: dict[str, list[str]]
+) -> None:
     pids = _engine_pids(server.proc.pid)
     assert len(pids) == 2
     # On CPU the engines split the cores instead of each taking all of them.
     threads = os.environ.get("OMNISERVE_NUM_THREADS") or str(
-        max(1, len(os.sched_getaffinity(0)) // 2))
+        max(1, len(os.sched_getaffinity(0)) // 2)
+    )
     assert [_environ(pid).get("OMNISERVE_NUM_THREADS") for pid in pids] == [threads] * 2
 
     before = server.metrics()
-    greedy: dict[str, Any] = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                              "extra_body": {"ignore_eos": True}}
+    greedy: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "extra_body": {"ignore_eos": True},
+    }
 
     async def run() -> list[str]:
         client = server.async_client()
@@ -249,35 +293,41 @@ def test_dp_server_spreads_32_concurrent_requests_and_matches_one_engine(
             return reply.choices[0].message.content
 
         async def complete(i: int) -> str:  # streamed
-            chunks = await client.completions.create(prompt=TOKEN_PROMPTS[i], stream=True,
-                                                     **greedy)
+            chunks = await client.completions.create(prompt=TOKEN_PROMPTS[i], stream=True, **greedy)
             return "".join([c.choices[0].text async for c in chunks if c.choices])
 
-        results = await asyncio.gather(*(chat(i % 8) if i % 2 else complete(i % 8)
-                                         for i in range(32)))
+        results = await asyncio.gather(
+            *(chat(i % 8) if i % 2 else complete(i % 8) for i in range(32))
+        )
         await client.close()
         return list(results)
 
     results = asyncio.run(run())
-    assert results == [expected["chat"][i % 8] if i % 2 else expected["tokens"][i % 8]
-                       for i in range(32)]
+    assert results == [
+        expected["chat"][i % 8] if i % 2 else expected["tokens"][i % 8] for i in range(32)
+    ]
     after = server.metrics()
     # Counted by the engines themselves, reported per engine on /metrics.
-    served = [metric(after, RECEIVED, engine=e) - metric(before, RECEIVED, engine=e)
-              for e in ("0", "1")]
+    served = [
+        metric(after, RECEIVED, engine=e) - metric(before, RECEIVED, engine=e) for e in ("0", "1")
+    ]
     assert sum(served) == 32 and min(served) >= 8, served
     for engine in ("0", "1"):
         assert metric(after, "omniserve:prefix_cache_queries_total", engine=engine) > 0
-    assert (metric(after, "omniserve:request_success_total", finished_reason="length")
-            - metric(before, "omniserve:request_success_total", finished_reason="length")) == 32
+    assert (
+        metric(after, "omniserve:request_success_total", finished_reason="length")
+        - metric(before, "omniserve:request_success_total", finished_reason="length")
+    ) == 32
 
 
 def _wait_for_idle(server: Server, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         values = server.metrics()
-        busy = sum(metric(values, f"omniserve:{name}") for name in (
-            "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+        busy = sum(
+            metric(values, f"omniserve:{name}")
+            for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        )
         if busy == 0 or time.monotonic() > deadline:
             return values
         time.sleep(0.2)
@@ -292,8 +342,13 @@ def test_dp_server_cancelled_streams_free_kv_on_each_engine(server: Server) -> N
 
         async def read_two_chunks_then_leave(i: int) -> None:
             stream = await client.completions.create(
-                model=MODEL, prompt=f"Keep talking, number {i}", stream=True,
-                max_tokens=MAX_MODEL_LEN - 32, temperature=0.0, extra_body={"ignore_eos": True})
+                model=MODEL,
+                prompt=f"Keep talking, number {i}",
+                stream=True,
+                max_tokens=MAX_MODEL_LEN - 32,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )
             received = 0
             async for _ in stream:
                 received += 1
@@ -310,8 +365,10 @@ def test_dp_server_cancelled_streams_free_kv_on_each_engine(server: Server) -> N
         assert metric(after, RECEIVED, engine=engine) > metric(before, RECEIVED, engine=engine)
         for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
             assert metric(after, f"omniserve:{gauge}", engine=engine) == 0, (gauge, engine)
-    assert (metric(after, "omniserve:request_success_total", finished_reason="abort")
-            - metric(before, "omniserve:request_success_total", finished_reason="abort")) == 16
+    assert (
+        metric(after, "omniserve:request_success_total", finished_reason="abort")
+        - metric(before, "omniserve:request_success_total", finished_reason="abort")
+    ) == 16
 
 
 def _running(pid: int) -> bool:
@@ -326,8 +383,13 @@ def test_dp_server_one_engine_dies_all_go_down_cleanly(server: Server) -> None:
     """Runs last: it kills one of the module's engines."""
     engine_0, engine_1 = _engine_pids(server.proc.pid)
     # An idle pair routes to rank 0; then engine 1, which holds no request, is killed.
-    assert_kill_fails_cleanly(server, engine_1, max_tokens=MAX_MODEL_LEN - 32, temperature=0.0,
-                              extra_body={"ignore_eos": True})
+    assert_kill_fails_cleanly(
+        server,
+        engine_1,
+        max_tokens=MAX_MODEL_LEN - 32,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     deadline = time.monotonic() + 10
     while _running(engine_0):  # the survivor is stopped, not orphaned
         assert time.monotonic() < deadline, "the other engine core outlived the dead one"

@@ -21,12 +21,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def test_examples_are_pure_functions_of_seed_and_index():
     for task in TASKS:
         a, b = make_example(3, 7, task), make_example(3, 7, task)
-        assert (a.question, a.answer, a.image, a.audio) == (
-            b.question, b.answer, b.image, b.audio)
+        assert (a.question, a.answer, a.image, a.audio) == (b.question, b.answer, b.image, b.audio)
         assert a.task == task and a.is_correct(a.answer.upper() + "  ")
         assert not a.is_correct(a.answer + " no")
     assert [make_example(3, i).answer for i in range(8)] != [
-        make_example(4, i).answer for i in range(8)]
+        make_example(4, i).answer for i in range(8)
+    ]
 
 
 def test_training_inputs_are_the_servers_prompt(tiny_checkpoint, monkeypatch):
@@ -43,9 +43,12 @@ def test_training_inputs_are_the_servers_prompt(tiny_checkpoint, monkeypatch):
         for task in TASKS:
             example = make_example(5, 0, task)
             ours = encode(processor, example, with_answer=False)["input_ids"][0].tolist()
-            served = llm.chat(example.messages(), SamplingParams(max_tokens=1),
-                              mm_processor_kwargs=example.mm_processor_kwargs(),
-                              use_tqdm=False)[0].prompt_token_ids
+            served = llm.chat(
+                example.messages(),
+                SamplingParams(max_tokens=1),
+                mm_processor_kwargs=example.mm_processor_kwargs(),
+                use_tqdm=False,
+            )[0].prompt_token_ids
             assert ours == list(served), task
     finally:
         llm.shutdown()
@@ -62,12 +65,18 @@ def test_tower_probes_pool_each_example_and_score_its_facts(tiny_checkpoint):
     checkpoint = tiny_checkpoint(ARCHITECTURE, overrides=MODEL_OVERRIDES)
     processor = AutoProcessor.from_pretrained(checkpoint)
     model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
-        checkpoint, dtype=torch.float32).eval()
+        checkpoint, dtype=torch.float32
+    ).eval()
     probes = TowerProbes(model)
     pad = processor.tokenizer.pad_token_id
-    towers = {"image": {"visual"}, "video": {"visual"}, "audio": {"audio_tower"},
-              "audio_in_video": {"visual", "audio_tower"},
-              "image_audio": {"visual", "audio_tower"}, "text": set()}
+    towers = {
+        "image": {"visual"},
+        "video": {"visual"},
+        "audio": {"audio_tower"},
+        "audio_in_video": {"visual", "audio_tower"},
+        "image_audio": {"visual", "audio_tower"},
+        "text": set(),
+    }
     for task in TASKS:
         examples = [make_example(5, i, task) for i in range(3)]
         encoded = [encode(processor, example) for example in examples]
@@ -93,9 +102,22 @@ def test_train_resume_and_evaluate_scripts(tmp_path):
     train) and publishes a checkpoint, which the evaluation script serves, scores per task and
     records in the model card."""
     out = tmp_path / "out"
-    command = [sys.executable, "scripts/train_demo_model.py", "--steps", "2", "--batch-size", "2",
-               "--warmup", "1", "--save-every", "1", "--out", str(out),
-               "--work-dir", str(tmp_path / "work")]
+    command = [
+        sys.executable,
+        "scripts/train_demo_model.py",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--warmup",
+        "1",
+        "--save-every",
+        "1",
+        "--out",
+        str(out),
+        "--work-dir",
+        str(tmp_path / "work"),
+    ]
     first = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     second = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
@@ -107,8 +129,20 @@ def test_train_resume_and_evaluate_scripts(tmp_path):
     assert "Not evaluated yet" in (out / "README.md").read_text()
 
     scored = subprocess.run(
-        [sys.executable, "scripts/eval_demo_model.py", "--model", str(out), "--per-task", "1",
-         "--card"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "scripts/eval_demo_model.py",
+            "--model",
+            str(out),
+            "--per-task",
+            "1",
+            "--card",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert scored.returncode in (0, 1), scored.stderr[-3000:]  # 1: under the 90% target
     lines = scored.stdout.splitlines()
     assert lines[0].split() == ["task", "accuracy"]

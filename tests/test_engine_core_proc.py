@@ -45,12 +45,20 @@ def _config(model_dir: Path, **kwargs: object) -> OmniConfig:
 
 def _request(i: int, max_tokens: int = 6) -> EngineCoreRequest:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return EngineCoreRequest(f"req-{i}", PROMPTS[i % len(PROMPTS)], params, eos_token_id=None,
-                             arrival_time=time.time(), max_tokens=max_tokens)
+    return EngineCoreRequest(
+        f"req-{i}",
+        PROMPTS[i % len(PROMPTS)],
+        params,
+        eos_token_id=None,
+        arrival_time=time.time(),
+        max_tokens=max_tokens,
+    )
 
 
-def _collect(get_output: Callable[[], EngineCoreOutputs | None], num_requests: int,
-             ) -> dict[str, list[int]]:
+def _collect(
+    get_output: Callable[[], EngineCoreOutputs | None],
+    num_requests: int,
+) -> dict[str, list[int]]:
     """Drive ``get_output`` until ``num_requests`` requests finished; their tokens by id."""
     tokens: dict[str, list[int]] = {}
     finished = 0
@@ -70,11 +78,14 @@ def _assert_gone(proc: multiprocessing.process.BaseProcess) -> None:
 
 
 def test_llm_through_engine_process_matches_in_process(
-        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     prompts = ["Hello there", "The quick brown fox", "1 2 3 4"]
-    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=12, n=2, seed=1),
-              SamplingParams(temperature=0.8, max_tokens=12, seed=7, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, n=2, seed=1),
+        SamplingParams(temperature=0.8, max_tokens=12, seed=7, ignore_eos=True),
+    ]
 
     def run(multiprocessing_on: str) -> list[tuple[list[int], str, str | None]]:
         monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", multiprocessing_on)
@@ -293,8 +304,9 @@ def test_engine_exits_when_parent_is_killed(model_dir: Path) -> None:
         print(client.proc.pid, client.resources.tmpdir, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no finalizers
     """)
-    parent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=120)
+    parent = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert parent.returncode == -signal.SIGKILL, parent.stderr
     engine_pid, ipc_dir = parent.stdout.split()
     deadline = time.monotonic() + 8

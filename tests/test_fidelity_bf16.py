@@ -253,9 +253,11 @@ def test_bf16_served_close_to_transformers(family: Family) -> None:
     bar = max(MAX_MEAN_LOGPROB_DIFF, mean(own_deltas))
     assert mean(deltas) <= bar, (
         f"mean |Δlogprob| {mean(deltas):.3g}; transformers' bf16 vs fp32 "
-        f"{mean(own_deltas):.3g}\n{detail}")
+        f"{mean(own_deltas):.3g}\n{detail}"
+    )
     assert share >= min(0.9, own_share), (
-        f"{share:.0%} identical; transformers' bf16 vs fp32 {own_share:.0%}\n{detail}")
+        f"{share:.0%} identical; transformers' bf16 vs fp32 {own_share:.0%}\n{detail}"
+    )
 
 
 def _as_outputs(reference: list[ReferenceOutput]) -> list[Any]:

@@ -60,18 +60,25 @@ IMAGE, VIDEO, AUDIO = {"type": "image"}, {"type": "video"}, {"type": "audio"}
 
 VL_CASES = [
     Case("image", [_user(IMAGE, TEXT)], {"image": [_image(1, 112, 140)]}),
-    Case("two images", [_user(IMAGE, IMAGE, TEXT)],
-         {"image": [_image(2, 56, 56), _image(3, 200, 120)]}),
+    Case(
+        "two images",
+        [_user(IMAGE, IMAGE, TEXT)],
+        {"image": [_image(2, 56, 56), _image(3, 200, 120)]},
+    ),
     Case("video", [_user(VIDEO, TEXT)], {"video": [_video(4)]}),
-    Case("multi-turn", [_user(IMAGE, TEXT),
-                        {"role": "assistant", "content": [{"type": "text", "text": "A pattern."}]},
-                        _user({"type": "text", "text": "Which colours dominate it?"})],
-         {"image": [_image(5, 84, 84)]}),
+    Case(
+        "multi-turn",
+        [
+            _user(IMAGE, TEXT),
+            {"role": "assistant", "content": [{"type": "text", "text": "A pattern."}]},
+            _user({"type": "text", "text": "Which colours dominate it?"}),
+        ],
+        {"image": [_image(5, 84, 84)]},
+    ),
 ]
 AUDIO_CASES = [
     Case("audio", [_user(AUDIO, TEXT)], {"audio": [_tone(440, 1.0)]}),
-    Case("two audios", [_user(AUDIO, AUDIO, TEXT)],
-         {"audio": [_tone(220, 0.6), _tone(880, 1.7)]}),
+    Case("two audios", [_user(AUDIO, AUDIO, TEXT)], {"audio": [_tone(220, 0.6), _tone(880, 1.7)]}),
 ]
 MODELS = {
     "Qwen2VLForConditionalGeneration": (AutoModelForImageTextToText, VL_CASES),
@@ -92,25 +99,30 @@ def _hf_inputs(processor: Any, text: str, media: dict[str, list[Any]]) -> dict[s
     return processor(text=[text], return_tensors="pt", **kwargs)
 
 
-def _hf_reference(model_cls: Any, model_dir: str, prompts: list[str],
-                  cases: list[Case]) -> list[ReferenceOutput]:
+def _hf_reference(
+    model_cls: Any, model_dir: str, prompts: list[str], cases: list[Case]
+) -> list[ReferenceOutput]:
     processor = AutoProcessor.from_pretrained(model_dir)
     model = model_cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     results = []
     with torch.inference_mode():
         for text, case in zip(prompts, cases, strict=True):
             inputs = _hf_inputs(processor, text, case.media)
-            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True)
-            generated = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+            out = model.generate(
+                **inputs,
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            generated = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
             logprobs = [torch.log_softmax(s[0].float(), dim=-1) for s in out.logits]
             results.append(ReferenceOutput(generated, logprobs[: len(generated)]))
     return results
 
 
 def _engine_prompt(text: str, media: dict[str, list[Any]]) -> dict[str, Any]:
-    data = {m: [(a, 16000) for a in items] if m == "audio" else items
-            for m, items in media.items()}
+    data = {m: [(a, 16000) for a in items] if m == "audio" else items for m, items in media.items()}
     return {"prompt": text, "multi_modal_data": data}
 
 
@@ -120,8 +132,10 @@ def mm_case(request, tiny_checkpoint):
     model_cls, cases = MODELS[arch]
     model_dir = str(tiny_checkpoint(arch))
     processor = AutoProcessor.from_pretrained(model_dir)
-    prompts = [processor.apply_chat_template(c.messages, add_generation_prompt=True,
-                                             tokenize=False) for c in cases]
+    prompts = [
+        processor.apply_chat_template(c.messages, add_generation_prompt=True, tokenize=False)
+        for c in cases
+    ]
     reference = _hf_reference(model_cls, model_dir, prompts, cases)
     engine_prompts = [_engine_prompt(p, c.media) for p, c in zip(prompts, cases, strict=True)]
     return model_dir, engine_prompts, reference
@@ -132,8 +146,12 @@ ENGINE_SHAPES = {
     # An 8-token budget cuts every placeholder range across several steps.
     "chunked": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
     # Room for about one large item: the two-item prompts evict and the batch re-encodes.
-    "tiny encoder cache": {"max_num_encoder_input_tokens": 48, "encoder_cache_size": 48,
-                           "max_num_batched_tokens": 32, "enable_prefix_caching": False},
+    "tiny encoder cache": {
+        "max_num_encoder_input_tokens": 48,
+        "encoder_cache_size": 48,
+        "max_num_batched_tokens": 32,
+        "enable_prefix_caching": False,
+    },
 }
 
 
@@ -154,17 +172,20 @@ def test_different_images_never_share_prefix_blocks(tiny_checkpoint):
     item hashes in the block keys keep the second request from reusing the first one's KV."""
     model_dir = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
     processor = AutoProcessor.from_pretrained(model_dir)
-    text = processor.apply_chat_template([_user(IMAGE, TEXT)], add_generation_prompt=True,
-                                         tokenize=False)
+    text = processor.apply_chat_template(
+        [_user(IMAGE, TEXT)], add_generation_prompt=True, tokenize=False
+    )
     first, second = _image(10, 112, 112), _image(11, 112, 112)
     llm = LLM(model_dir, dtype="float32", block_size=4)
     llm.generate(_engine_prompt(text, {"image": [first]}), GREEDY, use_tqdm=False)
     again = llm.generate(_engine_prompt(text, {"image": [first]}), GREEDY, use_tqdm=False)[0]
     other = llm.generate(_engine_prompt(text, {"image": [second]}), GREEDY, use_tqdm=False)[0]
-    image_start = again.prompt_token_ids.index(processor.tokenizer.convert_tokens_to_ids(
-        "<|image_pad|>"))
+    image_start = again.prompt_token_ids.index(
+        processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    )
     assert again.num_cached_tokens > image_start  # the same image is a prefix hit
     assert other.num_cached_tokens <= image_start  # a different one is not
-    reference = _hf_reference(AutoModelForImageTextToText, model_dir, [text],
-                              [Case("second", [], {"image": [second]})])
+    reference = _hf_reference(
+        AutoModelForImageTextToText, model_dir, [text], [Case("second", [], {"image": [second]})]
+    )
     assert_matches_reference([other], reference)

@@ -65,8 +65,10 @@ def _hf_inputs(processor: Any, text: str, items: list[tuple[str, Any]]) -> dict[
             slots.append(None)
         elif kind == "av":
             audio.append(value[1])
-            slots.append(sum(1 for k, _ in items[: items.index((kind, value)) + 1]
-                             if k in ("video", "av")) - 1)
+            slots.append(
+                sum(1 for k, _ in items[: items.index((kind, value)) + 1] if k in ("video", "av"))
+                - 1
+            )
     kwargs: dict[str, Any] = {}
     if images:
         kwargs["images"] = images
@@ -93,8 +95,11 @@ def _engine_prompt(text: str, items: list[tuple[str, Any]]) -> dict[str, Any]:
             data.setdefault("video", []).append(value[0])
         else:
             data.setdefault("video", []).append((value[0], (value[1], 16000)))
-    prompt: dict[str, Any] = {"prompt": text, "multi_modal_data": data,
-                              "mm_processor_kwargs": {"fps": FPS}}
+    prompt: dict[str, Any] = {
+        "prompt": text,
+        "multi_modal_data": data,
+        "mm_processor_kwargs": {"fps": FPS},
+    }
     if any(k == "av" for k, _ in items):
         prompt["mm_processor_kwargs"]["use_audio_in_video"] = True
     return prompt
@@ -111,9 +116,14 @@ def omni_case(request, tiny_checkpoint):
         for seed, kinds in enumerate(PROMPTS):
             items, text = _media(kinds, seed), _text(processor, kinds)
             inputs = _hf_inputs(processor, text, items)
-            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True)
-            generated = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+            out = model.generate(
+                **inputs,
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            generated = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
             logprobs = [torch.log_softmax(s[0].float(), dim=-1) for s in out.logits]
             reference.append(ReferenceOutput(generated, logprobs[: len(generated)]))
             prompts.append(_engine_prompt(text, items))
@@ -125,8 +135,11 @@ def test_thinker_matches_hf(omni_case, shape):
     model_dir, prompts, reference = omni_case
     # Plain runs without prefix caching so that the repeat below must reuse encoder outputs
     # (with it, the identical prompt would be served from cached KV and encode nothing).
-    kwargs = ({"max_num_batched_tokens": 16, "max_num_seqs": 3} if shape == "chunked"
-              else {"enable_prefix_caching": False})
+    kwargs = (
+        {"max_num_batched_tokens": 16, "max_num_seqs": 3}
+        if shape == "chunked"
+        else {"enable_prefix_caching": False}
+    )
     llm = LLM(model_dir, dtype="float32", **kwargs)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     # Media prompts here run to ~700 tokens through deliberately sharp random weights; batching

@@ -16,8 +16,15 @@ from omniserve import LLM, SamplingParams
 from omniserve.config import ModelConfig
 from tests.server_utils import API_KEY, MODEL, Server, launch_server
 
-RECOMMENDED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05,
-               "max_new_tokens": 5, "do_sample": True, "eos_token_id": [2002, 2000]}
+RECOMMENDED = {
+    "temperature": 0.6,
+    "top_p": 0.95,
+    "top_k": 20,
+    "repetition_penalty": 1.05,
+    "max_new_tokens": 5,
+    "do_sample": True,
+    "eos_token_id": [2002, 2000],
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +36,25 @@ def checkpoint(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -
     return path
 
 
-def test_defaults_come_from_the_checkpoint_unless_turned_off(checkpoint: Path,
-                                                             tmp_path: Path) -> None:
-    expected = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05,
-                "max_tokens": 5}
+def test_defaults_come_from_the_checkpoint_unless_turned_off(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    expected = {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "max_tokens": 5,
+    }
     assert ModelConfig.from_path(str(checkpoint)).default_sampling_params() == expected
-    assert ModelConfig.from_path(str(checkpoint),
-                                 generation_config="vllm").default_sampling_params() == {}
+    assert (
+        ModelConfig.from_path(str(checkpoint), generation_config="vllm").default_sampling_params()
+        == {}
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.1}))
-    assert ModelConfig.from_path(str(checkpoint), generation_config=str(tmp_path)
-                                 ).default_sampling_params() == {"temperature": 0.1}
+    assert ModelConfig.from_path(
+        str(checkpoint), generation_config=str(tmp_path)
+    ).default_sampling_params() == {"temperature": 0.1}
     with pytest.raises(ValueError, match="no generation_config.json there"):
         ModelConfig.from_path(str(checkpoint), generation_config=str(tmp_path / "nowhere"))
 
@@ -48,12 +64,18 @@ def test_offline_defaults(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> 
     llm = LLM(str(checkpoint), max_model_len=256, kv_cache_memory="16MiB")
     try:
         params = llm.get_default_sampling_params()
-        assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty,
-                params.max_tokens) == (0.6, 0.95, 20, 1.05, 5)
+        assert (
+            params.temperature,
+            params.top_p,
+            params.top_k,
+            params.repetition_penalty,
+            params.max_tokens,
+        ) == (0.6, 0.95, 20, 1.05, 5)
         out = llm.generate("Hello", use_tqdm=False)[0].outputs[0]
         assert len(out.token_ids) <= 5
-        explicit = llm.generate("Hello", SamplingParams(max_tokens=7, ignore_eos=True),
-                                use_tqdm=False)[0].outputs[0]
+        explicit = llm.generate(
+            "Hello", SamplingParams(max_tokens=7, ignore_eos=True), use_tqdm=False
+        )[0].outputs[0]
         assert len(explicit.token_ids) == 7
     finally:
         llm.llm_engine.shutdown()
@@ -61,33 +83,52 @@ def test_offline_defaults(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with launch_server(checkpoint, tmp_path_factory.mktemp("genconfig"), "--max-model-len",
-                       "256", "--kv-cache-memory", "16MiB") as running:
+    with launch_server(
+        checkpoint,
+        tmp_path_factory.mktemp("genconfig"),
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "16MiB",
+    ) as running:
         yield running
 
 
 def test_server_applies_and_shows_the_defaults(server: Server) -> None:
-    card = httpx.get(server.url + "/v1/models",
-                     headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0]
+    card = httpx.get(
+        server.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}
+    ).json()["data"][0]
     assert card["default_sampling_params"]["temperature"] == 0.6
-    assert "Default sampling parameters from the checkpoint's generation config" in \
-        server.log.read_text()
+    assert (
+        "Default sampling parameters from the checkpoint's generation config"
+        in server.log.read_text()
+    )
     client = server.client()
     # max_new_tokens 5 caps an omitted max_tokens; a request's own values win.
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
-                                                                   "content": "Hi"}],
-                                          extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], extra_body={"ignore_eos": True}
+    )
     assert chat.usage.completion_tokens == 5
-    longer = client.chat.completions.create(model=MODEL, max_tokens=9, temperature=0.0,
-                                            messages=[{"role": "user", "content": "Hi"}],
-                                            extra_body={"ignore_eos": True})
+    longer = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=9,
+        temperature=0.0,
+        messages=[{"role": "user", "content": "Hi"}],
+        extra_body={"ignore_eos": True},
+    )
     assert longer.usage.completion_tokens == 9
     # The recommended temperature is in force: seeded sampling differs from greedy.
-    greedy = client.completions.create(model=MODEL, prompt="Once", max_tokens=5,
-                                       temperature=0.0, extra_body={"ignore_eos": True})
-    sampled = {client.completions.create(model=MODEL, prompt="Once", max_tokens=5, seed=seed,
-                                         extra_body={"ignore_eos": True}).choices[0].text
-               for seed in range(6)}
+    greedy = client.completions.create(
+        model=MODEL, prompt="Once", max_tokens=5, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    sampled = {
+        client.completions.create(
+            model=MODEL, prompt="Once", max_tokens=5, seed=seed, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+        for seed in range(6)
+    }
     assert sampled != {greedy.choices[0].text}
 
 
@@ -95,6 +136,7 @@ def test_completions_default_to_16_tokens_as_openai(server: Server) -> None:
     """OpenAI's and vLLM's completions API default max_tokens is 16 (the checkpoint's
     max_new_tokens only applies when the request leaves it null)."""
     client = server.client()
-    out = client.completions.create(model=MODEL, prompt="Once", temperature=0.0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL, prompt="Once", temperature=0.0, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 16

@@ -88,13 +88,15 @@ def _imports(path: Path) -> list[tuple[ast.stmt, str, bool]]:
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 continue  # annotations only
             if isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
-                names = ([_root_name(a.name) for a in child.names]
-                         if child.module == "omniserve" else [child.module])
+                names = (
+                    [_root_name(a.name) for a in child.names]
+                    if child.module == "omniserve"
+                    else [child.module]
+                )
                 found.extend((child, name, in_function) for name in names)
             elif isinstance(child, ast.Import):
                 found.extend((child, alias.name, in_function) for alias in child.names)
-            visit(child, in_function or isinstance(child, ast.FunctionDef
-                                                   | ast.AsyncFunctionDef))
+            visit(child, in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef))
 
     visit(ast.parse(path.read_text()), False)
     return [(node, name, fn) for node, name, fn in found if name.split(".")[0] in ROOTS]

@@ -33,26 +33,35 @@ def _assert_all_gone(processes: list[psutil.Process], timeout: float) -> None:
 
 
 def _launch(tiny_checkpoint: Any, tmp_path: Path, *flags: str) -> Any:
-    return launch_server(tiny_checkpoint("Qwen3ForCausalLM"), tmp_path,
-                         "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB",
-                         *flags)
+    return launch_server(
+        tiny_checkpoint("Qwen3ForCausalLM"),
+        tmp_path,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory",
+        "64MiB",
+        *flags,
+    )
 
 
-def test_sigterm_drains_streams_and_refuses_new_requests(tiny_checkpoint: Any,
-                                                         tmp_path: Path) -> None:
+def test_sigterm_drains_streams_and_refuses_new_requests(
+    tiny_checkpoint: Any, tmp_path: Path
+) -> None:
     with _launch(tiny_checkpoint, tmp_path, "--shutdown-timeout", "60") as server:
         children = _descendants(server)
         assert children, "the engine core runs in a child process"
-        stream = server.client().completions.create(model=MODEL, prompt="Go on", stream=True,
-                                                    **LONG)
+        stream = server.client().completions.create(
+            model=MODEL, prompt="Go on", stream=True, **LONG
+        )
         chunks = iter(stream)
         next(chunks)
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)  # the drain starts on the server's next loop turn
         error = assert_error(httpx.get(server.url + "/health", timeout=5), 503)
         assert error["code"] == "server_shutting_down"
-        error = assert_error(server.post("/v1/completions", {"model": MODEL, "prompt": "hi",
-                                                             "max_tokens": 2}), 503)
+        error = assert_error(
+            server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}), 503
+        )
         assert "shutting down" in error["message"]
         assert httpx.get(server.url + "/metrics", timeout=5).status_code == 200
         finish = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -63,12 +72,15 @@ def test_sigterm_drains_streams_and_refuses_new_requests(tiny_checkpoint: Any,
 
 
 def test_sigterm_without_drain_time_ends_streams_with_an_error_event(
-        tiny_checkpoint: Any, tmp_path: Path) -> None:
+    tiny_checkpoint: Any, tmp_path: Path
+) -> None:
     with _launch(tiny_checkpoint, tmp_path) as server:  # --shutdown-timeout 0, as vLLM's
         children = _descendants(server)
         client = server.client()
-        streams = [iter(client.completions.create(model=MODEL, prompt=f"Go on {i}", stream=True,
-                                                  **LONG)) for i in range(3)]
+        streams = [
+            iter(client.completions.create(model=MODEL, prompt=f"Go on {i}", stream=True, **LONG))
+            for i in range(3)
+        ]
         for stream in streams:
             next(stream)
         start = time.monotonic()
@@ -88,8 +100,9 @@ def test_sigkill_of_the_server_leaves_no_orphan(tiny_checkpoint: Any, tmp_path: 
         children = _descendants(server)
         names = " ".join(" ".join(p.cmdline()) for p in children)
         assert len(children) >= 3, names  # the engine core and two workers, at least
-        stream = iter(server.client().completions.create(model=MODEL, prompt="Go on",
-                                                         stream=True, **LONG))
+        stream = iter(
+            server.client().completions.create(model=MODEL, prompt="Go on", stream=True, **LONG)
+        )
         next(stream)
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait(5)

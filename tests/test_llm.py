@@ -183,11 +183,16 @@ def test_allowed_token_ids_bad_words_and_logit_bias(llm):
     ids = base.outputs[0].token_ids
     tokenizer = llm.get_tokenizer()
     allowed = sorted(set(ids[1:4]) | {7})
-    outs = llm.generate(["Tell me"] * 4, [
-        free.clone(allowed_token_ids=allowed),
-        free.clone(bad_words=[tokenizer.decode(ids[:1])]),
-        free.clone(logit_bias={7: 100.0}),
-        free], use_tqdm=False)
+    outs = llm.generate(
+        ["Tell me"] * 4,
+        [
+            free.clone(allowed_token_ids=allowed),
+            free.clone(bad_words=[tokenizer.decode(ids[:1])]),
+            free.clone(logit_bias={7: 100.0}),
+            free,
+        ],
+        use_tqdm=False,
+    )
     assert set(outs[0].outputs[0].token_ids) <= set(allowed)
     assert ids[0] not in outs[1].outputs[0].token_ids[:1]
     assert outs[2].outputs[0].token_ids == [7] * 8
@@ -213,9 +218,13 @@ def test_generate_returns_whole_outputs_whatever_the_output_kind(tiny_checkpoint
     llm = LLM(str(tiny_checkpoint("Qwen3ForCausalLM")), dtype="float32", max_model_len=256,
               kv_cache_memory=8 << 20)  # fmt: skip
     prompt = {"prompt_token_ids": list(range(100, 110))}
-    answers = [llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6,
-                                                   ignore_eos=True, output_kind=kind),
-                            use_tqdm=False)[0].outputs[0]  # fmt: skip
-               for kind in RequestOutputKind]
+    answers = [
+        llm.generate(
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind=kind),
+            use_tqdm=False,
+        )[0].outputs[0]  # fmt: skip
+        for kind in RequestOutputKind
+    ]
     assert all(len(a.token_ids) == 6 for a in answers)
     assert len({(tuple(a.token_ids), a.text) for a in answers}) == 1

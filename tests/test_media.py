@@ -432,8 +432,7 @@ def test_private_addresses_refused_by_default(server: _Server) -> None:
     with _raises("fetch", "image", "which is loopback"):  # IPv4-mapped IPv6
         connector.fetch_image(_url(server, "/p.png", host="[::ffff:127.0.0.1]"))
     # IPv4 embedded in IPv6: 6to4, NAT64 and Teredo (client 127.0.1.1, stored inverted).
-    for host in ("[2002:7f00:1::]", "[64:ff9b::7f00:1]",
-                 "[2001:0:4136:e378:8000:63bf:80ff:fefe]"):
+    for host in ("[2002:7f00:1::]", "[64:ff9b::7f00:1]", "[2001:0:4136:e378:8000:63bf:80ff:fefe]"):
         with _raises("fetch", "image", "which is loopback"):
             connector.fetch_image(_url(server, "/p.png", host=host))
     for host, kind in (
@@ -608,8 +607,12 @@ def test_audio_longer_than_the_limit_is_refused_before_resampling() -> None:
     """2 KB of WAV declared at 1 Hz is 2,000 s of audio: refused at decode, not resampled."""
     tiny_rate = _sf_bytes(np.zeros(2000, dtype=np.float32), 1, "WAV", "PCM_16")
     connector = MediaConnector()
-    with _raises("decode", "audio", r"lasts 2000\.0 s, over the limit of 600 s "
-                                    r"\(--media-io-kwargs \{\"audio\": \{\"max_seconds\""):
+    with _raises(
+        "decode",
+        "audio",
+        r"lasts 2000\.0 s, over the limit of 600 s "
+        r"\(--media-io-kwargs \{\"audio\": \{\"max_seconds\"",
+    ):
         connector.load_audio_bytes(tiny_rate)
     short = MediaConnector(MediaConfig(max_audio_seconds=0.5))
     with _raises("decode", "audio", "over the limit of 0.5 s"):
@@ -618,25 +621,31 @@ def test_audio_longer_than_the_limit_is_refused_before_resampling() -> None:
 
 
 def test_video_budgets_refuse_from_the_header_before_decoding(
-        mp4: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    mp4: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """30 frames of 64x48 at 10 fps (3 s), with 3 s of 16 kHz audio."""
+
     def never(*args: object) -> None:
         raise AssertionError("decoded a video its header already put over budget")
 
     with monkeypatch.context() as patch:
         patch.setattr(media_io, "_decode_pass", never)
-        for options, needle in [({"max_frames": 29}, "30 or more frames, over the limit of 29"),
-                                ({"max_seconds": 2.5}, "lasts 3.0 s, over the limit of 2.5 s"),
-                                ({"max_total_pixels": 64 * 48 * 29},
-                                 f"{64 * 48 * 30} or more pixels, over the limit")]:
+        for options, needle in [
+            ({"max_frames": 29}, "30 or more frames, over the limit of 29"),
+            ({"max_seconds": 2.5}, "lasts 3.0 s, over the limit of 2.5 s"),
+            ({"max_total_pixels": 64 * 48 * 29}, f"{64 * 48 * 30} or more pixels, over the limit"),
+        ]:
             connector = MediaConnector(MediaConfig.from_options({"video": options}))
             key = next(iter(options))
             with _raises("decode", "video", needle):
                 connector.load_video_bytes(mp4)
             with pytest.raises(MultiModalInputError, match=f'"video": {{"{key}"'):
                 connector.load_video_bytes(mp4)
-    within = MediaConnector(MediaConfig.from_options(
-        {"video": {"max_frames": 30, "max_seconds": 3.0, "max_total_pixels": 64 * 48 * 30}}))
+    within = MediaConnector(
+        MediaConfig.from_options(
+            {"video": {"max_frames": 30, "max_seconds": 3.0, "max_total_pixels": 64 * 48 * 30}}
+        )
+    )
     assert len(within.load_video_bytes(mp4).frame_indices) == 30
 
 
@@ -647,8 +656,12 @@ def test_video_budgets_hold_when_the_header_says_nothing(mp4: bytes) -> None:
         patch.setattr(media_io, "_stream_seconds", lambda *args: None)
         with _raises("decode", "video", "25 or more frames, over the limit of 24"):
             MediaConnector(MediaConfig(max_video_frames=24)).load_video_bytes(mkv)
-        with _raises("decode", "video", r"the video's audio track lasts at least 2\.\d s, over "
-                                        r"the limit of 2\.5 s \(--media-io-kwargs \{\"audio\""):
+        with _raises(
+            "decode",
+            "video",
+            r"the video's audio track lasts at least 2\.\d s, over "
+            r"the limit of 2\.5 s \(--media-io-kwargs \{\"audio\"",
+        ):
             MediaConnector(MediaConfig(max_audio_seconds=2.5)).load_video_bytes(mp4)
     with _raises("decode", "video", r"the video's audio track lasts 3\.0 s, over the limit"):
         MediaConnector(MediaConfig(max_audio_seconds=2.5)).load_video_bytes(mp4)
@@ -663,27 +676,43 @@ def test_audio_through_pyav_is_refused_from_its_header(mp4: bytes) -> None:
 
 
 def test_media_io_kwargs_and_vllm_timeout_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = MediaConfig.from_options({"image": {"max_pixels": 1000, "max_bytes": 10},
-                                       "video": {"num_frames": 8}})
+    config = MediaConfig.from_options(
+        {"image": {"max_pixels": 1000, "max_bytes": 10}, "video": {"num_frames": 8}}
+    )
     assert (config.max_image_pixels, config.image_max_bytes, config.video_num_frames) == (
-        1000, 10, 8)
+        1000,
+        10,
+        8,
+    )
     for options, needle in [
-            ({"picture": {}}, "'picture' is not a modality; use image, audio, video"),
-            ({"video": {"fps": 2}}, "video.fps is not an option; video takes num_frames"),
-            ({"video": 16}, "'video' must map to an object"),
-            ({"audio": {"max_seconds": -1}},
-             r'--media-io-kwargs \{"audio": \{"max_seconds": \.\.\.\}\} must be > 0'),
-            ({"video": {"num_frames": 2.5}}, r'\{"video": \{"num_frames": \.\.\.\}\} must be a '
-                                             "number"),
-            ({"image": {"max_pixels": True}}, r'\{"image": \{"max_pixels": \.\.\.\}\} must be a '
-                                              "number")]:
+        ({"picture": {}}, "'picture' is not a modality; use image, audio, video"),
+        ({"video": {"fps": 2}}, "video.fps is not an option; video takes num_frames"),
+        ({"video": 16}, "'video' must map to an object"),
+        (
+            {"audio": {"max_seconds": -1}},
+            r'--media-io-kwargs \{"audio": \{"max_seconds": \.\.\.\}\} must be > 0',
+        ),
+        (
+            {"video": {"num_frames": 2.5}},
+            r'\{"video": \{"num_frames": \.\.\.\}\} must be a '
+            "number",
+        ),
+        (
+            {"image": {"max_pixels": True}},
+            r'\{"image": \{"max_pixels": \.\.\.\}\} must be a '
+            "number",
+        ),
+    ]:
         with pytest.raises(ValueError, match=needle):
             MediaConfig.from_options(options)
     monkeypatch.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "2.5")
     monkeypatch.setenv("VLLM_VIDEO_FETCH_TIMEOUT", "90")
     config = MediaConfig.from_options()
     assert (config.image_timeout_s, config.audio_timeout_s, config.video_timeout_s) == (
-        2.5, 10, 90.0)
+        2.5,
+        10,
+        90.0,
+    )
     monkeypatch.setenv("VLLM_AUDIO_FETCH_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="VLLM_AUDIO_FETCH_TIMEOUT must be a number"):
         MediaConfig.from_options()

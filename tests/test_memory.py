@@ -58,8 +58,14 @@ def realvocab_checkpoint() -> str:
     built once into the cache dir."""
     from omniserve.checkpoint_builder import build_realsize_checkpoint
 
-    overrides = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
-                 "num_attention_heads": 8, "num_key_value_heads": 2, "tie_word_embeddings": False}
+    overrides = {
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+    }
     return str(build_realsize_checkpoint("qwen2.5-1.5b", overrides=overrides))
 
 
@@ -87,8 +93,13 @@ def test_a_model_that_cannot_fit_names_its_needs(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(MemoryError) as error:
         memory.check_model_fits(6 << 30, 1 << 30, "float32", 32768)
     message = str(error.value)
-    for expected in ("6.00 GiB in float32", "one 32768-token sequence needs 1.00 GiB",
-                     "only 3.00 GiB is available", "--max-model-len", "--dtype bfloat16"):
+    for expected in (
+        "6.00 GiB in float32",
+        "one 32768-token sequence needs 1.00 GiB",
+        "only 3.00 GiB is available",
+        "--max-model-len",
+        "--dtype bfloat16",
+    ):
         assert expected in message, message
     memory.check_model_fits(1 << 30, 1 << 29, "bfloat16", 4096)  # 2.5 GiB of 3: fits
 
@@ -106,13 +117,18 @@ def test_gpu_kv_budget_from_a_profile() -> None:
     torch and the encoder cache at capacity."""
     total = 80 << 30
     assert memory.gpu_kv_budget(total, 0.9, 20 << 30, 1 << 30, 1 << 30) == int(total * 0.9) - (
-        22 << 30)
+        22 << 30
+    )
     with pytest.raises(MemoryError) as error:
         memory.gpu_kv_budget(total, 0.5, 39 << 30, 1 << 30, 1 << 29)
     message = str(error.value)
-    for expected in ("--gpu-memory-utilization 0.5 of 80.00 GiB is 40.00 GiB",
-                     "took 39.00 GiB", "1.00 GiB is held outside torch",
-                     "encoder cache needs 0.50 GiB", "--max-num-batched-tokens"):
+    for expected in (
+        "--gpu-memory-utilization 0.5 of 80.00 GiB is 40.00 GiB",
+        "took 39.00 GiB",
+        "1.00 GiB is held outside torch",
+        "encoder cache needs 0.50 GiB",
+        "--max-num-batched-tokens",
+    ):
         assert expected in message, message
 
 

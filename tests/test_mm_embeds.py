@@ -30,8 +30,7 @@ TONE = (np.sin(np.linspace(0, 400 * np.pi, 16000)).astype(np.float32), 16000)
 def _llm(path: Any, **kwargs: Any) -> LLM:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
-        return LLM(str(path), dtype="float32", max_model_len=512, kv_cache_memory="16MiB",
-                   **kwargs)
+        return LLM(str(path), dtype="float32", max_model_len=512, kv_cache_memory="16MiB", **kwargs)
 
 
 def _encoder_output(llm: LLM, prompt: dict[str, Any], modality: str) -> dict[str, Any]:
@@ -42,7 +41,8 @@ def _encoder_output(llm: LLM, prompt: dict[str, Any], modality: str) -> dict[str
     with torch.no_grad():
         (output,) = model.get_multimodal_embeddings(modality, [feature.data])
     return {key: value for key, value in feature.data.items() if key.endswith("_grid_thw")} | {
-        f"{modality}_embeds": output}
+        f"{modality}_embeds": output
+    }
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +56,21 @@ def _same_answer(llm: LLM, prompt: str, modality: str, item: Any) -> None:
     media = {"prompt": prompt, "multi_modal_data": {modality: item}}
     direct = llm.generate(media, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     embeds = _encoder_output(llm, media, modality)
-    given = llm.generate({"prompt": prompt, "multi_modal_data": {modality: embeds}}, GREEDY,
-                         use_tqdm=False)[0].outputs[0].token_ids
+    given = (
+        llm.generate(
+            {"prompt": prompt, "multi_modal_data": {modality: embeds}}, GREEDY, use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert given == direct
 
 
 def test_image_embeds_answer_as_the_image(vl: LLM, tiny_checkpoint: Any) -> None:
     _same_answer(vl, VL_PROMPT, "image", IMAGE)
-    omni = _llm(tiny_checkpoint("Qwen2_5OmniThinkerForConditionalGeneration"),
-                enable_mm_embeds=True)
+    omni = _llm(
+        tiny_checkpoint("Qwen2_5OmniThinkerForConditionalGeneration"), enable_mm_embeds=True
+    )
     _same_answer(omni, "<|vision_bos|><|IMAGE|><|vision_eos|>What is it?", "image", IMAGE)
     omni.llm_engine.shutdown()
 
@@ -76,8 +82,7 @@ def test_audio_embeds_answer_as_the_clip(tiny_checkpoint: Any) -> None:
 
 
 def test_bad_embeds_are_errors_naming_the_item(vl: LLM, tiny_checkpoint: Any) -> None:
-    good = _encoder_output(vl, {"prompt": VL_PROMPT, "multi_modal_data": {"image": IMAGE}},
-                           "image")
+    good = _encoder_output(vl, {"prompt": VL_PROMPT, "multi_modal_data": {"image": IMAGE}}, "image")
     rows, hidden = good["image_embeds"].shape
     for change, needle in (
         ({"image_embeds": torch.zeros(rows, hidden + 1)}, rf"\[num_embeds, {hidden}\]"),
@@ -88,19 +93,29 @@ def test_bad_embeds_are_errors_naming_the_item(vl: LLM, tiny_checkpoint: Any) ->
     ):
         item = {key: value for key, value in {**good, **change}.items() if value is not None}
         with pytest.raises(MultiModalInputError, match=needle):
-            vl.generate({"prompt": VL_PROMPT, "multi_modal_data": {"image": item}}, GREEDY,
-                        use_tqdm=False)
+            vl.generate(
+                {"prompt": VL_PROMPT, "multi_modal_data": {"image": item}}, GREEDY, use_tqdm=False
+            )
     path = str(tiny_checkpoint("Qwen3OmniMoeThinkerForConditionalGeneration"))
     qwen3_omni = MULTIMODAL_REGISTRY.create_processor(
-        ModelConfig.from_path(path), get_tokenizer(path), enable_mm_embeds=True)
+        ModelConfig.from_path(path), get_tokenizer(path), enable_mm_embeds=True
+    )
     hidden = qwen3_omni.info.ctx.hf_config.get_text_config().hidden_size
     with pytest.raises(MultiModalInputError, match="Qwen3-Omni takes no precomputed image"):
-        qwen3_omni.apply("<|vision_start|><|image_pad|><|vision_end|>", {"image": {
-            "image_embeds": torch.zeros(4, hidden), "image_grid_thw": torch.tensor([1, 4, 4])}})
+        qwen3_omni.apply(
+            "<|vision_start|><|image_pad|><|vision_end|>",
+            {
+                "image": {
+                    "image_embeds": torch.zeros(4, hidden),
+                    "image_grid_thw": torch.tensor([1, 4, 4]),
+                }
+            },
+        )
     plain = _llm(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
     with pytest.raises(MultiModalInputError, match="--enable-mm-embeds"):
-        plain.generate({"prompt": VL_PROMPT, "multi_modal_data": {"image": good}}, GREEDY,
-                       use_tqdm=False)
+        plain.generate(
+            {"prompt": VL_PROMPT, "multi_modal_data": {"image": good}}, GREEDY, use_tqdm=False
+        )
     plain.llm_engine.shutdown()
 
 
@@ -110,25 +125,46 @@ def _b64(tensor: torch.Tensor) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def test_embeds_parts_over_the_api(vl: LLM, tiny_checkpoint: Any,
-                                   tmp_path_factory: pytest.TempPathFactory) -> None:
-    embeds = _encoder_output(vl, {"prompt": VL_PROMPT, "multi_modal_data": {"image": IMAGE}},
-                             "image")
-    part = {"type": "image_embeds", "image_embeds": {
-        name: _b64(value) for name, value in embeds.items()}}
-    with launch_server(tiny_checkpoint("Qwen2VLForConditionalGeneration"),
-                       tmp_path_factory.mktemp("embeds"), "--max-model-len", "512",
-                       "--kv-cache-memory", "16MiB", "--dtype", "float32",
-                       "--enable-mm-embeds") as server:
+def test_embeds_parts_over_the_api(
+    vl: LLM, tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    embeds = _encoder_output(
+        vl, {"prompt": VL_PROMPT, "multi_modal_data": {"image": IMAGE}}, "image"
+    )
+    part = {
+        "type": "image_embeds",
+        "image_embeds": {name: _b64(value) for name, value in embeds.items()},
+    }
+    with launch_server(
+        tiny_checkpoint("Qwen2VLForConditionalGeneration"),
+        tmp_path_factory.mktemp("embeds"),
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory",
+        "16MiB",
+        "--dtype",
+        "float32",
+        "--enable-mm-embeds",
+    ) as server:
+
         def ask(content: list[dict[str, Any]]) -> Any:
-            return server.post("/v1/chat/completions", {
-                "model": MODEL, "max_tokens": 4, "temperature": 0.0,
-                "messages": [{"role": "user", "content": content}]})
+            return server.post(
+                "/v1/chat/completions",
+                {
+                    "model": MODEL,
+                    "max_tokens": 4,
+                    "temperature": 0.0,
+                    "messages": [{"role": "user", "content": content}],
+                },
+            )
 
         answer = ask([part, {"type": "text", "text": "What is it?"}])
         assert answer.status_code == 200, answer.text
-        assert answer.json()["usage"]["prompt_tokens_details"]["image_tokens"] == \
-            embeds["image_embeds"].shape[0]
-        error = assert_error(ask([{"type": "image_embeds", "image_embeds": "bm90IGEgdGVuc29y"}]),
-                             400)
+        assert (
+            answer.json()["usage"]["prompt_tokens_details"]["image_tokens"]
+            == embeds["image_embeds"].shape[0]
+        )
+        error = assert_error(
+            ask([{"type": "image_embeds", "image_embeds": "bm90IGEgdGVuc29y"}]), 400
+        )
         assert "messages[0].content[0]" in error["message"] and "torch.save" in error["message"]

@@ -24,15 +24,18 @@ PROMPT = "<|vision_start|><|image_pad|><|vision_end|>What is it?"
 def llm(tiny_checkpoint: Any) -> Any:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
-        engine = LLM(str(tiny_checkpoint("Qwen2VLForConditionalGeneration")), dtype="float32",
-                     max_model_len=512, kv_cache_memory="16MiB")
+        engine = LLM(
+            str(tiny_checkpoint("Qwen2VLForConditionalGeneration")),
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory="16MiB",
+        )
     yield engine
     engine.llm_engine.shutdown()
 
 
 def _ask(llm: LLM, images: list[Any], uuids: list[str | None] | None = None) -> list[int]:
-    prompt: dict[str, Any] = {"prompt": PROMPT * len(images),
-                              "multi_modal_data": {"image": images}}
+    prompt: dict[str, Any] = {"prompt": PROMPT * len(images), "multi_modal_data": {"image": images}}
     if uuids is not None:
         prompt["multi_modal_uuids"] = {"image": uuids}
     return llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -51,14 +54,18 @@ def test_an_item_sent_by_uuid_alone_is_the_one_sent_before(llm: LLM) -> None:
     assert _ask(llm, [other], ["photo-1"]) == direct
 
 
-@pytest.mark.parametrize(("images", "uuids", "needle"), [
-    ([None], ["never-sent"], "no image is kept under uuid 'never-sent'"),
-    ([None], [None], "item 0 has neither data nor a uuid"),
-    ([IMAGE, IMAGE], ["a"], "one uuid .* or None per item: 1 for 2 items"),
-    ([IMAGE], [""], "non-empty string"),
-])
-def test_bad_uuids_are_errors_naming_the_item(llm: LLM, images: list, uuids: list,
-                                               needle: str) -> None:
+@pytest.mark.parametrize(
+    ("images", "uuids", "needle"),
+    [
+        ([None], ["never-sent"], "no image is kept under uuid 'never-sent'"),
+        ([None], [None], "item 0 has neither data nor a uuid"),
+        ([IMAGE, IMAGE], ["a"], "one uuid .* or None per item: 1 for 2 items"),
+        ([IMAGE], [""], "non-empty string"),
+    ],
+)
+def test_bad_uuids_are_errors_naming_the_item(
+    llm: LLM, images: list, uuids: list, needle: str
+) -> None:
     with pytest.raises(MultiModalInputError, match=needle):
         _ask(llm, images, uuids)
 
@@ -67,16 +74,26 @@ def test_the_api_reuses_parts_by_uuid(default_server: Server) -> None:
     url = "data:image/png;base64," + base64.b64encode(_png(IMAGE)).decode()
 
     def ask(part: dict[str, Any]) -> Any:
-        return default_server.post("/v1/chat/completions", {
-            "model": MODEL, "max_tokens": 5, "temperature": 0.0,
-            "messages": [{"role": "user", "content": [
-                part, {"type": "text", "text": "What is it?"}]}]})
+        return default_server.post(
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "max_tokens": 5,
+                "temperature": 0.0,
+                "messages": [
+                    {"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}
+                ],
+            },
+        )
 
     first = ask({"type": "image_url", "image_url": {"url": url}, "uuid": "api-photo"}).json()
     again = ask({"type": "image_url", "image_url": None, "uuid": "api-photo"}).json()
     assert again["choices"][0]["message"] == first["choices"][0]["message"]
-    assert again["usage"]["prompt_tokens_details"]["image_tokens"] == \
-        first["usage"]["prompt_tokens_details"]["image_tokens"] > 0
+    assert (
+        again["usage"]["prompt_tokens_details"]["image_tokens"]
+        == first["usage"]["prompt_tokens_details"]["image_tokens"]
+        > 0
+    )
     error = assert_error(ask({"type": "image_url", "uuid": "unknown"}), 400)
     assert "messages[0].content[0]" in error["message"] and "uuid 'unknown'" in error["message"]
     error = assert_error(ask({"type": "image_url", "image_url": {"url": url}, "uuid": 7}), 400)

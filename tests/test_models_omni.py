@@ -378,11 +378,13 @@ def test_full_model_checkpoint_loads_the_thinker_only(
     assert {name.split(".")[0] for name in state} == {"thinker", "talker", vocoder}
     # A full model speaks: it loads the speech half, unless audio output is off
     # (transformers' enable_audio_output, which --disable-audio-output sets).
-    assert {"talker", vocoder} <= {n.split(".")[0] for n, _ in
-                                   load_ours(full_dir).named_parameters()}
+    assert {"talker", vocoder} <= {
+        n.split(".")[0] for n, _ in load_ours(full_dir).named_parameters()
+    }
     config = json.loads((full_dir / "config.json").read_text())
-    full_dir = _write_checkpoint(tmp_path / "silent", {**config, "enable_audio_output": False},
-                                 state)
+    full_dir = _write_checkpoint(
+        tmp_path / "silent", {**config, "enable_audio_output": False}, state
+    )
     with caplog.at_level(logging.INFO, logger="model_zoo.qwen2_5_omni_thinker"):
         full = load_ours(full_dir)
     for submodel in ("talker", vocoder):  # named and counted in the log, not skipped silently

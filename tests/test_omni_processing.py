@@ -374,8 +374,9 @@ def test_requests_set_only_the_declared_processor_options(make_processor, arch: 
     from omniserve.multimodal.errors import MultiModalInputError
 
     info = make_processor(arch).info
-    info.check_request_kwargs({"max_pixels": 3136, "num_frames": 4, "fps": 2,
-                               "use_audio_in_video": True})
+    info.check_request_kwargs(
+        {"max_pixels": 3136, "num_frames": 4, "fps": 2, "use_audio_in_video": True}
+    )
     for kwargs, phrase in (
         ({"n_window": 1}, "mm_processor_kwargs.n_window is not a per-request option"),
         ({"return_tensors": "np"}, "mm_processor_kwargs.return_tensors is not"),
@@ -393,10 +394,11 @@ def test_server_kwargs_may_not_change_what_the_encoder_fixes(tiny_checkpoint: An
     from omniserve.engine.processor import Processor
 
     path = str(tiny_checkpoint(QWEN3))
-    for kwargs, needle in [({"n_window": 25}, "n_window is fixed by the checkpoint's encoder"),
-                           ({"patch_size": 16}, "patch_size is fixed"),
-                           ({"max_pixels": -5}, "mm_processor_kwargs.max_pixels must be an "
-                                                "integer in")]:
+    for kwargs, needle in [
+        ({"n_window": 25}, "n_window is fixed by the checkpoint's encoder"),
+        ({"patch_size": 16}, "patch_size is fixed"),
+        ({"max_pixels": -5}, "mm_processor_kwargs.max_pixels must be an integer in"),
+    ]:
         config = EngineArgs(path, mm_processor_kwargs=kwargs).create_config()
         with pytest.raises(ValueError, match=needle):
             Processor(config)

@@ -28,8 +28,10 @@ WAIT_S = 60
 def browser() -> Iterator[Any]:
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (chromium and driver):
-        pytest.skip("no headless browser: Debian's chromium and chromium-driver are not "
-                    "installed (the README's test command installs them with apt-get)")
+        pytest.skip(
+            "no headless browser: Debian's chromium and chromium-driver are not "
+            "installed (the README's test command installs them with apt-get)"
+        )
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -51,12 +53,12 @@ def _wait(browser: Any, script: str) -> Any:
     from selenium.webdriver.support.ui import WebDriverWait
 
     return WebDriverWait(browser, WAIT_S, poll_frequency=0.1).until(
-        lambda b: b.execute_script(f"return {script};"))
+        lambda b: b.execute_script(f"return {script};")
+    )
 
 
 def _console_errors(browser: Any) -> list[str]:
-    return [entry["message"] for entry in browser.get_log("browser")
-            if entry["level"] == "SEVERE"]
+    return [entry["message"] for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
 
 
 def _ask(browser: Any, text: str) -> Any:
@@ -66,9 +68,12 @@ def _ask(browser: Any, text: str) -> Any:
     before = len(browser.find_elements(By.CSS_SELECTOR, "#chat .message"))
     browser.find_element(By.ID, "prompt").send_keys(text)
     browser.find_element(By.ID, "send").click()
-    _wait(browser, "document.querySelector('#chat .message:last-child')?.dataset.done === 'true'"
-                   " || document.querySelector('#chat .message:last-child')?.dataset.role"
-                   " === 'error'")
+    _wait(
+        browser,
+        "document.querySelector('#chat .message:last-child')?.dataset.done === 'true'"
+        " || document.querySelector('#chat .message:last-child')?.dataset.role"
+        " === 'error'",
+    )
     messages = browser.find_elements(By.CSS_SELECTOR, "#chat .message")
     assert len(messages) > before
     return messages[-1]
@@ -117,8 +122,10 @@ def test_playground_in_a_browser(default_server, browser, tmp_path):
               new MutationObserver(() => window.updates++).observe(
                 n.querySelector('.body'), {childList: true, characterData: true, subtree: true});
         }).observe(document.getElementById('chat'), {childList: true});""")
-    browser.execute_script("document.getElementById('temperature').value = '0';"
-                           "document.getElementById('max_tokens').value = '12';")
+    browser.execute_script(
+        "document.getElementById('temperature').value = '0';"
+        "document.getElementById('max_tokens').value = '12';"
+    )
     reply = _ask(browser, "Hello there")
     assert reply.get_attribute("data-role") == "assistant"
     assert reply.find_element(By.CSS_SELECTOR, ".body").text
@@ -134,11 +141,24 @@ def test_playground_in_a_browser(default_server, browser, tmp_path):
     reply = _ask(browser, "What do you see and hear?")
     assert reply.get_attribute("data-role") == "assistant", reply.text
     usage = reply.find_element(By.CSS_SELECTOR, ".usage")
-    expected = server.client().chat.completions.create(
-        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": _data_url(image, "image/png")}},
-            {"type": "audio_url", "audio_url": {"url": _data_url(sound, "audio/wav")}},
-            {"type": "text", "text": "What do you see and hear?"}]}]).usage
+    expected = (
+        server.client()
+        .chat.completions.create(
+            model=MODEL,
+            max_tokens=1,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": _data_url(image, "image/png")}},
+                        {"type": "audio_url", "audio_url": {"url": _data_url(sound, "audio/wav")}},
+                        {"type": "text", "text": "What do you see and hear?"},
+                    ],
+                }
+            ],
+        )
+        .usage
+    )
     assert int(usage.get_attribute("data-prompt")) == expected.prompt_tokens
     assert int(usage.get_attribute("data-image")) == expected.prompt_tokens_details.image_tokens
     assert int(usage.get_attribute("data-audio")) == expected.prompt_tokens_details.audio_tokens
@@ -155,10 +175,22 @@ def test_playground_in_a_browser(default_server, browser, tmp_path):
     _wait(browser, "document.querySelectorAll('#attachments .chip').length === 1")
     reply = _ask(browser, "And this?")
     assert reply.get_attribute("data-role") == "error"
-    refused = server.post("/v1/chat/completions", {
-        "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": _data_url(broken, "image/png")}},
-            {"type": "text", "text": "And this?"}]}]})
+    refused = server.post(
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "max_tokens": 1,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": _data_url(broken, "image/png")}},
+                        {"type": "text", "text": "And this?"},
+                    ],
+                }
+            ],
+        },
+    )
     assert refused.status_code == 400
     assert reply.text == refused.json()["error"]["message"]
     assert "messages[0].content[0]: image decode error" in reply.text
@@ -170,19 +202,30 @@ def test_playground_assets_and_opt_out(default_server, tmp_path):
     page = httpx.get(default_server.url + "/", timeout=10)
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert "/playground/playground.js" in page.text and "https://" not in page.text
-    for asset, media_type in (("playground.js", "text/javascript"),
-                              ("playground.css", "text/css")):
+    for asset, media_type in (("playground.js", "text/javascript"), ("playground.css", "text/css")):
         response = httpx.get(f"{default_server.url}/playground/{asset}", timeout=10)
         assert response.status_code == 200 and media_type in response.headers["content-type"]
         assert "https://" not in response.text  # nothing from a CDN
     assert httpx.get(default_server.url + "/playground/nope.js", timeout=10).status_code == 404
     info = httpx.get(default_server.url + "/playground/info", timeout=10).json()
     assert info == {"api_key_required": True}  # nothing about the model without the key
-    info = httpx.get(default_server.url + "/playground/info", timeout=10,
-                     headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    info = httpx.get(
+        default_server.url + "/playground/info",
+        timeout=10,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()
     assert info["model"] == MODEL and info["max_model_len"] == 1024 and info["voices"] == []
     assert set(info["media"]) == {"image", "audio", "video"}
-    with launch_server(None, tmp_path, "--dtype", "float32", "--max-model-len", "256",
-                       "--kv-cache-memory", "8MiB", "--no-playground") as bare:
+    with launch_server(
+        None,
+        tmp_path,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "8MiB",
+        "--no-playground",
+    ) as bare:
         assert httpx.get(bare.url + "/", timeout=10).status_code == 404
         assert httpx.get(bare.url + "/playground/info", timeout=10).status_code == 404

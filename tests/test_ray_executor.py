@@ -21,8 +21,9 @@ def test_ray_tp2_matches_tp1_and_hf(tiny_checkpoint, monkeypatch):
     llm = LLM(model_dir, dtype="float32")
     tp1 = llm.generate(prompts, GREEDY, use_tqdm=False)
     llm.shutdown()
-    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=2,
-              distributed_executor_backend="ray")
+    llm = LLM(
+        model_dir, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray"
+    )
     try:
         tp2 = llm.generate(prompts, GREEDY, use_tqdm=False)
     finally:

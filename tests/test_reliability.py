@@ -38,15 +38,21 @@ ENGINE_KILLERS = [
 
 
 @pytest.mark.parametrize(("name", "value", "extra"), ENGINE_KILLERS)
-def test_values_the_sampler_cannot_compute_with_are_refused(name: str, value: Any,
-                                                            extra: dict[str, Any]) -> None:
+def test_values_the_sampler_cannot_compute_with_are_refused(
+    name: str, value: Any, extra: dict[str, Any]
+) -> None:
     with pytest.raises(ValueError, match=f"^{name} must be"):
         SamplingParams(**{name: value, **extra})
 
 
 def test_boundary_values_are_accepted_and_n_children_seeds_wrap() -> None:
-    SamplingParams(temperature=FP32_MAX, repetition_penalty=FP32_TINY, top_p=FP32_TINY,
-                   top_k=2**31 - 1, seed=-(2**63))
+    SamplingParams(
+        temperature=FP32_MAX,
+        repetition_penalty=FP32_TINY,
+        top_p=FP32_TINY,
+        top_k=2**31 - 1,
+        seed=-(2**63),
+    )
     params = SamplingParams(n=3, seed=2**64 - 1, temperature=1.0)
     assert [params.child_seed(i) for i in range(3)] == [2**64 - 1, 0, 1]
     with pytest.raises(ValueError, match="^n must be"):
@@ -55,6 +61,7 @@ def test_boundary_values_are_accepted_and_n_children_seeds_wrap() -> None:
 
 def _extreme_params(rng: random.Random) -> SamplingParams:
     """Random parameters at and near the edges of what validation accepts."""
+
     def pick(*values: float) -> float:
         return rng.choice(values)
 
@@ -82,8 +89,9 @@ def test_sampler_fuzz_always_returns_in_range_tokens() -> None:
         params = [_extreme_params(rng) for _ in range(rng.randint(1, 6))]
         prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 8))] for _ in params]
         outputs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 4))] for _ in params]
-        metadata = make_metadata(params, prompts=prompts, outputs=outputs, vocab_size=vocab,
-                                 eos_token_id=0)
+        metadata = make_metadata(
+            params, prompts=prompts, outputs=outputs, vocab_size=vocab, eos_token_id=0
+        )
         logits = torch.randn(len(params), vocab) * rng.choice([1.0, 30.0, 1e4])
         special = rng.choice(["none", "inf", "nan", "masked", "huge"])
         if special == "inf":
@@ -128,8 +136,7 @@ def _poison_runner(monkeypatch: pytest.MonkeyPatch, calls: list[int]) -> None:
     poisoned: set[str] = set()
 
     def execute_model(self: ModelRunner, so: SchedulerOutput) -> Any:
-        poisoned.update(r.req_id for r in so.scheduled_new_reqs
-                        if r.prompt_token_ids[0] == POISON)
+        poisoned.update(r.req_id for r in so.scheduled_new_reqs if r.prompt_token_ids[0] == POISON)
         calls.append(len(so.num_scheduled_tokens))
         if poisoned & set(so.num_scheduled_tokens):
             raise RuntimeError("injected failure")
@@ -139,7 +146,8 @@ def _poison_runner(monkeypatch: pytest.MonkeyPatch, calls: list[int]) -> None:
 
 
 def test_a_failing_request_fails_alone_and_the_engine_lives_on(
-        inproc_llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    inproc_llm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     llm, model_dir = inproc_llm
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     good = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [9, 17, 5], seed=11)]
@@ -148,8 +156,7 @@ def test_a_failing_request_fails_alone_and_the_engine_lives_on(
     _poison_runner(monkeypatch, calls)
     bad = {"prompt_token_ids": [POISON, *good[0]["prompt_token_ids"]]}
     outputs = llm.generate([good[0], bad, good[1], good[2]], greedy, use_tqdm=False)
-    assert [o.outputs[0].finish_reason for o in outputs] == ["length", "error", "length",
-                                                             "length"]
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length", "error", "length", "length"]
     assert [outputs[i].outputs[0].token_ids for i in (0, 2, 3)] == reference
     assert calls[0] == 4 and 1 in calls  # it failed in a batch, then alone
     # Nothing leaked, and the engine serves the next request as before.
@@ -167,10 +174,12 @@ def test_engine_error_reaches_only_that_requests_consumer(tiny_checkpoint: Any) 
     failed, healthy = ListQueue(), ListQueue()
     processor.add_request("a", None, [1, 2], params, ["a-0", "a-1"], queue=failed)
     processor.add_request("b", None, [1, 2], SamplingParams(max_tokens=4), queue=healthy)
-    result = processor.process_outputs([
-        EngineCoreOutput("a-0", [], finish_reason=FinishReason.ERROR),
-        EngineCoreOutput("b", [5]),
-    ])
+    result = processor.process_outputs(
+        [
+            EngineCoreOutput("a-0", [], finish_reason=FinishReason.ERROR),
+            EngineCoreOutput("b", [5]),
+        ]
+    )
     assert result.reqs_to_abort == ["a-1"]  # the sibling stops running
     assert len(failed.items) == 1 and isinstance(failed.items[0], EngineGenerateError)
     assert "Request a failed" in str(failed.items[0])

@@ -69,10 +69,14 @@ def make_metadata(
         prompt_token_ids=prompt_token_ids,
         output_token_ids=outputs,
         min_tokens=min_tokens,
-        allowed_token_ids={i: p.allowed_token_ids for i, p in enumerate(params)
-                           if p.allowed_token_ids},
-        banned_token_ids={i: banned for i, p in enumerate(params)
-                          if (banned := banned_by_bad_words(p.bad_words_token_ids, outputs[i]))},
+        allowed_token_ids={
+            i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids
+        },
+        banned_token_ids={
+            i: banned
+            for i, p in enumerate(params)
+            if (banned := banned_by_bad_words(p.bad_words_token_ids, outputs[i]))
+        },
         logit_bias={i: p.logit_bias for i, p in enumerate(params) if p.logit_bias},
     )
 
@@ -263,10 +267,12 @@ def test_min_tokens_blocks_eos_and_stop_ids() -> None:
 def test_token_rules_allowed_ids_bad_words_and_logit_bias() -> None:
     """Each rule touches only its own row; greedy and random rows alike; logprobs stay raw."""
     logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]]).repeat(4, 1)
-    params = [SamplingParams(temperature=0.0, allowed_token_ids=[3, 4]),
-              SamplingParams(temperature=0.0, bad_words_token_ids=[[2, 0], [1]]),
-              SamplingParams(temperature=0.0, logit_bias={4: 10.0, 0: -100.0}),
-              SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.0, allowed_token_ids=[3, 4]),
+        SamplingParams(temperature=0.0, bad_words_token_ids=[[2, 0], [1]]),
+        SamplingParams(temperature=0.0, logit_bias={4: 10.0, 0: -100.0}),
+        SamplingParams(temperature=0.0),
+    ]
     outputs = [[], [2], [], []]  # row 1 just wrote 2: the bad word [2, 0] bans 0, [1] bans 1
     assert sample(logits, params, outputs=outputs).tolist() == [3, 2, 4, 0]
     random_rows = [SamplingParams(allowed_token_ids=[1, 3], logprobs=1)] * 200

@@ -145,11 +145,16 @@ def test_preempted_request_resumes_and_completes() -> None:
 def test_priority_policy_admits_and_preempts_by_priority_then_arrival() -> None:
     """Lower priority values run first; ties go by arrival; when KV runs out the least urgent
     running request is preempted, even when it arrived first."""
-    scheduler = make_scheduler(block_size=4, num_blocks=8, max_model_len=32, max_num_seqs=2,
-                               policy="priority")
+    scheduler = make_scheduler(
+        block_size=4, num_blocks=8, max_model_len=32, max_num_seqs=2, policy="priority"
+    )
     low, high, mid, high2 = make_requests(4, 12, max_tokens=12)
-    for request, priority, arrival in ((low, 5, 0.0), (high, -1, 1.0), (mid, 0, 2.0),
-                                       (high2, -1, 3.0)):
+    for request, priority, arrival in (
+        (low, 5, 0.0),
+        (high, -1, 1.0),
+        (mid, 0, 2.0),
+        (high2, -1, 3.0),
+    ):
         request.priority, request.arrival_time = priority, arrival
         scheduler.add_request(request)
     assert list(scheduler.waiting) == [high, high2, mid, low]
@@ -320,7 +325,11 @@ def test_randomized_stress_keeps_invariants_and_frees_everything(seed: int) -> N
     def new_request(i: int) -> Request:
         prompt = rng.choice(prefixes)[: rng.randrange(0, 12)]
         prompt += [rng.randrange(1, 50) for _ in range(rng.randrange(1, 5))]
-        return make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 13),
-                            prompt_logprobs=1 if rng.random() < 0.1 else None)
+        return make_request(
+            f"r{i}",
+            prompt,
+            max_tokens=rng.randrange(1, 13),
+            prompt_logprobs=1 if rng.random() < 0.1 else None,
+        )
 
     run_stress(scheduler, rng, new_request)

@@ -369,9 +369,14 @@ def test_randomized_stress_with_mm_items_keeps_invariants_and_frees_everything(s
     def new_request(i: int) -> Request:
         prompt, positions, hashes = _random_mm_prompt(rng, templates, pool)
         encoder_hits.append(scheduler.make_stats()["encoder_cache_hits"])
-        return make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 10),
-                            mm_positions=positions, mm_hashes=hashes,
-                            prompt_logprobs=1 if rng.random() < 0.1 else None)
+        return make_request(
+            f"r{i}",
+            prompt,
+            max_tokens=rng.randrange(1, 10),
+            mm_positions=positions,
+            mm_hashes=hashes,
+            prompt_logprobs=1 if rng.random() < 0.1 else None,
+        )
 
     worker = run_stress(scheduler, rng, new_request)
     assert encoder_hits[-1] > 0  # items were shared through the encoder cache

@@ -38,10 +38,12 @@ def _roundtrip(obj: Any, type_: Any, **encoder_kwargs: Any) -> tuple[Any, list[A
 
 
 def _request() -> EngineCoreRequest:
-    params = SamplingParams(temperature=0.0, max_tokens=7, stop=["x"], seed=3,
-                            output_kind=RequestOutputKind.DELTA)
-    return EngineCoreRequest("req-0", [1, 2, 3], params, eos_token_id=2, arrival_time=12.5,
-                             max_tokens=7)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=7, stop=["x"], seed=3, output_kind=RequestOutputKind.DELTA
+    )
+    return EngineCoreRequest(
+        "req-0", [1, 2, 3], params, eos_token_id=2, arrival_time=12.5, max_tokens=7
+    )
 
 
 def test_engine_core_request_roundtrip() -> None:
@@ -52,11 +54,18 @@ def test_engine_core_request_roundtrip() -> None:
 
 
 def test_engine_core_outputs_roundtrip() -> None:
-    outputs = EngineCoreOutputs(outputs=[
-        EngineCoreOutput("a", [5, 6], new_logprobs=LogprobsLists([[5, 1]], [[-0.1, -2.0]], [1])),
-        EngineCoreOutput("b", [], finish_reason=FinishReason.LENGTH, stop_reason=9,
-                         num_cached_tokens=16)],
-        timestamp=3.0, scheduler_stats={"num_running": 2.0})
+    outputs = EngineCoreOutputs(
+        outputs=[
+            EngineCoreOutput(
+                "a", [5, 6], new_logprobs=LogprobsLists([[5, 1]], [[-0.1, -2.0]], [1])
+            ),
+            EngineCoreOutput(
+                "b", [], finish_reason=FinishReason.LENGTH, stop_reason=9, num_cached_tokens=16
+            ),
+        ],
+        timestamp=3.0,
+        scheduler_stats={"num_running": 2.0},
+    )
     decoded, _ = _roundtrip(outputs, EngineCoreOutputs)
     assert decoded == outputs
     assert decoded.outputs[1].finish_reason is FinishReason.LENGTH
@@ -69,10 +78,18 @@ def test_tensors_and_arrays_roundtrip(dtype: torch.dtype) -> None:
     transposed = torch.arange(400, dtype=torch.float32).reshape(20, 20).t()  # non-contiguous
     features = np.linspace(0, 1, 300, dtype=np.float32).reshape(3, 100)
     message = _MultiModalRequest(
-        _request(), pixel_values,
-        {"image_grid_thw": grid, "t": transposed, "scalar": torch.tensor(2.5),
-         "empty": torch.empty(0, 4), "audio": np.arange(5, dtype=">i2"), "n": [1, "x"]},
-        features)
+        _request(),
+        pixel_values,
+        {
+            "image_grid_thw": grid,
+            "t": transposed,
+            "scalar": torch.tensor(2.5),
+            "empty": torch.empty(0, 4),
+            "audio": np.arange(5, dtype=">i2"),
+            "n": [1, "x"],
+        },
+        features,
+    )
     decoded, frames = _roundtrip(message, _MultiModalRequest)
     assert len(frames) == 4  # body + pixel_values + transposed + features
     assert decoded.request == message.request

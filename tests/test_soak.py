@@ -60,13 +60,21 @@ def _image_part(seed: int) -> dict[str, Any]:
 def _audio_part(seed: int, seconds: float = 0.5) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     wav = _wav(rng.uniform(-0.5, 0.5, int(16000 * seconds)).astype(np.float32), 16000)
-    return {"type": "input_audio",
-            "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+    return {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"},
+    }
 
 
 def _chat(content: Any, **fields: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}],
-            "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **fields}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **fields,
+    }
 
 
 GREEDY_PROBES = [
@@ -77,9 +85,17 @@ GREEDY_PROBES = [
 BAD_BODIES = [  # each a 400: bad media at fetch, decode and budget, and bad parameters
     _chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGEgcG5n"}}]),
     _chat([{"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest"}}]),
-    _chat([{"type": "input_audio", "input_audio": {  # 2,000 s declared at 1 Hz: over 600 s
-        "data": base64.b64encode(_wav(np.zeros(2000, np.float32), 1)).decode(),
-        "format": "wav"}}]),
+    _chat(
+        [
+            {
+                "type": "input_audio",
+                "input_audio": {  # 2,000 s declared at 1 Hz: over 600 s
+                    "data": base64.b64encode(_wav(np.zeros(2000, np.float32), 1)).decode(),
+                    "format": "wav",
+                },
+            }
+        ]
+    ),
     _chat("hi", temperature=1e39, min_tokens=4),
     _chat("hi", top_k=2**63),
     _chat([_audio_part(8)], mm_processor_kwargs={"n_window": -1}),
@@ -98,8 +114,10 @@ class Soak:
         queue: asyncio.Queue[int] = asyncio.Queue()
         for i in range(first, first + num_requests):
             queue.put_nowait(i)
-        async with httpx.AsyncClient(base_url=self.server.url, headers=HEADERS,
-                                     timeout=120) as client:
+        async with httpx.AsyncClient(
+            base_url=self.server.url, headers=HEADERS, timeout=120
+        ) as client:
+
             async def worker() -> None:
                 while not queue.empty():
                     await self.one(client, queue.get_nowait())
@@ -111,32 +129,43 @@ class Soak:
         if kind in (0, 1):
             await self.post(client, "plain", _chat(f"Request {i}: say something."))
         elif kind == 2:
-            await self.post(client, "image", _chat([_image_part(i), {"type": "text",
-                                                                     "text": "Describe it."}]))
+            await self.post(
+                client, "image", _chat([_image_part(i), {"type": "text", "text": "Describe it."}])
+            )
         elif kind == 3:
-            await self.post(client, "audio", _chat([_audio_part(i), {"type": "text",
-                                                                     "text": "What is it?"}]))
+            await self.post(
+                client, "audio", _chat([_audio_part(i), {"type": "text", "text": "What is it?"}])
+            )
         elif kind == 4:
             await self.stream(client, "stream", _chat(f"Stream {i}.", stream=True), chunks=None)
         elif kind == 5:
-            await self.stream(client, "abandoned stream",
-                              _chat(f"Stream {i}.", stream=True, max_tokens=200), chunks=2)
+            await self.stream(
+                client,
+                "abandoned stream",
+                _chat(f"Stream {i}.", stream=True, max_tokens=200),
+                chunks=2,
+            )
         elif kind == 6:
             await self.timed_out(client, _chat([_image_part(i)], max_tokens=300))
         elif kind in (7, 8):
             await self.post(client, "bad", BAD_BODIES[i % len(BAD_BODIES)], expect=400)
         else:
-            await self.post(client, "completion", {"model": MODEL, "prompt": f"Number {i}",
-                                                   "max_tokens": 4, "n": 2, "seed": i})
+            await self.post(
+                client,
+                "completion",
+                {"model": MODEL, "prompt": f"Number {i}", "max_tokens": 4, "n": 2, "seed": i},
+            )
 
-    async def post(self, client: httpx.AsyncClient, label: str, body: dict[str, Any],
-                   expect: int = 200) -> None:
+    async def post(
+        self, client: httpx.AsyncClient, label: str, body: dict[str, Any], expect: int = 200
+    ) -> None:
         path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
         response = await client.post(path, json=body)
         self.record(label, response.status_code, response.text, expect)
 
-    async def stream(self, client: httpx.AsyncClient, label: str, body: dict[str, Any],
-                     chunks: int | None) -> None:
+    async def stream(
+        self, client: httpx.AsyncClient, label: str, body: dict[str, Any], chunks: int | None
+    ) -> None:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             received = 0
             async for line in response.aiter_lines():
@@ -162,9 +191,12 @@ class Soak:
 
 
 def _greedy(server: Server) -> list[str]:
-    return [httpx.post(server.url + "/v1/chat/completions", json=body, headers=HEADERS,
-                       timeout=60).json()["choices"][0]["message"]["content"]
-            for body in GREEDY_PROBES]
+    return [
+        httpx.post(
+            server.url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=60
+        ).json()["choices"][0]["message"]["content"]
+        for body in GREEDY_PROBES
+    ]
 
 
 def _rss(server: Server) -> int:
@@ -176,10 +208,12 @@ def _idle_metrics(server: Server, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         values = server.metrics()
-        busy = (metric(values, "omniserve:num_requests_running")
-                + metric(values, "omniserve:num_requests_waiting")
-                + metric(values, "omniserve:kv_cache_usage_perc")
-                + metric(values, "omniserve:encoder_cache_usage_perc"))
+        busy = (
+            metric(values, "omniserve:num_requests_running")
+            + metric(values, "omniserve:num_requests_waiting")
+            + metric(values, "omniserve:kv_cache_usage_perc")
+            + metric(values, "omniserve:encoder_cache_usage_perc")
+        )
         if busy == 0 or time.monotonic() > deadline:
             return values
         time.sleep(0.2)
@@ -195,13 +229,19 @@ def test_soak_leaves_no_trace(server: Server) -> None:
     elapsed = time.monotonic() - start
     values = _idle_metrics(server)
     rss_after = _rss(server)
-    print(f"\nsoak: {WARMUP_REQUESTS} + {NUM_REQUESTS} requests in {elapsed:.0f} s "
-          f"(after warm-up), {json.dumps(dict(sorted(soak.outcomes.items())))}; RSS "
-          f"{rss_warm / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB")
+    print(
+        f"\nsoak: {WARMUP_REQUESTS} + {NUM_REQUESTS} requests in {elapsed:.0f} s "
+        f"(after warm-up), {json.dumps(dict(sorted(soak.outcomes.items())))}; RSS "
+        f"{rss_warm / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB"
+    )
     assert not soak.server_errors, soak.server_errors[:5]
     assert soak.outcomes["timed out"] + soak.outcomes["abandoned stream 200"] >= 150
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "encoder_cache_usage_perc"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "encoder_cache_usage_perc",
+    ):
         assert metric(values, f"omniserve:{name}") == 0, name
     assert rss_after - rss_warm < RSS_GROWTH_BOUND
     assert _greedy(server) == before
@@ -217,8 +257,10 @@ def test_heavy_media_does_not_stall_other_requests(server: Server) -> None:
 
     text = {"type": "text", "text": "What is it?"}
     clip = chat([audio_clip(60.0, seed=0), text], 8)
-    video = {**chat([video_clip(600, seed=0), text], 8),
-             "mm_processor_kwargs": {"num_frames": 8}}  # all 600 decoded, 8 fit 1024 tokens
+    video = {
+        **chat([video_clip(600, seed=0), text], 8),
+        "mm_processor_kwargs": {"num_frames": 8},
+    }  # all 600 decoded, 8 fit 1024 tokens
     for heavy in (clip, video):
         phase = run_phase(server.url, lambda i, body=heavy: body, num=4, gap=0.05)
         assert phase["heavy"], "the heavy requests ran beside the probes"

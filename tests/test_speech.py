@@ -32,22 +32,33 @@ THINKER_TOKENS, TALKER_TOKENS = 10, 30
 # Not here: a video with its audio track. transformers' generate does not pass
 # use_audio_in_video on to its talker, whose positions then treat the interleaved track as if it
 # were separate; omniserve's talker takes the thinker's (audio-in-video) positions.
-CASES = [([], "ethan", False), ([], "chelsie", False), (["image"], "ethan", False),
-         (["audio"], "chelsie", False), (["video"], "ethan", False),
-         (["image", "audio"], "ethan", False), ([], "ethan", True)]
+CASES = [
+    ([], "ethan", False),
+    ([], "chelsie", False),
+    (["image"], "ethan", False),
+    (["audio"], "chelsie", False),
+    (["video"], "ethan", False),
+    (["image", "audio"], "ethan", False),
+    ([], "ethan", True),
+]
 
 
 def _speech_params(voice: str, **changes: Any) -> SamplingParams:
-    values = {"temperature": 0.0, "max_tokens": THINKER_TOKENS,
-              "output_modalities": ["text", "audio"],
-              "speech": {"voice": voice, "temperature": 0.0, "max_tokens": TALKER_TOKENS}}
+    values = {
+        "temperature": 0.0,
+        "max_tokens": THINKER_TOKENS,
+        "output_modalities": ["text", "audio"],
+        "speech": {"voice": voice, "temperature": 0.0, "max_tokens": TALKER_TOKENS},
+    }
     return SamplingParams(**{**values, **changes})
 
 
 def _with_system(text: str) -> str:
-    return ("<|im_start|>system\nYou speak.<|im_end|>\n"
-            "<|im_start|>user\nEarlier question<|im_end|>\n"
-            "<|im_start|>assistant\nEarlier answer<|im_end|>\n" + text)
+    return (
+        "<|im_start|>system\nYou speak.<|im_end|>\n"
+        "<|im_start|>user\nEarlier question<|im_end|>\n"
+        "<|im_start|>assistant\nEarlier answer<|im_end|>\n" + text
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +76,15 @@ def speech_case(tiny_checkpoint):
                 text = _with_system(text)
             inputs = _hf_inputs(processor, text, items)
             sequences, wave = model.generate(
-                **inputs, speaker=voice, thinker_max_new_tokens=THINKER_TOKENS,
-                thinker_do_sample=False, talker_do_sample=False,
+                **inputs,
+                speaker=voice,
+                thinker_max_new_tokens=THINKER_TOKENS,
+                thinker_do_sample=False,
+                talker_do_sample=False,
                 thinker_eos_token_id=model.config.im_end_token_id,
-                talker_max_new_tokens=TALKER_TOKENS)
-            generated = sequences[0, inputs["input_ids"].shape[1]:].tolist()
+                talker_max_new_tokens=TALKER_TOKENS,
+            )
+            generated = sequences[0, inputs["input_ids"].shape[1] :].tolist()
             reference.append((generated, wave.reshape(-1).numpy()))
             prompts.append(_engine_prompt(text, items))
     llm = LLM(model_dir, dtype="float32", max_model_len=2048, kv_cache_memory=32 << 20)
@@ -114,8 +129,9 @@ def test_streamed_audio_equals_the_whole(speech_case):
     ethan = reference[0][1]
     # DELTA outputs carry only new samples; their concatenation is the whole answer.
     engine = llm.llm_engine
-    engine.add_request("delta", prompts[0], _speech_params(
-        "ethan", output_kind=RequestOutputKind.DELTA))
+    engine.add_request(
+        "delta", prompts[0], _speech_params("ethan", output_kind=RequestOutputKind.DELTA)
+    )
     pieces, finished = [], False
     while not finished:
         for output in engine.step():
@@ -131,15 +147,16 @@ def test_code2wav_streams_exactly_for_any_chunk_schedule(speech_case):
     own prefix decode differs from its full decode by ~2e-5), in the same number of samples,
     whatever the chunks; a shorter convolution context than the layers' reach is visibly off."""
     llm = speech_case[0]
-    model = HFQwen3Omni.from_pretrained(llm.llm_engine.config.model_config.model,
-                                        dtype=torch.float32).eval()
+    model = HFQwen3Omni.from_pretrained(
+        llm.llm_engine.config.model_config.model, dtype=torch.float32
+    ).eval()
     code2wav = model.code2wav
     codes = torch.randint(0, 64, (4, 170), generator=torch.Generator().manual_seed(1))
 
     def streamed(stream: Code2WavStream, schedule: list[int]) -> np.ndarray:
         state, pieces, done = stream.new_state(), [], 0
         for size in schedule:
-            (piece,) = stream.decode([(state, codes[:, done:done + size])])
+            (piece,) = stream.decode([(state, codes[:, done : done + size])])
             pieces.append(piece)
             done += size
         assert done == codes.shape[1]
@@ -156,8 +173,10 @@ def test_code2wav_streams_exactly_for_any_chunk_schedule(speech_case):
         short = streamed(Code2WavStream(code2wav, conv_context=4), [4, 25, 25, 25, 25, 25, 25, 16])
         assert np.abs(short - whole).max() > 100 * WAVE_ATOL
         # transformers' chunked decode drops the shortfall at every chunk boundary.
-        assert code2wav.chunked_decode(codes[None], chunk_size=25, left_context_size=25
-                                       ).shape[-1] == whole.shape[0] - 6 * 555
+        assert (
+            code2wav.chunked_decode(codes[None], chunk_size=25, left_context_size=25).shape[-1]
+            == whole.shape[0] - 6 * 555
+        )
 
 
 def test_requests_that_cannot_speak_are_refused(tiny_checkpoint, speech_case):
@@ -165,18 +184,25 @@ def test_requests_that_cannot_speak_are_refused(tiny_checkpoint, speech_case):
     with pytest.raises(ValueError, match="Unknown voice 'alloy'.*chelsie, ethan"):
         llm.generate(prompts[0], _speech_params("alloy"), use_tqdm=False)
     with pytest.raises(ValueError, match="assistant"):
-        llm.generate({"prompt": "no chat template here"}, _speech_params("ethan"),
-                     use_tqdm=False)
-    thinker = LLM(str(tiny_checkpoint("Qwen3OmniMoeThinkerForConditionalGeneration")),
-                  dtype="float32", max_model_len=512, kv_cache_memory=8 << 20)
+        llm.generate({"prompt": "no chat template here"}, _speech_params("ethan"), use_tqdm=False)
+    thinker = LLM(
+        str(tiny_checkpoint("Qwen3OmniMoeThinkerForConditionalGeneration")),
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_memory=8 << 20,
+    )
     with pytest.raises(ValueError, match="no talker and vocoder"):
         thinker.generate(prompts[0], _speech_params("ethan"), use_tqdm=False)
-    silent = LLM(llm.llm_engine.config.model_config.model, dtype="float32", max_model_len=512,
-                 kv_cache_memory=8 << 20, disable_audio_output=True)
+    silent = LLM(
+        llm.llm_engine.config.model_config.model,
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_memory=8 << 20,
+        disable_audio_output=True,
+    )
     with pytest.raises(ValueError, match="--disable-audio-output"):
         silent.generate(prompts[0], _speech_params("ethan"), use_tqdm=False)
-    text = silent.generate(prompts[0], SamplingParams(temperature=0.0,
-                                                      max_tokens=THINKER_TOKENS))
+    text = silent.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS))
     assert text[0].outputs[0].audio is None and text[0].outputs[0].token_ids
 
 
@@ -190,18 +216,30 @@ def test_talker_preempted_by_its_pool_still_speaks_the_same(speech_case):
     model_dir = llm.llm_engine.config.model_config.model
     talker = AutoConfig.from_pretrained(model_dir).talker_config.text_config
     block_size = 16
-    per_block = (2 * block_size * talker.num_key_value_heads * talker.head_dim * 4
-                 * talker.num_hidden_layers)  # fp32 keys and values
+    per_block = (
+        2 * block_size * talker.num_key_value_heads * talker.head_dim * 4 * talker.num_hidden_layers
+    )  # fp32 keys and values
     tokenizer = llm.get_tokenizer()
     # talker positions: the thinker's prompt and reply, then one per frame (an upper bound)
-    needs = [len(tokenizer(prompts[i]["prompt"]).input_ids) + THINKER_TOKENS
-             + len(reference[i][1]) // 1920 for i in picks]
+    needs = [
+        len(tokenizer(prompts[i]["prompt"]).input_ids)
+        + THINKER_TOKENS
+        + len(reference[i][1]) // 1920
+        for i in picks
+    ]
     pool = -(-max(needs) // block_size) + 1
     assert pool * block_size < sum(needs)
-    small = LLM(model_dir, dtype="float32", max_model_len=2048, kv_cache_memory=32 << 20,
-                block_size=block_size, talker_kv_cache_memory=pool * per_block)
-    outputs = small.generate([prompts[i] for i in picks],
-                             [_speech_params(CASES[i][1]) for i in picks], use_tqdm=False)
+    small = LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=2048,
+        kv_cache_memory=32 << 20,
+        block_size=block_size,
+        talker_kv_cache_memory=pool * per_block,
+    )
+    outputs = small.generate(
+        [prompts[i] for i in picks], [_speech_params(CASES[i][1]) for i in picks], use_tqdm=False
+    )
     for output, i in zip(outputs, picks, strict=True):
         _assert_speaks_like(output, reference[i])
     stats = small.llm_engine.engine_core.call_utility("get_stats")
@@ -218,22 +256,40 @@ def test_talker_pool_too_small_is_refused_at_admission(speech_case):
     model_dir = llm.llm_engine.config.model_config.model
     talker = AutoConfig.from_pretrained(model_dir).talker_config.text_config
     per_block = 2 * 16 * talker.num_key_value_heads * talker.head_dim * 4 * talker.num_hidden_layers
-    one_block = LLM(model_dir, dtype="float32", max_model_len=2048, kv_cache_memory=32 << 20,
-                    talker_kv_cache_memory=per_block)
+    one_block = LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=2048,
+        kv_cache_memory=32 << 20,
+        talker_kv_cache_memory=per_block,
+    )
     with pytest.raises(ValueError, match=r"KV pool holds \(16 tokens\).*--talker-kv-cache-memory"):
         one_block.generate(prompts[0], _speech_params("ethan"), use_tqdm=False)
-    text = one_block.generate(prompts[0], SamplingParams(temperature=0.0,
-                                                         max_tokens=THINKER_TOKENS))
+    text = one_block.generate(
+        prompts[0], SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS)
+    )
     assert text[0].outputs[0].token_ids == reference[0][0]
     del one_block
-    four_blocks = LLM(model_dir, dtype="float32", max_model_len=2048, kv_cache_memory=32 << 20,
-                      talker_kv_cache_memory=4 * per_block)
+    four_blocks = LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=2048,
+        kv_cache_memory=32 << 20,
+        talker_kv_cache_memory=4 * per_block,
+    )
     with pytest.raises(ValueError, match="lower speech.max_tokens"):
-        four_blocks.generate(prompts[0], _speech_params(
-            "ethan", speech={"voice": "ethan", "temperature": 0.0, "max_tokens": 64}),
-            use_tqdm=False)
-    (capped,) = four_blocks.generate(prompts[0], _speech_params(
-        "ethan", speech={"voice": "ethan", "temperature": 0.0}), use_tqdm=False)
+        four_blocks.generate(
+            prompts[0],
+            _speech_params(
+                "ethan", speech={"voice": "ethan", "temperature": 0.0, "max_tokens": 64}
+            ),
+            use_tqdm=False,
+        )
+    (capped,) = four_blocks.generate(
+        prompts[0],
+        _speech_params("ethan", speech={"voice": "ethan", "temperature": 0.0}),
+        use_tqdm=False,
+    )
     completion = capped.outputs[0]
     assert completion.token_ids == reference[0][0]
     assert 0 < completion.num_audio_tokens < 64 and completion.audio.size > 0

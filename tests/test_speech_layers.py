@@ -29,11 +29,16 @@ def _paged_talker(talker: torch.nn.Module, embeds: torch.Tensor) -> torch.Tensor
             query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
             seq_lens=torch.tensor([end], dtype=torch.int32),
             block_table=torch.tensor([[0, 1]], dtype=torch.int32),
-            slot_mapping=torch.arange(start, end), query_lens_cpu=[end - start],
-            seq_lens_cpu=[end])
+            slot_mapping=torch.arange(start, end),
+            query_lens_cpu=[end - start],
+            seq_lens_cpu=[end],
+        )
         with set_forward_context(metadata):
-            rows.append(talker.model(None, positions[start:end].expand(3, -1),
-                                     inputs_embeds=embeds[start:end]))
+            rows.append(
+                talker.model(
+                    None, positions[start:end].expand(3, -1), inputs_embeds=embeds[start:end]
+                )
+            )
     return torch.cat(rows)
 
 
@@ -51,15 +56,17 @@ def test_talker_and_code_predictor_logits_match_transformers(tiny_checkpoint):
     with torch.inference_mode():
         ours_hidden = _paged_talker(talker, embeds)
         ours_logits = talker.codec_head(ours_hidden)
-        reference = hf.talker.model(inputs_embeds=embeds[None],
-                                    position_ids=positions.view(1, 1, -1).expand(4, 1, -1))
+        reference = hf.talker.model(
+            inputs_embeds=embeds[None], position_ids=positions.view(1, 1, -1).expand(4, 1, -1)
+        )
         hf_logits = hf.talker.codec_head(reference.last_hidden_state)[0]
     torch.testing.assert_close(ours_logits, hf_logits, rtol=0, atol=ATOL)
 
     # The code predictor, fed transformers' sequence: [talker hidden, code 0, code 1, ...].
     groups = config.num_code_groups
-    codes = torch.randint(0, config.code_predictor_config.vocab_size, (3, groups),
-                          generator=generator)
+    codes = torch.randint(
+        0, config.code_predictor_config.vocab_size, (3, groups), generator=generator
+    )
     predictor = ours.talker.code_predictor
     seen: list[torch.Tensor] = []
 
@@ -73,12 +80,15 @@ def test_talker_and_code_predictor_logits_match_transformers(tiny_checkpoint):
         predictor.predict(start, first, teacher)
         hf_predictor = hf.talker.code_predictor
         sequence = [start[:, None], hf.talker.get_input_embeddings()(codes[:, :1])]
-        sequence += [hf_predictor.model.codec_embedding[g](codes[:, g + 1:g + 2])
-                     for g in range(groups - 2)]
+        sequence += [
+            hf_predictor.model.codec_embedding[g](codes[:, g + 1 : g + 2])
+            for g in range(groups - 2)
+        ]
         hidden = hf_predictor.model(inputs_embeds=torch.cat(sequence, 1)).last_hidden_state
         for g in range(groups - 1):
-            torch.testing.assert_close(seen[g], hf_predictor.lm_head[g](hidden[:, g + 1]),
-                                       rtol=0, atol=ATOL)
+            torch.testing.assert_close(
+                seen[g], hf_predictor.lm_head[g](hidden[:, g + 1]), rtol=0, atol=ATOL
+            )
 
 
 def test_qwen2_5_talker_logits_match_transformers(tiny_checkpoint):
@@ -94,9 +104,11 @@ def test_qwen2_5_talker_logits_match_transformers(tiny_checkpoint):
         ours_logits = talker.codec_head(_paged_talker(talker, talker.thinker_to_talker_proj(rows)))
         reference = hf.talker.model(
             inputs_embeds=hf.talker.thinker_to_talker_proj(rows[None]),
-            position_ids=torch.arange(length).view(1, 1, -1).expand(3, 1, -1))
+            position_ids=torch.arange(length).view(1, 1, -1).expand(3, 1, -1),
+        )
         hf_logits = hf.talker.codec_head(reference.last_hidden_state)[0]
         torch.testing.assert_close(ours_logits, hf_logits, rtol=0, atol=ATOL)
         codes = torch.tensor([3, 17, 99])
-        torch.testing.assert_close(talker.codec_embedding(codes),
-                                   hf.talker.get_input_embeddings()(codes), rtol=0, atol=0)
+        torch.testing.assert_close(
+            talker.codec_embedding(codes), hf.talker.get_input_embeddings()(codes), rtol=0, atol=0
+        )

@@ -31,27 +31,39 @@ from tests.test_fidelity_omni import _engine_prompt, _hf_inputs, _media, _text
 ARCH = "Qwen2_5OmniForConditionalGeneration"
 WAVE_ATOL = 1e-4
 THINKER_TOKENS, TALKER_TOKENS = 10, 30
-CASES = [([], "Ethan", False), ([], "Chelsie", False), (["image"], "Ethan", False),
-         (["audio"], "Chelsie", False), (["video"], "Ethan", False), (["av"], "Chelsie", False),
-         (["image", "audio"], "Ethan", False), ([], "Ethan", True)]
+CASES = [
+    ([], "Ethan", False),
+    ([], "Chelsie", False),
+    (["image"], "Ethan", False),
+    (["audio"], "Chelsie", False),
+    (["video"], "Ethan", False),
+    (["av"], "Chelsie", False),
+    (["image", "audio"], "Ethan", False),
+    ([], "Ethan", True),
+]
 
 
 def _speech_params(voice: str, seed: int, **changes: Any) -> SamplingParams:
-    values = {"temperature": 0.0, "max_tokens": THINKER_TOKENS,
-              "output_modalities": ["text", "audio"],
-              "speech": {"voice": voice, "temperature": 0.0, "max_tokens": TALKER_TOKENS,
-                         "seed": seed}}
+    values = {
+        "temperature": 0.0,
+        "max_tokens": THINKER_TOKENS,
+        "output_modalities": ["text", "audio"],
+        "speech": {"voice": voice, "temperature": 0.0, "max_tokens": TALKER_TOKENS, "seed": seed},
+    }
     return SamplingParams(**{**values, **changes})
 
 
 def _with_system(text: str) -> str:
-    return ("<|im_start|>system\nYou speak.<|im_end|>\n"
-            "<|im_start|>user\nEarlier question<|im_end|>\n"
-            "<|im_start|>assistant\nEarlier answer<|im_end|>\n" + text)
+    return (
+        "<|im_start|>system\nYou speak.<|im_end|>\n"
+        "<|im_start|>user\nEarlier question<|im_end|>\n"
+        "<|im_start|>assistant\nEarlier answer<|im_end|>\n" + text
+    )
 
 
-def _reference(model: Any, processor: Any, text: str, items: list[tuple[str, Any]],
-               voice: str, seed: int) -> tuple[list[int], list[int], np.ndarray]:
+def _reference(
+    model: Any, processor: Any, text: str, items: list[tuple[str, Any]], voice: str, seed: int
+) -> tuple[list[int], list[int], np.ndarray]:
     """``(text tokens, talker codes, waveform)`` from transformers' generate."""
     inputs = _hf_inputs(processor, text, items)
     talker = model.config.talker_config
@@ -64,23 +76,27 @@ def _reference(model: Any, processor: Any, text: str, items: list[tuple[str, Any
         kwargs.pop("pixel_values", None)
         kwargs.pop("pixel_values_videos", None)
         out = generate(*args, **kwargs)
-        codes.extend(out[0, kwargs["input_ids"].shape[1]:].tolist())
+        codes.extend(out[0, kwargs["input_ids"].shape[1] :].tolist())
         return out
 
     model.talker.generate = talker_generate
     torch.manual_seed(seed)  # the DiT's starting noise
     try:
         sequences, wave = model.generate(
-            **inputs, speaker=voice,
-            thinker_max_new_tokens=THINKER_TOKENS, thinker_do_sample=False,
-            talker_do_sample=False, talker_max_new_tokens=TALKER_TOKENS,
+            **inputs,
+            speaker=voice,
+            thinker_max_new_tokens=THINKER_TOKENS,
+            thinker_do_sample=False,
+            talker_do_sample=False,
+            talker_max_new_tokens=TALKER_TOKENS,
             # the reference hard-codes the 7B's end-of-speech ids
-            talker_eos_token_id=[talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id])
+            talker_eos_token_id=[talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id],
+        )
     finally:
         model.talker.generate = generate
     ends = {talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id}
     spoken = next((i for i, c in enumerate(codes) if c in ends), len(codes))
-    generated = sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    generated = sequences[0, inputs["input_ids"].shape[1] :].tolist()
     return generated, codes[:spoken], wave.reshape(-1).numpy()
 
 
@@ -136,8 +152,9 @@ def test_prefix_cache_does_not_skip_what_the_talker_reads(speech_case):
     computes it: the talker reads the thinker's hidden state at every prompt position."""
     llm, prompts, reference = speech_case
     llm.generate(prompts[7], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
-    _assert_speaks_like(llm.generate(prompts[7], _speech_params("Ethan", 7),
-                                     use_tqdm=False)[0], reference[7])
+    _assert_speaks_like(
+        llm.generate(prompts[7], _speech_params("Ethan", 7), use_tqdm=False)[0], reference[7]
+    )
 
 
 def test_voices_and_refusals(speech_case):
@@ -145,9 +162,11 @@ def test_voices_and_refusals(speech_case):
     with pytest.raises(ValueError, match="Unknown voice 'alloy'.*Chelsie, Ethan"):
         llm.generate(prompts[0], _speech_params("alloy", 0), use_tqdm=False)
     # The voice is matched case-insensitively and each request keeps its own.
-    a, b = llm.generate([prompts[0], prompts[0]],
-                        [_speech_params("ethan", 0), _speech_params("CHELSIE", 0)],
-                        use_tqdm=False)
+    a, b = llm.generate(
+        [prompts[0], prompts[0]],
+        [_speech_params("ethan", 0), _speech_params("CHELSIE", 0)],
+        use_tqdm=False,
+    )
     assert np.abs(a.outputs[0].audio - b.outputs[0].audio).max() > 1e-2
 
 
@@ -161,27 +180,45 @@ def test_served_through_the_api(speech_case, tmp_path_factory):
     seeded = {"speech": {"temperature": 0.0, "max_tokens": TALKER_TOKENS, "seed": 3}}
     (offline,) = llm.chat(question, _speech_params("Chelsie", 3, max_tokens=8))
     offline = offline.outputs[0]
-    with launch_server(Path(model), tmp_path_factory.mktemp("qwen2_5_speaking"),
-                       "--dtype", "float32", "--max-model-len", "1024",
-                       "--kv-cache-memory", "16MiB") as server:
+    with launch_server(
+        Path(model),
+        tmp_path_factory.mktemp("qwen2_5_speaking"),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "16MiB",
+    ) as server:
         client = server.client()
         assert client.get("/audio/voices", cast_to=object) == {
-            "voices": ["Chelsie", "Ethan"], "default_voice": "Chelsie"}
-        ask = {"model": MODEL, "messages": question, "max_tokens": 8, "temperature": 0.0,
-               "modalities": ["text", "audio"], "extra_body": seeded}
-        answer = client.chat.completions.create(**ask, audio={"voice": "chelsie",
-                                                              "format": "wav"})
+            "voices": ["Chelsie", "Ethan"],
+            "default_voice": "Chelsie",
+        }
+        ask = {
+            "model": MODEL,
+            "messages": question,
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "modalities": ["text", "audio"],
+            "extra_body": seeded,
+        }
+        answer = client.chat.completions.create(**ask, audio={"voice": "chelsie", "format": "wav"})
         audio = answer.choices[0].message.audio
         assert audio.transcript == offline.text
         samples, rate = soundfile.read(io.BytesIO(base64.b64decode(audio.data)), dtype="float32")
         assert rate == 24000
         np.testing.assert_allclose(samples, offline.audio, rtol=0, atol=1 / 32767)
         assert answer.usage.completion_tokens_details.audio_tokens == offline.num_audio_tokens
-        pieces = [base64.b64decode(chunk.choices[0].delta.audio.data)
-                  for chunk in client.chat.completions.create(
-                      **ask, audio={"voice": "chelsie", "format": "pcm16"}, stream=True)
-                  if chunk.choices and getattr(chunk.choices[0].delta, "audio", None)
-                  and chunk.choices[0].delta.audio.data]
+        pieces = [
+            base64.b64decode(chunk.choices[0].delta.audio.data)
+            for chunk in client.chat.completions.create(
+                **ask, audio={"voice": "chelsie", "format": "pcm16"}, stream=True
+            )
+            if chunk.choices
+            and getattr(chunk.choices[0].delta, "audio", None)
+            and chunk.choices[0].delta.audio.data
+        ]
         assert len(pieces) == 1 and pieces[0] == pcm16(offline.audio)
         # A stop string through the server's engine process: the same text and speech as
         # offline, streamed (the front end must not cut the speech short when it sees it).
@@ -190,15 +227,21 @@ def test_served_through_the_api(speech_case, tmp_path_factory):
         stopped = stopped.outputs[0]
         text, pcm = "", b""
         for chunk in client.chat.completions.create(
-                **ask, audio={"voice": "chelsie", "format": "pcm16"}, stream=True, stop=[stop]):
+            **ask, audio={"voice": "chelsie", "format": "pcm16"}, stream=True, stop=[stop]
+        ):
             for choice in chunk.choices:
                 text += choice.delta.content or ""
                 audio = getattr(choice.delta, "audio", None)
                 pcm += base64.b64decode(audio.data or "") if audio else b""
-        assert text == stopped.text == offline.text[:offline.text.index(stop)]
+        assert text == stopped.text == offline.text[: offline.text.index(stop)]
         assert pcm == pcm16(stopped.audio) and not np.allclose(stopped.audio, offline.audio)
-        speech = client.audio.speech.create(model=MODEL, voice="ethan", input="Good morning",
-                                            response_format="wav", extra_body=seeded)
+        speech = client.audio.speech.create(
+            model=MODEL,
+            voice="ethan",
+            input="Good morning",
+            response_format="wav",
+            extra_body=seeded,
+        )
         spoken, _ = soundfile.read(io.BytesIO(speech.content), dtype="float32")
         assert len(spoken) >= 5 * 480 and np.std(spoken) > 1e-2
 
@@ -212,7 +255,7 @@ def test_stop_string_ends_text_and_speech_as_transformers(speech_case):
     tokens = reference[0][0]
     full = tokenizer.decode(tokens)
     prefix = tokenizer.decode(tokens[:5])
-    stop = full[len(prefix):len(prefix) + 2]
+    stop = full[len(prefix) : len(prefix) + 2]
     assert stop and stop not in prefix
     model_dir = llm.llm_engine.config.model_config.model
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -223,18 +266,21 @@ def test_stop_string_ends_text_and_speech_as_transformers(speech_case):
     torch.manual_seed(0)
     with torch.inference_mode():
         sequences, wave = model.generate(
-            **inputs, speaker="Ethan", thinker_max_new_tokens=THINKER_TOKENS,
-            thinker_do_sample=False, thinker_stop_strings=[stop],
-            thinker_tokenizer=processor.tokenizer, talker_do_sample=False,
+            **inputs,
+            speaker="Ethan",
+            thinker_max_new_tokens=THINKER_TOKENS,
+            thinker_do_sample=False,
+            thinker_stop_strings=[stop],
+            thinker_tokenizer=processor.tokenizer,
+            talker_do_sample=False,
             talker_max_new_tokens=TALKER_TOKENS,
-            talker_eos_token_id=[talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id])
-    generated = sequences[0, inputs["input_ids"].shape[1]:].tolist()
+            talker_eos_token_id=[talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id],
+        )
+    generated = sequences[0, inputs["input_ids"].shape[1] :].tolist()
     assert len(generated) < len(tokens)  # the stop string ended it
-    (output,) = llm.generate(prompts[0], _speech_params("Ethan", 0, stop=[stop]),
-                             use_tqdm=False)
+    (output,) = llm.generate(prompts[0], _speech_params("Ethan", 0, stop=[stop]), use_tqdm=False)
     completion = output.outputs[0]
     assert completion.token_ids == generated
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
-    assert completion.text == full[:full.index(stop)]
-    np.testing.assert_allclose(completion.audio, wave.reshape(-1).numpy(), rtol=0,
-                               atol=WAVE_ATOL)
+    assert completion.text == full[: full.index(stop)]
+    np.testing.assert_allclose(completion.audio, wave.reshape(-1).numpy(), rtol=0, atol=WAVE_ATOL)

@@ -23,9 +23,16 @@ from omniserve.structured_output import StructuredOutputManager
 from omniserve.tokenizer import get_tokenizer
 from tests.server_utils import MODEL, Server, assert_error
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "ok", "n"],
-          "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
-                         "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["color", "ok", "n"],
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+}
 REGEX = r"[a-c]{3}-[0-9]{2}"
 CHOICES = ["yes", "no", "maybe"]
 MAX_TOKENS = 200  # a random model may pad JSON with whitespace; the grammar still closes it
@@ -40,25 +47,36 @@ class Answer(pydantic.BaseModel):
 def llm(tiny_checkpoint: Any) -> Iterator[LLM]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
-        engine = LLM(str(tiny_checkpoint("Qwen3ForCausalLM")), dtype="float32",
-                     max_model_len=512, kv_cache_memory="32MiB")
+        engine = LLM(
+            str(tiny_checkpoint("Qwen3ForCausalLM")),
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory="32MiB",
+        )
     yield engine
     engine.llm_engine.shutdown()
 
 
 def _constrained(**constraint: Any) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                          structured_outputs=StructuredOutputsParams(**constraint))
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        structured_outputs=StructuredOutputsParams(**constraint),
+    )
 
 
 def test_every_kind_of_constraint_holds_offline_in_one_batch(llm: LLM) -> None:
     free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     alone = llm.generate("Free text", free, use_tqdm=False)[0].outputs[0]
     prompts = ["Describe", "Any object", "Code", "Answer", "Digits", "Free text"]
-    params = [_constrained(json=SCHEMA, disable_any_whitespace=True),
-              _constrained(json_object=True, disable_any_whitespace=True),
-              _constrained(regex=REGEX), _constrained(choice=CHOICES),
-              _constrained(grammar='root ::= "n=" [0-9] [0-9]'), free]
+    params = [
+        _constrained(json=SCHEMA, disable_any_whitespace=True),
+        _constrained(json_object=True, disable_any_whitespace=True),
+        _constrained(regex=REGEX),
+        _constrained(choice=CHOICES),
+        _constrained(grammar='root ::= "n=" [0-9] [0-9]'),
+        free,
+    ]
     outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     jsonschema.validate(json.loads(outs[0].text), SCHEMA)
     # Any JSON object may go on past max_tokens (keys are free text): a valid beginning, and
@@ -74,19 +92,29 @@ def test_every_kind_of_constraint_holds_offline_in_one_batch(llm: LLM) -> None:
 
 
 def test_sampled_children_each_follow_the_constraint(llm: LLM) -> None:
-    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=MAX_TOKENS,
-                            structured_outputs=StructuredOutputsParams(regex=REGEX))
+    params = SamplingParams(
+        n=4,
+        temperature=1.0,
+        seed=7,
+        max_tokens=MAX_TOKENS,
+        structured_outputs=StructuredOutputsParams(regex=REGEX),
+    )
     texts = [c.text for c in llm.generate("Codes", params, use_tqdm=False)[0].outputs]
     assert all(re.fullmatch(REGEX, text) for text in texts), texts
     assert len(set(texts)) > 1
 
 
-@pytest.mark.parametrize(("constraint", "needle"), [
-    ({"json": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}},
-     "structured_outputs.json is not valid"),
-    ({"regex": "(unclosed"}, "structured_outputs.regex is not valid"),
-    ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar is not valid"),
-])
+@pytest.mark.parametrize(
+    ("constraint", "needle"),
+    [
+        (
+            {"json": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}},
+            "structured_outputs.json is not valid",
+        ),
+        ({"regex": "(unclosed"}, "structured_outputs.regex is not valid"),
+        ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar is not valid"),
+    ],
+)
 def test_bad_constraints_are_value_errors(llm: LLM, constraint: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         llm.generate("x", _constrained(**constraint), use_tqdm=False)
@@ -101,75 +129,124 @@ def server(qwen3_server: Server) -> Server:
 
 def test_sdk_parse_returns_the_pydantic_object(server: Server) -> None:
     completion = server.client().chat.completions.parse(
-        model=MODEL, messages=[{"role": "user", "content": "Pick a color."}],
-        response_format=Answer, max_tokens=MAX_TOKENS, temperature=0.0,
-        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Pick a color."}],
+        response_format=Answer,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
+    )
     parsed = completion.choices[0].message.parsed
     assert isinstance(parsed, Answer)
 
 
 def test_json_schema_streamed_and_not(server: Server) -> None:
     client = server.client()
-    response_format = {"type": "json_schema",
-                       "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True},
+    }
     messages = [{"role": "user", "content": "Describe it."}]
     compact = {"structured_outputs": {"disable_any_whitespace": True}}
-    full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0.0,
-                                          max_tokens=MAX_TOKENS, response_format=response_format,
-                                          extra_body=compact)
+    full = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        response_format=response_format,
+        extra_body=compact,
+    )
     jsonschema.validate(json.loads(full.choices[0].message.content), SCHEMA)
-    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0.0,
-                                            max_tokens=MAX_TOKENS, stream=True,
-                                            response_format=response_format, extra_body=compact)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        response_format=response_format,
+        extra_body=compact,
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == full.choices[0].message.content
 
 
 def test_vllm_fields_on_completions_and_chat(server: Server) -> None:
     client = server.client()
-    out = client.completions.create(model=MODEL, prompt="Code:", max_tokens=MAX_TOKENS, n=2,
-                                    temperature=1.0, seed=3,
-                                    extra_body={"structured_outputs": {"regex": REGEX}})
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Code:",
+        max_tokens=MAX_TOKENS,
+        n=2,
+        temperature=1.0,
+        seed=3,
+        extra_body={"structured_outputs": {"regex": REGEX}},
+    )
     assert all(re.fullmatch(REGEX, choice.text) for choice in out.choices)
     compact = {"structured_outputs": {"disable_any_whitespace": True}}
-    chat = client.chat.completions.create(model=MODEL, max_tokens=MAX_TOKENS, temperature=0.0,
-                                          messages=[{"role": "user", "content": "Well?"}],
-                                          extra_body={"guided_choice": CHOICES})
+    chat = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        messages=[{"role": "user", "content": "Well?"}],
+        extra_body={"guided_choice": CHOICES},
+    )
     assert chat.choices[0].message.content in CHOICES
-    obj = client.chat.completions.create(model=MODEL, max_tokens=MAX_TOKENS, temperature=0.0,
-                                         messages=[{"role": "user", "content": "JSON"}],
-                                         response_format={"type": "json_object"},
-                                         extra_body=compact)
+    obj = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        messages=[{"role": "user", "content": "JSON"}],
+        response_format={"type": "json_object"},
+        extra_body=compact,
+    )
     assert obj.choices[0].message.content.startswith("{")
 
 
-@pytest.mark.parametrize(("fields", "needle"), [
-    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex is not valid"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
-    ({"structured_outputs": {"jsonn": {}}}, "jsonn"),
-    ({"guided_regex": "a", "response_format": {"type": "json_object"}},
-     "one output constraint, not response_format and guided_regex"),
-    ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
-])
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex is not valid"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
+        ({"structured_outputs": {"jsonn": {}}}, "jsonn"),
+        (
+            {"guided_regex": "a", "response_format": {"type": "json_object"}},
+            "one output constraint, not response_format and guided_regex",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
+    ],
+)
 def test_bad_constraints_are_400s(server: Server, fields: dict, needle: str) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
-            **fields}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 4,
+        **fields,
+    }
     error = assert_error(server.post("/v1/chat/completions", body), 400)
     assert needle in error["message"], error
 
 
 def test_ignore_eos_goes_on_after_the_grammar_ends(llm: LLM) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
-                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=12,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )
     out = llm.generate("Well?", params, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 12 and out.text.startswith(("yes", "no"))
 
 
-@pytest.mark.parametrize("architecture", [
-    "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2_5OmniThinkerForConditionalGeneration",
-    "Qwen3OmniMoeThinkerForConditionalGeneration"])
-def test_every_tokenizer_family_writes_valid_json(tiny_checkpoint: Any,
-                                                  architecture: str) -> None:
+@pytest.mark.parametrize(
+    "architecture",
+    [
+        "Qwen3ForCausalLM",
+        "LlamaForCausalLM",
+        "Qwen2_5OmniThinkerForConditionalGeneration",
+        "Qwen3OmniMoeThinkerForConditionalGeneration",
+    ],
+)
+def test_every_tokenizer_family_writes_valid_json(tiny_checkpoint: Any, architecture: str) -> None:
     """The zoo's tokenizer families (Qwen's, Llama 3's byte-level one, the omni ones with their
     added specials): a writer that takes random allowed tokens always ends with JSON that
     validates, so the grammar engine reads each vocabulary right."""
@@ -182,7 +259,7 @@ def test_every_tokenizer_family_writes_valid_json(tiny_checkpoint: Any,
         written: list[int] = []
         while (row := manager.bitmask_row(str(sample))) is not None:
             bits = np.unpackbits(np.frombuffer(row, dtype=np.uint8), bitorder="little")
-            token = rng.choice(np.flatnonzero(bits[:manager.vocab_size]).tolist())
+            token = rng.choice(np.flatnonzero(bits[: manager.vocab_size]).tolist())
             manager.accept(str(sample), [token])
             written.append(token)
         text = tokenizer.decode(written, skip_special_tokens=True)
@@ -194,15 +271,31 @@ def test_json_schema_with_image_and_audio(default_server: Server) -> None:
     """On the default omni model, constrained and given an image and a sound."""
     from tests.test_default_model import IMAGE, WAV, _messages, _png
 
-    content = default_server.client().chat.completions.create(
-        model=MODEL, max_tokens=MAX_TOKENS, temperature=0.0,
-        response_format={"type": "json_schema",
-                         "json_schema": {"name": "answer", "schema": SCHEMA}},
-        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
-        messages=_messages(
-            {"type": "image_url", "image_url": {
-                "url": "data:image/png;base64," + base64.b64encode(_png(IMAGE)).decode()}},
-            {"type": "input_audio", "input_audio": {
-                "data": base64.b64encode(WAV).decode(), "format": "wav"}})
-    ).choices[0].message.content
+    content = (
+        default_server.client()
+        .chat.completions.create(
+            model=MODEL,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": SCHEMA},
+            },
+            extra_body={"structured_outputs": {"disable_any_whitespace": True}},
+            messages=_messages(
+                {
+                    "type": "image_url",
+                    "image_url": {
+                        "url": "data:image/png;base64," + base64.b64encode(_png(IMAGE)).decode()
+                    },
+                },
+                {
+                    "type": "input_audio",
+                    "input_audio": {"data": base64.b64encode(WAV).decode(), "format": "wav"},
+                },
+            ),
+        )
+        .choices[0]
+        .message.content
+    )
     jsonschema.validate(json.loads(content), SCHEMA)

@@ -58,22 +58,33 @@ def test_text_model_tp2_matches_tp1_and_hf(tiny_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("architecture", "voice"), [
-    ("Qwen3OmniMoeForConditionalGeneration", "chelsie"),
-    ("Qwen2_5OmniForConditionalGeneration", "Ethan")])
+@pytest.mark.parametrize(
+    ("architecture", "voice"),
+    [
+        ("Qwen3OmniMoeForConditionalGeneration", "chelsie"),
+        ("Qwen2_5OmniForConditionalGeneration", "Ethan"),
+    ],
+)
 def test_speech_tp2_matches_tp1(tiny_checkpoint, architecture, voice):
     """The talker's layers split over two ranks (its one KV head replicated), the vocoder on
     each: the same text and the same waveform (to fp32 reduction order) as one rank."""
     model_dir = str(tiny_checkpoint(architecture))
     prompt = "<|im_start|>user\nHello there say<|im_end|>\n<|im_start|>assistant\n"
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                            output_modalities=["text", "audio"],
-                            speech={"voice": voice, "temperature": 0.0, "max_tokens": 20,
-                                    "seed": 1})
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        output_modalities=["text", "audio"],
+        speech={"voice": voice, "temperature": 0.0, "max_tokens": 20, "seed": 1},
+    )
     outputs = []
     for tp in (1, 2):
-        llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, max_model_len=1024,
-                  kv_cache_memory=16 << 20)
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            tensor_parallel_size=tp,
+            max_model_len=1024,
+            kv_cache_memory=16 << 20,
+        )
         try:
             outputs.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0])
         finally:
@@ -89,10 +100,14 @@ def test_vision_language_model_tp2_matches_hf(tiny_checkpoint):
     model_dir = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
     processor = AutoProcessor.from_pretrained(model_dir)
     cases = [Case("image", [_user(IMAGE, TEXT)], {"image": [_image(1, 112, 140)]})]
-    texts = [processor.apply_chat_template(c.messages, add_generation_prompt=True,
-                                           tokenize=False) for c in cases]
-    reference = [ReferenceOutput(r.token_ids[:MAX_TOKENS], r.logprobs[:MAX_TOKENS])
-                 for r in _hf_reference(AutoModelForImageTextToText, model_dir, texts, cases)]
+    texts = [
+        processor.apply_chat_template(c.messages, add_generation_prompt=True, tokenize=False)
+        for c in cases
+    ]
+    reference = [
+        ReferenceOutput(r.token_ids[:MAX_TOKENS], r.logprobs[:MAX_TOKENS])
+        for r in _hf_reference(AutoModelForImageTextToText, model_dir, texts, cases)
+    ]
     prompts = [_engine_prompt(t, c.media) for t, c in zip(texts, cases, strict=True)]
     outputs = _generate(model_dir, prompts, tp=2)
     assert sum(outputs[0].num_mm_tokens.values()) > 0
@@ -108,9 +123,14 @@ def test_omni_moe_thinker_tp2_with_image_and_audio_matches_hf(tiny_checkpoint):
     model = THINKERS[arch].from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         inputs = _hf_inputs(processor, text, items)
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    generated = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        out = model.generate(
+            **inputs,
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    generated = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
     logprobs = [torch.log_softmax(s[0].float(), dim=-1) for s in out.logits]
     reference = [ReferenceOutput(generated, logprobs[: len(generated)])]
     outputs = _generate(model_dir, [_omni_engine_prompt(text, items)], tp=2)
@@ -123,8 +143,11 @@ def test_omni_moe_thinker_tp2_with_image_and_audio_matches_hf(tiny_checkpoint):
 def test_heads_that_do_not_divide_give_a_clear_error(tiny_checkpoint, monkeypatch):
     model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))  # 4 heads, 128 MLP features
     monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")  # the error in this process
-    with pytest.raises(ValueError, match=r"\d+ \(.+\) is not divisible by the tensor-parallel "
-                                         r"size 3; choose a --tensor-parallel-size"):
+    with pytest.raises(
+        ValueError,
+        match=r"\d+ \(.+\) is not divisible by the tensor-parallel "
+        r"size 3; choose a --tensor-parallel-size",
+    ):
         LLM(model_dir, dtype="float32", tensor_parallel_size=3)
 
 
@@ -171,10 +194,12 @@ def test_executor_class_per_backend(tiny_checkpoint):
     assert Executor.get_class(_config(model_dir)) is UniProcExecutor
     assert Executor.get_class(_config(model_dir, tensor_parallel_size=2)) is MultiprocExecutor
     assert Executor.get_class(_config(model_dir, distributed_executor_backend="mp")) is (
-        MultiprocExecutor)
+        MultiprocExecutor
+    )
     with pytest.raises(ValueError, match="needs the 'mp' or 'ray' backend"):
-        Executor.get_class(_config(model_dir, tensor_parallel_size=2,
-                                   distributed_executor_backend="uni"))
+        Executor.get_class(
+            _config(model_dir, tensor_parallel_size=2, distributed_executor_backend="uni")
+        )
     with pytest.raises(ValueError, match="Pipeline parallelism"):
         Executor.get_class(_config(model_dir, pipeline_parallel_size=2))
     with pytest.raises(ValueError, match="must be 'uni', 'mp' or 'ray'"):
@@ -184,8 +209,12 @@ def test_executor_class_per_backend(tiny_checkpoint):
 def _workers(server_pid: int) -> list[psutil.Process]:
     """The TP worker processes: spawned grandchildren of the server (under the engine core)."""
     server = psutil.Process(server_pid)
-    return [p for engine in server.children() for p in engine.children()
-            if "resource_tracker" not in " ".join(p.cmdline())]
+    return [
+        p
+        for engine in server.children()
+        for p in engine.children()
+        if "resource_tracker" not in " ".join(p.cmdline())
+    ]
 
 
 @pytest.mark.slow
@@ -194,8 +223,10 @@ def test_killed_worker_ends_the_engine_cleanly(tiny_checkpoint, tmp_path):
     with launch_server(model_dir, tmp_path, "-tp", "2", "--dtype", "float32") as server:
         client = server.client()
         assert client.completions.create(model="tiny", prompt="hello", max_tokens=4).choices
-        tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(
-            recursive=True)]
+        tree = [
+            psutil.Process(server.proc.pid),
+            *psutil.Process(server.proc.pid).children(recursive=True),
+        ]
         workers = _workers(server.proc.pid)
         assert len(workers) == 2
         workers[1].send_signal(signal.SIGKILL)
@@ -203,8 +234,9 @@ def test_killed_worker_ends_the_engine_cleanly(tiny_checkpoint, tmp_path):
         while httpx.get(server.url + "/health", timeout=5).status_code == 200:
             assert time.monotonic() < deadline, "the server stayed healthy without a worker"
             time.sleep(0.3)
-        response = server.post("/v1/completions", {"model": "tiny", "prompt": "hi",
-                                                   "max_tokens": 4})
+        response = server.post(
+            "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+        )
         assert response.status_code == 503, response.text
     gone, alive = psutil.wait_procs(tree, timeout=30)
     assert not alive, f"orphan processes: {alive}"

@@ -18,21 +18,40 @@ import pytest
 from omniserve.entrypoints.openai.tool_parsers import HermesToolCalls
 from tests.server_utils import MODEL, Server, assert_error
 
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-           "properties": {"city": {"enum": ["Paris", "Oslo"]},
-                          "unit": {"enum": ["celsius", "fahrenheit"]}}}
+WEATHER = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "unit"],
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo"]},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                                      "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "additionalProperties": False, "required": ["zone"],
-        "properties": {"zone": {"enum": ["UTC", "CET"]}}}}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["zone"],
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            },
+        },
+    },
 ]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 TIGHT = {"structured_outputs": {"disable_any_whitespace": True}}  # a random model pads JSON
-HERMES_CALL = (r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
-               r'\{"city": "(Paris|Oslo)", "unit": "celsius"\}\}\n</tool_call>')
+HERMES_CALL = (
+    r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "(Paris|Oslo)", "unit": "celsius"\}\}\n</tool_call>'
+)
 
 
 class Weather(pydantic.BaseModel):
@@ -46,8 +65,14 @@ def _calls(message: Any) -> list[tuple[str, Any]]:
 
 def _ask(server: Server, stream: bool = False, **kwargs: Any) -> Any:
     """The answer as the SDK gives it; streamed ones assembled by the SDK's own helper."""
-    kwargs = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 120,
-              "temperature": 0.0, **kwargs}
+    kwargs = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "max_tokens": 120,
+        "temperature": 0.0,
+        **kwargs,
+    }
     client = server.client()
     if not stream:
         return client.chat.completions.create(**kwargs)
@@ -63,10 +88,20 @@ def test_required_calls_validate_against_their_tools(qwen3_server: Server, strea
         jsonschema.validate(arguments, SCHEMAS[name])
     assert all(c.id.startswith("chatcmpl-tool-") for c in choice.message.tool_calls)
     if not stream:
-        assert _calls(choice.message) == _calls(_ask(
-            qwen3_server, True, tool_choice="required", extra_body=TIGHT).choices[0].message)
-    single = _ask(qwen3_server, stream, tool_choice="required", parallel_tool_calls=False,
-                  extra_body=TIGHT).choices[0].message
+        assert _calls(choice.message) == _calls(
+            _ask(qwen3_server, True, tool_choice="required", extra_body=TIGHT).choices[0].message
+        )
+    single = (
+        _ask(
+            qwen3_server,
+            stream,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            extra_body=TIGHT,
+        )
+        .choices[0]
+        .message
+    )
     assert len(single.tool_calls) == 1
 
 
@@ -77,9 +112,18 @@ def test_named_choice_calls_that_function_streamed_and_not(qwen3_server: Server)
     ((name, arguments),) = _calls(whole.message)
     assert name == "get_time"
     jsonschema.validate(arguments, SCHEMAS["get_time"])
-    chunks = list(qwen3_server.client().chat.completions.create(
-        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=120,
-        temperature=0.0, stream=True, extra_body=TIGHT))
+    chunks = list(
+        qwen3_server.client().chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=named,
+            max_tokens=120,
+            temperature=0.0,
+            stream=True,
+            extra_body=TIGHT,
+        )
+    )
     deltas = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
     assert deltas[0].id and deltas[0].function.name == "get_time"  # the first carries the name
     assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
@@ -90,16 +134,24 @@ def test_parse_with_a_pydantic_tool(qwen3_server: Server) -> None:
     """``client.chat.completions.parse``: strict pydantic tools come back as parsed objects."""
     tool = openai.pydantic_function_tool(Weather, name="get_weather")
     completion = qwen3_server.client().chat.completions.parse(
-        model=MODEL, messages=ASK, tools=[tool], max_tokens=120, temperature=0.0,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, extra_body=TIGHT)
-    assert isinstance(completion.choices[0].message.tool_calls[0].function.parsed_arguments,
-                      Weather)
+        model=MODEL,
+        messages=ASK,
+        tools=[tool],
+        max_tokens=120,
+        temperature=0.0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        extra_body=TIGHT,
+    )
+    assert isinstance(
+        completion.choices[0].message.tool_calls[0].function.parsed_arguments, Weather
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_calls_are_read_from_hermes_blocks(qwen3_server: Server, stream: bool) -> None:
-    choice = _ask(qwen3_server, stream, extra_body={"structured_outputs": {"regex": HERMES_CALL}}
-                  ).choices[0]
+    choice = _ask(
+        qwen3_server, stream, extra_body={"structured_outputs": {"regex": HERMES_CALL}}
+    ).choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Let me check."
     ((name, arguments),) = _calls(choice.message)
@@ -108,62 +160,101 @@ def test_auto_calls_are_read_from_hermes_blocks(qwen3_server: Server, stream: bo
     assert plain.message.tool_calls is None and plain.finish_reason == "length"
 
 
-def test_a_round_trip_renders_calls_and_results_through_the_template(
-        qwen3_server: Server) -> None:
-    call = _ask(qwen3_server, tool_choice="required", parallel_tool_calls=False,
-                extra_body=TIGHT).choices[0].message.tool_calls[0]
-    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"}]
+def test_a_round_trip_renders_calls_and_results_through_the_template(qwen3_server: Server) -> None:
+    call = (
+        _ask(qwen3_server, tool_choice="required", parallel_tool_calls=False, extra_body=TIGHT)
+        .choices[0]
+        .message.tool_calls[0]
+    )
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"},
+    ]
     prompt = qwen3_server.post("/tokenize", {"messages": messages, "tools": TOOLS}).json()
     text = qwen3_server.post("/detokenize", {"tokens": prompt["tokens"]}).json()["prompt"]
     arguments = json.dumps(json.loads(call.function.arguments))
-    assert (f'<tool_call>\n{{"name": "{call.function.name}", "arguments": {arguments}}}\n'
-            "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n21 degrees\n"
-            "</tool_response><|im_end|>\n<|im_start|>assistant\n") in text
+    assert (
+        f'<tool_call>\n{{"name": "{call.function.name}", "arguments": {arguments}}}\n'
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n21 degrees\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    ) in text
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
     answer = qwen3_server.client().chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=4)
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=4
+    )
     assert answer.choices[0].message.content
 
 
-@pytest.mark.parametrize(("body", "match"), [
-    ({"tool_choice": "required"}, "tool_choice is only allowed when tools are given"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "names the function 'nope', which is not among the tools"),
-    ({"tools": [TOOLS[0], TOOLS[0]]}, "each function needs its own name"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "Give one output constraint, not response_format and tool_choice"),
-    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
-      "function": {"name": "get_weather", "arguments": "{oops"}}]}]},
-     r"messages\[1\].tool_calls\[0\].function.arguments is not JSON"),
-])
-def test_bad_tool_requests_are_400s_naming_the_field(qwen3_server: Server, body: dict,
-                                                     match: str) -> None:
-    response = qwen3_server.post("/v1/chat/completions",
-                                 {"model": MODEL, "messages": ASK, "max_tokens": 4, **body})
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"tool_choice": "required"}, "tool_choice is only allowed when tools are given"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "names the function 'nope', which is not among the tools",
+        ),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "each function needs its own name"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "Give one output constraint, not response_format and tool_choice",
+        ),
+        (
+            {
+                "messages": [
+                    *ASK,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "1",
+                                "type": "function",
+                                "function": {"name": "get_weather", "arguments": "{oops"},
+                            }
+                        ],
+                    },
+                ]
+            },
+            r"messages\[1\].tool_calls\[0\].function.arguments is not JSON",
+        ),
+    ],
+)
+def test_bad_tool_requests_are_400s_naming_the_field(
+    qwen3_server: Server, body: dict, match: str
+) -> None:
+    response = qwen3_server.post(
+        "/v1/chat/completions", {"model": MODEL, "messages": ASK, "max_tokens": 4, **body}
+    )
     assert re.search(match, assert_error(response, 400)["message"])
 
 
 def test_auto_needs_the_servers_parser(default_server: Server) -> None:
-    response = default_server.post("/v1/chat/completions", {
-        "model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 4})
-    assert "requires --enable-auto-tool-choice and --tool-call-parser" in assert_error(
-        response, 400)["message"]
+    response = default_server.post(
+        "/v1/chat/completions", {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 4}
+    )
+    assert (
+        "requires --enable-auto-tool-choice and --tool-call-parser"
+        in assert_error(response, 400)["message"]
+    )
 
 
-@pytest.mark.parametrize("text", [
-    'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n',
-    'a <tool_call>{"name": "unknown", "arguments": {}}</tool_call> b',
-    '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\n\nDone. ',
-    "no calls, only text \n", '<tool_call>{"name": "get_time", "argu',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n',
+        'a <tool_call>{"name": "unknown", "arguments": {}}</tool_call> b',
+        '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\n\nDone. ',
+        "no calls, only text \n",
+        '<tool_call>{"name": "get_time", "argu',
+    ],
+)
 def test_hermes_reading_does_not_depend_on_the_chunks(text: str) -> None:
     def read(step: int) -> tuple[str, list[tuple[str, str]]]:
         reader, content, calls = HermesToolCalls(list(SCHEMAS), True), "", []
         for start in range(0, len(text), step):
-            piece, new = reader.feed(text[start:start + step], start + step >= len(text))
+            piece, new = reader.feed(text[start : start + step], start + step >= len(text))
             content += piece
             calls += [(c["function"]["name"], c["function"]["arguments"]) for c in new]
         return content, calls
@@ -171,12 +262,13 @@ def test_hermes_reading_does_not_depend_on_the_chunks(text: str) -> None:
     whole = read(len(text))
     assert all(read(step) == whole for step in (1, 2, 3, 7))
     if "Sure" in text:
-        assert whole == ("Sure.", [("get_time", '{"zone": "UTC"}'),
-                                   ("get_weather", '{"city": "Oslo"}')])
+        assert whole == (
+            "Sure.",
+            [("get_time", '{"zone": "UTC"}'), ("get_weather", '{"city": "Oslo"}')],
+        )
     if "unknown" in text:  # not one of the tools: the model's text, as written
         assert whole == (text, [])
     if "Done" in text:
         assert whole[0] == "Done."
     if text.endswith("argu"):  # cut off inside a call
         assert whole == (text, [])
-

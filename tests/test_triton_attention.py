@@ -137,7 +137,14 @@ def test_tiles_cover_each_query_once() -> None:
     assert decodes == ([0, 2, 5], [0, 0, 0])
     reqs, firsts = plan_tiles(query_lens, 32, decodes=False)
     assert list(zip(reqs, firsts, strict=True)) == [
-        (1, 0), (3, 0), (3, 32), (4, 0), (4, 32), (4, 64), (6, 0)]
+        (1, 0),
+        (3, 0),
+        (3, 32),
+        (4, 0),
+        (4, 32),
+        (4, 64),
+        (6, 0),
+    ]
 
 
 def test_selection_on_cpu() -> None:
@@ -170,7 +177,17 @@ def test_compiled_on_gpu(dtype: torch.dtype) -> None:
     specs = [(300, 1), (45, 1), (0, 7), (511, 1), (20, 40), (0, 300), (1000, 1)]
     for heads, head_size in (((32, 4), 128), ((16, 2), 128), ((8, 8), 64), ((12, 4), 80)):
         for block_size in (16, 1, 64):
-            check(attend(specs, num_heads=heads[0], num_kv_heads=heads[1], head_size=head_size,
-                         block_size=block_size, dtype=dtype, device="cuda"), atol=atol)
+            check(
+                attend(
+                    specs,
+                    num_heads=heads[0],
+                    num_kv_heads=heads[1],
+                    head_size=head_size,
+                    block_size=block_size,
+                    dtype=dtype,
+                    device="cuda",
+                ),
+                atol=atol,
+            )
     check(attend(specs, num_heads=8, num_kv_heads=2, window=33, device="cuda", dtype=dtype),
           atol=atol)  # fmt: skip

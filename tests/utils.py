@@ -310,8 +310,12 @@ def assert_all_free(scheduler: Scheduler) -> None:
     assert cache.num_freeable_slots == cache.cache_size
 
 
-def run_stress(scheduler: Scheduler, rng: random.Random,
-               new_request: Callable[[int], Request], steps: int = 400) -> FakeWorker:
+def run_stress(
+    scheduler: Scheduler,
+    rng: random.Random,
+    new_request: Callable[[int], Request],
+    steps: int = 400,
+) -> FakeWorker:
     """Random arrivals (while steps remain), aborts (also mid-step) and eos, checking every
     step's invariants; ends by aborting what is left and asserting every resource is free."""
     worker = FakeWorker(scheduler)
@@ -322,18 +326,22 @@ def run_stress(scheduler: Scheduler, rng: random.Random,
             num_added += 1
         if scheduler.requests and rng.random() < 0.03:
             scheduler.finish_requests(
-                rng.choice(list(scheduler.requests)), RequestStatus.FINISHED_ABORTED)
+                rng.choice(list(scheduler.requests)), RequestStatus.FINISHED_ABORTED
+            )
         if not scheduler.has_unfinished_requests():
             continue
         so = scheduler.schedule()
         check_invariants(scheduler, so)
         worker.execute(so)
         runner_output = make_runner_output(
-            scheduler, so,
-            next_token=lambda r: EOS_TOKEN_ID if rng.random() < 0.05 else rng.randrange(1, 50))
+            scheduler,
+            so,
+            next_token=lambda r: EOS_TOKEN_ID if rng.random() < 0.05 else rng.randrange(1, 50),
+        )
         if so.num_scheduled_tokens and rng.random() < 0.03:  # abort while the step runs
             scheduler.finish_requests(
-                rng.choice(list(so.num_scheduled_tokens)), RequestStatus.FINISHED_ABORTED)
+                rng.choice(list(so.num_scheduled_tokens)), RequestStatus.FINISHED_ABORTED
+            )
         for output in scheduler.update_from_output(so, runner_output).outputs:
             assert output.request_id not in scheduler.requests or not output.finished
     stats = scheduler.make_stats()

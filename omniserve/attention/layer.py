@@ -79,7 +79,14 @@ class Attention(nn.Module):
 def get_attention_layers(model: nn.Module) -> list[Attention]:
     """Every Attention layer of ``model`` in registration order (= layer order), leaving out
     sub-models with their own KV cache (``has_own_kv_cache``: a speech model's talker)."""
-    own = [name for name, module in model.named_modules()
-           if name and getattr(module, "has_own_kv_cache", False)]
-    return [module for name, module in model.named_modules() if isinstance(module, Attention)
-            and not any(name.startswith(prefix + ".") for prefix in own)]
+    own = [
+        name
+        for name, module in model.named_modules()
+        if name and getattr(module, "has_own_kv_cache", False)
+    ]
+    return [
+        module
+        for name, module in model.named_modules()
+        if isinstance(module, Attention)
+        and not any(name.startswith(prefix + ".") for prefix in own)
+    ]

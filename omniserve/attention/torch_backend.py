@@ -203,8 +203,9 @@ class TorchAttentionBackend(AttentionBackend):
         A hook for backends with a decode kernel (the CPU backend's); only called after
         ``decode_kernel_supports`` said yes, which plain torch never does.
         """
-        raise RuntimeError(f"{type(self).__name__} has no decode kernel; "
-                           "decode_kernel_supports() is False for it.")
+        raise RuntimeError(
+            f"{type(self).__name__} has no decode kernel; decode_kernel_supports() is False for it."
+        )
 
     def _plan(
         self, md: AttentionMetadata, block_size: int, sliding_window: int | None, use_kernel: bool

@@ -127,8 +127,9 @@ class _Tiles:
     first: torch.Tensor  # [num_tiles] int32
 
 
-def plan_tiles(query_lens: list[int], tokens_per_tile: int, decodes: bool) -> tuple[list[int],
-                                                                                  list[int]]:
+def plan_tiles(
+    query_lens: list[int], tokens_per_tile: int, decodes: bool
+) -> tuple[list[int], list[int]]:
     """The (request, first token) tiles of the decodes (query length 1) or of the prefill chunks
     (longer queries), ``tokens_per_tile`` query tokens each."""
     reqs: list[int] = []

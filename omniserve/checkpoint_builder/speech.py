@@ -124,7 +124,8 @@ def tune_speech_weights(model: torch.nn.Module) -> None:
         if speakers:  # Qwen3-Omni: a voice is one codec row of the talker's prompt
             rows = [config.speaker_id[name] for name in speakers]
             talker.model.codec_embedding.weight[rows] = torch.randn(
-                len(rows), talker.model.codec_embedding.weight.shape[1])
+                len(rows), talker.model.codec_embedding.weight.shape[1]
+            )
     if hasattr(model, "code2wav"):  # Qwen3-Omni: codes -> waveform
         codec = model.config.code2wav_config
         vocoder = model.code2wav

@@ -91,8 +91,11 @@ _THINKING_SWITCH = """{%- if enable_thinking is defined and enable_thinking is f
 
 
 def _chatml(part: str, *, system: str = _DEFAULT_SYSTEM, thinking: str = "") -> str:
-    return (_CHATML.replace("{system}", system).replace("{part}", textwrap.dedent(part).strip())
-            .replace("{thinking}", thinking))
+    return (
+        _CHATML.replace("{system}", system)
+        .replace("{part}", textwrap.dedent(part).strip())
+        .replace("{thinking}", thinking)
+    )
 
 
 def _media_part(image: str, video: str, audio: str, numbered: bool = True) -> str:
@@ -103,27 +106,46 @@ def _media_part(image: str, video: str, audio: str, numbered: bool = True) -> st
     switch = {"image": "add_vision_id", "video": "add_vision_id", "audio": "add_audio_id"}
     branches = []
     for modality, span in spans.items():
-        label = (f"{{%- if {switch[modality]} %}}{{{{- '{labels[modality]} ' ~ counts.{modality}"
-                 f" ~ ': ' }}}}{{%- endif %}}" if numbered else "")
+        label = (
+            f"{{%- if {switch[modality]} %}}{{{{- '{labels[modality]} ' ~ counts.{modality}"
+            f" ~ ': ' }}}}{{%- endif %}}"
+            if numbered
+            else ""
+        )
         branches.append(
             f"if part['type'] in ('{modality}', '{modality}_url'"
             f"{', ' + repr('input_audio') if modality == 'audio' else ''}) %}}"
-            f"{{%- set counts.{modality} = counts.{modality} + 1 %}}{label}{{{{- '{span}' }}}}")
-    return ("{%- " + "{%- el".join(branches)
-            + "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}")
+            f"{{%- set counts.{modality} = counts.{modality} + 1 %}}{label}{{{{- '{span}' }}}}"
+        )
+    return (
+        "{%- "
+        + "{%- el".join(branches)
+        + "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    )
 
 
 # ChatML as Qwen2-VL / Qwen2.5 render it: a default system turn; media parts become their
 # placeholder spans (the processor later expands the pad token per item).
-CHATML_TEMPLATE = _chatml(_media_part(
-    "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>",
-    "<|audio_start|><|audio_pad|><|audio_end|>", numbered=False))
+CHATML_TEMPLATE = _chatml(
+    _media_part(
+        "<|vision_start|><|image_pad|><|vision_end|>",
+        "<|vision_start|><|video_pad|><|vision_end|>",
+        "<|audio_start|><|audio_pad|><|audio_end|>",
+        numbered=False,
+    )
+)
 
 # Qwen3's: no default system turn, and the thinking switch.
-QWEN3_TEMPLATE = _chatml(_media_part(
-    "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>",
-    "<|audio_start|><|audio_pad|><|audio_end|>", numbered=False),
-    system="", thinking=_THINKING_SWITCH)
+QWEN3_TEMPLATE = _chatml(
+    _media_part(
+        "<|vision_start|><|image_pad|><|vision_end|>",
+        "<|vision_start|><|video_pad|><|vision_end|>",
+        "<|audio_start|><|audio_pad|><|audio_end|>",
+        numbered=False,
+    ),
+    system="",
+    thinking=_THINKING_SWITCH,
+)
 
 # Qwen2-Audio-Instruct's: each audio part is numbered and ends its own line, as the real
 # template renders it ("Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\n").
@@ -137,15 +159,24 @@ QWEN2_AUDIO_TEMPLATE = _chatml("""
 
 # Qwen2.5-Omni's: images and videos inside <|vision_bos|>..<|vision_eos|> with the upper-case
 # pads, audio inside <|audio_bos|>..<|audio_eos|>; "Picture N: " / "Audio N: " only on request.
-QWEN2_5_OMNI_TEMPLATE = _chatml(_media_part(
-    "<|vision_bos|><|IMAGE|><|vision_eos|>", "<|vision_bos|><|VIDEO|><|vision_eos|>",
-    "<|audio_bos|><|AUDIO|><|audio_eos|>"))
+QWEN2_5_OMNI_TEMPLATE = _chatml(
+    _media_part(
+        "<|vision_bos|><|IMAGE|><|vision_eos|>",
+        "<|vision_bos|><|VIDEO|><|vision_eos|>",
+        "<|audio_bos|><|AUDIO|><|audio_eos|>",
+    )
+)
 
 # Qwen3-Omni's: no default system turn (as Qwen3), lower-case pads inside
 # <|vision_start|>..<|vision_end|> and <|audio_start|>..<|audio_end|>.
-QWEN3_OMNI_TEMPLATE = _chatml(_media_part(
-    "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>",
-    "<|audio_start|><|audio_pad|><|audio_end|>"), system="")
+QWEN3_OMNI_TEMPLATE = _chatml(
+    _media_part(
+        "<|vision_start|><|image_pad|><|vision_end|>",
+        "<|vision_start|><|video_pad|><|vision_end|>",
+        "<|audio_start|><|audio_pad|><|audio_end|>",
+    ),
+    system="",
+)
 
 LLAMA3_TEMPLATE = textwrap.dedent("""
     {{- bos_token }}

@@ -105,4 +105,5 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0 and (
-            self.talker is None or self.talker.is_empty)
+            self.talker is None or self.talker.is_empty
+        )

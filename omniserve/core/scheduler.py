@@ -94,10 +94,16 @@ class Scheduler:
         )
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.make_text_stop = make_text_stop
-        self.talker = (TalkerScheduler(num_talker_blocks, self.block_size,
-                                       scheduler_config.max_num_seqs,
-                                       scheduler_config.max_num_batched_tokens)
-                       if num_talker_blocks else None)
+        self.talker = (
+            TalkerScheduler(
+                num_talker_blocks,
+                self.block_size,
+                scheduler_config.max_num_seqs,
+                scheduler_config.max_num_batched_tokens,
+            )
+            if num_talker_blocks
+            else None
+        )
         # req_id -> every unfinished request (waiting, running or preempted)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -123,8 +129,10 @@ class Scheduler:
         check_request_items(request, self.scheduler_config)
         if request.speech is not None:
             if self.talker is None:
-                raise ValueError(f"Request {request.request_id!r} asks for audio output, but "
-                                 "this engine has no speech stage.")
+                raise ValueError(
+                    f"Request {request.request_id!r} asks for audio output, but "
+                    "this engine has no speech stage."
+                )
             self.talker.add(request, request.speech)
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
@@ -135,8 +143,9 @@ class Scheduler:
         (priority, arrival) order under the priority policy."""
         if self.scheduler_config.policy == "priority":
             key = _priority_key(request)
-            index = next((i for i, r in enumerate(self.waiting) if _priority_key(r) > key),
-                         len(self.waiting))
+            index = next(
+                (i for i, r in enumerate(self.waiting) if _priority_key(r) > key), len(self.waiting)
+            )
             self.waiting.insert(index, request)
         elif front:
             self.waiting.appendleft(request)
@@ -197,10 +206,15 @@ class Scheduler:
             "encoder_cache_usage": self.encoder_cache_manager.usage,
             "encoder_cache_queries": float(self.encoder_cache_queries),
             "encoder_cache_hits": float(self.encoder_cache_hits),
-            **({"talker_kv_cache_usage": self.talker.usage,
-                "num_speaking": float(len(self.talker.requests)),
-                "num_talker_preemptions": float(self.talker.num_preemptions)}
-               if self.talker else {}),
+            **(
+                {
+                    "talker_kv_cache_usage": self.talker.usage,
+                    "num_speaking": float(len(self.talker.requests)),
+                    "num_talker_preemptions": float(self.talker.num_preemptions),
+                }
+                if self.talker
+                else {}
+            ),
         }
 
     # ---- one step ----
@@ -328,7 +342,8 @@ class Scheduler:
         of the queue. Returns False when there is no suspect.
         """
         suspect = next((r for r in self.running if r.suspect), None) or next(
-            (r for r in self.waiting if r.suspect), None)
+            (r for r in self.waiting if r.suspect), None
+        )
         if suspect is None:
             return False
         for request in [r for r in self.running if r is not suspect]:
@@ -341,7 +356,9 @@ class Scheduler:
         return True
 
     def _schedule_waiting(
-        self, scheduled: dict[str, _ScheduledRequest], budget: _StepBudget,
+        self,
+        scheduled: dict[str, _ScheduledRequest],
+        budget: _StepBudget,
         max_num_seqs: int | None = None,
     ) -> None:
         """Admit WAITING requests in queue order; the first that cannot run this step stops
@@ -490,22 +507,28 @@ class Scheduler:
         innocent request fails. Encoder-cache entries the step was to fill are dropped: the
         workers may not hold them.
         """
-        requests = [self.requests[req_id] for req_id in scheduler_output.num_scheduled_tokens
-                    if req_id in self.requests]
+        requests = [
+            self.requests[req_id]
+            for req_id in scheduler_output.num_scheduled_tokens
+            if req_id in self.requests
+        ]
         for request in requests:
             # The optimistic advance did not happen: those tokens' KV was never (all) written.
-            request.num_computed_tokens -= scheduler_output.num_scheduled_tokens[
-                request.request_id]
+            request.num_computed_tokens -= scheduler_output.num_scheduled_tokens[request.request_id]
         outputs: list[EngineCoreOutput] = []
         if len(scheduler_output.num_scheduled_tokens) == 1:
             for request in requests:
                 self.running.remove(request)
                 request.status = RequestStatus.FINISHED_ERROR
                 self._free_request(request)
-                outputs.append(EngineCoreOutput(
-                    request_id=request.request_id, new_token_ids=[],
-                    finish_reason=FinishReason.ERROR,
-                    num_cached_tokens=max(request.num_cached_tokens, 0)))
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[],
+                        finish_reason=FinishReason.ERROR,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
         else:
             for request in reversed(requests):  # _preempt puts each at the head, in order
                 self.running.remove(request)
@@ -518,14 +541,20 @@ class Scheduler:
                 if req_id in self.talker.requests:
                     self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
                     if not reported:
-                        outputs.append(EngineCoreOutput(
-                            request_id=req_id, new_token_ids=[],
-                            finish_reason=FinishReason.ERROR))
+                        outputs.append(
+                            EngineCoreOutput(
+                                request_id=req_id,
+                                new_token_ids=[],
+                                finish_reason=FinishReason.ERROR,
+                            )
+                        )
         by_id = {request.request_id: request for request in requests}
         self.encoder_cache_manager.discard(
             by_id[req_id].mm_features[i].identifier
             for req_id, items in scheduler_output.scheduled_encoder_inputs.items()
-            if req_id in by_id for i in items)
+            if req_id in by_id
+            for i in items
+        )
         return EngineCoreOutputs(outputs=outputs)
 
 

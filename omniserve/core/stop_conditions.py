@@ -54,13 +54,18 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
     return None
 
 
-def check_text_stop(request: Request, new_token_ids: list[int],
-                    make_text_stop: Callable[[Request], TextStop]) -> None:
+def check_text_stop(
+    request: Request, new_token_ids: list[int], make_text_stop: Callable[[Request], TextStop]
+) -> None:
     """End a speaking request's text at a stop string now, before the next step's talker could
     read a token past it (its final token, which completed the stop string, is not spoken, as
     with any last token)."""
-    if (request.speech is None or not request.sampling_params.stop or not new_token_ids
-            or request.is_finished):
+    if (
+        request.speech is None
+        or not request.sampling_params.stop
+        or not new_token_ids
+        or request.is_finished
+    ):
         return
     if request.text_stop is None:
         request.text_stop = make_text_stop(request)

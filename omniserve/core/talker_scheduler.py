@@ -37,17 +37,23 @@ from omniserve.messages import EngineCoreOutput, FinishReason, SpeechRequest, Sp
 logger = logging.getLogger(__name__)
 
 
-def plan_talker_prompt(prompt_token_ids: list[int], im_start_id: int, user_id: int,
-                       assistant_id: int) -> tuple[list[int], int]:
+def plan_talker_prompt(
+    prompt_token_ids: list[int], im_start_id: int, user_id: int, assistant_id: int
+) -> tuple[list[int], int]:
     """``(user positions, text start)`` of a ChatML prompt, with transformers' rules: a token's
     role is the token after the nearest ``<|im_start|>`` at or before it; the reply starts 3 tokens
     after the last ``<|im_start|>assistant``. ValueError when the prompt has no such header."""
-    starts = [i for i in range(len(prompt_token_ids) - 1)
-              if prompt_token_ids[i] == im_start_id and prompt_token_ids[i + 1] == assistant_id]
+    starts = [
+        i
+        for i in range(len(prompt_token_ids) - 1)
+        if prompt_token_ids[i] == im_start_id and prompt_token_ids[i + 1] == assistant_id
+    ]
     if not starts:
-        raise ValueError("audio output needs a chat prompt that opens the assistant's turn "
-                         "(<|im_start|>assistant); use the chat template with "
-                         "add_generation_prompt.")
+        raise ValueError(
+            "audio output needs a chat prompt that opens the assistant's turn "
+            "(<|im_start|>assistant); use the chat template with "
+            "add_generation_prompt."
+        )
     last = len(prompt_token_ids) - 1
     role_at = prompt_token_ids[min(1, last)]
     user_positions = []
@@ -100,7 +106,7 @@ class TalkerRequest:
         tokens, outputs = thinker.all_token_ids, thinker.output_token_ids
         known = len(tokens) - start
         if self.speech.reply_in_prompt:  # the prompt's reply, whole; nothing generated is spoken
-            reply = tokens[start:len(thinker.prompt_token_ids)]
+            reply = tokens[start : len(thinker.prompt_token_ids)]
             return [*reply, TEXT_END] if thinker.is_finished else []
         stops = {thinker.eos_token_id, *thinker.sampling_params.stop_token_ids}
         first_stop = next((i for i, t in enumerate(outputs) if t in stops), None)
@@ -108,11 +114,11 @@ class TalkerRequest:
             marker = first_stop if first_stop is not None else len(outputs)
             if thinker.is_finished:
                 marker = min(marker, known - 2)
-            return [*tokens[start:start + 1 + marker], TEXT_END] if marker >= 0 else []
+            return [*tokens[start : start + 1 + marker], TEXT_END] if marker >= 0 else []
         limit = min(known, (len(outputs) if first_stop is None else first_stop) + 1)
         if self.speech.reads_reply_hidden:  # only tokens the thinker has been fed this far
             limit = min(limit, thinker.num_computed_tokens - start)
-        return list(tokens[start:start + max(limit, 0)])
+        return list(tokens[start : start + max(limit, 0)])
 
     def usable_text(self) -> int:
         entries = self.text_entries()
@@ -123,8 +129,9 @@ class TalkerScheduler:
     """Admits and steps talker requests in arrival order under their own limits; preempts the
     newest running one (recompute) when its block pool runs out."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_caching=False)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -190,12 +197,19 @@ class TalkerScheduler:
             self.requests[req_id].num_computed_tokens += out.num_scheduled_tokens[req_id]
         return out
 
-    def _commit(self, request: TalkerRequest, num_new: int, block_ids: list[int], is_new: bool,
-                out: TalkerSchedulerOutput) -> None:
+    def _commit(
+        self,
+        request: TalkerRequest,
+        num_new: int,
+        block_ids: list[int],
+        is_new: bool,
+        out: TalkerSchedulerOutput,
+    ) -> None:
         req_id = request.request_id
         if is_new:
-            out.new_reqs.append(NewTalkerRequestData(req_id, request.speech, block_ids,
-                                                     request.num_computed_tokens))
+            out.new_reqs.append(
+                NewTalkerRequestData(req_id, request.speech, block_ids, request.num_computed_tokens)
+            )
         else:
             out.cached_reqs.req_ids.append(req_id)
             out.cached_reqs.new_block_ids.append(block_ids)
@@ -203,7 +217,7 @@ class TalkerScheduler:
         out.num_scheduled_tokens[req_id] = num_new
         entries = request.text_entries()
         if len(entries) > request.num_text_sent:
-            out.new_text[req_id] = entries[request.num_text_sent:]
+            out.new_text[req_id] = entries[request.num_text_sent :]
             request.num_text_sent = len(entries)
 
     def _cut(self, request: TalkerRequest) -> None:
@@ -237,8 +251,11 @@ class TalkerScheduler:
     def stopped(self) -> set[str]:
         """Requests to end without a worker's word: nothing to speak (the thinker finished with
         no reply text), or cut by the pool."""
-        silent = {req_id for req_id, r in self.requests.items()
-                  if r.thinker.is_finished and r.usable_text() < 1}
+        silent = {
+            req_id
+            for req_id, r in self.requests.items()
+            if r.thinker.is_finished and r.usable_text() < 1
+        }
         cut, self.cut = self.cut & self.requests.keys(), set()
         return silent | cut
 
@@ -274,12 +291,17 @@ class TalkerScheduler:
             if audio is None and not finished:
                 continue
             thinker = request.thinker
-            outputs.append(EngineCoreOutput(
-                request_id=req_id, new_token_ids=[], new_audio=audio,
-                num_audio_tokens=request.num_frames,
-                finish_reason=FINISH_REASONS.get(thinker.status) if finished else None,
-                stop_reason=thinker.stop_reason if finished else None,
-                num_cached_tokens=max(thinker.num_cached_tokens, 0)))
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=[],
+                    new_audio=audio,
+                    num_audio_tokens=request.num_frames,
+                    finish_reason=FINISH_REASONS.get(thinker.status) if finished else None,
+                    stop_reason=thinker.stop_reason if finished else None,
+                    num_cached_tokens=max(thinker.num_cached_tokens, 0),
+                )
+            )
             if finished:
                 self.finish(req_id)
         return outputs

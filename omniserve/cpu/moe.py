@@ -59,8 +59,11 @@ class CpuMoE:
         layer = self.layer
         gate_up, down = layer.gate_up_proj.detach(), layer.down_proj.detach()
         num_experts, top_k = gate_up.shape[0], topk_ids.shape[1]
-        if (x.dtype != gate_up.dtype or not inference_tensors(x)
-                or x.shape[0] * top_k > MAX_ROUTED_PER_EXPERT * num_experts):
+        if (
+            x.dtype != gate_up.dtype
+            or not inference_tensors(x)
+            or x.shape[0] * top_k > MAX_ROUTED_PER_EXPERT * num_experts
+        ):
             return fused_experts(x, gate_up, down, topk_weights, topk_ids)
         x = x.contiguous()
         weights = topk_weights.to(torch.float32).contiguous()

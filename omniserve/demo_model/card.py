@@ -27,8 +27,7 @@ def write_card(checkpoint: Path) -> None:
         "",
         "## Training",
         "",
-        f"- Command: `{recipe['command']}` (deterministic for a seed and thread count; "
-        "resumable).",
+        f"- Command: `{recipe['command']}` (deterministic for a seed and thread count; resumable).",
         f"- Data: `omniserve.demo_model.tasks`, generator version {recipe['generator_version']},"
         f" seed {recipe['seed']}; one task per batch, drawn with weights "
         f"{recipe['task_weights']}.",
@@ -39,14 +38,17 @@ def write_card(checkpoint: Path) -> None:
         f"- Wall time: {recipe['wall_seconds'] / 60:.1f} min on {recipe['threads']} CPU threads "
         f"(torch {recipe['torch']}).",
         "- Final training loss (mean of each task's last 20 batches): "
-        + ", ".join(f"{task} {loss}" for task, loss in recipe["final_loss_by_task"].items()) + ".",
+        + ", ".join(f"{task} {loss}" for task, loss in recipe["final_loss_by_task"].items())
+        + ".",
         "",
         "## Evaluation",
         "",
     ]
     if results is None:
-        lines.append("Not evaluated yet: run `python scripts/eval_demo_model.py --model "
-                     "<this directory> --card`.")
+        lines.append(
+            "Not evaluated yet: run `python scripts/eval_demo_model.py --model "
+            "<this directory> --card`."
+        )
     else:
         lines += [
             f"`{results['command']}`: {results['per_task']} held-out examples per task (seed "

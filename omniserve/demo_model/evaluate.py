@@ -24,13 +24,18 @@ def ask(client: Any, model: str, example: Example, max_tokens: int = 96) -> str:
     """The served model's greedy reply to the example's question."""
     extra = {"mm_processor_kwargs": kwargs} if (kwargs := example.mm_processor_kwargs()) else {}
     response = client.chat.completions.create(
-        model=model, messages=example.messages(), temperature=0.0, max_tokens=max_tokens,
-        extra_body=extra or None)
+        model=model,
+        messages=example.messages(),
+        temperature=0.0,
+        max_tokens=max_tokens,
+        extra_body=extra or None,
+    )
     return response.choices[0].message.content or ""
 
 
-def grade(client: Any, model: str, examples: Iterable[Example], concurrency: int = 8
-          ) -> list[Graded]:
+def grade(
+    client: Any, model: str, examples: Iterable[Example], concurrency: int = 8
+) -> list[Graded]:
     examples = list(examples)
     with ThreadPoolExecutor(concurrency) as pool:
         replies = list(pool.map(lambda example: ask(client, model, example), examples))

@@ -71,14 +71,20 @@ class Example:
         """The OpenAI chat messages that ask this example's question."""
         parts: list[dict[str, Any]] = []
         if self.image is not None:
-            parts.append({"type": "image_url",
-                          "image_url": {"url": _data_url("image/png", self.image)}})
+            parts.append(
+                {"type": "image_url", "image_url": {"url": _data_url("image/png", self.image)}}
+            )
         if self.video is not None:
-            parts.append({"type": "video_url",
-                          "video_url": {"url": _data_url("video/mp4", self.video)}})
+            parts.append(
+                {"type": "video_url", "video_url": {"url": _data_url("video/mp4", self.video)}}
+            )
         if self.audio is not None:
-            parts.append({"type": "input_audio", "input_audio": {
-                "data": base64.b64encode(self.audio).decode(), "format": "wav"}})
+            parts.append(
+                {
+                    "type": "input_audio",
+                    "input_audio": {"data": base64.b64encode(self.audio).decode(), "format": "wav"},
+                }
+            )
         if not parts:
             return [{"role": "user", "content": self.question}]
         return [{"role": "user", "content": [*parts, {"type": "text", "text": self.question}]}]
@@ -133,40 +139,60 @@ def _image_qa(rng: random.Random, scene: dict[str, Any]) -> tuple[str, str]:
     count, shape, colour = scene["count"], scene["shape"], scene["colour"]
     noun = shape if count == 1 else f"{shape}s"
     choices = [
-        (rng.choice(("What do you see?", "Describe the image.", "What is in the picture?")),
-         f"I see {_seen(scene)}."),
-        (rng.choice(("What colour is the shape?", "What color are the shapes?")),
-         f"The {noun} {'is' if count == 1 else 'are'} {colour}."),
-        (rng.choice(("How many shapes are there?", "Count the shapes.")),
-         f"There {'is' if count == 1 else 'are'} {_count_phrase(count, shape)}."),
-        (rng.choice(("What shape is it?", "Which shape do you see?")),
-         f"{'It is a' if count == 1 else 'They are'} {noun}."),
+        (
+            rng.choice(("What do you see?", "Describe the image.", "What is in the picture?")),
+            f"I see {_seen(scene)}.",
+        ),
+        (
+            rng.choice(("What colour is the shape?", "What color are the shapes?")),
+            f"The {noun} {'is' if count == 1 else 'are'} {colour}.",
+        ),
+        (
+            rng.choice(("How many shapes are there?", "Count the shapes.")),
+            f"There {'is' if count == 1 else 'are'} {_count_phrase(count, shape)}.",
+        ),
+        (
+            rng.choice(("What shape is it?", "Which shape do you see?")),
+            f"{'It is a' if count == 1 else 'They are'} {noun}.",
+        ),
     ]
     if count == 1:
-        choices.append((rng.choice(("Where is the shape?", "Where is it in the image?")),
-                        f"The {colour} {shape} is {_where(scene['position'])}."))
+        choices.append(
+            (
+                rng.choice(("Where is the shape?", "Where is it in the image?")),
+                f"The {colour} {shape} is {_where(scene['position'])}.",
+            )
+        )
     return rng.choice(choices)
 
 
 def _audio_qa(rng: random.Random, sound: dict[str, Any]) -> tuple[str, str]:
     beeps = sound["beeps"]
-    return rng.choice([
-        (rng.choice(("What do you hear?", "Describe the sound.")), f"I hear {_heard(sound)}."),
-        (rng.choice(("How many beeps are there?", "Count the beeps.")),
-         f"There {'is' if beeps == 1 else 'are'} {_count_phrase(beeps, 'beep')}."),
-        ("Is the sound high or low?", f"The sound is {sound['pitch']}."),
-        ("Is the sound loud or quiet?", f"The sound is {sound['loudness']}."),
-    ])
+    return rng.choice(
+        [
+            (rng.choice(("What do you hear?", "Describe the sound.")), f"I hear {_heard(sound)}."),
+            (
+                rng.choice(("How many beeps are there?", "Count the beeps.")),
+                f"There {'is' if beeps == 1 else 'are'} {_count_phrase(beeps, 'beep')}.",
+            ),
+            ("Is the sound high or low?", f"The sound is {sound['pitch']}."),
+            ("Is the sound loud or quiet?", f"The sound is {sound['loudness']}."),
+        ]
+    )
 
 
 def _video_qa(rng: random.Random, motion: dict[str, Any]) -> tuple[str, str]:
-    return rng.choice([
-        (rng.choice(("What happens in the video?", "Describe the video.")),
-         f"A {motion['colour']} {motion['shape']} moves {_moves(motion['direction'])}."),
-        ("Which way does the shape move?", f"It moves {_moves(motion['direction'])}."),
-        ("What colour is the moving shape?", f"It is {motion['colour']}."),
-        ("What shape moves in the video?", f"A {motion['shape']} moves."),
-    ])
+    return rng.choice(
+        [
+            (
+                rng.choice(("What happens in the video?", "Describe the video.")),
+                f"A {motion['colour']} {motion['shape']} moves {_moves(motion['direction'])}.",
+            ),
+            ("Which way does the shape move?", f"It moves {_moves(motion['direction'])}."),
+            ("What colour is the moving shape?", f"It is {motion['colour']}."),
+            ("What shape moves in the video?", f"A {motion['shape']} moves."),
+        ]
+    )
 
 
 # --- tasks --------------------------------------------------------------------------------------
@@ -181,31 +207,48 @@ def _single_media_example(task: str, rng: random.Random) -> Example:
 
 def _audio_in_video_example(rng: random.Random) -> Example:
     motion, sound = _motion(rng), _sound(rng, seconds=VIDEO_FRAMES / VIDEO_FPS)
-    both = ("What do you see and hear?",
-            f"A {motion['colour']} {motion['shape']} moves {_moves(motion['direction'])}, "
-            f"and I hear {_heard(sound)}.")
+    both = (
+        "What do you see and hear?",
+        f"A {motion['colour']} {motion['shape']} moves {_moves(motion['direction'])}, "
+        f"and I hear {_heard(sound)}.",
+    )
     question, answer = rng.choice([both, both, _video_qa(rng, motion), _audio_qa(rng, sound)])
-    return Example("audio_in_video", question, answer,
-                   video=_mp4(_draw_motion(rng, motion), _synth(rng, sound)),
-                   use_audio_in_video=True, facts={**motion, **sound})
+    return Example(
+        "audio_in_video",
+        question,
+        answer,
+        video=_mp4(_draw_motion(rng, motion), _synth(rng, sound)),
+        use_audio_in_video=True,
+        facts={**motion, **sound},
+    )
 
 
 def _image_audio_example(rng: random.Random) -> Example:
     scene, sound = _scene(rng), _sound(rng)
     both = ("What do you see and hear?", f"I see {_seen(scene)}, and I hear {_heard(sound)}.")
     question, answer = rng.choice([both, both, _image_qa(rng, scene), _audio_qa(rng, sound)])
-    return Example("image_audio", question, answer, image=_png(_draw_scene(rng, scene)),
-                   audio=_wav(_synth(rng, sound)), facts={**scene, **sound})
+    return Example(
+        "image_audio",
+        question,
+        answer,
+        image=_png(_draw_scene(rng, scene)),
+        audio=_wav(_synth(rng, sound)),
+        facts={**scene, **sound},
+    )
 
 
-_GREETING = ("Hello! I am omniserve's tiny demo model. Show me an image, a sound or a video "
-             "and ask me about it.")
+_GREETING = (
+    "Hello! I am omniserve's tiny demo model. Show me an image, a sound or a video "
+    "and ask me about it."
+)
 _CHAT = (
     (("Hello!", "Hi", "Hi there!", "Hey"), _GREETING),
     (("Who are you?", "What are you?"), _GREETING),
-    (("What can you do?", "How can you help me?"),
-     "I can tell you about shapes and colours in images, beeps in sounds, and moving shapes "
-     "in videos."),
+    (
+        ("What can you do?", "How can you help me?"),
+        "I can tell you about shapes and colours in images, beeps in sounds, and moving shapes "
+        "in videos.",
+    ),
     (("Thank you!", "Thanks"), "You are welcome!"),
 )
 
@@ -213,13 +256,13 @@ _CHAT = (
 def _text_example(rng: random.Random) -> Example:
     if rng.random() < 0.5:
         a, b = rng.randrange(5), rng.randrange(5)
-        return Example("text", f"What is {NUMBER_WORDS[a]} plus {NUMBER_WORDS[b]}?",
-                       f"{NUMBER_WORDS[a].capitalize()} plus {NUMBER_WORDS[b]} is "
-                       f"{NUMBER_WORDS[a + b]}.")
+        return Example(
+            "text",
+            f"What is {NUMBER_WORDS[a]} plus {NUMBER_WORDS[b]}?",
+            f"{NUMBER_WORDS[a].capitalize()} plus {NUMBER_WORDS[b]} is {NUMBER_WORDS[a + b]}.",
+        )
     questions, answer = rng.choice(_CHAT)
     return Example("text", rng.choice(questions), answer)
-
-
 
 
 # --- what the media show ------------------------------------------------------------------------
@@ -234,14 +277,20 @@ def _scene(rng: random.Random) -> dict[str, Any]:
 
 
 def _sound(rng: random.Random, seconds: float | None = None) -> dict[str, Any]:
-    return {"beeps": rng.randint(1, MAX_BEEPS), "loudness": rng.choice(list(LOUDNESS)),
-            "pitch": rng.choice(list(PITCHES)),
-            "seconds": seconds if seconds is not None else rng.uniform(*AUDIO_SECONDS)}
+    return {
+        "beeps": rng.randint(1, MAX_BEEPS),
+        "loudness": rng.choice(list(LOUDNESS)),
+        "pitch": rng.choice(list(PITCHES)),
+        "seconds": seconds if seconds is not None else rng.uniform(*AUDIO_SECONDS),
+    }
 
 
 def _motion(rng: random.Random) -> dict[str, Any]:
-    return {"shape": rng.choice(SHAPES), "colour": rng.choice(list(COLOURS)),
-            "direction": rng.choice(DIRECTIONS)}
+    return {
+        "shape": rng.choice(SHAPES),
+        "colour": rng.choice(list(COLOURS)),
+        "direction": rng.choice(DIRECTIONS),
+    }
 
 
 # --- drawing and synthesis ----------------------------------------------------------------------
@@ -253,8 +302,15 @@ def _background(rng: random.Random, width: int, height: int) -> np.ndarray:
     return np.clip(level + noise, 0, 255).astype(np.uint8)
 
 
-def _draw_shape(pixels: np.ndarray, shape: str, colour: str, cx: float, cy: float,
-                radius: float, jitter: random.Random) -> None:
+def _draw_shape(
+    pixels: np.ndarray,
+    shape: str,
+    colour: str,
+    cx: float,
+    cy: float,
+    radius: float,
+    jitter: random.Random,
+) -> None:
     from PIL import Image, ImageDraw
 
     image = Image.fromarray(pixels)
@@ -266,8 +322,10 @@ def _draw_shape(pixels: np.ndarray, shape: str, colour: str, cx: float, cy: floa
     elif shape == "square":
         draw.rectangle(box, fill=rgb)
     else:
-        draw.polygon([(cx, cy - radius), (cx - radius, cy + radius * 0.8),
-                      (cx + radius, cy + radius * 0.8)], fill=rgb)
+        draw.polygon(
+            [(cx, cy - radius), (cx - radius, cy + radius * 0.8), (cx + radius, cy + radius * 0.8)],
+            fill=rgb,
+        )
     pixels[...] = np.asarray(image)
 
 
@@ -281,20 +339,26 @@ def _draw_scene(rng: random.Random, scene: dict[str, Any]) -> np.ndarray:
         return pixels
     cells = rng.sample([(col, row) for col in range(2) for row in range(2)], scene["count"])
     cell_w, cell_h = width / 2, height / 2  # one shape per quarter: never overlapping
-    centres = [((col + 0.5) * cell_w + rng.uniform(-1, 1) * (cell_w / 2 - radius),
-                (row + 0.5) * cell_h + rng.uniform(-1, 1) * (cell_h / 2 - radius))
-               for col, row in cells]
+    centres = [
+        (
+            (col + 0.5) * cell_w + rng.uniform(-1, 1) * (cell_w / 2 - radius),
+            (row + 0.5) * cell_h + rng.uniform(-1, 1) * (cell_h / 2 - radius),
+        )
+        for col, row in cells
+    ]
     for cx, cy in centres:
         _draw_shape(pixels, scene["shape"], scene["colour"], cx, cy, radius, rng)
     return pixels
 
 
-def _position_centre(rng: random.Random, position: str, width: int, height: int
-                     ) -> tuple[float, float]:
+def _position_centre(
+    rng: random.Random, position: str, width: int, height: int
+) -> tuple[float, float]:
     near, mid = rng.uniform(0.22, 0.3), rng.uniform(0.4, 0.6)
     far = 1.0 - near
-    x, y = {"left": (near, mid), "right": (far, mid), "top": (mid, near),
-            "bottom": (mid, far)}[position]
+    x, y = {"left": (near, mid), "right": (far, mid), "top": (mid, near), "bottom": (mid, far)}[
+        position
+    ]
     return x * width, y * height
 
 
@@ -311,8 +375,15 @@ def _draw_motion(rng: random.Random, motion: dict[str, Any]) -> np.ndarray:
         along = start + (end - start) * (t if sign > 0 else 1 - t)
         x, y = (along, across) if motion["direction"] in ("left", "right") else (across, along)
         frame = background.copy()
-        _draw_shape(frame, motion["shape"], motion["colour"], x * size, y * size, radius,
-                    random.Random(rng.random()))
+        _draw_shape(
+            frame,
+            motion["shape"],
+            motion["colour"],
+            x * size,
+            y * size,
+            radius,
+            random.Random(rng.random()),
+        )
         frames.append(frame)
     return np.stack(frames)
 
@@ -333,7 +404,7 @@ def _synth(rng: random.Random, sound: dict[str, Any]) -> np.ndarray:
         envelope = np.ones(length, np.float32)
         envelope[:ramp], envelope[-ramp:] = np.linspace(0, 1, ramp), np.linspace(1, 0, ramp)
         tone = np.sin(2 * np.pi * hz * np.arange(length) / SAMPLE_RATE) * envelope * amplitude
-        waveform[begin:begin + length] += tone.astype(np.float32)
+        waveform[begin : begin + length] += tone.astype(np.float32)
     return waveform
 
 
@@ -363,15 +434,19 @@ def _mp4(frames: np.ndarray, waveform: np.ndarray | None = None) -> bytes:
     with av.open(buf, mode="w", format="mp4") as container:
         video = container.add_stream("libx264", rate=VIDEO_FPS, options={"crf": "12"})
         video.width, video.height, video.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        audio = (container.add_stream("aac", rate=SAMPLE_RATE, layout="mono")
-                 if waveform is not None else None)  # every stream must exist before muxing
+        audio = (
+            container.add_stream("aac", rate=SAMPLE_RATE, layout="mono")
+            if waveform is not None
+            else None
+        )  # every stream must exist before muxing
         for pixels in frames:
             container.mux(video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
         container.mux(video.encode())
         if audio is not None:
             for offset in range(0, len(waveform), 1024):
-                frame = av.AudioFrame.from_ndarray(waveform[None, offset:offset + 1024],
-                                                   format="flt", layout="mono")
+                frame = av.AudioFrame.from_ndarray(
+                    waveform[None, offset : offset + 1024], format="flt", layout="mono"
+                )
                 frame.sample_rate, frame.pts = SAMPLE_RATE, offset
                 container.mux(audio.encode(frame))
             container.mux(audio.encode())

@@ -56,10 +56,11 @@ def init_encoders(model: torch.nn.Module) -> None:
     towers = [model.model.audio_tower, model.model.visual]
     with torch.no_grad():
         for module in (m for tower in towers for m in tower.modules()):
-            if isinstance(module, torch.nn.Linear | torch.nn.Conv1d | torch.nn.Conv2d
-                          | torch.nn.Conv3d):
+            if isinstance(
+                module, torch.nn.Linear | torch.nn.Conv1d | torch.nn.Conv2d | torch.nn.Conv3d
+            ):
                 fan_in = module.weight[0].numel()
-                module.weight.normal_(0.0, fan_in ** -0.5)
+                module.weight.normal_(0.0, fan_in**-0.5)
                 if module.bias is not None:
                     module.bias.zero_()
 
@@ -88,11 +89,15 @@ class TowerProbes(torch.nn.Module):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         hidden = model.config.text_config.hidden_size
-        self.heads = torch.nn.ModuleDict({
-            f"{tower}-{fact}": torch.nn.Linear(hidden, len(values))
-            for tower, facts in PROBED_FACTS.items() for fact, values in facts.items()})
+        self.heads = torch.nn.ModuleDict(
+            {
+                f"{tower}-{fact}": torch.nn.Linear(hidden, len(values))
+                for tower, facts in PROBED_FACTS.items()
+                for fact, values in facts.items()
+            }
+        )
         self._n_window = model.model.audio_tower.n_window
-        self._merge = model.model.visual.spatial_merge_size ** 2
+        self._merge = model.model.visual.spatial_merge_size**2
         self.pooled: dict[str, torch.Tensor] = {}
         """Tower -> its mean output per media item of the last forward, in batch order."""
         model.model.visual.register_forward_hook(self._pool_visual, with_kwargs=True)
@@ -118,8 +123,9 @@ class TowerProbes(torch.nn.Module):
             if pooled.shape[0] != len(facts):
                 raise ValueError(f"{tower} saw {pooled.shape[0]} items for {len(facts)} examples")
             for fact, values in PROBED_FACTS[tower].items():
-                targets = torch.tensor([values.index(f[fact]) if fact in f else -100
-                                        for f in facts])
+                targets = torch.tensor(
+                    [values.index(f[fact]) if fact in f else -100 for f in facts]
+                )
                 if (targets >= 0).any():
                     logits = self.heads[f"{tower}-{fact}"](pooled)
                     losses.append(torch.nn.functional.cross_entropy(logits, targets))
@@ -141,16 +147,23 @@ def prompt_messages(example: Example) -> list[dict[str, Any]]:
     content = message["content"]
     if isinstance(content, str):
         return [message]
-    return [{"role": "user", "content": [
-        part if part["type"] == "text" else {"type": _PART_TYPES[part["type"]]}
-        for part in content]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                part if part["type"] == "text" else {"type": _PART_TYPES[part["type"]]}
+                for part in content
+            ],
+        }
+    ]
 
 
 def encode(processor: Any, example: Example, *, with_answer: bool = True) -> dict[str, Any]:
     """The HF processor's tensors for one example; with the answer, `input_ids` continue with
     the answer and `<|im_end|>`, and `labels` mark those tokens alone."""
-    prompt = processor.apply_chat_template(prompt_messages(example), add_generation_prompt=True,
-                                           tokenize=False)
+    prompt = processor.apply_chat_template(
+        prompt_messages(example), add_generation_prompt=True, tokenize=False
+    )
     media: dict[str, Any] = {}
     kwargs: dict[str, Any] = {}
     if example.image is not None:
@@ -171,8 +184,9 @@ def encode(processor: Any, example: Example, *, with_answer: bool = True) -> dic
     inputs = dict(processor(text=[prompt], return_tensors="pt", **media, **kwargs))
     if with_answer:
         tokenizer = processor.tokenizer
-        answer = tokenizer(example.answer + "<|im_end|>", add_special_tokens=False,
-                           return_tensors="pt")["input_ids"]
+        answer = tokenizer(
+            example.answer + "<|im_end|>", add_special_tokens=False, return_tensors="pt"
+        )["input_ids"]
         prompt_ids = inputs["input_ids"]
         inputs["input_ids"] = torch.cat([prompt_ids, answer], dim=1)
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
@@ -193,23 +207,34 @@ def collate(items: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
         "labels": _pad_cat([item["labels"] for item in items], width, -100),
         "use_audio_in_video": flags.pop(),
     }
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-                "video_second_per_grid"):
+    for key in (
+        "pixel_values",
+        "image_grid_thw",
+        "pixel_values_videos",
+        "video_grid_thw",
+        "video_second_per_grid",
+    ):
         parts = [item[key] for item in items if key in item]
         if parts:
             batch[key] = torch.cat(parts)
     features = [item for item in items if "input_features" in item]
     if features:
         frames = max(item["input_features"].shape[-1] for item in features)
-        batch["input_features"] = torch.cat([
-            torch.nn.functional.pad(item["input_features"],
-                                    (0, frames - item["input_features"].shape[-1]))
-            for item in features])
+        batch["input_features"] = torch.cat(
+            [
+                torch.nn.functional.pad(
+                    item["input_features"], (0, frames - item["input_features"].shape[-1])
+                )
+                for item in features
+            ]
+        )
         batch["feature_attention_mask"] = _pad_cat(
-            [item["feature_attention_mask"] for item in features], frames, 0)
+            [item["feature_attention_mask"] for item in features], frames, 0
+        )
     return batch
 
 
 def _pad_cat(rows: list[torch.Tensor], width: int, value: int) -> torch.Tensor:
-    return torch.cat([torch.nn.functional.pad(row, (0, width - row.shape[1]), value=value)
-                      for row in rows])
+    return torch.cat(
+        [torch.nn.functional.pad(row, (0, width - row.shape[1]), value=value) for row in rows]
+    )

@@ -179,20 +179,33 @@ class EngineArgs:
             "native bf16, fp32; on a GPU, bf16 for an fp32 checkpoint).",
         )
         add("--device", default="auto", help="auto (CUDA when present), cpu or cuda.")
-        add("--attention-backend", default=envs.attention_backend(), choices=ATTENTION_BACKENDS,
+        add(
+            "--attention-backend",
+            default=envs.attention_backend(),
+            choices=ATTENTION_BACKENDS,
             help="Paged attention: auto (Triton on CUDA, C decode kernel on CPU), triton or "
-            "torch (the reference). Default: $OMNISERVE_ATTENTION_BACKEND or auto.")
-        add("--enforce-eager", action="store_true",
+            "torch (the reference). Default: $OMNISERVE_ATTENTION_BACKEND or auto.",
+        )
+        add(
+            "--enforce-eager",
+            action="store_true",
             help="Run decode steps eagerly: capture no CUDA graphs (they need an attention "
-            "backend without per-step host plans: Triton).")
+            "backend without per-step host plans: Triton).",
+        )
         add("--seed", type=int, default=0, help="Engine RNG seed.")
-        add("--generation-config", default="auto",
+        add(
+            "--generation-config",
+            default="auto",
             help="Default sampling settings for fields a request omits: 'auto' the "
             "checkpoint's generation_config.json, 'vllm' none (OpenAI's defaults), or a "
-            "directory holding a generation_config.json.")
-        add("--disable-audio-output", action="store_true",
+            "directory holding a generation_config.json.",
+        )
+        add(
+            "--disable-audio-output",
+            action="store_true",
             help="Serve a full omni checkpoint's thinker alone (text output only; the talker "
-            "and vocoder are not loaded).")
+            "and vocoder are not loaded).",
+        )
         add(
             "--max-model-len",
             type=int,
@@ -206,21 +219,32 @@ class EngineArgs:
             help="KV-cache memory, e.g. 4GiB; None: on CPU half the memory available after "
             "loading the weights (less 1 GiB), on GPU 90%% of its memory less what is in use.",
         )
-        add("--talker-kv-cache-memory", default=None,
+        add(
+            "--talker-kv-cache-memory",
+            default=None,
             help="A speaking model's talker KV pool, e.g. 256MiB; None: a quarter of the KV "
-            "budget (the thinker gets the rest).")
+            "budget (the thinker gets the rest).",
+        )
         add(
             "--num-gpu-blocks-override",
             type=int,
             default=None,
             help="Exact number of KV blocks (testing).",
         )
-        add("--gpu-memory-utilization", type=float, default=None,
+        add(
+            "--gpu-memory-utilization",
+            type=float,
+            default=None,
             help="Share of the device's memory (the machine's on a CPU) for weights, KV cache "
             "and activations; the KV cache gets the rest. None: 0.9 on a GPU, half of what is "
-            "available after loading on a CPU. --kv-cache-memory overrides it.")
-        add("--max-logprobs", type=int, default=20,
-            help="Most logprobs (and prompt_logprobs) a request may ask for per token.")
+            "available after loading on a CPU. --kv-cache-memory overrides it.",
+        )
+        add(
+            "--max-logprobs",
+            type=int,
+            default=20,
+            help="Most logprobs (and prompt_logprobs) a request may ask for per token.",
+        )
         add(
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,
@@ -228,9 +252,13 @@ class EngineArgs:
             help="Reuse KV blocks of shared prefixes.",
         )
         add("--max-num-seqs", type=int, default=256, help="Most requests running at once.")
-        add("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+        add(
+            "--scheduling-policy",
+            choices=["fcfs", "priority"],
+            default="fcfs",
             help="fcfs: first come, first served; priority: by each request's priority "
-                 "(lower first), then arrival, preempting the last in that order.")
+            "(lower first), then arrival, preempting the last in that order.",
+        )
         add(
             "--max-num-batched-tokens",
             type=int,
@@ -251,9 +279,14 @@ class EngineArgs:
         )
         add("--tensor-parallel-size", "-tp", type=int, default=1, help="Tensor-parallel ranks.")
         add("--pipeline-parallel-size", "-pp", type=int, default=1, help="Pipeline stages.")
-        add("--data-parallel-size", "-dp", type=int, default=1,
+        add(
+            "--data-parallel-size",
+            "-dp",
+            type=int,
+            default=1,
             help="Engine cores, each in its own process with its own KV cache; every new "
-            "request goes to the one with the fewest requests in flight.")
+            "request goes to the one with the fewest requests in flight.",
+        )
         add(
             "--distributed-executor-backend",
             default=None,
@@ -261,31 +294,65 @@ class EngineArgs:
             help="How workers run; None: uni for one rank, mp for more.",
         )
         mm = parser.add_argument_group("multimodal")
-        mm.add_argument("--limit-mm-per-prompt", default=None,
-                        help='Most items per modality in one prompt, as JSON: {"image": 4}.')
-        mm.add_argument("--mm-processor-kwargs", default=None,
-                        help='Default HF processor kwargs as JSON, e.g. {"max_pixels": 200704}.')
-        mm.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
-                        help="Encoder budget per step, in embeddings; None: max(8192, the token "
-                        "budget). One item larger than this (or the cache) is rejected.")
-        mm.add_argument("--encoder-cache-size", type=int, default=None,
-                        help="Encoder-output cache capacity, in embeddings; None: as above.")
-        mm.add_argument("--mm-processor-cache-gb", type=float, default=4.0,
-                        help="Processor-output cache size (0 disables it).")
-        mm.add_argument("--allowed-local-media-path", default=None,
-                        help="Serve file:// media only from under this directory.")
-        mm.add_argument("--allowed-media-domains", nargs="*", default=None,
-                        help="Only fetch http(s) media from these hosts.")
-        mm.add_argument("--allow-private-media-urls", action="store_true",
-                        help="Allow http(s) media from loopback/private addresses (testing).")
-        mm.add_argument("--enable-mm-embeds", action="store_true",
-                        help="Accept precomputed image_embeds / audio_embeds in place of media "
-                             "(the encoder is skipped for them; trust the client's tensors).")
-        mm.add_argument("--media-io-kwargs", default=None,
-                        help='Media limits per modality, as JSON: image max_bytes, max_pixels; '
-                        'audio max_bytes, max_seconds; video num_frames, max_bytes, max_seconds, '
-                        'max_frames, max_total_pixels; e.g. {"video": {"num_frames": 16}}. '
-                        "Fetch timeouts: VLLM_{IMAGE,AUDIO,VIDEO}_FETCH_TIMEOUT.")
+        mm.add_argument(
+            "--limit-mm-per-prompt",
+            default=None,
+            help='Most items per modality in one prompt, as JSON: {"image": 4}.',
+        )
+        mm.add_argument(
+            "--mm-processor-kwargs",
+            default=None,
+            help='Default HF processor kwargs as JSON, e.g. {"max_pixels": 200704}.',
+        )
+        mm.add_argument(
+            "--max-num-encoder-input-tokens",
+            type=int,
+            default=None,
+            help="Encoder budget per step, in embeddings; None: max(8192, the token "
+            "budget). One item larger than this (or the cache) is rejected.",
+        )
+        mm.add_argument(
+            "--encoder-cache-size",
+            type=int,
+            default=None,
+            help="Encoder-output cache capacity, in embeddings; None: as above.",
+        )
+        mm.add_argument(
+            "--mm-processor-cache-gb",
+            type=float,
+            default=4.0,
+            help="Processor-output cache size (0 disables it).",
+        )
+        mm.add_argument(
+            "--allowed-local-media-path",
+            default=None,
+            help="Serve file:// media only from under this directory.",
+        )
+        mm.add_argument(
+            "--allowed-media-domains",
+            nargs="*",
+            default=None,
+            help="Only fetch http(s) media from these hosts.",
+        )
+        mm.add_argument(
+            "--allow-private-media-urls",
+            action="store_true",
+            help="Allow http(s) media from loopback/private addresses (testing).",
+        )
+        mm.add_argument(
+            "--enable-mm-embeds",
+            action="store_true",
+            help="Accept precomputed image_embeds / audio_embeds in place of media "
+            "(the encoder is skipped for them; trust the client's tensors).",
+        )
+        mm.add_argument(
+            "--media-io-kwargs",
+            default=None,
+            help="Media limits per modality, as JSON: image max_bytes, max_pixels; "
+            "audio max_bytes, max_seconds; video num_frames, max_bytes, max_seconds, "
+            'max_frames, max_total_pixels; e.g. {"video": {"num_frames": 16}}. '
+            "Fetch timeouts: VLLM_{IMAGE,AUDIO,VIDEO}_FETCH_TIMEOUT.",
+        )
         return parser
 
     @classmethod

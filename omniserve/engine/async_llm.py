@@ -47,8 +47,9 @@ class RequestOutputCollector:
 
 
 class AsyncLLM:
-    def __init__(self, config: OmniConfig, stat_loggers: list[Any] | None = None,
-                 input_threads: int = 1) -> None:
+    def __init__(
+        self, config: OmniConfig, stat_loggers: list[Any] | None = None, input_threads: int = 1
+    ) -> None:
         """Input work runs off the event loop, in two pools so that no text-only request waits
         behind another's media: ``input_pool`` (one thread) tokenizes and renders templates,
         ``mm_pool`` (``input_threads``) runs the HF processing of prompts with media."""
@@ -59,7 +60,8 @@ class AsyncLLM:
         self.config = config
         self.model_config = config.model_config
         self.processor, self.engine_core = start_with_engine(
-            config, lambda: AsyncMPClient(config), engine_in_other_process=True)
+            config, lambda: AsyncMPClient(config), engine_in_other_process=True
+        )
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
@@ -91,10 +93,15 @@ class AsyncLLM:
             raise EngineDeadError("The engine core is dead.") from self.dead_error
         self._check_not_stopping()
         self._ensure_output_handler()
-        processed = await self.run_input_work(self.processor.process_inputs, request_id, prompt,
-                                              params, arrival_time, priority,
-                                              media=isinstance(prompt, dict)
-                                              and bool(prompt.get("multi_modal_data")))
+        processed = await self.run_input_work(
+            self.processor.process_inputs,
+            request_id,
+            prompt,
+            params,
+            arrival_time,
+            priority,
+            media=isinstance(prompt, dict) and bool(prompt.get("multi_modal_data")),
+        )
         self._check_not_stopping()  # it may have begun while the input was processed
         collector = RequestOutputCollector()
         self.output_processor.add_processed_request(request_id, processed, params, collector)
@@ -104,13 +111,15 @@ class AsyncLLM:
         return collector
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
         priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; aborts it if the consumer leaves.
         ``priority``: lower runs first under ``--scheduling-policy priority``."""
-        collector = await self.add_request(request_id, prompt, sampling_params,
-                                           priority=priority)
+        collector = await self.add_request(request_id, prompt, sampling_params, priority=priority)
         finished = False
         try:
             while not finished:

@@ -46,8 +46,12 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Owns the scheduler and the executor. Only the scheduler owns request state."""
 
-    def __init__(self, config: OmniConfig, executor_class: type[Executor] | None = None,
-                 engine_index: int = 0) -> None:
+    def __init__(
+        self,
+        config: OmniConfig,
+        executor_class: type[Executor] | None = None,
+        engine_index: int = 0,
+    ) -> None:
         self.config = config
         self.engine_index = engine_index
         """Data-parallel rank: which of the front end's engine cores this is."""
@@ -64,11 +68,18 @@ class EngineCore:
         """Talker positions the speech KV pool holds: one request's talker prompt and frames
         must fit (the front end checks at admission, so no talker outgrows the pool alone)."""
         if num_talker_blocks:
-            logger.info("Talker KV pool: %d positions (one request's talker prompt and frames "
-                        "must fit; --talker-kv-cache-memory sets it).", self.talker_capacity)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
-                                   num_talker_blocks=num_talker_blocks,
-                                   make_text_stop=self._make_text_stop)
+            logger.info(
+                "Talker KV pool: %d positions (one request's talker prompt and frames "
+                "must fit; --talker-kv-cache-memory sets it).",
+                self.talker_capacity,
+            )
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            config.cache_config,
+            num_blocks,
+            num_talker_blocks=num_talker_blocks,
+            make_text_stop=self._make_text_stop,
+        )
         # Batches in flight, newest first (only used when the executor runs several at once).
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
@@ -81,17 +92,24 @@ class EngineCore:
         """The front end's detokenizer, here for a speaking request with stop strings."""
         if self._tokenizer is None:
             self._tokenizer = get_tokenizer(self.config.model_config.tokenizer)
-        return IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids,
-                                      request.sampling_params)
+        return IncrementalDetokenizer(
+            self._tokenizer, request.prompt_token_ids, request.sampling_params
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.num_requests_received += 1
         engine_request = Request(
-            request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-            sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
-            arrival_time=request.arrival_time, max_tokens=request.max_tokens,
-            mm_features=list(request.mm_features), cache_salt=request.cache_salt,
-            priority=request.priority, speech=request.speech)
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time,
+            max_tokens=request.max_tokens,
+            mm_features=list(request.mm_features),
+            cache_salt=request.cache_salt,
+            priority=request.priority,
+            speech=request.speech,
+        )
         constraint = request.sampling_params.structured_outputs
         if constraint is None:
             self.scheduler.add_request(engine_request)
@@ -99,7 +117,9 @@ class EngineCore:
         if self.batch_queue_size > 1:  # a batch's mask would be built before the last's tokens
             raise ValueError("structured outputs are not supported with pipeline parallelism.")
         self.grammar_waiting[request.request_id] = (
-            engine_request, self.structured_output.compile_async(constraint))
+            engine_request,
+            self.structured_output.compile_async(constraint),
+        )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -123,10 +143,14 @@ class EngineCore:
                 continue
             del self.grammar_waiting[req_id]
             if future.exception() is not None:
-                logger.error("Compiling the grammar of request %s failed: %s", req_id,
-                             future.exception())
-                failed.append(EngineCoreOutput(request_id=req_id, new_token_ids=[],
-                                               finish_reason=FinishReason.ERROR))
+                logger.error(
+                    "Compiling the grammar of request %s failed: %s", req_id, future.exception()
+                )
+                failed.append(
+                    EngineCoreOutput(
+                        request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ERROR
+                    )
+                )
                 continue
             self.structured_output.start(req_id, future.result())
             self.scheduler.add_request(request)
@@ -138,8 +162,11 @@ class EngineCore:
             return
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.scheduler.requests.get(req_id)
-            if (req_id in self.structured_output.matchers and request is not None
-                    and request.num_computed_tokens >= request.num_tokens):
+            if (
+                req_id in self.structured_output.matchers
+                and request is not None
+                and request.num_computed_tokens >= request.num_tokens
+            ):
                 row = self.structured_output.bitmask_row(req_id)
                 if row is not None:
                     scheduler_output.grammar_bitmask[req_id] = row
@@ -158,8 +185,9 @@ class EngineCore:
         """Run one step; return what it produced (empty when there was nothing to run)."""
         failed = self._admit_compiled()
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(outputs=failed, timestamp=time.time(),
-                                     engine_index=self.engine_index)
+            return EngineCoreOutputs(
+                outputs=failed, timestamp=time.time(), engine_index=self.engine_index
+            )
         scheduler_output = self.scheduler.schedule()
         self._attach_grammar_bitmask(scheduler_output)
         try:
@@ -178,15 +206,20 @@ class EngineCore:
         batch only when the queue is full, when nothing new could be scheduled, or when the newest
         batch already finished. Returns None when it only scheduled.
         """
-        if (len(self.batch_queue) < self.batch_queue_size
-                and self.scheduler.has_unfinished_requests()):
+        if (
+            len(self.batch_queue) < self.batch_queue_size
+            and self.scheduler.has_unfinished_requests()
+        ):
             so = self.scheduler.schedule()
             # An empty schedule still carries finished/preempted ids the workers must see.
             if not so.is_empty or so.finished_req_ids or so.preempted_req_ids:
                 future = self.model_executor.execute_model(so, non_block=True)
                 self.batch_queue.appendleft((future, so))
-                if (not so.is_empty and not future.done()
-                        and len(self.batch_queue) < self.batch_queue_size):
+                if (
+                    not so.is_empty
+                    and not future.done()
+                    and len(self.batch_queue) < self.batch_queue_size
+                ):
                     return None
         if not self.batch_queue:
             return None
@@ -205,27 +238,36 @@ class EngineCore:
             return self._fail_step(failed, exc)
         return self._update_from_output(scheduler_output, model_output)
 
-    def _fail_step(self, scheduler_outputs: list[SchedulerOutput],
-                   exc: Exception) -> EngineCoreOutputs:
+    def _fail_step(
+        self, scheduler_outputs: list[SchedulerOutput], exc: Exception
+    ) -> EngineCoreOutputs:
         """A step raised: fail only the request that caused it, keep serving the rest.
 
         Raises (the engine dies) when the workers cannot go on, e.g. one of them died.
         """
         self.model_executor.check_health()
         req_ids = sorted({r for so in scheduler_outputs for r in so.num_scheduled_tokens})
-        logger.error("A step failed for request(s) %s (%d scheduled); %s", ", ".join(req_ids),
-                     len(req_ids), "failing it" if len(req_ids) == 1 else
-                     "rerunning each alone to find the cause", exc_info=exc)
+        logger.error(
+            "A step failed for request(s) %s (%d scheduled); %s",
+            ", ".join(req_ids),
+            len(req_ids),
+            "failing it" if len(req_ids) == 1 else "rerunning each alone to find the cause",
+            exc_info=exc,
+        )
         outputs = [o for so in scheduler_outputs for o in self.scheduler.fail_step(so).outputs]
         for output in outputs:
             if output.finished:
                 self.structured_output.remove(output.request_id)
-        return EngineCoreOutputs(outputs=outputs, timestamp=time.time(),
-                                 engine_index=self.engine_index,
-                                 scheduler_stats=self.make_stats())
+        return EngineCoreOutputs(
+            outputs=outputs,
+            timestamp=time.time(),
+            engine_index=self.engine_index,
+            scheduler_stats=self.make_stats(),
+        )
 
-    def _update_from_output(self, scheduler_output: SchedulerOutput,
-                            model_output: ModelRunnerOutput) -> EngineCoreOutputs:
+    def _update_from_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self._advance_grammars(outputs)
         outputs.timestamp = time.time()
@@ -235,8 +277,10 @@ class EngineCore:
 
     def make_stats(self) -> dict[str, float]:
         """The scheduler's gauges and counters, plus the requests this engine core received."""
-        return {**self.scheduler.make_stats(),
-                "num_requests_received": float(self.num_requests_received)}
+        return {
+            **self.scheduler.make_stats(),
+            "num_requests_received": float(self.num_requests_received),
+        }
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
@@ -306,14 +350,21 @@ class EngineCoreProc(EngineCore):
     so they overlap the model's forward. Only the busy loop touches the scheduler.
     """
 
-    def __init__(self, config: OmniConfig, input_address: str, output_address: str,
-                 executor_class: type[Executor] | None = None, engine_index: int = 0) -> None:
+    def __init__(
+        self,
+        config: OmniConfig,
+        input_address: str,
+        output_address: str,
+        executor_class: type[Executor] | None = None,
+        engine_index: int = 0,
+    ) -> None:
         super().__init__(config, executor_class, engine_index)
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType | None, Any]] = queue.Queue()
         self.output_queue: queue.Queue[tuple[EngineCoreOutputType, Any] | None] = queue.Queue()
         self._shutdown_requested = False
         self.model_executor.register_failure_callback(
-            lambda exc: self.input_queue.put((_EXECUTOR_FAILED, exc)))  # type: ignore[arg-type]
+            lambda exc: self.input_queue.put((_EXECUTOR_FAILED, exc))
+        )  # type: ignore[arg-type]
         self._stop_io = threading.Event()
         self._step_fn = self.step if self.batch_queue_size == 1 else self.step_with_batch_queue
         # Sockets are made here, so an address problem fails start-up; each is then used only by
@@ -324,17 +375,31 @@ class EngineCoreProc(EngineCore):
         output_socket = self._zmq_ctx.socket(zmq.PUSH)
         output_socket.connect(output_address)
         self._io_threads = [
-            threading.Thread(target=self._process_input_socket, args=(input_socket,),
-                             name="omniserve-core-input", daemon=True),
-            threading.Thread(target=self._process_output_socket, args=(output_socket,),
-                             name="omniserve-core-output", daemon=True)]
+            threading.Thread(
+                target=self._process_input_socket,
+                args=(input_socket,),
+                name="omniserve-core-input",
+                daemon=True,
+            ),
+            threading.Thread(
+                target=self._process_output_socket,
+                args=(output_socket,),
+                name="omniserve-core-output",
+                daemon=True,
+            ),
+        ]
         for thread in self._io_threads:
             thread.start()
 
     @staticmethod
-    def run_engine_core(config: OmniConfig, input_address: str, output_address: str,
-                        ready_pipe: multiprocessing.connection.Connection,
-                        ipc_dir: str | None = None, engine_index: int = 0) -> NoReturn:
+    def run_engine_core(
+        config: OmniConfig,
+        input_address: str,
+        output_address: str,
+        ready_pipe: multiprocessing.connection.Connection,
+        ipc_dir: str | None = None,
+        engine_index: int = 0,
+    ) -> NoReturn:
         """Entry point of the engine process: start, report READY (or the error), serve.
 
         ``ipc_dir`` holds the sockets; the engine removes it if its parent dies without cleanup.
@@ -344,8 +409,9 @@ class EngineCoreProc(EngineCore):
         signal.signal(signal.SIGTERM, _exit_on_signal)
         try:
             load_plugins()
-            engine = EngineCoreProc(config, input_address, output_address,
-                                    engine_index=engine_index)
+            engine = EngineCoreProc(
+                config, input_address, output_address, engine_index=engine_index
+            )
         except BaseException as exc:
             # The exception's kind and message travel too, so that a user mistake (a bad path,
             # an unknown architecture) surfaces in the parent as the same precise exception.
@@ -361,8 +427,9 @@ class EngineCoreProc(EngineCore):
         except SystemExit:
             logger.info("Engine core %d received SIGTERM; shutting down.", engine_index)
         except BaseException:
-            logger.exception("Engine core %d failed; the client will report EngineDeadError.",
-                             engine_index)
+            logger.exception(
+                "Engine core %d failed; the client will report EngineDeadError.", engine_index
+            )
             exit_code = 1
         finally:
             engine.shutdown()
@@ -399,10 +466,22 @@ class EngineCoreProc(EngineCore):
                 # The front end validates requests; one that still fails here ends at once
                 # instead of leaving its caller waiting.
                 logger.error("Rejected request %s: %s", payload.request_id, exc)
-                self.output_queue.put((EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(
-                    outputs=[EngineCoreOutput(request_id=payload.request_id, new_token_ids=[],
-                                              finish_reason=FinishReason.ERROR)],
-                    timestamp=time.time(), engine_index=self.engine_index)))
+                self.output_queue.put(
+                    (
+                        EngineCoreOutputType.OUTPUTS,
+                        EngineCoreOutputs(
+                            outputs=[
+                                EngineCoreOutput(
+                                    request_id=payload.request_id,
+                                    new_token_ids=[],
+                                    finish_reason=FinishReason.ERROR,
+                                )
+                            ],
+                            timestamp=time.time(),
+                            engine_index=self.engine_index,
+                        ),
+                    )
+                )
         elif request_type is EngineCoreRequestType.ABORT:
             self.abort_requests(payload)
         elif request_type is EngineCoreRequestType.UTILITY:
@@ -417,18 +496,23 @@ class EngineCoreProc(EngineCore):
     def _run_utility(self, request: UtilityRequest) -> None:
         try:
             if request.method not in UTILITY_METHODS:
-                raise AttributeError(f"{request.method!r} is not an engine core utility; "
-                                     f"available: {sorted(UTILITY_METHODS)}.")
-            output = UtilityOutput(request.call_id,
-                                   result=getattr(self, request.method)(*request.args))
+                raise AttributeError(
+                    f"{request.method!r} is not an engine core utility; "
+                    f"available: {sorted(UTILITY_METHODS)}."
+                )
+            output = UtilityOutput(
+                request.call_id, result=getattr(self, request.method)(*request.args)
+            )
         except Exception as exc:
             output = UtilityOutput(request.call_id, error=f"{type(exc).__name__}: {exc}")
         self.output_queue.put((EngineCoreOutputType.UTILITY, output))
 
     def _process_input_socket(self, socket: zmq.Socket) -> None:
-        decoders = {EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
-                    EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
-                    EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest)}
+        decoders = {
+            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+            EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+            EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
+        }
         try:
             while not self._stop_io.is_set():
                 if not socket.poll(_POLL_MS):

@@ -109,7 +109,8 @@ class InprocClient(EngineCoreClient):
             raise ValueError(
                 f"data_parallel_size={num_engines} runs engine cores in processes of their own, "
                 "but OMNISERVE_ENABLE_MULTIPROCESSING=0 keeps the engine in this process; unset "
-                "it or use data_parallel_size=1.")
+                "it or use data_parallel_size=1."
+            )
         self.engine_core = EngineCore(config)
         self.talker_capacity = self.engine_core.talker_capacity
 
@@ -229,8 +230,11 @@ class _EngineResources:
                 _join_all(self.procs, _SHUTDOWN_TIMEOUT_S)
             alive = [proc for proc in self.procs if proc.is_alive()]
             if alive and graceful:
-                logger.warning("%d engine core(s) did not stop within %.0f s; terminating.",
-                               len(alive), _SHUTDOWN_TIMEOUT_S)
+                logger.warning(
+                    "%d engine core(s) did not stop within %.0f s; terminating.",
+                    len(alive),
+                    _SHUTDOWN_TIMEOUT_S,
+                )
             for proc in alive:
                 proc.terminate()
             _join_all(alive, _SHUTDOWN_TIMEOUT_S)
@@ -245,7 +249,8 @@ class _EngineResources:
                 with self.send_lock, contextlib.suppress(zmq.ZMQError):
                     # A plain (non-asyncio) view of the socket, so this works outside any loop.
                     zmq.Socket.shadow(socket.underlying).send(
-                        EngineCoreRequestType.SHUTDOWN.value, zmq.NOBLOCK)
+                        EngineCoreRequestType.SHUTDOWN.value, zmq.NOBLOCK
+                    )
 
 
 def _join_all(procs: list[BaseProcess], timeout: float) -> None:
@@ -275,8 +280,9 @@ class MPClient:
                 input_address = f"ipc://{tmpdir}/input{rank}"
                 resources.input_sockets.append(ctx.socket(zmq.PUSH))
                 resources.input_sockets[rank].connect(input_address)
-                proc, ready_pipe = launch_engine(config, rank, input_address, output_address,
-                                                 tmpdir, env)
+                proc, ready_pipe = launch_engine(
+                    config, rank, input_address, output_address, tmpdir, env
+                )
                 resources.procs.append(proc)
                 ready_pipes.append(ready_pipe)
             _close_at_exit(resources)
@@ -297,11 +303,14 @@ class MPClient:
 
     def _start_monitor(self) -> None:
         """Call once output handling is wired (``state.notify_dead`` set)."""
-        threading.Thread(target=_monitor_engines, args=(self.resources,),
-                         name="omniserve-engine-monitor", daemon=True).start()
+        threading.Thread(
+            target=_monitor_engines,
+            args=(self.resources,),
+            name="omniserve-engine-monitor",
+            daemon=True,
+        ).start()
 
-    def _encode_request(self, request_type: EngineCoreRequestType,
-                        payload: Any) -> list[Any]:
+    def _encode_request(self, request_type: EngineCoreRequestType, payload: Any) -> list[Any]:
         return [request_type.value, *self.encoder.encode(payload)]
 
     def _route(self, requests: list[EngineCoreRequest]) -> int:
@@ -317,8 +326,11 @@ class MPClient:
             return {}  # a dead engine holds no requests: aborting is a no-op, never an error
         return self.balancer.release(request_ids)
 
-    def _utility_calls(self, method: str, args: tuple[Any, ...],
-                       ) -> list[tuple[UtilityRequest, Future[Any]]]:
+    def _utility_calls(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+    ) -> list[tuple[UtilityRequest, Future[Any]]]:
         """One registered call per engine, by rank."""
         calls = []
         for _ in range(self.num_engines):
@@ -327,8 +339,9 @@ class MPClient:
         return calls
 
     def is_alive(self) -> bool:
-        return (self.state.dead_error is None
-                and all(proc.is_alive() for proc in self.resources.procs))
+        return self.state.dead_error is None and all(
+            proc.is_alive() for proc in self.resources.procs
+        )
 
     def shutdown(self) -> None:
         """Stop the engine processes and release sockets; idempotent, also run at exit."""
@@ -344,9 +357,15 @@ class SyncMPClient(MPClient, EngineCoreClient):
         self.state.notify_dead = self.outputs_queue.put
         self.resources.output_thread = threading.Thread(
             target=_process_outputs_socket,
-            args=(self.resources.output_socket, self.state, self.outputs_queue,
-                  self.resources.stop_event),
-            name="omniserve-client-output", daemon=True)
+            args=(
+                self.resources.output_socket,
+                self.state,
+                self.outputs_queue,
+                self.resources.stop_event,
+            ),
+            name="omniserve-client-output",
+            daemon=True,
+        )
         self.resources.output_thread.start()
         self._start_monitor()
 
@@ -411,12 +430,16 @@ class AsyncMPClient(MPClient):
 
             self.state.notify_dead = notify_dead
             self.outputs_queue = outputs_queue
-            self.resources.output_task = loop.create_task(_process_outputs_socket_async(
-                self.resources.output_socket, self.state, outputs_queue))
+            self.resources.output_task = loop.create_task(
+                _process_outputs_socket_async(
+                    self.resources.output_socket, self.state, outputs_queue
+                )
+            )
         return self.outputs_queue
 
-    async def _send_async(self, engine: int, request_type: EngineCoreRequestType,
-                          payload: Any) -> None:
+    async def _send_async(
+        self, engine: int, request_type: EngineCoreRequestType, payload: Any
+    ) -> None:
         self._ensure_output_task()
         self.state.check_alive()
         frames = self._encode_request(request_type, payload)
@@ -455,8 +478,9 @@ class AsyncMPClient(MPClient):
         for engine, (request, _) in enumerate(calls):
             await self._send_async(engine, EngineCoreRequestType.UTILITY, request)
         # Every result is awaited (also after a failure), so none is left unretrieved.
-        results = await asyncio.gather(*(asyncio.wrap_future(f) for _, f in calls),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(asyncio.wrap_future(f) for _, f in calls), return_exceptions=True
+        )
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -494,24 +518,33 @@ def _monitor_engines(resources: _EngineResources) -> None:
     proc = procs[dead]
     proc.join(timeout=1.0)  # its sentinel fired: reap it so the exit code is known
     rank = f", data-parallel rank {dead}" if len(procs) > 1 else ""
-    state.mark_dead(EngineDeadError(
-        f"The engine core process (pid {proc.pid}{rank}) died unexpectedly (exit code "
-        f"{proc.exitcode}); its log has the cause."))
+    state.mark_dead(
+        EngineDeadError(
+            f"The engine core process (pid {proc.pid}{rank}) died unexpectedly (exit code "
+            f"{proc.exitcode}); its log has the cause."
+        )
+    )
     resources.stop_processes(graceful=False)
 
 
 class _OutputDecoder:
     def __init__(self) -> None:
-        self._decoders = {EngineCoreOutputType.OUTPUTS: MsgpackDecoder(EngineCoreOutputs),
-                          EngineCoreOutputType.UTILITY: MsgpackDecoder(UtilityOutput)}
+        self._decoders = {
+            EngineCoreOutputType.OUTPUTS: MsgpackDecoder(EngineCoreOutputs),
+            EngineCoreOutputType.UTILITY: MsgpackDecoder(UtilityOutput),
+        }
 
     def decode(self, frames: Sequence[zmq.Frame]) -> tuple[EngineCoreOutputType, Any]:
         output_type = EngineCoreOutputType(frames[0].bytes)
         return output_type, self._decoders[output_type].decode([f.buffer for f in frames[1:]])
 
 
-def _route_output(decoder: _OutputDecoder, frames: Sequence[zmq.Frame], state: _ClientState,
-                  put: Callable[[EngineCoreOutputs], None]) -> None:
+def _route_output(
+    decoder: _OutputDecoder,
+    frames: Sequence[zmq.Frame],
+    state: _ClientState,
+    put: Callable[[EngineCoreOutputs], None],
+) -> None:
     """Step outputs go to the outputs queue; utility results resolve their pending call."""
     output_type, payload = decoder.decode(frames)
     if output_type is EngineCoreOutputType.OUTPUTS:
@@ -526,26 +559,31 @@ def _reading_failed(state: _ClientState, exc: Exception) -> None:
         state.mark_dead(EngineDeadError(f"Reading engine core outputs failed: {exc!r}"))
 
 
-def _process_outputs_socket(socket: zmq.Socket, state: _ClientState,
-                            outputs_queue: queue.Queue[EngineCoreOutputs | EngineDeadError],
-                            stop_event: threading.Event) -> None:
+def _process_outputs_socket(
+    socket: zmq.Socket,
+    state: _ClientState,
+    outputs_queue: queue.Queue[EngineCoreOutputs | EngineDeadError],
+    stop_event: threading.Event,
+) -> None:
     decoder = _OutputDecoder()
     try:
         while not stop_event.is_set():
             if socket.poll(_POLL_MS):
-                _route_output(decoder, socket.recv_multipart(copy=False), state,
-                              outputs_queue.put)
+                _route_output(decoder, socket.recv_multipart(copy=False), state, outputs_queue.put)
     except Exception as exc:
         _reading_failed(state, exc)
 
 
 async def _process_outputs_socket_async(
-        socket: zmq.asyncio.Socket, state: _ClientState,
-        outputs_queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError]) -> None:
+    socket: zmq.asyncio.Socket,
+    state: _ClientState,
+    outputs_queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError],
+) -> None:
     decoder = _OutputDecoder()
     try:
         while True:
-            _route_output(decoder, await socket.recv_multipart(copy=False), state,
-                          outputs_queue.put_nowait)
+            _route_output(
+                decoder, await socket.recv_multipart(copy=False), state, outputs_queue.put_nowait
+            )
     except Exception as exc:
         _reading_failed(state, exc)

@@ -87,9 +87,14 @@ def combine_results(method: str, results: list[Any]) -> Any:
     return _COMBINE_RESULTS.get(method, list)(results)
 
 
-def engine_env(rank: int, data_parallel_size: int, world_size: int, num_cpus: int,
-               user_num_threads: int | None, cuda_devices: list[str] | None,
-               ) -> dict[str, str]:
+def engine_env(
+    rank: int,
+    data_parallel_size: int,
+    world_size: int,
+    num_cpus: int,
+    user_num_threads: int | None,
+    cuda_devices: list[str] | None,
+) -> dict[str, str]:
     """Environment overrides for engine ``rank``'s process (and the workers it starts).
 
     ``cuda_devices``: the devices visible to the front end when the engines run on CUDA (else
@@ -106,9 +111,11 @@ def engine_env(rank: int, data_parallel_size: int, world_size: int, num_cpus: in
         if len(cuda_devices) < needed:
             raise ValueError(
                 f"data_parallel_size={data_parallel_size} x {world_size} GPU(s) per engine needs "
-                f"{needed} GPUs, but {len(cuda_devices)} are visible.")
+                f"{needed} GPUs, but {len(cuda_devices)} are visible."
+            )
         env["CUDA_VISIBLE_DEVICES"] = ",".join(
-            cuda_devices[rank * world_size:(rank + 1) * world_size])
+            cuda_devices[rank * world_size : (rank + 1) * world_size]
+        )
     if user_num_threads is None:
         threads = max(1, num_cpus // data_parallel_size)
         env["OMNISERVE_NUM_THREADS"] = str(threads)

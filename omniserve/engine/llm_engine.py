@@ -19,8 +19,10 @@ class LLMEngine:
     def __init__(self, config: OmniConfig) -> None:
         self.config = config
         self.processor, self.engine_core = start_with_engine(
-            config, lambda: EngineCoreClient.make_client(config),
-            engine_in_other_process=envs.engine_multiprocessing())
+            config,
+            lambda: EngineCoreClient.make_client(config),
+            engine_in_other_process=envs.engine_multiprocessing(),
+        )
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -40,8 +42,9 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Validate and queue a request; raises ValueError/TypeError for bad input."""
-        processed = self.processor.process_inputs(request_id, prompt, params, arrival_time,
-                                                  priority)
+        processed = self.processor.process_inputs(
+            request_id, prompt, params, arrival_time, priority
+        )
         self.output_processor.add_processed_request(request_id, processed, params)
         self.engine_core.add_requests(processed.engine_requests)
 

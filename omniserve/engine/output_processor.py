@@ -84,7 +84,7 @@ class _ChildState:
         logprobs = None if self.logprobs is None else self.logprobs[tokens_from:]
         audio = None
         if self.audio_chunks is not None:
-            chunks = self.audio_chunks[self.num_sent_chunks if delta else 0:]
+            chunks = self.audio_chunks[self.num_sent_chunks if delta else 0 :]
             self.num_sent_chunks = len(self.audio_chunks)
             audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
         return CompletionOutput(
@@ -208,13 +208,24 @@ class OutputProcessor:
             self._children[child_id] = child
         self._parents[request_id] = parent
 
-    def add_processed_request(self, request_id: str, processed: ProcessedRequest,
-                              params: SamplingParams, queue: OutputSink | None = None) -> None:
+    def add_processed_request(
+        self,
+        request_id: str,
+        processed: ProcessedRequest,
+        params: SamplingParams,
+        queue: OutputSink | None = None,
+    ) -> None:
         """Register what ``Processor.process_inputs`` produced (children when n > 1)."""
         children = [r.request_id for r in processed.engine_requests]
-        self.add_request(request_id, processed.prompt, processed.prompt_token_ids, params,
-                         children if params.n > 1 else None, queue=queue,
-                         num_mm_tokens=processed.num_mm_tokens)
+        self.add_request(
+            request_id,
+            processed.prompt,
+            processed.prompt_token_ids,
+            params,
+            children if params.n > 1 else None,
+            queue=queue,
+            num_mm_tokens=processed.num_mm_tokens,
+        )
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput], now: float | None = None
@@ -247,9 +258,12 @@ class OutputProcessor:
             if not child.finished and self._children.pop(child.request_id, None) is not None:
                 result.reqs_to_abort.append(child.request_id)
         self._parents.pop(parent.request_id, None)
-        parent.queue.put(EngineGenerateError(
-            f"Request {parent.request_id} failed with an internal error in the engine (the "
-            "server log has the cause); other requests are unaffected."))
+        parent.queue.put(
+            EngineGenerateError(
+                f"Request {parent.request_id} failed with an internal error in the engine (the "
+                "server log has the cause); other requests are unaffected."
+            )
+        )
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Finish the given requests (parent or child ids) as aborted.
@@ -280,8 +294,7 @@ class OutputProcessor:
         for parent in self._parents.values():
             if parent.queue is not None:
                 parent.queue.put(error)
-        unfinished = [child_id for child_id, child in self._children.items()
-                      if not child.finished]
+        unfinished = [child_id for child_id, child in self._children.items() if not child.finished]
         self._parents.clear()
         self._children.clear()
         return unfinished

@@ -39,8 +39,9 @@ class ProcessedRequest:
     """Placeholder tokens per modality in the prompt."""
 
 
-def start_with_engine(config: OmniConfig, make_client: Callable[[], T], *,
-                      engine_in_other_process: bool) -> tuple[Processor, T]:
+def start_with_engine(
+    config: OmniConfig, make_client: Callable[[], T], *, engine_in_other_process: bool
+) -> tuple[Processor, T]:
     """The front end's Processor and the engine core client (``make_client``).
 
     With the core in its own process, the Processor (tokenizer, HF processor, model modules) is
@@ -119,8 +120,10 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Expected SamplingParams, got {type(params).__name__}.")
         if priority != 0 and self.scheduling_policy != "priority":
-            raise ValueError(f"priority={priority} needs --scheduling-policy priority (this "
-                             "engine serves first come, first served).")
+            raise ValueError(
+                f"priority={priority} needs --scheduling-policy priority (this "
+                "engine serves first come, first served)."
+            )
         self._validate_params(params)
         with torch_threads(self.featurize_threads):
             inputs = self.input_preprocessor.preprocess(prompt)
@@ -152,10 +155,20 @@ class Processor:
                 for i in range(params.n)
             ]
         requests = [
-            EngineCoreRequest(rid, token_ids, p, eos, arrival, max_tokens, inputs.mm_features,
-                              _cache_salt(prompt), priority,
-                              self._speech_request(p, token_ids, bool(inputs.mm_features))
-                              if p.wants_audio else None)
+            EngineCoreRequest(
+                rid,
+                token_ids,
+                p,
+                eos,
+                arrival,
+                max_tokens,
+                inputs.mm_features,
+                _cache_salt(prompt),
+                priority,
+                self._speech_request(p, token_ids, bool(inputs.mm_features))
+                if p.wants_audio
+                else None,
+            )
             for rid, p in children
         ]
         return ProcessedRequest(inputs.prompt, token_ids, requests, inputs.num_mm_tokens)
@@ -183,17 +196,20 @@ class Processor:
                     f"Requested {name}={value}, but at most {self.model_config.max_logprobs} "
                     "logprobs per token are supported."
                 )
-        for name, ids in (("stop_token_ids", params.stop_token_ids),
-                          ("logit_bias", params.logit_bias or {}),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or {}),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
             bad = sorted({t for t in ids if t >= self.vocab_size})
             if bad:
                 raise ValueError(
                     f"{name}: token ids {bad} are outside the vocabulary (size {self.vocab_size})."
                 )
 
-    def _speech_request(self, params: SamplingParams, token_ids: list[int],
-                        has_media: bool) -> SpeechRequest:
+    def _speech_request(
+        self, params: SamplingParams, token_ids: list[int], has_media: bool
+    ) -> SpeechRequest:
         """The talker's part of an audio-output request: its voice, its sampling (the request's
         ``speech`` settings over the reference's defaults; an ``n > 1`` child's seed is the
         request's own, so children differ as their text does) and its prompt plan."""
@@ -204,21 +220,27 @@ class Processor:
         voice = config.resolve_voice(speech.voice)
         if config.user_turns_only:
             prompt_positions, text_start = plan_talker_prompt(
-                token_ids, config.im_start_token_id, config.user_token_id,
-                config.assistant_token_id)
+                token_ids, config.im_start_token_id, config.user_token_id, config.assistant_token_id
+            )
         else:
-            text_start = (self._reply_start(token_ids) if speech.reply_in_prompt
-                          else len(token_ids))
+            text_start = self._reply_start(token_ids) if speech.reply_in_prompt else len(token_ids)
             prompt_positions = list(range(text_start))
         prompt_len = len(prompt_positions) + config.assistant_prompt_len
-        settings = {**config.talker_defaults,
-                    **{name: getattr(speech, name) for name in _TALKER_SETTINGS
-                       if getattr(speech, name) is not None}}
+        settings = {
+            **config.talker_defaults,
+            **{
+                name: getattr(speech, name)
+                for name in _TALKER_SETTINGS
+                if getattr(speech, name) is not None
+            },
+        }
         max_frames = min(int(settings.pop("max_tokens")), config.talker_max_len - prompt_len)
         if max_frames < 1:
-            raise ValueError(f"audio output: the talker's prompt ({prompt_len} tokens) leaves no "
-                             f"room within its {config.talker_max_len} positions; shorten the "
-                             "conversation.")
+            raise ValueError(
+                f"audio output: the talker's prompt ({prompt_len} tokens) leaves no "
+                f"room within its {config.talker_max_len} positions; shorten the "
+                "conversation."
+            )
         room = self.talker_capacity - prompt_len  # what one request may use of the talker pool
         if speech.max_tokens is not None and max_frames > room or room < 1:
             raise ValueError(
@@ -226,23 +248,32 @@ class Processor:
                 f"{max_frames if speech.max_tokens is not None else 1} frame(s) need more than "
                 f"the talker's KV pool holds ({self.talker_capacity} tokens); lower "
                 "speech.max_tokens, shorten the conversation, or raise the server's "
-                "--talker-kv-cache-memory.")
+                "--talker-kv-cache-memory."
+            )
         max_frames = min(max_frames, room)  # the default cap: what the pool can hold
         seed = speech.seed if speech.seed is not None else params.seed
         talker = SamplingParams(max_tokens=max_frames, seed=seed, **settings)
         return SpeechRequest(
-            voice, talker, prompt_positions, text_start, prompt_len, speech.reply_in_prompt,
+            voice,
+            talker,
+            prompt_positions,
+            text_start,
+            prompt_len,
+            speech.reply_in_prompt,
             reads_prompt_hidden=config.reads_hidden == "all" or has_media,
-            reads_reply_hidden=config.reads_hidden == "all")
+            reads_reply_hidden=config.reads_hidden == "all",
+        )
 
     def _reply_start(self, token_ids: list[int]) -> int:
         """Where the reply begins in a prompt that carries it: after the last assistant header."""
         header = self._assistant_header
         for start in range(len(token_ids) - len(header), -1, -1):
-            if token_ids[start:start + len(header)] == header:
+            if token_ids[start : start + len(header)] == header:
                 return start + len(header)
-        raise ValueError("audio output of a given reply needs a chat prompt with an "
-                         "assistant turn (<|im_start|>assistant).")
+        raise ValueError(
+            "audio output of a given reply needs a chat prompt with an "
+            "assistant turn (<|im_start|>assistant)."
+        )
 
     @functools.cached_property
     def _assistant_header(self) -> list[int]:
@@ -274,8 +305,10 @@ class Processor:
         num_tokens, max_len = len(inputs.prompt_token_ids), self.model_config.max_model_len
         if num_tokens < max_len:
             return
-        message = (f"the prompt is {num_tokens} tokens long, which leaves no room to generate "
-                   f"within max_model_len={max_len}")
+        message = (
+            f"the prompt is {num_tokens} tokens long, which leaves no room to generate "
+            f"within max_model_len={max_len}"
+        )
         if not inputs.num_mm_tokens:
             raise ValueError(message[0].upper() + message[1:] + ".")
         shares = ", ".join(f"{n} for {m}" for m, n in inputs.num_mm_tokens.items())
@@ -283,7 +316,9 @@ class Processor:
         raise MultiModalInputError(
             f"{message} ({shares}, {num_text} for text); send shorter or smaller media "
             "(e.g. lower max_pixels, num_frames or fps) or raise --max-model-len",
-            stage="budget", modality=max(inputs.num_mm_tokens, key=inputs.num_mm_tokens.get))
+            stage="budget",
+            modality=max(inputs.num_mm_tokens, key=inputs.num_mm_tokens.get),
+        )
 
 
 _TALKER_SETTINGS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_tokens")
@@ -311,6 +346,9 @@ def _create_mm_processor(config: OmniConfig, tokenizer: Any) -> Any | None:
         else None
     )
     return MULTIMODAL_REGISTRY.create_processor(
-        config.model_config, tokenizer, cache=cache, limit_mm_per_prompt=mm.limit_mm_per_prompt,
+        config.model_config,
+        tokenizer,
+        cache=cache,
+        limit_mm_per_prompt=mm.limit_mm_per_prompt,
         enable_mm_embeds=mm.enable_mm_embeds,
     )

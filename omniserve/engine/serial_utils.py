@@ -59,13 +59,17 @@ class MsgpackEncoder:
             if obj.dtype.hasobject:
                 raise TypeError("numpy arrays of Python objects cannot be sent (no pickling).")
             array = np.ascontiguousarray(obj)
-            return self._ext(_EXT_NUMPY, array.dtype.str, array.shape,
-                             array.reshape(-1).view(np.uint8))
-        raise TypeError(f"Cannot send an object of type {type(obj).__name__} to/from the engine "
-                        "core: only msgspec-encodable types, tensors and numpy arrays travel.")
+            return self._ext(
+                _EXT_NUMPY, array.dtype.str, array.shape, array.reshape(-1).view(np.uint8)
+            )
+        raise TypeError(
+            f"Cannot send an object of type {type(obj).__name__} to/from the engine "
+            "core: only msgspec-encodable types, tensors and numpy arrays travel."
+        )
 
-    def _ext(self, code: int, dtype: str, shape: tuple[int, ...],
-             raw: np.ndarray) -> msgspec.msgpack.Ext:
+    def _ext(
+        self, code: int, dtype: str, shape: tuple[int, ...], raw: np.ndarray
+    ) -> msgspec.msgpack.Ext:
         assert self._aux is not None, "enc_hook runs only inside encode()"
         if raw.nbytes < self.inline_threshold:
             data: bytes | int = raw.tobytes()
@@ -79,8 +83,9 @@ class MsgpackDecoder:
     """Decodes frames into ``type`` (a msgspec-supported type; ``Any`` for untyped payloads)."""
 
     def __init__(self, type: Any = Any) -> None:  # noqa: A002 - msgspec's own parameter name
-        self._decoder = msgspec.msgpack.Decoder(type, ext_hook=self._ext_hook,
-                                                dec_hook=self._dec_hook)
+        self._decoder = msgspec.msgpack.Decoder(
+            type, ext_hook=self._ext_hook, dec_hook=self._dec_hook
+        )
         self._header_decoder = msgspec.msgpack.Decoder(tuple[str, tuple[int, ...], bytes | int])
         self._frames: Sequence[Buffer] | None = None
 

@@ -31,14 +31,22 @@ from typing import Any
 from omniserve.multimodal.errors import MultiModalInputError
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
-MEDIA_PART_TYPES = {"image_url": "image", "image_pil": "image", "input_audio": "audio",
-                    "audio_url": "audio", "audio_array": "audio", "video_url": "video",
-                    "image_embeds": "image", "audio_embeds": "audio"}
+MEDIA_PART_TYPES = {
+    "image_url": "image",
+    "image_pil": "image",
+    "input_audio": "audio",
+    "audio_url": "audio",
+    "audio_array": "audio",
+    "video_url": "video",
+    "image_embeds": "image",
+    "audio_embeds": "audio",
+}
 EMBEDS_PART_TYPES = ("image_embeds", "audio_embeds")
 # A template that reads content parts itself ("openai" content format).
 _PARTS_TEMPLATE = re.compile(
     r"""\[\s*['"]type['"]\s*\]|\.type\b|for\s+\w+\s+in\s+message\s*(\[\s*['"]content['"]\s*\]"""
-    r"""|\.content)""")
+    r"""|\.content)"""
+)
 
 
 class ChatTemplateError(ValueError):
@@ -85,10 +93,13 @@ def detect_content_format(template: str | None) -> str:
     return "openai" if template and _PARTS_TEMPLATE.search(template) else "string"
 
 
-def parse_chat_messages(messages: list[dict[str, Any]], *, content_format: str = "string",
-                        placeholder: Callable[[str, int], str] | None = None,
-                        check_counts: Callable[[Mapping[str, int]], None] | None = None
-                        ) -> ChatInputs:
+def parse_chat_messages(
+    messages: list[dict[str, Any]],
+    *,
+    content_format: str = "string",
+    placeholder: Callable[[str, int], str] | None = None,
+    check_counts: Callable[[Mapping[str, int]], None] | None = None,
+) -> ChatInputs:
     """Normalise messages; collect media parts (not loaded yet) in prompt order.
 
     ``placeholder(modality, index)`` gives the model's placeholder text; None means the model
@@ -112,11 +123,14 @@ def parse_chat_messages(messages: list[dict[str, Any]], *, content_format: str =
             continue
         if not isinstance(content, list):
             raise ChatTemplateError(f"messages[{i}].content must be a string or a list of parts.")
-        parts = [_parse_part(i, j, part, inputs, counts, placeholder, check_counts)
-                 for j, part in enumerate(content)]
+        parts = [
+            _parse_part(i, j, part, inputs, counts, placeholder, check_counts)
+            for j, part in enumerate(content)
+        ]
         if content_format == "openai":
-            rendered: Any = [p if isinstance(p, dict) else {"type": "text", "text": p}
-                             for p in parts]
+            rendered: Any = [
+                p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts
+            ]
         else:
             rendered = "\n".join(p if isinstance(p, str) else p["placeholder"] for p in parts)
         inputs.conversation.append({**message, "content": rendered})
@@ -140,15 +154,21 @@ def _template_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
                 arguments = json.loads(arguments)
             except ValueError:
                 raise ChatTemplateError(
-                    f"{location}.function.arguments is not JSON: {arguments[:80]!r}") from None
+                    f"{location}.function.arguments is not JSON: {arguments[:80]!r}"
+                ) from None
         parsed.append({**call, "function": {**function, "arguments": arguments}})
     return parsed
 
 
-def _parse_part(i: int, j: int, part: Any, inputs: ChatInputs, counts: dict[str, int],
-                placeholder: Callable[[str, int], str] | None,
-                check_counts: Callable[[Mapping[str, int]], None] | None
-                ) -> str | dict[str, Any]:
+def _parse_part(
+    i: int,
+    j: int,
+    part: Any,
+    inputs: ChatInputs,
+    counts: dict[str, int],
+    placeholder: Callable[[str, int], str] | None,
+    check_counts: Callable[[Mapping[str, int]], None] | None,
+) -> str | dict[str, Any]:
     location = f"messages[{i}].content[{j}]"
     if isinstance(part, str):
         return part
@@ -166,15 +186,22 @@ def _parse_part(i: int, j: int, part: Any, inputs: ChatInputs, counts: dict[str,
     if modality is None:
         raise ChatTemplateError(f"{location}: content part type {kind!r} is not supported.")
     if placeholder is None:
-        raise MultiModalInputError("this model takes no multimodal input", stage="process",
-                                   modality=modality, location=location)
+        raise MultiModalInputError(
+            "this model takes no multimodal input",
+            stage="process",
+            modality=modality,
+            location=location,
+        )
     payload, uuid = part.get(kind), part.get("uuid")
     if uuid is not None and not (isinstance(uuid, str) and uuid):
         raise ChatTemplateError(f"{location}.uuid must be a non-empty string.")
     if payload is None and uuid is None:
-        raise MultiModalInputError(f"the {kind!r} part has no {kind!r} field (nor a uuid of an "
-                                   "item sent before)", stage="fetch", modality=modality,
-                                   location=location)
+        raise MultiModalInputError(
+            f"the {kind!r} part has no {kind!r} field (nor a uuid of an item sent before)",
+            stage="fetch",
+            modality=modality,
+            location=location,
+        )
     index = counts.get(modality, 0)
     counts[modality] = index + 1
     if check_counts is not None:
@@ -190,13 +217,21 @@ def _media_url(item: _PendingMedia) -> str:
     payload = item.payload
     if item.kind == "input_audio":
         if not isinstance(payload, dict) or not isinstance(payload.get("data"), str):
-            raise MultiModalInputError("input_audio needs {'data': base64, 'format': ...}",
-                                       stage="decode", modality="audio", location=item.location)
+            raise MultiModalInputError(
+                "input_audio needs {'data': base64, 'format': ...}",
+                stage="decode",
+                modality="audio",
+                location=item.location,
+            )
         return f"data:audio/{payload.get('format') or 'wav'};base64,{payload['data']}"
     url = payload.get("url") if isinstance(payload, dict) else payload
     if not isinstance(url, str) or not url:
-        raise MultiModalInputError(f"{item.kind} needs a 'url'", stage="fetch",
-                                   modality=item.modality, location=item.location)
+        raise MultiModalInputError(
+            f"{item.kind} needs a 'url'",
+            stage="fetch",
+            modality=item.modality,
+            location=item.location,
+        )
     return url
 
 
@@ -216,12 +251,18 @@ def _decode_embeds(item: _PendingMedia) -> dict[str, Any]:
     decoded = {}
     for name, text in fields.items():
         try:
-            value = torch.load(io.BytesIO(base64.b64decode(text, validate=True)),
-                               weights_only=True, map_location="cpu")
+            value = torch.load(
+                io.BytesIO(base64.b64decode(text, validate=True)),
+                weights_only=True,
+                map_location="cpu",
+            )
         except Exception as exc:  # binascii, pickle and torch errors all mean "not a tensor"
             raise MultiModalInputError(
                 f"{item.kind}.{name} is not base64 of a torch.save()d tensor ({exc})",
-                stage="decode", modality=item.modality, location=item.location) from None
+                stage="decode",
+                modality=item.modality,
+                location=item.location,
+            ) from None
         decoded[name] = value
     return decoded
 
@@ -236,8 +277,9 @@ def _local_value(item: _PendingMedia) -> tuple[bool, Any]:
     return False, None
 
 
-def load_media(inputs: ChatInputs, connector: Any,
-               mm_processor_kwargs: dict[str, Any] | None = None) -> dict[str, list[Any]]:
+def load_media(
+    inputs: ChatInputs, connector: Any, mm_processor_kwargs: dict[str, Any] | None = None
+) -> dict[str, list[Any]]:
     """Fetch and decode every media part, in order; errors name the part."""
     mm_data: dict[str, list[Any]] = {}
     for item in inputs.pending:
@@ -252,8 +294,9 @@ def load_media(inputs: ChatInputs, connector: Any,
     return mm_data
 
 
-def locate_mm_error(exc: MultiModalInputError,
-                    item_locations: Mapping[str, list[str]]) -> MultiModalInputError:
+def locate_mm_error(
+    exc: MultiModalInputError, item_locations: Mapping[str, list[str]]
+) -> MultiModalInputError:
     """Name the chat part of an error raised after rendering (processing, encoder budget), which
     knows the item's modality but not its part; with several items of that modality, all of
     their parts are named."""
@@ -263,9 +306,9 @@ def locate_mm_error(exc: MultiModalInputError,
     return exc.at(parts[0] if len(parts) == 1 else "one of " + ", ".join(parts))
 
 
-async def load_media_async(inputs: ChatInputs, connector: Any,
-                           mm_processor_kwargs: dict[str, Any] | None = None
-                           ) -> dict[str, list[Any]]:
+async def load_media_async(
+    inputs: ChatInputs, connector: Any, mm_processor_kwargs: dict[str, Any] | None = None
+) -> dict[str, list[Any]]:
     """``load_media`` with every fetch running concurrently off the event loop."""
 
     async def one(item: _PendingMedia) -> Any:
@@ -276,8 +319,7 @@ async def load_media_async(inputs: ChatInputs, connector: Any,
             return value
         fetch = getattr(connector, f"fetch_{item.modality}_async")
         try:
-            return await fetch(_media_url(item),
-                               **_fetch_kwargs(item, mm_processor_kwargs or {}))
+            return await fetch(_media_url(item), **_fetch_kwargs(item, mm_processor_kwargs or {}))
         except MultiModalInputError as exc:
             raise exc.at(item.location) from exc
 
@@ -288,11 +330,16 @@ async def load_media_async(inputs: ChatInputs, connector: Any,
     return mm_data
 
 
-def apply_chat_template(tokenizer: Any, conversation: list[dict[str, Any]], *,
-                        chat_template: str | None = None, add_generation_prompt: bool = True,
-                        continue_final_message: bool = False,
-                        chat_template_kwargs: dict[str, Any] | None = None,
-                        tools: list[dict[str, Any]] | None = None) -> str:
+def apply_chat_template(
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     """The conversation as the template renders it; ``tools`` (OpenAI's function tools) go to
     templates that list them for the model."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -301,10 +348,13 @@ def apply_chat_template(tokenizer: Any, conversation: list[dict[str, Any]], *,
         raise ChatTemplateError("add_generation_prompt and continue_final_message are exclusive.")
     try:
         return tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, tokenize=False,
+            conversation,
+            chat_template=chat_template,
+            tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            **{**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})})
+            **{**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})},
+        )
     except Exception as exc:  # jinja errors are many types; all mean "cannot render"
         raise ChatTemplateError(f"Cannot apply the chat template: {exc}") from exc
 
@@ -315,21 +365,28 @@ class ChatRenderer:
     Shared by ``LLM.chat`` and the API server, so both render and load media identically.
     """
 
-    def __init__(self, tokenizer: Any, *, chat_template: str | None = None,
-                 placeholder: Callable[[str, int], str] | None = None,
-                 connector: Any = None,
-                 check_counts: Callable[[Mapping[str, int]], None] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        chat_template: str | None = None,
+        placeholder: Callable[[str, int], str] | None = None,
+        connector: Any = None,
+        check_counts: Callable[[Mapping[str, int]], None] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.placeholder = placeholder
         self.connector = connector
         self.check_counts = check_counts
         self.content_format = detect_content_format(
-            chat_template or getattr(tokenizer, "chat_template", None))
+            chat_template or getattr(tokenizer, "chat_template", None)
+        )
 
     @classmethod
-    def from_config(cls, config: Any, tokenizer: Any,
-                    chat_template: str | None = None) -> ChatRenderer:
+    def from_config(
+        cls, config: Any, tokenizer: Any, chat_template: str | None = None
+    ) -> ChatRenderer:
         from omniserve.multimodal.context import InputProcessingContext
         from omniserve.multimodal.media import MediaConnector, media_config
         from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
@@ -343,15 +400,26 @@ class ChatRenderer:
         connector = MediaConnector(media_config(mm))
         # The engine's own item-count rules, so a chat part breaking them is named (and nothing
         # is fetched for a request that would be refused).
-        info = factories.info(InputProcessingContext(
-            config.model_config, tokenizer, limit_mm_per_prompt=mm.limit_mm_per_prompt))
-        return cls(tokenizer, chat_template=chat_template,
-                   placeholder=model_cls.get_placeholder_str, connector=connector,
-                   check_counts=info.validate_num_items)
+        info = factories.info(
+            InputProcessingContext(
+                config.model_config, tokenizer, limit_mm_per_prompt=mm.limit_mm_per_prompt
+            )
+        )
+        return cls(
+            tokenizer,
+            chat_template=chat_template,
+            placeholder=model_cls.get_placeholder_str,
+            connector=connector,
+            check_counts=info.validate_num_items,
+        )
 
     def _parse(self, messages: list[dict[str, Any]]) -> ChatInputs:
-        return parse_chat_messages(messages, content_format=self.content_format,
-                                   placeholder=self.placeholder, check_counts=self.check_counts)
+        return parse_chat_messages(
+            messages,
+            content_format=self.content_format,
+            placeholder=self.placeholder,
+            check_counts=self.check_counts,
+        )
 
     def for_template(self, chat_template: str | None) -> ChatRenderer:
         """This renderer with another template (a request's own); itself for None."""
@@ -362,16 +430,24 @@ class ChatRenderer:
         other.content_format = detect_content_format(chat_template)
         return other
 
-    def _prompt(self, inputs: ChatInputs, mm_data: dict[str, list[Any]],
-                mm_processor_kwargs: dict[str, Any] | None, add_special_tokens: bool = False,
-                **template_kwargs: Any) -> dict[str, Any]:
-        text = apply_chat_template(self.tokenizer, inputs.conversation,
-                                   chat_template=self.chat_template, **template_kwargs)
+    def _prompt(
+        self,
+        inputs: ChatInputs,
+        mm_data: dict[str, list[Any]],
+        mm_processor_kwargs: dict[str, Any] | None,
+        add_special_tokens: bool = False,
+        **template_kwargs: Any,
+    ) -> dict[str, Any]:
+        text = apply_chat_template(
+            self.tokenizer, inputs.conversation, chat_template=self.chat_template, **template_kwargs
+        )
         # The template already holds any BOS: the tokenizer adds its specials only on request.
         prompt: dict[str, Any] = {
             "prompt": text,
             "prompt_token_ids": self.tokenizer(
-                text, add_special_tokens=add_special_tokens).input_ids}
+                text, add_special_tokens=add_special_tokens
+            ).input_ids,
+        }
         if mm_data:
             prompt["multi_modal_data"] = mm_data
         if inputs.item_uuids():
@@ -380,23 +456,35 @@ class ChatRenderer:
             prompt["mm_processor_kwargs"] = dict(mm_processor_kwargs)
         return prompt
 
-    def render(self, messages: list[dict[str, Any]], *,
-               mm_processor_kwargs: dict[str, Any] | None = None,
-               **template_kwargs: Any) -> dict[str, Any]:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        **template_kwargs: Any,
+    ) -> dict[str, Any]:
         inputs = self._parse(messages)
         mm_data = load_media(inputs, self.connector, mm_processor_kwargs)
         return self._prompt(inputs, mm_data, mm_processor_kwargs, **template_kwargs)
 
-    async def render_async(self, messages: list[dict[str, Any]], *,
-                           mm_processor_kwargs: dict[str, Any] | None = None,
-                           executor: Executor | None = None,
-                           **template_kwargs: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    async def render_async(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        executor: Executor | None = None,
+        **template_kwargs: Any,
+    ) -> tuple[dict[str, Any], dict[str, list[str]]]:
         """``render`` with the fetches concurrent and the templating and tokenization on
         ``executor`` (the loop's default one if None), never on the event loop; also each item's
         chat part (by modality), to locate errors the engine raises about an item later
         (``locate_mm_error``)."""
         inputs = self._parse(messages)
         mm_data = await load_media_async(inputs, self.connector, mm_processor_kwargs)
-        prompt = await asyncio.get_running_loop().run_in_executor(executor, functools.partial(
-            self._prompt, inputs, mm_data, mm_processor_kwargs, **template_kwargs))
+        prompt = await asyncio.get_running_loop().run_in_executor(
+            executor,
+            functools.partial(
+                self._prompt, inputs, mm_data, mm_processor_kwargs, **template_kwargs
+            ),
+        )
         return prompt, inputs.item_locations()

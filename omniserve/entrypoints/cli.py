@@ -29,13 +29,20 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 
     overrides = json.loads(args.overrides) if args.overrides else None
     if args.as_architecture is None:
-        path = build_tiny_checkpoint(args.architecture, args.out, size=args.size, seed=args.seed,
-                                     overrides=overrides)
+        path = build_tiny_checkpoint(
+            args.architecture, args.out, size=args.size, seed=args.seed, overrides=overrides
+        )
     else:
         from omniserve.plugin_tools.checkpoints import tiny_checkpoint_as
 
-        path = tiny_checkpoint_as(args.architecture, args.as_architecture, args.out,
-                                  size=args.size, seed=args.seed, overrides=overrides)
+        path = tiny_checkpoint_as(
+            args.architecture,
+            args.as_architecture,
+            args.out,
+            size=args.size,
+            seed=args.seed,
+            overrides=overrides,
+        )
     print(path)
     return 0
 
@@ -44,26 +51,35 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from omniserve import LLM, SamplingParams
 
     model = args.model or default_model()
-    llm = LLM(**vars(EngineArgs.from_cli_args(argparse.Namespace(**{**vars(args),
-                                                                     "model": model}))))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                            seed=args.sampling_seed)
+    llm = LLM(
+        **vars(EngineArgs.from_cli_args(argparse.Namespace(**{**vars(args), "model": model})))
+    )
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed
+    )
     prompts = args.prompt or ["Hello, my name is", "The capital of France is"]
-    outputs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-               if args.chat else llm.generate(prompts, params))
+    outputs = (
+        llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        if args.chat
+        else llm.generate(prompts, params)
+    )
     for prompt, output in zip(prompts, outputs, strict=True):
         print(f"{prompt!r} -> {output.outputs[0].text!r}")
     return 0
 
 
 NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
-    "--trust-remote-code": ({"action": "store_true"},
-                            "no code from checkpoints runs: omniserve's model classes load them"),
+    "--trust-remote-code": (
+        {"action": "store_true"},
+        "no code from checkpoints runs: omniserve's model classes load them",
+    ),
     "--disable-log-requests": ({"action": "store_true"}, "requests are not logged anyway"),
     "--disable-log-stats": ({"action": "store_true"}, "there are no periodic stats logs"),
     "--swap-space": ({"type": float}, "preempted requests are recomputed, never swapped"),
-    "--disable-custom-all-reduce": ({"action": "store_true"},
-                                    "tensor parallelism uses torch.distributed's all-reduce"),
+    "--disable-custom-all-reduce": (
+        {"action": "store_true"},
+        "tensor parallelism uses torch.distributed's all-reduce",
+    ),
     "--tokenizer-mode": ({"choices": ["auto", "hf"]}, "the Hugging Face tokenizer is used"),
     "--load-format": ({"choices": ["auto", "safetensors"]}, "safetensors is the only format"),
     "--kv-cache-dtype": ({"choices": ["auto"]}, "the KV cache is in the model's dtype"),
@@ -127,31 +143,49 @@ def _cmd_register_model(args: argparse.Namespace) -> int:
     if args.architecture is None:
         raise ValueError("register-model needs ARCH (or --scaffold NAME --out DIR)")
     if args.model is not None:
-        ok = commands.register_model(args.architecture, args.model, processor=args.processor,
-                                     path=args.path, force=args.force, check=args.check)
+        ok = commands.register_model(
+            args.architecture,
+            args.model,
+            processor=args.processor,
+            path=args.path,
+            force=args.force,
+            check=args.check,
+        )
         return 0 if ok else 1
-    for flag, value in (("--processor", args.processor), ("--path", args.path),
-                        ("--force", args.force or None)):
+    for flag, value in (
+        ("--processor", args.processor),
+        ("--path", args.path),
+        ("--force", args.force or None),
+    ):
         if value is not None:
             raise ValueError(f"{flag} goes with --model pkg.mod:Class")
     if args.check is None:
-        raise ValueError("pass --model pkg.mod:Class to register ARCH, or --check CKPT_DIR to "
-                         "validate a registered ARCH")
+        raise ValueError(
+            "pass --model pkg.mod:Class to register ARCH, or --check CKPT_DIR to "
+            "validate a registered ARCH"
+        )
     return 0 if commands.check_registered(args.architecture, args.check) else 1
 
 
 def _scaffold(args: argparse.Namespace) -> int:
     from omniserve.plugin_tools.scaffold import DEFAULT_BASE_ARCHITECTURE, scaffold_plugin
 
-    for flag, value in (("--model", args.model), ("--processor", args.processor),
-                        ("--path", args.path), ("--check", args.check)):
+    for flag, value in (
+        ("--model", args.model),
+        ("--processor", args.processor),
+        ("--path", args.path),
+        ("--check", args.check),
+    ):
         if value is not None:
             raise ValueError(f"{flag} does not go with --scaffold")
     if args.out is None:
         raise ValueError("--scaffold NAME needs --out DIR")
-    result = scaffold_plugin(args.scaffold, args.out,
-                             base_architecture=args.base or DEFAULT_BASE_ARCHITECTURE,
-                             architecture=args.architecture)
+    result = scaffold_plugin(
+        args.scaffold,
+        args.out,
+        base_architecture=args.base or DEFAULT_BASE_ARCHITECTURE,
+        architecture=args.architecture,
+    )
     print(f"Wrote the {result.architecture} plugin to {result.project_dir}:")
     for file in result.files:
         print(f"  {file}")
@@ -167,12 +201,16 @@ def _cmd_unregister_model(args: argparse.Namespace) -> int:
 
 
 def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
-    models = sub.add_parser("models", help="List every registered architecture, its source "
-                                           "(built-in, entry point, user file) and its inputs.")
+    models = sub.add_parser(
+        "models",
+        help="List every registered architecture, its source "
+        "(built-in, entry point, user file) and its inputs.",
+    )
     models.set_defaults(func=_cmd_models)
 
     reg = sub.add_parser(
-        "register-model", formatter_class=argparse.RawDescriptionHelpFormatter,
+        "register-model",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="Record, validate (--check) or scaffold (--scaffold) a model plugin.",
         description="""\
   omniserve register-model ARCH --model pkg.mod:Class [--processor pkg.mod:Class] [--path DIR]
@@ -182,115 +220,224 @@ def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
   omniserve register-model ARCH --check CKPT_DIR
       validate an already registered ARCH on a checkpoint (a pass/fail table; exit 1 on a failure)
   omniserve register-model [ARCH] --scaffold NAME --out DIR [--from BASE_ARCH]
-      write a plugin package starting from a built-in model, ready to edit""")
-    reg.add_argument("architecture", nargs="?", default=None, metavar="ARCH",
-                     help="The config.json 'architectures' name the plugin serves.")
-    reg.add_argument("--model", default=None, metavar="pkg.mod:Class",
-                     help="The model class (an nn.Module with the engine's hooks).")
-    reg.add_argument("--processor", default=None, metavar="pkg.mod:Class",
-                     help="Its multimodal processor, declaring info_cls and dummy_inputs_cls "
-                          "(default: the one attached to the model class, if any).")
-    reg.add_argument("--path", default=None, metavar="DIR",
-                     help="A directory to put on sys.path (recorded; every process adds it).")
-    reg.add_argument("--force", action="store_true",
-                     help="Replace an existing entry, or override a built-in / entry-point ARCH.")
-    reg.add_argument("--check", default=None, metavar="CKPT_DIR",
-                     help="Validate on this checkpoint (a small one: it loads it three times, "
-                          "float32 on the CPU; its architecture may be the plugin's base).")
-    reg.add_argument("--scaffold", default=None, metavar="NAME",
-                     help="Write a plugin package named NAME (a Python package name).")
-    reg.add_argument("--out", default=None, metavar="DIR",
-                     help="With --scaffold: the new project directory (absent or empty).")
-    reg.add_argument("--from", dest="base", default=None, metavar="BASE_ARCH",
-                     help="With --scaffold: the registered model to start from "
-                          "(default Qwen2VLForConditionalGeneration).")
+      write a plugin package starting from a built-in model, ready to edit""",
+    )
+    reg.add_argument(
+        "architecture",
+        nargs="?",
+        default=None,
+        metavar="ARCH",
+        help="The config.json 'architectures' name the plugin serves.",
+    )
+    reg.add_argument(
+        "--model",
+        default=None,
+        metavar="pkg.mod:Class",
+        help="The model class (an nn.Module with the engine's hooks).",
+    )
+    reg.add_argument(
+        "--processor",
+        default=None,
+        metavar="pkg.mod:Class",
+        help="Its multimodal processor, declaring info_cls and dummy_inputs_cls "
+        "(default: the one attached to the model class, if any).",
+    )
+    reg.add_argument(
+        "--path",
+        default=None,
+        metavar="DIR",
+        help="A directory to put on sys.path (recorded; every process adds it).",
+    )
+    reg.add_argument(
+        "--force",
+        action="store_true",
+        help="Replace an existing entry, or override a built-in / entry-point ARCH.",
+    )
+    reg.add_argument(
+        "--check",
+        default=None,
+        metavar="CKPT_DIR",
+        help="Validate on this checkpoint (a small one: it loads it three times, "
+        "float32 on the CPU; its architecture may be the plugin's base).",
+    )
+    reg.add_argument(
+        "--scaffold",
+        default=None,
+        metavar="NAME",
+        help="Write a plugin package named NAME (a Python package name).",
+    )
+    reg.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="With --scaffold: the new project directory (absent or empty).",
+    )
+    reg.add_argument(
+        "--from",
+        dest="base",
+        default=None,
+        metavar="BASE_ARCH",
+        help="With --scaffold: the registered model to start from "
+        "(default Qwen2VLForConditionalGeneration).",
+    )
     reg.set_defaults(func=_cmd_register_model)
 
-    unreg = sub.add_parser("unregister-model",
-                           help="Remove an architecture from the user's registry file.")
+    unreg = sub.add_parser(
+        "unregister-model", help="Remove an architecture from the user's registry file."
+    )
     unreg.add_argument("architecture", metavar="ARCH")
     unreg.set_defaults(func=_cmd_unregister_model)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omniserve", description=__doc__,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="omniserve",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
-    serve = sub.add_parser("serve", formatter_class=fmt,
-                           help="Serve a model over an OpenAI-compatible HTTP API.")
-    serve.add_argument("model", nargs="?", default=None,
-                       help="Checkpoint dir. None: a tiny built-in model, built on first use.")
+    serve = sub.add_parser(
+        "serve", formatter_class=fmt, help="Serve a model over an OpenAI-compatible HTTP API."
+    )
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="Checkpoint dir. None: a tiny built-in model, built on first use.",
+    )
     server = serve.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1",
-                        help="Address to bind (0.0.0.0 for every interface).")
+    server.add_argument(
+        "--host", default="127.0.0.1", help="Address to bind (0.0.0.0 for every interface)."
+    )
     server.add_argument("--port", type=int, default=8000, help="TCP port to listen on.")
-    server.add_argument("--served-model-name", nargs="+", default=None,
-                        help="Names clients may use for the model; the first is reported. "
-                             "None: the model path.")
-    server.add_argument("--api-key", default=None,
-                        help="Require 'Authorization: Bearer KEY' on the API routes.")
-    server.add_argument("--no-playground", action="store_true",
-                        help="Do not serve the web playground (a chat page at /).")
-    server.add_argument("--chat-template", default=None,
-                        help="A chat template file (or inline Jinja) replacing the checkpoint's.")
-    server.add_argument("--trust-request-chat-template", action="store_true",
-                        help="Let requests bring their own chat_template (rendered in jinja's "
-                             "sandbox); without it such a request is a 400.")
-    server.add_argument("--max-request-body-mb", type=float, default=100.0,
-                        help="Largest request body accepted (413 above it), media included.")
-    server.add_argument("--input-processing-threads", type=int, default=1,
-                        help="Threads that run the HF processing of prompts with media, off "
-                             "the event loop (text is tokenized on a thread of its own).")
-    server.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                        help="Split <think>...</think> off chat answers into reasoning_content.")
-    server.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='Let the model decide when to call tools (tool_choice "auto", the '
-                             "default with tools); needs --tool-call-parser.")
-    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
-                        help="The format the model writes tool calls in (hermes: the Qwen "
-                             "family's <tool_call> blocks).")
-    server.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
-                        help='With tool_choice "none", do not list the tools in the prompt.')
-    server.add_argument("--shutdown-timeout", type=float, default=0.0,
-                        help="On SIGTERM/SIGINT, seconds the requests in flight get to finish "
-                             "(new ones get 503 meanwhile); those left then end with an error. "
-                             "0: end them at once.")
-    server.add_argument("--allowed-origins", type=json.loads, default=["*"],
-                        help="CORS: allowed origins, as a JSON list.")
-    server.add_argument("--allowed-methods", type=json.loads, default=["*"],
-                        help="CORS: allowed methods, as a JSON list.")
-    server.add_argument("--allowed-headers", type=json.loads, default=["*"],
-                        help="CORS: allowed headers, as a JSON list.")
-    server.add_argument("--allow-credentials", action="store_true",
-                        help="CORS: allow credentials.")
-    server.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"],
-                        help="uvicorn's log level (info logs every request).")
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="Names clients may use for the model; the first is reported. None: the model path.",
+    )
+    server.add_argument(
+        "--api-key", default=None, help="Require 'Authorization: Bearer KEY' on the API routes."
+    )
+    server.add_argument(
+        "--no-playground",
+        action="store_true",
+        help="Do not serve the web playground (a chat page at /).",
+    )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        help="A chat template file (or inline Jinja) replacing the checkpoint's.",
+    )
+    server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Let requests bring their own chat_template (rendered in jinja's "
+        "sandbox); without it such a request is a 400.",
+    )
+    server.add_argument(
+        "--max-request-body-mb",
+        type=float,
+        default=100.0,
+        help="Largest request body accepted (413 above it), media included.",
+    )
+    server.add_argument(
+        "--input-processing-threads",
+        type=int,
+        default=1,
+        help="Threads that run the HF processing of prompts with media, off "
+        "the event loop (text is tokenized on a thread of its own).",
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="Split <think>...</think> off chat answers into reasoning_content.",
+    )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Let the model decide when to call tools (tool_choice "auto", the '
+        "default with tools); needs --tool-call-parser.",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="The format the model writes tool calls in (hermes: the Qwen "
+        "family's <tool_call> blocks).",
+    )
+    server.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='With tool_choice "none", do not list the tools in the prompt.',
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0.0,
+        help="On SIGTERM/SIGINT, seconds the requests in flight get to finish "
+        "(new ones get 503 meanwhile); those left then end with an error. "
+        "0: end them at once.",
+    )
+    server.add_argument(
+        "--allowed-origins",
+        type=json.loads,
+        default=["*"],
+        help="CORS: allowed origins, as a JSON list.",
+    )
+    server.add_argument(
+        "--allowed-methods",
+        type=json.loads,
+        default=["*"],
+        help="CORS: allowed methods, as a JSON list.",
+    )
+    server.add_argument(
+        "--allowed-headers",
+        type=json.loads,
+        default=["*"],
+        help="CORS: allowed headers, as a JSON list.",
+    )
+    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
+    server.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (info logs every request).",
+    )
     EngineArgs.add_cli_args(serve)
     compat = serve.add_argument_group(
-        "vLLM compatibility", "vLLM's flags that mean nothing here (accepted, logged) or name a "
-        "feature omniserve lacks (start-up fails naming it).")
+        "vLLM compatibility",
+        "vLLM's flags that mean nothing here (accepted, logged) or name a "
+        "feature omniserve lacks (start-up fails naming it).",
+    )
     for flag, (kwargs, why) in {**NO_EFFECT_FLAGS, **MISSING_FEATURE_FLAGS}.items():
         compat.add_argument(flag, default=None, help=why, **kwargs)
     serve.set_defaults(func=_cmd_serve, check_flags=_check_serve_flags)
 
-    tiny = sub.add_parser("make-tiny", formatter_class=fmt,
-                          help="Build a tiny Hugging Face checkpoint offline.")
+    tiny = sub.add_parser(
+        "make-tiny", formatter_class=fmt, help="Build a tiny Hugging Face checkpoint offline."
+    )
     tiny.add_argument("architecture", help="e.g. Qwen3ForCausalLM")
     tiny.add_argument("--out", default=None, help="Output dir (default: the cache dir).")
     tiny.add_argument("--size", default="tiny", choices=["tiny", "bench"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--overrides", default=None, help="JSON of config fields to override.")
-    tiny.add_argument("--as-architecture", default=None, metavar="NAME",
-                      help="Name NAME in config.json 'architectures' (a plugin's own "
-                           "architecture) instead of the family's; writes a copy.")
+    tiny.add_argument(
+        "--as-architecture",
+        default=None,
+        metavar="NAME",
+        help="Name NAME in config.json 'architectures' (a plugin's own "
+        "architecture) instead of the family's; writes a copy.",
+    )
     tiny.set_defaults(func=_cmd_make_tiny)
 
     gen = sub.add_parser("generate", formatter_class=fmt, help="Generate offline for prompts.")
-    gen.add_argument("model", nargs="?", default=None,
-                     help="Checkpoint dir (default: a tiny built-in model).")
+    gen.add_argument(
+        "model", nargs="?", default=None, help="Checkpoint dir (default: a tiny built-in model)."
+    )
     gen.add_argument("--prompt", action="append", help="A prompt (repeatable).")
     gen.add_argument("--chat", action="store_true", help="Wrap prompts in the chat template.")
     gen.add_argument("--max-tokens", type=int, default=32)

@@ -77,18 +77,25 @@ class LLM:
         ``audio_array`` for in-memory media; ``tools`` (OpenAI's function tools) are listed for
         the model by templates that take them (its calls are in the text, as vLLM's LLM.chat)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        renderer = ChatRenderer.from_config(self.llm_engine.config, self.get_tokenizer(),
-                                            chat_template)
+        renderer = ChatRenderer.from_config(
+            self.llm_engine.config, self.get_tokenizer(), chat_template
+        )
         prompts: list[PromptType] = [
-            renderer.render(conversation, mm_processor_kwargs=mm_processor_kwargs,
-                            add_generation_prompt=add_generation_prompt,
-                            continue_final_message=continue_final_message,
-                            chat_template_kwargs=chat_template_kwargs, tools=tools)
-            for conversation in conversations]
+            renderer.render(
+                conversation,
+                mm_processor_kwargs=mm_processor_kwargs,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
+            )
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
-                      priorities: list[int]) -> list[str]:
+    def _add_requests(
+        self, prompts: list[PromptType], params: list[SamplingParams], priorities: list[int]
+    ) -> list[str]:
         request_ids: list[str] = []
         # Only finished outputs are returned, whole (vLLM's LLM does the same): a cumulative
         # request would rebuild its output every step for nothing, and a delta request's last
@@ -99,7 +106,8 @@ class LLM:
                 if param.output_kind != RequestOutputKind.FINAL_ONLY:
                     if id(param) not in final_only:
                         final_only[id(param)] = param.clone(
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+                            output_kind=RequestOutputKind.FINAL_ONLY
+                        )
                     param = final_only[id(param)]
                 request_id = str(next(self._request_counter))
                 self.llm_engine.add_request(request_id, prompt, param, priority=priority)

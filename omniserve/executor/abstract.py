@@ -65,8 +65,9 @@ class Executor(ABC):
         """Raise unless the workers can run another step after one raised (the engine dies)."""
         if self.config.parallel_config.world_size > 1:
             # Ranks that got past the failing op wait in a collective the others never reach.
-            raise RuntimeError("A step failed on a parallel worker; the ranks are no longer "
-                               "in step.")
+            raise RuntimeError(
+                "A step failed on a parallel worker; the ranks are no longer in step."
+            )
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:

@@ -66,25 +66,31 @@ class MultiprocExecutor(Executor):
         try:
             self._start_workers()
             self._collect(_STARTUP_CALL_ID, set(range(self.world_size)), "start-up")
-            self._broadcast.wait_for_readers(self.world_size, _READERS_TIMEOUT_S,
-                                             self._check_alive)
+            self._broadcast.wait_for_readers(self.world_size, _READERS_TIMEOUT_S, self._check_alive)
         except BaseException:
             self.shutdown()
             raise
 
     def _start_workers(self) -> None:
         mp_ctx = spawn_context()
-        args = (f"file://{self._ipc_dir}/rendezvous", f"ipc://{self._ipc_dir}/calls",
-                f"ipc://{self._ipc_dir}/results")
+        args = (
+            f"file://{self._ipc_dir}/rendezvous",
+            f"ipc://{self._ipc_dir}/calls",
+            f"ipc://{self._ipc_dir}/results",
+        )
         with spawning():
             for rank in range(self.world_size):
-                proc = mp_ctx.Process(target=run_worker, name=f"OmniWorker-TP{rank}",
-                                      args=(self.config, rank, self.world_size, *args),
-                                      daemon=True)
+                proc = mp_ctx.Process(
+                    target=run_worker,
+                    name=f"OmniWorker-TP{rank}",
+                    args=(self.config, rank, self.world_size, *args),
+                    daemon=True,
+                )
                 proc.start()
                 self.workers.append(proc)
-        threading.Thread(target=self._monitor_workers, name="omniserve-worker-monitor",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._monitor_workers, name="omniserve-worker-monitor", daemon=True
+        ).start()
 
     def _monitor_workers(self) -> None:
         by_sentinel = {proc.sentinel: rank for rank, proc in enumerate(self.workers)}
@@ -94,8 +100,10 @@ class MultiprocExecutor(Executor):
         rank = by_sentinel[sentinel]
         proc = self.workers[rank]
         proc.join(1.0)
-        self._failure = (f"Tensor-parallel worker rank {rank} (pid {proc.pid}) died "
-                         f"unexpectedly ({_describe_exit(proc.exitcode)}); its log has the cause.")
+        self._failure = (
+            f"Tensor-parallel worker rank {rank} (pid {proc.pid}) died "
+            f"unexpectedly ({_describe_exit(proc.exitcode)}); its log has the cause."
+        )
         logger.error(self._failure)
         self._notify_failure(RuntimeError(self._failure))
 
@@ -170,8 +178,9 @@ def _describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-def _remote_error(rank: int, method: str, payload: tuple[BaseException | None, str]
-                  ) -> BaseException:
+def _remote_error(
+    rank: int, method: str, payload: tuple[BaseException | None, str]
+) -> BaseException:
     """The worker's own exception (so a ValueError stays one), noting where it was raised."""
     exc, trace = payload
     where = f"tensor-parallel rank {rank}, in {method}"
@@ -184,8 +193,14 @@ def _remote_error(rank: int, method: str, payload: tuple[BaseException | None, s
 # ---- the worker process -------------------------------------------------------------------------
 
 
-def run_worker(config: OmniConfig, rank: int, world_size: int, init_method: str,
-               calls_address: str, results_address: str) -> NoReturn:
+def run_worker(
+    config: OmniConfig,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    calls_address: str,
+    results_address: str,
+) -> NoReturn:
     """Entry point of a worker process: start, report READY (or the error), serve calls."""
     _exit_when_parent_dies()
     context = zmq.Context()
@@ -210,8 +225,9 @@ def run_worker(config: OmniConfig, rank: int, world_size: int, init_method: str,
             _reply_error(results, call_id, rank, exc)
             continue
         if reply == REPLY_ALL or rank == 0:
-            results.send(pickle.dumps((call_id, rank, True, result),
-                                      protocol=pickle.HIGHEST_PROTOCOL))
+            results.send(
+                pickle.dumps((call_id, rank, True, result), protocol=pickle.HIGHEST_PROTOCOL)
+            )
     wrapper.shutdown()
     context.destroy(linger=1000)
     sys.exit(0)

@@ -61,14 +61,19 @@ class RayExecutor(Executor):
             actor_cls = ray.remote(WorkerWrapper)
             for rank in range(self.world_size):
                 strategy = PlacementGroupSchedulingStrategy(
-                    self._placement_group, placement_group_bundle_index=rank)
+                    self._placement_group, placement_group_bundle_index=rank
+                )
                 resources = {"num_gpus": 1} if device == "GPU" else {"num_cpus": 1}
-                self.workers.append(actor_cls.options(
-                    scheduling_strategy=strategy, **resources).remote(rank, self.world_size))
+                self.workers.append(
+                    actor_cls.options(scheduling_strategy=strategy, **resources).remote(
+                        rank, self.world_size
+                    )
+                )
             host, port = self._get(self.workers[0].node_address.remote())
             # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES: its device is always 0.
-            self._get([w.init_worker.remote(config, f"tcp://{host}:{port}", 0)
-                       for w in self.workers])
+            self._get(
+                [w.init_worker.remote(config, f"tcp://{host}:{port}", 0) for w in self.workers]
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -83,14 +88,12 @@ class RayExecutor(Executor):
             raise exc.as_instanceof_cause() from None
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        return self._get([w.execute_method.remote(method, args, REPLY_ALL)
-                          for w in self.workers])
+        return self._get([w.execute_method.remote(method, args, REPLY_ALL) for w in self.workers])
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # Serialised once into the object store; each actor receives the same object.
         args = self._ray.put((scheduler_output,))
-        refs = [w.execute_method.remote("execute_model", args, REPLY_RANK0)
-                for w in self.workers]
+        refs = [w.execute_method.remote("execute_model", args, REPLY_RANK0) for w in self.workers]
         return self._get(refs)[0]
 
     def shutdown(self) -> None:

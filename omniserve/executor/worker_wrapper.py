@@ -65,4 +65,3 @@ class WorkerWrapper:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-

@@ -36,8 +36,9 @@ class InputPreprocessor:
         self.default_mm_kwargs = dict(default_mm_kwargs or {})
         if self.default_mm_kwargs:
             if mm_processor is None:
-                raise ValueError("--mm-processor-kwargs is set, but this model takes no "
-                                 "multimodal input.")
+                raise ValueError(
+                    "--mm-processor-kwargs is set, but this model takes no multimodal input."
+                )
             mm_processor.info.check_server_kwargs(self.default_mm_kwargs)
 
     def preprocess(self, prompt: PromptType) -> ProcessedInputs:
@@ -58,8 +59,10 @@ class InputPreprocessor:
         mm_data = prompt.get("multi_modal_data")
         uuids = prompt.get("multi_modal_uuids")
         if uuids is not None and not (isinstance(uuids, dict) and mm_data):
-            raise TypeError("multi_modal_uuids must be a dict (modality -> uuids) next to the "
-                            "multi_modal_data its items belong to.")
+            raise TypeError(
+                "multi_modal_uuids must be a dict (modality -> uuids) next to the "
+                "multi_modal_data its items belong to."
+            )
         if mm_data:
             return self._process_multimodal(
                 text, token_ids, mm_data, prompt.get("mm_processor_kwargs") or {}, uuids
@@ -103,8 +106,10 @@ class InputPreprocessor:
         if not mm_kwargs:
             return
         if self.mm_processor is None:
-            raise MultiModalInputError("mm_processor_kwargs given, but this model takes no "
-                                       "multimodal input", stage="process")
+            raise MultiModalInputError(
+                "mm_processor_kwargs given, but this model takes no multimodal input",
+                stage="process",
+            )
         self.mm_processor.info.check_request_kwargs(mm_kwargs)
 
     def _tokenize(self, text: str) -> list[int]:

@@ -157,7 +157,7 @@ def banned_by_bad_words(sequences: list[list[int]], output_token_ids: list[int])
     banned = []
     for sequence in sequences:
         prefix = sequence[:-1]
-        if not prefix or output_token_ids[len(output_token_ids) - len(prefix):] == prefix:
+        if not prefix or output_token_ids[len(output_token_ids) - len(prefix) :] == prefix:
             banned.append(sequence[-1])
     return banned
 

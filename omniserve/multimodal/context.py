@@ -68,17 +68,29 @@ class RequestKwarg:
 
     def check(self, name: str, value: object) -> None:
         is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = isinstance(value, bool) if self.kind is bool else (
-            is_number and (self.kind is float or isinstance(value, int))
-            and math.isfinite(value)  # type: ignore[arg-type]
-            and (self.low is None or value >= self.low)  # type: ignore[operator]
-            and (self.high is None or value <= self.high))  # type: ignore[operator]
+        ok = (
+            isinstance(value, bool)
+            if self.kind is bool
+            else (
+                is_number
+                and (self.kind is float or isinstance(value, int))
+                and math.isfinite(value)  # type: ignore[arg-type]
+                and (self.low is None or value >= self.low)  # type: ignore[operator]
+                and (self.high is None or value <= self.high)
+            )
+        )  # type: ignore[operator]
         if not ok:
-            rule = "true or false" if self.kind is bool else (
-                f"{'an integer' if self.kind is int else 'a number'} in "
-                f"[{_fmt(self.low)}, {_fmt(self.high)}]")
-            raise MultiModalInputError(f"mm_processor_kwargs.{name} must be {rule}, got "
-                                       f"{value!r}", stage="process")
+            rule = (
+                "true or false"
+                if self.kind is bool
+                else (
+                    f"{'an integer' if self.kind is int else 'a number'} in "
+                    f"[{_fmt(self.low)}, {_fmt(self.high)}]"
+                )
+            )
+            raise MultiModalInputError(
+                f"mm_processor_kwargs.{name} must be {rule}, got {value!r}", stage="process"
+            )
 
 
 def _fmt(bound: float | None) -> str:
@@ -127,8 +139,10 @@ class BaseProcessingInfo(ABC):
         per-request options within their ranges; raises ValueError at start-up."""
         for name, value in kwargs.items():
             if name in self.model_bound_kwargs:
-                raise ValueError(f"--mm-processor-kwargs: {name} is fixed by the checkpoint's "
-                                 "encoder; another value would not match what it computes.")
+                raise ValueError(
+                    f"--mm-processor-kwargs: {name} is fixed by the checkpoint's "
+                    "encoder; another value would not match what it computes."
+                )
             rule = self.request_kwargs.get(name)
             if rule is not None:
                 try:
@@ -144,7 +158,9 @@ class BaseProcessingInfo(ABC):
                 accepted = ", ".join(sorted(self.request_kwargs)) or "none"
                 raise MultiModalInputError(
                     f"mm_processor_kwargs.{name} is not a per-request option of this model "
-                    f"(accepted: {accepted})", stage="process")
+                    f"(accepted: {accepted})",
+                    stage="process",
+                )
             rule.check(name, value)
 
     def get_allowed_mm_limits(self) -> dict[str, int | None]:

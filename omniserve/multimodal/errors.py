@@ -15,8 +15,14 @@ Stage = Literal["fetch", "decode", "process", "budget"]
 class MultiModalInputError(ValueError):
     """A multimodal item was rejected at ``stage`` ("fetch", "decode", "process", "budget")."""
 
-    def __init__(self, message: str, *, stage: Stage, modality: str | None = None,
-                 location: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: Stage,
+        modality: str | None = None,
+        location: str | None = None,
+    ) -> None:
         self.stage = stage
         self.modality = modality
         self.location = location  # e.g. "messages[1].content[2]"
@@ -27,5 +33,6 @@ class MultiModalInputError(ValueError):
 
     def at(self, location: str) -> MultiModalInputError:
         """The same error, located at a chat message part."""
-        return MultiModalInputError(self.detail, stage=self.stage, modality=self.modality,
-                                    location=location)
+        return MultiModalInputError(
+            self.detail, stage=self.stage, modality=self.modality, location=location
+        )

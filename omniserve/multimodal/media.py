@@ -100,14 +100,14 @@ class MediaConfig:
                 continue
             kind = int if item.type == "int" else (int, float)
             if isinstance(value, bool) or not isinstance(value, kind):
-                raise ValueError(f"{self.describe(item.name)} must be a number > 0, got "
-                                 f"{value!r}")
+                raise ValueError(f"{self.describe(item.name)} must be a number > 0, got {value!r}")
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{self.describe(item.name)} must be > 0, got {value!r}")
 
     @classmethod
-    def from_options(cls, media_io_kwargs: dict[str, Any] | None = None,
-                     **permissions: Any) -> MediaConfig:
+    def from_options(
+        cls, media_io_kwargs: dict[str, Any] | None = None, **permissions: Any
+    ) -> MediaConfig:
         """The server's media config: ``--media-io-kwargs`` (vLLM's flag, e.g.
         ``{"video": {"num_frames": 16, "max_seconds": 120}}``) and vLLM's fetch-timeout
         environment variables over the defaults."""
@@ -119,15 +119,21 @@ class MediaConfig:
         for modality, options in (media_io_kwargs or {}).items():
             keys = MEDIA_IO_KWARGS.get(modality)
             if keys is None:
-                raise ValueError(f"--media-io-kwargs: {modality!r} is not a modality; use "
-                                 f"{', '.join(MEDIA_IO_KWARGS)}.")
+                raise ValueError(
+                    f"--media-io-kwargs: {modality!r} is not a modality; use "
+                    f"{', '.join(MEDIA_IO_KWARGS)}."
+                )
             if not isinstance(options, dict):
-                raise ValueError(f"--media-io-kwargs: {modality!r} must map to an object of "
-                                 f"options, got {options!r}.")
+                raise ValueError(
+                    f"--media-io-kwargs: {modality!r} must map to an object of "
+                    f"options, got {options!r}."
+                )
             for key, value in options.items():
                 if key not in keys:
-                    raise ValueError(f"--media-io-kwargs: {modality}.{key} is not an option; "
-                                     f"{modality} takes {', '.join(keys)}.")
+                    raise ValueError(
+                        f"--media-io-kwargs: {modality}.{key} is not an option; "
+                        f"{modality} takes {', '.join(keys)}."
+                    )
                 values[keys[key]] = value
         return cls(**permissions, **values)
 
@@ -142,26 +148,35 @@ class MediaConfig:
 
     @property
     def video_budget(self) -> VideoBudget:
-        return VideoBudget(max_frame_pixels=self.max_image_pixels,
-                           max_frames=self.max_video_frames, max_seconds=self.max_video_seconds,
-                           max_total_pixels=self.max_video_total_pixels,
-                           max_audio_seconds=self.max_audio_seconds)
+        return VideoBudget(
+            max_frame_pixels=self.max_image_pixels,
+            max_frames=self.max_video_frames,
+            max_seconds=self.max_video_seconds,
+            max_total_pixels=self.max_video_total_pixels,
+            max_audio_seconds=self.max_audio_seconds,
+        )
 
 
 def media_config(mm: MultiModalConfig) -> MediaConfig:
     """The media rules an engine's config sets (``--media-io-kwargs`` and the URL permissions)."""
     return MediaConfig.from_options(
-        mm.media_io_kwargs, allowed_local_media_path=mm.allowed_local_media_path,
+        mm.media_io_kwargs,
+        allowed_local_media_path=mm.allowed_local_media_path,
         allowed_media_domains=mm.allowed_media_domains,
-        allow_private_addresses=mm.allow_private_media_urls)
+        allow_private_addresses=mm.allow_private_media_urls,
+    )
 
 
 MEDIA_IO_KWARGS: dict[str, dict[str, str]] = {
     "image": {"max_bytes": "image_max_bytes", "max_pixels": "max_image_pixels"},
     "audio": {"max_bytes": "audio_max_bytes", "max_seconds": "max_audio_seconds"},
-    "video": {"num_frames": "video_num_frames", "max_bytes": "video_max_bytes",
-              "max_seconds": "max_video_seconds", "max_frames": "max_video_frames",
-              "max_total_pixels": "max_video_total_pixels"},
+    "video": {
+        "num_frames": "video_num_frames",
+        "max_bytes": "video_max_bytes",
+        "max_seconds": "max_video_seconds",
+        "max_frames": "max_video_frames",
+        "max_total_pixels": "max_video_total_pixels",
+    },
 }
 """``--media-io-kwargs`` keys per modality -> the ``MediaConfig`` field each sets. The decoders'
 error messages name these keys, so a refused item says how to raise its limit."""
@@ -243,8 +258,7 @@ class MediaConnector:
         if num_frames is None:
             num_frames = self.config.video_num_frames
         self._check_size(len(data), "video", "the video")
-        return decode_video(data, num_frames=num_frames, fps=fps,
-                            budget=self.config.video_budget)
+        return decode_video(data, num_frames=num_frames, fps=fps, budget=self.config.video_budget)
 
     # -- URL dispatch ---------------------------------------------------------------------------
 
@@ -267,8 +281,9 @@ class MediaConnector:
         cap = getattr(self.config, f"{modality}_max_bytes")
         if num_bytes > cap:
             raise _fetch_error(
-                modality, f"{what} is too large (more than the {modality} limit of {cap} bytes; "
-                          f"{self.config.describe(f'{modality}_max_bytes')})"
+                modality,
+                f"{what} is too large (more than the {modality} limit of {cap} bytes; "
+                f"{self.config.describe(f'{modality}_max_bytes')})",
             )
 
     def _read_data_url(self, url: str, modality: Modality) -> bytes:
@@ -478,8 +493,14 @@ def _address_refusal(address: str) -> str | None:
     """Why an address may not be fetched from by default ("loopback", ...), or None if public."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 scope id
     for candidate in (*_embedded_ipv4(ip), ip):  # the embedded IPv4 names the reason best
-        for attribute in ("loopback", "unspecified", "link_local", "multicast", "private",
-                          "reserved"):
+        for attribute in (
+            "loopback",
+            "unspecified",
+            "link_local",
+            "multicast",
+            "private",
+            "reserved",
+        ):
             if getattr(candidate, f"is_{attribute}"):
                 return attribute.replace("_", "-")
         if not candidate.is_global:
@@ -490,8 +511,9 @@ def _address_refusal(address: str) -> str | None:
 _NAT64_PREFIXES = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
 
 
-def _embedded_ipv4(ip: ipaddress.IPv4Address | ipaddress.IPv6Address
-                   ) -> list[ipaddress.IPv4Address]:
+def _embedded_ipv4(
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> list[ipaddress.IPv4Address]:
     """IPv4 addresses an IPv6 address routes to: mapped (::ffff:a.b.c.d), 6to4 (2002::/16),
     Teredo (2001::/32, its client and server) and NAT64 (64:ff9b::/96, 64:ff9b:1::/48)."""
     if not isinstance(ip, ipaddress.IPv6Address):

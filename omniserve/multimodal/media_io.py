@@ -71,8 +71,11 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
     except Image.DecompressionBombError as exc:
         raise _decode_error("image", f"image too large (decompression-bomb guard): {exc}") from exc
     except UnidentifiedImageError as exc:  # its message names an in-memory buffer's address
-        raise _decode_error("image", f"cannot decode image: not a known image format "
-                                     f"({len(data)} bytes starting {data[:8]!r})") from exc
+        raise _decode_error(
+            "image",
+            f"cannot decode image: not a known image format "
+            f"({len(data)} bytes starting {data[:8]!r})",
+        ) from exc
     except Exception as exc:  # PIL plugins raise many types (OSError, SyntaxError, ...)
         raise _decode_error("image", f"cannot decode image: {exc}") from exc
 
@@ -119,8 +122,13 @@ def decode_audio(data: bytes, *, max_seconds: float) -> tuple[np.ndarray, int]:
                 if not container.streams.audio:
                     raise _decode_error("audio", "the file has no audio stream")
                 stream = container.streams.audio[0]
-                _check_seconds("audio", "the audio", _stream_seconds(stream, container),
-                               max_seconds, _AUDIO_SECONDS)
+                _check_seconds(
+                    "audio",
+                    "the audio",
+                    _stream_seconds(stream, container),
+                    max_seconds,
+                    _AUDIO_SECONDS,
+                )
                 track = _AudioTrack(stream, "audio", "the audio", max_seconds)
                 for frame in container.decode(stream):
                     track.add(frame)
@@ -133,8 +141,9 @@ def decode_audio(data: bytes, *, max_seconds: float) -> tuple[np.ndarray, int]:
             ) from av_exc
     else:
         if info.samplerate > 0:
-            _check_seconds("audio", "the audio", info.frames / info.samplerate, max_seconds,
-                           _AUDIO_SECONDS)
+            _check_seconds(
+                "audio", "the audio", info.frames / info.samplerate, max_seconds, _AUDIO_SECONDS
+            )
         try:
             samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
         except Exception as exc:
@@ -146,26 +155,29 @@ def decode_audio(data: bytes, *, max_seconds: float) -> tuple[np.ndarray, int]:
     return waveform, int(rate)
 
 
-def _check_seconds(modality: str, what: str, seconds: float | None, limit: float,
-                   knob: str, so_far: bool = False) -> None:
+def _check_seconds(
+    modality: str, what: str, seconds: float | None, limit: float, knob: str, so_far: bool = False
+) -> None:
     """``so_far``: ``seconds`` is what decoding has produced yet, not the whole length."""
     if seconds is not None and seconds > limit:
         length = f"at least {seconds:.1f} s" if so_far else f"{seconds:.1f} s"
-        raise _decode_error(modality, f"{what} lasts {length}, over the limit of {limit:g} s "
-                                      f"({knob})")
+        raise _decode_error(
+            modality, f"{what} lasts {length}, over the limit of {limit:g} s ({knob})"
+        )
 
 
 def media_io_knob(modality: str, key: str) -> str:
     """How an operator raises a limit: the --media-io-kwargs entry that sets it."""
-    return f"--media-io-kwargs {{\"{modality}\": {{\"{key}\": ...}}}}"
+    return f'--media-io-kwargs {{"{modality}": {{"{key}": ...}}}}'
 
 
 _AUDIO_SECONDS = media_io_knob("audio", "max_seconds")
 """An audio track in a video counts against the audio clip limit."""
 
 
-def _stream_seconds(stream: av.stream.Stream, container: av.container.InputContainer
-                    ) -> float | None:
+def _stream_seconds(
+    stream: av.stream.Stream, container: av.container.InputContainer
+) -> float | None:
     """A stream's duration as its container declares it (None: not declared)."""
     import av
 
@@ -181,8 +193,9 @@ class _AudioTrack:
     the channels (the same downmix as the soundfile path). Refuses more than ``max_seconds``
     as the samples arrive."""
 
-    def __init__(self, stream: av.AudioStream, modality: str, what: str,
-                 max_seconds: float) -> None:
+    def __init__(
+        self, stream: av.AudioStream, modality: str, what: str, max_seconds: float
+    ) -> None:
         import av
 
         self.rate = int(stream.codec_context.sample_rate or stream.rate)
@@ -196,8 +209,9 @@ class _AudioTrack:
             self._chunks.append(out.to_ndarray())
             self._num_samples += self._chunks[-1].shape[1]
         modality, what, max_seconds = self._limit
-        _check_seconds(modality, what, self._num_samples / self.rate, max_seconds, _AUDIO_SECONDS,
-                       so_far=True)
+        _check_seconds(
+            modality, what, self._num_samples / self.rate, max_seconds, _AUDIO_SECONDS, so_far=True
+        )
 
     def finish(self) -> tuple[np.ndarray, int]:
         self.add(None)  # flush the resampler
@@ -272,12 +286,21 @@ def decode_video(
                 )
             source_fps = _source_fps(video)
             seconds = _stream_seconds(video, container)
-            _check_seconds("video", "the video", seconds, budget.max_seconds,
-                           media_io_knob("video", "max_seconds"))
+            _check_seconds(
+                "video",
+                "the video",
+                seconds,
+                budget.max_seconds,
+                media_io_knob("video", "max_seconds"),
+            )
             if audio is not None:
-                _check_seconds("video", "the video's audio track",
-                               _stream_seconds(audio, container), budget.max_audio_seconds,
-                               _AUDIO_SECONDS)
+                _check_seconds(
+                    "video",
+                    "the video's audio track",
+                    _stream_seconds(audio, container),
+                    budget.max_audio_seconds,
+                    _AUDIO_SECONDS,
+                )
             expected = video.frames or (round(seconds * source_fps) if seconds else 0)
             meter = _DecodeMeter(budget)
             meter.check(expected, expected * width * height)
@@ -286,8 +309,9 @@ def decode_video(
         if total != expected:
             indices = sample_frame_indices(total, source_fps, num_frames=num_frames, fps=fps)
             with av.open(io.BytesIO(data)) as container:
-                frames, _, _ = _decode_pass(container, container.streams.video[0], None, indices,
-                                            _DecodeMeter(budget))
+                frames, _, _ = _decode_pass(
+                    container, container.streams.video[0], None, indices, _DecodeMeter(budget)
+                )
         if not frames:
             raise _decode_error("video", "the video has no frames")
         stacked = np.stack(frames)  # [T, H, W, 3]; raises if the resolution changes midway
@@ -315,22 +339,31 @@ class _DecodeMeter:
 
     def add(self, frame: av.VideoFrame) -> None:
         if frame.width * frame.height > self.budget.max_frame_pixels:
-            raise _decode_error("video", f"a frame is {frame.width}x{frame.height}, over the "
-                                         f"limit of {self.budget.max_frame_pixels} pixels per "
-                                         f"frame ({media_io_knob('image', 'max_pixels')})")
+            raise _decode_error(
+                "video",
+                f"a frame is {frame.width}x{frame.height}, over the "
+                f"limit of {self.budget.max_frame_pixels} pixels per "
+                f"frame ({media_io_knob('image', 'max_pixels')})",
+            )
         self.frames += 1
         self.pixels += frame.width * frame.height
         self.check(self.frames, self.pixels)
 
     def check(self, frames: int, pixels: int) -> None:
         if frames > self.budget.max_frames:
-            raise _decode_error("video", f"the video has {frames} or more frames, over the "
-                                         f"limit of {self.budget.max_frames} "
-                                         f"({media_io_knob('video', 'max_frames')})")
+            raise _decode_error(
+                "video",
+                f"the video has {frames} or more frames, over the "
+                f"limit of {self.budget.max_frames} "
+                f"({media_io_knob('video', 'max_frames')})",
+            )
         if pixels > self.budget.max_total_pixels:
-            raise _decode_error("video", f"decoding the video means {pixels} or more pixels, "
-                                         f"over the limit of {self.budget.max_total_pixels} "
-                                         f"({media_io_knob('video', 'max_total_pixels')})")
+            raise _decode_error(
+                "video",
+                f"decoding the video means {pixels} or more pixels, "
+                f"over the limit of {self.budget.max_total_pixels} "
+                f"({media_io_knob('video', 'max_total_pixels')})",
+            )
 
 
 def _source_fps(video: av.VideoStream) -> float:
@@ -353,8 +386,11 @@ def _decode_pass(
     wanted = set(indices)
     frames: list[np.ndarray] = []  # each [H, W, 3]
     total = 0
-    track = (None if audio is None else
-             _AudioTrack(audio, "video", "the video's audio track", meter.budget.max_audio_seconds))
+    track = (
+        None
+        if audio is None
+        else _AudioTrack(audio, "video", "the video's audio track", meter.budget.max_audio_seconds)
+    )
     for packet in container.demux(*([video] if audio is None else [video, audio])):
         for frame in packet.decode():
             if isinstance(frame, av.VideoFrame):

@@ -128,8 +128,10 @@ class MultiModalDataParser:
 
     def _parse_audio(self, data: Any) -> AudioProcessorItems:
         clips = data if isinstance(data, list) else [data]
-        waveforms = [clip if embeds_of("audio", clip) is not None else
-                     self._to_waveform(index, clip) for index, clip in enumerate(clips)]
+        waveforms = [
+            clip if embeds_of("audio", clip) is not None else self._to_waveform(index, clip)
+            for index, clip in enumerate(clips)
+        ]
         return AudioProcessorItems(waveforms)
 
     def _to_waveform(self, index: int, clip: Any) -> np.ndarray:

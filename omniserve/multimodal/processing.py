@@ -156,8 +156,7 @@ class BaseMultiModalProcessor(ABC):
         its content; an item given as None with a uuid is the one last sent under that uuid,
         kept in the processor cache (an error names it when it is not there)."""
         mm_data, uuids = self._resolve_uuids(mm_data, mm_uuids or {})
-        return self._apply(prompt, mm_data, hf_processor_mm_kwargs, use_cache=True,
-                           uuids=uuids)
+        return self._apply(prompt, mm_data, hf_processor_mm_kwargs, use_cache=True, uuids=uuids)
 
     def get_dummy_mm_inputs(self, seq_len: int, mm_counts: Mapping[str, int]) -> MultiModalInputs:
         """Worst-case processed inputs for the profile run (bypasses the cache)."""
@@ -210,8 +209,9 @@ class BaseMultiModalProcessor(ABC):
             token_ids = list(self.info.get_tokenizer().encode(prompt, add_special_tokens=True))
         else:
             prompt_text, token_ids = None, [int(t) for t in prompt]
-        hashed = self._cached_apply_hf_processor(mm_items, mm_kwargs, use_cache=use_cache,
-                                                 uuids=uuids or {})
+        hashed = self._cached_apply_hf_processor(
+            mm_items, mm_kwargs, use_cache=use_cache, uuids=uuids or {}
+        )
         token_ids, features = self._maybe_apply_prompt_updates(
             token_ids, mm_items, mm_kwargs, hashed
         )
@@ -224,15 +224,17 @@ class BaseMultiModalProcessor(ABC):
     def _data_parser(self) -> MultiModalDataParser:
         return self.info.get_data_parser()
 
-    def _to_mm_items(self, mm_data: Mapping[str, Any],
-                     mm_kwargs: Mapping[str, object]) -> MultiModalDataItems:
+    def _to_mm_items(
+        self, mm_data: Mapping[str, Any], mm_kwargs: Mapping[str, object]
+    ) -> MultiModalDataItems:
         """Parse and count-check the items (``mm_kwargs`` may change how they pair up)."""
         mm_items = self._data_parser.parse_mm_data(mm_data)
         self.info.validate_num_items(mm_items.get_all_counts())
         return mm_items
 
-    def _resolve_uuids(self, mm_data: Mapping[str, Any], mm_uuids: Mapping[str, Any]
-                       ) -> tuple[dict[str, Any], dict[str, list[str | None]]]:
+    def _resolve_uuids(
+        self, mm_data: Mapping[str, Any], mm_uuids: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, list[str | None]]]:
         """``mm_data`` with each item given as None replaced by the one kept under its uuid
         (and each item sent with a uuid kept), and the uuids per modality as lists."""
         data = dict(mm_data)
@@ -242,17 +244,23 @@ class BaseMultiModalProcessor(ABC):
             items = data.get(modality)
             items = items if isinstance(items, list) else [items]
             if len(items) != len(values) or not all(
-                    u is None or (isinstance(u, str) and u) for u in values):
+                u is None or (isinstance(u, str) and u) for u in values
+            ):
                 raise MultiModalInputError(
                     f"multi_modal_uuids[{modality!r}] must give one uuid (a non-empty string) or "
-                    f"None per item: {len(values)} for {len(items)} items", stage="process",
-                    modality=modality)
+                    f"None per item: {len(values)} for {len(items)} items",
+                    stage="process",
+                    modality=modality,
+                )
             for index, (uuid, item) in enumerate(zip(values, items, strict=True)):
                 key = f"uuid/{modality}/{uuid}"
                 if uuid is None:
                     if item is None:
-                        raise MultiModalInputError(f"item {index} has neither data nor a uuid",
-                                                   stage="process", modality=modality)
+                        raise MultiModalInputError(
+                            f"item {index} has neither data nor a uuid",
+                            stage="process",
+                            modality=modality,
+                        )
                 elif item is not None:
                     if self.cache is not None:
                         self.cache.put(key, {"item": item})
@@ -261,9 +269,9 @@ class BaseMultiModalProcessor(ABC):
             data[modality], uuids[modality] = items, values
         return data, uuids
 
-    def _checked_embeds(self, modality: str, index: int, embeds: dict[str, Any]
-                        ) -> dict[str, Any]:
+    def _checked_embeds(self, modality: str, index: int, embeds: dict[str, Any]) -> dict[str, Any]:
         """An embeddings item's processed fields, after checking it can stand for the item."""
+
         def fail(why: str) -> MultiModalInputError:
             return MultiModalInputError(f"item {index}: {why}", stage="process", modality=modality)
 
@@ -271,12 +279,22 @@ class BaseMultiModalProcessor(ABC):
             raise fail("precomputed embeddings need the server started with --enable-mm-embeds")
         tensor = embeds[f"{modality}_embeds"]
         hidden = self.info.ctx.hf_config.get_text_config().hidden_size
-        if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
-                and tensor.ndim == 2 and tensor.shape[0] > 0 and tensor.shape[1] == hidden):
-            got = (f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor)
-                   else type(tensor).__name__)
-            raise fail(f"{modality}_embeds must be a floating-point [num_embeds, {hidden}] "
-                       f"tensor (the model's hidden size), got {got}")
+        if not (
+            isinstance(tensor, torch.Tensor)
+            and tensor.is_floating_point()
+            and tensor.ndim == 2
+            and tensor.shape[0] > 0
+            and tensor.shape[1] == hidden
+        ):
+            got = (
+                f"{tuple(tensor.shape)} {tensor.dtype}"
+                if isinstance(tensor, torch.Tensor)
+                else type(tensor).__name__
+            )
+            raise fail(
+                f"{modality}_embeds must be a floating-point [num_embeds, {hidden}] "
+                f"tensor (the model's hidden size), got {got}"
+            )
         if not bool(torch.isfinite(tensor).all()):
             raise fail(f"{modality}_embeds holds NaN or infinite values")
         return self._embeds_fields(modality, {**embeds, f"{modality}_embeds": tensor.detach()})
@@ -286,24 +304,35 @@ class BaseMultiModalProcessor(ABC):
         ``<modality>_embeds`` (checked: floating, [n, hidden], finite), besides the embeddings;
         a model that takes none of ``modality`` refuses here."""
         raise MultiModalInputError(
-            f"this model takes no precomputed {modality} embeddings", stage="process",
-            modality=modality)
+            f"this model takes no precomputed {modality} embeddings",
+            stage="process",
+            modality=modality,
+        )
 
     def _kept_item(self, modality: str, uuid: str, key: str) -> Any:
         if self.cache is None:
             raise MultiModalInputError(
                 f"an item sent by uuid {uuid!r} alone needs the processor cache, which is off "
-                "(--mm-processor-cache-gb 0); send its data", stage="process", modality=modality)
+                "(--mm-processor-cache-gb 0); send its data",
+                stage="process",
+                modality=modality,
+            )
         kept = self.cache.get(key, count=False)
         if kept is None:
             raise MultiModalInputError(
                 f"no {modality} is kept under uuid {uuid!r} (never sent with its data, or "
-                "evicted from the processor cache); send its data again", stage="process",
-                modality=modality)
+                "evicted from the processor cache); send its data again",
+                stage="process",
+                modality=modality,
+            )
         return kept["item"]
 
     def _cached_apply_hf_processor(
-        self, mm_items: MultiModalDataItems, mm_kwargs: Mapping[str, object], *, use_cache: bool,
+        self,
+        mm_items: MultiModalDataItems,
+        mm_kwargs: Mapping[str, object],
+        *,
+        use_cache: bool,
         uuids: Mapping[str, list[str | None]],
     ) -> dict[str, list[tuple[str, dict[str, Any]]]]:
         """modality -> [(identifier, tensors)] per item; HF runs once, on the distinct misses.
@@ -315,7 +344,8 @@ class BaseMultiModalProcessor(ABC):
             uuid = given[i] if i < len(given) and len(given) == len(items) else None
             payload = ("uuid", uuid) if uuid is not None else items.hash_payload(i)
             return MultiModalHasher.hash_item(
-                modality, payload, self._kwargs_affecting(modality, mm_kwargs))
+                modality, payload, self._kwargs_affecting(modality, mm_kwargs)
+            )
 
         hashes = {
             modality: [identifier(modality, items, i) for i in range(len(items))]

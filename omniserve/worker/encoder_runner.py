@@ -35,8 +35,9 @@ class EncoderRunner:
         for identifier in identifiers:
             self.encoder_cache.pop(identifier, None)
 
-    def execute(self, so: SchedulerOutput, features_of: dict[str, list[MultiModalFeatureSpec]]
-                ) -> None:
+    def execute(
+        self, so: SchedulerOutput, features_of: dict[str, list[MultiModalFeatureSpec]]
+    ) -> None:
         """Encode this step's scheduled items, batched per modality, into the encoder cache."""
         by_modality: dict[str, list[MultiModalFeatureSpec]] = {}
         queued: set[str] = set()
@@ -51,23 +52,34 @@ class EncoderRunner:
             key = f"{modality}_embeds"  # precomputed (--enable-mm-embeds): no encoder to run
             given = [f for f in all_features if f.data is not None and key in f.data]
             features = [f for f in all_features if f.data is None or key not in f.data]
-            outputs = self.model.get_multimodal_embeddings(
-                modality, [to_device(f.data, self.device) for f in features]) if features else []
+            outputs = (
+                self.model.get_multimodal_embeddings(
+                    modality, [to_device(f.data, self.device) for f in features]
+                )
+                if features
+                else []
+            )
             if len(outputs) != len(features):
-                raise RuntimeError(f"The {modality} encoder returned {len(outputs)} outputs for "
-                                   f"{len(features)} items.")
+                raise RuntimeError(
+                    f"The {modality} encoder returned {len(outputs)} outputs for "
+                    f"{len(features)} items."
+                )
             dtype = next(self.model.parameters()).dtype
             outputs = [*outputs, *(f.data[key].to(self.device, dtype) for f in given)]
             for feature, output in zip([*features, *given], outputs, strict=True):
                 if output.shape[0] != feature.mm_position.num_embeds:
                     raise RuntimeError(
                         f"The {modality} encoder produced {output.shape[0]} embeddings for an item "
-                        f"with {feature.mm_position.num_embeds} placeholder embeddings.")
+                        f"with {feature.mm_position.num_embeds} placeholder embeddings."
+                    )
                 self.encoder_cache[feature.identifier] = output
 
-    def gather(self, windows: list[tuple[int, int]],
-               features: list[list[MultiModalFeatureSpec]], num_tokens: int
-               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def gather(
+        self,
+        windows: list[tuple[int, int]],
+        features: list[list[MultiModalFeatureSpec]],
+        num_tokens: int,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The embeddings each request's window ``[start, end)`` consumes, in flattened-token
         order, and the mask of the flattened positions they replace."""
         is_mm = np.zeros(num_tokens, dtype=bool)
@@ -88,8 +100,10 @@ class EncoderRunner:
                 if hi > lo:
                     cached = self.encoder_cache.get(feature.identifier)
                     if cached is None:
-                        raise RuntimeError(f"Encoder output {feature.identifier} is missing: the "
-                                           "scheduler and the worker disagree.")
+                        raise RuntimeError(
+                            f"Encoder output {feature.identifier} is missing: the "
+                            "scheduler and the worker disagree."
+                        )
                     pieces.append(cached[lo:hi])
             flat_start += end - start
         if not pieces:
@@ -97,9 +111,13 @@ class EncoderRunner:
         return torch.cat(pieces), torch.from_numpy(is_mm).to(self.device)
 
 
-def mrope_positions(positions: np.ndarray, query_lens: np.ndarray, deltas: np.ndarray,
-                    num_prompt: np.ndarray, prompt_positions: Sequence[torch.Tensor | None]
-                    ) -> torch.Tensor:
+def mrope_positions(
+    positions: np.ndarray,
+    query_lens: np.ndarray,
+    deltas: np.ndarray,
+    num_prompt: np.ndarray,
+    prompt_positions: Sequence[torch.Tensor | None],
+) -> torch.Tensor:
     """M-RoPE positions ``[3, num_tokens]`` of a step's tokens (``positions``, grouped per request
     by ``query_lens``): a generated token sits at ``p + delta`` on all three axes; only tokens of
     a prompt window (below the request's ``num_prompt``) read its precomputed, media-shaped
@@ -112,5 +130,5 @@ def mrope_positions(positions: np.ndarray, query_lens: np.ndarray, deltas: np.nd
         end = min(first + int(query_lens[i]), int(num_prompt[i]))
         prompt = prompt_positions[i]
         assert prompt is not None  # a request with prompt tokens to compute has its positions
-        out[:, starts[i]:starts[i] + end - first] = prompt[:, first:end].numpy()
+        out[:, starts[i] : starts[i] + end - first] = prompt[:, first:end].numpy()
     return torch.from_numpy(out)

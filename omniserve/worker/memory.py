@@ -87,8 +87,13 @@ def _process_rss_bytes() -> int:
     return 0
 
 
-def gpu_kv_budget(total_bytes: int, utilization: float, peak_torch_bytes: int,
-                  non_torch_bytes: int, encoder_cache_bytes: int) -> int:
+def gpu_kv_budget(
+    total_bytes: int,
+    utilization: float,
+    peak_torch_bytes: int,
+    non_torch_bytes: int,
+    encoder_cache_bytes: int,
+) -> int:
     """A GPU worker's KV cache: its share ``utilization`` of the device, less the profiled peak
     of torch's allocations (weights and the largest step's and media item's activations), what
     lives outside torch (CUDA context, cuBLAS workspaces, other processes) and the encoder cache

@@ -69,11 +69,15 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
-        self.encoder_runner = (EncoderRunner(model, device)
-                               if getattr(model, "supports_multimodal", False) else None)
+        self.encoder_runner = (
+            EncoderRunner(model, device) if getattr(model, "supports_multimodal", False) else None
+        )
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
-        self.talker_runner = (create_talker_runner(model, self.block_size, device)
-                              if getattr(model, "speaks", False) else None)
+        self.talker_runner = (
+            create_talker_runner(model, self.block_size, device)
+            if getattr(model, "speaks", False)
+            else None
+        )
         self.decode_graphs: DecodeGraphs | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -109,8 +113,9 @@ class ModelRunner:
         largest step (``max_num_batched_tokens`` tokens as one causal sequence, no cache) and
         the logits and sampling probabilities of a full batch."""
         for feature in media:
-            self.model.get_multimodal_embeddings(feature.modality,
-                                                 [to_device(feature.data, self.device)])
+            self.model.get_multimodal_embeddings(
+                feature.modality, [to_device(feature.data, self.device)]
+            )
         num_tokens = self.max_num_batched_tokens
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
@@ -156,16 +161,23 @@ class ModelRunner:
                 input_ids = None
             with set_forward_context(step.attn_metadata):
                 hidden_states = self.model(
-                    input_ids, self._positions(step), inputs_embeds=inputs_embeds)
+                    input_ids, self._positions(step), inputs_embeds=inputs_embeds
+                )
         if self.talker_runner is not None:
             self._keep_talker_hidden(step, hidden_states)
         logits = self.model.compute_logits(hidden_states[step.logits_indices])  # [S, vocab]
         if scheduler_output.grammar_bitmask:
-            sampling_ids = [r for r, samples in zip(step.req_ids, step.sample_mask, strict=True)
-                            if samples]
-            apply_bitmask_rows(logits, {j: scheduler_output.grammar_bitmask[req_id]
-                                        for j, req_id in enumerate(sampling_ids)
-                                        if req_id in scheduler_output.grammar_bitmask})
+            sampling_ids = [
+                r for r, samples in zip(step.req_ids, step.sample_mask, strict=True) if samples
+            ]
+            apply_bitmask_rows(
+                logits,
+                {
+                    j: scheduler_output.grammar_bitmask[req_id]
+                    for j, req_id in enumerate(sampling_ids)
+                    if req_id in scheduler_output.grammar_bitmask
+                },
+            )
         sample_rows = step.rows[step.sample_mask]
         sampler_output = self.sampler(logits, self._sampling_metadata(sample_rows))
         sampled = sampler_output.sampled_token_ids.tolist()
@@ -191,9 +203,12 @@ class ModelRunner:
         """The step's hidden states from a captured graph when every request feeds back one
         generated token (a one-token prefill chunk may be a media placeholder, so it does not
         count); None: run eagerly."""
-        if (self.decode_graphs is None or so.scheduled_encoder_inputs
-                or (step.query_lens != 1).any()
-                or (step.positions < self.input_batch.num_prompt_tokens[step.rows]).any()):
+        if (
+            self.decode_graphs is None
+            or so.scheduled_encoder_inputs
+            or (step.query_lens != 1).any()
+            or (step.positions < self.input_batch.num_prompt_tokens[step.rows]).any()
+        ):
             return None
         return self.decode_graphs.run(step.input_ids, self._positions(step), step.attn_metadata)
 
@@ -209,8 +224,8 @@ class ModelRunner:
             state = self.input_batch.states[int(step.rows[i])]
             assert state is not None
             if state.sampling_params.wants_audio and talker.wants_hidden(bool(state.mm_features)):
-                positions = step.positions[start:start + count]
-                self.talker_runner.keep_hidden(req_id, positions, tapped[start:start + count])
+                positions = step.positions[start : start + count]
+                self.talker_runner.keep_hidden(req_id, positions, tapped[start : start + count])
             start += count
 
     def _embed_with_mm(self, so: SchedulerOutput, step: StepInputs) -> torch.Tensor:
@@ -231,9 +246,12 @@ class ModelRunner:
         deltas = np.fromiter((int(s.mrope_delta) for s in states),  # type: ignore[union-attr]
                              np.int64, len(states))  # fmt: skip
         return mrope_positions(
-            step.positions, step.query_lens, deltas,
+            step.positions,
+            step.query_lens,
+            deltas,
             self.input_batch.num_prompt_tokens[step.rows],
-            [s.mrope_positions for s in states]).to(self.device)  # type: ignore[union-attr]
+            [s.mrope_positions for s in states],
+        ).to(self.device)  # type: ignore[union-attr]
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -258,7 +276,8 @@ class ModelRunner:
             )
             if self.uses_mrope:
                 state.mrope_positions, state.mrope_delta = self.model.get_mrope_input_positions(
-                    state.prompt_token_ids, state.mm_features)
+                    state.prompt_token_ids, state.mm_features
+                )
             if self.talker_runner is not None and params.wants_audio:
                 self.talker_runner.register(new.req_id, new.prompt_token_ids, new.mm_features)
             batch.add_request(state, new.block_ids, new.num_computed_tokens)

@@ -55,16 +55,21 @@ class Qwen3OmniTalkerRunner(TalkerRunner):
         dtype = self.talker.codec_head.weight.dtype
         user = torch.empty(len(user_ids), hidden_size, dtype=dtype, device=self.device)
         if (~is_mm).any():
-            user[~is_mm] = self._project_text([t for t, m in zip(user_ids, is_mm.tolist(),
-                                                                 strict=True) if not m])
+            user[~is_mm] = self._project_text(
+                [t for t, m in zip(user_ids, is_mm.tolist(), strict=True) if not m]
+            )
         if is_mm.any():
-            rows = [side.hidden[p] for p, m in zip(speech.prompt_positions, is_mm.tolist(),
-                                                   strict=True) if m]
+            rows = [
+                side.hidden[p]
+                for p, m in zip(speech.prompt_positions, is_mm.tolist(), strict=True)
+                if m
+            ]
             user[is_mm] = self.talker.hidden_projection(torch.stack(rows).to(self.device))
         start = speech.text_start - 3
         bos, eos, pad = config.tts_ids
-        text_side = self._project_text([*ids[start:start + 3], pad, pad, pad, pad, bos,
-                                        state.text[0]])
+        text_side = self._project_text(
+            [*ids[start : start + 3], pad, pad, pad, pad, bos, state.text[0]]
+        )
         voice_id = config.speaker_ids[speech.voice]
         codec_ids = [*config.codec_prefix, voice_id, config.codec_pad_id, config.codec_bos_id]
         codec = self.talker.model.embed_tokens(torch.tensor(codec_ids, device=self.device))
@@ -78,20 +83,29 @@ class Qwen3OmniTalkerRunner(TalkerRunner):
         speech = state.speech
         talker_ids = [*user_ids, *[self.config.tts_pad_id] * (speech.prompt_len - len(user_ids))]
         where = {p: i for i, p in enumerate(speech.prompt_positions)}
-        features = [msgspec.structs.replace(f, mm_position=msgspec.structs.replace(
-                        f.mm_position, offset=where[f.mm_position.offset]))
-                    for f in state.thinker.mm_features if f.mm_position.offset in where]
+        features = [
+            msgspec.structs.replace(
+                f,
+                mm_position=msgspec.structs.replace(
+                    f.mm_position, offset=where[f.mm_position.offset]
+                ),
+            )
+            for f in state.thinker.mm_features
+            if f.mm_position.offset in where
+        ]
         if state.thinker.mm_features:
-            state.positions, state.delta = self.model.get_mrope_input_positions(talker_ids,
-                                                                                features)
+            state.positions, state.delta = self.model.get_mrope_input_positions(
+                talker_ids, features
+            )
         else:
             state.positions = torch.arange(speech.prompt_len).expand(3, -1)
             state.delta = 0
 
     def sample_frames(self, states: list[TalkerState], hidden: torch.Tensor) -> None:
         logits = self.talker.codec_head(hidden).float()
-        code0 = self.sampler(logits, self.sampling_metadata(
-            states, banned=self.config.suppressed_ids)).sampled_token_ids
+        code0 = self.sampler(
+            logits, self.sampling_metadata(states, banned=self.config.suppressed_ids)
+        ).sampled_token_ids
         speaking = [i for i, code in enumerate(code0.tolist()) if code != self.config.codec_eos_id]
         for state, code in zip(states, code0.tolist(), strict=True):
             state.history.append(code)
@@ -108,9 +122,11 @@ class Qwen3OmniTalkerRunner(TalkerRunner):
             return self.sampler(group_logits, metadata).sampled_token_ids
 
         rest = self.talker.code_predictor.predict(
-            hidden[index], self.talker.model.embed_tokens(first), pick)
-        for state, frame in zip(rows_state, torch.cat([first[:, None], rest], 1).cpu(),
-                                strict=True):
+            hidden[index], self.talker.model.embed_tokens(first), pick
+        )
+        for state, frame in zip(
+            rows_state, torch.cat([first[:, None], rest], 1).cpu(), strict=True
+        ):
             state.codes.append(frame)
             # transformers' cap: max_tokens talker tokens, the last of which gets no frame.
             if len(state.codes) >= state.speech.sampling_params.max_tokens - 1:
@@ -125,16 +141,20 @@ class Qwen3OmniTalkerRunner(TalkerRunner):
         top_p = [1.0 if g else PREDICTOR_TOP_P for g in greedy]
         return SamplingMetadata(
             temperature=torch.tensor([0.0 if g else 1.0 for g in greedy], device=dev),
-            all_greedy=all(greedy), all_random=not any(greedy),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
             top_p=None if all(greedy) else torch.tensor(top_p, device=dev),
             top_k=None if all(greedy) else torch.tensor(top_k, device=dev),
             min_p=None,
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            max_num_logprobs=None, no_penalties=True,
+            max_num_logprobs=None,
+            no_penalties=True,
             presence_penalties=torch.zeros(n, device=dev),
             frequency_penalties=torch.zeros(n, device=dev),
             repetition_penalties=torch.ones(n, device=dev),
-            prompt_token_ids=None, output_token_ids=[[] for _ in states], min_tokens={},
+            prompt_token_ids=None,
+            output_token_ids=[[] for _ in states],
+            min_tokens={},
             banned_token_ids={},
         )
 
@@ -155,15 +175,15 @@ class Qwen2_5OmniTalkerRunner(TalkerRunner):
     def keeps(self, side: ThinkerSide, position: int) -> bool:
         return True
 
-    def _thinker_rows(self, side: ThinkerSide, token_ids: list[int],
-                      positions: list[int]) -> torch.Tensor:
+    def _thinker_rows(
+        self, side: ThinkerSide, token_ids: list[int], positions: list[int]
+    ) -> torch.Tensor:
         """Embedding (zero at media placeholders, as the reference's talker input) plus the
         final hidden state at each thinker position, ``[n, thinker hidden]``; the hidden states
         read are dropped (each is read once)."""
         ids = torch.tensor(token_ids, device=self.device)
         embeds = self.model.model.embed_tokens(ids)
-        is_mm = torch.tensor([t in self.config.mm_token_ids for t in token_ids],
-                             device=self.device)
+        is_mm = torch.tensor([t in self.config.mm_token_ids for t in token_ids], device=self.device)
         embeds = embeds.masked_fill(is_mm[:, None], 0)
         hidden = torch.stack([side.hidden.pop(p) for p in positions]).to(self.device)
         return embeds + hidden.to(embeds.dtype)
@@ -177,14 +197,16 @@ class Qwen2_5OmniTalkerRunner(TalkerRunner):
         bos_id = config.voices[speech.voice].bos_token
         bos = self.model.model.embed_tokens(torch.tensor([bos_id], device=self.device))
         first = self._thinker_rows(side, [state.text[0]], [speech.text_start])
-        codec = self.talker.codec_embedding(torch.tensor(
-            [config.codec_pad_id, config.codec_bos_id], device=self.device))
+        codec = self.talker.codec_embedding(
+            torch.tensor([config.codec_pad_id, config.codec_bos_id], device=self.device)
+        )
         tail = torch.cat([bos.to(rows.dtype), first]) + codec.to(rows.dtype)
         talker_ids = [*text_ids, bos_id, state.text[0]]
         features = [f for f in side.mm_features if f.mm_position.offset < speech.text_start]
         if features:
-            state.positions, state.delta = self.model.get_mrope_input_positions(talker_ids,
-                                                                                features)
+            state.positions, state.delta = self.model.get_mrope_input_positions(
+                talker_ids, features
+            )
         else:
             state.positions = torch.arange(speech.prompt_len).expand(3, -1)
             state.delta = 0
@@ -193,8 +215,9 @@ class Qwen2_5OmniTalkerRunner(TalkerRunner):
     def decode_row(self, state: TalkerState, j: int) -> torch.Tensor:
         entry = j + 1
         if entry < len(state.text) and state.text[entry] != TEXT_END:
-            text = self._thinker_rows(state.thinker, [state.text[entry]],
-                                      [state.speech.text_start + entry])
+            text = self._thinker_rows(
+                state.thinker, [state.text[entry]], [state.speech.text_start + entry]
+            )
         else:
             marker = self.config.text_eos_id if entry < len(state.text) else self.config.text_pad_id
             text = self.model.model.embed_tokens(torch.tensor([marker], device=self.device))
@@ -204,8 +227,9 @@ class Qwen2_5OmniTalkerRunner(TalkerRunner):
     def sample_frames(self, states: list[TalkerState], hidden: torch.Tensor) -> None:
         config = self.config
         logits = self.talker.codec_head(hidden).float()
-        metadata = self.sampling_metadata(states, banned=[config.codec_bos_id],
-                                          prompt_codes=config.prompt_codes)
+        metadata = self.sampling_metadata(
+            states, banned=[config.codec_bos_id], prompt_codes=config.prompt_codes
+        )
         codes = self.sampler(logits, metadata).sampled_token_ids.tolist()
         for state, code in zip(states, codes, strict=True):
             state.history.append(code)
@@ -231,6 +255,5 @@ _FAMILIES: dict[str, type[TalkerRunner]] = {
 }
 
 
-def create_talker_runner(model: nn.Module, block_size: int,
-                         device: torch.device) -> TalkerRunner:
+def create_talker_runner(model: nn.Module, block_size: int, device: torch.device) -> TalkerRunner:
     return _FAMILIES[model.speech_family](model, block_size, device)

@@ -118,20 +118,30 @@ class TalkerRunner(ABC):
     # ---- KV cache --------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
-                   for layer in get_attention_layers(self.talker))
+        return sum(
+            2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
+            for layer in get_attention_layers(self.talker)
+        )
 
     def initialize_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         self.kv_caches = []
         for layer in get_attention_layers(self.talker):
-            cache = torch.empty(2, num_blocks, self.block_size, layer.num_kv_heads,
-                                layer.head_size, dtype=dtype, device=self.device)
+            cache = torch.empty(
+                2,
+                num_blocks,
+                self.block_size,
+                layer.num_kv_heads,
+                layer.head_size,
+                dtype=dtype,
+                device=self.device,
+            )
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
     # ---- from the thinker --------------------------------------------------------------------
-    def register(self, req_id: str, prompt_token_ids: list[int],
-                 mm_features: list[MultiModalFeatureSpec]) -> None:
+    def register(
+        self, req_id: str, prompt_token_ids: list[int], mm_features: list[MultiModalFeatureSpec]
+    ) -> None:
         """A speaking request reached the thinker (again, after a preemption: its taps stay)."""
         if req_id not in self.thinker_sides:
             self.thinker_sides[req_id] = ThinkerSide(list(prompt_token_ids), list(mm_features))
@@ -171,27 +181,37 @@ class TalkerRunner(ABC):
         tables = np.zeros((len(states), max_blocks), dtype=np.int64)
         for row, state in enumerate(states):
             used = state.block_ids[:max_blocks]
-            tables[row, :len(used)] = used
+            tables[row, : len(used)] = used
         dev = self.device
         metadata = AttentionMetadata(
-            query_start_loc=torch.tensor(np.concatenate(([0], np.cumsum(query_lens))),
-                                         dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(
+                np.concatenate(([0], np.cumsum(query_lens))), dtype=torch.int32, device=dev
+            ),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_table=torch.from_numpy(tables).to(dev, torch.int32),
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
         rope = mrope_positions(
-            np.concatenate(positions), np.asarray(query_lens),
+            np.concatenate(positions),
+            np.asarray(query_lens),
             np.asarray([int(s.delta) for s in states]),
-            np.asarray([s.speech.prompt_len for s in states]), [s.positions for s in states])
+            np.asarray([s.speech.prompt_len for s in states]),
+            [s.positions for s in states],
+        )
         with set_forward_context(metadata):
             hidden = self.talker.model(None, rope.to(dev), inputs_embeds=torch.cat(embeds))
         ends = np.cumsum(query_lens) - 1
-        sampling = [i for i, state in enumerate(states)
-                    if state.num_computed == state.buildable_inputs() and not state.done]
+        sampling = [
+            i
+            for i, state in enumerate(states)
+            if state.num_computed == state.buildable_inputs() and not state.done
+        ]
         if sampling:
-            self.sample_frames([states[i] for i in sampling],
-                               hidden[torch.from_numpy(ends[sampling])])
+            self.sample_frames(
+                [states[i] for i in sampling], hidden[torch.from_numpy(ends[sampling])]
+            )
         return self._stream(req_ids, states)
 
     def _update_states(self, so: TalkerSchedulerOutput) -> None:
@@ -213,8 +233,9 @@ class TalkerRunner(ABC):
                 self.states[new.req_id] = state
             state.block_ids, state.num_computed = list(new.block_ids), new.num_computed_tokens
         cached = so.cached_reqs
-        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                                   cached.num_computed_tokens, strict=True):
+        for req_id, block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
             state = self.states[req_id]
             state.block_ids.extend(block_ids)
             state.num_computed = num_computed
@@ -230,12 +251,13 @@ class TalkerRunner(ABC):
         while prompt_len + len(state.decode_rows) < end:
             state.decode_rows.append(self.decode_row(state, len(state.decode_rows)))
         parts = [state.prompt[start:end]] if start < prompt_len else []
-        parts += state.decode_rows[max(start - prompt_len, 0):max(end - prompt_len, 0)]
+        parts += state.decode_rows[max(start - prompt_len, 0) : max(end - prompt_len, 0)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     # ---- sampling --------------------------------------------------------------------------------
-    def sampling_metadata(self, states: list[TalkerState], *, banned: list[int],
-                          prompt_codes: list[int] | None = None) -> SamplingMetadata:
+    def sampling_metadata(
+        self, states: list[TalkerState], *, banned: list[int], prompt_codes: list[int] | None = None
+    ) -> SamplingMetadata:
         """The talker's sampling: each request's settings, repetition over its own sampled
         codes (and ``prompt_codes``, where the reference penalises its prompt's too), ``banned``
         control ids suppressed."""
@@ -243,13 +265,22 @@ class TalkerRunner(ABC):
         params = [s.speech.sampling_params for s in states]
         greedy = [p.greedy for p in params]
         return SamplingMetadata(
-            temperature=torch.tensor([0.0 if g else p.temperature
-                                      for g, p in zip(greedy, params, strict=True)], device=dev),
-            all_greedy=all(greedy), all_random=not any(greedy),
-            top_p=(None if all(p.top_p >= 1.0 for p in params)
-                   else torch.tensor([p.top_p for p in params], device=dev)),
-            top_k=(None if not any(p.top_k for p in params)
-                   else torch.tensor([p.top_k for p in params], device=dev)),
+            temperature=torch.tensor(
+                [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
+                device=dev,
+            ),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            top_p=(
+                None
+                if all(p.top_p >= 1.0 for p in params)
+                else torch.tensor([p.top_p for p in params], device=dev)
+            ),
+            top_k=(
+                None
+                if not any(p.top_k for p in params)
+                else torch.tensor([p.top_k for p in params], device=dev)
+            ),
             min_p=None,
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
             max_num_logprobs=None,
@@ -257,29 +288,34 @@ class TalkerRunner(ABC):
             presence_penalties=torch.zeros(n, device=dev),
             frequency_penalties=torch.zeros(n, device=dev),
             repetition_penalties=torch.tensor([p.repetition_penalty for p in params], device=dev),
-            prompt_token_ids=(None if prompt_codes is None else
-                              torch.tensor([prompt_codes] * n, device=dev)),
+            prompt_token_ids=(
+                None if prompt_codes is None else torch.tensor([prompt_codes] * n, device=dev)
+            ),
             output_token_ids=[s.history for s in states],
             min_tokens={},
             banned_token_ids={i: banned for i in range(n)},
         )
 
     # ---- vocoder ---------------------------------------------------------------------------------
-    def _stream(self, req_ids: list[str], states: list[TalkerState]
-                ) -> dict[str, SpeechStepOutput]:
+    def _stream(self, req_ids: list[str], states: list[TalkerState]) -> dict[str, SpeechStepOutput]:
         chunks, owners = [], []
         for req_id, state in zip(req_ids, states, strict=True):
             pending = len(state.codes) - state.vocoded_frames
             first = self.first_chunk_frames
-            chunk = None if first is None else min(max(first, state.vocoded_frames),
-                                                    self.max_chunk_frames)
+            chunk = (
+                None
+                if first is None
+                else min(max(first, state.vocoded_frames), self.max_chunk_frames)
+            )
             if pending and (state.done or (chunk is not None and pending >= chunk)):
                 if state.vocoder is None:
                     state.vocoder = self.new_vocoder_state(state)
-                codes = torch.stack(state.codes[state.vocoded_frames:], dim=1)  # [groups, n]
+                codes = torch.stack(state.codes[state.vocoded_frames :], dim=1)  # [groups, n]
                 chunks.append((state.vocoder, codes.to(self.device)))
                 owners.append(req_id)
                 state.vocoded_frames = len(state.codes)
         audio = dict(zip(owners, self.vocoder.decode(chunks), strict=True))
-        return {req_id: SpeechStepOutput(len(state.codes), state.done, audio.get(req_id))
-                for req_id, state in zip(req_ids, states, strict=True)}
+        return {
+            req_id: SpeechStepOutput(len(state.codes), state.done, audio.get(req_id))
+            for req_id, state in zip(req_ids, states, strict=True)
+        }

@@ -140,7 +140,8 @@ class Worker:
             logger.info(self.backend_report.summary())
             release_freed_memory()  # the weights the backend replaced
         self.attention_backends = apply_attention_backend(
-            model, model_config.attention_backend, self.device, self.dtype)
+            model, model_config.attention_backend, self.device, self.dtype
+        )
         logger.info("Attention layers by backend: %s", self.attention_backends)
         self.graph_sizes: list[int] = []  # decode batch sizes replayed from CUDA graphs
         self._gpu_kv_budget: int | None = None  # from the memory profile, once
@@ -281,8 +282,9 @@ class Worker:
             "cpu_backend": dict(self.backend_report.placements),
             "attention_backends": dict(self.attention_backends),
             "cuda_graph_sizes": list(self.graph_sizes),
-            "cuda_graph_replays": (graphs.num_replays
-                                   if (graphs := self.model_runner.decode_graphs) else 0),
+            "cuda_graph_replays": (
+                graphs.num_replays if (graphs := self.model_runner.decode_graphs) else 0
+            ),
         }
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -96,6 +96,7 @@ class EventStreamResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as group:
+
                 async def stream() -> None:
                     try:
                         await self.stream_response(send)
@@ -123,8 +124,7 @@ def with_cancellation(handler: Callable[..., Awaitable[Response]]) -> Callable[.
         handler_task = asyncio.ensure_future(handler(*args, **kwargs))
         disconnect_task = asyncio.ensure_future(_wait_for_disconnect(kwargs["raw_request"]))
         try:
-            await asyncio.wait([handler_task, disconnect_task],
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([handler_task, disconnect_task], return_when=asyncio.FIRST_COMPLETED)
         finally:
             disconnect_task.cancel()
             if not handler_task.done():
@@ -143,14 +143,20 @@ def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     problems, fields = [], []
     for error in exc.errors():
         if error.get("type") == "json_invalid":
-            return error_json(ServingError(
-                f"Malformed JSON body: {error.get('ctx', {}).get('error', 'cannot parse')}."))
+            return error_json(
+                ServingError(
+                    f"Malformed JSON body: {error.get('ctx', {}).get('error', 'cannot parse')}."
+                )
+            )
         field = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
         message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
         problems.append(f"{field}: {message}" if field else message)
         fields.append(field)
-    return error_json(ServingError("; ".join(problems) or "Invalid request.",
-                                   param=next((f for f in fields if f), None)))
+    return error_json(
+        ServingError(
+            "; ".join(problems) or "Invalid request.", param=next((f for f in fields if f), None)
+        )
+    )
 
 
 def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -179,10 +185,12 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED_PREFIXES):
             headers = dict(scope["headers"])
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(),
-                                                                        self.api_key):
-                error = ServingError("Invalid or missing API key.", HTTPStatus.UNAUTHORIZED,
-                                     code="invalid_api_key")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(
+                token.strip(), self.api_key
+            ):
+                error = ServingError(
+                    "Invalid or missing API key.", HTTPStatus.UNAUTHORIZED, code="invalid_api_key"
+                )
                 await error_json(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -212,9 +220,11 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         if self.lifecycle.draining and scope["path"] not in self.OPEN_PATHS:
-            error = ServingError("The server is shutting down; send the request to another "
-                                 "replica.", HTTPStatus.SERVICE_UNAVAILABLE,
-                                 code="server_shutting_down")
+            error = ServingError(
+                "The server is shutting down; send the request to another replica.",
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                code="server_shutting_down",
+            )
             await error_json(error)(scope, receive, send)
             return
         self.lifecycle.in_flight += 1
@@ -228,8 +238,13 @@ class DrainingServer(uvicorn.Server):
     """uvicorn whose first SIGTERM/SIGINT drains before it stops (see the module docstring);
     a second signal stops at once."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, lifecycle: Lifecycle,
-                 shutdown_timeout: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        engine: AsyncLLM,
+        lifecycle: Lifecycle,
+        shutdown_timeout: float,
+    ) -> None:
         super().__init__(config)
         self.engine = engine
         self.lifecycle = lifecycle
@@ -257,16 +272,24 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self, sig: int) -> None:
         loop = asyncio.get_running_loop()
         if self.lifecycle.in_flight:
-            logger.info("%s: draining %d request(s) in flight for up to %g s "
-                        "(--shutdown-timeout); signal again to stop now.",
-                        signal.Signals(sig).name, self.lifecycle.in_flight,
-                        self.shutdown_timeout)
+            logger.info(
+                "%s: draining %d request(s) in flight for up to %g s "
+                "(--shutdown-timeout); signal again to stop now.",
+                signal.Signals(sig).name,
+                self.lifecycle.in_flight,
+                self.shutdown_timeout,
+            )
         await self._wait_for_requests(loop.time() + self.shutdown_timeout)
         if self.lifecycle.in_flight:
-            logger.warning("Ending %d request(s) still in flight with an error: the server is "
-                           "stopping.", self.lifecycle.in_flight)
-            await self.engine.stop_requests(EngineStoppingError(
-                "The server is shutting down and stopped this request before it finished."))
+            logger.warning(
+                "Ending %d request(s) still in flight with an error: the server is stopping.",
+                self.lifecycle.in_flight,
+            )
+            await self.engine.stop_requests(
+                EngineStoppingError(
+                    "The server is shutting down and stopped this request before it finished."
+                )
+            )
             await self._wait_for_requests(loop.time() + FLUSH_TIMEOUT_S)
         super().handle_exit(sig, None)  # uvicorn's shutdown; its lifespan stops the engine
 
@@ -299,20 +322,29 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     auto_tools = getattr(args, "enable_auto_tool_choice", False)
     trust = getattr(args, "trust_request_chat_template", False)
     chat = OpenAIServingChat(
-        engine, names, chat_template, trust_request_chat_template=trust,
+        engine,
+        names,
+        chat_template,
+        trust_request_chat_template=trust,
         reasoning_parser=REASONING_PARSERS[parser_name] if parser_name else None,
         tool_call_parser=getattr(args, "tool_call_parser", None) if auto_tools else None,
         exclude_tools_when_tool_choice_none=getattr(
-            args, "exclude_tools_when_tool_choice_none", False))
-    completion = OpenAIServingCompletion(engine, names, chat_template,
-                                         trust_request_chat_template=trust)
+            args, "exclude_tools_when_tool_choice_none", False
+        ),
+    )
+    completion = OpenAIServingCompletion(
+        engine, names, chat_template, trust_request_chat_template=trust
+    )
     speech = OpenAIServingSpeech(engine, names, chat_template)
     if chat.default_sampling:
-        logger.info("Default sampling parameters from the checkpoint's generation config, for "
-                    "fields a request omits: %s (--generation-config vllm turns them off).",
-                    chat.default_sampling)
-    stat_logger = next((s for s in engine.stat_loggers if isinstance(s, PrometheusStatLogger)),
-                       None)
+        logger.info(
+            "Default sampling parameters from the checkpoint's generation config, for "
+            "fields a request omits: %s (--generation-config vllm turns them off).",
+            chat.default_sampling,
+        )
+    stat_logger = next(
+        (s for s in engine.stat_loggers if isinstance(s, PrometheusStatLogger)), None
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -327,10 +359,17 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     app.add_exception_handler(ServingError, lambda _, exc: error_json(exc))  # type: ignore
     app.add_exception_handler(Exception, _unexpected_error)
 
-    @app.get("/health", response_class=Response, responses={
-        200: {"description": "The engine is alive (empty body)", "content": None},
-        503: {"model": ErrorResponse, "description": "The engine is dead or the server is "
-                                                      "shutting down"}})
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "The engine is alive (empty body)", "content": None},
+            503: {
+                "model": ErrorResponse,
+                "description": "The engine is dead or the server is shutting down",
+            },
+        },
+    )
     async def health() -> Response:
         try:
             await engine.check_health()
@@ -342,9 +381,14 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses={
-        200: {"description": "Prometheus text exposition format"},
-        404: {"model": ErrorResponse, "description": "Metrics are not enabled"}})
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={
+            200: {"description": "Prometheus text exposition format"},
+            404: {"model": ErrorResponse, "description": "Metrics are not enabled"},
+        },
+    )
     async def metrics() -> Response:
         if stat_logger is None:
             raise ServingError("Metrics are not enabled.", HTTPStatus.NOT_FOUND)
@@ -358,8 +402,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
 
     app.include_router(_api_router(engine, chat, completion, speech, names))
     if not getattr(args, "no_playground", False):
-        app.include_router(playground_router(_playground_info(engine, names),
-                                             getattr(args, "api_key", None)))
+        app.include_router(
+            playground_router(_playground_info(engine, names), getattr(args, "api_key", None))
+        )
     default_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -377,10 +422,13 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         app.add_middleware(BodySizeLimitMiddleware, max_bytes=int(max_body_mb * 2**20))
     if getattr(args, "api_key", None):  # before any body is read
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
-    app.add_middleware(CORSMiddleware, allow_origins=getattr(args, "allowed_origins", ["*"]),
-                       allow_methods=getattr(args, "allowed_methods", ["*"]),
-                       allow_headers=getattr(args, "allowed_headers", ["*"]),
-                       allow_credentials=getattr(args, "allow_credentials", False))
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=getattr(args, "allowed_origins", ["*"]),
+        allow_methods=getattr(args, "allowed_methods", ["*"]),
+        allow_headers=getattr(args, "allowed_headers", ["*"]),
+        allow_credentials=getattr(args, "allow_credentials", False),
+    )
     app.state.lifecycle = Lifecycle()
     app.add_middleware(DrainMiddleware, lifecycle=app.state.lifecycle)  # outermost: counts all
     return app
@@ -429,8 +477,10 @@ class BodySizeLimitMiddleware:
     def _too_large(self) -> ServingError:
         return ServingError(
             f"The request body is larger than this server accepts ({self.max_bytes} bytes; "
-            "--max-request-body-mb).", HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            code="request_too_large")
+            "--max-request-body-mb).",
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            code="request_too_large",
+        )
 
 
 def _documented(body: type | None = None, chunk: type | None = None) -> dict[int | str, Any]:
@@ -438,22 +488,46 @@ def _documented(body: type | None = None, chunk: type | None = None) -> dict[int
     stream of ``chunk`` events), and the error statuses, all in OpenAI's error shape."""
     responses: dict[int | str, Any] = {
         int(status): {"model": ErrorResponse, "description": status.phrase}
-        for status in (HTTPStatus.BAD_REQUEST, HTTPStatus.UNAUTHORIZED, HTTPStatus.NOT_FOUND,
-                       HTTPStatus.REQUEST_ENTITY_TOO_LARGE, HTTPStatus.INTERNAL_SERVER_ERROR,
-                       HTTPStatus.SERVICE_UNAVAILABLE)}
+        for status in (
+            HTTPStatus.BAD_REQUEST,
+            HTTPStatus.UNAUTHORIZED,
+            HTTPStatus.NOT_FOUND,
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            HTTPStatus.INTERNAL_SERVER_ERROR,
+            HTTPStatus.SERVICE_UNAVAILABLE,
+        )
+    }
     if body is not None:
         content: dict[str, Any] = {"application/json": {}}
         if chunk is not None:  # the schema of one event, as OpenAPI 3.1 tools read SSE
-            content["text/event-stream"] = {"schema": {
-                "type": "object", "required": ["data"],
-                "properties": {"event": {"type": "string"}, "data": {"anyOf": [
-                    {"const": "[DONE]"},
-                    {"type": "string", "contentMediaType": "application/json",
-                     "contentSchema": {"$ref": f"#/components/schemas/{chunk.__name__}"}},
-                    {"type": "string", "contentMediaType": "application/json",
-                     "contentSchema": {"$ref": "#/components/schemas/ErrorResponse"}}]}},
-                "description": f"data: <{chunk.__name__}> events (an error event if the "
-                               "request fails midway), then data: [DONE]"}}
+            content["text/event-stream"] = {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {
+                        "event": {"type": "string"},
+                        "data": {
+                            "anyOf": [
+                                {"const": "[DONE]"},
+                                {
+                                    "type": "string",
+                                    "contentMediaType": "application/json",
+                                    "contentSchema": {
+                                        "$ref": f"#/components/schemas/{chunk.__name__}"
+                                    },
+                                },
+                                {
+                                    "type": "string",
+                                    "contentMediaType": "application/json",
+                                    "contentSchema": {"$ref": "#/components/schemas/ErrorResponse"},
+                                },
+                            ]
+                        },
+                    },
+                    "description": f"data: <{chunk.__name__}> events (an error event if the "
+                    "request fails midway), then data: [DONE]",
+                }
+            }
         responses[200] = {"model": body, "content": content}
     return responses
 
@@ -472,9 +546,13 @@ def _playground_info(engine: AsyncLLM, names: list[str]) -> dict[str, Any]:
     }
 
 
-def _api_router(engine: AsyncLLM, chat: OpenAIServingChat,
-                completion: OpenAIServingCompletion, speech: OpenAIServingSpeech,
-                names: list[str]) -> APIRouter:
+def _api_router(
+    engine: AsyncLLM,
+    chat: OpenAIServingChat,
+    completion: OpenAIServingCompletion,
+    speech: OpenAIServingSpeech,
+    names: list[str],
+) -> APIRouter:
     router = APIRouter()
     max_model_len = engine.model_config.max_model_len
 
@@ -483,32 +561,50 @@ def _api_router(engine: AsyncLLM, chat: OpenAIServingChat,
             return EventStreamResponse(result)
         return Response(result.model_dump_json(), media_type="application/json")
 
-    @router.get("/v1/models", responses={401: {"model": ErrorResponse,
-                                               "description": "Unauthorized"}})
+    @router.get(
+        "/v1/models", responses={401: {"model": ErrorResponse, "description": "Unauthorized"}}
+    )
     async def show_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=engine.model_config.model,
-                                         max_model_len=max_model_len,
-                                         default_sampling_params=completion.default_sampling)
-                               for name in names])
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=name,
+                    root=engine.model_config.model,
+                    max_model_len=max_model_len,
+                    default_sampling_params=completion.default_sampling,
+                )
+                for name in names
+            ]
+        )
 
-    @router.post("/v1/chat/completions", responses=_documented(ChatCompletionResponse,
-                                                               ChatCompletionStreamResponse))
+    @router.post(
+        "/v1/chat/completions",
+        responses=_documented(ChatCompletionResponse, ChatCompletionStreamResponse),
+    )
     @with_cancellation
-    async def create_chat_completion(request: ChatCompletionRequest,
-                                     raw_request: Request) -> Response:
+    async def create_chat_completion(
+        request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
         return respond(await chat.create_chat_completion(request))
 
-    @router.post("/v1/completions", responses=_documented(CompletionResponse,
-                                                          CompletionStreamResponse))
+    @router.post(
+        "/v1/completions", responses=_documented(CompletionResponse, CompletionStreamResponse)
+    )
     @with_cancellation
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return respond(await completion.create_completion(request))
 
-    @router.post("/v1/audio/speech", response_class=Response, responses={
-        **_documented(), 200: {"description": "The audio file (or SSE events with "
-                               "stream_format sse)", "content": {
-                                   media: {} for media in {*MEDIA_TYPES.values(),
-                                                           "text/event-stream"}}}})
+    @router.post(
+        "/v1/audio/speech",
+        response_class=Response,
+        responses={
+            **_documented(),
+            200: {
+                "description": "The audio file (or SSE events with stream_format sse)",
+                "content": {media: {} for media in {*MEDIA_TYPES.values(), "text/event-stream"}},
+            },
+        },
+    )
     @with_cancellation
     async def create_speech(request: CreateSpeechRequest, raw_request: Request) -> Response:
         body, kind = await speech.create_speech(request)
@@ -540,7 +636,8 @@ async def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> Tokeniz
     try:
         if isinstance(request, TokenizeChatRequest):
             prompt = await serving.render_chat(
-                request, [tool.model_dump(exclude_none=True) for tool in request.tools or []])
+                request, [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+            )
         else:
             prompt = await serving.tokenize_text(request.prompt, request.add_special_tokens)
         ids = prompt.token_ids
@@ -548,15 +645,17 @@ async def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> Tokeniz
             preprocessor = serving.engine.processor.input_preprocessor
             try:
                 processed = await serving.engine.run_input_work(
-                    preprocessor.preprocess, prompt.to_engine_input(), media=True)
+                    preprocessor.preprocess, prompt.to_engine_input(), media=True
+                )
                 ids = processed.prompt_token_ids
             except MultiModalInputError as exc:
                 raise locate_mm_error(exc, prompt.mm_locations or {}) from exc
     except ValueError as exc:
         raise to_serving_error(exc) from exc
     strs = serving.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
-    return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids,
-                            token_strs=strs)
+    return TokenizeResponse(
+        count=len(ids), max_model_len=serving.max_model_len, tokens=ids, token_strs=strs
+    )
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -564,15 +663,22 @@ async def serve(args: argparse.Namespace) -> None:
     names = args.served_model_name
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.served_model_name = names[0] if names else None
-    stat_logger = PrometheusStatLogger(names[0] if names else args.model,
-                                       num_engines=engine_args.data_parallel_size)
-    engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger],
-                                       input_threads=args.input_processing_threads)
+    stat_logger = PrometheusStatLogger(
+        names[0] if names else args.model, num_engines=engine_args.data_parallel_size
+    )
+    engine = AsyncLLM.from_engine_args(
+        engine_args, stat_loggers=[stat_logger], input_threads=args.input_processing_threads
+    )
     try:
         app = build_app(engine, args)
-        config = uvicorn.Config(app, host=args.host, port=args.port,
-                                log_level=args.uvicorn_log_level, timeout_keep_alive=5,
-                                timeout_graceful_shutdown=CLOSE_TIMEOUT_S)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            timeout_keep_alive=5,
+            timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
+        )
         await DrainingServer(config, engine, app.state.lifecycle, args.shutdown_timeout).serve()
     finally:
         engine.shutdown()

@@ -13,14 +13,23 @@ import numpy as np
 import soundfile
 
 # format -> (libsndfile container, subtype); pcm16 is raw samples, no container.
-_CONTAINERS = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"),
-               "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
+_CONTAINERS = {
+    "wav": ("WAV", "PCM_16"),
+    "flac": ("FLAC", "PCM_16"),
+    "mp3": ("MP3", "MPEG_LAYER_III"),
+    "opus": ("OGG", "OPUS"),
+}
 AUDIO_FORMATS = ("wav", "pcm16", "flac", "mp3", "opus")
 """What chat completions' ``audio.format`` may be (OpenAI's, less aac: no encoder here)."""
 STREAM_FORMAT = "pcm16"
 """Streamed audio is raw PCM16 (OpenAI's rule for streaming)."""
-MEDIA_TYPES = {"wav": "audio/wav", "pcm16": "audio/pcm", "flac": "audio/flac",
-               "mp3": "audio/mpeg", "opus": "audio/ogg"}
+MEDIA_TYPES = {
+    "wav": "audio/wav",
+    "pcm16": "audio/pcm",
+    "flac": "audio/flac",
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+}
 
 
 def pcm16(samples: np.ndarray) -> bytes:
@@ -35,6 +44,7 @@ def encode_audio(samples: np.ndarray, fmt: str, sample_rate: int) -> bytes:
         raise ValueError(f"audio format {fmt!r} is not one of {', '.join(AUDIO_FORMATS)}.")
     container, subtype = _CONTAINERS[fmt]
     buffer = io.BytesIO()
-    soundfile.write(buffer, np.clip(samples, -1.0, 1.0), sample_rate, format=container,
-                    subtype=subtype)
+    soundfile.write(
+        buffer, np.clip(samples, -1.0, 1.0), sample_rate, format=container, subtype=subtype
+    )
     return buffer.getvalue()

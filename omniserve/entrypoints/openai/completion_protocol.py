@@ -19,11 +19,23 @@ from omniserve.entrypoints.openai.protocol import (
 class CompletionRequest(SamplingRequest):
     logprobs_field: ClassVar[str] = "logprobs"
     unsupported: ClassVar[dict[str, tuple[Any, str]]] = {
-        **SAMPLING_UNSUPPORTED, "prompt_embeds": (None, "prompts are text or token ids")}
-    model_config = ConfigDict(json_schema_extra={"examples": [
-        {"prompt": "Once upon a time", "max_tokens": 8},
-        {"prompt": [[1, 2, 3], "two prompts"], "max_tokens": 4, "stream": True, "echo": True,
-         "logprobs": 2}]})
+        **SAMPLING_UNSUPPORTED,
+        "prompt_embeds": (None, "prompts are text or token ids"),
+    }
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"prompt": "Once upon a time", "max_tokens": 8},
+                {
+                    "prompt": [[1, 2, 3], "two prompts"],
+                    "max_tokens": 4,
+                    "stream": True,
+                    "echo": True,
+                    "logprobs": 2,
+                },
+            ]
+        }
+    )
 
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=1)

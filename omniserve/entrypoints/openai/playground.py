@@ -33,8 +33,9 @@ def playground_router(info: dict[str, Any], api_key: str | None) -> APIRouter:
     async def served(authorization: str = Header("")) -> dict[str, Any]:
         scheme, _, token = authorization.partition(" ")
         if api_key is not None and not (
-                scheme.lower() == "bearer"
-                and secrets.compare_digest(token.strip().encode(), api_key.encode())):
+            scheme.lower() == "bearer"
+            and secrets.compare_digest(token.strip().encode(), api_key.encode())
+        ):
             return {"api_key_required": True}
         return {"api_key_required": False, **info}
 
@@ -49,5 +50,6 @@ def playground_router(info: dict[str, Any], api_key: str | None) -> APIRouter:
 
 
 def _asset(path: Path) -> FileResponse:
-    return FileResponse(path, media_type=_MEDIA_TYPES[path.suffix],
-                        headers={"Cache-Control": "no-cache"})
+    return FileResponse(
+        path, media_type=_MEDIA_TYPES[path.suffix], headers={"Cache-Control": "no-cache"}
+    )

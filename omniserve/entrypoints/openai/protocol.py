@@ -167,11 +167,13 @@ class SamplingRequest(RequestModel):
         vLLM (clients send fields of other servers)."""
         if isinstance(data, dict):
             known = set(cls.model_fields) | {
-                info.alias for info in cls.model_fields.values() if info.alias}
+                info.alias for info in cls.model_fields.values() if info.alias
+            }
             unknown = sorted(str(key) for key in data if key not in known)
             if unknown:
-                logger.warning("Ignored request fields this server does not use: %s",
-                               ", ".join(unknown))
+                logger.warning(
+                    "Ignored request fields this server does not use: %s", ", ".join(unknown)
+                )
         return data
 
     model: str | None = None
@@ -351,12 +353,27 @@ class SpeechOptions(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     logprobs_field: ClassVar[str] = "top_logprobs"
-    model_config = ConfigDict(json_schema_extra={"examples": [
-        {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8},
-        {"messages": [{"role": "system", "content": "Be brief."},
-                      {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-         "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4,
-         "logprobs": True, "top_logprobs": 2, "n": 2, "temperature": 0.7, "seed": 1}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8},
+                {
+                    "messages": [
+                        {"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                    ],
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "max_tokens": 4,
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                    "n": 2,
+                    "temperature": 0.7,
+                    "seed": 1,
+                },
+            ]
+        }
+    )
 
     messages: list[dict[str, Any]]
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
@@ -396,8 +413,11 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def template_kwargs(self) -> dict[str, Any] | None:
         """chat_template_kwargs with the fields vLLM also hands the template."""
-        extra = {name: getattr(self, name) for name in ("documents", "reasoning_effort")
-                 if getattr(self, name) is not None}
+        extra = {
+            name: getattr(self, name)
+            for name in ("documents", "reasoning_effort")
+            if getattr(self, name) is not None
+        }
         return {**(self.chat_template_kwargs or {}), **extra} or None
 
     @model_validator(mode="after")
@@ -420,11 +440,15 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError('audio and speech apply only with "audio" in modalities.')
         if self.audio is not None:
             if self.audio.format not in AUDIO_FORMATS:
-                raise ValueError(f"audio.format {self.audio.format!r} has no encoder here; use "
-                                 f"one of {', '.join(AUDIO_FORMATS)}.")
+                raise ValueError(
+                    f"audio.format {self.audio.format!r} has no encoder here; use "
+                    f"one of {', '.join(AUDIO_FORMATS)}."
+                )
             if self.stream and self.audio.format != STREAM_FORMAT:
-                raise ValueError(f"audio.format must be {STREAM_FORMAT} when streaming (audio "
-                                 "streams as raw PCM16 chunks, as OpenAI's API).")
+                raise ValueError(
+                    f"audio.format must be {STREAM_FORMAT} when streaming (audio "
+                    "streams as raw PCM16 chunks, as OpenAI's API)."
+                )
         return self
 
     @model_validator(mode="before")
@@ -440,10 +464,14 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("tools: each function needs its own name.")
         if self.tool_choice != "none" and not names:
             raise ValueError("tool_choice is only allowed when tools are given.")
-        if isinstance(self.tool_choice, NamedToolChoice) and \
-                self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r},"
-                             " which is not among the tools.")
+        if (
+            isinstance(self.tool_choice, NamedToolChoice)
+            and self.tool_choice.function.name not in names
+        ):
+            raise ValueError(
+                f"tool_choice names the function {self.tool_choice.function.name!r},"
+                " which is not among the tools."
+            )
 
     def forced_output(self) -> dict[str, dict[str, Any]]:
         """``tool_choice`` "required" or a named function: the grammar engine makes the answer
@@ -455,11 +483,24 @@ class ChatCompletionRequest(SamplingRequest):
             return {"tool_choice": {"json": self.named_tool.arguments_schema}}
         if self.tool_choice != "required":
             return {}
-        calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-             "properties": {"name": {"enum": [tool.function.name]},
-                            "parameters": tool.function.arguments_schema}}
-            for tool in self.tools or []]}}
+        calls: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "parameters"],
+                        "properties": {
+                            "name": {"enum": [tool.function.name]},
+                            "parameters": tool.function.arguments_schema,
+                        },
+                    }
+                    for tool in self.tools or []
+                ]
+            },
+        }
         if not self.parallel_tool_calls:
             calls["maxItems"] = 1
         return {"tool_choice": {"json": calls}}
@@ -468,8 +509,11 @@ class ChatCompletionRequest(SamplingRequest):
     def named_tool(self) -> FunctionDefinition:
         """The function a named tool_choice forces."""
         assert isinstance(self.tool_choice, NamedToolChoice)
-        return next(tool.function for tool in self.tools or []
-                    if tool.function.name == self.tool_choice.function.name)
+        return next(
+            tool.function
+            for tool in self.tools or []
+            if tool.function.name == self.tool_choice.function.name
+        )
 
     def template_tools(self, exclude_when_none: bool) -> list[dict[str, Any]] | None:
         """The tools as the chat template lists them (not with tool_choice "none" when the
@@ -481,8 +525,11 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def output_limit(self) -> int | None:
         """max_completion_tokens supersedes the deprecated max_tokens, as in OpenAI's API."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
             else self.max_tokens
+        )
 
     @property
     def num_logprobs(self) -> int | None:

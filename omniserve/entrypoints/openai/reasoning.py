@@ -25,7 +25,7 @@ class ReasoningParser:
         """(reasoning, content) of a whole answer; None for a part that is absent."""
         stripped = text.lstrip()
         if stripped.startswith(self.start):
-            text, in_reasoning = stripped[len(self.start):], True
+            text, in_reasoning = stripped[len(self.start) :], True
         if not in_reasoning:
             return None, text or None
         reasoning, found, content = text.partition(self.end)
@@ -44,10 +44,10 @@ class StreamingSplit:
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
         """New (reasoning, content) text since the last call; ``final`` flushes held-back text."""
-        shown = text if final else text[:len(text) - self._partial_tag(text)]
+        shown = text if final else text[: len(text) - self._partial_tag(text)]
         reasoning, content = self.parser.split(shown, self.in_reasoning)
         reasoning, content = reasoning or "", content or ""
-        new = (reasoning[len(self.sent[0]):], content[len(self.sent[1]):])
+        new = (reasoning[len(self.sent[0]) :], content[len(self.sent[1]) :])
         if reasoning.startswith(self.sent[0]) and content.startswith(self.sent[1]):
             self.sent = (reasoning, content)
             return new

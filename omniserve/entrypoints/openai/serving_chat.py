@@ -44,8 +44,12 @@ class ChatAnswer:
     split off (``--reasoning-parser``), then tool calls read from the rest (``tools``). A whole
     answer is one final feed, so streamed and whole answers are split by the same code."""
 
-    def __init__(self, reasoning: StreamingSplit | None, tools: ToolCallReader | None,
-                 include_reasoning: bool) -> None:
+    def __init__(
+        self,
+        reasoning: StreamingSplit | None,
+        tools: ToolCallReader | None,
+        include_reasoning: bool,
+    ) -> None:
         self.reasoning = reasoning
         self.tools = tools
         self.include_reasoning = include_reasoning
@@ -54,8 +58,9 @@ class ChatAnswer:
     def feed(self, new_text: str, final: bool) -> dict[str, Any]:
         """The delta's fields that changed: reasoning_content, content, tool_calls."""
         self.text += new_text
-        reasoning, content = (self.reasoning.feed(self.text, final) if self.reasoning
-                              else ("", new_text))
+        reasoning, content = (
+            self.reasoning.feed(self.text, final) if self.reasoning else ("", new_text)
+        )
         delta: dict[str, Any] = {}
         if reasoning and self.include_reasoning:
             delta["reasoning_content"] = reasoning
@@ -73,17 +78,27 @@ class ChatAnswer:
     @staticmethod
     def message(delta: dict[str, Any]) -> ChatMessage:
         """A whole answer's message from its one (final) delta."""
-        calls = [ToolCall(id=call["id"], function=FunctionCall(**call["function"]))
-                 for call in delta.get("tool_calls", [])]
-        return ChatMessage(role="assistant", content=delta.get("content"),
-                           reasoning_content=delta.get("reasoning_content"),
-                           tool_calls=calls or None)
+        calls = [
+            ToolCall(id=call["id"], function=FunctionCall(**call["function"]))
+            for call in delta.get("tool_calls", [])
+        ]
+        return ChatMessage(
+            role="assistant",
+            content=delta.get("content"),
+            reasoning_content=delta.get("reasoning_content"),
+            tool_calls=calls or None,
+        )
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args: Any, reasoning_parser: ReasoningParser | None = None,
-                 tool_call_parser: str | None = None,
-                 exclude_tools_when_tool_choice_none: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        reasoning_parser: ReasoningParser | None = None,
+        tool_call_parser: str | None = None,
+        exclude_tools_when_tool_choice_none: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.reasoning_parser = reasoning_parser
         self.tool_call_parser = tool_call_parser
@@ -91,7 +106,8 @@ class OpenAIServingChat(OpenAIServing):
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
 
     async def create_chat_completion(
-            self, request: ChatCompletionRequest) -> ChatCompletionResponse | EventStream:
+        self, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse | EventStream:
         """A full response, or (``stream=true``) the SSE events of one.
 
         Raises ``ServingError`` for anything wrong with the request, before any output is sent.
@@ -104,18 +120,21 @@ class OpenAIServingChat(OpenAIServing):
             prompt = await self.render_chat(request, tools)
         except ValueError as exc:
             raise to_serving_error(exc) from exc
-        thinking = (self.reasoning_parser is not None
-                    and self.reasoning_parser.opens_in_prompt(prompt.text))
+        thinking = self.reasoning_parser is not None and self.reasoning_parser.opens_in_prompt(
+            prompt.text
+        )
         prompt = self.apply_prompt_options(prompt, request)
         prompt_len = len(prompt.token_ids)
-        params = self.sampling_params(request, prompt_len, max_tokens=request.output_limit,
-                                      logprobs=request.num_logprobs)
+        params = self.sampling_params(
+            request, prompt_len, max_tokens=request.output_limit, logprobs=request.num_logprobs
+        )
         if request.wants_audio:
-            params = params.clone(output_modalities=list(request.modalities or []),
-                                  speech=self._speech_params(request))
+            params = params.clone(
+                output_modalities=list(request.modalities or []),
+                speech=self._speech_params(request),
+            )
         request_id = self.new_request_id("chatcmpl", request.request_id)
-        (generator,) = await self.start_generation([prompt], params, request_id,
-                                                   request.priority)
+        (generator,) = await self.start_generation([prompt], params, request_id, request.priority)
         if request.stream:
             return self._stream(request, request_id, generator, thinking)
         return await self._full(request, request_id, generator, thinking)
@@ -125,8 +144,9 @@ class OpenAIServingChat(OpenAIServing):
         cannot speak is a 400 saying why."""
         config = self.engine.model_config
         if config.speech is None:
-            raise ServingError(f"Audio output is not available: {config.no_speech_reason}.",
-                               param="modalities")
+            raise ServingError(
+                f"Audio output is not available: {config.no_speech_reason}.", param="modalities"
+            )
         assert request.audio is not None  # the request model requires it with audio
         try:
             voice = config.speech.resolve_voice(request.audio.voice_name)
@@ -135,26 +155,40 @@ class OpenAIServingChat(OpenAIServing):
         options = request.speech.model_dump(exclude_none=True) if request.speech else {}
         return SpeechParams(voice=voice, **options)
 
-    def _audio(self, request: ChatCompletionRequest, out: CompletionOutput, audio_id: str,
-               transcript: str) -> ChatCompletionAudio | None:
+    def _audio(
+        self, request: ChatCompletionRequest, out: CompletionOutput, audio_id: str, transcript: str
+    ) -> ChatCompletionAudio | None:
         """``message.audio`` of a whole answer (None for a text-only request)."""
         if out.audio is None or request.audio is None:
             return None
         assert self.engine.model_config.speech is not None
-        data = encode_audio(out.audio, request.audio.format,
-                            self.engine.model_config.speech.sample_rate)
-        return ChatCompletionAudio(id=audio_id, data=base64.b64encode(data).decode(),
-                                   expires_at=int(time.time()) + AUDIO_TTL_S,
-                                   transcript=transcript)
+        data = encode_audio(
+            out.audio, request.audio.format, self.engine.model_config.speech.sample_rate
+        )
+        return ChatCompletionAudio(
+            id=audio_id,
+            data=base64.b64encode(data).decode(),
+            expires_at=int(time.time()) + AUDIO_TTL_S,
+            transcript=transcript,
+        )
 
     def _answer(self, request: ChatCompletionRequest, thinking: bool) -> ChatAnswer:
-        split = (StreamingSplit(self.reasoning_parser, thinking)
-                 if self.reasoning_parser is not None else None)
-        return ChatAnswer(split, tool_call_reader(request, self.tool_call_parser),
-                          request.include_reasoning)
+        split = (
+            StreamingSplit(self.reasoning_parser, thinking)
+            if self.reasoning_parser is not None
+            else None
+        )
+        return ChatAnswer(
+            split, tool_call_reader(request, self.tool_call_parser), request.include_reasoning
+        )
 
-    async def _full(self, request: ChatCompletionRequest, request_id: str,
-                    generator: OutputStream, thinking: bool) -> ChatCompletionResponse:
+    async def _full(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        generator: OutputStream,
+        thinking: bool,
+    ) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         try:
             async for output in generator:
@@ -172,20 +206,36 @@ class OpenAIServingChat(OpenAIServing):
             message.audio = self._audio(request, out, _audio_id(), message.content or "")
             if message.audio is not None and "text" not in (request.modalities or []):
                 message.content = None  # OpenAI: an audio-only answer's text is its transcript
-            choices.append(ChatCompletionResponseChoice(
-                index=out.index, message=message,
-                logprobs=self._logprobs(request, out) if request.logprobs else None,
-                finish_reason=answer.finish_reason(out.finish_reason),
-                stop_reason=out.stop_reason,
-                token_ids=list(out.token_ids) if request.return_token_ids else None))
-        usage = self.usage([final], sum(len(out.token_ids) for out in final.outputs),
-                           sum(out.num_audio_tokens for out in final.outputs))
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=out.index,
+                    message=message,
+                    logprobs=self._logprobs(request, out) if request.logprobs else None,
+                    finish_reason=answer.finish_reason(out.finish_reason),
+                    stop_reason=out.stop_reason,
+                    token_ids=list(out.token_ids) if request.return_token_ids else None,
+                )
+            )
+        usage = self.usage(
+            [final],
+            sum(len(out.token_ids) for out in final.outputs),
+            sum(out.num_audio_tokens for out in final.outputs),
+        )
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage,
-            prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None)
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
+        )
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str,
-                      generator: OutputStream, thinking: bool) -> EventStream:
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        generator: OutputStream,
+        thinking: bool,
+    ) -> EventStream:
         """OpenAI's chunk sequence: a role chunk per choice (and the echoed message), content
         (reasoning, tool call) deltas, usage, [DONE]. With return_token_ids, the first chunk of
         output carries the prompt's token ids and each chunk its new ones."""
@@ -198,20 +248,34 @@ class OpenAIServingChat(OpenAIServing):
         audio_only = request.wants_audio and "text" not in (request.modalities or [])
         prompt_ids_sent = not request.return_token_ids
 
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None,
-                  prompt_token_ids: list[int] | None = None) -> str:
-            return sse_event(ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=choices,
-                usage=usage, prompt_token_ids=prompt_token_ids))
+        def chunk(
+            choices: list[ChatCompletionStreamChoice],
+            usage: UsageInfo | None = None,
+            prompt_token_ids: list[int] | None = None,
+        ) -> str:
+            return sse_event(
+                ChatCompletionStreamResponse(
+                    id=request_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=choices,
+                    usage=usage,
+                    prompt_token_ids=prompt_token_ids,
+                )
+            )
 
         try:
             echo = _echo(request)
             for index in range(request.n):
-                yield chunk([ChatCompletionStreamChoice(
-                    index=index, delta={"role": "assistant", "content": ""})])
+                yield chunk(
+                    [
+                        ChatCompletionStreamChoice(
+                            index=index, delta={"role": "assistant", "content": ""}
+                        )
+                    ]
+                )
                 if echo:
-                    yield chunk([ChatCompletionStreamChoice(index=index,
-                                                            delta={"content": echo})])
+                    yield chunk([ChatCompletionStreamChoice(index=index, delta={"content": echo})])
             latest: list[RequestOutput] = []
             async for output in generator:
                 latest = [output]
@@ -226,15 +290,21 @@ class OpenAIServingChat(OpenAIServing):
                     if not (changes or out.finish_reason or wants_logprobs):
                         continue  # e.g. text held back while it may still become a stop string
                     choice = ChatCompletionStreamChoice(
-                        index=out.index, delta=changes,
+                        index=out.index,
+                        delta=changes,
                         logprobs=self._logprobs(request, out) if wants_logprobs else None,
                         finish_reason=answer.finish_reason(out.finish_reason),
                         stop_reason=out.stop_reason,
-                        token_ids=list(out.token_ids) if request.return_token_ids else None)
-                    running = (self.usage(latest, sum(num_generated), sum(num_audio))
-                               if options and options.continuous_usage_stats else None)
-                    yield chunk([choice], running,
-                                None if prompt_ids_sent else output.prompt_token_ids)
+                        token_ids=list(out.token_ids) if request.return_token_ids else None,
+                    )
+                    running = (
+                        self.usage(latest, sum(num_generated), sum(num_audio))
+                        if options and options.continuous_usage_stats
+                        else None
+                    )
+                    yield chunk(
+                        [choice], running, None if prompt_ids_sent else output.prompt_token_ids
+                    )
                     prompt_ids_sent = True
             if options and options.include_usage:
                 yield chunk([], self.usage(latest, sum(num_generated), sum(num_audio)))
@@ -244,22 +314,31 @@ class OpenAIServingChat(OpenAIServing):
             await generator.aclose()  # aborts it if unfinished
         yield SSE_DONE
 
-    def _logprobs(self, request: ChatCompletionRequest,
-                  out: CompletionOutput) -> ChatCompletionLogprobs:
+    def _logprobs(
+        self, request: ChatCompletionRequest, out: CompletionOutput
+    ) -> ChatCompletionLogprobs:
         """OpenAI's chat shape: per generated token, its logprob and the top alternatives."""
         as_ids = request.return_tokens_as_token_ids
         content = []
         for token_id, position in zip(out.token_ids, out.logprobs or [], strict=False):
-            content.append(ChatLogprobsContent(
-                **self._entry(token_id, position.get(token_id), as_ids).model_dump(),
-                top_logprobs=[self._entry(t, lp, as_ids) for t, lp in
-                              self.top_entries(position, request.top_logprobs or 0)]))
+            content.append(
+                ChatLogprobsContent(
+                    **self._entry(token_id, position.get(token_id), as_ids).model_dump(),
+                    top_logprobs=[
+                        self._entry(t, lp, as_ids)
+                        for t, lp in self.top_entries(position, request.top_logprobs or 0)
+                    ],
+                )
+            )
         return ChatCompletionLogprobs(content=content)
 
     def _entry(self, token_id: int, logprob: Logprob | None, as_id: bool) -> ChatLogprob:
         text = self.token_text(token_id, logprob, as_id)
-        return ChatLogprob(token=text, bytes=list(text.encode("utf-8")),
-                           logprob=clamp_logprob(logprob.logprob) if logprob else -9999.0)
+        return ChatLogprob(
+            token=text,
+            bytes=list(text.encode("utf-8")),
+            logprob=clamp_logprob(logprob.logprob) if logprob else -9999.0,
+        )
 
 
 AUDIO_TTL_S = 3600
@@ -271,8 +350,9 @@ def _audio_id() -> str:
     return f"audio-{uuid.uuid4().hex}"
 
 
-def _audio_delta(changes: dict[str, Any], out: CompletionOutput, audio_id: str,
-                 audio_only: bool) -> dict[str, Any]:
+def _audio_delta(
+    changes: dict[str, Any], out: CompletionOutput, audio_id: str, audio_only: bool
+) -> dict[str, Any]:
     """A streamed chunk's ``delta.audio``: the new samples as base64 PCM16 with the answer's
     id, the text as its transcript when only audio was asked for, and ``expires_at`` on the
     last one (OpenAI's chunk fields)."""
@@ -294,6 +374,9 @@ def _echo(request: ChatCompletionRequest) -> str:
         return ""
     content = last.get("content")
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content
-                       if isinstance(part, dict) and isinstance(part.get("text"), str))
+        return "".join(
+            part.get("text", "")
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
     return content if isinstance(content, str) else ""

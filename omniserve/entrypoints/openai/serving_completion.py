@@ -32,22 +32,30 @@ from omniserve.outputs import Logprob, RequestOutput
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(
-            self, request: CompletionRequest) -> CompletionResponse | EventStream:
+        self, request: CompletionRequest
+    ) -> CompletionResponse | EventStream:
         """A full response, or (``stream=true``) the SSE events of one.
 
         Raises ``ServingError`` for anything wrong with the request, before any output is sent.
         """
         self.check_model(request.model)
         self.check_engine()
-        prompts = [self.apply_prompt_options(
-                       await self._to_engine_prompt(p, request.add_special_tokens), request)
-                   for p in _split_prompts(request.prompt)]
+        prompts = [
+            self.apply_prompt_options(
+                await self._to_engine_prompt(p, request.add_special_tokens), request
+            )
+            for p in _split_prompts(request.prompt)
+        ]
         # Every prompt gets the same params; the longest prompt decides the context-length check.
         longest = max(len(p.token_ids) for p in prompts)
         # echo with logprobs reports the prompt's logprobs too (as OpenAI does).
         params = self.sampling_params(
-            request, longest, max_tokens=request.output_limit, logprobs=request.num_logprobs,
-            prompt_logprobs=request.num_logprobs if request.echo else None)
+            request,
+            longest,
+            max_tokens=request.output_limit,
+            logprobs=request.num_logprobs,
+            prompt_logprobs=request.num_logprobs if request.echo else None,
+        )
         if request.max_tokens is None:  # each prompt runs to its own context limit, or the
             # checkpoint's max_new_tokens
             params = params.clone(max_tokens=self.default_sampling.get("max_tokens"))
@@ -57,8 +65,9 @@ class OpenAIServingCompletion(OpenAIServing):
             return self._stream(request, request_id, prompts, generators)
         return await self._full(request, request_id, prompts, generators)
 
-    async def _to_engine_prompt(self, prompt: str | list[int],
-                                add_special_tokens: bool) -> EnginePrompt:
+    async def _to_engine_prompt(
+        self, prompt: str | list[int], add_special_tokens: bool
+    ) -> EnginePrompt:
         if isinstance(prompt, str):
             engine_prompt = await self.tokenize_text(prompt, add_special_tokens)
             if not engine_prompt.token_ids:
@@ -66,9 +75,13 @@ class OpenAIServingCompletion(OpenAIServing):
             return engine_prompt
         return self.check_token_ids(prompt)
 
-    async def _full(self, request: CompletionRequest, request_id: str,
-                    prompts: list[EnginePrompt],
-                    generators: list[OutputStream]) -> CompletionResponse:
+    async def _full(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[EnginePrompt],
+        generators: list[OutputStream],
+    ) -> CompletionResponse:
         finals: list[RequestOutput | None] = [None] * len(prompts)
         try:
             async for i, output in merge_async_iterators(*generators):
@@ -85,19 +98,36 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.echo:
                     text = self._prompt_text(prompts[i]) + text
                 if request.logprobs is not None:
-                    logprobs = self._logprobs(request, final, out.token_ids, out.logprobs or [],
-                                              echo=request.echo, offset=0)
-                choices.append(CompletionResponseChoice(
-                    index=i * request.n + out.index, text=text, logprobs=logprobs,
-                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                    **_token_ids(request, final, out.token_ids, first=True)))
+                    logprobs = self._logprobs(
+                        request,
+                        final,
+                        out.token_ids,
+                        out.logprobs or [],
+                        echo=request.echo,
+                        offset=0,
+                    )
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * request.n + out.index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason,
+                        **_token_ids(request, final, out.token_ids, first=True),
+                    )
+                )
         usage = self.usage([f for f in finals if f is not None], num_generated)
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                  usage=usage)
+        return CompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=usage
+        )
 
-    async def _stream(self, request: CompletionRequest, request_id: str,
-                      prompts: list[EnginePrompt],
-                      generators: list[OutputStream]) -> EventStream:
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[EnginePrompt],
+        generators: list[OutputStream],
+    ) -> EventStream:
         created = int(time.time())
         options = request.stream_options
         latest: dict[int, RequestOutput] = {}  # prompt index -> its latest output (for usage)
@@ -107,9 +137,15 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets: dict[int, int] = {}  # choice index -> text offset of its next logprobs token
 
         def chunk(choices: list[CompletionResponseChoice], usage: UsageInfo | None = None) -> str:
-            return sse_event(CompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=choices,
-                usage=usage))
+            return sse_event(
+                CompletionStreamResponse(
+                    id=request_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=choices,
+                    usage=usage,
+                )
+            )
 
         outputs = merge_async_iterators(*generators)
         try:
@@ -124,19 +160,37 @@ class OpenAIServingCompletion(OpenAIServing):
                         text = self._prompt_text(prompts[i]) + text
                     logprobs = None
                     if request.logprobs is not None and (out.token_ids or echo):
-                        logprobs = self._logprobs(request, output, out.token_ids,
-                                                  out.logprobs or [], echo=echo,
-                                                  offset=offsets.get(index, 0))
+                        logprobs = self._logprobs(
+                            request,
+                            output,
+                            out.token_ids,
+                            out.logprobs or [],
+                            echo=echo,
+                            offset=offsets.get(index, 0),
+                        )
                         offsets[index] = _end_offset(logprobs, offsets.get(index, 0))
                     if not (text or out.finish_reason or logprobs):
                         continue
-                    running = (self.usage(list(latest.values()), num_generated)
-                               if options and options.continuous_usage_stats else None)
-                    yield chunk([CompletionResponseChoice(
-                        index=index, text=text, logprobs=logprobs,
-                        finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                        **_token_ids(request, output, out.token_ids,
-                                     first=index not in started))], running)
+                    running = (
+                        self.usage(list(latest.values()), num_generated)
+                        if options and options.continuous_usage_stats
+                        else None
+                    )
+                    yield chunk(
+                        [
+                            CompletionResponseChoice(
+                                index=index,
+                                text=text,
+                                logprobs=logprobs,
+                                finish_reason=out.finish_reason,
+                                stop_reason=out.stop_reason,
+                                **_token_ids(
+                                    request, output, out.token_ids, first=index not in started
+                                ),
+                            )
+                        ],
+                        running,
+                    )
                     started.add(index)
             if options and options.include_usage:
                 yield chunk([], self.usage(list(latest.values()), num_generated))
@@ -149,9 +203,16 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prompt_text(self, prompt: EnginePrompt) -> str:
         return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
 
-    def _logprobs(self, request: CompletionRequest, output: RequestOutput, token_ids: list[int],
-                  logprobs: list[dict[int, Logprob]], *, echo: bool,
-                  offset: int) -> CompletionLogprobs:
+    def _logprobs(
+        self,
+        request: CompletionRequest,
+        output: RequestOutput,
+        token_ids: list[int],
+        logprobs: list[dict[int, Logprob]],
+        *,
+        echo: bool,
+        offset: int,
+    ) -> CompletionLogprobs:
         """OpenAI's completions shape; with echo the prompt's tokens come first."""
         k, as_ids = request.logprobs or 0, request.return_tokens_as_token_ids
         positions: list[tuple[int, dict[int, Logprob] | None]] = []
@@ -171,8 +232,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 result.top_logprobs.append(None)
                 continue
             # vLLM's shape: the top k plus the chosen token, keyed by text.
-            top = {self.token_text(t, lp, as_ids): clamp_logprob(lp.logprob)
-                   for t, lp in self.top_entries(position, k)}
+            top = {
+                self.token_text(t, lp, as_ids): clamp_logprob(lp.logprob)
+                for t, lp in self.top_entries(position, k)
+            }
             if chosen is not None:
                 top.setdefault(text, clamp_logprob(chosen.logprob))
             result.top_logprobs.append(top)
@@ -194,11 +257,14 @@ def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> lis
     return list(prompt)  # type: ignore[arg-type]
 
 
-def _token_ids(request: CompletionRequest, output: RequestOutput, token_ids: list[int], *,
-               first: bool) -> dict[str, list[int] | None]:
+def _token_ids(
+    request: CompletionRequest, output: RequestOutput, token_ids: list[int], *, first: bool
+) -> dict[str, list[int] | None]:
     """A choice's ``return_token_ids`` fields: its new token ids, and on its first chunk (or in
     a whole response) its prompt's."""
     if not request.return_token_ids:
         return {}
-    return {"token_ids": list(token_ids),
-            "prompt_token_ids": output.prompt_token_ids if first else None}
+    return {
+        "token_ids": list(token_ids),
+        "prompt_token_ids": output.prompt_token_ids if first else None,
+    }

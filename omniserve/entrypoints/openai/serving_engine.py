@@ -42,6 +42,7 @@ OutputStream = AsyncGenerator[RequestOutput, None]
 EventStream = AsyncGenerator[str, None]
 """A streamed response's server-sent events."""
 
+
 class ServingError(Exception):
     """A request the server refuses, with its HTTP status and OpenAI error fields.
 
@@ -50,8 +51,13 @@ class ServingError(Exception):
     ("model_not_found", "invalid_api_key", "context_length_exceeded", ...), else null.
     """
 
-    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -60,8 +66,9 @@ class ServingError(Exception):
 
     def to_response(self) -> ErrorResponse:
         kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param,
-                                             code=self.code))
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code)
+        )
 
 
 def to_serving_error(exc: BaseException) -> ServingError:
@@ -70,8 +77,11 @@ def to_serving_error(exc: BaseException) -> ServingError:
     if isinstance(exc, ServingError):
         return exc
     if isinstance(exc, EngineDeadError):
-        return ServingError("The engine is dead; the server cannot serve requests.",
-                            HTTPStatus.SERVICE_UNAVAILABLE, code="engine_dead")
+        return ServingError(
+            "The engine is dead; the server cannot serve requests.",
+            HTTPStatus.SERVICE_UNAVAILABLE,
+            code="engine_dead",
+        )
     if isinstance(exc, EngineStoppingError):
         return ServingError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, code="server_shutting_down")
     if isinstance(exc, EngineGenerateError):
@@ -80,8 +90,11 @@ def to_serving_error(exc: BaseException) -> ServingError:
         return ServingError(str(exc))
     error_id = uuid.uuid4().hex[:12]
     logger.error("Internal error %s while serving a request", error_id, exc_info=exc)
-    return ServingError(f"Internal server error (id {error_id}; the server log has the cause).",
-                        HTTPStatus.INTERNAL_SERVER_ERROR, code="internal_error")
+    return ServingError(
+        f"Internal server error (id {error_id}; the server log has the cause).",
+        HTTPStatus.INTERNAL_SERVER_ERROR,
+        code="internal_error",
+    )
 
 
 def sse_event(payload: Any) -> str:
@@ -94,7 +107,8 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 async def merge_async_iterators(
-        *iterators: AsyncGenerator[T, None]) -> AsyncGenerator[tuple[int, T], None]:
+    *iterators: AsyncGenerator[T, None],
+) -> AsyncGenerator[tuple[int, T], None]:
     """Interleave several async iterators as items arrive, tagging each with its iterator index.
 
     Leaving early (an error, or the consumer closing us) cancels and closes every iterator, which
@@ -156,9 +170,13 @@ class EnginePrompt:
 class OpenAIServing:
     """Base of the endpoint handlers: model names, tokenization, limits and sampling params."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str],
-                 chat_template: str | None = None,
-                 trust_request_chat_template: bool = False) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_names: list[str],
+        chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
+    ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
@@ -174,8 +192,12 @@ class OpenAIServing:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_model_names:
-            raise ServingError(f"The model `{name}` does not exist.", HTTPStatus.NOT_FOUND,
-                               param="model", code="model_not_found")
+            raise ServingError(
+                f"The model `{name}` does not exist.",
+                HTTPStatus.NOT_FOUND,
+                param="model",
+                code="model_not_found",
+            )
 
     def check_engine(self) -> None:
         if self.engine.errored:
@@ -200,18 +222,26 @@ class OpenAIServing:
             raise ServingError(
                 f"This model's maximum context length is {self.max_model_len} tokens, and no "
                 f"text longer than {limit} characters fits in it; the {param} text has "
-                f"{num_chars} characters.", param=param, code="context_length_exceeded")
+                f"{num_chars} characters.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
-    async def tokenize_text(self, text: str, add_special_tokens: bool = True,
-                            param: str = "prompt") -> EnginePrompt:
+    async def tokenize_text(
+        self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> EnginePrompt:
         """Token ids of ``text``, checked for length first and tokenized off the event loop."""
         self.check_text_length(len(text), param)
         encoding = await self.engine.run_input_work(
-            functools.partial(self.tokenizer, text, add_special_tokens=add_special_tokens))
+            functools.partial(self.tokenizer, text, add_special_tokens=add_special_tokens)
+        )
         return EnginePrompt(text, list(encoding.input_ids))
 
-    async def render_chat(self, request: ChatCompletionRequest | TokenizeChatRequest,
-                          tools: list[dict[str, Any]] | None = None) -> EnginePrompt:
+    async def render_chat(
+        self,
+        request: ChatCompletionRequest | TokenizeChatRequest,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> EnginePrompt:
         """A chat request's messages -> the templated prompt and its media, fetched
         concurrently; ``tools`` are listed by the template.
 
@@ -219,30 +249,44 @@ class OpenAIServing:
         the expanded prompt against max_model_len again.
         """
         if request.chat_template is not None and not self.trust_request_chat_template:
-            raise ServingError("A chat_template in the request needs the server started with "
-                               "--trust-request-chat-template.", param="chat_template")
+            raise ServingError(
+                "A chat_template in the request needs the server started with "
+                "--trust-request-chat-template.",
+                param="chat_template",
+            )
         mm_processor_kwargs = request.mm_processor_kwargs
         self.engine.processor.input_preprocessor.check_mm_kwargs(mm_processor_kwargs or {})
         self.check_text_length(_text_chars(request.messages), "messages")
         prompt, locations = await self.renderer.for_template(request.chat_template).render_async(
-            request.messages, mm_processor_kwargs=mm_processor_kwargs,
-            executor=self.engine.input_pool, add_special_tokens=request.add_special_tokens,
+            request.messages,
+            mm_processor_kwargs=mm_processor_kwargs,
+            executor=self.engine.input_pool,
+            add_special_tokens=request.add_special_tokens,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            chat_template_kwargs=request.template_kwargs, tools=tools)
-        return EnginePrompt(prompt["prompt"], prompt["prompt_token_ids"],
-                            prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs"),
-                            locations, mm_uuids=prompt.get("multi_modal_uuids"))
+            chat_template_kwargs=request.template_kwargs,
+            tools=tools,
+        )
+        return EnginePrompt(
+            prompt["prompt"],
+            prompt["prompt_token_ids"],
+            prompt.get("multi_modal_data"),
+            prompt.get("mm_processor_kwargs"),
+            locations,
+            mm_uuids=prompt.get("multi_modal_uuids"),
+        )
 
-    def apply_prompt_options(self, prompt: EnginePrompt, request: SamplingRequest
-                             ) -> EnginePrompt:
+    def apply_prompt_options(self, prompt: EnginePrompt, request: SamplingRequest) -> EnginePrompt:
         """``truncate_prompt_tokens`` (keep the last k tokens; -1: max_model_len) and
         ``cache_salt``, as vLLM applies them to the tokenized prompt."""
         keep = request.truncate_prompt_tokens
         if keep is not None:
             if prompt.mm_data:
-                raise ServingError("truncate_prompt_tokens cannot cut a prompt with media (it "
-                                   "would cut their placeholders).", param="truncate_prompt_tokens")
+                raise ServingError(
+                    "truncate_prompt_tokens cannot cut a prompt with media (it "
+                    "would cut their placeholders).",
+                    param="truncate_prompt_tokens",
+                )
             keep = self.max_model_len if keep == -1 else keep
             if len(prompt.token_ids) > keep:
                 prompt = dataclasses.replace(prompt, text=None, token_ids=prompt.token_ids[-keep:])
@@ -260,7 +304,8 @@ class OpenAIServing:
             raise ServingError(
                 f"This model's maximum context length is {limit} tokens. However, your request "
                 f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
-                param="messages")
+                param="messages",
+            )
         if requested is None:  # the checkpoint's max_new_tokens caps the default, as in vLLM
             return min(limit - prompt_len, self.default_sampling.get("max_tokens", limit))
         if prompt_len + requested > limit:
@@ -268,20 +313,29 @@ class OpenAIServing:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in "
                 "the completion). Please reduce the length of the messages or completion.",
-                param="max_tokens", code="context_length_exceeded")
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return requested
 
-    def sampling_params(self, request: SamplingRequest, prompt_len: int, *,
-                        max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        request: SamplingRequest,
+        prompt_len: int,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
         """The one mapping from request fields to SamplingParams: a field the request omits
         takes the checkpoint's recommended value (``--generation-config``), else OpenAI's."""
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         limit = self.engine.model_config.max_logprobs
         if logprobs is not None and logprobs > limit:
             name = request.logprobs_field
-            raise ServingError(f"{name} may be at most {limit} (--max-logprobs), got "
-                               f"{logprobs}.", param=name)
+            raise ServingError(
+                f"{name} may be at most {limit} (--max-logprobs), got {logprobs}.", param=name
+            )
 
         def field(name: str, openai_default: float) -> Any:
             value = getattr(request, name)
@@ -312,13 +366,13 @@ class OpenAIServing:
                 structured_outputs=request.constraint,
                 logit_bias=request.token_logit_bias,
                 allowed_token_ids=request.allowed_token_ids,
-                bad_words=request.bad_words)
+                bad_words=request.bad_words,
+            )
         except ValueError as exc:
             field = str(exc).split(" ", 1)[0]
             raise ServingError(str(exc), param=field if field.isidentifier() else None) from exc
 
-    def token_text(self, token_id: int, logprob: Logprob | None = None,
-                   as_id: bool = False) -> str:
+    def token_text(self, token_id: int, logprob: Logprob | None = None, as_id: bool = False) -> str:
         """A logprobs entry's token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
         if as_id:
             return f"token_id:{token_id}"
@@ -332,35 +386,52 @@ class OpenAIServing:
         return sorted(position.items(), key=lambda item: -item[1].logprob)[:k]
 
     @staticmethod
-    def usage(outputs: list[RequestOutput], completion_tokens: int,
-              audio_tokens: int = 0) -> UsageInfo:
+    def usage(
+        outputs: list[RequestOutput], completion_tokens: int, audio_tokens: int = 0
+    ) -> UsageInfo:
         """Usage over the prompts' (expanded) tokens, with OpenAI's prompt_tokens_details:
         prefix-cache hits and the tokens that stand for images, audio and video; spoken
         answers' codec frames count as completion tokens too (completion_tokens_details)."""
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         details = PromptTokensDetails(
             cached_tokens=sum(o.num_cached_tokens for o in outputs),
-            **{f"{m}_tokens": sum(o.num_mm_tokens.get(m, 0) for o in outputs)
-               for m in ("image", "audio", "video")})
+            **{
+                f"{m}_tokens": sum(o.num_mm_tokens.get(m, 0) for o in outputs)
+                for m in ("image", "audio", "video")
+            },
+        )
         completion_tokens += audio_tokens
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens,
-                         prompt_tokens_details=details,
-                         completion_tokens_details=CompletionTokensDetails(
-                             audio_tokens=audio_tokens) if audio_tokens else None)
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=details,
+            completion_tokens_details=CompletionTokensDetails(audio_tokens=audio_tokens)
+            if audio_tokens
+            else None,
+        )
 
-    async def start_generation(self, prompts: list[EnginePrompt], params: SamplingParams,
-                               request_id: str, priority: int = 0) -> list[OutputStream]:
+    async def start_generation(
+        self,
+        prompts: list[EnginePrompt],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> list[OutputStream]:
         """Submit every prompt and wait for each one's first output.
 
         Waiting for the first output makes submission errors (the processor's validation) a 400
         before any 200 or stream is sent. A failure or cancellation here aborts every prompt.
         """
         generators = [
-            self.engine.generate(p.to_engine_input(), params,
-                                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                 priority)
-            for i, p in enumerate(prompts)]
+            self.engine.generate(
+                p.to_engine_input(),
+                params,
+                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                priority,
+            )
+            for i, p in enumerate(prompts)
+        ]
         tasks = [asyncio.ensure_future(anext(g)) for g in generators]
         try:
             firsts = await asyncio.gather(*tasks)
@@ -385,8 +456,11 @@ def _text_chars(messages: list[dict[str, Any]]) -> int:
         if isinstance(content, str):
             total += len(content)
         elif isinstance(content, list):
-            total += sum(len(part["text"]) for part in content
-                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+            total += sum(
+                len(part["text"])
+                for part in content
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
+            )
     return total
 
 

@@ -35,8 +35,9 @@ class OpenAIServingSpeech(OpenAIServing):
             raise ServingError(f"This model does not speak: {config.no_speech_reason}.")
         return config.speech
 
-    async def create_speech(self, request: CreateSpeechRequest
-                            ) -> tuple[AsyncIterator[bytes | str], str]:
+    async def create_speech(
+        self, request: CreateSpeechRequest
+    ) -> tuple[AsyncIterator[bytes | str], str]:
         """(body chunks, "audio" | "sse") after every check; errors are 400s before any byte."""
         self.check_model(request.model)
         self.check_engine()
@@ -45,21 +46,27 @@ class OpenAIServingSpeech(OpenAIServing):
             voice = speech.resolve_voice(request.voice_name)
         except ValueError as exc:
             raise ServingError(str(exc), param="voice") from exc
-        turn = ChatCompletionRequest(messages=[
-            {"role": "user", "content": request.instructions or request.input}])
+        turn = ChatCompletionRequest(
+            messages=[{"role": "user", "content": request.instructions or request.input}]
+        )
         try:
             prompt = await self.render_chat(turn)
         except ValueError as exc:
             raise to_serving_error(exc) from exc
         words = self.tokenizer.encode(request.input, add_special_tokens=False)
         options = request.speech.model_dump(exclude_none=True) if request.speech else {}
-        params = SamplingParams(temperature=0.0, max_tokens=1,
-                                output_modalities=["audio"],
-                                output_kind=RequestOutputKind.DELTA,
-                                speech=SpeechParams(voice=voice, reply_in_prompt=True, **options))
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=1,
+            output_modalities=["audio"],
+            output_kind=RequestOutputKind.DELTA,
+            speech=SpeechParams(voice=voice, reply_in_prompt=True, **options),
+        )
         (generator,) = await self.start_generation(
-            [EnginePrompt(text=None, token_ids=prompt.token_ids + words)], params,
-            self.new_request_id("speech", None))
+            [EnginePrompt(text=None, token_ids=prompt.token_ids + words)],
+            params,
+            self.new_request_id("speech", None),
+        )
 
         async def chunks() -> AsyncIterator[tuple[np.ndarray, int]]:
             """(new samples, frames spoken so far) as the engine streams them."""
@@ -83,22 +90,32 @@ async def _pcm_chunks(chunks: AsyncIterator[tuple[np.ndarray, int]]) -> AsyncIte
         yield pcm16(samples)
 
 
-async def _whole_file(chunks: AsyncIterator[tuple[np.ndarray, int]], fmt: str,
-                      rate: int) -> AsyncIterator[bytes]:
+async def _whole_file(
+    chunks: AsyncIterator[tuple[np.ndarray, int]], fmt: str, rate: int
+) -> AsyncIterator[bytes]:
     pieces = [samples async for samples, _ in chunks]
     yield encode_audio(np.concatenate(pieces) if pieces else np.zeros(0, np.float32), fmt, rate)
 
 
-async def _sse(chunks: AsyncIterator[tuple[np.ndarray, int]],
-               input_tokens: int) -> AsyncIterator[str]:
+async def _sse(
+    chunks: AsyncIterator[tuple[np.ndarray, int]], input_tokens: int
+) -> AsyncIterator[str]:
     """OpenAI's speech events: ``speech.audio.delta`` per chunk, then ``speech.audio.done``
     with the usage (the words' tokens in, the codec frames out)."""
     frames = 0
     async for samples, spoken in chunks:
         frames = spoken
         if len(samples):
-            yield sse_event({"type": "speech.audio.delta",
-                             "audio": base64.b64encode(pcm16(samples)).decode()})
-    yield sse_event({"type": "speech.audio.done", "usage": {
-        "input_tokens": input_tokens, "output_tokens": frames,
-        "total_tokens": input_tokens + frames}})
+            yield sse_event(
+                {"type": "speech.audio.delta", "audio": base64.b64encode(pcm16(samples)).decode()}
+            )
+    yield sse_event(
+        {
+            "type": "speech.audio.done",
+            "usage": {
+                "input_tokens": input_tokens,
+                "output_tokens": frames,
+                "total_tokens": input_tokens + frames,
+            },
+        }
+    )

@@ -38,11 +38,14 @@ class CreateSpeechRequest(OpenAIBaseModel):
     @model_validator(mode="after")
     def _speakable(self) -> CreateSpeechRequest:
         if self.speed != 1.0:
-            raise ValueError("speed other than 1.0 is not supported (the model speaks at its "
-                             "own pace).")
+            raise ValueError(
+                "speed other than 1.0 is not supported (the model speaks at its own pace)."
+            )
         if self.encoding not in AUDIO_FORMATS:
-            raise ValueError(f"response_format {self.response_format!r} has no encoder here; "
-                             "use one of mp3, opus, flac, wav, pcm.")
+            raise ValueError(
+                f"response_format {self.response_format!r} has no encoder here; "
+                "use one of mp3, opus, flac, wav, pcm."
+            )
         if self.stream_format == "sse" and self.encoding != STREAM_FORMAT:
             raise ValueError('stream_format "sse" sends PCM16 chunks: use response_format pcm.')
         return self

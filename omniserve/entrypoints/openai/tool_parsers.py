@@ -33,8 +33,12 @@ def call_delta(index: int, name: str | None, arguments: str) -> dict[str, Any]:
     function: dict[str, str] = {"arguments": arguments}
     if name is None:
         return {"index": index, "function": function}
-    return {"index": index, "id": new_tool_call_id(), "type": "function",
-            "function": {"name": name, **function}}
+    return {
+        "index": index,
+        "id": new_tool_call_id(),
+        "type": "function",
+        "function": {"name": name, **function},
+    }
 
 
 class ToolCallReader(abc.ABC):
@@ -87,7 +91,7 @@ class HermesToolCalls(ToolCallReader):
                 if end < 0 and not final:
                     break
                 body = self.pending if end < 0 else self.pending[:end]
-                self.pending = "" if end < 0 else self.pending[end + len(self.END):]
+                self.pending = "" if end < 0 else self.pending[end + len(self.END) :]
                 self.in_call = False
                 call = self._call(body)
                 if call is None:  # not a call after all: the model's text, as written
@@ -102,12 +106,12 @@ class HermesToolCalls(ToolCallReader):
             start = self.pending.find(self.START)
             if start >= 0:
                 content.append(self._content(self.pending[:start]))
-                self.pending = self.pending[start + len(self.START):]
+                self.pending = self.pending[start + len(self.START) :]
                 self.space_before, self.held_space, self.in_call = self.held_space, "", True
                 continue
             keep = 0 if final else partial_tag(self.pending, self.START)
-            content.append(self._content(self.pending[:len(self.pending) - keep]))
-            self.pending = self.pending[len(self.pending) - keep:]
+            content.append(self._content(self.pending[: len(self.pending) - keep]))
+            self.pending = self.pending[len(self.pending) - keep :]
             break
         if final and self.num_calls == 0:
             content.append(self.held_space)
@@ -125,7 +129,7 @@ class HermesToolCalls(ToolCallReader):
         if not body:
             self.held_space += text
             return ""
-        shown, self.held_space = self.held_space + body, text[len(body):]
+        shown, self.held_space = self.held_space + body, text[len(body) :]
         self.any_content = True
         return shown
 
@@ -160,12 +164,16 @@ class RequiredToolCalls(ToolCallReader):
             calls = json.loads(self.text)
         except ValueError:
             return self.text, []
-        if not (isinstance(calls, list) and all(
-                isinstance(c, dict) and {"name", "parameters"} <= c.keys() for c in calls)):
+        if not (
+            isinstance(calls, list)
+            and all(isinstance(c, dict) and {"name", "parameters"} <= c.keys() for c in calls)
+        ):
             return self.text, []
         self.num_calls = len(calls)
-        return "", [call_delta(i, call["name"], json.dumps(call["parameters"], ensure_ascii=False))
-                    for i, call in enumerate(calls)]
+        return "", [
+            call_delta(i, call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+            for i, call in enumerate(calls)
+        ]
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         return "tool_calls" if self.num_calls and engine_reason == "stop" else engine_reason
@@ -187,8 +195,9 @@ class NamedToolCall(ToolCallReader):
         return "", [call_delta(0, self.name if first else None, piece)]
 
 
-def tool_call_reader(request: ChatCompletionRequest, auto_parser: str | None
-                     ) -> ToolCallReader | None:
+def tool_call_reader(
+    request: ChatCompletionRequest, auto_parser: str | None
+) -> ToolCallReader | None:
     """The reader a request's ``tool_choice`` needs; None: the answer is all content.
 
     Raises ValueError for "auto" on a server started without a tool-call parser.
@@ -201,10 +210,13 @@ def tool_call_reader(request: ChatCompletionRequest, auto_parser: str | None
     if choice != "auto":
         return None
     if auto_parser is None:
-        raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and '
-                         '--tool-call-parser to be set.')
+        raise ValueError(
+            '"auto" tool choice requires --enable-auto-tool-choice and '
+            "--tool-call-parser to be set."
+        )
     return TOOL_CALL_PARSERS[auto_parser](
-        [tool.function.name for tool in request.tools or []], request.parallel_tool_calls)
+        [tool.function.name for tool in request.tools or []], request.parallel_tool_calls
+    )
 
 
 TOOL_CALL_PARSERS = {"hermes": HermesToolCalls}

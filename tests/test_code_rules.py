@@ -1,0 +1,43 @@
+"""The code rules CI keeps: ruff's lint rules and formatting (pyproject.toml), and a size cap
+per module, on the whole repository."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MAX_MODULE_LINES = 800
+"""A module past this has more than one stage's job: split it by stage (style.md)."""
+
+
+def _ruff(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_ruff_lint_is_clean() -> None:
+    result = _ruff("check", ".")
+    assert result.returncode == 0, result.stdout[-4000:]
+
+
+def test_ruff_format_leaves_every_file_as_it_is() -> None:
+    result = _ruff("format", "--check", ".")
+    assert result.returncode == 0, f"run `ruff format .`:\n{result.stdout[-4000:]}"
+
+
+def test_modules_stay_under_the_size_cap() -> None:
+    sizes = {
+        path: len(path.read_text().splitlines())
+        for root in ("omniserve", "model_zoo", "processors")
+        for path in (REPO_ROOT / root).rglob("*.py")
+    }
+    assert {
+        str(p.relative_to(REPO_ROOT)): n for p, n in sizes.items() if n > MAX_MODULE_LINES
+    } == {}
