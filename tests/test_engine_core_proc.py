@@ -20,11 +20,9 @@ import pytest
 
 from omniserve.config import OmniConfig
 from omniserve.engine.arg_utils import EngineArgs
-from omniserve.engine.core import EngineCore
 from omniserve.engine.core_client import AsyncMPClient, InprocClient, SyncMPClient
 from omniserve.engine.exceptions import EngineDeadError, EngineStartupError
 from omniserve.entrypoints.llm import LLM
-from omniserve.executor.uniproc import UniProcExecutor
 from omniserve.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from omniserve.sampling_params import SamplingParams
 
@@ -239,58 +237,6 @@ def test_async_mp_client(model_dir: Path) -> None:
     finally:
         client.shutdown()
     _assert_gone(client.proc)
-
-
-class _TwoBatchExecutor(UniProcExecutor):
-    """The in-process worker driven like a pipeline: two batches in flight; counts them."""
-
-    max_concurrent_batches = 2  # type: ignore[assignment]
-
-    def __init__(self, config: OmniConfig) -> None:
-        super().__init__(config)
-        self._lock = threading.Lock()
-        self.in_flight = self.max_in_flight = 0
-
-    def execute_model(self, scheduler_output, non_block=False):  # type: ignore[no-untyped-def]
-        assert non_block, "the batch queue must not block on a step"
-        with self._lock:
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        future = super().execute_model(scheduler_output, non_block=True)
-        future.add_done_callback(lambda _: self._finish())
-        return future
-
-    def _finish(self) -> None:
-        with self._lock:
-            self.in_flight -= 1
-
-    def _execute_model(self, scheduler_output):  # type: ignore[no-untyped-def]
-        time.sleep(0.005)  # a step that takes a while, as on a real pipeline
-        return super()._execute_model(scheduler_output)
-
-
-def test_batch_queue_matches_step(model_dir: Path) -> None:
-    # Small budgets: chunked prefills and decodes overlap across in-flight batches.
-    config = _config(model_dir, max_num_batched_tokens=16, long_prefill_token_threshold=8)
-    num = 6
-
-    step_core = EngineCore(config)
-    for i in range(num):
-        step_core.add_request(_request(i))
-    expected = _collect(step_core.step, num)
-    step_core.shutdown()
-
-    queue_core = EngineCore(config, executor_class=_TwoBatchExecutor)
-    assert queue_core.batch_queue_size == 2
-    for i in range(num):
-        queue_core.add_request(_request(i))
-    assert _collect(queue_core.step_with_batch_queue, num) == expected
-    assert queue_core.model_executor.max_in_flight == 2
-    while queue_core.batch_queue:  # a last batch may only tell the worker what finished
-        outputs = queue_core.step_with_batch_queue()
-        assert outputs is None or not outputs.outputs
-    assert not queue_core.has_unfinished_requests()
-    queue_core.shutdown()
 
 
 def test_engine_exits_when_parent_is_killed(model_dir: Path) -> None:

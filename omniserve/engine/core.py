@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
 from concurrent.futures import Future
 from typing import Any, NoReturn
 
@@ -80,9 +79,6 @@ class EngineCore:
             num_talker_blocks=num_talker_blocks,
             make_text_stop=self._make_text_stop,
         )
-        # Batches in flight, newest first (only used when the executor runs several at once).
-        self.batch_queue_size = self.model_executor.max_concurrent_batches
-        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
         # Requests with structured outputs wait here, outside the scheduler, for their grammar.
         self.grammar_waiting: dict[str, tuple[Request, Future[Any]]] = {}
         self.structured_output = StructuredOutputManager(config.model_config)
@@ -114,8 +110,6 @@ class EngineCore:
         if constraint is None:
             self.scheduler.add_request(engine_request)
             return
-        if self.batch_queue_size > 1:  # a batch's mask would be built before the last's tokens
-            raise ValueError("structured outputs are not supported with pipeline parallelism.")
         self.grammar_waiting[request.request_id] = (
             engine_request,
             self.structured_output.compile_async(constraint),
@@ -198,45 +192,6 @@ class EngineCore:
             outputs = self._update_from_output(scheduler_output, model_output)
         outputs.outputs = failed + outputs.outputs
         return outputs
-
-    def step_with_batch_queue(self) -> EngineCoreOutputs | None:
-        """Keep up to ``batch_queue_size`` batches in flight (pipeline parallelism).
-
-        Schedules a new batch while the queue has room and there is work; blocks on the oldest
-        batch only when the queue is full, when nothing new could be scheduled, or when the newest
-        batch already finished. Returns None when it only scheduled.
-        """
-        if (
-            len(self.batch_queue) < self.batch_queue_size
-            and self.scheduler.has_unfinished_requests()
-        ):
-            so = self.scheduler.schedule()
-            # An empty schedule still carries finished/preempted ids the workers must see.
-            if not so.is_empty or so.finished_req_ids or so.preempted_req_ids:
-                future = self.model_executor.execute_model(so, non_block=True)
-                self.batch_queue.appendleft((future, so))
-                if (
-                    not so.is_empty
-                    and not future.done()
-                    and len(self.batch_queue) < self.batch_queue_size
-                ):
-                    return None
-        if not self.batch_queue:
-            return None
-        future, scheduler_output = self.batch_queue.pop()
-        try:
-            model_output = future.result()
-        except Exception as exc:
-            # Later batches were scheduled on top of this one: they are undone with it.
-            failed = [scheduler_output]
-            while self.batch_queue:
-                later_future, later = self.batch_queue.pop()
-                exception = later_future.exception()
-                if exception is not None:
-                    logger.error("A later batch failed too: %r", exception)
-                failed.append(later)
-            return self._fail_step(failed, exc)
-        return self._update_from_output(scheduler_output, model_output)
 
     def _fail_step(
         self, scheduler_outputs: list[SchedulerOutput], exc: Exception
@@ -366,7 +321,6 @@ class EngineCoreProc(EngineCore):
             lambda exc: self.input_queue.put((_EXECUTOR_FAILED, exc))
         )  # type: ignore[arg-type]
         self._stop_io = threading.Event()
-        self._step_fn = self.step if self.batch_queue_size == 1 else self.step_with_batch_queue
         # Sockets are made here, so an address problem fails start-up; each is then used only by
         # its own thread. The engine binds its input (clients connect and queue while it starts).
         self._zmq_ctx = zmq.Context()
@@ -441,12 +395,12 @@ class EngineCoreProc(EngineCore):
             self._process_input_queue()
             if self._shutdown_requested or not self._has_work():
                 continue
-            outputs = self._step_fn()
-            if outputs is not None and outputs.outputs:
+            outputs = self.step()
+            if outputs.outputs:
                 self.output_queue.put((EngineCoreOutputType.OUTPUTS, outputs))
 
     def _has_work(self) -> bool:
-        return self.has_unfinished_requests() or bool(self.batch_queue)
+        return self.has_unfinished_requests()
 
     def _process_input_queue(self) -> None:
         block = not self._has_work()

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal, overload
+from typing import Any
 
 from omniserve.config import OmniConfig
 from omniserve.core.sched_output import SchedulerOutput
@@ -16,7 +15,6 @@ class Executor(ABC):
     def __init__(self, config: OmniConfig) -> None:
         self.config = config
         # One thread, so non-blocking steps reach the workers in submission order.
-        self._step_pool: ThreadPoolExecutor | None = None
         self._failure_callback: Callable[[BaseException], None] | None = None
 
     @staticmethod
@@ -90,40 +88,11 @@ class Executor(ABC):
         """What rank 0 loaded and allocated (see ``Worker.model_info``)."""
         return self.collective_rpc("model_info")[0]
 
-    @property
-    def max_concurrent_batches(self) -> int:
-        """Batches the engine core may keep in flight (> 1 enables its batch queue)."""
-        return self.config.parallel_config.pipeline_parallel_size
-
-    @overload
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: Literal[False] = False
-    ) -> ModelRunnerOutput: ...
-
-    @overload
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: Literal[True]
-    ) -> Future[ModelRunnerOutput]: ...
-
-    def execute_model(
-        self,
-        scheduler_output: SchedulerOutput,
-        non_block: bool = False,
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        """Run one step on the workers. ``non_block=True`` returns a Future at once, so the
-        engine core can schedule the next batch while this one runs."""
-        if not non_block:
-            return self._execute_model(scheduler_output)
-        if self._step_pool is None:
-            self._step_pool = ThreadPoolExecutor(1, thread_name_prefix="omniserve-step")
-        return self._step_pool.submit(self._execute_model, scheduler_output)
-
-    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on the workers."""
         # Every rank computes the same sampled tokens; rank 0's answer is the one used.
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
 
+    @abstractmethod
     def shutdown(self) -> None:
-        """Release workers; subclasses that own processes extend this and call super()."""
-        if self._step_pool is not None:
-            self._step_pool.shutdown(wait=True, cancel_futures=True)
-            self._step_pool = None
+        """Release the workers (processes, actors, or the in-process one)."""

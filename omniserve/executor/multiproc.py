@@ -119,7 +119,7 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return self._call(method, args, REPLY_ALL)
 
-    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", (scheduler_output,), REPLY_RANK0)[0]
 
     def _call(self, method: str, args: tuple, reply: str) -> list[Any]:
@@ -151,7 +151,6 @@ class MultiprocExecutor(Executor):
         return [results[rank] for rank in sorted(ranks)]
 
     def shutdown(self) -> None:
-        super().shutdown()
         if self._closing:
             return
         self._closing = True

@@ -90,14 +90,13 @@ class RayExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return self._get([w.execute_method.remote(method, args, REPLY_ALL) for w in self.workers])
 
-    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # Serialised once into the object store; each actor receives the same object.
         args = self._ray.put((scheduler_output,))
         refs = [w.execute_method.remote("execute_model", args, REPLY_RANK0) for w in self.workers]
         return self._get(refs)[0]
 
     def shutdown(self) -> None:
-        super().shutdown()
         for worker in self.workers:
             self._ray.kill(worker)
         self.workers = []

@@ -16,3 +16,6 @@ class UniProcExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
+
+    def shutdown(self) -> None:
+        """Nothing to release: the worker lives and dies with this process."""
