@@ -9,7 +9,7 @@ Hugging Face checkpoints (``model.layers.N.self_attn...``, ``lm_head``), except 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -129,6 +129,10 @@ class DecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
+"""(layer index, that layer's output) -> the hidden state the next layer gets."""
+
+
 class DecoderModel(nn.Module):
     """Embeddings, the layer stack and the final norm (``model.*`` in the checkpoint)."""
 
@@ -141,20 +145,31 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = get_rope(config, head_dim_of(config))
 
+    def embed(
+        self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``inputs_embeds`` as given, else the embeddings of ``input_ids``."""
+        if inputs_embeds is not None:
+            return inputs_embeds
+        if input_ids is None:
+            raise ValueError("Pass input_ids or inputs_embeds.")
+        return self.embed_tokens(input_ids)
+
     def forward(
         self,
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor | None = None,
+        after_layer: AfterLayer | None = None,
     ) -> torch.Tensor:
-        if inputs_embeds is None:
-            if input_ids is None:
-                raise ValueError("Pass input_ids or inputs_embeds.")
-            inputs_embeds = self.embed_tokens(input_ids)
-        hidden_states = inputs_embeds  # [num_tokens, hidden_size]
+        """The normed last hidden state; ``after_layer(i, hidden)`` (a model's per-layer step,
+        e.g. Qwen3-Omni's DeepStack) replaces layer i's output."""
+        hidden_states = self.embed(input_ids, inputs_embeds)  # [num_tokens, hidden_size]
         cos, sin = self.rotary_emb(positions, hidden_states.dtype)  # [num_tokens, rotary_dim]
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             hidden_states = layer(hidden_states, cos, sin)
+            if after_layer is not None:
+                hidden_states = after_layer(i, hidden_states)
         return self.norm(hidden_states)
 
 

@@ -198,28 +198,25 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
     ) -> torch.Tensor:
         """The decoder, adding DeepStack level i after layer i at this step's multimodal rows."""
         deepstack, self._deepstack = self._deepstack, None
-        model = self.model
-        if inputs_embeds is None:
-            if input_ids is None:
-                raise ValueError("Pass input_ids or inputs_embeds.")
-            inputs_embeds = model.embed_tokens(input_ids)
+        inputs_embeds = self.model.embed(input_ids, inputs_embeds)
         if deepstack is not None and deepstack.num_tokens != inputs_embeds.shape[0]:
             raise RuntimeError(
                 f"DeepStack rows were prepared for {deepstack.num_tokens} tokens, but forward got "
                 f"{inputs_embeds.shape[0]}: call get_input_embeddings right before forward."
             )
-        hidden_states = inputs_embeds  # [num_tokens, hidden_size]
+        num_layers = len(self.model.layers)
         if self.tap_layer == 0:
-            self.tapped = hidden_states
-        cos, sin = model.rotary_emb(positions, hidden_states.dtype)
-        for i, layer in enumerate(model.layers):
-            hidden_states = layer(hidden_states, cos, sin)
-            if self.tap_layer == i + 1 < len(model.layers):
+            self.tapped = inputs_embeds
+
+        def after_layer(i: int, hidden_states: torch.Tensor) -> torch.Tensor:
+            if self.tap_layer == i + 1 < num_layers:
                 self.tapped = hidden_states  # transformers taps a layer before DeepStack
             if deepstack is not None and i < self.num_deepstack:
                 hidden_states = hidden_states.index_add(0, deepstack.rows, deepstack.embeds[:, i])
-        hidden_states = model.norm(hidden_states)
-        if self.tap_layer == len(model.layers):
+            return hidden_states
+
+        hidden_states = self.model(None, positions, inputs_embeds, after_layer)
+        if self.tap_layer == num_layers:
             self.tapped = hidden_states  # its last "hidden state" is the normed output
         return hidden_states
 
