@@ -68,9 +68,25 @@ def parse_args() -> argparse.Namespace:
         nargs="+",
         choices=TASKS,
         default=list(TASKS),
-        help="train on these tasks only (experiments)",
+        help="train on these tasks only (experiments, or a second stage)",
     )
-    return parser.parse_args()
+    parser.add_argument(
+        "--weights",
+        nargs="+",
+        type=int,
+        default=None,
+        help="how often each of --tasks is drawn (default: tasks.TASK_WEIGHTS)",
+    )
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue from this trained checkpoint (a second stage) instead of random weights",
+    )
+    args = parser.parse_args()
+    if args.weights is not None and len(args.weights) != len(args.tasks):
+        parser.error("--weights needs one weight per task of --tasks")
+    return args
 
 
 class Batches(torch.utils.data.Dataset):
@@ -84,7 +100,7 @@ class Batches(torch.utils.data.Dataset):
             args.steps,
         )
         self.tasks = tuple(args.tasks)
-        self.weights = [TASK_WEIGHTS[TASKS.index(task)] for task in self.tasks]
+        self.weights = args.weights or [TASK_WEIGHTS[TASKS.index(task)] for task in self.tasks]
         self.processor: Any = None
 
     def __len__(self) -> int:
@@ -161,9 +177,10 @@ def main() -> None:
     )
     torch.manual_seed(args.seed)
     model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
-        init_dir, dtype=torch.float32
+        args.init_from or init_dir, dtype=torch.float32
     )
-    init_encoders(model)
+    if args.init_from is None:
+        init_encoders(model)
     probes = TowerProbes(model)
     model.train()
     linear_patch_embed(model)
@@ -222,12 +239,23 @@ def main() -> None:
 
 
 def _run_key(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        key: value
-        for key, value in vars(args).items()
-        if key
-        in ("steps", "batch_size", "lr", "encoder_lr", "probe_weight", "warmup", "seed", "tasks")
+    return {key: value for key, value in vars(args).items() if key in _RUN_KEYS} | {
+        "init_from": str(args.init_from) if args.init_from else None
     }
+
+
+_RUN_KEYS = (
+    "steps",
+    "batch_size",
+    "lr",
+    "encoder_lr",
+    "probe_weight",
+    "warmup",
+    "seed",
+    "tasks",
+    "weights",
+)
+"""The arguments a saved state belongs to: a rerun continues it only when they are the same."""
 
 
 def _save_state(
@@ -270,6 +298,11 @@ def _publish(
         shutil.rmtree(out)
     out.mkdir(parents=True)
     model.save_pretrained(out)
+    # Served greedy unless a request asks otherwise: each question has one exact answer.
+    generation = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(
+        json.dumps({**generation, "temperature": 0.0}, indent=2) + "\n"
+    )
     for file in init_dir.iterdir():
         if not file.name.startswith(
             ("model", "config.json", "generation_config", "omniserve_build")
@@ -297,6 +330,8 @@ def _publish(
         "final_loss_by_task": {task: round(loss, 4) for task, loss in final.items()},
         "torch": torch.__version__,
     }
+    if args.init_from is not None:  # a later stage: its card tells the whole history
+        recipe["previous_stage"] = json.loads((args.init_from / card.RECIPE_FILE).read_text())
     (out / card.RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
     card.write_card(out)
     print(

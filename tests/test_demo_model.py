@@ -128,6 +128,19 @@ def test_train_resume_and_evaluate_scripts(tmp_path):
     assert recipe["command"].endswith(" ".join(command[2:]))
     assert "Not evaluated yet" in (out / "README.md").read_text()
 
+    # A second stage from the published checkpoint, on its own task mix: the card has both.
+    staged = tmp_path / "staged"
+    stage = [*command[:2], "--steps", "1", "--batch-size", "2", "--warmup", "1", "--out",
+             str(staged), "--work-dir", str(tmp_path / "work2"), "--init-from", str(out),
+             "--tasks", "image", "text", "--weights", "3", "1"]  # fmt: skip
+    second_stage = subprocess.run(stage, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert second_stage.returncode == 0, second_stage.stderr[-3000:]
+    staged_recipe = json.loads((staged / card.RECIPE_FILE).read_text())
+    assert staged_recipe["previous_stage"] == recipe
+    assert staged_recipe["task_weights"] == {"image": 3, "text": 1}
+    card_text = (staged / "README.md").read_text()
+    assert recipe["command"] in card_text and staged_recipe["command"] in card_text
+
     scored = subprocess.run(
         [
             sys.executable,

@@ -27,19 +27,13 @@ def write_card(checkpoint: Path) -> None:
         "",
         "## Training",
         "",
-        f"- Command: `{recipe['command']}` (deterministic for a seed and thread count; resumable).",
-        f"- Data: `omniserve.demo_model.tasks`, generator version {recipe['generator_version']},"
-        f" seed {recipe['seed']}; one task per batch, drawn with weights "
-        f"{recipe['task_weights']}.",
-        "- Model: the checkpoint builder's tiny Qwen3-Omni-MoE thinker with "
-        f"`{recipe['overrides']}`.",
-        f"- Optimiser: {recipe['optimizer']}, gradient clip {recipe['grad_clip']}, "
-        f"{recipe['schedule']}, warmup {recipe['warmup']} steps.",
-        f"- Wall time: {recipe['wall_seconds'] / 60:.1f} min on {recipe['threads']} CPU threads "
-        f"(torch {recipe['torch']}).",
-        "- Final training loss (mean of each task's last 20 batches): "
-        + ", ".join(f"{task} {loss}" for task, loss in recipe["final_loss_by_task"].items())
-        + ".",
+        "Model: the checkpoint builder's tiny Qwen3-Omni-MoE thinker with "
+        f"`{recipe['overrides']}`. Data: `omniserve.demo_model.tasks`, generator version "
+        f"{recipe['generator_version']}; one task per batch. Training-only linear probes on each "
+        "tower's mean output predict the example's facts (count, colour, shape, position, "
+        "direction; beeps, pitch, loudness) beside the answer loss.",
+        "",
+        *(line for stage in _stages(recipe) for line in _stage_lines(stage)),
         "",
         "## Evaluation",
         "",
@@ -61,6 +55,27 @@ def write_card(checkpoint: Path) -> None:
             *(f"| {task} | {acc:.1%} |" for task, acc in results["accuracy"].items()),
         ]
     (checkpoint / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def _stages(recipe: dict[str, Any]) -> list[dict[str, Any]]:
+    """The recipe's stages, first first (a later stage keeps its predecessor's recipe)."""
+    stages = [recipe]
+    while "previous_stage" in stages[0]:
+        stages.insert(0, stages[0]["previous_stage"])
+    return stages
+
+
+def _stage_lines(stage: dict[str, Any]) -> list[str]:
+    return [
+        f"- `{stage['command']}` (deterministic for a seed and thread count; resumable): seed "
+        f"{stage['seed']}, task weights {stage['task_weights']}, probe weight "
+        f"{stage['probe_weight']}; {stage['optimizer']}, gradient clip {stage['grad_clip']}, "
+        f"{stage['schedule']}, warmup {stage['warmup']} steps; "
+        f"{stage['wall_seconds'] / 60:.1f} min on {stage['threads']} CPU threads "
+        f"(torch {stage['torch']}). Final training loss (mean of each task's last 20 batches): "
+        + ", ".join(f"{task} {loss}" for task, loss in stage["final_loss_by_task"].items())
+        + ".",
+    ]
 
 
 def _read(path: Path) -> dict[str, Any] | None:
