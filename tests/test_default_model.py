@@ -1,17 +1,29 @@
-"""`omniserve serve` with no model: the tiny Qwen3-Omni-MoE thinker, answering a chat with an image
-and an audio clip exactly as offline `LLM.chat` does."""
+"""`omniserve serve` with no model: the trained demo thinker shipped in the package. It answers
+held-out demo questions through the API, the README's client example prints the answer its comment
+says, and a chat with an image and an audio clip matches offline `LLM.chat` exactly."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
 
 import pytest
 
 from omniserve import LLM, SamplingParams
-from omniserve.entrypoints.cli import DEFAULT_ARCHITECTURE, default_model
-from tests.server_utils import MODEL
+from omniserve.demo_model import CHECKPOINT, SERVED_NAME, card
+from omniserve.demo_model.evaluate import grade
+from omniserve.demo_model.tasks import TASKS, make_examples
+from omniserve.demo_model.training import ARCHITECTURE
+from omniserve.entrypoints.cli import default_model, main
+from tests.server_utils import API_KEY, MODEL
 from tests.test_api_multimodal import IMAGE, WAV, WAVEFORM, _png
 from tests.test_media import _video
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _messages(image_part: dict, audio_part: dict) -> list[dict]:
@@ -32,9 +44,53 @@ def server(default_server):
     return default_server
 
 
-def test_default_model_is_the_omni_thinker():
-    assert DEFAULT_ARCHITECTURE == "Qwen3OmniMoeThinkerForConditionalGeneration"
-    assert "Qwen3OmniMoeThinker" in default_model()
+def test_default_model_is_the_shipped_demo_thinker():
+    assert Path(default_model()) == CHECKPOINT
+    config = json.loads((CHECKPOINT / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURE]
+    assert sum(f.stat().st_size for f in CHECKPOINT.iterdir()) < 50 * 2**20
+    figures = json.loads((CHECKPOINT / card.EVAL_FILE).read_text())["accuracy"]
+    assert set(figures) == set(TASKS)
+    assert f"| image | {figures['image']:.1%} |" in (CHECKPOINT / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("flags", "name"), [([], [SERVED_NAME]), (["--served-model-name", "mine"], ["mine"])]
+)
+def test_serve_without_a_model_serves_the_demo_under_its_name(monkeypatch, flags, name):
+    from omniserve.entrypoints.openai import api_server
+
+    served = []
+    monkeypatch.setattr(api_server, "run_server", served.append)
+    assert main(["serve", *flags]) == 0
+    assert served[0].model == str(CHECKPOINT) and served[0].served_model_name == name
+
+
+def test_demo_model_answers_held_out_questions(server):
+    """A small held-out set (seed 2: no training stage used it, and the model card's figures
+    are on seed 1), greedy through the API: at least 90% of the replies are the reference
+    sentence."""
+    graded = grade(server.client(), MODEL, make_examples(2, 6 * len(TASKS)))
+    wrong = [(g.example.question, g.reply, g.example.answer) for g in graded if not g.correct]
+    assert len(wrong) <= 0.1 * len(graded), wrong
+
+
+def test_readme_client_example_prints_the_answer_in_its_comment(server):
+    """The README's first Python example, pointed at this server: its first line of output is
+    the answer its print line's comment gives."""
+    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    expected = re.search(r"print\(reply\.choices\[0\]\.message\.content\)  # (.+)", code).group(1)
+    for theirs, ours in (
+        ("http://127.0.0.1:8000/v1", server.url + "/v1"),
+        ('api_key="none"', f'api_key="{API_KEY}"'),
+        (f'model="{SERVED_NAME}"', f'model="{MODEL}"'),
+    ):
+        assert theirs in code
+        code = code.replace(theirs, ours)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(README), "exec"), {})
+    assert out.getvalue().splitlines()[0] == expected
 
 
 def test_image_and_audio_chat_matches_offline(server, monkeypatch):

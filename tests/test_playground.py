@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import base64
 import shutil
-import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
-from PIL import Image
 
+from omniserve.demo_model.tasks import make_example
 from tests.server_utils import API_KEY, MODEL, launch_server
 
 WAIT_S = 60
@@ -79,22 +77,6 @@ def _ask(browser: Any, text: str) -> Any:
     return messages[-1]
 
 
-def _png(path: Path) -> Path:
-    rng = np.random.default_rng(0)
-    Image.fromarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(path)
-    return path
-
-
-def _wav(path: Path) -> Path:
-    samples = (np.sin(np.arange(16000) * 2 * np.pi * 440 / 16000) * 12000).astype("<i2")
-    with wave.open(str(path), "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(16000)
-        out.writeframes(samples.tobytes())
-    return path
-
-
 def _data_url(path: Path, media_type: str) -> str:
     return f"data:{media_type};base64,{base64.b64encode(path.read_bytes()).decode()}"
 
@@ -133,32 +115,41 @@ def test_playground_in_a_browser(default_server, browser, tmp_path):
     usage = reply.find_element(By.CSS_SELECTOR, ".usage")
     assert usage.get_attribute("data-completion") == "12" and "tokens/s" in usage.text
 
-    # An image and a sound: the answer shows the usage the API reports for the same content.
+    # An image and a sound (a held-out demo example): the page shows the answer and the usage
+    # the API gives for the same content, and the demo model answers it right.
     browser.find_element(By.ID, "clear").click()
-    image, sound = _png(tmp_path / "dots.png"), _wav(tmp_path / "beep.wav")
+    browser.execute_script("document.getElementById('max_tokens').value = '64';")
+    example = next(
+        e
+        for i in range(50)
+        if (e := make_example(7, i, "image_audio")).question == "What do you see and hear?"
+    )
+    image, sound = tmp_path / "shapes.png", tmp_path / "beeps.wav"
+    image.write_bytes(example.image or b"")
+    sound.write_bytes(example.audio or b"")
     browser.find_element(By.ID, "attach").send_keys(f"{image}\n{sound}")
     _wait(browser, "document.querySelectorAll('#attachments .chip').length === 2")
-    reply = _ask(browser, "What do you see and hear?")
+    reply = _ask(browser, example.question)
     assert reply.get_attribute("data-role") == "assistant", reply.text
     usage = reply.find_element(By.CSS_SELECTOR, ".usage")
-    expected = (
-        server.client()
-        .chat.completions.create(
-            model=MODEL,
-            max_tokens=1,
-            messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "image_url", "image_url": {"url": _data_url(image, "image/png")}},
-                        {"type": "audio_url", "audio_url": {"url": _data_url(sound, "audio/wav")}},
-                        {"type": "text", "text": "What do you see and hear?"},
-                    ],
-                }
-            ],
-        )
-        .usage
+    api = server.client().chat.completions.create(
+        model=MODEL,
+        max_tokens=64,
+        temperature=0.0,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": _data_url(image, "image/png")}},
+                    {"type": "audio_url", "audio_url": {"url": _data_url(sound, "audio/wav")}},
+                    {"type": "text", "text": example.question},
+                ],
+            }
+        ],
     )
+    answer = reply.find_element(By.CSS_SELECTOR, ".body").text
+    assert answer == api.choices[0].message.content and example.is_correct(answer), answer
+    expected = api.usage
     assert int(usage.get_attribute("data-prompt")) == expected.prompt_tokens
     assert int(usage.get_attribute("data-image")) == expected.prompt_tokens_details.image_tokens
     assert int(usage.get_attribute("data-audio")) == expected.prompt_tokens_details.audio_tokens

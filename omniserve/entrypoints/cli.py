@@ -13,15 +13,14 @@ from omniserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ARCHITECTURE = "Qwen3OmniMoeThinkerForConditionalGeneration"
-
 
 def default_model() -> str:
-    """The built-in default model: a tiny Qwen3-Omni-MoE thinker (text, image, audio, video in),
-    built offline on first use into the cache dir."""
-    from omniserve.checkpoint_builder import build_tiny_checkpoint
+    """The built-in default model: the demo Qwen3-Omni-MoE thinker shipped in the package
+    (`omniserve.demo_model`), trained to answer about shapes in images, beeps in sounds and
+    moving shapes in videos."""
+    from omniserve.demo_model import CHECKPOINT
 
-    return str(build_tiny_checkpoint(DEFAULT_ARCHITECTURE))
+    return str(CHECKPOINT)
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -120,7 +119,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from omniserve.entrypoints.openai.api_server import run_server
 
     if args.model is None:
+        from omniserve.demo_model import SERVED_NAME
+
         args.model = default_model()
+        args.served_model_name = args.served_model_name or [SERVED_NAME]
     run_server(args)
     return 0
 
