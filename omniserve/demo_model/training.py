@@ -25,6 +25,7 @@ from omniserve.demo_model.tasks import (
     Example,
 )
 from omniserve.multimodal.media import MediaConnector
+from processors.qwen3_omni_audio import get_feat_extract_output_lengths
 
 ARCHITECTURE = "Qwen3OmniMoeThinkerForConditionalGeneration"
 MODEL_OVERRIDES: dict[str, Any] = {
@@ -108,11 +109,7 @@ class TowerProbes(torch.nn.Module):
         self.pooled["visual"] = _means(out.pooler_output, sizes)
 
     def _pool_audio(self, module: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-            _get_feat_extract_output_lengths,
-        )
-
-        sizes = _get_feat_extract_output_lengths(kwargs["feature_lens"], self._n_window)
+        sizes = get_feat_extract_output_lengths(kwargs["feature_lens"], self._n_window)
         self.pooled["audio_tower"] = _means(out.last_hidden_state, sizes.tolist())
 
     def loss(self, facts: list[dict[str, Any]]) -> torch.Tensor | None:

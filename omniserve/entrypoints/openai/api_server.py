@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import secrets
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
@@ -32,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from omniserve import __version__
 from omniserve.engine.arg_utils import EngineArgs
@@ -40,16 +39,25 @@ from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineStoppingError
 from omniserve.entrypoints.chat_utils import locate_mm_error
 from omniserve.entrypoints.openai.audio_encoding import MEDIA_TYPES
+from omniserve.entrypoints.openai.chat_protocol import (
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+)
 from omniserve.entrypoints.openai.completion_protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
 )
+from omniserve.entrypoints.openai.middleware import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    DrainMiddleware,
+    Lifecycle,
+    error_json,
+)
 from omniserve.entrypoints.openai.playground import playground_router
 from omniserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionStreamResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -134,10 +142,6 @@ def with_cancellation(handler: Callable[..., Awaitable[Response]]) -> Callable[.
     return wrapper
 
 
-def error_json(error: ServingError) -> JSONResponse:
-    return JSONResponse(error.to_response().model_dump(), status_code=error.status)
-
-
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     """pydantic's errors as one 400: "field: problem; ...", ``param`` = the first bad field."""
     problems, fields = [], []
@@ -166,72 +170,6 @@ def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
     return error_json(to_serving_error(exc))  # logs anything that is not a client mistake
-
-
-class APIKeyMiddleware:
-    """Bearer-token auth on the API routes; /health, /version and /metrics stay open.
-
-    Plain ASGI (not BaseHTTPMiddleware) so it runs before the body is read and leaves
-    ``receive`` untouched for the disconnect listeners.
-    """
-
-    PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED_PREFIXES):
-            headers = dict(scope["headers"])
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(
-                token.strip(), self.api_key
-            ):
-                error = ServingError(
-                    "Invalid or missing API key.", HTTPStatus.UNAUTHORIZED, code="invalid_api_key"
-                )
-                await error_json(error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class Lifecycle:
-    """What the drain needs to know: whether it has begun, and how many requests are in flight."""
-
-    def __init__(self) -> None:
-        self.draining = False
-        self.in_flight = 0
-
-
-class DrainMiddleware:
-    """Counts the requests in flight; once draining, answers every new one (and /health, so load
-    balancers stop routing here) with a 503. /metrics and /version stay open to watch the drain.
-    """
-
-    OPEN_PATHS = ("/metrics", "/version")
-
-    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
-        self.app = app
-        self.lifecycle = lifecycle
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self.lifecycle.draining and scope["path"] not in self.OPEN_PATHS:
-            error = ServingError(
-                "The server is shutting down; send the request to another replica.",
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                code="server_shutting_down",
-            )
-            await error_json(error)(scope, receive, send)
-            return
-        self.lifecycle.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.lifecycle.in_flight -= 1
 
 
 class DrainingServer(uvicorn.Server):
@@ -432,55 +370,6 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     app.state.lifecycle = Lifecycle()
     app.add_middleware(DrainMiddleware, lifecycle=app.state.lifecycle)  # outermost: counts all
     return app
-
-
-class BodySizeLimitMiddleware:
-    """Refuse request bodies over ``max_bytes`` with a 413, from Content-Length when declared,
-    else as the body streams in, before anything parses it.
-
-    The body is read here and replayed to the app; later ``receive`` calls go to the server, so
-    disconnect listeners still see the client leave.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            await error_json(self._too_large())(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left; nobody to answer
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await error_json(self._too_large())(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-        async def replay() -> Any:
-            return pending.pop() if pending else await receive()
-
-        await self.app(scope, replay, send)
-
-    def _too_large(self) -> ServingError:
-        return ServingError(
-            f"The request body is larger than this server accepts ({self.max_bytes} bytes; "
-            "--max-request-body-mb).",
-            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            code="request_too_large",
-        )
 
 
 def _documented(body: type | None = None, chunk: type | None = None) -> dict[int | str, Any]:

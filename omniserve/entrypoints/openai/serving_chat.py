@@ -8,10 +8,9 @@ import uuid
 from typing import Any
 
 from omniserve.entrypoints.openai.audio_encoding import encode_audio, pcm16
-from omniserve.entrypoints.openai.protocol import (
+from omniserve.entrypoints.openai.chat_protocol import (
     ChatCompletionAudio,
     ChatCompletionLogprobs,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
@@ -19,6 +18,9 @@ from omniserve.entrypoints.openai.protocol import (
     ChatLogprob,
     ChatLogprobsContent,
     ChatMessage,
+)
+from omniserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
     FunctionCall,
     ToolCall,
     UsageInfo,
