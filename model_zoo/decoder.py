@@ -136,14 +136,22 @@ AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]
 class DecoderModel(nn.Module):
     """Embeddings, the layer stack and the final norm (``model.*`` in the checkpoint)."""
 
-    def __init__(self, config: PretrainedConfig, spec: DecoderSpec, mlps: list[nn.Module]) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        spec: DecoderSpec,
+        mlps: list[nn.Module],
+        rotary: nn.Module | None = None,
+    ) -> None:
+        """``rotary``: positions -> (cos, sin); None takes the one ``config`` describes (a
+        model whose rotary the config does not spell out, e.g. an omni thinker, passes its own)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, spec, i, mlp) for i, mlp in enumerate(mlps)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = get_rope(config, head_dim_of(config))
+        self.rotary_emb = rotary if rotary is not None else get_rope(config, head_dim_of(config))
 
     def embed(
         self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None
@@ -173,7 +181,42 @@ class DecoderModel(nn.Module):
         return self.norm(hidden_states)
 
 
-class DecoderForCausalLM(nn.Module, ABC):
+class LanguageModel(nn.Module):
+    """``model.*`` (a ``DecoderModel``) and ``lm_head``: what text and multimodal models share."""
+
+    model: DecoderModel
+    lm_head: ParallelLMHead
+
+    def init_language_model(
+        self,
+        family: type[DecoderForCausalLM],
+        config: PretrainedConfig,
+        *,
+        tie_word_embeddings: bool,
+        rotary: nn.Module | None = None,
+    ) -> None:
+        """Build the decoder of text family ``family`` for ``config``, and its head."""
+        spec = family.decoder_spec(config)
+        mlps = [family.make_mlp(config, spec, i) for i in range(config.num_hidden_layers)]
+        self.model = DecoderModel(config, spec, mlps, rotary)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """positions ``[num_tokens]``, or ``[3, num_tokens]`` for M-RoPE models."""
+        return self.model(input_ids, positions, inputs_embeds)  # [num_tokens, hidden_size]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()  # [num_tokens, vocab_size]
+
+
+class DecoderForCausalLM(LanguageModel, ABC):
     """Base of the family's ``*ForCausalLM`` classes; subclasses give ``decoder_spec``."""
 
     stacked_params: ClassVar[StackedParams] = (
@@ -187,12 +230,7 @@ class DecoderForCausalLM(nn.Module, ABC):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        spec = self.decoder_spec(config)
-        mlps = [self.make_mlp(config, spec, i) for i in range(config.num_hidden_layers)]
-        self.model = DecoderModel(config, spec, mlps)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_language_model(type(self), config, tie_word_embeddings=config.tie_word_embeddings)
 
     @staticmethod
     @abstractmethod
@@ -205,17 +243,6 @@ class DecoderForCausalLM(nn.Module, ABC):
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)  # [num_tokens, hidden_size]
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()  # [num_tokens, vocab_size]
 
     def route_weight(self, name: str) -> WeightRoute | None:
         """Checkpoint key -> (parameter, shard); None skips keys that carry no parameter."""

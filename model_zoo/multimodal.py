@@ -21,16 +21,15 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from model_zoo.decoder import DecoderForCausalLM, DecoderModel
-from omniserve.layers.vocab_embedding import ParallelLMHead
+from model_zoo.decoder import DecoderForCausalLM, LanguageModel
 from omniserve.layers.weight_utils import WeightRoute, load_weights_by_route, route_stacked
 
 _DECODER_PREFIXES = ("model.", "lm_head.")
 
 
-class MultiModalDecoderBase(nn.Module, ABC):
-    """Base of the ``*ForConditionalGeneration`` classes; subclasses add encoders and
-    ``get_multimodal_embeddings``."""
+class MultiModalDecoderBase(LanguageModel, ABC):
+    """Base of the ``*ForConditionalGeneration`` classes: the text family's language model, plus
+    the encoders and ``get_multimodal_embeddings`` subclasses add."""
 
     supports_multimodal: ClassVar[bool] = True
     uses_mrope: ClassVar[bool] = False
@@ -43,16 +42,20 @@ class MultiModalDecoderBase(nn.Module, ABC):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        text_config = config.get_text_config()
-        family = self.text_family
-        spec = family.decoder_spec(text_config)
-        mlps = [family.make_mlp(text_config, spec, i) for i in range(text_config.num_hidden_layers)]
-        self.model = DecoderModel(text_config, spec, mlps)
-        self.lm_head = ParallelLMHead(text_config.vocab_size, text_config.hidden_size)
         # The composite config decides tying (transformers reads it there, not on text_config).
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        text_config = config.get_text_config()
+        self.init_language_model(
+            self.text_family,
+            text_config,
+            tie_word_embeddings=self.tie_word_embeddings,
+            rotary=self.make_rotary(text_config),
+        )
+
+    @classmethod
+    def make_rotary(cls, text_config: PretrainedConfig) -> nn.Module | None:
+        """The decoder's rotary embedding; None: the one ``text_config`` describes."""
+        return None
 
     @abstractmethod
     def get_multimodal_embeddings(
@@ -79,18 +82,6 @@ class MultiModalDecoderBase(nn.Module, ABC):
                 f"{mm_embeds.shape[0]} multimodal embeddings for {rows.numel()} masked positions."
             )
         return embeds.index_copy(0, rows, mm_embeds.to(embeds.dtype))
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """positions ``[num_tokens]``, or ``[3, num_tokens]`` for M-RoPE models."""
-        return self.model(input_ids, positions, inputs_embeds)  # [num_tokens, hidden_size]
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()  # [num_tokens, vocab_size]
 
     def checkpoint_to_param_name(self, name: str) -> str:
         for prefix, ours in self.checkpoint_prefixes:

@@ -57,8 +57,8 @@ class Qwen2_5OmniTalker(nn.Module):
             config,
             spec,
             [DecoderMLP(config, config.intermediate_size) for _ in range(config.num_hidden_layers)],
+            rope,
         )
-        self.model.rotary_emb = rope
         # The codec ids embed at the thinker's width (they are added to thinker rows).
         self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.embedding_size)
         self.thinker_to_talker_proj = ReplicatedLinear(

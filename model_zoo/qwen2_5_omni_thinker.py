@@ -323,9 +323,12 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerBase):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
-        self.model.rotary_emb = thinker_rope(config.text_config, [16, 24, 24], MRotaryEmbedding)
         self.visual = Qwen2_5OmniVisionEncoder(config.vision_config)
         self.audio_tower = Qwen2_5OmniAudioEncoder(config.audio_config)
+
+    @classmethod
+    def make_rotary(cls, text_config: PretrainedConfig) -> MRotaryEmbedding:
+        return thinker_rope(text_config, [16, 24, 24], MRotaryEmbedding)
 
     def audio_output_lengths(self, num_frames: torch.Tensor) -> torch.Tensor:
         return get_feat_extract_output_lengths(num_frames)

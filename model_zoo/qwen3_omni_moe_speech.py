@@ -203,9 +203,8 @@ class Qwen3OmniMoeTalker(nn.Module):
         text = config.text_config
         spec = DecoderSpec(qkv_bias=text.attention_bias, o_bias=text.attention_bias, qk_norm=True)
         self.model = DecoderModel(
-            text, spec, [TalkerSparseMoeBlock(text) for _ in range(text.num_hidden_layers)]
+            text, spec, [TalkerSparseMoeBlock(text) for _ in range(text.num_hidden_layers)], rope
         )
-        self.model.rotary_emb = rope
         self.codec_head = ReplicatedLinear(text.hidden_size, text.vocab_size)
         self.text_projection = ResizeMLP(config)
         self.hidden_projection = ResizeMLP(config)

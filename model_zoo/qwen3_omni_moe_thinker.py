@@ -124,7 +124,6 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
         text_config = config.text_config
-        self.model.rotary_emb = qwen3_omni_rope(text_config)
         self.visual = Qwen3OmniMoeVisionEncoder(config.vision_config)
         self.audio_tower = Qwen3OmniMoeAudioEncoder(config.audio_config)
         self.hidden_size: int = text_config.hidden_size
@@ -134,6 +133,10 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
         """Keep ``hidden_states[tap_layer]`` of each forward (transformers' numbering: 0 the
         embeddings, i the output of layer i) in ``tapped``: the talker reads it."""
         self.tapped: torch.Tensor | None = None
+
+    @classmethod
+    def make_rotary(cls, text_config: PretrainedConfig) -> InterleavedMRotaryEmbedding:
+        return qwen3_omni_rope(text_config)
 
     # ---- encoders --------------------------------------------------------------------------------
     def vision_outputs(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
