@@ -105,7 +105,7 @@ class ModelConfig:
         *,
         tokenizer: str | None = None,
         max_model_len: int | None = None,
-        **kwargs: object,
+        **kwargs: Any,
     ) -> ModelConfig:
         """Read config.json and resolve the derived fields; raise a precise error if unusable."""
         path = Path(model).expanduser()
@@ -143,7 +143,7 @@ class ModelConfig:
             max_model_len=max_model_len,
             tokenizer=str(Path(tokenizer).expanduser()) if tokenizer else str(path),
             **kwargs,
-        )  # type: ignore[arg-type]
+        )
 
     @cached_property
     def hf_config(self) -> Any:
@@ -175,7 +175,7 @@ class ModelConfig:
                     f"{GENERATION_CONFIG_FILE} there (or use 'auto' or 'vllm')."
                 )
 
-    def default_sampling_params(self) -> dict[str, float | int]:
+    def default_sampling_params(self) -> dict[str, Any]:
         """The sampling settings the model's creator recommends, for fields a request omits:
         the ``SamplingParams`` names of what generation_config.json sets among temperature,
         top_p, top_k, min_p, repetition_penalty and max_new_tokens (as ``max_tokens``)."""

@@ -106,12 +106,16 @@ def _parse(data: object, path: Path) -> dict[str, UserModel]:
     return models
 
 
-def _modalities(value: object, *, as_list: bool = False) -> tuple[str, ...] | list[str] | None:
+def _modalities(value: object) -> tuple[str, ...] | None:
     if value is None:
         return None
     if not isinstance(value, (list, tuple)) or not all(isinstance(m, str) for m in value):
         raise TypeError(f"'modalities' must be a list of strings, got {value!r}")
-    return list(value) if as_list else tuple(value)
+    return tuple(value)
+
+
+def _as_list(modalities: tuple[str, ...] | None) -> list[str] | None:
+    return None if modalities is None else list(modalities)
 
 
 def write_user_registry(models: dict[str, UserModel], path: Path | None = None) -> Path:
@@ -120,7 +124,7 @@ def write_user_registry(models: dict[str, UserModel], path: Path | None = None) 
     payload = {
         "version": FORMAT_VERSION,
         "models": {
-            arch: {**asdict(model), "modalities": _modalities(model.modalities, as_list=True)}
+            arch: {**asdict(model), "modalities": _as_list(_modalities(model.modalities))}
             for arch, model in sorted(models.items())
         },
     }

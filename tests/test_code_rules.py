@@ -1,5 +1,5 @@
-"""The code rules CI keeps: ruff's lint rules and formatting (pyproject.toml), and a size cap
-per module, on the whole repository."""
+"""The code rules CI keeps: ruff's lint rules and formatting, mypy on the modules pyproject.toml
+lists, and a size cap per module, on the whole repository."""
 
 from __future__ import annotations
 
@@ -31,6 +31,17 @@ def test_ruff_lint_is_clean() -> None:
 def test_ruff_format_leaves_every_file_as_it_is() -> None:
     result = _ruff("format", "--check", ".")
     assert result.returncode == 0, f"run `ruff format .`:\n{result.stdout[-4000:]}"
+
+
+def test_mypy_finds_no_type_errors() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-error-summary"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
 def test_modules_stay_under_the_size_cap() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
@@ -19,6 +20,21 @@ from omniserve.core.request import Request
 # and restarts (Python's hash() of str is salted per process).
 ROOT_BLOCK_HASH = 0
 _HASH_BYTES = 32
+
+
+class BlockOwner(Protocol):
+    """What allocation and freeing read of a sequence: a thinker ``Request`` or a talker's."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
+    @property
+    def block_hashes(self) -> list[int]: ...
 
 
 def block_extra_keys(request: Request, start: int, end: int) -> tuple[tuple[str, int | str], ...]:
@@ -120,7 +136,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self,
-        request: Request,
+        request: BlockOwner,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
@@ -161,7 +177,7 @@ class KVCacheManager:
         return KVCacheBlocks(new_blocks)
 
     def _cache_full_blocks(
-        self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int
+        self, request: BlockOwner, req_blocks: list[KVCacheBlock], num_tokens: int
     ) -> None:
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         num_cached = self.req_to_num_cached_blocks[request.request_id]
@@ -169,7 +185,7 @@ class KVCacheManager:
             self.block_pool.cache_block(req_blocks[i], request.block_hashes[i])
         self.req_to_num_cached_blocks[request.request_id] = max(num_cached, num_full)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: BlockOwner) -> None:
         """Release the request's blocks, tail first so its tail is evicted first.
 
         ``request.num_computed_tokens`` must still count the tokens whose KV was written: a

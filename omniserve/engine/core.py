@@ -314,12 +314,14 @@ class EngineCoreProc(EngineCore):
         engine_index: int = 0,
     ) -> None:
         super().__init__(config, executor_class, engine_index)
-        self.input_queue: queue.Queue[tuple[EngineCoreRequestType | None, Any]] = queue.Queue()
+        self.input_queue: queue.Queue[tuple[EngineCoreRequestType | str | None, Any]] = (
+            queue.Queue()
+        )
         self.output_queue: queue.Queue[tuple[EngineCoreOutputType, Any] | None] = queue.Queue()
         self._shutdown_requested = False
         self.model_executor.register_failure_callback(
             lambda exc: self.input_queue.put((_EXECUTOR_FAILED, exc))
-        )  # type: ignore[arg-type]
+        )
         self._stop_io = threading.Event()
         # Sockets are made here, so an address problem fails start-up; each is then used only by
         # its own thread. The engine binds its input (clients connect and queue while it starts).
@@ -412,7 +414,7 @@ class EngineCoreProc(EngineCore):
             self._handle_input(request_type, payload)
             block = False
 
-    def _handle_input(self, request_type: EngineCoreRequestType | None, payload: Any) -> None:
+    def _handle_input(self, request_type: EngineCoreRequestType | str | None, payload: Any) -> None:
         if request_type is EngineCoreRequestType.ADD:
             try:
                 self.add_request(payload)

@@ -432,7 +432,7 @@ class AsyncMPClient(MPClient):
             self.outputs_queue = outputs_queue
             self.resources.output_task = loop.create_task(
                 _process_outputs_socket_async(
-                    self.resources.output_socket, self.state, outputs_queue
+                    _async_socket(self.resources.output_socket), self.state, outputs_queue
                 )
             )
         return self.outputs_queue
@@ -443,7 +443,7 @@ class AsyncMPClient(MPClient):
         self._ensure_output_task()
         self.state.check_alive()
         frames = self._encode_request(request_type, payload)
-        await self.resources.input_sockets[engine].send_multipart(frames, copy=False)
+        await _async_socket(self.resources.input_sockets[engine]).send_multipart(frames, copy=False)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         await self.add_requests_async([request])
@@ -572,6 +572,13 @@ def _process_outputs_socket(
                 _route_output(decoder, socket.recv_multipart(copy=False), state, outputs_queue.put)
     except Exception as exc:
         _reading_failed(state, exc)
+
+
+def _async_socket(socket: zmq.Socket | None) -> zmq.asyncio.Socket:
+    """A socket of the asyncio-mode context (the resources type it as the sync base)."""
+    if not isinstance(socket, zmq.asyncio.Socket):
+        raise TypeError(f"Expected an asyncio ZMQ socket, got {type(socket).__name__}.")
+    return socket
 
 
 async def _process_outputs_socket_async(

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -26,7 +26,16 @@ from omniserve.sampling_params import SamplingParams, SpeechParams
 from omniserve.structured_output import validate_structured_outputs
 from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
 
-T = TypeVar("T")
+
+class _EngineClient(Protocol):
+    """What start-up needs of a core client, sync or async."""
+
+    talker_capacity: int
+
+    def shutdown(self) -> None: ...
+
+
+T = TypeVar("T", bound=_EngineClient)
 
 
 @dataclass
@@ -317,7 +326,7 @@ class Processor:
             f"{message} ({shares}, {num_text} for text); send shorter or smaller media "
             "(e.g. lower max_pixels, num_frames or fps) or raise --max-model-len",
             stage="budget",
-            modality=max(inputs.num_mm_tokens, key=inputs.num_mm_tokens.get),
+            modality=max(inputs.num_mm_tokens, key=lambda m: inputs.num_mm_tokens[m]),
         )
 
 

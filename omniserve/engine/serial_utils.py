@@ -41,7 +41,8 @@ class MsgpackEncoder:
 
         The buffers are views of the arrays' memory; they stay valid while the frames are alive.
         """
-        self._aux = aux = []
+        aux: list[Buffer] = []
+        self._aux = aux
         try:
             body = self._encoder.encode(obj)
         finally:
@@ -75,7 +76,7 @@ class MsgpackEncoder:
             data: bytes | int = raw.tobytes()
         else:
             data = len(self._aux) + 1  # frame index: frame 0 is the body
-            self._aux.append(memoryview(raw))
+            self._aux.append(raw.data)
         return msgspec.msgpack.Ext(code, self._header_encoder.encode((dtype, shape, data)))
 
 

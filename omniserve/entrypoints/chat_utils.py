@@ -28,6 +28,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+from omniserve.inputs.data import TokensPrompt
 from omniserve.multimodal.errors import MultiModalInputError
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
@@ -408,7 +409,7 @@ class ChatRenderer:
         return cls(
             tokenizer,
             chat_template=chat_template,
-            placeholder=model_cls.get_placeholder_str,
+            placeholder=model_cls.get_placeholder_str,  # type: ignore[attr-defined]  # every multimodal model has it
             connector=connector,
             check_counts=info.validate_num_items,
         )
@@ -437,17 +438,15 @@ class ChatRenderer:
         mm_processor_kwargs: dict[str, Any] | None,
         add_special_tokens: bool = False,
         **template_kwargs: Any,
-    ) -> dict[str, Any]:
+    ) -> TokensPrompt:
         text = apply_chat_template(
             self.tokenizer, inputs.conversation, chat_template=self.chat_template, **template_kwargs
         )
         # The template already holds any BOS: the tokenizer adds its specials only on request.
-        prompt: dict[str, Any] = {
-            "prompt": text,
-            "prompt_token_ids": self.tokenizer(
-                text, add_special_tokens=add_special_tokens
-            ).input_ids,
-        }
+        prompt = TokensPrompt(
+            prompt=text,
+            prompt_token_ids=self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids,
+        )
         if mm_data:
             prompt["multi_modal_data"] = mm_data
         if inputs.item_uuids():
@@ -462,7 +461,7 @@ class ChatRenderer:
         *,
         mm_processor_kwargs: dict[str, Any] | None = None,
         **template_kwargs: Any,
-    ) -> dict[str, Any]:
+    ) -> TokensPrompt:
         inputs = self._parse(messages)
         mm_data = load_media(inputs, self.connector, mm_processor_kwargs)
         return self._prompt(inputs, mm_data, mm_processor_kwargs, **template_kwargs)
@@ -474,7 +473,7 @@ class ChatRenderer:
         mm_processor_kwargs: dict[str, Any] | None = None,
         executor: Executor | None = None,
         **template_kwargs: Any,
-    ) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    ) -> tuple[TokensPrompt, dict[str, list[str]]]:
         """``render`` with the fetches concurrent and the templating and tokenization on
         ``executor`` (the loop's default one if None), never on the event loop; also each item's
         chat part (by modality), to locate errors the engine raises about an item later

@@ -18,6 +18,13 @@ from omniserve.sampling_params import RequestOutputKind, SamplingParams
 Conversation = list[dict[str, Any]]
 
 
+def _conversations(messages: Conversation | list[Conversation]) -> list[Conversation]:
+    """One conversation (a list of message dicts) or several, as a list of conversations."""
+    if messages and isinstance(messages[0], dict):
+        return [messages]
+    return messages  # type: ignore[return-value]  # a list of dicts was handled above
+
+
 class LLM:
     """Generate for a batch of prompts with continuous batching, offline."""
 
@@ -76,7 +83,7 @@ class LLM:
         generate. Content parts are those of the OpenAI API, plus ``image_pil`` and
         ``audio_array`` for in-memory media; ``tools`` (OpenAI's function tools) are listed for
         the model by templates that take them (its calls are in the text, as vLLM's LLM.chat)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = _conversations(messages)
         renderer = ChatRenderer.from_config(
             self.llm_engine.config, self.get_tokenizer(), chat_template
         )

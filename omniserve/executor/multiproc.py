@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import traceback
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import zmq
 
@@ -97,7 +97,7 @@ class MultiprocExecutor(Executor):
         (sentinel, *_) = multiprocessing.connection.wait(list(by_sentinel))
         if self._closing:
             return
-        rank = by_sentinel[sentinel]
+        rank = by_sentinel[cast(int, sentinel)]  # wait returns the sentinels it was given
         proc = self.workers[rank]
         proc.join(1.0)
         self._failure = (

@@ -5,16 +5,22 @@ from __future__ import annotations
 from typing import Any, NotRequired, TypedDict
 
 
-class TextPrompt(TypedDict):
+class _PromptExtras(TypedDict, total=False):
+    multi_modal_data: dict[str, Any]
+    mm_processor_kwargs: dict[str, Any]
+    multi_modal_uuids: dict[str, list[str | None]]
+    """modality -> each item's uuid (None: hash its content), as ``multi_modal_data``."""
+    cache_salt: str
+
+
+class TextPrompt(_PromptExtras):
     prompt: str
-    multi_modal_data: NotRequired[dict[str, Any]]
-    mm_processor_kwargs: NotRequired[dict[str, Any]]
 
 
-class TokensPrompt(TypedDict):
+class TokensPrompt(_PromptExtras):
     prompt_token_ids: list[int]
-    multi_modal_data: NotRequired[dict[str, Any]]
-    mm_processor_kwargs: NotRequired[dict[str, Any]]
+    prompt: NotRequired[str]
+    """The text the ids were tokenized from, returned with the outputs."""
 
 
 PromptType = str | TextPrompt | TokensPrompt

@@ -88,7 +88,7 @@ STATS_TIMEOUT_S = 2.0
 """How long /metrics waits for fresh scheduler stats before serving the last ones."""
 FLUSH_TIMEOUT_S = 2.0
 """After a drain runs out of time: how long the ended requests get to send their error."""
-CLOSE_TIMEOUT_S = 5.0
+CLOSE_TIMEOUT_S = 5
 """uvicorn's own graceful-shutdown bound, a backstop once the drain is over."""
 
 
@@ -294,7 +294,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="omniserve", version=__version__, lifespan=lifespan)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
-    app.add_exception_handler(ServingError, lambda _, exc: error_json(exc))  # type: ignore
+    app.add_exception_handler(ServingError, lambda _, exc: error_json(exc))
     app.add_exception_handler(Exception, _unexpected_error)
 
     @app.get(
@@ -348,11 +348,13 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     def openapi() -> dict[str, Any]:
         """FastAPI's schema without the 422s it documents by default: validation errors are
         400s here (``_validation_error``), as in OpenAI's API."""
-        if app.openapi_schema is None:
-            for operations in default_openapi().get("paths", {}).values():
-                for operation in operations.values():
-                    operation.get("responses", {}).pop("422", None)
-        return app.openapi_schema
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = default_openapi()  # FastAPI keeps it as app.openapi_schema
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
     max_body_mb = getattr(args, "max_request_body_mb", None)

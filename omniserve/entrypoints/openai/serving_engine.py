@@ -31,9 +31,10 @@ from omniserve.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from omniserve.entrypoints.openai.tokenize_protocol import TokenizeChatRequest
+from omniserve.inputs.data import TokensPrompt
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.outputs import Logprob, RequestOutput
-from omniserve.sampling_params import RequestOutputKind, SamplingParams
+from omniserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -154,8 +155,10 @@ class EnginePrompt:
     cache_salt: str | None = None
     mm_uuids: dict[str, list[str | None]] | None = None
 
-    def to_engine_input(self) -> dict[str, Any]:
-        prompt: dict[str, Any] = {"prompt": self.text, "prompt_token_ids": self.token_ids}
+    def to_engine_input(self) -> TokensPrompt:
+        prompt = TokensPrompt(prompt_token_ids=self.token_ids)
+        if self.text is not None:
+            prompt["prompt"] = self.text
         if self.cache_salt is not None:
             prompt["cache_salt"] = self.cache_salt
         if self.mm_data:
@@ -349,7 +352,7 @@ class OpenAIServing:
                 top_k=field("top_k", 0),
                 min_p=field("min_p", 0.0),
                 seed=request.seed,
-                stop=request.stop or [],
+                stop=[request.stop] if isinstance(request.stop, str) else request.stop or [],
                 stop_token_ids=request.stop_token_ids or [],
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
@@ -363,14 +366,16 @@ class OpenAIServing:
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 output_kind=kind,
-                structured_outputs=request.constraint,
+                structured_outputs=StructuredOutputsParams(**constraint)
+                if (constraint := request.constraint)
+                else None,
                 logit_bias=request.token_logit_bias,
                 allowed_token_ids=request.allowed_token_ids,
                 bad_words=request.bad_words,
             )
         except ValueError as exc:
-            field = str(exc).split(" ", 1)[0]
-            raise ServingError(str(exc), param=field if field.isidentifier() else None) from exc
+            param = str(exc).split(" ", 1)[0]
+            raise ServingError(str(exc), param=param if param.isidentifier() else None) from exc
 
     def token_text(self, token_id: int, logprob: Logprob | None = None, as_id: bool = False) -> str:
         """A logprobs entry's token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
