@@ -23,6 +23,11 @@ _DTYPE_ALIASES = {
 }
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks of ``block_size`` tokens that hold ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass(frozen=True)
 class SpeechConfig:
     """What a model that speaks (a full omni checkpoint with its talker and vocoder) offers, read
@@ -340,7 +345,7 @@ class CacheConfig:
 
     def blocks_for(self, num_tokens: int) -> int:
         """KV blocks that hold ``num_tokens`` tokens (a sequence's block-table width)."""
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def check_holds_one_sequence(self, num_blocks: int, max_model_len: int) -> None:
         """Refuse a pool smaller than one max_model_len sequence: a request that outgrows the

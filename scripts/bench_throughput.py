@@ -18,8 +18,9 @@ Workloads:
 - ``omni``: 64 requests by default on the bench-size Qwen3-Omni-MoE thinker, a third each with one
   image, one audio clip, or text only; images and clips come from pools as in ``mm``. HF's
   processor takes the mixed batch in one call. Besides the table and the cache hit rates, the
-  omniserve pass runs once more in this process under cProfile, and a table attributes its time
-  to the front end, the encoders, prefill and decode-only forwards, the sampler, and the rest.
+  omniserve pass runs once more in this process with the model runner's step timer on, and a
+  table attributes its time to the encoders, prefill and decode steps' forwards, the sampler, and
+  the rest (front end, scheduler, input prep, output processing).
 - ``omni-av``: as ``omni``, but every request carries an image *and* an audio clip (24
   requests, 32 new tokens by default): the encoder- and prefill-heavy mix.
 
@@ -35,10 +36,8 @@ Both systems run in ``--dtype`` (default: the checkpoint's, resolved as omniserv
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import random
 import statistics
 import time
@@ -56,7 +55,6 @@ from transformers import AutoProcessor, AutoTokenizer
 
 from omniserve import LLM, SamplingParams
 from omniserve.checkpoint_builder import build_tiny_checkpoint
-from omniserve.core.sched_output import SchedulerOutput
 
 TEXT_ARCH = "Qwen3ForCausalLM"
 MM_ARCHS = ("Qwen2VLForConditionalGeneration", "Qwen2AudioForConditionalGeneration")
@@ -375,68 +373,27 @@ def measure_ttft(llm: LLM, kind: MediaKind, seed: int, repeats: int) -> TTFT:
 
 # ---- omniserve profile: where the time goes ---------------------------------------------------
 
-REST = "rest: scheduler, input prep, output processing"
-
-
-def instrument(llm: LLM) -> dict[str, tuple[str, int, str]]:
-    """Route the in-process engine's model calls through wrappers, one code object per part, and
-    return each part's cProfile key. A step's forward and logits count as prefill or decode."""
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner
-    model, batch, phase = runner.model, runner.input_batch, {"prefill": False}
-    execute, encode = runner.execute_model, model.get_multimodal_embeddings
-
-    def prefill(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    def decode(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    def step_part(fn: Callable[..., Any]) -> Callable[..., Any]:
-        return lambda *a, **k: (prefill if phase["prefill"] else decode)(fn, *a, **k)
-
-    def encoders(*args: Any) -> Any:
-        return encode(*args)
-
-    def execute_model(so: SchedulerOutput) -> Any:
-        cached = so.scheduled_cached_reqs  # a step computing any prompt token is a prefill step
-        phase["prefill"] = bool(so.scheduled_new_reqs) or any(
-            n < batch.num_prompt_tokens[batch.req_id_to_row[r]]
-            for r, n in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
-        )
-        return execute(so)
-
-    runner.execute_model, model.get_multimodal_embeddings = execute_model, encoders
-    model.forward, model.compute_logits = step_part(model.forward), step_part(model.compute_logits)
-    codes = {
-        "front end: tokenizer, HF processor": type(llm.llm_engine.processor).process_inputs,
-        "encoders: get_multimodal_embeddings": encoders,
-        "steps with prefill tokens: forward + logits": prefill,
-        "decode-only steps: forward + logits": decode,
-        "sampler": type(runner.sampler).forward,
-    }
-    return {part: cProfile.label(fn.__code__) for part, fn in codes.items()}
+REST = "rest: front end (tokenizer, HF processor), scheduler, input prep, output processing"
 
 
 def profile_omniserve(
     args: argparse.Namespace, model_dir: str, warmup: Workload, workload: Workload
 ) -> dict[str, float]:
-    """The omniserve pass again with the engine core in this process, under cProfile: part ->
-    seconds, summing to the run's wall time. A part is the cumulative time of its function (none
-    calls another); REST is what they leave. cProfile times Python calls only, and slows
-    Python-heavy parts most: compare the total with the timed run."""
+    """The omniserve pass again with the engine core in this process and the model runner's step
+    timer on (``LLMEngine.start_step_timing``): part -> seconds, summing to the run's wall time;
+    REST is what the runner's parts leave."""
     with mock.patch.dict(os.environ, {"OMNISERVE_ENABLE_MULTIPROCESSING": "0"}):
         llm = LLM(model_dir, dtype=args.dtype, enable_prefix_caching=args.enable_prefix_caching)
     try:
         bench_omniserve(llm, warmup)
-        keys = instrument(llm)
-        profiler = cProfile.Profile(builtins=False)
+        llm.llm_engine.start_step_timing()
         start = time.perf_counter()
-        profiler.runcall(bench_omniserve, llm, workload)
+        bench_omniserve(llm, workload)
         wall = time.perf_counter() - start
+        timings = llm.llm_engine.get_step_timings()["seconds"]
     finally:
         llm.shutdown()
-    stats = pstats.Stats(profiler).stats
-    seconds = {part: stats[key][3] if key in stats else 0.0 for part, key in keys.items()}
+    seconds = {part: s for part, s in timings.items() if s > 0}  # e.g. no speech stage
     return {**seconds, REST: wall - sum(seconds.values())}
 
 
@@ -559,7 +516,7 @@ def print_header(
 def print_profile(profile: dict[str, float], timed: float) -> None:
     wall = sum(profile.values())
     print(
-        f"\nwhere omniserve's time goes: the pass again, engine core in process, under cProfile "
+        f"\nwhere omniserve's time goes: the pass again, engine core in process, step timer on "
         f"({wall:.2f} s; timed run {timed:.2f} s)\n{'part':48s} {'s':>8s} {'%':>6s}"
     )
     for part, seconds in profile.items():

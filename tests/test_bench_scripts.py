@@ -100,12 +100,19 @@ def test_omni_benchmark_runs_on_a_tiny_checkpoint_with_a_profile(capsys):
     assert result.cache_hits["encoder cache (items)"] == (1, 3)
     profile = result.profile
     assert profile is not None and result.ttft is None
-    assert len(profile) == 6 and list(profile)[-1] == bench.REST
-    # Every part ran (prompts prefill, then 2-3 decode-only steps), and the rest is what is left.
+    # Every part of the thinker's steps ran (prompts prefill, then 2-3 decode steps; the model
+    # does not speak), and the rest is what they leave.
+    assert list(profile) == [
+        "encoders",
+        "prefill steps: forward + logits",
+        "decode steps: forward + logits",
+        "sampler",
+        bench.REST,
+    ]
     assert min(profile.values()) > 0
     out = capsys.readouterr().out
     assert "2 image (" in out and "1 audio (" in out and "1 text-only" in out
-    assert "where omniserve's time goes" in out and "decode-only steps" in out
+    assert "where omniserve's time goes" in out and "decode steps" in out
 
 
 def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint, tmp_path):

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import msgspec
 
+from omniserve.config import blocks_for
 from omniserve.core.block_pool import BlockPool, KVCacheBlock
 from omniserve.core.request import Request
 
@@ -155,7 +156,7 @@ class KVCacheManager:
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id, [])
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_blocks_needed = -(-num_tokens_after // self.block_size)
+        num_blocks_needed = blocks_for(num_tokens_after, self.block_size)
         num_new_blocks = max(num_blocks_needed - len(req_blocks) - len(hit_blocks), 0)
         # Hits sitting in the free queue stop being free when revived.
         num_revived = sum(1 for block in hit_blocks if block.ref_cnt == 0)

@@ -136,6 +136,14 @@ class AsyncLLM:
         pool = self.mm_pool if media else self.input_pool
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
+    async def engine_token_ids(self, prompt: PromptType) -> list[int]:
+        """The prompt's token ids as the engine core would get them (media placeholders
+        expanded by the model's processor), without submitting it."""
+        processed = await self.run_input_work(
+            self.processor.input_preprocessor.preprocess, prompt, media=True
+        )
+        return processed.prompt_token_ids
+
     async def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         child_ids = self.output_processor.abort_requests(ids)

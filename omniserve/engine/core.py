@@ -248,6 +248,14 @@ class EngineCore:
         """The loaded model's dtype, weight and KV-cache bytes, load time and CPU kernels."""
         return self.model_executor.model_info()
 
+    def start_step_timing(self) -> None:
+        """Time the model runner's steps per part from now on (for benchmarks)."""
+        self.model_executor.start_step_timing()
+
+    def get_step_timings(self) -> dict[str, dict[str, float]]:
+        """``{"seconds": part -> s, "steps": phase -> count}`` since ``start_step_timing``."""
+        return self.model_executor.step_timings()
+
     def shutdown(self) -> None:
         self.structured_output.shutdown()
         self.model_executor.shutdown()
@@ -288,7 +296,14 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 # Methods a client may call by name; everything else on the class (step, shutdown, internals) is
 # driven by the busy loop itself.
 UTILITY_METHODS = frozenset(
-    {"reset_prefix_cache", "get_stats", "has_unfinished_requests", "get_model_info"}
+    {
+        "reset_prefix_cache",
+        "get_stats",
+        "has_unfinished_requests",
+        "get_model_info",
+        "start_step_timing",
+        "get_step_timings",
+    }
 )
 _POLL_MS = 100
 _PARENT_DEATH_GRACE_S = 10.0

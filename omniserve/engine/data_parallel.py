@@ -73,10 +73,20 @@ def combine_stats(engine_stats: list[dict[str, float]]) -> dict[str, float]:
     return combined
 
 
+def combine_step_timings(results: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Engines' step timings summed: seconds are engine-seconds (the engines run side by side)."""
+    return {
+        group: {key: sum(r[group][key] for r in results) for key in results[0][group]}
+        for group in results[0]
+    }
+
+
 _COMBINE_RESULTS: dict[str, Callable[[list[Any]], Any]] = {
     "get_stats": combine_stats,
     "reset_prefix_cache": all,  # True only if every engine's cache was reset
     "has_unfinished_requests": any,
+    "start_step_timing": lambda _: None,
+    "get_step_timings": combine_step_timings,
 }
 
 

@@ -67,5 +67,13 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def start_step_timing(self) -> None:
+        """Time the model runner's steps per part from now on (``get_step_timings`` reads)."""
+        self.engine_core.call_utility("start_step_timing")
+
+    def get_step_timings(self) -> dict[str, dict[str, float]]:
+        """``{"seconds": part -> s, "steps": phase -> count}`` since ``start_step_timing``."""
+        return self.engine_core.call_utility("get_step_timings")
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -195,6 +195,11 @@ class Processor:
                     modality=feature.modality,
                 )
 
+    def check_mm_kwargs(self, mm_kwargs: object) -> None:
+        """A request's ``mm_processor_kwargs``, checked before its media is fetched (the server
+        calls this first, so a bad option costs no download)."""
+        self.input_preprocessor.check_mm_kwargs(mm_kwargs)
+
     def _validate_params(self, params: SamplingParams) -> None:
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)

@@ -88,6 +88,14 @@ class Executor(ABC):
         """What rank 0 loaded and allocated (see ``Worker.model_info``)."""
         return self.collective_rpc("model_info")[0]
 
+    def start_step_timing(self) -> None:
+        """Zero the runners' per-part step timers and turn them on (``StepTimer``)."""
+        self.collective_rpc("start_step_timing")
+
+    def step_timings(self) -> dict[str, dict[str, float]]:
+        """Rank 0's step time per part since ``start_step_timing``."""
+        return self.collective_rpc("step_timings")[0]
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on the workers."""
         # Every rank computes the same sampled tokens; rank 0's answer is the one used.

@@ -13,9 +13,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from omniserve.attention.layer import get_attention_layers
+from omniserve.attention.layer import (
+    allocate_kv_caches,
+    get_attention_layers,
+    kv_cache_bytes_per_block,
+)
 from omniserve.attention.metadata import AttentionMetadata
-from omniserve.config import CacheConfig, SchedulerConfig
+from omniserve.config import CacheConfig, SchedulerConfig, blocks_for
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.forward_context import set_forward_context
 from omniserve.layers.sampler import (
@@ -30,6 +34,7 @@ from omniserve.structured_output import apply_bitmask_rows
 from omniserve.worker.cuda_graph import DecodeGraphs, graph_batch_sizes
 from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions, to_device
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
+from omniserve.worker.step_timing import StepTimer
 from omniserve.worker.talker_families import create_talker_runner
 
 
@@ -79,33 +84,17 @@ class ModelRunner:
             else None
         )
         self.decode_graphs: DecodeGraphs | None = None
+        self.step_timer = StepTimer(device)
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return sum(
-            2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
-            for layer in get_attention_layers(self.model)
-        )
+        return kv_cache_bytes_per_block(self.model, self.block_size, dtype)
 
     def initialize_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         """Allocate one paged cache per attention layer and hand it to the layer."""
-        self.kv_caches = []
-        for layer in get_attention_layers(self.model):
-            # [2 (k, v), num_blocks, block_size, num_kv_heads, head_size], left uninitialised:
-            # every slot is written before attention reads it, and on a CPU untouched pages cost
-            # nothing until a block is first used (zeroing 4 GiB took 5 s of page faults here).
-            cache = torch.empty(
-                2,
-                num_blocks,
-                self.block_size,
-                layer.num_kv_heads,
-                layer.head_size,
-                dtype=dtype,
-                device=self.device,
-            )
-            layer.kv_cache = cache
-            self.kv_caches.append(cache)
+        self.kv_caches = allocate_kv_caches(
+            self.model, num_blocks, self.block_size, dtype, self.device
+        )
 
     @torch.inference_mode()
     def profile_run(self, media: list[MultiModalFeatureSpec]) -> None:
@@ -145,7 +134,8 @@ class ModelRunner:
         """The thinker's step, then the speech stage's (which reads what the thinker tapped)."""
         output = self._execute_thinker(scheduler_output)
         if self.talker_runner is not None and scheduler_output.talker is not None:
-            output.speech = self.talker_runner.execute(scheduler_output.talker)
+            with self.step_timer.part("speech stage"):
+                output.speech = self.talker_runner.execute(scheduler_output.talker)
         return output
 
     def _execute_thinker(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -153,19 +143,29 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         step = self._prepare_inputs(scheduler_output)
-        hidden_states = self._replay_decode(scheduler_output, step)  # [num_tokens, hidden]
+        timer = self.step_timer
+        forward = "decode steps: forward + logits"
+        if timer.enabled:
+            computed = self.input_batch.num_computed_tokens[step.rows]
+            prefill = bool((computed < self.input_batch.num_prompt_tokens[step.rows]).any())
+            timer.count_step(prefill)
+            forward = "prefill steps: forward + logits" if prefill else forward
+        with timer.part(forward):
+            hidden_states = self._replay_decode(scheduler_output, step)  # [num_tokens, hidden]
         if hidden_states is None:
             input_ids, inputs_embeds = step.input_ids, None
             if self.encoder_runner is not None:
-                inputs_embeds = self._embed_with_mm(scheduler_output, step)
+                with timer.part("encoders"):
+                    inputs_embeds = self._embed_with_mm(scheduler_output, step)
                 input_ids = None
-            with set_forward_context(step.attn_metadata):
+            with timer.part(forward), set_forward_context(step.attn_metadata):
                 hidden_states = self.model(
                     input_ids, self._positions(step), inputs_embeds=inputs_embeds
                 )
         if self.talker_runner is not None:
             self._keep_talker_hidden(step, hidden_states)
-        logits = self.model.compute_logits(hidden_states[step.logits_indices])  # [S, vocab]
+        with timer.part(forward):
+            logits = self.model.compute_logits(hidden_states[step.logits_indices])  # [S, vocab]
         if scheduler_output.grammar_bitmask:
             sampling_ids = [
                 r for r, samples in zip(step.req_ids, step.sample_mask, strict=True) if samples
@@ -179,8 +179,9 @@ class ModelRunner:
                 },
             )
         sample_rows = step.rows[step.sample_mask]
-        sampler_output = self.sampler(logits, self._sampling_metadata(sample_rows))
-        sampled = sampler_output.sampled_token_ids.tolist()
+        with timer.part("sampler"):
+            sampler_output = self.sampler(logits, self._sampling_metadata(sample_rows))
+            sampled = sampler_output.sampled_token_ids.tolist()
         output = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
         sampled_iter = iter(range(len(sampled)))
         for i, req_id in enumerate(step.req_ids):
@@ -308,7 +309,7 @@ class ModelRunner:
         # A request samples when this step reaches the end of its known tokens; a partial
         # prefill does not (and must not advance its seeded generator).
         sample_mask = seq_lens == batch.num_tokens[rows]
-        max_blocks = int(-(-seq_lens.max() // self.block_size))
+        max_blocks = blocks_for(int(seq_lens.max()), self.block_size)
         dev = self.device
         attn_metadata = AttentionMetadata(
             query_start_loc=torch.from_numpy(np.concatenate(([0], cu_query))).to(dev, torch.int32),

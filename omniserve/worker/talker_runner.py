@@ -23,8 +23,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from omniserve.attention.layer import get_attention_layers
+from omniserve.attention.layer import (
+    allocate_kv_caches,
+    kv_cache_bytes_per_block,
+)
 from omniserve.attention.metadata import AttentionMetadata
+from omniserve.config import blocks_for
 from omniserve.core.sched_output import TEXT_END, TalkerSchedulerOutput
 from omniserve.forward_context import set_forward_context
 from omniserve.layers.sampler import Sampler, SamplingMetadata
@@ -117,26 +121,12 @@ class TalkerRunner(ABC):
 
     # ---- KV cache --------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return sum(
-            2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
-            for layer in get_attention_layers(self.talker)
-        )
+        return kv_cache_bytes_per_block(self.talker, self.block_size, dtype)
 
     def initialize_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
-        self.kv_caches = []
-        for layer in get_attention_layers(self.talker):
-            cache = torch.empty(
-                2,
-                num_blocks,
-                self.block_size,
-                layer.num_kv_heads,
-                layer.head_size,
-                dtype=dtype,
-                device=self.device,
-            )
-            layer.kv_cache = cache
-            self.kv_caches.append(cache)
+        self.kv_caches = allocate_kv_caches(
+            self.talker, num_blocks, self.block_size, dtype, self.device
+        )
 
     # ---- from the thinker --------------------------------------------------------------------
     def register(
@@ -177,7 +167,7 @@ class TalkerRunner(ABC):
             query_lens.append(count)
             seq_lens.append(start + count)
             state.num_computed = start + count
-        max_blocks = max(-(-n // self.block_size) for n in seq_lens)
+        max_blocks = max(blocks_for(n, self.block_size) for n in seq_lens)
         tables = np.zeros((len(states), max_blocks), dtype=np.int64)
         for row, state in enumerate(states):
             used = state.block_ids[:max_blocks]

@@ -289,3 +289,9 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def start_step_timing(self) -> None:
+        self.model_runner.step_timer.start()
+
+    def step_timings(self) -> dict[str, dict[str, float]]:
+        return self.model_runner.step_timer.snapshot()

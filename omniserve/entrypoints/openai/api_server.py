@@ -533,12 +533,8 @@ async def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> Tokeniz
             prompt = await serving.tokenize_text(request.prompt, request.add_special_tokens)
         ids = prompt.token_ids
         if prompt.mm_data:
-            preprocessor = serving.engine.processor.input_preprocessor
             try:
-                processed = await serving.engine.run_input_work(
-                    preprocessor.preprocess, prompt.to_engine_input(), media=True
-                )
-                ids = processed.prompt_token_ids
+                ids = await serving.engine.engine_token_ids(prompt.to_engine_input())
             except MultiModalInputError as exc:
                 raise locate_mm_error(exc, prompt.mm_locations or {}) from exc
     except ValueError as exc:

@@ -258,7 +258,7 @@ class OpenAIServing:
                 param="chat_template",
             )
         mm_processor_kwargs = request.mm_processor_kwargs
-        self.engine.processor.input_preprocessor.check_mm_kwargs(mm_processor_kwargs or {})
+        self.engine.processor.check_mm_kwargs(mm_processor_kwargs or {})
         self.check_text_length(_text_chars(request.messages), "messages")
         prompt, locations = await self.renderer.for_template(request.chat_template).render_async(
             request.messages,
