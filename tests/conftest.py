@@ -22,7 +22,12 @@ os.environ.setdefault(
 os.environ["OMNISERVE_CONFIG_DIR"] = tempfile.mkdtemp(prefix="omniserve-test-config-")
 
 
+RULES_FIRST = ("tests/test_code_rules.py", "tests/test_layering.py")
+"""The code rules (lint, format, types, layering, size) run first: they fail in seconds."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in RULES_FIRST)  # stable
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return  # keep torch-free test runs free of the torch import

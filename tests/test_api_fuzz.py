@@ -31,6 +31,9 @@ STATUSES: Counter[tuple[str, int]] = Counter()
 """(operation, status) -> responses."""
 
 
+pytestmark = pytest.mark.slow  # the refusal check reads what the fuzzing sent
+
+
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with launch_server(

@@ -29,6 +29,8 @@ from omniserve import LLM, SamplingParams
 from tests.server_utils import MODEL, Server, assert_error, free_port, launch_servers, metric
 from tests.test_media import _data_url, _serving, _sleepy, _static, _url, _video
 
+pytestmark = pytest.mark.slow  # server start-ups with media, and video decoding
+
 VL_ARCH = "Qwen2VLForConditionalGeneration"
 STRICT_ARCH = "Qwen2_5_VLForConditionalGeneration"
 AUDIO_ARCH = "Qwen2AudioForConditionalGeneration"

@@ -79,6 +79,7 @@ def test_serve_help_lists_flags_with_defaults(capsys: pytest.CaptureFixture[str]
     assert "(default: 8000)" in text and "(default: 127.0.0.1)" in text
 
 
+@pytest.mark.slow
 def test_serve_logs_load_progress_and_one_ready_line(server: Server) -> None:
     """What `omniserve serve` prints while it starts: each shard as it is read, where each layer
     runs, then one line with the dtype, the weight bytes and the KV budget."""
@@ -844,6 +845,7 @@ def test_chat_echo_and_request_templates(server: Server) -> None:
     assert error["param"] == "chat_template" and "--trust-request-chat-template" in error["message"]
 
 
+@pytest.mark.slow
 def test_a_trusted_request_template_renders_the_prompt(qwen3_server: Server) -> None:
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
     prompt = qwen3_server.post("/tokenize", {"messages": _chat("Hi"), "chat_template": template})

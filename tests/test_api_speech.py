@@ -20,6 +20,8 @@ from omniserve import LLM, SamplingParams
 from omniserve.entrypoints.openai.audio_encoding import encode_audio, pcm16
 from tests.server_utils import MODEL, launch_server
 
+pytestmark = pytest.mark.slow  # speech servers: talker and vocoder per request
+
 ARCH = "Qwen3OmniMoeForConditionalGeneration"
 QUESTION = [{"role": "user", "content": "Hello there, say something"}]
 TEXT_TOKENS, FRAMES = 8, 20

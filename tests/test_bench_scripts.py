@@ -115,6 +115,7 @@ def test_omni_benchmark_runs_on_a_tiny_checkpoint_with_a_profile(capsys):
     assert "where omniserve's time goes" in out and "decode steps" in out
 
 
+@pytest.mark.slow
 def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint, tmp_path):
     """The real-size benchmark's workers and report on a tiny omni thinker: every run counted,
     the media request timed, memory and the limits reported (timings are not checked)."""

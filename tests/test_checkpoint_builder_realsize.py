@@ -56,6 +56,7 @@ def test_entries_state_every_value_their_row_would_supply(name):
     assert text_keys <= set(real.overrides)
 
 
+@pytest.mark.slow
 def test_table_reproduces_the_published_parameter_count():
     """The 48-layer Qwen3-Omni thinker from this table has the real checkpoint's parameter count
     (31,719,205,488, as printed from it in ai-bot-pro/achatbot PR 196): every text, vision and

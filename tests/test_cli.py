@@ -22,6 +22,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_make_tiny_and_generate(tmp_path):
     out = tmp_path / "ckpt"
     made = _run("make-tiny", "LlamaForCausalLM", "--out", str(out))
@@ -49,6 +50,7 @@ def test_models_lists_the_zoo():
         assert arch in listed.stdout
 
 
+@pytest.mark.slow
 def test_errors_are_one_line_and_nonzero(tmp_path):
     missing = _run("generate", str(tmp_path / "nope"))
     assert missing.returncode == 2

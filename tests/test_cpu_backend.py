@@ -185,6 +185,7 @@ def flagship_moe() -> FusedMoE:
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 40])
+@pytest.mark.slow
 def test_bf16_moe_at_the_flagship_shape(tokens: int, flagship_moe: FusedMoE) -> None:
     """Top-8 routing over the 128 experts, decode and small-prefill batch sizes."""
     gen = torch.Generator().manual_seed(tokens)

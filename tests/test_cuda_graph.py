@@ -91,6 +91,7 @@ def _check(result: dict[str, Any], atol: float, *, same_as_torch: bool = True) -
         assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) <= atol
 
 
+@pytest.mark.slow
 def test_replayed_decodes_equal_eager_ones() -> None:
     """An omni thinker (M-RoPE decode positions past an image, after an eager media prefill),
     fp32: the same tokens on all three paths; logprobs within fp32 noise (a padded batch runs

@@ -75,6 +75,7 @@ def _assert_gone(proc: multiprocessing.process.BaseProcess) -> None:
     assert proc not in multiprocessing.active_children()
 
 
+@pytest.mark.slow
 def test_llm_through_engine_process_matches_in_process(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -105,6 +106,7 @@ def test_llm_through_engine_process_matches_in_process(
     assert run("1") == in_process
 
 
+@pytest.mark.slow
 def test_sync_mp_client_matches_inproc_and_shuts_down_cleanly(model_dir: Path) -> None:
     config = _config(model_dir)
     inproc = InprocClient(config)
@@ -151,6 +153,7 @@ def test_sync_mp_client_matches_inproc_and_shuts_down_cleanly(model_dir: Path) -
         client.get_output()
 
 
+@pytest.mark.slow
 def test_engine_death_raises_engine_dead_error(model_dir: Path) -> None:
     client = SyncMPClient(_config(model_dir))
     try:
@@ -185,6 +188,7 @@ def _record_error(call: Callable[[], object], errors: list[BaseException]) -> No
         errors.append(exc)
 
 
+@pytest.mark.slow
 def test_bad_model_dir_fails_clearly_at_startup(model_dir: Path, tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken)
@@ -199,6 +203,7 @@ def test_bad_model_dir_fails_clearly_at_startup(model_dir: Path, tmp_path: Path)
     assert set(multiprocessing.active_children()) == before
 
 
+@pytest.mark.slow
 def test_async_mp_client(model_dir: Path) -> None:
     config = _config(model_dir)
     expected_client = InprocClient(config)
@@ -239,6 +244,7 @@ def test_async_mp_client(model_dir: Path) -> None:
     _assert_gone(client.proc)
 
 
+@pytest.mark.slow
 def test_engine_exits_when_parent_is_killed(model_dir: Path) -> None:
     script = textwrap.dedent(f"""
         import os, signal

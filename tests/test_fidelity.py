@@ -31,18 +31,21 @@ def _generate(model_dir: str, prompts: list[list[int]], **engine_kwargs) -> tupl
     return llm, outputs
 
 
+@pytest.mark.slow
 def test_matches_hf(case):
     model_dir, prompts, reference = case
     _, outputs = _generate(model_dir, prompts)
     assert_matches_reference(outputs, reference)
 
 
+@pytest.mark.slow
 def test_matches_hf_with_chunked_prefill(case):
     model_dir, prompts, reference = case
     llm, outputs = _generate(model_dir, prompts, max_num_batched_tokens=32, max_num_seqs=4)
     assert_matches_reference(outputs, reference)
 
 
+@pytest.mark.slow
 def test_matches_hf_with_prefix_cache_hits(case):
     model_dir, prompts, reference = case
     llm = LLM(model_dir, dtype="float32")
@@ -52,6 +55,7 @@ def test_matches_hf_with_prefix_cache_hits(case):
     assert_matches_reference(outputs, reference)
 
 
+@pytest.mark.slow
 def test_matches_hf_under_preemption(case):
     model_dir, prompts, reference = case
     # 16 blocks of 16 tokens hold one 256-token sequence but not the whole batch at once.
@@ -66,6 +70,7 @@ def test_matches_hf_under_preemption(case):
     assert_matches_reference(outputs, reference)
 
 
+@pytest.mark.slow
 def test_batch_invariance(tiny_checkpoint):
     model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))
     prompts = make_prompts(model_dir, [5 + 7 * i for i in range(16)], seed=1)

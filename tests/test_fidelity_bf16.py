@@ -231,6 +231,7 @@ def family(request, tempered_checkpoint) -> Family:
     return Family(model_dir, case, case.reference(torch.bfloat16), case.reference(torch.float32))
 
 
+@pytest.mark.slow
 def test_bf16_arithmetic_is_transformers_own(family: Family, monkeypatch) -> None:
     monkeypatch.setenv("OMNISERVE_CPU_KERNELS", "torch")  # the engine process inherits it
     # the model code's own arithmetic, so on the CPU whatever else the machine has
@@ -242,6 +243,7 @@ def test_bf16_arithmetic_is_transformers_own(family: Family, monkeypatch) -> Non
     assert mean(deltas) <= 5e-3, f"mean |Δlogprob| {mean(deltas):.3g}, largest {max(deltas):.3g}"
 
 
+@pytest.mark.slow
 def test_bf16_served_close_to_transformers(family: Family) -> None:
     llm = LLM(family.model_dir, dtype="bfloat16")  # on a GPU when there is one
     info = llm.llm_engine.engine_core.call_utility("get_model_info")

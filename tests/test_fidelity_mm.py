@@ -156,6 +156,7 @@ ENGINE_SHAPES = {
 
 
 @pytest.mark.parametrize("shape", list(ENGINE_SHAPES))
+@pytest.mark.slow
 def test_matches_hf(mm_case, shape):
     model_dir, prompts, reference = mm_case
     llm = LLM(model_dir, dtype="float32", **ENGINE_SHAPES[shape])
@@ -167,6 +168,7 @@ def test_matches_hf(mm_case, shape):
         assert stats["encoder_cache_queries"] > 0
 
 
+@pytest.mark.slow
 def test_different_images_never_share_prefix_blocks(tiny_checkpoint):
     """Same text, same image size, different pixels: identical placeholder tokens, so only the
     item hashes in the block keys keep the second request from reusing the first one's KV."""

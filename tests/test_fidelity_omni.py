@@ -131,6 +131,7 @@ def omni_case(request, tiny_checkpoint):
 
 
 @pytest.mark.parametrize("shape", ["plain", "chunked"])
+@pytest.mark.slow
 def test_thinker_matches_hf(omni_case, shape):
     model_dir, prompts, reference = omni_case
     # Plain runs without prefix caching so that the repeat below must reuse encoder outputs

@@ -16,6 +16,8 @@ from omniserve import LLM, SamplingParams
 from omniserve.config import ModelConfig
 from tests.server_utils import API_KEY, MODEL, Server, launch_server
 
+pytestmark = pytest.mark.slow  # servers with and without the checkpoint defaults
+
 RECOMMENDED = {
     "temperature": 0.6,
     "top_p": 0.95,

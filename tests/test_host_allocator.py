@@ -49,6 +49,7 @@ def _probe(**env: str) -> tuple[bool, int]:
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc settings")
+@pytest.mark.slow
 def test_freed_activations_are_reused_without_page_faults() -> None:
     applied, faults = _probe()
     assert applied

@@ -44,6 +44,7 @@ def _launch(tiny_checkpoint: Any, tmp_path: Path, *flags: str) -> Any:
     )
 
 
+@pytest.mark.slow
 def test_sigterm_drains_streams_and_refuses_new_requests(
     tiny_checkpoint: Any, tmp_path: Path
 ) -> None:
@@ -71,6 +72,7 @@ def test_sigterm_drains_streams_and_refuses_new_requests(
         assert "draining 1 request(s) in flight" in server.log.read_text()
 
 
+@pytest.mark.slow
 def test_sigterm_without_drain_time_ends_streams_with_an_error_event(
     tiny_checkpoint: Any, tmp_path: Path
 ) -> None:
@@ -94,6 +96,7 @@ def test_sigterm_without_drain_time_ends_streams_with_an_error_event(
         _assert_all_gone(children, timeout=5)
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_server_leaves_no_orphan(tiny_checkpoint: Any, tmp_path: Path) -> None:
     """Every child (the engine core and its tensor-parallel workers) watches its parent."""
     with _launch(tiny_checkpoint, tmp_path, "--tensor-parallel-size", "2") as server:

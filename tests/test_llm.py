@@ -110,6 +110,7 @@ def test_min_tokens_and_ignore_eos(llm, model_dir):
     assert eos is not None
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_match_hf(model_dir):
     prompt = make_prompts(model_dir, [40])[0]
     # A small token budget makes prompt logprobs arrive over several chunked-prefill steps.
@@ -154,6 +155,7 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(llm):
     assert len(llm.generate(["still works"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
 
 
+@pytest.mark.slow
 def test_bad_model_dirs(tmp_path, model_dir):
     with pytest.raises(FileNotFoundError, match="not a directory"):
         LLM(str(tmp_path / "missing"))
@@ -210,6 +212,7 @@ def test_priority_needs_the_priority_policy(llm):
         llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=False, priority=[0])
 
 
+@pytest.mark.slow
 def test_generate_returns_whole_outputs_whatever_the_output_kind(tiny_checkpoint) -> None:
     """LLM.generate returns finished outputs only, so every kind gives the whole answer (a
     delta request's last output alone would hold its last token)."""

@@ -69,6 +69,7 @@ def realvocab_checkpoint() -> str:
     return str(build_realsize_checkpoint("qwen2.5-1.5b", overrides=overrides))
 
 
+@pytest.mark.slow
 def test_peak_rss_while_loading_and_serving(realvocab_checkpoint: str) -> None:
     result = subprocess.run(
         [sys.executable, "-c", _SERVE, realvocab_checkpoint, str(KV_BYTES)],

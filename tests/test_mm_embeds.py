@@ -125,6 +125,7 @@ def _b64(tensor: torch.Tensor) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+@pytest.mark.slow
 def test_embeds_parts_over_the_api(
     vl: LLM, tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -160,6 +160,7 @@ def test_audio_one_and_two_clips_match_hf(make_processor, hf_processor) -> None:
     assert [f.mm_position.length for f in ours.mm_features] == [25, 58]
 
 
+@pytest.mark.slow
 def test_audio_is_resampled_to_the_feature_extractor_rate(make_processor, hf_processor) -> None:
     import librosa
 

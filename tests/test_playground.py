@@ -189,6 +189,7 @@ def test_playground_in_a_browser(default_server, browser, tmp_path):
     assert "/v1/chat/completions" in logged and "400" in logged
 
 
+@pytest.mark.slow
 def test_playground_assets_and_opt_out(default_server, tmp_path):
     page = httpx.get(default_server.url + "/", timeout=10)
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]

@@ -366,6 +366,7 @@ def test_make_tiny_as_architecture(tmp_path, capsys):
     assert (out / "model.safetensors").is_file() and not (out / "model.safetensors").is_symlink()
 
 
+@pytest.mark.slow
 def test_registered_plugin_runs_inside_the_engine_process(tmp_path, capsys):
     """The engine core is a spawned process: it finds the plugin only by reading the registry
     file (and its recorded --path) itself; the forced token proves the plugin's code ran."""

@@ -12,6 +12,8 @@ import pytest
 from omniserve.entrypoints.openai.reasoning import ReasoningParser, StreamingSplit
 from tests.server_utils import MODEL, Server
 
+pytestmark = pytest.mark.slow  # a server with a reasoning parser
+
 THOUGHT_THEN_ANSWER = r"<think>\n[a-z]{2,8}\n</think>\n\n[a-z]{2,8}"
 
 

@@ -25,6 +25,8 @@ from omniserve import LLM, SamplingParams
 from omniserve.sampling_params import RequestOutputKind
 from tests.test_fidelity_omni import _engine_prompt, _hf_inputs, _media, _text
 
+pytestmark = pytest.mark.slow  # talker and code2wav against transformers
+
 ARCH = "Qwen3OmniMoeForConditionalGeneration"
 WAVE_ATOL = 1e-4
 THINKER_TOKENS, TALKER_TOKENS = 10, 30

@@ -28,6 +28,8 @@ from omniserve.entrypoints.openai.audio_encoding import pcm16
 from tests.server_utils import MODEL, launch_server
 from tests.test_fidelity_omni import _engine_prompt, _hf_inputs, _media, _text
 
+pytestmark = pytest.mark.slow  # talker and token2wav against transformers
+
 ARCH = "Qwen2_5OmniForConditionalGeneration"
 WAVE_ATOL = 1e-4
 THINKER_TOKENS, TALKER_TOKENS = 10, 30

@@ -140,6 +140,7 @@ def test_omni_moe_thinker_tp2_with_image_and_audio_matches_hf(tiny_checkpoint):
     assert_matches_reference(outputs, reference, atol=5e-4)
 
 
+@pytest.mark.slow
 def test_heads_that_do_not_divide_give_a_clear_error(tiny_checkpoint, monkeypatch):
     model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))  # 4 heads, 128 MLP features
     monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")  # the error in this process

@@ -77,11 +77,13 @@ MIXED = [(9, 1), (0, 7), (5, 6), (8, 1), (12, 3), (0, 1), (3, 1)]
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 1), (12, 4), (32, 2)])
+@pytest.mark.slow
 def test_gqa_ratios(interpreted: Runner, num_heads: int, num_kv_heads: int) -> None:
     check(interpreted(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads))
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 128])
+@pytest.mark.slow
 def test_block_sizes_and_chunk_boundaries(interpreted: Runner, block_size: int) -> None:
     """Keys on, just before and after block boundaries; prefill chunks longer than a tile
     (64 rows = 32 tokens of a 2-head group) starting at and off a tile's edge."""
@@ -91,6 +93,7 @@ def test_block_sizes_and_chunk_boundaries(interpreted: Runner, block_size: int) 
 
 
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.slow
 def test_random_ragged_batches(interpreted: Runner, seed: int) -> None:
     rng = random.Random(seed)
     specs = [(rng.randint(0, 150), 1) if rng.random() < 0.5
@@ -103,6 +106,7 @@ def test_random_ragged_batches(interpreted: Runner, seed: int) -> None:
 
 
 @pytest.mark.parametrize("window", [1, 5, 64])
+@pytest.mark.slow
 def test_sliding_window(interpreted: Runner, window: int) -> None:
     specs = [(10, 1), (0, 9), (6, 5), (2, 1), (150, 1), (100, 40)]
     check(interpreted(specs, num_heads=4, num_kv_heads=2, window=window))
@@ -116,6 +120,7 @@ def test_head_sizes(interpreted: Runner, head_size: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.slow
 def test_half_precision_at_real_shapes(interpreted: Runner, dtype: torch.dtype) -> None:
     """Qwen3-Omni-30B-A3B's heads (32 on 4, size 128) on a half-precision cache: products and
     softmax in fp32, the probabilities rounded to the cache dtype for the second product and

@@ -94,6 +94,7 @@ def test_alignment_groups_pairs_into_single_expert_blocks(
 @pytest.mark.parametrize("num_experts", [4, 8])
 @pytest.mark.parametrize("num_tokens, hidden, inter", [(1, 32, 16), (7, 48, 24), (33, 64, 48)])
 @pytest.mark.parametrize("routing", ["skewed", pytest.param("softmax", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_interpreted_kernel_matches_reference_fp32(
     interpreted: InterpretedMoE,
     routing: str,
@@ -115,6 +116,7 @@ def test_interpreted_kernel_matches_reference_fp32(
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_interpreted_kernel_one_expert_spanning_many_blocks(interpreted: InterpretedMoE) -> None:
     x, gate_up_proj, down_proj = make_weights(33, 4, 40, 20, torch.float32)
     topk_ids = torch.full((33, 1), 2)  # 33 pairs on expert 2: three 16-row blocks, two padded
@@ -182,6 +184,7 @@ def test_interpreted_kernel_edge_inputs(interpreted: InterpretedMoE) -> None:
         interpreted(x.bfloat16(), gate_up_proj, down_proj, empty_ids.float(), empty_ids)
 
 
+@pytest.mark.slow
 def test_cpu_dispatch_uses_torch_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: object) -> torch.Tensor:
         raise AssertionError("the Triton path must not run on CPU tensors")
@@ -197,6 +200,7 @@ def test_cpu_dispatch_uses_torch_reference(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 7, 257])
+@pytest.mark.slow
 def test_cuda_dispatch_runs_compiled_kernel(
     monkeypatch: pytest.MonkeyPatch, num_tokens: int, dtype: torch.dtype
 ) -> None:
