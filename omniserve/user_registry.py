@@ -114,17 +114,13 @@ def _modalities(value: object) -> tuple[str, ...] | None:
     return tuple(value)
 
 
-def _as_list(modalities: tuple[str, ...] | None) -> list[str] | None:
-    return None if modalities is None else list(modalities)
-
-
 def write_user_registry(models: dict[str, UserModel], path: Path | None = None) -> Path:
     """Replace the file's content atomically; return its path."""
     path = path or registry_file()
     payload = {
         "version": FORMAT_VERSION,
         "models": {
-            arch: {**asdict(model), "modalities": _as_list(_modalities(model.modalities))}
+            arch: {**asdict(model), "modalities": _modalities(model.modalities)}
             for arch, model in sorted(models.items())
         },
     }

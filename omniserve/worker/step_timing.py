@@ -23,16 +23,21 @@ PARTS = (
 """A step whose requests compute any prompt token is a prefill step; the rest decode."""
 
 
+_OFF = contextlib.nullcontext()
+
+
 class StepTimer:
     def __init__(self, device: torch.device) -> None:
-        self.enabled = False
         self._cuda = device.type == "cuda"
+        self.enabled = False
+        self._zero()
+
+    def _zero(self) -> None:
         self.seconds = dict.fromkeys(PARTS, 0.0)
         self.steps = {"prefill": 0, "decode": 0}
 
     def start(self) -> None:
-        self.seconds = dict.fromkeys(PARTS, 0.0)
-        self.steps = {"prefill": 0, "decode": 0}
+        self._zero()
         self.enabled = True
 
     def snapshot(self) -> dict[str, dict[str, float]]:
@@ -46,11 +51,13 @@ class StepTimer:
         if self.enabled:
             self.steps["prefill" if prefill else "decode"] += 1
 
+    def part(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """A context that times ``name``; while timing is off, one shared no-op (no generator
+        is made on the runner's hot path)."""
+        return self._timed(name) if self.enabled else _OFF
+
     @contextlib.contextmanager
-    def part(self, name: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
+    def _timed(self, name: str) -> Iterator[None]:
         self._synchronize()
         start = time.perf_counter()
         try:

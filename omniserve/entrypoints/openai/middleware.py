@@ -19,11 +19,7 @@ def error_json(error: ServingError) -> JSONResponse:
 
 
 class APIKeyMiddleware:
-    """Bearer-token auth on the API routes; /health, /version and /metrics stay open.
-
-    Plain ASGI (not BaseHTTPMiddleware) so it runs before the body is read and leaves
-    ``receive`` untouched for the disconnect listeners.
-    """
+    """Bearer-token auth on the API routes; /health, /version and /metrics stay open."""
 
     PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
