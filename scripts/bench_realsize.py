@@ -269,7 +269,12 @@ def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
             "name": run["name"], "elapsed_s": elapsed,
             "num_prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
             "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+            "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
         })  # fmt: skip
+        if workload.get("profile_steps"):  # once more, untimed, with the runner's step timer on
+            llm.llm_engine.start_step_timing()
+            llm.generate(prompts, params, use_tqdm=False)
+            runs[-1]["step_timings"] = llm.llm_engine.get_step_timings()
     return {"engine": "omniserve", "load_s": load_s, "runs": runs, "model_info": info}
 
 
@@ -413,6 +418,7 @@ def report(name: str, results: dict[str, dict[str, Any]], costs: dict[str, float
         + " | ".join(f"{results[e]['peak_rss_bytes'] / 2**30:.2f} GiB" for e in engines)
         + " | | |"
     )
+    lines += _agreement(results) + _step_profiles(results)
     ours = results.get("omniserve")
     if ours:
         info, runs = ours["model_info"], by_run["omniserve"]
@@ -432,6 +438,44 @@ def report(name: str, results: dict[str, dict[str, Any]], costs: dict[str, float
             lines.append(f"prefill: {rate / 1e9:.0f} GFLOP/s vs bf16 GEMM "
                          f"{roofline['gemm_flops_per_s'] / 1e9:.0f}: "
                          f"{roofline['gemm_flops_per_s'] / rate:.2f}x the GEMM time")  # fmt: skip
+    return lines
+
+
+def _agreement(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Whether each omniserve variant generated the same greedy tokens as plain omniserve (e.g.
+    CUDA-graph replays against eager decodes: the same kernels, so the same tokens)."""
+    ours = results.get("omniserve")
+    if not ours:
+        return []
+    lines = []
+    for engine, result in results.items():
+        if not engine.startswith("omniserve:"):
+            continue
+        same = total = 0
+        for mine, theirs in zip(ours["runs"], result["runs"], strict=True):
+            pairs = list(zip(mine["token_ids"], theirs["token_ids"], strict=True))
+            same += sum(a == b for a, b in pairs)
+            total += len(pairs)
+        lines.append(f"{engine} vs omniserve: the same greedy tokens in {same} of {total} "
+                     "requests")  # fmt: skip
+    return lines
+
+
+def _step_profiles(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Each profiled run's time per part (the runner's step timer; the rest is the front end,
+    scheduler, input preparation and output processing)."""
+    lines = []
+    for engine, result in results.items():
+        for run in result["runs"]:
+            timings = run.get("step_timings")
+            if not timings:
+                continue
+            parts = {k: v for k, v in timings["seconds"].items() if v}
+            steps = timings["steps"]
+            cells = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in parts.items())
+            lines.append(f"{engine} {run['name']} profile ({steps['prefill']:.0f} prefill and "
+                         f"{steps['decode']:.0f} decode steps, timed run {run['elapsed_s']:.2f} "
+                         f"s): {cells}")  # fmt: skip
     return lines
 
 
@@ -464,6 +508,12 @@ def main() -> None:
         help="Python of a venv with vLLM's CPU build; vLLM is skipped without.",
     )
     parser.add_argument("--out", default=None, help="Write every figure as JSON here too.")
+    parser.add_argument(
+        "--profile-steps",
+        action="store_true",
+        help="Run each omniserve workload once more, untimed, with the runner's step timer on "
+        "(encoders, prefill, decode, sampler), and report where the time went.",
+    )
     parser.add_argument(
         "--engine-timeout",
         type=float,
@@ -502,6 +552,7 @@ def main() -> None:
             workload_file = Path(tmp) / f"{name}.json"
             workload = make_workload(names, model_dir, Path(tmp), device)
             workload["llm_kwargs"] = json.loads(args.llm_kwargs)
+            workload["profile_steps"] = args.profile_steps
             workload_file.write_text(json.dumps(workload))
             results = {}
             for engine in engines:
@@ -512,6 +563,9 @@ def main() -> None:
                                     json.loads(args.variants).get(label))  # fmt: skip
                 if result is not None:
                     results[engine] = result
+                    for run in result["runs"]:  # now, in case a later engine runs out of time
+                        print(f"  {engine} {run['name']}: {run['elapsed_s']:.3f} s, "
+                              f"{_rate(run)[0]:.1f} output tok/s", flush=True)  # fmt: skip
             costs = model_costs(model_dir)
             all_results["models"][name] = {"results": results, "costs": costs}
             section = report(name, results, costs, roofline) if results else []

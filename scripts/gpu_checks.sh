@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks in one run (a lent GPU machine has minutes, not hours): the `gpu` test marker
-# (compiled Triton attention and fused MoE), the fp32 and bf16 fidelity suites with the engine on
-# CUDA (transformers on CPU as the reference), then the real-size benchmark: omniserve with CUDA
-# graphs, eager (and, with ENGINES=...,omniserve:torch, the torch attention backend) against
-# transformers' batched generate on the same GPU. Logs land in $OUT (or ./gpu-checks).
+# (compiled Triton attention and fused MoE, CUDA-graph replays, the memory profile), the fp32 and
+# bf16 fidelity suites with the engine on CUDA (transformers on CPU as the reference), then the
+# real-size benchmark per model: omniserve with CUDA graphs, transformers' batched generate on
+# the same GPU, and omniserve eager (and, with ENGINES=...,omniserve:torch, the torch attention
+# backend), with a step profile of each omniserve run. Logs land in $OUT (or ./gpu-checks).
 #
 #   bash scripts/gpu_checks.sh                 # on a machine with CUDA, omniserve installed
 #   WHEELS=.whl bash scripts/gpu_checks.sh     # first install carried wheels (no registry there)
@@ -20,22 +21,33 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton',
 triton.__version__, 'transformers', transformers.__version__)"
-MODELS=${MODELS:-qwen2.5-omni-3b-thinker}
-LLM_KWARGS=${LLM_KWARGS:-'{}'}
-# pytest: a per-test limit, and SIGINT at the end of the budget so it still prints its summary
-PYTEST="$PY -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout=${PER_TEST_TIMEOUT:-120}"
-timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST -m gpu tests/test_triton_attention.py \
-  tests/test_cuda_graph.py tests/test_triton_fused_moe.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST --maxfail=3 tests/test_fidelity.py \
-  tests/test_fidelity_bf16.py -k "not arithmetic" 2>&1 | tee "$OUT/fidelity.log" | tail -15
-# the real-size checkpoints build on the CPUs after the tests (HF references run there too)
-$PY -c "
+MODELS=${MODELS:-qwen2.5-omni-3b-thinker,qwen3-omni-30b-a3b-thinker-4l}
+LLM_KWARGS=${LLM_KWARGS:-'{"max_num_seqs": 128}'}
+# The real-size checkpoints build on a few CPU threads while the tests run (the HF references of
+# the fidelity tests run on the CPUs too); the tests are stopped with SIGINT at their budget, so
+# pytest still prints its summary.
+OMP_NUM_THREADS=4 $PY -c "
 from omniserve.checkpoint_builder import build_realsize_checkpoint
 for name in '$MODELS'.split(','):
-    print(name, build_realsize_checkpoint(name), flush=True)" 2>&1 | tail -2
-timeout -s INT "${BENCH_TIMEOUT:-400}" $PY scripts/bench_realsize.py --models "$MODELS" \
-  --engines "${ENGINES:-omniserve,omniserve:eager,hf}" \
-  --variants '{"eager": {"enforce_eager": true}, "torch": {"enforce_eager": true, "attention_backend": "torch"}}' \
-  --workloads "${WORKLOADS:-b1,b32,b128,ttft_mm}" \
-  --engine-timeout "${ENGINE_TIMEOUT:-180}" --llm-kwargs "$LLM_KWARGS" \
-  --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+    print(name, build_realsize_checkpoint(name), flush=True)" >"$OUT/build.log" 2>&1 &
+BUILD=$!
+PYTEST="$PY -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout=${PER_TEST_TIMEOUT:-120}"
+timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST -m gpu tests/test_triton_attention.py \
+  tests/test_cuda_graph.py tests/test_triton_fused_moe.py tests/test_memory.py \
+  >"$OUT/gpu_tests.log" 2>&1 &
+GPU_TESTS=$!
+timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST --maxfail=3 tests/test_fidelity.py \
+  tests/test_fidelity_bf16.py -k "not arithmetic" >"$OUT/fidelity.log" 2>&1 &
+FIDELITY=$!
+wait $GPU_TESTS; tail -15 "$OUT/gpu_tests.log"
+wait $FIDELITY; tail -15 "$OUT/fidelity.log"
+wait $BUILD; tail -2 "$OUT/build.log"
+# One model at a time, each with its own budget, so a slow first model leaves the second its time.
+for name in ${MODELS//,/ }; do
+  timeout -s INT "${BENCH_TIMEOUT:-400}" $PY scripts/bench_realsize.py --models "$name" \
+    --engines "${ENGINES:-omniserve,hf,omniserve:eager}" \
+    --variants '{"eager": {"enforce_eager": true}, "torch": {"enforce_eager": true, "attention_backend": "torch"}}' \
+    --workloads "${WORKLOADS:-b1,b32,b128,ttft_mm}" --profile-steps \
+    --engine-timeout "${ENGINE_TIMEOUT:-180}" --llm-kwargs "$LLM_KWARGS" \
+    --out "$OUT/bench-$name.json" 2>&1 | tee "$OUT/bench-$name.log"
+done

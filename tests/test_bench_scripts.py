@@ -118,12 +118,14 @@ def test_omni_benchmark_runs_on_a_tiny_checkpoint_with_a_profile(capsys):
 @pytest.mark.slow
 def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint, tmp_path):
     """The real-size benchmark's workers and report on a tiny omni thinker: every run counted,
-    the media request timed, memory and the limits reported (timings are not checked)."""
+    the media request timed, memory and the limits reported, variants' tokens compared and the
+    step profile read (timings are not checked)."""
     bench = _load_script("bench_realsize")
     model_dir = tiny_checkpoint("Qwen3OmniMoeThinkerForConditionalGeneration")
     workload = bench.make_workload(["b1", "prefill", "ttft_mm"], model_dir, tmp_path, "cpu")
     assert [run["name"] for run in workload["runs"]] == ["b1", "prefill", "ttft_mm_warmup",
                                                           "ttft_mm"]  # fmt: skip
+    workload["profile_steps"] = True
     workload_file = tmp_path / "workload.json"
     workload_file.write_text(json.dumps(workload))
     results = {}
@@ -139,6 +141,7 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
     variant = bench.run_engine("omniserve:torch", model_dir, workload_file, tmp_path / "v.json",
                                None, 600, {"attention_backend": "torch"})  # fmt: skip
     assert set(variant["model_info"]["attention_backends"]) == {"torch"}
+    results["omniserve:torch"] = variant
     assert set(results["omniserve"]["model_info"]["attention_backends"]) == {"cpu"}
     costs = bench.model_costs(model_dir)
     assert costs["decode_bytes_per_step"] > 0 and costs["prefill_flops_per_token"] > 0
@@ -147,6 +150,10 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
     table = "\n".join(lines)
     assert "| ttft_mm |" in table and "omniserve: float32, weights" in table  # as stored
     assert "x the bound" in table and "x the GEMM time" in table
+    assert "omniserve:torch vs omniserve: the same greedy tokens in" in table
+    assert "of 19 requests" in table  # b1, 16 prefills, the media warm-up and the media request
+    assert "omniserve b1 profile (1 prefill and 127 decode steps" in table
+    assert "decode steps: forward + logits" in table
 
 
 def test_structured_benchmark_runs_on_a_tiny_checkpoint(monkeypatch, capsys):

@@ -150,3 +150,36 @@ def test_profile_run_takes_the_largest_items_and_step(tiny_checkpoint) -> None:
     for item in items:
         assert item.mm_position.length > 100  # worst case, not a thumbnail
     worker.model_runner.profile_run(items)
+
+
+@pytest.mark.gpu
+def test_memory_profile_on_gpu(monkeypatch) -> None:
+    """The real profile on a device: the KV cache is what --gpu-memory-utilization leaves after
+    the profiled peak, and serving a large image afterwards (CUDA graphs captured) stays inside
+    that share of the card."""
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from omniserve import LLM, SamplingParams
+    from omniserve.checkpoint_builder import build_tiny_checkpoint
+
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")  # this process holds the engine
+    model_dir = str(build_tiny_checkpoint("Qwen2_5OmniThinkerForConditionalGeneration"))
+    utilization, total = 0.05, torch.cuda.mem_get_info()[1]
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", max_model_len=4096,
+              gpu_memory_utilization=utilization)  # fmt: skip
+    info = llm.llm_engine.engine_core.call_utility("get_model_info")
+    assert 0 < info["kv_cache_bytes"] < utilization * total - info["weight_bytes"]
+    assert info["cuda_graph_sizes"]
+    tok = AutoProcessor.from_pretrained(model_dir).tokenizer
+    image = f"{tok.vision_bos_token}{tok.image_token}{tok.vision_eos_token}"
+    prompt = {
+        "prompt": f"<|im_start|>user\n{image}What is it?<|im_end|>\n<|im_start|>assistant\n",
+        "multi_modal_data": {"image": Image.new("RGB", (1024, 768), "red")},
+    }
+    torch.cuda.reset_peak_memory_stats()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([prompt] * 4, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+    assert torch.cuda.max_memory_allocated() <= utilization * total
