@@ -265,6 +265,10 @@ def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        failed = [o.request_id for o, p in zip(outputs, params, strict=True)
+                  if len(o.outputs[0].token_ids) != p.max_tokens]  # fmt: skip
+        if failed:  # ignore_eos: a short answer is a failed request, not a fast one
+            raise RuntimeError(f"{run['name']}: requests {failed} did not generate max_tokens")
         runs.append({
             "name": run["name"], "elapsed_s": elapsed,
             "num_prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),

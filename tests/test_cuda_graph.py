@@ -91,6 +91,35 @@ def _check(result: dict[str, Any], atol: float, *, same_as_torch: bool = True) -
         assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) <= atol
 
 
+def test_each_graph_keeps_its_metadata_and_plans() -> None:
+    """A captured graph reads the plans a backend left on its size's metadata (the Triton tiles)
+    by address: they must live as long as the graph, not only until the next size's capture."""
+    import gc
+    import weakref
+
+    import torch
+    from torch import nn
+
+    from omniserve.forward_context import get_forward_context
+    from omniserve.worker.cuda_graph import DecodeGraphs
+
+    plans: list[weakref.ref] = []
+
+    class Planning(nn.Module):
+        def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            metadata = get_forward_context().attn_metadata
+            if "tiles" not in metadata.plans:
+                metadata.plans["tiles"] = torch.arange(metadata.num_reqs)
+                plans.append(weakref.ref(metadata.plans["tiles"]))
+            return input_ids[:, None].float() + metadata.plans["tiles"][:, None]
+
+    graphs = DecodeGraphs(Planning(), [1, 2, 4], 3, torch.device("cpu"), uses_mrope=False)
+    graphs.capture()
+    gc.collect()
+    assert sorted(graphs.metadata) == [1, 2, 4] and len(plans) == 3
+    assert all(plan() is not None for plan in plans)
+
+
 @pytest.mark.slow
 def test_replayed_decodes_equal_eager_ones() -> None:
     """An omni thinker (M-RoPE decode positions past an image, after an eager media prefill),

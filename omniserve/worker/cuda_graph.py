@@ -9,10 +9,10 @@ batches beyond the ladder and attention backends that plan on the host per step 
 run eagerly; logits and sampling always do (their shapes follow what each request asks for).
 
 Per-step plans a backend derives from the metadata (the Triton backend's tiles) are made by a
-warm-up forward before each capture and live on that size's static metadata, so the graph never
-reads a freed tensor. Where CUDA is absent (the Triton interpreter on CPU, in tests), the
-"graph" replays the recorded call on the same static buffers, which checks everything but the
-capture itself.
+warm-up forward before each capture and live on that size's static metadata, which is kept with
+its graph: the graph reads those tensors by address, so they must live as long as it does. Where
+CUDA is absent (the Triton interpreter on CPU, in tests), the "graph" replays the recorded call
+on the same static buffers, which checks everything but the capture itself.
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ class DecodeGraphs:
         self.block_table = torch.zeros(top, max_blocks_per_req, dtype=torch.int32, device=device)
         self.slot_mapping = torch.full((top,), PAD_SLOT, dtype=torch.long, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | _Replay, torch.Tensor]] = {}
+        self.metadata: dict[int, AttentionMetadata] = {}
+        """Each size's static metadata: its plans are the graph's inputs."""
         self.num_replays = 0
 
     def capture(self) -> None:
@@ -92,6 +94,7 @@ class DecodeGraphs:
                 query_lens_cpu=[1] * size,
                 seq_lens_cpu=[1] * size,
             )
+            self.metadata[size] = metadata
 
             def forward(size: int = size) -> torch.Tensor:
                 return self.model(self.input_ids[:size], self.positions[..., :size])
