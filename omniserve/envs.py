@@ -41,6 +41,13 @@ def engine_multiprocessing() -> bool:
     return os.environ.get("OMNISERVE_ENABLE_MULTIPROCESSING", "1") not in ("0", "false", "False")
 
 
+def torch_profiler_dir() -> str | None:
+    """Where ``start_profile`` / ``stop_profile`` write torch profiler traces and tables
+    (``OMNISERVE_TORCH_PROFILER_DIR``, vLLM's ``VLLM_TORCH_PROFILER_DIR``); unset, profiling is
+    off and the server has no profile routes."""
+    return os.environ.get("OMNISERVE_TORCH_PROFILER_DIR") or None
+
+
 def num_threads() -> int | None:
     """Torch intra-op threads for CPU workers (``OMNISERVE_NUM_THREADS``); None keeps torch's."""
     value = os.environ.get("OMNISERVE_NUM_THREADS")

@@ -279,6 +279,12 @@ def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
             llm.llm_engine.start_step_timing()
             llm.generate(prompts, params, use_tqdm=False)
             runs[-1]["step_timings"] = llm.llm_engine.get_step_timings()
+        if workload.get("torch_profile"):  # and under the torch profiler: the top ops' table
+            llm.start_profile()
+            llm.generate(prompts, params, use_tqdm=False)
+            llm.stop_profile()
+            table = Path(os.environ["OMNISERVE_TORCH_PROFILER_DIR"], "profiler_out_0.txt")
+            runs[-1]["torch_profile"] = table.read_text()
     return {"engine": "omniserve", "load_s": load_s, "runs": runs, "model_info": info}
 
 
@@ -332,6 +338,8 @@ def worker_main(args: argparse.Namespace) -> None:
     workload = json.loads(Path(args.workload).read_text())
     rss = PeakRSS()
     workload["llm_kwargs"] = {**workload.get("llm_kwargs", {}), **json.loads(args.worker_kwargs)}
+    if workload.get("torch_profile"):  # before the engine starts: its workers read it
+        os.environ["OMNISERVE_TORCH_PROFILER_DIR"] = tempfile.mkdtemp(prefix="bench-profile-")
     runner = run_omniserve if args.worker == "omniserve" else run_hf
     result = runner(args.model, workload)
     result["peak_rss_bytes"] = rss.stop()
@@ -445,6 +453,19 @@ def report(name: str, results: dict[str, dict[str, Any]], costs: dict[str, float
     return lines
 
 
+def print_engine(engine: str, result: dict[str, Any]) -> None:
+    """One engine's rates, step profiles and torch-profiler tables."""
+    for run in result["runs"]:
+        print(f"  {engine} {run['name']}: {run['elapsed_s']:.3f} s, "
+              f"{_rate(run)[0]:.1f} output tok/s", flush=True)  # fmt: skip
+    for line in _step_profiles({engine: result}):
+        print("  " + line, flush=True)
+    for run in result["runs"]:
+        if run.get("torch_profile"):
+            print(f"\n  {engine} {run['name']} under the torch profiler:\n"
+                  + run["torch_profile"], flush=True)  # fmt: skip
+
+
 def _agreement(results: dict[str, dict[str, Any]]) -> list[str]:
     """Whether each omniserve variant generated the same greedy tokens as plain omniserve (e.g.
     CUDA-graph replays against eager decodes: the same kernels, so the same tokens)."""
@@ -524,6 +545,12 @@ def main() -> None:
         default=None,
         help="Seconds one engine's run may take before it is skipped.",
     )
+    parser.add_argument(
+        "--torch-profile",
+        action="store_true",
+        help="Run each omniserve workload once more under the torch profiler (start_profile / "
+        "stop_profile) and print the table of the ops with the most self (device) time.",
+    )
     parser.add_argument("--worker", choices=["omniserve", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -557,6 +584,7 @@ def main() -> None:
             workload = make_workload(names, model_dir, Path(tmp), device)
             workload["llm_kwargs"] = json.loads(args.llm_kwargs)
             workload["profile_steps"] = args.profile_steps
+            workload["torch_profile"] = args.torch_profile
             workload_file.write_text(json.dumps(workload))
             results = {}
             for engine in engines:
@@ -567,9 +595,7 @@ def main() -> None:
                                     json.loads(args.variants).get(label))  # fmt: skip
                 if result is not None:
                     results[engine] = result
-                    for run in result["runs"]:  # now, in case a later engine runs out of time
-                        print(f"  {engine} {run['name']}: {run['elapsed_s']:.3f} s, "
-                              f"{_rate(run)[0]:.1f} output tok/s", flush=True)  # fmt: skip
+                    print_engine(engine, result)  # now, in case a later engine runs out of time
             costs = model_costs(model_dir)
             all_results["models"][name] = {"results": results, "costs": costs}
             section = report(name, results, costs, roofline) if results else []

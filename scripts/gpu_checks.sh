@@ -4,7 +4,8 @@
 # bf16 fidelity suites with the engine on CUDA (transformers on CPU as the reference), then the
 # real-size benchmark per model: omniserve with CUDA graphs, transformers' batched generate on
 # the same GPU, and omniserve eager (and, with ENGINES=...,omniserve:torch, the torch attention
-# backend), with a step profile of each omniserve run. Logs land in $OUT (or ./gpu-checks).
+# backend), with a step profile and a torch-profiler table of each omniserve run. Logs land in
+# $OUT (or ./gpu-checks).
 #
 #   bash scripts/gpu_checks.sh                 # on a machine with CUDA, omniserve installed
 #   WHEELS=.whl bash scripts/gpu_checks.sh     # first install carried wheels (no registry there)
@@ -33,7 +34,7 @@ for name in '$MODELS'.split(','):
 BUILD=$!
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout=${PER_TEST_TIMEOUT:-120}"
 timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST -m gpu tests/test_triton_attention.py \
-  tests/test_cuda_graph.py tests/test_triton_fused_moe.py tests/test_memory.py \
+  tests/test_cuda_graph.py tests/test_memory.py tests/test_triton_fused_moe.py \
   >"$OUT/gpu_tests.log" 2>&1 &
 GPU_TESTS=$!
 timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST --maxfail=3 tests/test_fidelity.py \
@@ -47,7 +48,7 @@ for name in ${MODELS//,/ }; do
   timeout -s INT "${BENCH_TIMEOUT:-400}" $PY scripts/bench_realsize.py --models "$name" \
     --engines "${ENGINES:-omniserve,hf,omniserve:eager}" \
     --variants '{"eager": {"enforce_eager": true}, "torch": {"enforce_eager": true, "attention_backend": "torch"}}' \
-    --workloads "${WORKLOADS:-b1,b32,b128,ttft_mm}" --profile-steps \
+    --workloads "${WORKLOADS:-b1,b32,b128,ttft_mm}" --profile-steps --torch-profile \
     --engine-timeout "${ENGINE_TIMEOUT:-180}" --llm-kwargs "$LLM_KWARGS" \
     --out "$OUT/bench-$name.json" 2>&1 | tee "$OUT/bench-$name.log"
 done

@@ -7,7 +7,9 @@ One server for the module. The engine-death test kills that server's engine, so 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +35,14 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMNISERVE_TORCH_PROFILER_DIR", str(tmp_path_factory.mktemp("profiles")))
+        with _launch(tiny_checkpoint, tmp_path_factory) as running:
+            yield running
+
+
+@contextlib.contextmanager
+def _launch(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with launch_server(
         tiny_checkpoint("Qwen3ForCausalLM"),
         tmp_path_factory.mktemp("server"),
@@ -270,6 +280,16 @@ def test_tokenize_detokenize(server: Server) -> None:
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
     text = server.post("/detokenize", {"model": MODEL, "tokens": tokens["tokens"]}).json()
     assert text == {"prompt": "hello world"}
+
+
+def test_profile_routes_write_the_trace(server: Server) -> None:
+    """vLLM's /start_profile and /stop_profile (the server was started with a profiler dir)."""
+    directory = Path(os.environ["OMNISERVE_TORCH_PROFILER_DIR"])
+    assert server.post("/start_profile", {}).status_code == 200
+    server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert server.post("/stop_profile", {}).status_code == 200
+    assert "aten::" in (directory / "profiler_out_0.txt").read_text()
+    assert "not running" in assert_error(server.post("/stop_profile", {}), 400)["message"]
 
 
 # ---- errors ----

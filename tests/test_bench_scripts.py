@@ -119,13 +119,13 @@ def test_omni_benchmark_runs_on_a_tiny_checkpoint_with_a_profile(capsys):
 def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint, tmp_path):
     """The real-size benchmark's workers and report on a tiny omni thinker: every run counted,
     the media request timed, memory and the limits reported, variants' tokens compared and the
-    step profile read (timings are not checked)."""
+    step profile and the torch profiler's table read (timings are not checked)."""
     bench = _load_script("bench_realsize")
     model_dir = tiny_checkpoint("Qwen3OmniMoeThinkerForConditionalGeneration")
     workload = bench.make_workload(["b1", "prefill", "ttft_mm"], model_dir, tmp_path, "cpu")
     assert [run["name"] for run in workload["runs"]] == ["b1", "prefill", "ttft_mm_warmup",
                                                           "ttft_mm"]  # fmt: skip
-    workload["profile_steps"] = True
+    workload["profile_steps"] = workload["torch_profile"] = True
     workload_file = tmp_path / "workload.json"
     workload_file.write_text(json.dumps(workload))
     results = {}
@@ -142,6 +142,7 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
                                None, 600, {"attention_backend": "torch"})  # fmt: skip
     assert set(variant["model_info"]["attention_backends"]) == {"torch"}
     results["omniserve:torch"] = variant
+    assert "aten::" in results["omniserve"]["runs"][0]["torch_profile"]
     assert set(results["omniserve"]["model_info"]["attention_backends"]) == {"cpu"}
     costs = bench.model_costs(model_dir)
     assert costs["decode_bytes_per_step"] > 0 and costs["prefill_flops_per_token"] > 0

@@ -66,6 +66,12 @@ def test_serve_without_a_model_serves_the_demo_under_its_name(monkeypatch, flags
     assert served[0].model == str(CHECKPOINT) and served[0].served_model_name == name
 
 
+def test_no_profile_routes_unless_profiling_is_enabled(server):
+    """vLLM's /start_profile and /stop_profile exist only with OMNISERVE_TORCH_PROFILER_DIR."""
+    assert server.post("/start_profile", {}).status_code == 404
+    assert server.post("/stop_profile", {}).status_code == 404
+
+
 def test_demo_model_answers_held_out_questions(server):
     """A small held-out set (seed 2: no training stage used it, and the model card's figures
     are on seed 1), greedy through the API: at least 90% of the replies are the reference

@@ -206,6 +206,14 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility_async("reset_prefix_cache")
 
+    async def start_profile(self) -> None:
+        """Start the workers' torch profilers (``OMNISERVE_TORCH_PROFILER_DIR``)."""
+        await self.engine_core.call_utility_async("profile", True)
+
+    async def stop_profile(self) -> None:
+        """Stop them; each writes its trace and op table into the profiler directory."""
+        await self.engine_core.call_utility_async("profile", False)
+
     def shutdown(self) -> None:
         if self._output_handler is not None:
             self._output_handler.cancel()

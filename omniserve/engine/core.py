@@ -256,6 +256,10 @@ class EngineCore:
         """``{"seconds": part -> s, "steps": phase -> count}`` since ``start_step_timing``."""
         return self.model_executor.step_timings()
 
+    def profile(self, is_start: bool) -> None:
+        """Start or stop the workers' torch profilers (``OMNISERVE_TORCH_PROFILER_DIR``)."""
+        self.model_executor.profile(is_start)
+
     def shutdown(self) -> None:
         self.structured_output.shutdown()
         self.model_executor.shutdown()
@@ -303,6 +307,7 @@ UTILITY_METHODS = frozenset(
         "get_model_info",
         "start_step_timing",
         "get_step_timings",
+        "profile",
     }
 )
 _POLL_MS = 100

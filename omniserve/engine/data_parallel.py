@@ -87,6 +87,7 @@ _COMBINE_RESULTS: dict[str, Callable[[list[Any]], Any]] = {
     "has_unfinished_requests": any,
     "start_step_timing": lambda _: None,
     "get_step_timings": combine_step_timings,
+    "profile": lambda _: None,
 }
 
 

@@ -75,5 +75,13 @@ class LLMEngine:
         """``{"seconds": part -> s, "steps": phase -> count}`` since ``start_step_timing``."""
         return self.engine_core.call_utility("get_step_timings")
 
+    def start_profile(self) -> None:
+        """Start the workers' torch profilers (``OMNISERVE_TORCH_PROFILER_DIR``: vLLM's API)."""
+        self.engine_core.call_utility("profile", True)
+
+    def stop_profile(self) -> None:
+        """Stop them; each writes its trace and op table into the profiler directory."""
+        self.engine_core.call_utility("profile", False)
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()

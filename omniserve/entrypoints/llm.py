@@ -150,5 +150,13 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def start_profile(self) -> None:
+        """Start the torch profiler in every worker (needs ``OMNISERVE_TORCH_PROFILER_DIR``)."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> None:
+        """Stop it: each worker writes its trace and ``profiler_out_<rank>.txt`` there."""
+        self.llm_engine.stop_profile()
+
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

@@ -92,6 +92,10 @@ class Executor(ABC):
         """Zero the runners' per-part step timers and turn them on (``StepTimer``)."""
         self.collective_rpc("start_step_timing")
 
+    def profile(self, is_start: bool) -> None:
+        """Start or stop every worker's torch profiler (``WorkerProfiler``)."""
+        self.collective_rpc("profile", (is_start,))
+
     def step_timings(self) -> dict[str, dict[str, float]]:
         """Rank 0's step time per part since ``start_step_timing``."""
         return self.collective_rpc("step_timings")[0]

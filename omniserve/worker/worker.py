@@ -38,6 +38,7 @@ from omniserve.worker.memory import (
 )
 from omniserve.worker.model_loader import load_model_weights
 from omniserve.worker.model_runner import ModelRunner
+from omniserve.worker.profiler import WorkerProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class Worker:
         self.rank = rank
         model_config = config.model_config
         self.device = resolve_device(model_config.device)
+        self.profiler = WorkerProfiler(envs.torch_profiler_dir(), rank, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
             if envs.num_threads():
@@ -292,6 +294,13 @@ class Worker:
 
     def start_step_timing(self) -> None:
         self.model_runner.step_timer.start()
+
+    def profile(self, is_start: bool) -> None:
+        """Start or stop the torch profiler (``WorkerProfiler``)."""
+        if is_start:
+            self.profiler.start()
+        else:
+            self.profiler.stop()
 
     def step_timings(self) -> dict[str, dict[str, float]]:
         return self.model_runner.step_timer.snapshot()

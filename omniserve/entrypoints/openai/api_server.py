@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from omniserve import __version__
+from omniserve import __version__, envs
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineStoppingError
@@ -247,6 +247,15 @@ def load_chat_template(value: str | None) -> str | None:
     if "{{" in value or "{%" in value:
         return value
     raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
+
+
+async def _profile(call: Awaitable[None]) -> Response:
+    """A profiler start/stop; one out of turn (a second start, a stop with none running) is 400."""
+    try:
+        await call
+    except RuntimeError as exc:
+        raise ServingError(str(exc)) from exc
+    return Response(status_code=200)
 
 
 def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
@@ -505,6 +514,16 @@ def _api_router(
     @router.get("/v1/audio/voices", responses=_documented())
     async def list_voices() -> VoiceList:
         return speech.voices()
+
+    if envs.torch_profiler_dir():  # vLLM's routes, there only while profiling is enabled
+
+        @router.post("/start_profile", responses=_documented())
+        async def start_profile() -> Response:
+            return await _profile(engine.start_profile())
+
+        @router.post("/stop_profile", responses=_documented())
+        async def stop_profile() -> Response:
+            return await _profile(engine.stop_profile())
 
     @router.post("/tokenize", responses=_documented())
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
