@@ -662,7 +662,16 @@ def test_error_bodies_have_openai_types_and_codes(server: Server) -> None:
         ),
         400,
     )
-    assert too_long["code"] == "context_length_exceeded"
+    assert (too_long["code"], too_long["param"]) == ("context_length_exceeded", "max_tokens")
+    for path, body, field in (
+        ("/v1/chat/completions", {"messages": _chat(LONG_TEXT)}, "messages"),
+        ("/v1/completions", {"prompt": LONG_TEXT}, "prompt"),
+    ):
+        prompt_too_long = assert_error(server.post(path, {"model": MODEL, **body}), 400)
+        assert (prompt_too_long["code"], prompt_too_long["param"]) == (
+            "context_length_exceeded",
+            field,
+        )
 
 
 def test_openapi_schema_documents_bodies_and_real_statuses(server: Server) -> None:

@@ -60,7 +60,10 @@ class AsyncLLM:
         self.config = config
         self.model_config = config.model_config
         self.processor, self.engine_core = start_with_engine(
-            config, lambda: AsyncMPClient(config), engine_in_other_process=True
+            config,
+            lambda: AsyncMPClient(config),
+            engine_in_other_process=True,
+            refuse_overflow=True,  # it serves APIs: vLLM's server refuses what cannot fit
         )
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)

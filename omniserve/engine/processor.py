@@ -49,7 +49,11 @@ class ProcessedRequest:
 
 
 def start_with_engine(
-    config: OmniConfig, make_client: Callable[[], T], *, engine_in_other_process: bool
+    config: OmniConfig,
+    make_client: Callable[[], T],
+    *,
+    engine_in_other_process: bool,
+    refuse_overflow: bool = False,
 ) -> tuple[Processor, T]:
     """The front end's Processor and the engine core client (``make_client``).
 
@@ -59,10 +63,13 @@ def start_with_engine(
     instead of 15.8). In-process, they are built one after the other.
     """
     if not engine_in_other_process:
-        processor, client = Processor(config, engine_in_other_process=False), make_client()
+        processor = Processor(config, refuse_overflow=refuse_overflow)
+        client = make_client()
     else:
         with ThreadPoolExecutor(1, thread_name_prefix="omniserve-processor") as pool:
-            future = pool.submit(Processor, config, engine_in_other_process=True)
+            future = pool.submit(
+                Processor, config, engine_in_other_process=True, refuse_overflow=refuse_overflow
+            )
             client = make_client()  # if it raises, leaving the pool waits for the processor
             try:
                 processor = future.result()
@@ -91,8 +98,26 @@ def torch_threads(num_threads: int | None) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+class ContextLengthError(ValueError):
+    """A prompt, or a prompt plus its ``max_tokens``, that does not fit ``max_model_len``.
+
+    ``param`` is the request field at fault ("max_tokens"), or None for the prompt itself.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class Processor:
-    """Owns the front end's tokenizer and multimodal processor (with its cache).
+    """Owns the front end's tokenizer and multimodal processor (with its cache), and is the one
+    place a request's length limits are decided: the prompt (after media placeholders expand)
+    must leave room to generate, and ``max_tokens`` is resolved against what is left.
+
+    ``max_tokens`` unset means up to ``max_model_len``, capped by the checkpoint's recommended
+    ``max_new_tokens`` (``--generation-config``). An explicit ``max_tokens`` that does not fit is
+    refused with ``refuse_overflow`` (the API server's engine, vLLM's server behaviour: a 400
+    naming both counts) and cut to what fits without (the offline ``LLM``, as vLLM's is).
 
     With the engine core in another process (``engine_in_other_process``), featurization runs
     on one torch thread: the core's OpenMP threads already use every core, and a second thread
@@ -100,9 +125,19 @@ class Processor:
     its barriers. On 2 cores that made the omni benchmark about 15% slower.
     """
 
-    def __init__(self, config: OmniConfig, *, engine_in_other_process: bool = False) -> None:
+    def __init__(
+        self,
+        config: OmniConfig,
+        *,
+        engine_in_other_process: bool = False,
+        refuse_overflow: bool = False,
+    ) -> None:
         self.featurize_threads = 1 if engine_in_other_process else None
+        self.refuse_overflow = refuse_overflow
         self.model_config = model_config = config.model_config
+        self.default_max_tokens: int | None = model_config.default_sampling_params().get(
+            "max_tokens"
+        )
         self.tokenizer: Any = get_tokenizer(model_config.tokenizer)
         self.vocab_size = model_config.hf_config.get_text_config().vocab_size
         self.eos_token_ids = get_eos_token_ids(model_config.model, self.tokenizer)
@@ -140,10 +175,7 @@ class Processor:
         self._validate_prompt(token_ids)
         self._validate_mm_budget(inputs)
         self._validate_length(inputs)
-        max_len = self.model_config.max_model_len
-        max_tokens = max_len - len(token_ids)
-        if params.max_tokens is not None:
-            max_tokens = min(params.max_tokens, max_tokens)
+        max_tokens = self._resolve_max_tokens(len(token_ids), params.max_tokens)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         if not params.ignore_eos and len(self.eos_token_ids) > 1:
             # Checkpoints often list several eos ids (e.g. <|im_end|> and <|endoftext|>);
@@ -313,18 +345,38 @@ class Processor:
                 f"is out of vocabulary (size {self.vocab_size})."
             )
 
+    def _resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        """Output tokens this request may generate (see the class docstring)."""
+        limit = self.model_config.max_model_len
+        room = limit - prompt_len
+        if requested is None:
+            return min(room, self.default_max_tokens or room)
+        if requested > room and self.refuse_overflow:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens (max_model_len). "
+                f"However, you requested {prompt_len + requested} tokens ({prompt_len} in the "
+                f"prompt, {requested} in the completion). Please reduce the length of the prompt "
+                "or max_tokens.",
+                param="max_tokens",
+            )
+        return min(requested, room)
+
     def _validate_length(self, inputs: ProcessedInputs) -> None:
         """The prompt must leave room to generate; when its media made it too long, the error
         names the modality (the server adds the chat part), each one's share, and the stage."""
         num_tokens, max_len = len(inputs.prompt_token_ids), self.model_config.max_model_len
         if num_tokens < max_len:
             return
+        if not inputs.num_mm_tokens:
+            raise ContextLengthError(
+                f"This model's maximum context length is {max_len} tokens (max_model_len). "
+                f"However, your request has {num_tokens} input tokens, which leaves no room to "
+                "generate. Please reduce the length of the input."
+            )
         message = (
             f"the prompt is {num_tokens} tokens long, which leaves no room to generate "
             f"within max_model_len={max_len}"
         )
-        if not inputs.num_mm_tokens:
-            raise ValueError(message[0].upper() + message[1:] + ".")
         shares = ", ".join(f"{n} for {m}" for m, n in inputs.num_mm_tokens.items())
         num_text = num_tokens - sum(inputs.num_mm_tokens.values())
         raise MultiModalInputError(

@@ -93,6 +93,8 @@ class ChatAnswer:
 
 
 class OpenAIServingChat(OpenAIServing):
+    prompt_field = "messages"
+
     def __init__(
         self,
         *args: Any,
@@ -126,9 +128,8 @@ class OpenAIServingChat(OpenAIServing):
             prompt.text
         )
         prompt = self.apply_prompt_options(prompt, request)
-        prompt_len = len(prompt.token_ids)
         params = self.sampling_params(
-            request, prompt_len, max_tokens=request.output_limit, logprobs=request.num_logprobs
+            request, max_tokens=request.output_limit, logprobs=request.num_logprobs
         )
         if request.wants_audio:
             params = params.clone(

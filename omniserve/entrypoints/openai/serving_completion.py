@@ -46,19 +46,14 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for p in _split_prompts(request.prompt)
         ]
-        # Every prompt gets the same params; the longest prompt decides the context-length check.
-        longest = max(len(p.token_ids) for p in prompts)
-        # echo with logprobs reports the prompt's logprobs too (as OpenAI does).
+        # Every prompt gets the same params (the processor fits max_tokens to each); echo with
+        # logprobs reports the prompt's logprobs too (as OpenAI does).
         params = self.sampling_params(
             request,
-            longest,
             max_tokens=request.output_limit,
             logprobs=request.num_logprobs,
             prompt_logprobs=request.num_logprobs if request.echo else None,
         )
-        if request.max_tokens is None:  # each prompt runs to its own context limit, or the
-            # checkpoint's max_new_tokens
-            params = params.clone(max_tokens=self.default_sampling.get("max_tokens"))
         request_id = self.new_request_id("cmpl", request.request_id)
         generators = await self.start_generation(prompts, params, request_id, request.priority)
         if request.stream:

@@ -16,10 +16,11 @@ import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
+from omniserve.engine.processor import ContextLengthError
 from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
 from omniserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -87,6 +88,8 @@ def to_serving_error(exc: BaseException) -> ServingError:
         return ServingError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, code="server_shutting_down")
     if isinstance(exc, EngineGenerateError):
         return ServingError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR, code="internal_error")
+    if isinstance(exc, ContextLengthError):
+        return ServingError(str(exc), param=exc.param, code="context_length_exceeded")
     if isinstance(exc, (ValueError, TypeError)):
         return ServingError(str(exc))
     error_id = uuid.uuid4().hex[:12]
@@ -173,6 +176,9 @@ class EnginePrompt:
 class OpenAIServing:
     """Base of the endpoint handlers: model names, tokenization, limits and sampling params."""
 
+    prompt_field: ClassVar[str] = "prompt"
+    """The request field a too-long prompt's error names."""
+
     def __init__(
         self,
         engine: AsyncLLM,
@@ -248,8 +254,8 @@ class OpenAIServing:
         """A chat request's messages -> the templated prompt and its media, fetched
         concurrently; ``tools`` are listed by the template.
 
-        The token count here is before placeholder expansion; the engine's processor checks
-        the expanded prompt against max_model_len again.
+        Length limits are the engine's processor's, on the prompt with its media placeholders
+        expanded (a ``ContextLengthError`` becomes a 400 naming the field).
         """
         if request.chat_template is not None and not self.trust_request_chat_template:
             raise ServingError(
@@ -300,31 +306,9 @@ class OpenAIServing:
             raise ServingError("The prompt is empty.", param="prompt")
         return EnginePrompt(None, token_ids)
 
-    def resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:
-        """vLLM's limits and messages: prompt + output must fit max_model_len."""
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise ServingError(
-                f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
-                param="messages",
-            )
-        if requested is None:  # the checkpoint's max_new_tokens caps the default, as in vLLM
-            return min(limit - prompt_len, self.default_sampling.get("max_tokens", limit))
-        if prompt_len + requested > limit:
-            raise ServingError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in "
-                "the completion). Please reduce the length of the messages or completion.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        return requested
-
     def sampling_params(
         self,
         request: SamplingRequest,
-        prompt_len: int,
         *,
         max_tokens: int | None,
         logprobs: int | None,
@@ -358,7 +342,7 @@ class OpenAIServing:
                 frequency_penalty=request.frequency_penalty or 0.0,
                 repetition_penalty=field("repetition_penalty", 1.0),
                 ignore_eos=request.ignore_eos,
-                max_tokens=self.resolve_max_tokens(prompt_len, max_tokens),
+                max_tokens=max_tokens,  # the engine's processor resolves it against the prompt
                 min_tokens=request.min_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
@@ -448,7 +432,10 @@ class OpenAIServing:
             if isinstance(exc, MultiModalInputError) and len(prompts) == 1:
                 exc = locate_mm_error(exc, prompts[0].mm_locations or {})
             if isinstance(exc, Exception):
-                raise to_serving_error(exc) from exc
+                error = to_serving_error(exc)
+                if isinstance(exc, ContextLengthError) and error.param is None:
+                    error.param = self.prompt_field
+                raise error from exc
             raise
         return [_prepend(first, gen) for first, gen in zip(firsts, generators, strict=True)]
 
