@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 
 from omniserve.engine.arg_utils import EngineArgs
-from omniserve.engine.core_client import SyncMPClient
 from omniserve.engine.data_parallel import (
     LoadBalancer,
     combine_results,
     combine_stats,
     engine_env,
 )
+from omniserve.engine.mp_client import SyncMPClient
 from omniserve.entrypoints.llm import LLM
 from omniserve.sampling_params import SamplingParams
 from tests.server_utils import (

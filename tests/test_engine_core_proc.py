@@ -20,8 +20,9 @@ import pytest
 
 from omniserve.config import OmniConfig
 from omniserve.engine.arg_utils import EngineArgs
-from omniserve.engine.core_client import AsyncMPClient, InprocClient, SyncMPClient
+from omniserve.engine.core_client import InprocClient
 from omniserve.engine.exceptions import EngineDeadError, EngineStartupError
+from omniserve.engine.mp_client import AsyncMPClient, SyncMPClient
 from omniserve.entrypoints.llm import LLM
 from omniserve.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from omniserve.sampling_params import SamplingParams
@@ -249,7 +250,7 @@ def test_engine_exits_when_parent_is_killed(model_dir: Path) -> None:
     script = textwrap.dedent(f"""
         import os, signal
         from omniserve.engine.arg_utils import EngineArgs
-        from omniserve.engine.core_client import SyncMPClient
+        from omniserve.engine.mp_client import SyncMPClient
         config = EngineArgs(model={str(model_dir)!r}, max_model_len=256,
                             max_num_seqs=8).create_config()
         client = SyncMPClient(config)

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 from omniserve.config import OmniConfig
 from omniserve.engine.arg_utils import EngineArgs
-from omniserve.engine.core_client import AsyncMPClient
 from omniserve.engine.exceptions import EngineDeadError, EngineStoppingError
+from omniserve.engine.mp_client import AsyncMPClient
 from omniserve.engine.output_processor import OutputProcessor
 from omniserve.engine.processor import start_with_engine
 from omniserve.inputs.data import PromptType

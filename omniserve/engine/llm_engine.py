@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from omniserve import envs
 from omniserve.config import OmniConfig
 from omniserve.engine.arg_utils import EngineArgs
-from omniserve.engine.core_client import EngineCoreClient
+from omniserve.engine.core_client import EngineCoreClient, InprocClient
+from omniserve.engine.mp_client import SyncMPClient
 from omniserve.engine.output_processor import OutputProcessor
 from omniserve.engine.processor import start_with_engine
 from omniserve.inputs.data import PromptType
@@ -18,10 +20,12 @@ from omniserve.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, config: OmniConfig) -> None:
         self.config = config
+        in_other_process = envs.engine_multiprocessing()
+        client: Callable[[OmniConfig], EngineCoreClient] = (
+            SyncMPClient if in_other_process else InprocClient
+        )
         self.processor, self.engine_core = start_with_engine(
-            config,
-            lambda: EngineCoreClient.make_client(config),
-            engine_in_other_process=envs.engine_multiprocessing(),
+            config, lambda: client(config), engine_in_other_process=in_other_process
         )
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
