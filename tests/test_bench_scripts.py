@@ -169,3 +169,25 @@ def test_structured_benchmark_runs_on_a_tiny_checkpoint(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "constrained: 12 tokens" in out and "x free" in out
     assert "compile of a 5-field schema" in out
+
+
+def test_serving_ablation_runs_a_b_b_a_and_merges_each_level(monkeypatch):
+    """Near-equal systems run twice, A B B A, so neither always meets the colder machine; each
+    level's two runs become one (rates over the summed wall time, percentiles over all)."""
+    bench = _load_script("bench_serving")
+    order: list[str] = []
+
+    def fake(spec, prompts, args, log_dir):
+        order.append(spec.name)
+        run = len(order)
+        return [
+            bench.LevelResult(spec.name, 1, 1.0 * run, [bench.RequestResult(0.1 * run, 1.0, [], 4)])
+        ]
+
+    monkeypatch.setattr(bench, "bench_system", fake)
+    specs = [bench.ServerSpec(name, [], "bench", {}) for name in ("omniserve", "no-playground")]
+    results = bench.bench_interleaved(specs, [], None, Path("."))
+    assert order == ["omniserve", "no-playground", "no-playground", "omniserve"]
+    (ours,), (theirs,) = results["omniserve"], results["no-playground"]
+    assert ours.wall_time == 1.0 + 4.0 and len(ours.results) == 2
+    assert theirs.wall_time == 2.0 + 3.0 and theirs.output_tokens_per_s == 8 / 5
