@@ -54,7 +54,10 @@ def _store_kv_kernel(
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# The block table's row stride is its width, the step's longest request in blocks: left
+# unspecialized, so steps of every length share one compiled kernel (Triton would otherwise
+# compile one each for widths of 1, multiples of 16 and the rest, on first use, while serving).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
     tile_req_ptr, tile_first_ptr, query_start_ptr, seq_lens_ptr, block_table_ptr,
