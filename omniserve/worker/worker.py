@@ -252,6 +252,9 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks, self.dtype)
         self.num_kv_blocks = num_blocks
+        start = time.perf_counter()
+        if self.model_runner.warm_up_kernels():
+            logger.info("Compiled the attention kernels in %.1f s", time.perf_counter() - start)
         if not self.config.model_config.enforce_eager:
             start = time.perf_counter()
             self.graph_sizes = self.model_runner.capture_decode_graphs()
