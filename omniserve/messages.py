@@ -43,6 +43,13 @@ class SpeechRequest:
     """The talker reads the thinker's hidden state at each reply token too, so a reply entry is
     usable only once the thinker has computed (been fed) that token."""
 
+    @property
+    def max_tokens(self) -> int:
+        """The talker's token cap, which the front end always resolves."""
+        cap = self.sampling_params.max_tokens
+        assert cap is not None
+        return cap
+
 
 @dataclass
 class LogprobsLists:

@@ -13,7 +13,7 @@ INTERPRETED: bool = triton.knobs.runtime.interpret
 
 
 @triton.jit
-def dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):  # type: ignore[no-untyped-def]
     """``acc + a @ b``; ``PRECISION`` "ieee" keeps fp32 operands out of TF32."""
     if UPCAST:
         a = a.to(tl.float32)

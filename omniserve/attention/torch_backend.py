@@ -224,8 +224,12 @@ class TorchAttentionBackend(AttentionBackend):
         row_shape = key_cache.shape[1:]
         numel = slots.numel() * key_cache[0].numel()
         ws = self._workspace
-        stale = ws is None or ws.dtype != key_cache.dtype or ws.device != key_cache.device
-        if stale or ws.numel() < 2 * numel:
+        if (
+            ws is None
+            or ws.dtype != key_cache.dtype
+            or ws.device != key_cache.device
+            or ws.numel() < 2 * numel
+        ):
             with torch.inference_mode(False):  # a normal tensor is writable in and out of it
                 ws = self._workspace = key_cache.new_empty(2 * numel)
         flat_slots = slots.flatten()

@@ -35,7 +35,7 @@ _BLOCK_N = 64
 
 
 @triton.jit
-def _store_kv_kernel(
+def _store_kv_kernel(  # type: ignore[no-untyped-def]
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, num_kv_heads, head_size,
     HEAD_PAD: tl.constexpr,
@@ -58,7 +58,7 @@ def _store_kv_kernel(
 # unspecialized, so steps of every length share one compiled kernel (Triton would otherwise
 # compile one each for widths of 1, multiples of 16 and the rest, on first use, while serving).
 @triton.jit(do_not_specialize=["stride_bt"])
-def _paged_attention_kernel(
+def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
     tile_req_ptr, tile_first_ptr, query_start_ptr, seq_lens_ptr, block_table_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,

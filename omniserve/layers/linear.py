@@ -98,10 +98,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def _shard_ids(self) -> set[tuple[object, ...]]:
         return {(i,) for i in range(len(self.output_sizes))}
 
-    def weight_loader(
+    def weight_loader(  # type: ignore[override]
         self,
         param: nn.Parameter,
-        loaded: LoadedWeight,  # type: ignore[override]
+        loaded: LoadedWeight,
         shard_id: int,
     ) -> None:
         _check_shape(param, (self.output_sizes[shard_id], *param.shape[1:]), loaded)
@@ -151,10 +151,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _shard_ids(self) -> set[tuple[object, ...]]:
         return {("q",), ("k",), ("v",)}
 
-    def weight_loader(
+    def weight_loader(  # type: ignore[override]
         self,
         param: nn.Parameter,
-        loaded: LoadedWeight,  # type: ignore[override]
+        loaded: LoadedWeight,
         shard_id: str,
     ) -> None:
         _check_shape(param, (self.total_sizes[shard_id], *param.shape[1:]), loaded)

@@ -75,7 +75,7 @@ def align_pairs_by_expert(
 
 
 @triton.jit
-def _grouped_gemm_kernel(
+def _grouped_gemm_kernel(  # type: ignore[no-untyped-def]
     a_ptr,  # [rows, K]: tokens (gate_up pass) or pairs (down pass)
     w_ptr,  # [E, N or 2N, K]: stacked expert weights, out = a @ w[e].T
     out_ptr,  # [P, N]: one row per pair

@@ -52,7 +52,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding, LinearBase):
     """``lm_head``: hidden states -> logits over the full vocabulary (may share the embedding)."""
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.apply_linear(hidden_states, None)  # [num_tokens, vocab_per_partition]
         if self.tp_size == 1:
             return logits

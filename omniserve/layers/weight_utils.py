@@ -24,7 +24,7 @@ import struct
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
@@ -166,7 +166,7 @@ class LazyTensor:
             dest.copy_(self.narrow(dim, start, length) if self.shape else self._read_scalar())
 
 
-LoadedWeight = torch.Tensor | LazyTensor
+LoadedWeight: TypeAlias = torch.Tensor | LazyTensor
 """What a ``weight_loader`` receives."""
 
 
@@ -198,9 +198,9 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: LoadedWeight) -> N
 def set_weight_loader(
     param: nn.Parameter, loader: Callable[..., None], shard_ids: set[tuple[Any, ...]] | None = None
 ) -> None:
-    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.weight_loader = loader
     if shard_ids is not None:
-        param.shard_ids = shard_ids  # type: ignore[attr-defined]
+        param.shard_ids = shard_ids
 
 
 def route_stacked(name: str, stacked: StackedParams) -> WeightRoute:

@@ -76,9 +76,9 @@ class RequestKwarg:
                 and (self.kind is float or isinstance(value, int))
                 and math.isfinite(value)  # type: ignore[arg-type]
                 and (self.low is None or value >= self.low)  # type: ignore[operator]
-                and (self.high is None or value <= self.high)
+                and (self.high is None or value <= self.high)  # type: ignore[operator]
             )
-        )  # type: ignore[operator]
+        )
         if not ok:
             rule = (
                 "true or false"

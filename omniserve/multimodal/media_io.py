@@ -118,7 +118,7 @@ def decode_audio(data: bytes, *, max_seconds: float) -> tuple[np.ndarray, int]:
         info = soundfile.info(io.BytesIO(data))
     except Exception as sf_exc:  # libsndfile refuses unknown formats with several error types
         try:
-            with av.open(io.BytesIO(data)) as container:
+            with av.open(io.BytesIO(data), mode="r") as container:
                 if not container.streams.audio:
                     raise _decode_error("audio", "the file has no audio stream")
                 stream = container.streams.audio[0]
@@ -271,7 +271,7 @@ def decode_video(
     import av
 
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise _decode_error("video", "the file has no video stream")
             video = container.streams.video[0]
@@ -308,7 +308,7 @@ def decode_video(
             frames, total, track = _decode_pass(container, video, audio, indices, meter)
         if total != expected:
             indices = sample_frame_indices(total, source_fps, num_frames=num_frames, fps=fps)
-            with av.open(io.BytesIO(data)) as container:
+            with av.open(io.BytesIO(data), mode="r") as container:
                 frames, _, _ = _decode_pass(
                     container, container.streams.video[0], None, indices, _DecodeMeter(budget)
                 )
@@ -398,6 +398,6 @@ def _decode_pass(
                 if total in wanted:
                     frames.append(frame.to_ndarray(format="rgb24"))
                 total += 1
-            elif track is not None:
+            elif track is not None and isinstance(frame, av.AudioFrame):
                 track.add(frame)
     return frames, total, None if track is None else track.finish()

@@ -155,7 +155,7 @@ class MultiModalDataParser:
         if self.target_sr is not None and rate != self.target_sr:
             import librosa
 
-            waveform = librosa.resample(waveform, orig_sr=rate, target_sr=self.target_sr)
+            waveform = librosa.resample(waveform, orig_sr=float(rate), target_sr=self.target_sr)
         return np.ascontiguousarray(waveform, dtype=np.float32)
 
     def _parse_video(self, data: Any) -> VideoProcessorItems:

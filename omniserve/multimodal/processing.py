@@ -401,7 +401,7 @@ class BaseMultiModalProcessor(ABC):
                 modality=only,
             ) from exc
         fields = self._get_mm_fields_config(hf_inputs, mm_kwargs)
-        out = {modality: [{} for _ in idx] for modality, idx in indices.items()}
+        out: dict[str, list[dict[str, Any]]] = {m: [{} for _ in idx] for m, idx in indices.items()}
         for key, value in hf_inputs.items():
             config = fields.get(key)
             if config is None or config.modality not in out:

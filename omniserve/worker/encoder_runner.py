@@ -65,7 +65,7 @@ class EncoderRunner:
                     f"{len(features)} items."
                 )
             dtype = next(self.model.parameters()).dtype
-            outputs = [*outputs, *(f.data[key].to(self.device, dtype) for f in given)]
+            outputs = [*outputs, *((f.data or {})[key].to(self.device, dtype) for f in given)]
             for feature, output in zip([*features, *given], outputs, strict=True):
                 if output.shape[0] != feature.mm_position.num_embeds:
                     raise RuntimeError(

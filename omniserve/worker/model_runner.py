@@ -254,7 +254,7 @@ class ModelRunner:
             assert state is not None
             if state.sampling_params.wants_audio and talker.wants_hidden(bool(state.mm_features)):
                 positions = step.positions[start : start + count]
-                self.talker_runner.keep_hidden(req_id, positions, tapped[start : start + count])
+                talker.keep_hidden(req_id, positions, tapped[start : start + count])
             start += count
 
     def _embed_with_mm(self, so: SchedulerOutput, step: StepInputs) -> torch.Tensor:
@@ -272,7 +272,7 @@ class ModelRunner:
         if not self.uses_mrope:
             return torch.from_numpy(step.positions).to(self.device)  # [num_tokens]
         states = [self.input_batch.states[row] for row in step.rows.tolist()]
-        deltas = np.fromiter((int(s.mrope_delta) for s in states),  # type: ignore[union-attr]
+        deltas = np.fromiter((int(s.mrope_delta) for s in states),
                              np.int64, len(states))  # fmt: skip
         return mrope_positions(
             step.positions,
@@ -280,7 +280,7 @@ class ModelRunner:
             deltas,
             self.input_batch.num_prompt_tokens[step.rows],
             [s.mrope_positions for s in states],
-        ).to(self.device)  # type: ignore[union-attr]
+        ).to(self.device)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -417,7 +417,7 @@ class ModelRunner:
             frequency_penalties=torch.from_numpy(frequency).to(self.device),
             repetition_penalties=torch.from_numpy(repetition).to(self.device),
             prompt_token_ids=prompt_token_ids,
-            output_token_ids=[s.output_token_ids for s in states],  # type: ignore[union-attr]
+            output_token_ids=[s.output_token_ids for s in states],
             min_tokens=min_tokens,
             allowed_token_ids=allowed,
             banned_token_ids=banned,

@@ -129,7 +129,7 @@ class Qwen3OmniTalkerRunner(TalkerRunner):
         ):
             state.codes.append(frame)
             # transformers' cap: max_tokens talker tokens, the last of which gets no frame.
-            if len(state.codes) >= state.speech.sampling_params.max_tokens - 1:
+            if len(state.codes) >= state.speech.max_tokens - 1:
                 state.done = True
 
     def _predictor_metadata(self, states: list[TalkerState]) -> SamplingMetadata:
@@ -237,7 +237,7 @@ class Qwen2_5OmniTalkerRunner(TalkerRunner):
                 state.done = True
                 continue
             state.codes.append(torch.tensor([code]))
-            if len(state.codes) >= state.speech.sampling_params.max_tokens:
+            if len(state.codes) >= state.speech.max_tokens:
                 state.done = True
 
     def new_vocoder_state(self, state: TalkerState) -> object:

@@ -77,7 +77,7 @@ def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype | None) 
         return getattr(torch, dtype)
     half = stored in (torch.bfloat16, torch.float16)
     if device.type == "cuda":
-        return stored if half else torch.bfloat16  # type: ignore[return-value]
+        return stored if half else torch.bfloat16
     return torch.bfloat16 if half and has_native_bf16() else torch.float32
 
 
@@ -105,9 +105,9 @@ class Worker:
         self.profiler = WorkerProfiler(envs.torch_profiler_dir(), rank, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
-            if envs.num_threads():
+            if threads := envs.num_threads():
                 # The tensor-parallel ranks of one engine share its threads.
-                torch.set_num_threads(max(1, envs.num_threads() // get_tp_size()))
+                torch.set_num_threads(max(1, threads // get_tp_size()))
         torch.manual_seed(model_config.seed)
         load_plugins()
         self.hf_config = model_config.hf_config
