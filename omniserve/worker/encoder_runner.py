@@ -17,6 +17,7 @@ from torch import nn
 
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
+from omniserve.worker.input_batch import host_to_device
 
 
 def to_device(data: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
@@ -108,7 +109,7 @@ class EncoderRunner:
             flat_start += end - start
         if not pieces:
             return None, None
-        return torch.cat(pieces), torch.from_numpy(is_mm).to(self.device)
+        return torch.cat(pieces), host_to_device(is_mm, self.device)
 
 
 def mrope_positions(

@@ -33,7 +33,7 @@ from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.structured_output import apply_bitmask_rows
 from omniserve.worker.cuda_graph import PAD_SLOT, DecodeGraphs, graph_batch_sizes
 from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions, to_device
-from omniserve.worker.input_batch import CachedRequestState, InputBatch
+from omniserve.worker.input_batch import CachedRequestState, InputBatch, host_to_device
 from omniserve.worker.step_timing import StepTimer
 from omniserve.worker.talker_families import create_talker_runner
 
@@ -270,17 +270,18 @@ class ModelRunner:
 
     def _positions(self, step: StepInputs) -> torch.Tensor:
         if not self.uses_mrope:
-            return torch.from_numpy(step.positions).to(self.device)  # [num_tokens]
+            return host_to_device(step.positions, self.device)  # [num_tokens]
         states = [self.input_batch.states[row] for row in step.rows.tolist()]
         deltas = np.fromiter((int(s.mrope_delta) for s in states),
                              np.int64, len(states))  # fmt: skip
-        return mrope_positions(
+        positions = mrope_positions(
             step.positions,
             step.query_lens,
             deltas,
             self.input_batch.num_prompt_tokens[step.rows],
             [s.mrope_positions for s in states],
-        ).to(self.device)
+        )
+        return host_to_device(positions, self.device)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -340,10 +341,10 @@ class ModelRunner:
         max_blocks = blocks_for(int(seq_lens.max()), self.block_size)
         dev = self.device
         attn_metadata = AttentionMetadata(
-            query_start_loc=torch.from_numpy(np.concatenate(([0], cu_query))).to(dev, torch.int32),
-            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
-            block_table=torch.from_numpy(batch.block_table[rows, :max_blocks]).to(dev, torch.int32),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=host_to_device(np.concatenate(([0], cu_query)), dev, torch.int32),
+            seq_lens=host_to_device(seq_lens, dev, torch.int32),
+            block_table=host_to_device(batch.block_table[rows, :max_blocks], dev, torch.int32),
+            slot_mapping=host_to_device(slot_mapping, dev),
             query_lens_cpu=query_lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
@@ -352,10 +353,10 @@ class ModelRunner:
             rows=rows,
             query_lens=query_lens,
             positions=positions,
-            input_ids=torch.from_numpy(input_ids).to(dev),
+            input_ids=host_to_device(input_ids, dev),
             attn_metadata=attn_metadata,
             sample_mask=sample_mask,
-            logits_indices=torch.from_numpy(cu_query[sample_mask] - 1).to(dev),
+            logits_indices=host_to_device(cu_query[sample_mask] - 1, dev),
         )
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
@@ -375,7 +376,7 @@ class ModelRunner:
             prompt[np.arange(max_prompt)[None, :] >= batch.num_prompt_tokens[rows][:, None]] = (
                 self.vocab_size
             )
-            prompt_token_ids = torch.from_numpy(prompt).to(self.device)
+            prompt_token_ids = host_to_device(prompt, self.device)
         generators, min_tokens = {}, {}
         allowed, banned, bias = {}, {}, {}
         max_num_logprobs = None
@@ -401,10 +402,10 @@ class ModelRunner:
                     banned[i] = ids
 
         def tensor(values: np.ndarray, skip: bool) -> torch.Tensor | None:
-            return None if skip else torch.from_numpy(values).to(self.device)
+            return None if skip else host_to_device(values, self.device)
 
         return SamplingMetadata(
-            temperature=torch.from_numpy(temperature).to(self.device),
+            temperature=host_to_device(temperature, self.device),
             all_greedy=bool(greedy.all()),
             all_random=not bool(greedy.any()),
             top_p=tensor(top_p, bool((top_p >= 1.0).all())),
@@ -413,9 +414,9 @@ class ModelRunner:
             generators=generators,
             max_num_logprobs=max_num_logprobs,
             no_penalties=no_penalties,
-            presence_penalties=torch.from_numpy(presence).to(self.device),
-            frequency_penalties=torch.from_numpy(frequency).to(self.device),
-            repetition_penalties=torch.from_numpy(repetition).to(self.device),
+            presence_penalties=host_to_device(presence, self.device),
+            frequency_penalties=host_to_device(frequency, self.device),
+            repetition_penalties=host_to_device(repetition, self.device),
             prompt_token_ids=prompt_token_ids,
             output_token_ids=[s.output_token_ids for s in states],
             min_tokens=min_tokens,
@@ -440,8 +441,8 @@ class ModelRunner:
             if k is not None and first + 1 < state.num_prompt_tokens:
                 # Position p predicts prompt token p + 1; stop before the sampling position.
                 count = min(q, state.num_prompt_tokens - 1 - first)
-                targets = torch.from_numpy(batch.token_ids[row, first + 1 : first + 1 + count]).to(
-                    self.device
+                targets = host_to_device(
+                    batch.token_ids[row, first + 1 : first + 1 + count], self.device
                 )
                 logits = self.model.compute_logits(hidden_states[start : start + count])
                 result[req_id] = compute_logprobs(logits, targets, k).to_lists_all(k)

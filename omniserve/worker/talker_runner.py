@@ -35,6 +35,7 @@ from omniserve.layers.sampler import Sampler, SamplingMetadata
 from omniserve.messages import SpeechRequest, SpeechStepOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.worker.encoder_runner import mrope_positions
+from omniserve.worker.input_batch import host_to_device
 
 
 @dataclass
@@ -178,8 +179,8 @@ class TalkerRunner(ABC):
                 np.concatenate(([0], np.cumsum(query_lens))), dtype=torch.int32, device=dev
             ),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_table=torch.from_numpy(tables).to(dev, torch.int32),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            block_table=host_to_device(tables, dev, torch.int32),
+            slot_mapping=host_to_device(np.concatenate(slots), dev),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
