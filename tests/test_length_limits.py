@@ -1,7 +1,7 @@
 """The Processor alone decides a request's length limits, after media placeholders expand: the
 prompt must leave room to generate, an unset max_tokens takes the room left (capped by the
 checkpoint's max_new_tokens), and an explicit max_tokens that does not fit is refused by the
-server's engine (``refuse_overflow``) and cut to fit offline. The server maps the refusal to a
+server's engine (``serving``) and cut to fit offline. The server maps the refusal to a
 400 ``context_length_exceeded`` naming the field (tests/test_api_server.py)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _image_prompt(processor: Processor) -> dict[str, Any]:
 def test_max_tokens_is_checked_against_the_expanded_prompt(config: Any) -> None:
     """A max_tokens that fits the text alone but not the prompt with its image's 64 tokens:
     refused where the server's engine is strict, cut to what is left offline."""
-    offline, strict = Processor(config), Processor(config, refuse_overflow=True)
+    offline, strict = Processor(config), Processor(config, serving=True)
     prompt = _image_prompt(offline)
     text_len = len(offline.tokenizer(prompt["prompt"]).input_ids)
     expanded = len(offline.process_inputs("probe", prompt, SamplingParams()).prompt_token_ids)
@@ -54,16 +54,18 @@ def test_max_tokens_is_checked_against_the_expanded_prompt(config: Any) -> None:
 
 
 def test_unset_max_tokens_takes_the_room_capped_by_the_checkpoint(config: Any) -> None:
-    processor = Processor(config, refuse_overflow=True)
+    """Capped only where serving (vLLM's server); offline it runs to max_model_len (its LLM)."""
     tokens = {"prompt_token_ids": list(range(10, 40))}
     unset = SamplingParams(max_tokens=None)
-    assert processor.process_inputs("a", tokens, unset).engine_requests[0].max_tokens == 130
-    processor.default_max_tokens = 7  # as a generation_config.json max_new_tokens sets it
-    assert processor.process_inputs("b", tokens, unset).engine_requests[0].max_tokens == 7
+    for processor in (Processor(config), Processor(config, serving=True)):
+        assert processor.process_inputs("a", tokens, unset).engine_requests[0].max_tokens == 130
+    serving = Processor(config, serving=True)
+    serving.default_max_tokens = 7  # as a generation_config.json max_new_tokens sets it
+    assert serving.process_inputs("b", tokens, unset).engine_requests[0].max_tokens == 7
 
 
 def test_a_prompt_with_no_room_is_refused_with_both_counts(config: Any) -> None:
-    for processor in (Processor(config), Processor(config, refuse_overflow=True)):
+    for processor in (Processor(config), Processor(config, serving=True)):
         tokens = {"prompt_token_ids": list(range(10, 10 + MAX_MODEL_LEN))}
         with pytest.raises(ContextLengthError, match="is 160 tokens .max_model_len.") as error:
             processor.process_inputs("a", tokens, SamplingParams())

@@ -63,7 +63,7 @@ class AsyncLLM:
             config,
             lambda: AsyncMPClient(config),
             engine_in_other_process=True,
-            refuse_overflow=True,  # it serves APIs: vLLM's server refuses what cannot fit
+            serving=True,  # vLLM's server rules for max_tokens
         )
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)

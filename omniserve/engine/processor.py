@@ -53,7 +53,7 @@ def start_with_engine(
     make_client: Callable[[], T],
     *,
     engine_in_other_process: bool,
-    refuse_overflow: bool = False,
+    serving: bool = False,
 ) -> tuple[Processor, T]:
     """The front end's Processor and the engine core client (``make_client``).
 
@@ -63,13 +63,11 @@ def start_with_engine(
     instead of 15.8). In-process, they are built one after the other.
     """
     if not engine_in_other_process:
-        processor = Processor(config, refuse_overflow=refuse_overflow)
+        processor = Processor(config, serving=serving)
         client = make_client()
     else:
         with ThreadPoolExecutor(1, thread_name_prefix="omniserve-processor") as pool:
-            future = pool.submit(
-                Processor, config, engine_in_other_process=True, refuse_overflow=refuse_overflow
-            )
+            future = pool.submit(Processor, config, engine_in_other_process=True, serving=serving)
             client = make_client()  # if it raises, leaving the pool waits for the processor
             try:
                 processor = future.result()
@@ -114,10 +112,10 @@ class Processor:
     place a request's length limits are decided: the prompt (after media placeholders expand)
     must leave room to generate, and ``max_tokens`` is resolved against what is left.
 
-    ``max_tokens`` unset means up to ``max_model_len``, capped by the checkpoint's recommended
-    ``max_new_tokens`` (``--generation-config``). An explicit ``max_tokens`` that does not fit is
-    refused with ``refuse_overflow`` (the API server's engine, vLLM's server behaviour: a 400
-    naming both counts) and cut to what fits without (the offline ``LLM``, as vLLM's is).
+    ``serving`` (the API server's engine) applies vLLM's server rules: an unset ``max_tokens``
+    is the room left capped by the checkpoint's ``max_new_tokens`` (``--generation-config``), and
+    an explicit one that does not fit is refused (a 400 naming both counts). Offline, as vLLM's
+    ``LLM`` does, an unset one runs to ``max_model_len`` and an explicit one is cut to fit.
 
     With the engine core in another process (``engine_in_other_process``), featurization runs
     on one torch thread: the core's OpenMP threads already use every core, and a second thread
@@ -130,13 +128,13 @@ class Processor:
         config: OmniConfig,
         *,
         engine_in_other_process: bool = False,
-        refuse_overflow: bool = False,
+        serving: bool = False,
     ) -> None:
         self.featurize_threads = 1 if engine_in_other_process else None
-        self.refuse_overflow = refuse_overflow
+        self.serving = serving
         self.model_config = model_config = config.model_config
-        self.default_max_tokens: int | None = model_config.default_sampling_params().get(
-            "max_tokens"
+        self.default_max_tokens: int | None = (
+            model_config.default_sampling_params().get("max_tokens") if serving else None
         )
         self.tokenizer: Any = get_tokenizer(model_config.tokenizer)
         self.vocab_size = model_config.hf_config.get_text_config().vocab_size
@@ -351,7 +349,7 @@ class Processor:
         room = limit - prompt_len
         if requested is None:
             return min(room, self.default_max_tokens or room)
-        if requested > room and self.refuse_overflow:
+        if requested > room and self.serving:
             raise ContextLengthError(
                 f"This model's maximum context length is {limit} tokens (max_model_len). "
                 f"However, you requested {prompt_len + requested} tokens ({prompt_len} in the "
