@@ -281,8 +281,10 @@ def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
         })  # fmt: skip
         if workload.get("profile_steps"):  # once more, untimed, with the runner's step timer on
             llm.llm_engine.start_step_timing()
+            start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
-            runs[-1]["step_timings"] = llm.llm_engine.get_step_timings()
+            timings = llm.llm_engine.get_step_timings()
+            runs[-1]["step_timings"] = {**timings, "wall_s": time.perf_counter() - start}
         if workload.get("torch_profile"):  # and under the torch profiler: the top ops' table
             llm.start_profile()
             llm.generate(prompts, params, use_tqdm=False)
@@ -491,8 +493,8 @@ def _agreement(results: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _step_profiles(results: dict[str, dict[str, Any]]) -> list[str]:
-    """Each profiled run's time per part (the runner's step timer; the rest is the front end,
-    scheduler, input preparation and output processing)."""
+    """Each profiled run's time per part: the runner's step timer, and the rest of that run's
+    wall time (front end, scheduler, input preparation, output processing, process hops)."""
     lines = []
     for engine, result in results.items():
         for run in result["runs"]:
@@ -500,11 +502,12 @@ def _step_profiles(results: dict[str, dict[str, Any]]) -> list[str]:
             if not timings:
                 continue
             parts = {k: v for k, v in timings["seconds"].items() if v}
+            parts["rest"] = timings["wall_s"] - sum(parts.values())
             steps = timings["steps"]
             cells = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in parts.items())
             lines.append(f"{engine} {run['name']} profile ({steps['prefill']:.0f} prefill and "
-                         f"{steps['decode']:.0f} decode steps, timed run {run['elapsed_s']:.2f} "
-                         f"s): {cells}")  # fmt: skip
+                         f"{steps['decode']:.0f} decode steps, {timings['wall_s']:.2f} s): "
+                         f"{cells}")  # fmt: skip
     return lines
 
 

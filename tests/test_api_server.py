@@ -7,7 +7,6 @@ One server for the module. The engine-death test kills that server's engine, so 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import time
@@ -37,23 +36,17 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 def server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMNISERVE_TORCH_PROFILER_DIR", str(tmp_path_factory.mktemp("profiles")))
-        with _launch(tiny_checkpoint, tmp_path_factory) as running:
+        with launch_server(
+            tiny_checkpoint("Qwen3ForCausalLM"),
+            tmp_path_factory.mktemp("server"),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--kv-cache-memory",
+            "64MiB",
+            "--max-request-body-mb",
+            "2",
+        ) as running:
             yield running
-
-
-@contextlib.contextmanager
-def _launch(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with launch_server(
-        tiny_checkpoint("Qwen3ForCausalLM"),
-        tmp_path_factory.mktemp("server"),
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--kv-cache-memory",
-        "64MiB",
-        "--max-request-body-mb",
-        "2",
-    ) as running:
-        yield running
 
 
 def _chat(content: str) -> list[dict[str, str]]:

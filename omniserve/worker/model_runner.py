@@ -137,8 +137,8 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
-        positions = torch.cat([torch.arange(prefill, device=dev), torch.zeros(1, device=dev)])
-        positions = positions.long().expand(3, -1) if self.uses_mrope else positions.long()
+        positions = torch.tensor([*range(prefill), 0], device=dev)
+        positions = positions.expand(3, -1) if self.uses_mrope else positions
         with set_forward_context(metadata):
             self.model(torch.zeros(prefill + 1, dtype=torch.long, device=dev), positions)
         return True
