@@ -27,8 +27,11 @@ none); every engine gets a 4 GiB KV cache and max_model_len 4096.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import random
 import subprocess
 import sys
@@ -291,7 +294,22 @@ def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
             llm.stop_profile()
             table = Path(os.environ["OMNISERVE_TORCH_PROFILER_DIR"], "profiler_out_0.txt")
             runs[-1]["torch_profile"] = table.read_text()
+        if workload.get("python_profile"):  # and under cProfile: the host's time by function
+            runs[-1]["python_profile"] = _python_profile(llm, prompts, params)
     return {"engine": "omniserve", "load_s": load_s, "runs": runs, "model_info": info}
+
+
+def _python_profile(llm: Any, prompts: list[Any], params: list[Any]) -> str:
+    """The functions with the most own time over one more run, the engine core included (the
+    worker runs it in-process for this): a GPU-bound step spends it waiting in the call that
+    synchronizes (``tolist``), a host-bound one in Python."""
+    profile = cProfile.Profile()
+    profile.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
 
 
 def run_hf(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
@@ -346,6 +364,8 @@ def worker_main(args: argparse.Namespace) -> None:
     workload["llm_kwargs"] = {**workload.get("llm_kwargs", {}), **json.loads(args.worker_kwargs)}
     if workload.get("torch_profile"):  # before the engine starts: its workers read it
         os.environ["OMNISERVE_TORCH_PROFILER_DIR"] = tempfile.mkdtemp(prefix="bench-profile-")
+    if workload.get("python_profile"):  # cProfile sees only the process it runs in
+        os.environ["OMNISERVE_ENABLE_MULTIPROCESSING"] = "0"
     runner = run_omniserve if args.worker == "omniserve" else run_hf
     result = runner(args.model, workload)
     result["peak_rss_bytes"] = rss.stop()
@@ -467,9 +487,9 @@ def print_engine(engine: str, result: dict[str, Any]) -> None:
     for line in _step_profiles({engine: result}):
         print("  " + line, flush=True)
     for run in result["runs"]:
-        if run.get("torch_profile"):
-            print(f"\n  {engine} {run['name']} under the torch profiler:\n"
-                  + run["torch_profile"], flush=True)  # fmt: skip
+        for key, title in (("torch_profile", "the torch profiler"), ("python_profile", "cProfile")):
+            if run.get(key):
+                print(f"\n  {engine} {run['name']} under {title}:\n{run[key]}", flush=True)
 
 
 def _agreement(results: dict[str, dict[str, Any]]) -> list[str]:
@@ -558,6 +578,12 @@ def main() -> None:
         help="Run each omniserve workload once more under the torch profiler (start_profile / "
         "stop_profile) and print the table of the ops with the most self (device) time.",
     )
+    parser.add_argument(
+        "--python-profile",
+        action="store_true",
+        help="Run omniserve's engine core in-process (timed runs too) and each workload once "
+        "more under cProfile, and print the functions with the most own time.",
+    )
     parser.add_argument("--worker", choices=["omniserve", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -592,6 +618,7 @@ def main() -> None:
             workload["llm_kwargs"] = json.loads(args.llm_kwargs)
             workload["profile_steps"] = args.profile_steps
             workload["torch_profile"] = args.torch_profile
+            workload["python_profile"] = args.python_profile
             workload_file.write_text(json.dumps(workload))
             results = {}
             for engine in engines:

@@ -9,6 +9,7 @@
 #
 #   bash scripts/gpu_checks.sh                 # on a machine with CUDA, omniserve installed
 #   WHEELS=.whl bash scripts/gpu_checks.sh     # first install carried wheels (no registry there)
+#   BENCH_FLAGS=--python-profile bash ...      # more bench_realsize flags
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-gpu-checks}
@@ -48,7 +49,7 @@ for name in ${MODELS//,/ }; do
   timeout -s INT "${BENCH_TIMEOUT:-400}" $PY scripts/bench_realsize.py --models "$name" \
     --engines "${ENGINES:-omniserve,hf,omniserve:eager}" \
     --variants '{"eager": {"enforce_eager": true}, "torch": {"enforce_eager": true, "attention_backend": "torch"}}' \
-    --workloads "${WORKLOADS:-b1,b32,b128,ttft_mm}" --profile-steps --torch-profile \
+    --workloads "${WORKLOADS:-b1,b32,b128,ttft_mm}" --profile-steps --torch-profile ${BENCH_FLAGS:-} \
     --engine-timeout "${ENGINE_TIMEOUT:-180}" --llm-kwargs "$LLM_KWARGS" \
     --out "$OUT/bench-$name.json" 2>&1 | tee "$OUT/bench-$name.log"
 done

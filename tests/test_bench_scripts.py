@@ -119,7 +119,7 @@ def test_omni_benchmark_runs_on_a_tiny_checkpoint_with_a_profile(capsys):
 def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint, tmp_path):
     """The real-size benchmark's workers and report on a tiny omni thinker: every run counted,
     the media request timed, memory and the limits reported, variants' tokens compared and the
-    step profile and the torch profiler's table read (timings are not checked)."""
+    step profile, the torch profiler's table and cProfile's read (timings are not checked)."""
     bench = _load_script("bench_realsize")
     model_dir = tiny_checkpoint("Qwen3OmniMoeThinkerForConditionalGeneration")
     workload = bench.make_workload(["b1", "prefill", "ttft_mm"], model_dir, tmp_path, "cpu")
@@ -138,9 +138,13 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
         assert runs["ttft_mm"]["num_output_tokens"] == 1
         assert runs["ttft_mm"]["num_prompt_tokens"] > 200  # 448 px image + 10 s clip
         assert results[engine]["peak_rss_bytes"] > 0
-    variant = bench.run_engine("omniserve:torch", model_dir, workload_file, tmp_path / "v.json",
+    workload["python_profile"] = True  # the variant's engine core runs in-process, under cProfile
+    variant_file = tmp_path / "variant.json"
+    variant_file.write_text(json.dumps(workload))
+    variant = bench.run_engine("omniserve:torch", model_dir, variant_file, tmp_path / "v.json",
                                None, 600, {"attention_backend": "torch"})  # fmt: skip
     assert set(variant["model_info"]["attention_backends"]) == {"torch"}
+    assert "torch_backend.py" in variant["runs"][0]["python_profile"]  # the core, in-process
     results["omniserve:torch"] = variant
     assert "aten::" in results["omniserve"]["runs"][0]["torch_profile"]
     assert set(results["omniserve"]["model_info"]["attention_backends"]) == {"cpu"}
