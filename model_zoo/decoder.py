@@ -123,10 +123,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        # Same operation order as transformers (separate residual adds) for matching bf16 numerics.
+        # transformers' rounding points: each residual add rounds before the norm that reads it
+        # (add_forward may fuse the two; it rounds in the same place).
         attn_out = self.self_attn(self.input_layernorm(hidden_states), cos, sin)
-        hidden_states = hidden_states + attn_out
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states, normed = self.post_attention_layernorm.add_forward(attn_out, hidden_states)
+        return hidden_states + self.mlp(normed)
 
 
 AfterLayer = Callable[[int, torch.Tensor], torch.Tensor]

@@ -63,13 +63,14 @@ def cpu_malloc_tuning() -> bool:
     return value == "1"
 
 
-def cpu_kernels() -> str:
-    """The CPU backend (``OMNISERVE_CPU_KERNELS``): "auto" applies it (oneDNN linears, C
-    kernels for MoE, decode attention, q/k norm and RoPE; built when a compiler is there),
-    "torch" leaves every layer on torch."""
-    value = os.environ.get("OMNISERVE_CPU_KERNELS", "auto")
+def layer_kernels(device_type: str) -> str:
+    """A device backend's switch (``OMNISERVE_CPU_KERNELS`` / ``OMNISERVE_CUDA_KERNELS``): "auto"
+    applies it (on CPU oneDNN linears and C kernels for MoE, decode attention, norms and RoPE; on
+    CUDA Triton kernels for norms, RoPE and SiLU-and-mul), "torch" leaves every layer on torch."""
+    name = f"OMNISERVE_{device_type.upper()}_KERNELS"
+    value = os.environ.get(name, "auto")
     if value not in ("auto", "torch"):
-        raise ValueError(f"OMNISERVE_CPU_KERNELS must be 'auto' or 'torch', not {value!r}.")
+        raise ValueError(f"{name} must be 'auto' or 'torch', not {value!r}.")
     return value
 
 

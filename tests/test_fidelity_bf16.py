@@ -248,7 +248,7 @@ def test_bf16_served_close_to_transformers(family: Family) -> None:
     llm = LLM(family.model_dir, dtype="bfloat16")  # on a GPU when there is one
     info = llm.llm_engine.engine_core.call_utility("get_model_info")
     if info["device"] == "cpu":
-        assert any("bfloat16" in kind for kind in info["cpu_backend"]), info["cpu_backend"]
+        assert any("bfloat16" in kind for kind in info["layer_kernels"]), info["layer_kernels"]
     outputs = llm.generate(family.case.engine_prompts, GREEDY, use_tqdm=False)
     share, deltas, detail = _compare(outputs, family.bf16)
     own_share, own_deltas, _ = _compare(_as_outputs(family.bf16), family.fp32)

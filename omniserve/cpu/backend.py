@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,23 +26,10 @@ from omniserve.cpu.norm_rope import CpuRMSNorm, qk_norm_rope
 from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import LinearBase
+from omniserve.layers.placement import KernelPlacement
 from omniserve.layers.rotary_embedding import QKRotary
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CpuBackendReport:
-    """How many layers of each kind run on which implementation."""
-
-    placements: Counter[str] = field(default_factory=Counter)
-    """"<layer kind>: <implementation>" -> number of layers."""
-
-    def summary(self) -> str:
-        if not self.placements:
-            return "CPU backend: off (every layer on torch)"
-        parts = [f"{count} {what}" for what, count in sorted(self.placements.items())]
-        return "CPU backend: " + ", ".join(parts)
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:
@@ -70,10 +56,10 @@ def _place_linear(layer: LinearBase, shared: set[int]) -> str:
     return "torch"
 
 
-def apply_cpu_backend(model: nn.Module) -> CpuBackendReport:
+def apply_cpu_backend(model: nn.Module) -> KernelPlacement:
     """Give every layer of a loaded CPU model the fastest kernel that covers it."""
-    report = CpuBackendReport()
-    if envs.cpu_kernels() == "torch":
+    report = KernelPlacement("CPU")
+    if envs.layer_kernels("cpu") == "torch":
         return report
     shared = _shared_parameters(model)
     attention_backend = CpuAttentionBackend()

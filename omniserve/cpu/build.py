@@ -91,7 +91,7 @@ def _build(source_path: Path, compiler: str) -> Path:
 def load_library(source_name: str) -> ctypes.CDLL | None:
     """The compiled library of ``csrc/<source_name>``, or None (torch paths) when it cannot be
     built."""
-    if envs.cpu_kernels() == "torch":
+    if envs.layer_kernels("cpu") == "torch":
         return None
     source_path = CSRC / source_name
     compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")

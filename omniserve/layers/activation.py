@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class SiluAndMul(nn.Module):
-    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of width 2d: the SwiGLU of Llama/Qwen MLPs."""
+    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of width 2d: the SwiGLU of Llama/Qwen MLPs; a
+    device backend may give it a ``kernel`` that does it in one pass."""
+
+    kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -28,11 +28,20 @@ class RMSNormKernel(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+class AddRMSNormKernel(Protocol):
+    """A backend's ``RMSNorm.add_forward``: the residual add and the norm in one pass."""
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class RMSNorm(nn.Module):
     """Normalise over the last dimension in fp32, cast back, then scale (the order HF uses); a
     device backend may give it a ``kernel`` with the same rounding points."""
 
     kernel: RMSNormKernel | None = None
+    add_kernel: AddRMSNormKernel | None = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -43,6 +52,16 @@ class RMSNorm(nn.Module):
         if self.kernel is not None:
             return self.kernel(x)
         return rms_norm(x, self.weight, self.variance_epsilon)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + x, norm(residual + x))``: the residual add a pre-norm layer does before
+        this norm, which a backend may fuse into it."""
+        if self.add_kernel is not None:
+            return self.add_kernel(x, residual)
+        summed = residual + x
+        return summed, self(summed)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

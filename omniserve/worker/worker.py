@@ -18,7 +18,7 @@ from omniserve.attention.layer import get_attention_layers
 from omniserve.attention.selector import apply_attention_backend
 from omniserve.config import OmniConfig
 from omniserve.core.sched_output import SchedulerOutput
-from omniserve.cpu.backend import CpuBackendReport, apply_cpu_backend
+from omniserve.cpu.backend import apply_cpu_backend
 from omniserve.cpu.build import has_native_bf16
 from omniserve.layers.tp import get_tp_size
 from omniserve.layers.weight_utils import default_dtype
@@ -136,11 +136,14 @@ class Worker:
             )
         load_model_weights(model, model_config.model)
         model.eval()
-        self.backend_report = CpuBackendReport()
         if self.device.type == "cpu":
             self.backend_report = apply_cpu_backend(model)
-            logger.info(self.backend_report.summary())
             release_freed_memory()  # the weights the backend replaced
+        else:  # triton, which the CUDA kernels need, is a dependency only on Linux x86_64
+            from omniserve.cuda.backend import apply_cuda_backend
+
+            self.backend_report = apply_cuda_backend(model, self.dtype)
+        logger.info(self.backend_report.summary())
         self.attention_backends = apply_attention_backend(
             model, model_config.attention_backend, self.device, self.dtype
         )
@@ -284,7 +287,7 @@ class Worker:
             * self.model_runner.kv_cache_bytes_per_block(self.dtype),
             "num_kv_tokens": self.num_kv_blocks * block_size,
             "load_seconds": self.load_seconds,
-            "cpu_backend": dict(self.backend_report.placements),
+            "layer_kernels": dict(self.backend_report.placements),
             "attention_backends": dict(self.attention_backends),
             "cuda_graph_sizes": list(self.graph_sizes),
             "cuda_graph_replays": (
