@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one run (a lent GPU machine has minutes, not hours): the `gpu` test marker
-# (compiled Triton attention and fused MoE, CUDA-graph replays, the memory profile), the fp32 and
+# (the compiled Triton layer kernels, CUDA-graph replays, the memory profile, fused MoE and
+# attention), the fp32 and
 # bf16 fidelity suites with the engine on CUDA (transformers on CPU as the reference), then the
 # real-size benchmark per model: omniserve with CUDA graphs, transformers' batched generate on
 # the same GPU, and omniserve eager (and, with ENGINES=...,omniserve:torch, the torch attention
@@ -34,9 +35,9 @@ for name in '$MODELS'.split(','):
     print(name, build_realsize_checkpoint(name), flush=True)" >"$OUT/build.log" 2>&1 &
 BUILD=$!
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout=${PER_TEST_TIMEOUT:-120}"
-timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST -m gpu tests/test_triton_attention.py \
+timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST -m gpu tests/test_cuda_kernels.py \
   tests/test_cuda_graph.py tests/test_memory.py tests/test_triton_fused_moe.py \
-  >"$OUT/gpu_tests.log" 2>&1 &
+  tests/test_triton_attention.py >"$OUT/gpu_tests.log" 2>&1 &
 GPU_TESTS=$!
 timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST --maxfail=3 tests/test_fidelity.py \
   tests/test_fidelity_bf16.py -k "not arithmetic" >"$OUT/fidelity.log" 2>&1 &
