@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks in one run (a lent GPU machine has minutes, not hours): the `gpu` test marker
 # (the compiled Triton layer kernels, CUDA-graph replays, the memory profile, fused MoE and
-# attention), the fp32 and
-# bf16 fidelity suites with the engine on CUDA (transformers on CPU as the reference), then the
+# attention), the bf16 and fp32 fidelity suites with the engine on CUDA (transformers on CPU as
+# the reference), then the
 # real-size benchmark per model: omniserve with CUDA graphs, transformers' batched generate on
 # the same GPU, and omniserve eager (and, with ENGINES=...,omniserve:torch, the torch attention
 # backend), with a step profile and a torch-profiler table of each omniserve run. Logs land in
@@ -39,8 +39,8 @@ timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST -m gpu tests/test_cuda_kernels.py 
   tests/test_cuda_graph.py tests/test_memory.py tests/test_triton_fused_moe.py \
   tests/test_triton_attention.py >"$OUT/gpu_tests.log" 2>&1 &
 GPU_TESTS=$!
-timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST --maxfail=3 tests/test_fidelity.py \
-  tests/test_fidelity_bf16.py -k "not arithmetic" >"$OUT/fidelity.log" 2>&1 &
+timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST --maxfail=3 tests/test_fidelity_bf16.py \
+  tests/test_fidelity.py -k "not arithmetic" >"$OUT/fidelity.log" 2>&1 &
 FIDELITY=$!
 wait $GPU_TESTS; tail -15 "$OUT/gpu_tests.log"
 wait $FIDELITY; tail -15 "$OUT/fidelity.log"
