@@ -132,9 +132,12 @@ def test_interpreted_bf16(interpreted: Runner) -> None:
 def test_compiled_on_gpu(dtype: str) -> None:
     """Compiled, casts round to nearest: the residual add, and in half precision the rotation
     without a norm (products exact in fp32, rounded where torch rounds), are torch's to the bit;
-    the rest within one unit (fp32 products may fuse into FMAs)."""
+    the rest within one unit of the activation dtype. fp32 has no rounding to hide the
+    hardware's approximate rsqrt and exp and fused multiply-adds: within four units, as under
+    the interpreter."""
     rotations = [f"rotary {r} {t}" for r in (32, 64) for t in "qk"] if dtype != "float32" else []
-    check(kernel_pairs(dtype, "cuda"), ulps=1, exact=("add ", "in place", *rotations))
+    check(kernel_pairs(dtype, "cuda"), ulps=4 if dtype == "float32" else 1,
+          exact=("add ", "in place", *rotations))  # fmt: skip
 
 
 def test_placement_by_dtype(tiny_checkpoint: Callable[..., Path],

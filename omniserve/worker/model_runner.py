@@ -33,7 +33,7 @@ from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.structured_output import apply_bitmask_rows
 from omniserve.worker.cuda_graph import PAD_SLOT, DecodeGraphs, graph_batch_sizes
 from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions, to_device
-from omniserve.worker.input_batch import CachedRequestState, InputBatch, host_to_device
+from omniserve.worker.input_batch import CachedRequestState, InputBatch, host_to_device, upload
 from omniserve.worker.step_timing import StepTimer
 from omniserve.worker.talker_families import create_talker_runner
 
@@ -47,6 +47,7 @@ class StepInputs:
     query_lens: np.ndarray  # [num_reqs]
     positions: np.ndarray  # [num_tokens]
     input_ids: torch.Tensor  # [num_tokens]
+    model_positions: torch.Tensor  # [num_tokens], or [3, num_tokens] for M-RoPE: the model's
     attn_metadata: AttentionMetadata
     sample_mask: np.ndarray  # [num_reqs] bool: this step samples a token for the request
     logits_indices: torch.Tensor  # [num_sampled] flattened-token index of each sampling position
@@ -188,7 +189,7 @@ class ModelRunner:
                 input_ids = None
             with timer.part(forward), set_forward_context(step.attn_metadata):
                 hidden_states = self.model(
-                    input_ids, self._positions(step), inputs_embeds=inputs_embeds
+                    input_ids, step.model_positions, inputs_embeds=inputs_embeds
                 )
         if self.talker_runner is not None:
             self._keep_talker_hidden(step, hidden_states)
@@ -239,7 +240,7 @@ class ModelRunner:
             or (step.positions < self.input_batch.num_prompt_tokens[step.rows]).any()
         ):
             return None
-        return self.decode_graphs.run(step.input_ids, self._positions(step), step.attn_metadata)
+        return self.decode_graphs.run(step.input_ids, step.model_positions, step.attn_metadata)
 
     def _keep_talker_hidden(self, step: StepInputs, hidden_states: torch.Tensor) -> None:
         """Hand the talker the thinker's hidden states (its output, or the layer the model
@@ -268,20 +269,22 @@ class ModelRunner:
         mm_embeds, is_mm = self.encoder_runner.gather(windows, features, len(step.positions))
         return self.model.get_input_embeddings(step.input_ids, mm_embeds, is_mm)
 
-    def _positions(self, step: StepInputs) -> torch.Tensor:
+    def _model_positions(
+        self, rows: np.ndarray, positions: np.ndarray, query_lens: np.ndarray
+    ) -> np.ndarray | torch.Tensor:
+        """The positions the model rotates by: the token positions, or M-RoPE's three rows."""
         if not self.uses_mrope:
-            return host_to_device(step.positions, self.device)  # [num_tokens]
-        states = [self.input_batch.states[row] for row in step.rows.tolist()]
+            return positions  # [num_tokens]
+        states = [self.input_batch.states[row] for row in rows.tolist()]
         deltas = np.fromiter((int(s.mrope_delta) for s in states),
                              np.int64, len(states))  # fmt: skip
-        positions = mrope_positions(
-            step.positions,
-            step.query_lens,
+        return mrope_positions(
+            positions,
+            query_lens,
             deltas,
-            self.input_batch.num_prompt_tokens[step.rows],
+            self.input_batch.num_prompt_tokens[rows],
             [s.mrope_positions for s in states],
         )
-        return host_to_device(positions, self.device)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -339,12 +342,21 @@ class ModelRunner:
         # prefill does not (and must not advance its seeded generator).
         sample_mask = seq_lens == batch.num_tokens[rows]
         max_blocks = blocks_for(int(seq_lens.max()), self.block_size)
-        dev = self.device
+        (query_start_loc, seq_lens_dev, block_table, slot_mapping_dev, input_ids_dev,
+         logits_indices, model_positions) = upload(self.device, [
+            np.concatenate(([0], cu_query)).astype(np.int32),
+            seq_lens.astype(np.int32),
+            batch.block_table[rows, :max_blocks].astype(np.int32),
+            slot_mapping,
+            input_ids,
+            cu_query[sample_mask] - 1,
+            self._model_positions(rows, positions, query_lens),
+        ])  # fmt: skip
         attn_metadata = AttentionMetadata(
-            query_start_loc=host_to_device(np.concatenate(([0], cu_query)), dev, torch.int32),
-            seq_lens=host_to_device(seq_lens, dev, torch.int32),
-            block_table=host_to_device(batch.block_table[rows, :max_blocks], dev, torch.int32),
-            slot_mapping=host_to_device(slot_mapping, dev),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_dev,
+            block_table=block_table,
+            slot_mapping=slot_mapping_dev,
             query_lens_cpu=query_lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
@@ -353,10 +365,11 @@ class ModelRunner:
             rows=rows,
             query_lens=query_lens,
             positions=positions,
-            input_ids=host_to_device(input_ids, dev),
+            input_ids=input_ids_dev,
+            model_positions=model_positions,
             attn_metadata=attn_metadata,
             sample_mask=sample_mask,
-            logits_indices=host_to_device(cu_query[sample_mask] - 1, dev),
+            logits_indices=logits_indices,
         )
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
@@ -401,22 +414,22 @@ class ModelRunner:
                 if ids:
                     banned[i] = ids
 
-        def tensor(values: np.ndarray, skip: bool) -> torch.Tensor | None:
-            return None if skip else host_to_device(values, self.device)
-
+        temperature_dev, top_p_dev, top_k_dev, min_p_dev, presence_dev, frequency_dev, \
+            repetition_dev = upload(self.device, [temperature, top_p, top_k, min_p, presence,
+                                                  frequency, repetition])  # fmt: skip
         return SamplingMetadata(
-            temperature=host_to_device(temperature, self.device),
+            temperature=temperature_dev,
             all_greedy=bool(greedy.all()),
             all_random=not bool(greedy.any()),
-            top_p=tensor(top_p, bool((top_p >= 1.0).all())),
-            top_k=tensor(top_k, not top_k.any()),
-            min_p=tensor(min_p, not min_p.any()),
+            top_p=None if (top_p >= 1.0).all() else top_p_dev,
+            top_k=None if not top_k.any() else top_k_dev,
+            min_p=None if not min_p.any() else min_p_dev,
             generators=generators,
             max_num_logprobs=max_num_logprobs,
             no_penalties=no_penalties,
-            presence_penalties=host_to_device(presence, self.device),
-            frequency_penalties=host_to_device(frequency, self.device),
-            repetition_penalties=host_to_device(repetition, self.device),
+            presence_penalties=presence_dev,
+            frequency_penalties=frequency_dev,
+            repetition_penalties=repetition_dev,
             prompt_token_ids=prompt_token_ids,
             output_token_ids=[s.output_token_ids for s in states],
             min_tokens=min_tokens,
