@@ -3,7 +3,8 @@
 On random-weight checkpoints in real architectures' shapes (bf16, real vocabulary; built once
 into the cache dir by ``omniserve.checkpoint_builder.build_realsize_checkpoint``), in one run:
 
-- offline throughput at batch 1, 8, 32 and 128 (128-token prompts, 128 new tokens) and on a
+- offline throughput at batch 1, 8, 32 and 128 (128-token prompts, 128 new tokens), at batch 1
+  after a long prompt (``b1_long``: 3840 tokens, the length of a media-heavy context) and on a
   prefill-heavy mix (16 x 128 prompt tokens, 32 new), greedy, ignore_eos;
 - the prefill alone (16 x 128 tokens, 1 new) and, on the omni thinkers, the time to the first
   token of an image + audio prompt;
@@ -46,11 +47,13 @@ import numpy as np
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-WORKLOADS = ("b1", "b8", "b32", "b128", "prefill_mix", "prefill", "ttft_mm")
+WORKLOADS = ("b1", "b8", "b32", "b128", "b1_long", "prefill_mix", "prefill", "ttft_mm")
 DEFAULT_WORKLOADS = ("b1", "b8", "b32", "prefill_mix", "prefill", "ttft_mm")  # b128: GPU-sized
 MAX_MODEL_LEN = 4096
 KV_CACHE_GIB = 4
 PROMPT_LEN = 128
+LONG_PROMPT_LEN = 3840
+"""b1_long's prompt: a media-heavy context's length, within MAX_MODEL_LEN with its answer."""
 SAMPLE_RATE = 16000
 
 # ---- the machine's limits ---------------------------------------------------------------------
@@ -141,11 +144,12 @@ def model_costs(model_dir: Path) -> dict[str, float]:
 # ---- workloads ----------------------------------------------------------------------------------
 
 
-def _token_prompts(num: int, seed: int, vocab_size: int) -> list[list[int]]:
+def _token_prompts(num: int, seed: int, vocab_size: int,
+                   length: int = PROMPT_LEN) -> list[list[int]]:  # fmt: skip
     """Random ids above the special tokens' range of the tokenizer's vocabulary."""
     rng = random.Random(seed)
     low = min(1000, vocab_size // 2)
-    return [[rng.randrange(low, vocab_size) for _ in range(PROMPT_LEN)] for _ in range(num)]
+    return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(num)]
 
 
 def write_media(directory: Path, seed: int) -> tuple[str, str]:
@@ -188,8 +192,7 @@ def max_model_len(model_dir: Path) -> int:
 def make_workload(names: list[str], model_dir: Path, media_dir: Path,
                   device: str) -> dict[str, Any]:  # fmt: skip
     shapes = {"b1": (1, 128), "b8": (8, 128), "b32": (32, 128), "b128": (128, 128),
-              "prefill_mix": (16, 32),
-              "prefill": (16, 1)}  # fmt: skip
+              "b1_long": (1, 128), "prefill_mix": (16, 32), "prefill": (16, 1)}  # fmt: skip
     runs = []
     for i, name in enumerate(names):
         if name == "ttft_mm":
@@ -203,7 +206,8 @@ def make_workload(names: list[str], model_dir: Path, media_dir: Path,
         num, new = shapes[name]
         runs.append({"name": name, "requests": [
             {"prompt_token_ids": p, "max_tokens": new}
-            for p in _token_prompts(num, i, _text_config(model_dir).vocab_size)
+            for p in _token_prompts(num, i, _text_config(model_dir).vocab_size,
+                                    LONG_PROMPT_LEN if name == "b1_long" else PROMPT_LEN)
         ]})  # fmt: skip
     return {"runs": runs, "max_model_len": max_model_len(model_dir), "device": device}
 

@@ -50,7 +50,7 @@ for name in ${MODELS//,/ }; do
   timeout -s INT "${BENCH_TIMEOUT:-400}" $PY scripts/bench_realsize.py --models "$name" \
     --engines "${ENGINES:-omniserve,hf,omniserve:eager}" \
     --variants '{"eager": {"enforce_eager": true}, "torch": {"enforce_eager": true, "attention_backend": "torch"}}' \
-    --workloads "${WORKLOADS:-b1,b32,b128,ttft_mm}" --profile-steps --torch-profile ${BENCH_FLAGS:-} \
+    --workloads "${WORKLOADS:-b1,b32,b128,b1_long,ttft_mm}" --profile-steps --torch-profile ${BENCH_FLAGS:-} \
     --engine-timeout "${ENGINE_TIMEOUT:-180}" --llm-kwargs "$LLM_KWARGS" \
     --out "$OUT/bench-$name.json" 2>&1 | tee "$OUT/bench-$name.log"
 done

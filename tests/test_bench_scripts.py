@@ -195,3 +195,12 @@ def test_serving_ablation_runs_a_b_b_a_and_merges_each_level(monkeypatch):
     (ours,), (theirs,) = results["omniserve"], results["no-playground"]
     assert ours.wall_time == 1.0 + 4.0 and len(ours.results) == 2
     assert theirs.wall_time == 2.0 + 3.0 and theirs.output_tokens_per_s == 8 / 5
+
+
+def test_long_prompt_workload_fits_the_context(tiny_checkpoint, tmp_path):
+    bench = _load_script("bench_realsize")
+    model_dir = tiny_checkpoint("Qwen2ForCausalLM")
+    (run,) = bench.make_workload(["b1_long"], model_dir, tmp_path, "cpu")["runs"]
+    (request,) = run["requests"]
+    assert len(request["prompt_token_ids"]) == bench.LONG_PROMPT_LEN
+    assert bench.LONG_PROMPT_LEN + request["max_tokens"] <= bench.MAX_MODEL_LEN

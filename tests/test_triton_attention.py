@@ -17,7 +17,7 @@ pytest.importorskip("triton")  # a dependency only on Linux x86_64 (pyproject.to
 from omniserve.attention import Attention
 from omniserve.attention.selector import apply_attention_backend
 from omniserve.attention.torch_backend import TorchAttentionBackend, reference_attention
-from omniserve.attention.triton_backend import TritonAttentionBackend, plan_tiles
+from omniserve.attention.triton_backend import TritonAttentionBackend, decode_splits, plan_tiles
 from tests.test_attention import make_batch
 
 Spec = list[tuple[int, int]]
@@ -128,6 +128,27 @@ def test_half_precision_at_real_shapes(interpreted: Runner, dtype: torch.dtype) 
     check(interpreted([(300, 1), (45, 1), (0, 7), (511, 1), (20, 40)], num_heads=32,
                       num_kv_heads=4, head_size=128, block_size=16, dtype=dtype),
           atol=3e-2)  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_split_decodes_of_long_contexts(interpreted: Runner, window: int | None) -> None:
+    """A few decodes with long histories: their keys split over many programs (here 3 x 2 KV
+    heads take 6 splits each, some of them empty for the short one) and folded back."""
+    assert decode_splits(6, torch.device("cpu")) == 6
+    check(interpreted([(1000, 1), (517, 1), (40, 1)], num_heads=8, num_kv_heads=2,
+                      block_size=16, window=window))  # fmt: skip
+
+
+def test_a_full_decode_batch_does_not_split(interpreted: Runner) -> None:
+    assert decode_splits(40, torch.device("cpu")) == 1
+    check(interpreted([(30 + 7 * i, 1) for i in range(40)], num_heads=4, num_kv_heads=1))
+
+
+def test_split_counts() -> None:
+    """Two programs per multiprocessor (the interpreter counts 16), at most 16 splits."""
+    cpu = torch.device("cpu")
+    assert [decode_splits(n, cpu) for n in (1, 2, 3, 16, 31, 32, 33, 512)] == [
+        16, 16, 11, 2, 2, 1, 1, 1]  # fmt: skip
 
 
 def test_unwritten_slots_never_reach_the_output(interpreted: Runner) -> None:

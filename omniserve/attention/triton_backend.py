@@ -11,10 +11,16 @@ sequence length and the sliding window, then folded into an online softmax in fp
 prefill chunks are launched separately with tile heights that suit them, from one kernel source.
 A step's tiles are planned once on the host from the metadata's host copies and reused by every
 layer. The new keys and values reach their slots through a small store kernel first.
+
+A decode batch too small to fill the GPU (batch 1 of a 2-KV-head model is 2 programs) splits each
+request's keys into up to ``_MAX_SPLITS`` ranges walked by programs of their own, whose softmax
+states a second kernel folds together (flash-decoding); otherwise one program walks them all, and
+a long multimodal context would take as long as that one program's loop.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,6 +38,10 @@ _PREFILL_ROWS = 64
 """Rows of a prefill tile (query tokens x group heads)."""
 _BLOCK_N = 64
 """Key positions per step of the online softmax."""
+_MAX_SPLITS = 16
+"""Most splits of a decode's keys (flash-decoding): each is folded in by the combine kernel."""
+_INTERPRETED_MULTIPROCESSORS = 16
+"""What the interpreter counts as the device's multiprocessors."""
 
 
 @triton.jit
@@ -61,15 +71,19 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
     tile_req_ptr, tile_first_ptr, query_start_ptr, seq_lens_ptr, block_table_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    scale, window, num_kv_heads, head_size, block_size,
+    scale, window, num_kv_heads, head_size, block_size, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """Program (tile, KV head): attention of the tile's (token, group head) rows."""
+    """Program (tile, KV head, split): attention of the tile's (token, group head) rows over
+    the split's share of the keys; with SPLIT its softmax state goes to the partial buffers for
+    ``_combine_splits_kernel``, else the output is final."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     req = tl.load(tile_req_ptr + tile)
     first = tl.load(tile_first_ptr + tile)  # the tile's first query token within its request
     q_start = tl.load(query_start_ptr + req)
@@ -96,6 +110,10 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     start = 0
     if HAS_WINDOW:
         start = tl.maximum(context + first - window + 1, 0)
+    if SPLIT:  # whole BLOCK_N steps per split; the last splits of a short request are empty
+        per_split = tl.cdiv(tl.cdiv(end - start, num_splits), BLOCK_N) * BLOCK_N
+        start = start + split * per_split
+        end = tl.minimum(start + per_split, end)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
@@ -117,9 +135,58 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, PRECISION)
         m_i = m_new
+    if SPLIT:
+        part = ((tile * num_kv_heads + kv_head) * num_splits + split) * ROWS + rows
+        tl.store(part_m_ptr + part, m_i)
+        tl.store(part_l_ptr + part, l_i)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _combine_splits_kernel(  # type: ignore[no-untyped-def]
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, tile_req_ptr, tile_first_ptr,
+    query_start_ptr, stride_ot, stride_oh, num_kv_heads, head_size, num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr,
+):  # fmt: skip
+    """Program (tile, KV head): the splits' softmax states folded into the rows' outputs (the
+    online softmax's recurrence, one split at a time)."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.load(tile_req_ptr + tile)
+    first = tl.load(tile_first_ptr + tile)
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    rows = tl.arange(0, ROWS)
+    token = first + rows // GROUP_PAD
+    sub = rows % GROUP_PAD
+    head = kv_head * GROUP + sub
+    row_ok = (token < q_len) & (sub < GROUP)
+    d = tl.arange(0, HEAD_PAD)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
+    first_part = (tile * num_kv_heads + kv_head) * num_splits
+    for split in range(0, num_splits):
+        part = (first_part + split) * ROWS + rows
+        m_s = tl.load(part_m_ptr + part)
+        m_new = tl.maximum(m_i, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        beta = tl.exp(m_s - m_safe)
+        l_i = l_i * alpha + tl.load(part_l_ptr + part) * beta
+        acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :])
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    q_rows = (q_start + token).to(tl.int64)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+             out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (d < head_size)[None, :])  # fmt: skip
 
 
 @dataclass
@@ -198,16 +265,51 @@ class TritonAttentionBackend(AttentionBackend):
             tiles = self._tiles_for(metadata, rows // group_pad, decodes)
             if tiles is None:
                 continue
-            _paged_attention_kernel[(tiles.req.shape[0], num_kv_heads)](
+            num_tiles = tiles.req.shape[0]
+            splits = decode_splits(num_tiles * num_kv_heads, query.device) if decodes else 1
+            grid = (num_tiles, num_kv_heads, splits)
+            part_m = part_l = part_acc = out  # unused unless split
+            if splits > 1:
+                part_m = torch.empty(grid + (rows,), dtype=torch.float32, device=query.device)
+                part_l = torch.empty_like(part_m)
+                part_acc = torch.empty(grid + (rows, head_pad), dtype=torch.float32,
+                                       device=query.device)  # fmt: skip
+            _paged_attention_kernel[grid](
                 out, query, key_cache, value_cache, tiles.req, tiles.first,
                 metadata.query_start_loc, metadata.seq_lens, block_table,
+                part_m, part_l, part_acc,
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                 block_table.stride(0), scale, sliding_window or 0, num_kv_heads, head_size,
-                kv_cache.shape[2], GROUP=group, GROUP_PAD=group_pad, ROWS=rows,
+                kv_cache.shape[2], splits, GROUP=group, GROUP_PAD=group_pad, ROWS=rows,
                 HEAD_PAD=head_pad, BLOCK_N=_BLOCK_N, HAS_WINDOW=sliding_window is not None,
                 UPCAST=INTERPRETED, PRECISION="ieee" if kv_cache.dtype == torch.float32 else None,
+                SPLIT=splits > 1,
             )  # fmt: skip
+            if splits > 1:
+                _combine_splits_kernel[(num_tiles, num_kv_heads)](
+                    out, part_m, part_l, part_acc, tiles.req, tiles.first,
+                    metadata.query_start_loc, out.stride(0), out.stride(1), num_kv_heads,
+                    head_size, splits, GROUP=group, GROUP_PAD=group_pad, ROWS=rows,
+                    HEAD_PAD=head_pad,
+                )  # fmt: skip
         return out
+
+
+def decode_splits(num_programs: int, device: torch.device) -> int:
+    """How many splits of the keys a decode launch of ``num_programs`` (tile, KV head) programs
+    takes: enough to give every multiprocessor two programs, at most ``_MAX_SPLITS``. A batch-1
+    decode of a 2-KV-head model is otherwise 2 programs walking every key on a 132-SM GPU.
+
+    It depends on the batch alone, never on sequence lengths, so a captured graph keeps it."""
+    target = 2 * _multiprocessors(device)
+    return max(1, min(_MAX_SPLITS, -(-target // max(num_programs, 1))))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":  # the interpreter: small, so tests split small batches
+        return _INTERPRETED_MULTIPROCESSORS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
