@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,9 @@ def make_workload(names: list[str], model_dir: Path, media_dir: Path,
                 image, audio = write_media(media_dir, seed)
                 request = {"prompt": text, "image": image, "audio": audio, "max_tokens": 1}
                 runs.append({"name": label, "requests": [request]})
+            # each profiled re-run gets unseen media too, or it profiles the caches' hits
+            runs[-1]["fresh_media"] = [dict(zip(("image", "audio"), write_media(media_dir, seed),
+                                                strict=True)) for seed in (3, 4, 5)]  # fmt: skip
             continue
         num, new = shapes[name]
         runs.append({"name": name, "requests": [
@@ -272,15 +276,10 @@ def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
                      use_tqdm=False)  # fmt: skip
     runs = []
     for run in workload["runs"]:
-        prompts, params = [], []
-        for request in run["requests"]:
-            if "prompt_token_ids" in request:
-                prompts.append({"prompt_token_ids": request["prompt_token_ids"]})
-            else:
-                prompts.append({"prompt": request["prompt"],
-                                "multi_modal_data": _load_media(request)})  # fmt: skip
-            params.append(SamplingParams(temperature=0.0, max_tokens=request["max_tokens"],
-                                         ignore_eos=True))  # fmt: skip
+        params = [SamplingParams(temperature=0.0, max_tokens=request["max_tokens"],
+                                 ignore_eos=True) for request in run["requests"]]  # fmt: skip
+        prompts = _prompts(run["requests"])
+        fresh_media = iter(run.get("fresh_media", []))
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
@@ -297,18 +296,34 @@ def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
         if workload.get("profile_steps"):  # once more, untimed, with the runner's step timer on
             llm.llm_engine.start_step_timing()
             start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
+            llm.generate(_rerun_prompts(run, fresh_media), params, use_tqdm=False)
             timings = llm.llm_engine.get_step_timings()
             runs[-1]["step_timings"] = {**timings, "wall_s": time.perf_counter() - start}
         if workload.get("torch_profile"):  # and under the torch profiler: the top ops' table
             llm.start_profile()
-            llm.generate(prompts, params, use_tqdm=False)
+            llm.generate(_rerun_prompts(run, fresh_media), params, use_tqdm=False)
             llm.stop_profile()
             table = Path(os.environ["OMNISERVE_TORCH_PROFILER_DIR"], "profiler_out_0.txt")
             runs[-1]["torch_profile"] = table.read_text()
         if workload.get("python_profile"):  # and under cProfile: the host's time by function
-            runs[-1]["python_profile"] = _python_profile(llm, prompts, params)
+            runs[-1]["python_profile"] = _python_profile(
+                llm, _rerun_prompts(run, fresh_media), params
+            )
     return {"engine": "omniserve", "load_s": load_s, "runs": runs, "model_info": info}
+
+
+def _prompts(requests: list[dict[str, Any]]) -> list[Any]:
+    """omniserve's prompts for a run's requests: token ids, or text with its media loaded."""
+    return [{"prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r
+            else {"prompt": r["prompt"], "multi_modal_data": _load_media(r)}
+            for r in requests]  # fmt: skip
+
+
+def _rerun_prompts(run: dict[str, Any], fresh_media: Iterator[dict[str, str]]) -> list[Any]:
+    """A run's prompts for a profiled re-run: with the next unseen media item where the run has
+    them (a re-run of the same media would profile the caches' hits)."""
+    media = next(fresh_media, None)
+    return _prompts([r if media is None else {**r, **media} for r in run["requests"]])
 
 
 def _python_profile(llm: Any, prompts: list[Any], params: list[Any]) -> str:

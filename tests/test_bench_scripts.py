@@ -125,6 +125,8 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
     workload = bench.make_workload(["b1", "prefill", "ttft_mm"], model_dir, tmp_path, "cpu")
     assert [run["name"] for run in workload["runs"]] == ["b1", "prefill", "ttft_mm_warmup",
                                                           "ttft_mm"]  # fmt: skip
+    fresh = workload["runs"][-1]["fresh_media"]  # the profiled re-runs' unseen media
+    assert len({m["image"] for m in fresh} | {workload["runs"][-1]["requests"][0]["image"]}) == 4
     workload["profile_steps"] = workload["torch_profile"] = True
     workload_file = tmp_path / "workload.json"
     workload_file.write_text(json.dumps(workload))
