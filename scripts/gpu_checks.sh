@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The GPU checks in one run (a lent GPU machine has minutes, not hours): the `gpu` test marker
-# (the compiled Triton layer kernels, CUDA-graph replays, the memory profile, fused MoE and
-# attention), the bf16 and fp32 fidelity suites with the engine on CUDA (transformers on CPU as
-# the reference), then the
-# real-size benchmark per model: omniserve with CUDA graphs, transformers' batched generate on
-# the same GPU, and omniserve eager (and, with ENGINES=...,omniserve:torch, the torch attention
-# backend), with a step profile and a torch-profiler table of each omniserve run. Logs land in
-# $OUT (or ./gpu-checks).
+# (the compiled Triton layer kernels, pinned uploads, CUDA-graph replays, the memory profile,
+# fused MoE and attention), the bf16 and fp32 fidelity suites with the engine on CUDA
+# (transformers on CPU as the reference), then the real-size benchmark per model: omniserve with
+# CUDA graphs and transformers' batched generate on the same GPU, with a step profile of each
+# omniserve run. Logs land in $OUT (or ./gpu-checks).
 #
 #   bash scripts/gpu_checks.sh                 # on a machine with CUDA, omniserve installed
 #   WHEELS=.whl bash scripts/gpu_checks.sh     # first install carried wheels (no registry there)
-#   BENCH_FLAGS=--python-profile bash ...      # more bench_realsize flags
+#   BENCH_FLAGS=--torch-profile bash ...       # more bench_realsize flags (--python-profile too)
+#   ENGINES=omniserve,hf,omniserve:eager ...   # and the eager variant
+# The defaults fit one 10-minute call of a 15-minute loan: 2 minutes of tests, then 3 per model.
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-gpu-checks}
@@ -35,22 +35,26 @@ for name in '$MODELS'.split(','):
     print(name, build_realsize_checkpoint(name), flush=True)" >"$OUT/build.log" 2>&1 &
 BUILD=$!
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout=${PER_TEST_TIMEOUT:-120}"
-timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST -m gpu tests/test_cuda_kernels.py \
-  tests/test_cuda_graph.py tests/test_memory.py tests/test_triton_fused_moe.py \
-  tests/test_triton_attention.py >"$OUT/gpu_tests.log" 2>&1 &
+# In three groups, each with a third of the budget: a group stopped at its budget can lose its
+# summary, and then only that group's.
+(for group in "tests/test_cuda_kernels.py tests/test_input_batch.py" \
+    "tests/test_cuda_graph.py tests/test_memory.py" \
+    "tests/test_triton_fused_moe.py tests/test_triton_attention.py"; do
+  timeout -s INT $(( ${TEST_TIMEOUT:-120} / 3 )) $PYTEST -m gpu $group
+done) >"$OUT/gpu_tests.log" 2>&1 &
 GPU_TESTS=$!
-timeout -s INT "${TEST_TIMEOUT:-200}" $PYTEST --maxfail=3 tests/test_fidelity_bf16.py \
+timeout -s INT "${TEST_TIMEOUT:-120}" $PYTEST --maxfail=3 tests/test_fidelity_bf16.py \
   tests/test_fidelity.py -k "not arithmetic" >"$OUT/fidelity.log" 2>&1 &
 FIDELITY=$!
-wait $GPU_TESTS; tail -15 "$OUT/gpu_tests.log"
+wait $GPU_TESTS; grep -E "passed|failed|FAILED|ERROR|Error" "$OUT/gpu_tests.log"
 wait $FIDELITY; tail -15 "$OUT/fidelity.log"
 wait $BUILD; tail -2 "$OUT/build.log"
 # One model at a time, each with its own budget, so a slow first model leaves the second its time.
 for name in ${MODELS//,/ }; do
-  timeout -s INT "${BENCH_TIMEOUT:-400}" $PY scripts/bench_realsize.py --models "$name" \
-    --engines "${ENGINES:-omniserve,hf,omniserve:eager}" \
+  timeout -s INT "${BENCH_TIMEOUT:-180}" $PY scripts/bench_realsize.py --models "$name" \
+    --engines "${ENGINES:-omniserve,hf}" \
     --variants '{"eager": {"enforce_eager": true}, "torch": {"enforce_eager": true, "attention_backend": "torch"}}' \
-    --workloads "${WORKLOADS:-b1,b32,b128,b1_long,ttft_mm}" --profile-steps --torch-profile ${BENCH_FLAGS:-} \
-    --engine-timeout "${ENGINE_TIMEOUT:-180}" --llm-kwargs "$LLM_KWARGS" \
+    --workloads "${WORKLOADS:-b1,b32,b128,b1_long,ttft_mm}" --profile-steps ${BENCH_FLAGS:-} \
+    --engine-timeout "${ENGINE_TIMEOUT:-100}" --llm-kwargs "$LLM_KWARGS" \
     --out "$OUT/bench-$name.json" 2>&1 | tee "$OUT/bench-$name.log"
 done
