@@ -233,6 +233,20 @@ class TritonAttentionBackend(AttentionBackend):
             ) if reqs else None  # fmt: skip
         return metadata.plans[key]
 
+    @staticmethod
+    def _partials(metadata: AttentionMetadata, grid: tuple[int, int, int], rows: int,
+                  head_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The split programs' softmax states (max, sum, accumulator), allocated once per step
+        and shape and reused by every layer: each layer's combine has read them before the
+        next layer's attention, in stream order, writes them."""
+        key = ("triton-partials", grid, rows, head_pad)
+        if key not in metadata.plans:
+            device = metadata.query_start_loc.device
+            m = torch.empty(grid + (rows,), dtype=torch.float32, device=device)
+            acc = torch.empty(grid + (rows, head_pad), dtype=torch.float32, device=device)
+            metadata.plans[key] = (m, torch.empty_like(m), acc)
+        return metadata.plans[key]
+
     def forward(
         self,
         query: torch.Tensor,
@@ -268,12 +282,9 @@ class TritonAttentionBackend(AttentionBackend):
             num_tiles = tiles.req.shape[0]
             splits = decode_splits(num_tiles * num_kv_heads, query.device) if decodes else 1
             grid = (num_tiles, num_kv_heads, splits)
-            part_m = part_l = part_acc = out  # unused unless split
-            if splits > 1:
-                part_m = torch.empty(grid + (rows,), dtype=torch.float32, device=query.device)
-                part_l = torch.empty_like(part_m)
-                part_acc = torch.empty(grid + (rows, head_pad), dtype=torch.float32,
-                                       device=query.device)  # fmt: skip
+            part_m, part_l, part_acc = (
+                self._partials(metadata, grid, rows, head_pad) if splits > 1 else (out, out, out)
+            )
             _paged_attention_kernel[grid](
                 out, query, key_cache, value_cache, tiles.req, tiles.first,
                 metadata.query_start_loc, metadata.seq_lens, block_table,
