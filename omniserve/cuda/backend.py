@@ -58,6 +58,8 @@ def apply_cuda_backend(model: nn.Module, dtype: torch.dtype) -> KernelPlacement:
         return report
     for module in model.modules():
         if isinstance(module, RMSNorm):
+            if module.weight.dtype != dtype:  # kept in another dtype: torch promotes, we don't
+                continue
             kernel = TritonRMSNorm(module)
             module.kernel, module.add_kernel = kernel, kernel.add
             kind = "RMSNorm (+ residual add): Triton"

@@ -47,7 +47,7 @@ class StepInputs:
     query_lens: np.ndarray  # [num_reqs]
     positions: np.ndarray  # [num_tokens]
     input_ids: torch.Tensor  # [num_tokens]
-    model_positions: torch.Tensor  # [num_tokens], or [3, num_tokens] for M-RoPE: the model's
+    model_positions: torch.Tensor  # the model's: [num_tokens], or [3, num_tokens] for M-RoPE
     attn_metadata: AttentionMetadata
     sample_mask: np.ndarray  # [num_reqs] bool: this step samples a token for the request
     logits_indices: torch.Tensor  # [num_sampled] flattened-token index of each sampling position
