@@ -121,13 +121,17 @@ def test_each_graph_keeps_its_metadata_and_plans() -> None:
 
 
 @pytest.mark.slow
-def test_replayed_decodes_equal_eager_ones() -> None:
-    """An omni thinker (M-RoPE decode positions past an image, after an eager media prefill),
-    fp32: the same tokens on all three paths; logprobs within fp32 noise (a padded batch runs
-    its linear layers at another row count, so sums may round differently)."""
+@pytest.mark.parametrize("architecture", [
+    "Qwen2_5OmniThinkerForConditionalGeneration",
+    pytest.param("Qwen3OmniMoeThinkerForConditionalGeneration", marks=pytest.mark.slow),
+])  # fmt: skip
+def test_replayed_decodes_equal_eager_ones(architecture: str) -> None:
+    """Omni thinkers (M-RoPE decode positions past an image, after an eager media prefill; the
+    MoE one's experts routed per token in every replay), fp32: the same tokens on all three paths;
+    logprobs within fp32 noise (a padded batch runs its linear layers at another row count, so
+    sums may round differently)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_cuda_graph",
-         "Qwen2_5OmniThinkerForConditionalGeneration", "cpu", "float32"],
+        [sys.executable, "-m", "tests.test_cuda_graph", architecture, "cpu", "float32"],
         cwd=REPO, capture_output=True, text=True,
         env={**os.environ, "TRITON_INTERPRET": "1", "OMNISERVE_ENABLE_MULTIPROCESSING": "0"},
         timeout=900,
