@@ -3,8 +3,10 @@
 Layers compute through torch by default and expose a hook (``RMSNorm.kernel`` and
 ``.add_kernel``, ``QKRotary.kernel``, ``SiluAndMul.kernel``); ``apply_cuda_backend`` sets them
 on a loaded bf16 or fp16 model. fp32 stays on torch, where its outputs are transformers' to the
-bit (the kernels differ from torch only in the order of a norm's sum of squares, which bf16
-rounding hides and fp32 would not). ``OMNISERVE_CUDA_KERNELS=torch`` leaves the model untouched.
+bit (the kernels differ from torch in the order of a norm's sum of squares and in the hardware's
+approximate rsqrt and exp, which rounding to bf16 or fp16 hides but fp32 would show; compiled on an
+H200, bf16 and fp16 outputs were within one unit of torch's, the rotation bit-equal).
+``OMNISERVE_CUDA_KERNELS=torch`` leaves the model untouched.
 """
 
 from __future__ import annotations
