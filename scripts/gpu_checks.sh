@@ -37,9 +37,8 @@ BUILD=$!
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout=${PER_TEST_TIMEOUT:-120}"
 # In three groups, each with a third of the budget: a group stopped at its budget can lose its
 # summary, and then only that group's.
-(for group in "tests/test_cuda_kernels.py tests/test_input_batch.py" \
-    "tests/test_cuda_graph.py tests/test_memory.py" \
-    "tests/test_triton_fused_moe.py tests/test_triton_attention.py"; do
+(for group in "tests/test_cuda_kernels.py tests/test_input_batch.py tests/test_memory.py" \
+    tests/test_cuda_graph.py "tests/test_triton_fused_moe.py tests/test_triton_attention.py"; do
   timeout -s INT $(( ${TEST_TIMEOUT:-120} / 3 )) $PYTEST -m gpu $group
 done) >"$OUT/gpu_tests.log" 2>&1 &
 GPU_TESTS=$!
