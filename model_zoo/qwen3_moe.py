@@ -16,16 +16,20 @@ from omniserve.layers.weight_utils import WeightRoute
 class Qwen3MoeSparseMoeBlock(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedMoE(
-            config.num_experts, config.hidden_size, config.moe_intermediate_size
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.hidden_size,
+            config.moe_intermediate_size,
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(hidden_states)  # [num_tokens, num_experts]
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.norm_topk_prob)
+        topk_weights, topk_ids = select_experts(
+            router_logits, self.experts.top_k, self.norm_topk_prob
+        )
         return self.experts(hidden_states, topk_weights, topk_ids)
 
 

@@ -51,11 +51,13 @@ class TalkerSparseMoeBlock(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedMoE(
-            config.num_experts, config.hidden_size, config.moe_intermediate_size
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.hidden_size,
+            config.moe_intermediate_size,
         )
         self.shared_expert = DecoderMLP(config, config.shared_expert_intermediate_size)
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False)
@@ -63,7 +65,7 @@ class TalkerSparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(hidden_states)
         topk_weights, topk_ids = select_experts(
-            self.gate(hidden_states), self.top_k, self.norm_topk_prob
+            self.gate(hidden_states), self.experts.top_k, self.norm_topk_prob
         )
         out = self.experts(hidden_states, topk_weights, topk_ids)
         return out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared

@@ -136,7 +136,7 @@ def _moe_case(tokens, dtype, experts=8, top_k=2, hidden=128, inter=96, seed=None
     gen = torch.Generator().manual_seed(tokens if seed is None else seed)
     x = torch.randn(tokens, hidden, generator=gen)
     with torch.device("meta"):
-        layer = FusedMoE(experts, hidden, inter)
+        layer = FusedMoE(experts, top_k, hidden, inter)
     layer.gate_up_proj = torch.nn.Parameter(
         torch.randn(experts, 2 * inter, hidden, generator=gen, dtype=dtype) * 0.05
     )
@@ -176,7 +176,7 @@ def flagship_moe() -> FusedMoE:
     takes ~10 s; the shapes, not the values, are what this checks)."""
     gen = torch.Generator().manual_seed(0)
     with torch.device("meta"):
-        layer = FusedMoE(128, 2048, 768)
+        layer = FusedMoE(128, 8, 2048, 768)
     block = (torch.randn(128, 2 * 768, 256, generator=gen) * 0.05).bfloat16()
     layer.gate_up_proj = torch.nn.Parameter(block.repeat(1, 1, 8))
     down = (torch.randn(128, 2048, 96, generator=gen) * 0.05).bfloat16()
@@ -235,10 +235,10 @@ def test_moe_bad_expert_id_is_a_clear_error(dtype: torch.dtype) -> None:
 
 
 def test_moe_shapes_off_the_kernel_stay_on_torch() -> None:
-    assert not CpuMoE.supports(FusedMoE(8, 100, 64))  # H not a multiple of 32
-    assert not CpuMoE.supports(FusedMoE(8, 128, 48))  # I not a multiple of 32
-    assert not CpuMoE.supports(FusedMoE(8, 128, 64).double())
-    layer = FusedMoE(8, 100, 64)
+    assert not CpuMoE.supports(FusedMoE(8, 2, 100, 64))  # H not a multiple of 32
+    assert not CpuMoE.supports(FusedMoE(8, 2, 128, 48))  # I not a multiple of 32
+    assert not CpuMoE.supports(FusedMoE(8, 2, 128, 64).double())
+    layer = FusedMoE(8, 2, 100, 64)
     assert apply_cpu_backend(layer).placements == {"MoE: torch": 1} and layer.kernel is None
 
 
@@ -309,7 +309,7 @@ def test_qk_norm_rope_kernel_matches_the_torch_ops(with_norm, rotary_fraction, d
 
 
 def test_backend_places_each_layer_kind_and_can_be_turned_off(monkeypatch) -> None:
-    model = torch.nn.ModuleList([ReplicatedLinear(64, 32), FusedMoE(4, 64, 32), QKRotary(),
+    model = torch.nn.ModuleList([ReplicatedLinear(64, 32), FusedMoE(4, 2, 64, 32), QKRotary(),
                                  Attention(4, 16, 0.25, num_kv_heads=2)])  # fmt: skip
     monkeypatch.setenv("OMNISERVE_CPU_KERNELS", "torch")
     report = apply_cpu_backend(model)

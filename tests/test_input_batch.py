@@ -1,5 +1,6 @@
 """A step's host arrays reach the device in one copy: packed back to back into one buffer, each
-piece 8-byte aligned so it can be viewed in its own dtype and shape (checked here on CPU with a
+piece 16-byte aligned so it can be viewed in its own dtype and shape, and Triton's kernels see the
+same pointer alignment whatever the step's array lengths (checked here on CPU with a
 plain buffer, and through pinned memory on a GPU when one is present)."""
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ def test_pack_and_unpack_round_trip() -> None:
     check_same(tensors, arrays)
     buffer = torch.full((packed_size(tensors),), 255, dtype=torch.uint8)
     offsets = pack(tensors, buffer)
-    assert all(offset % 8 == 0 for offset in offsets)
-    check_same(unpack(buffer, tensors, offsets), arrays)
+    assert all(offset % 16 == 0 for offset in offsets)
+    views = unpack(buffer, tensors, offsets)
+    check_same(views, arrays)
+    assert all((view.data_ptr() - buffer.data_ptr()) % 16 == 0 for view in views)
 
 
 @pytest.mark.gpu
@@ -48,4 +51,5 @@ def test_upload_through_pinned_memory() -> None:
     arrays = step_arrays()
     got = upload(torch.device("cuda"), arrays)
     assert all(t.is_cuda for t in got)
+    assert all(t.data_ptr() % 16 == 0 for t in got)
     check_same(got, arrays)

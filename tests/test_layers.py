@@ -245,7 +245,7 @@ def test_moe_tensor_parallel_shards_sum(monkeypatch: pytest.MonkeyPatch) -> None
     total = torch.zeros_like(x)
     for rank in range(2):
         as_rank(monkeypatch, rank, 2, fused_moe)
-        experts = FusedMoE(6, 16, 12)
+        experts = FusedMoE(6, 2, 16, 12)
         for name, tensor in _per_expert_keys(hf):
             param_name, args = FusedMoE.route_expert_weight(name)
             param = getattr(experts, param_name.rsplit(".", 1)[1])

@@ -64,10 +64,12 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-# The block table's row stride is its width, the step's longest request in blocks: left
-# unspecialized, so steps of every length share one compiled kernel (Triton would otherwise
-# compile one each for widths of 1, multiples of 16 and the rest, on first use, while serving).
-@triton.jit(do_not_specialize=["stride_bt"])
+# Triton compiles a kernel once for each class of its integer arguments (1, multiples of 16, the
+# rest) and of its pointers' alignment. The integers that change from step to step (the block
+# table's width, the step's longest request in blocks, and the split count, set by the batch) are
+# left unspecialized, and the step's arrays arrive 16-byte aligned (``input_batch.upload``), so
+# the start-up warm-up compiles every variant a step can launch and none compiles while serving.
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
     tile_req_ptr, tile_first_ptr, query_start_ptr, seq_lens_ptr, block_table_ptr,
@@ -147,7 +149,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
                  mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(  # type: ignore[no-untyped-def]
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, tile_req_ptr, tile_first_ptr,
     query_start_ptr, stride_ot, stride_oh, num_kv_heads, head_size, num_splits,

@@ -107,10 +107,13 @@ class FusedMoE(nn.Module):
         r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
     )
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int
+    ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.num_experts = num_experts
+        self.top_k = top_k
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size)
@@ -155,6 +158,13 @@ class FusedMoE(nn.Module):
         if proj != "down_proj":
             target = target.narrow(0, 0 if proj == "gate_proj" else local, local)
         copy_weight(target, loaded, shard_dim, self.tp_rank * local)
+
+    def warm_up(self) -> None:
+        """Compile the Triton kernel's variants before serving, where it is the one that runs."""
+        if self.kernel is None and self.gate_up_proj.is_cuda:
+            from omniserve.layers.triton_fused_moe import warm_up
+
+            warm_up(self.gate_up_proj, self.down_proj, self.top_k)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

@@ -74,7 +74,9 @@ def align_pairs_by_expert(
     return ExpertAlignment(sorted_pair_ids, block_expert_ids.to(torch.int32))
 
 
-@triton.jit
+# The pair count changes with every step's token count: unspecialized, so that Triton compiles
+# the kernel once per block shape (see ``warm_up``), not per class of the count, while serving.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(  # type: ignore[no-untyped-def]
     a_ptr,  # [rows, K]: tokens (gate_up pass) or pairs (down pass)
     w_ptr,  # [E, N or 2N, K]: stacked expert weights, out = a @ w[e].T
@@ -149,10 +151,14 @@ def _block_size(dim: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(dim)))
 
 
+_BLOCK_MS = (16, 32, 64)
+"""The pair-block heights ``_block_m`` picks from: each is a compiled variant of the kernel."""
+
+
 def _block_m(num_pairs: int, num_experts: int) -> int:
     """Small blocks when experts see few pairs (decode), to waste little padding."""
     pairs_per_expert = num_pairs / num_experts
-    return 16 if pairs_per_expert <= 16 else 32 if pairs_per_expert <= 32 else 64
+    return next((m for m in _BLOCK_MS[:-1] if pairs_per_expert <= m), _BLOCK_MS[-1])
 
 
 def _grouped_gemm(
@@ -212,6 +218,30 @@ def triton_fused_experts(
 
     x ``[N, H]``; gate_up_proj ``[E, 2I, H]``; down_proj ``[E, H, I]``; topk_* ``[N, top_k]``.
     """
+    num_pairs = topk_ids.numel()
+    block_m = _block_m(num_pairs, gate_up_proj.shape[0]) if num_pairs else _BLOCK_MS[0]
+    return _fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, block_m)
+
+
+def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int) -> None:
+    """Compile the kernel for every block height ``_block_m`` can pick, about a second each, at
+    start-up rather than in the first step whose token count needs it: one token per height."""
+    device, dtype = gate_up_proj.device, gate_up_proj.dtype
+    x = torch.zeros(1, gate_up_proj.shape[2], dtype=dtype, device=device)
+    topk_ids = torch.arange(top_k, device=device).unsqueeze(0) % gate_up_proj.shape[0]
+    topk_weights = torch.full((1, top_k), 1 / top_k, dtype=dtype, device=device)
+    for block_m in _BLOCK_MS:
+        _fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, block_m)
+
+
+def _fused_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    block_m: int,
+) -> torch.Tensor:
     if gate_up_proj.dtype != x.dtype or down_proj.dtype != x.dtype:
         raise ValueError(
             f"dtype mismatch: x {x.dtype}, gate_up_proj {gate_up_proj.dtype}, "
@@ -223,7 +253,6 @@ def triton_fused_experts(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    block_m = _block_m(num_pairs, num_experts)
     alignment = align_pairs_by_expert(topk_ids, num_experts, block_m)
     pair_weights = topk_weights.reshape(num_pairs).contiguous()  # [P]
 

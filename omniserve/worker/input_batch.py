@@ -33,13 +33,19 @@ def upload(device: torch.device, arrays: Sequence[np.ndarray | torch.Tensor]) ->
     return unpack(staging.to(device, non_blocking=True), tensors, offsets)
 
 
+_PACK_ALIGN = 16
+"""Byte alignment of every packed piece: enough to view it in any dtype, and what Triton
+specializes a pointer argument on, so kernels fed these views compile once, not once for each
+mix of aligned and unaligned pointers that a step's array lengths happen to make."""
+
+
 def _aligned_nbytes(tensor: torch.Tensor) -> int:
-    """Bytes of ``tensor`` rounded up to 8, so every packed piece can be viewed in its dtype."""
-    return -(-tensor.numel() * tensor.element_size() // 8) * 8
+    """Bytes of ``tensor`` rounded up to ``_PACK_ALIGN``."""
+    return -(-tensor.numel() * tensor.element_size() // _PACK_ALIGN) * _PACK_ALIGN
 
 
 def packed_size(tensors: Sequence[torch.Tensor]) -> int:
-    return max(sum(_aligned_nbytes(t) for t in tensors), 8)
+    return max(sum(_aligned_nbytes(t) for t in tensors), _PACK_ALIGN)
 
 
 def pack(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> list[int]:

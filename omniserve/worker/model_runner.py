@@ -22,6 +22,7 @@ from omniserve.attention.metadata import AttentionMetadata
 from omniserve.config import CacheConfig, SchedulerConfig, blocks_for
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.forward_context import set_forward_context
+from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.sampler import (
     Sampler,
     SamplingMetadata,
@@ -118,31 +119,47 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_kernels(self) -> bool:
-        """Compile the JIT (Triton) kernels before serving, so the first requests do not wait
-        for the compiler (about a second per kernel): one eager step of a 16-token prefill chunk
-        and a decode, whose rows write no cache slot. Only backends that take such padding rows
-        (those that replay in graphs) are warmed; returns whether this one was."""
+        """Compile the JIT (Triton) kernels before serving, so that no request waits for the
+        compiler (about a second per variant): the MoE layers' block heights, then eager steps
+        whose rows write no cache slot: a 16-token prefill chunk with one decode (the split
+        decode kernel), and on CUDA a full batch of decodes (the unsplit one, where a batch
+        that large fills the GPU). Attention is warmed only on backends that take such padding
+        rows (those that replay in graphs). Returns whether anything was warmed."""
+        moe = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        for layer in moe:
+            layer.warm_up()
         if not all(layer.backend.supports_cuda_graphs
                    for layer in get_attention_layers(self.model)):  # fmt: skip
-            return False
-        prefill = 16
-        query_lens, seq_lens = [prefill, 1], [prefill, 1]
+            return bool(moe) and self.device.type == "cuda"
+        self._padding_step([16, 1])
+        if self.device.type == "cuda" and self.max_num_seqs > 1:
+            self._padding_step([1] * self.max_num_seqs)
+        return True
+
+    def _padding_step(self, query_lens: list[int]) -> None:
+        """One eager forward of new requests with these query lengths whose rows write no cache
+        slot (each row's keys are its own)."""
         dev = self.device
+        num_tokens = sum(query_lens)
         metadata = AttentionMetadata(
-            query_start_loc=torch.tensor([0, prefill, prefill + 1], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(
+                np.cumsum([0, *query_lens]), dtype=torch.int32, device=dev
+            ),
+            seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=dev),
             block_table=torch.zeros(
-                2, blocks_for(prefill, self.block_size), dtype=torch.int32, device=dev
-            ),  # fmt: skip
-            slot_mapping=torch.full((prefill + 1,), PAD_SLOT, dtype=torch.long, device=dev),
+                len(query_lens),
+                blocks_for(max(query_lens), self.block_size),
+                dtype=torch.int32,
+                device=dev,
+            ),
+            slot_mapping=torch.full((num_tokens,), PAD_SLOT, dtype=torch.long, device=dev),
             query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
+            seq_lens_cpu=query_lens,
         )
-        positions = torch.tensor([*range(prefill), 0], device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in query_lens])
         positions = positions.expand(3, -1) if self.uses_mrope else positions
         with set_forward_context(metadata):
-            self.model(torch.zeros(prefill + 1, dtype=torch.long, device=dev), positions)
-        return True
+            self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions)
 
     @torch.inference_mode()
     def capture_decode_graphs(self) -> list[int]:

@@ -257,7 +257,7 @@ class Worker:
         self.num_kv_blocks = num_blocks
         start = time.perf_counter()
         if self.model_runner.warm_up_kernels():
-            logger.info("Compiled the attention kernels in %.1f s", time.perf_counter() - start)
+            logger.info("Compiled the JIT kernels in %.1f s", time.perf_counter() - start)
         if not self.config.model_config.enforce_eager:
             start = time.perf_counter()
             self.graph_sizes = self.model_runner.capture_decode_graphs()
