@@ -167,7 +167,7 @@ def test_memory_profile_on_gpu(monkeypatch) -> None:
     monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")  # this process holds the engine
     model_dir = str(build_tiny_checkpoint("Qwen2_5OmniThinkerForConditionalGeneration"))
     utilization, total = 0.05, torch.cuda.mem_get_info()[1]
-    llm = LLM(model_dir, device="cuda", dtype="bfloat16", max_model_len=4096,
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", max_model_len=2048,
               gpu_memory_utilization=utilization)  # fmt: skip
     info = llm.llm_engine.engine_core.call_utility("get_model_info")
     assert 0 < info["kv_cache_bytes"] < utilization * total - info["weight_bytes"]
