@@ -112,9 +112,14 @@ def _call_hf(hf: Any, text: str, images=(), videos=(), audio=(), slots=None, **k
 
 def _assert_audio_matches(arch: str, clips: list[dict[str, torch.Tensor]], ref: Any) -> None:
     """Our clips (HF's audio-slot order) against HF's batched ``input_features``."""
-    if arch == QWEN2_5:  # every clip padded to the 30 s window: the batch is our concatenation
-        for key in ("input_features", "feature_attention_mask"):
-            assert torch.equal(torch.cat([clip[key] for clip in clips]), ref[key]), key
+    if arch == QWEN2_5:  # HF pads every clip to the window; ours are its valid frames alone
+        for clip, features, mask in zip(clips, ref["input_features"], ref["feature_attention_mask"],
+                                        strict=True):  # fmt: skip
+            length = int(mask.sum())
+            assert bool(mask[:length].all()) and clip["feature_attention_mask"].shape == (1, length)
+            assert clip["feature_attention_mask"].dtype == mask.dtype
+            assert bool(clip["feature_attention_mask"].all())
+            assert torch.equal(clip["input_features"][0], features[:, :length])
         return
     lengths = ref["feature_attention_mask"].sum(-1).tolist()
     for clip, features, length in zip(clips, ref["input_features"], lengths, strict=True):
@@ -209,6 +214,20 @@ def test_audio_lengths_match_hf_from_0_1_to_60_s(make_processor, hf_processor, a
         assert ours.mm_position.length == hf_count == int(lengths(frames)), seconds
     # Qwen2.5-Omni truncates at 30 s, Qwen3-Omni keeps every window (13 tokens per second).
     assert hf_count == (750 if arch == QWEN2_5 else 780)
+
+
+def test_qwen2_5_clips_keep_the_padded_calls_frames_bit_for_bit(make_processor,
+                                                               hf_processor) -> None:  # fmt: skip
+    """Qwen2.5-Omni featurizes a clip without the window's padding: from a clip of a few
+    frames (padded to a second) to one just under the window, and one truncated by it, the
+    frames are HF's padded call's, with its mask's count."""
+    processor, hf = make_processor(QWEN2_5), hf_processor(QWEN2_5)
+    text = _prompt(hf, ["audio"])
+    window = hf.feature_extractor.n_samples
+    for i, size in enumerate((401, 1234, 8013, 16_000, 7 * 16_000 + 99, window - 10, window + 999)):
+        clip = _audio(10 + i, size)
+        ours = processor.apply(text, {"audio": (clip, 16_000)})
+        assert_matches_hf(QWEN2_5, ours, _call_hf(hf, text, audio=[clip]))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
