@@ -75,10 +75,7 @@ def kernel_pairs(dtype_name: str, device: str, seed: int = 0) -> Pairs:
         q_norm, k_norm = (norm(size), norm(size)) if with_norm else (None, None)
         want_q, want_k = rotate_qk(q.clone(), k.clone(), cos, sin, q_norm, k_norm)
         v_before = v.clone()
-        got_q, got_k = kernels.qk_norm_rope(
-            q, k, cos, sin, q_norm.weight if q_norm else None, k_norm.weight if k_norm else None,
-            1e-6,
-        )  # fmt: skip
+        got_q, got_k = kernels.qk_norm_rope(q, k, cos, sin, q_norm, k_norm)
         name = f"rope {heads}/{kv_heads}x{size} rotary {rotary}{' norm' if with_norm else ''}"
         pairs[name + " q"] = (got_q, want_q)
         pairs[name + " k"] = (got_k, want_k)

@@ -37,21 +37,6 @@ class TritonRMSNorm:
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
-def triton_qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_norm: RMSNorm | None,
-    k_norm: RMSNorm | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``QKRotary``'s kernel: both norms (when the layer has them) and the rotation, in place."""
-    if q_norm is None or k_norm is None:
-        return kernels.qk_norm_rope(q, k, cos, sin, None, None, 0.0)
-    return kernels.qk_norm_rope(q, k, cos, sin, q_norm.weight, k_norm.weight,
-                                q_norm.variance_epsilon)  # fmt: skip
-
-
 def apply_cuda_backend(model: nn.Module, dtype: torch.dtype) -> KernelPlacement:
     """Give the elementwise layers of a loaded ``dtype`` model their Triton kernels (none in
     fp32)."""
@@ -66,7 +51,7 @@ def apply_cuda_backend(model: nn.Module, dtype: torch.dtype) -> KernelPlacement:
             module.kernel, module.add_kernel = kernel, kernel.add
             kind = "RMSNorm (+ residual add): Triton"
         elif isinstance(module, QKRotary):
-            module.kernel = triton_qk_norm_rope
+            module.kernel = kernels.qk_norm_rope
             kind = "q/k norm + RoPE: Triton"
         elif isinstance(module, SiluAndMul):
             module.kernel = kernels.silu_and_mul

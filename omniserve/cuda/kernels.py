@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omniserve.layers.layernorm import RMSNorm
+
 _SILU_BLOCK = 1024
 """Columns of one SiLU-and-mul program."""
 
@@ -148,23 +150,25 @@ def qk_norm_rope(
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    eps: float,
+    q_norm: RMSNorm | None,
+    k_norm: RMSNorm | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``[tokens, heads, head_size]`` and k ``[tokens, kv_heads, head_size]`` (views of a fresh
-    QKV projection) normalised per head when weights are given, then rotated by ``cos``/``sin``
+    """``QKRotary``'s kernel: q ``[tokens, heads, head_size]`` and k ``[tokens, kv_heads,
+    head_size]`` (views of a fresh QKV projection) normalised per head by the layer's norms when
+    it has them (with q's epsilon: both take the config's), then rotated by ``cos``/``sin``
     ``[tokens, rotary_dim]``; written in place and returned."""
     num_tokens, num_q_heads, head_size = q.shape
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("qk_norm_rope needs a unit stride over each head's features.")
     cos, sin = _rows(cos), _rows(sin)
-    has_norm = q_weight is not None and k_weight is not None
+    norms = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
+    q_weight, k_weight = (norms[0].weight, norms[1].weight) if norms else (q, k)
     if num_tokens:
         _qk_norm_rope_kernel[(num_tokens, num_q_heads + k.shape[1])](
-            q, k, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k,
+            q, k, cos, sin, q_weight, k_weight,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-            num_q_heads, head_size, cos.shape[1] // 2, eps,
-            HAS_NORM=has_norm, HEAD_PAD=triton.next_power_of_2(head_size),
+            num_q_heads, head_size, cos.shape[1] // 2,
+            norms[0].variance_epsilon if norms else 0.0,
+            HAS_NORM=norms is not None, HEAD_PAD=triton.next_power_of_2(head_size),
         )  # fmt: skip
     return q, k
