@@ -36,14 +36,16 @@ for name in '$MODELS'.split(','):
     print(name, build_realsize_checkpoint(name), flush=True)" >"$OUT/build.log" 2>&1 &
 BUILD=$!
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout=${PER_TEST_TIMEOUT:-120}"
-# In groups (';'-separated in TEST_GROUPS), each with an equal share of the budget: a group
-# stopped at its budget can lose its summary, and then only that group's.
+# In groups (';'-separated in TEST_GROUPS), each with an equal share of what the groups before
+# it left of the budget: a group stopped at its budget can lose its summary, and then only that
+# group's.
 TEST_GROUPS=${TEST_GROUPS:-"tests/test_cuda_kernels.py tests/test_input_batch.py \
 tests/test_memory.py tests/test_kernel_compiles.py;tests/test_cuda_graph.py;\
 tests/test_triton_fused_moe.py tests/test_triton_attention.py"}
 IFS=';' read -ra GROUPS_ <<<"$TEST_GROUPS"
-(for group in "${GROUPS_[@]}"; do
-  timeout -s INT $(( ${TEST_TIMEOUT:-120} / ${#GROUPS_[@]} )) $PYTEST -m gpu $group
+(deadline=$(( SECONDS + ${TEST_TIMEOUT:-120} ))
+for i in "${!GROUPS_[@]}"; do
+  timeout -s INT $(( (deadline - SECONDS) / (${#GROUPS_[@]} - i) )) $PYTEST -m gpu ${GROUPS_[$i]}
 done) >"$OUT/gpu_tests.log" 2>&1 &
 GPU_TESTS=$!
 # FIDELITY_TIMEOUT=0 skips the fidelity suites (their transformers references run on the CPUs).
