@@ -218,8 +218,7 @@ def triton_fused_experts(
 
     x ``[N, H]``; gate_up_proj ``[E, 2I, H]``; down_proj ``[E, H, I]``; topk_* ``[N, top_k]``.
     """
-    num_pairs = topk_ids.numel()
-    block_m = _block_m(num_pairs, gate_up_proj.shape[0]) if num_pairs else _BLOCK_MS[0]
+    block_m = _block_m(topk_ids.numel(), gate_up_proj.shape[0])
     return _fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, block_m)
 
 
