@@ -31,9 +31,15 @@ residual branches scaled by 0.1 and its attention logits by 0.09, the regime tra
 in: small branch outputs on a large residual stream; there transformers' bf16 agrees with its
 fp32 on ~80% of prompts) and share one transformers run per family. In the second test the
 served configuration must be at least as close to transformers' bf16 run as that
-  run is to transformers' own fp32 run on the same prompts, with the bars never stricter than
-  90% identical greedy tokens over the first ``NUM_TOKENS`` and a mean |Δlogprob| of the chosen
-  tokens (up to the first difference) of 2e-2. Logits are bf16 in both engines and a logit of
+  run is to transformers' own fp32 run on the same prompts, less one prompt, with the bars never
+  stricter than 90% identical greedy tokens over the first ``NUM_TOKENS`` and a mean |Δlogprob|
+  of the chosen tokens (up to the first difference) of 2e-2. The one prompt of slack: on a Xeon
+  with AMX, where transformers' bf16 GEMMs run on AMX tiles, the served kernels matched its bf16
+  run on 5 and 6 of 8 prompts for the two Qwen2.5 vision families against its own bf16-fp32
+  agreement of 6 and 7, while their mean |Δlogprob| from transformers' fp32 run equalled that of
+  its bf16 run (0.0286 and 0.0279 against 0.0282 and 0.0262, measured); on an EPYC without AMX
+  they agreed on as many prompts. With the model's torch ops the same served batches matched
+  its bf16 run on 8 and 7 of 8. Logits are bf16 in both engines and a logit of
   8-16 is rounded in steps of 0.0625, so rounding alone moves a logprob by ~1e-2; a real bug (a
   wrong rounding point, a dropped bias, a mis-scaled norm) moves logprobs by 0.1-1. What parts
   the runs: batching changes oneDNN's summation order, and the decode-attention kernel, as
@@ -257,7 +263,8 @@ def test_bf16_served_close_to_transformers(family: Family) -> None:
         f"mean |Δlogprob| {mean(deltas):.3g}; transformers' bf16 vs fp32 "
         f"{mean(own_deltas):.3g}\n{detail}"
     )
-    assert share >= min(0.9, own_share), (
+    # One prompt of slack: whether a near-tie parts two bf16 runs follows the CPU's GEMM path.
+    assert share >= min(0.9, own_share) - 1 / len(outputs), (
         f"{share:.0%} identical; transformers' bf16 vs fp32 {own_share:.0%}\n{detail}"
     )
 
