@@ -378,6 +378,11 @@ class SchedulerConfig:
     policy: str = "fcfs"
     """"fcfs": first come, first served; "priority": by each request's priority (lower first),
     then arrival; preemption takes the last in that order (vLLM's policies)."""
+    async_scheduling: bool = False
+    """Schedule and launch each step before the previous one's tokens are back on the host, so
+    the device does not wait for the host between steps (vLLM's --async-scheduling). A request
+    that stops on a stop token computes one token more, discarded; one whose next step reads its
+    output tokens on the host (penalties, bad words, a grammar, min_tokens) waits for them."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -77,6 +77,23 @@ class ModelRunnerOutput:
     """req_id -> logprobs of the prompt positions computed this step (only requests that asked)."""
     speech: dict[str, SpeechStepOutput] = field(default_factory=dict)
     """req_id -> the talker's progress, for talker requests scheduled this step."""
+
+
+class PendingOutput(Protocol):
+    """A launched step's output, read back from the device on ``result()`` (async scheduling
+    launches the next step first)."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+@dataclass
+class ReadyOutput:
+    """A step's output already on the host."""
+
+    output: ModelRunnerOutput
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
 
 
 @dataclass

@@ -249,6 +249,20 @@ class SamplingParams:
         return "audio" in self.output_modalities
 
     @property
+    def reads_output_tokens(self) -> bool:
+        """Whether sampling a token reads the tokens before it on the host (penalties, bad
+        words, a grammar; speech, whose talker follows them): a step of such a request cannot
+        be launched before the previous step's token is back (async scheduling)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.bad_words_token_ids
+            or self.structured_outputs is not None
+            or self.wants_audio
+        )
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 

@@ -3,8 +3,8 @@
 # (the compiled Triton layer kernels, pinned uploads, CUDA-graph replays, the memory profile,
 # fused MoE and attention), the bf16 and fp32 fidelity suites with the engine on CUDA
 # (transformers on CPU as the reference), then the real-size benchmark per model: omniserve with
-# CUDA graphs and transformers' batched generate on the same GPU, with a step profile of each
-# omniserve run. Logs land in $OUT (or ./gpu-checks).
+# CUDA graphs, synchronous and with async scheduling, and transformers' batched generate on the
+# same GPU, with a step profile of each omniserve run. Logs land in $OUT (or ./gpu-checks).
 #
 #   bash scripts/gpu_checks.sh                 # on a machine with CUDA, omniserve installed
 #   WHEELS=.whl bash scripts/gpu_checks.sh     # first install carried wheels (no registry there)
@@ -40,7 +40,8 @@ PYTEST="$PY -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout=${PER_TES
 # it left of the budget: a group stopped at its budget can lose its summary, and then only that
 # group's.
 TEST_GROUPS=${TEST_GROUPS:-"tests/test_cuda_kernels.py tests/test_input_batch.py \
-tests/test_memory.py tests/test_kernel_compiles.py;tests/test_cuda_graph.py;\
+tests/test_memory.py tests/test_kernel_compiles.py tests/test_async_scheduling.py;\
+tests/test_cuda_graph.py;\
 tests/test_triton_fused_moe.py tests/test_triton_attention.py"}
 IFS=';' read -ra GROUPS_ <<<"$TEST_GROUPS"
 (deadline=$(( SECONDS + ${TEST_TIMEOUT:-120} ))
@@ -61,8 +62,8 @@ wait $BUILD; tail -2 "$OUT/build.log"
 # One model at a time, each with its own budget, so a slow first model leaves the second its time.
 for name in ${MODELS//,/ }; do
   timeout -s INT "${BENCH_TIMEOUT:-180}" $PY scripts/bench_realsize.py --models "$name" \
-    --engines "${ENGINES:-omniserve,hf}" \
-    --variants '{"eager": {"enforce_eager": true}, "torch": {"enforce_eager": true, "attention_backend": "torch"}}' \
+    --engines "${ENGINES:-omniserve,omniserve:async,hf}" \
+    --variants '{"async": {"async_scheduling": true}, "eager": {"enforce_eager": true}, "torch": {"enforce_eager": true, "attention_backend": "torch"}}' \
     --workloads "${WORKLOADS:-b1,b32,b128,b1_long,ttft_mm}" --profile-steps ${BENCH_FLAGS:-} \
     --engine-timeout "${ENGINE_TIMEOUT:-100}" --llm-kwargs "$LLM_KWARGS" \
     --out "$OUT/bench-$name.json" 2>&1 | tee "$OUT/bench-$name.log"

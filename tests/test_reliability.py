@@ -132,17 +132,17 @@ def inproc_llm(tiny_checkpoint: Any) -> Any:
 
 def _poison_runner(monkeypatch: pytest.MonkeyPatch, calls: list[int]) -> None:
     """Make every step that holds a poisoned request raise, as a model bug would."""
-    original = ModelRunner.execute_model
+    original = ModelRunner.dispatch
     poisoned: set[str] = set()
 
-    def execute_model(self: ModelRunner, so: SchedulerOutput) -> Any:
+    def dispatch(self: ModelRunner, so: SchedulerOutput) -> Any:
         poisoned.update(r.req_id for r in so.scheduled_new_reqs if r.prompt_token_ids[0] == POISON)
         calls.append(len(so.num_scheduled_tokens))
         if poisoned & set(so.num_scheduled_tokens):
             raise RuntimeError("injected failure")
         return original(self, so)
 
-    monkeypatch.setattr(ModelRunner, "execute_model", execute_model)
+    monkeypatch.setattr(ModelRunner, "dispatch", dispatch)
 
 
 def test_a_failing_request_fails_alone_and_the_engine_lives_on(

@@ -195,12 +195,21 @@ def test_requests_that_cannot_speak_are_refused(tiny_checkpoint, speech_case):
     )
     with pytest.raises(ValueError, match="no talker and vocoder"):
         thinker.generate(prompts[0], _speech_params("ethan"), use_tqdm=False)
-    silent = LLM(
+    with pytest.raises(ValueError, match="--async-scheduling does not support speech output"):
+        LLM(
+            llm.llm_engine.config.model_config.model,
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory=8 << 20,
+            async_scheduling=True,
+        )
+    silent = LLM(  # without its talker, the thinker runs under async scheduling
         llm.llm_engine.config.model_config.model,
         dtype="float32",
         max_model_len=512,
         kv_cache_memory=8 << 20,
         disable_audio_output=True,
+        async_scheduling=True,
     )
     with pytest.raises(ValueError, match="--disable-audio-output"):
         silent.generate(prompts[0], _speech_params("ethan"), use_tqdm=False)

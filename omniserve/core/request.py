@@ -58,6 +58,9 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
+    """Tokens sampled by scheduled steps whose output has not come back yet: scheduling counts
+    them as known (async scheduling schedules a request's next token before the last is back)."""
     num_cached_tokens: int = -1
     """Prompt tokens served from the prefix cache at first schedule (-1: not scheduled yet)."""
     num_preemptions: int = 0

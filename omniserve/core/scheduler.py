@@ -31,6 +31,7 @@ from omniserve.core.stop_conditions import (
     TextStop,
     append_and_check_stop,
     check_text_stop,
+    waits_for_tokens_in_flight,
 )
 from omniserve.core.talker_scheduler import TalkerScheduler
 from omniserve.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, ModelRunnerOutput
@@ -111,6 +112,10 @@ class Scheduler:
         # Finished or aborted since the last schedule(); workers drop their state for these.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.blocked_by_steps_in_flight = False
+        """The last ``schedule()`` left a request out because making room for it would preempt
+        a request whose step is still running: schedule again once the steps in flight are back
+        (async scheduling)."""
         # Multimodal items that needed an encoder output (first time per admission), and those
         # served from the encoder cache or shared with another item encoded in the same step.
         self.encoder_cache_queries = 0
@@ -224,29 +229,36 @@ class Scheduler:
         # req_id -> record, in scheduling order (running first, then admitted)
         scheduled: dict[str, _ScheduledRequest] = {}
         preempted: list[Request] = []
+        self.blocked_by_steps_in_flight = False
         config = self.scheduler_config
         budget = _StepBudget(config.max_num_batched_tokens, config.max_num_encoder_input_tokens)
         if config.policy == "priority":  # the back of `running` is what preemption takes
             self.running.sort(key=_priority_key)
         if self._isolate_suspect(preempted):
+            if self.blocked_by_steps_in_flight:
+                return self._make_output(scheduled, preempted)
             self._schedule_running(scheduled, preempted, budget)
             if not self.running:
                 self._schedule_waiting(scheduled, budget, max_num_seqs=1)
         else:
             self._schedule_running(scheduled, preempted, budget)
-            if not preempted:
+            if not preempted and not self.blocked_by_steps_in_flight:
                 self._schedule_waiting(scheduled, budget)
         output = self._make_output(scheduled, preempted)
-        # Optimistic: the step will compute these tokens (vLLM's _update_after_schedule). The
-        # talker runs after the thinker in the same step, so it may read what they produce.
+        # Optimistic: the step will compute these tokens (vLLM's _update_after_schedule), and
+        # one that reaches the end of the known tokens samples one more. The talker runs after
+        # the thinker in the same step, so it may read what they produce.
         for record in scheduled.values():
-            record.request.num_computed_tokens += record.num_new_tokens
+            request = record.request
+            request.num_computed_tokens += record.num_new_tokens
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
         if self.talker is not None:
             output.talker = self.talker.schedule()
         return output
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
-        num_new_tokens = request.num_tokens - num_computed_tokens
+        num_new_tokens = request.num_tokens + request.num_output_placeholders - num_computed_tokens
         threshold = self.scheduler_config.long_prefill_token_threshold
         if self.scheduler_config.enable_chunked_prefill and 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -281,6 +293,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget.num_tokens > 0:
             request = self.running[index]
+            if waits_for_tokens_in_flight(request, self.max_model_len):
+                index += 1
+                continue
             num_new_tokens = self._num_new_tokens(
                 request, request.num_computed_tokens, budget.num_tokens
             )
@@ -294,6 +309,10 @@ class Scheduler:
             ) is None:
                 # NOTE: victims come from the back, past this cursor, so none was scheduled yet
                 # this step: there are no tokens or blocks of this step to give back.
+                if self.running[-1].num_output_placeholders:
+                    # Its step is still running: it is preempted, if still needed, once back.
+                    self.blocked_by_steps_in_flight = True
+                    return
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -346,6 +365,9 @@ class Scheduler:
         )
         if suspect is None:
             return False
+        if any(r.num_output_placeholders for r in self.running if r is not suspect):
+            self.blocked_by_steps_in_flight = True
+            return True
         for request in [r for r in self.running if r is not suspect]:
             self.running.remove(request)
             self._preempt(request)
@@ -467,6 +489,7 @@ class Scheduler:
             free_consumed_encoder_inputs(request, self.encoder_cache_manager)
             index = req_id_to_index.get(req_id)
             sampled = runner.sampled_token_ids[index] if index is not None else []
+            request.num_output_placeholders -= len(sampled)
             new_token_ids = append_and_check_stop(request, sampled, self.max_model_len)
             if self.make_text_stop is not None:
                 check_text_stop(request, new_token_ids, self.make_text_stop)
@@ -498,25 +521,34 @@ class Scheduler:
 
     # ---- a step that raised ----
 
-    def fail_step(self, scheduler_output: SchedulerOutput) -> EngineCoreOutputs:
-        """Undo a step whose execution raised, and pin the failure on the request that caused it.
+    def fail_step(self, scheduler_outputs: list[SchedulerOutput]) -> EngineCoreOutputs:
+        """Undo steps whose execution raised (with async scheduling, the one that raised and
+        those launched after it, which build on it), and pin the failure on the request that
+        caused it.
 
-        A request alone in the step is the cause: it finishes with an error. Several requests all
-        go back to waiting (recompute) as suspects and then run one at a time until each has
+        A request alone in the steps is the cause: it finishes with an error. Several requests
+        all go back to waiting (recompute) as suspects and then run one at a time until each has
         sampled a token (``_isolate_suspect``), so a repeat failure has a single cause and no
-        innocent request fails. Encoder-cache entries the step was to fill are dropped: the
-        workers may not hold them.
+        innocent request fails. Encoder-cache entries the steps were to fill are dropped: the
+        workers may not hold them. No other step may be in flight.
         """
-        requests = [
-            self.requests[req_id]
-            for req_id in scheduler_output.num_scheduled_tokens
-            if req_id in self.requests
-        ]
+        requests = list(
+            {
+                req_id: self.requests[req_id]
+                for so in scheduler_outputs
+                for req_id in so.num_scheduled_tokens
+                if req_id in self.requests
+            }.values()
+        )
+        for so in scheduler_outputs:
+            for req_id, num_tokens in so.num_scheduled_tokens.items():
+                if req_id in self.requests:
+                    # The optimistic advance did not happen: that KV was never (all) written.
+                    self.requests[req_id].num_computed_tokens -= num_tokens
         for request in requests:
-            # The optimistic advance did not happen: those tokens' KV was never (all) written.
-            request.num_computed_tokens -= scheduler_output.num_scheduled_tokens[request.request_id]
+            request.num_output_placeholders = 0
         outputs: list[EngineCoreOutput] = []
-        if len(scheduler_output.num_scheduled_tokens) == 1:
+        if len({r for so in scheduler_outputs for r in so.num_scheduled_tokens}) == 1:
             for request in requests:
                 self.running.remove(request)
                 request.status = RequestStatus.FINISHED_ERROR
@@ -534,24 +566,27 @@ class Scheduler:
                 self.running.remove(request)
                 self._preempt(request)
                 request.suspect = True
-        if scheduler_output.talker is not None and self.talker is not None:
-            # A talker's state in the workers may be half-advanced: its request ends in error.
-            for req_id in scheduler_output.talker.num_scheduled_tokens:
-                reported = any(o.request_id == req_id for o in outputs)
-                if req_id in self.talker.requests:
-                    self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
-                    if not reported:
-                        outputs.append(
-                            EngineCoreOutput(
-                                request_id=req_id,
-                                new_token_ids=[],
-                                finish_reason=FinishReason.ERROR,
+        for so in scheduler_outputs:
+            if so.talker is not None and self.talker is not None:
+                # A talker's state in the workers may be half-advanced: its request ends in
+                # error.
+                for req_id in so.talker.num_scheduled_tokens:
+                    reported = any(o.request_id == req_id for o in outputs)
+                    if req_id in self.talker.requests:
+                        self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
+                        if not reported:
+                            outputs.append(
+                                EngineCoreOutput(
+                                    request_id=req_id,
+                                    new_token_ids=[],
+                                    finish_reason=FinishReason.ERROR,
+                                )
                             )
-                        )
         by_id = {request.request_id: request for request in requests}
         self.encoder_cache_manager.discard(
             by_id[req_id].mm_features[i].identifier
-            for req_id, items in scheduler_output.scheduled_encoder_inputs.items()
+            for so in scheduler_outputs
+            for req_id, items in so.scheduled_encoder_inputs.items()
             if req_id in by_id
             for i in items
         )

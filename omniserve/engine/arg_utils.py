@@ -82,6 +82,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    async_scheduling: bool = False
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
     tensor_parallel_size: int = 1
@@ -138,6 +139,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
+                async_scheduling=self.async_scheduling,
                 # Default: as large as the step's token budget, and never below 8192 embeddings.
                 max_num_encoder_input_tokens=self.max_num_encoder_input_tokens
                 or max(8192, batched),
@@ -270,6 +272,12 @@ class EngineArgs:
             action=argparse.BooleanOptionalAction,
             default=True,
             help="Split long prompts across steps.",
+        )
+        add(
+            "--async-scheduling",
+            action="store_true",
+            help="Schedule and launch the next step while the device runs this one, so it "
+            "never waits for the host between steps (one worker: the 'uni' executor).",
         )
         add(
             "--long-prefill-token-threshold",

@@ -16,7 +16,7 @@ import torch
 
 from omniserve import envs
 from omniserve.config import OmniConfig
-from omniserve.engine.core import EngineCoreProc
+from omniserve.engine.core_proc import EngineCoreProc
 from omniserve.engine.data_parallel import engine_env
 from omniserve.engine.exceptions import EngineStartupError
 from omniserve.process_utils import spawn_context, spawning

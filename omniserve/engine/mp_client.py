@@ -37,14 +37,14 @@ import zmq
 import zmq.asyncio
 
 from omniserve.config import OmniConfig
-from omniserve.engine.core import (
+from omniserve.engine.core_client import EngineCoreClient
+from omniserve.engine.core_launcher import engine_envs, launch_engine, wait_until_ready
+from omniserve.engine.core_proc import (
     EngineCoreOutputType,
     EngineCoreRequestType,
     UtilityOutput,
     UtilityRequest,
 )
-from omniserve.engine.core_client import EngineCoreClient
-from omniserve.engine.core_launcher import engine_envs, launch_engine, wait_until_ready
 from omniserve.engine.data_parallel import LoadBalancer, combine_results
 from omniserve.engine.exceptions import EngineDeadError
 from omniserve.engine.serial_utils import MsgpackDecoder, MsgpackEncoder

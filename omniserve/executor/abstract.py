@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from omniserve.config import OmniConfig
 from omniserve.core.sched_output import SchedulerOutput
-from omniserve.messages import ModelRunnerOutput
+from omniserve.messages import ModelRunnerOutput, PendingOutput, ReadyOutput
 
 
 class Executor(ABC):
+    supports_async_scheduling: ClassVar[bool] = False
+    """``dispatch_model`` returns before the step's output is back (the engine core can then
+    schedule the next step meanwhile)."""
+
     def __init__(self, config: OmniConfig) -> None:
         self.config = config
-        # One thread, so non-blocking steps reach the workers in submission order.
         self._failure_callback: Callable[[BaseException], None] | None = None
 
     @staticmethod
@@ -104,6 +107,10 @@ class Executor(ABC):
         """Run one step on the workers."""
         # Every rank computes the same sampled tokens; rank 0's answer is the one used.
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
+
+    def dispatch_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Launch one step; its output comes from the result's ``result()``."""
+        return ReadyOutput(self.execute_model(scheduler_output))
 
     @abstractmethod
     def shutdown(self) -> None:

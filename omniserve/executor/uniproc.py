@@ -5,17 +5,24 @@ from __future__ import annotations
 from typing import Any
 
 from omniserve.config import OmniConfig
+from omniserve.core.sched_output import SchedulerOutput
 from omniserve.executor.abstract import Executor
+from omniserve.messages import PendingOutput
 from omniserve.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
+    supports_async_scheduling = True
+
     def __init__(self, config: OmniConfig) -> None:
         super().__init__(config)
         self.worker = Worker(config, rank=0)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
+
+    def dispatch_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        return self.worker.dispatch_model(scheduler_output)
 
     def shutdown(self) -> None:
         """Nothing to release: the worker lives and dies with this process."""

@@ -69,6 +69,26 @@ def unpack(
     ]
 
 
+class TokenReadback:
+    """Sampled token ids on their way to the host. On CUDA: a copy into pinned memory that does
+    not synchronize the stream, so the next step can be launched behind it, and ``tolist()``
+    waits for that copy alone."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        self._host = tokens
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def tolist(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
 def host_to_device(
     values: np.ndarray | torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -106,6 +126,9 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # Tokens sampled by launched steps and not yet read back (appended): at most one, the
+        # input of the row's next step, which then comes from the device (async scheduling).
+        self.num_in_flight = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         # Sampling knobs, one value per row.
@@ -133,6 +156,7 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = state.num_prompt_tokens
         self.num_computed_tokens[row] = num_computed_tokens
+        self.num_in_flight[row] = 0
         self.num_blocks[row] = 0
         self.append_block_ids(row, block_ids)
         params = state.sampling_params

@@ -7,7 +7,7 @@ request's history through its block table. Logits are computed only where a toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,17 +24,24 @@ from omniserve.core.sched_output import SchedulerOutput
 from omniserve.forward_context import set_forward_context
 from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.sampler import (
+    LogprobsTensors,
     Sampler,
     SamplingMetadata,
     banned_by_bad_words,
     compute_logprobs,
 )
-from omniserve.messages import LogprobsLists, ModelRunnerOutput
+from omniserve.messages import LogprobsLists, ModelRunnerOutput, PendingOutput, ReadyOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.structured_output import apply_bitmask_rows
 from omniserve.worker.cuda_graph import PAD_SLOT, DecodeGraphs, graph_batch_sizes
 from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions, to_device
-from omniserve.worker.input_batch import CachedRequestState, InputBatch, host_to_device, upload
+from omniserve.worker.input_batch import (
+    CachedRequestState,
+    InputBatch,
+    TokenReadback,
+    host_to_device,
+    upload,
+)
 from omniserve.worker.step_timing import StepTimer
 from omniserve.worker.talker_families import create_talker_runner
 
@@ -52,6 +59,42 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     sample_mask: np.ndarray  # [num_reqs] bool: this step samples a token for the request
     logits_indices: torch.Tensor  # [num_sampled] flattened-token index of each sampling position
+
+
+@dataclass
+class _SampledStep:
+    """A launched step (a ``PendingOutput``): ``result()`` reads its tokens back and appends
+    them to their requests' rows; a request that left the batch meanwhile is skipped (its
+    output is not used)."""
+
+    batch: InputBatch
+    timer: StepTimer
+    output: ModelRunnerOutput
+    sampled_req_ids: list[str]
+    tokens: TokenReadback
+    logprobs: LogprobsTensors | None
+    _index: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._index = {req_id: i for i, req_id in enumerate(self.output.req_ids)}
+
+    def result(self) -> ModelRunnerOutput:
+        batch, output = self.batch, self.output
+        with self.timer.part("sampler"):
+            sampled = self.tokens.tolist()
+        for j, req_id in enumerate(self.sampled_req_ids):
+            output.sampled_token_ids[self._index[req_id]] = [sampled[j]]
+            row = batch.req_id_to_row.get(req_id)
+            if row is None:
+                continue
+            batch.num_in_flight[row] -= 1
+            batch.append_token(row, sampled[j])
+            state = batch.states[row]
+            assert state is not None
+            num_logprobs = state.sampling_params.logprobs
+            if num_logprobs is not None and self.logprobs is not None:
+                output.logprobs[req_id] = self.logprobs.to_lists(j, num_logprobs)
+        return output
 
 
 class ModelRunner:
@@ -86,6 +129,9 @@ class ModelRunner:
             else None
         )
         self.decode_graphs: DecodeGraphs | None = None
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        """The last launched step's sampled tokens (on the device) and each request's index in
+        them: the inputs of next steps launched before they are read back."""
         self.step_timer = StepTimer(device)
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -175,19 +221,26 @@ class ModelRunner:
         return self.decode_graphs.sizes
 
     # ---- one step ---------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The thinker's step, then the speech stage's (which reads what the thinker tapped)."""
-        output = self._execute_thinker(scheduler_output)
-        if self.talker_runner is not None and scheduler_output.talker is not None:
-            with self.step_timer.part("speech stage"):
-                output.speech = self.talker_runner.execute(scheduler_output.talker)
-        return output
+        return self.dispatch(scheduler_output).result()
 
-    def _execute_thinker(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    @torch.inference_mode()
+    def dispatch(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Launch the thinker's step; its sampled tokens are read back by ``result()``, so the
+        next step can be prepared and launched meanwhile. The speech stage (which reads what
+        the thinker tapped and sampled) runs after the read-back, in this call."""
+        pending = self._dispatch_thinker(scheduler_output)
+        if self.talker_runner is None or scheduler_output.talker is None:
+            return pending
+        output = pending.result()
+        with self.step_timer.part("speech stage"):
+            output.speech = self.talker_runner.execute(scheduler_output.talker)
+        return ReadyOutput(output)
+
+    def _dispatch_thinker(self, scheduler_output: SchedulerOutput) -> PendingOutput:
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
+            return ReadyOutput(ModelRunnerOutput([], []))
         step = self._prepare_inputs(scheduler_output)
         timer = self.step_timer
         forward = "decode steps: forward + logits"
@@ -227,24 +280,22 @@ class ModelRunner:
         sample_rows = step.rows[step.sample_mask]
         with timer.part("sampler"):
             sampler_output = self.sampler(logits, self._sampling_metadata(sample_rows))
-            sampled = sampler_output.sampled_token_ids.tolist()
-        output = ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids])
-        sampled_iter = iter(range(len(sampled)))
-        for i, req_id in enumerate(step.req_ids):
-            if not step.sample_mask[i]:
-                continue
-            j = next(sampled_iter)
-            row = int(step.rows[i])
-            self.input_batch.append_token(row, sampled[j])
-            output.sampled_token_ids[i] = [sampled[j]]
-            state = self.input_batch.states[row]
-            assert state is not None
-            if state.sampling_params.logprobs is not None and sampler_output.logprobs is not None:
-                output.logprobs[req_id] = sampler_output.logprobs.to_lists(
-                    j, state.sampling_params.logprobs
-                )
-        output.prompt_logprobs = self._prompt_logprobs(step, hidden_states)
-        return output
+        sampled_req_ids = [r for r, s in zip(step.req_ids, step.sample_mask, strict=True) if s]
+        self._last_sampled = (sampler_output.sampled_token_ids,
+                              {req_id: j for j, req_id in enumerate(sampled_req_ids)})  # fmt: skip
+        self.input_batch.num_in_flight[sample_rows] += 1
+        return _SampledStep(
+            self.input_batch,
+            timer,
+            ModelRunnerOutput(
+                step.req_ids,
+                [[] for _ in step.req_ids],
+                prompt_logprobs=self._prompt_logprobs(step, hidden_states),
+            ),
+            sampled_req_ids,
+            TokenReadback(sampler_output.sampled_token_ids),
+            sampler_output.logprobs,
+        )
 
     def _replay_decode(self, so: SchedulerOutput, step: StepInputs) -> torch.Tensor | None:
         """The step's hidden states from a captured graph when every request feeds back one
@@ -352,15 +403,18 @@ class ModelRunner:
         positions = num_computed[token_req] + offsets  # [num_tokens]
         token_rows = rows[token_req]
         input_ids = batch.token_ids[token_rows, positions]
+        # A token past the known ones was sampled by the last launched step and is not read
+        # back yet (async scheduling): it is taken from that step's output on the device.
+        from_device = np.flatnonzero(positions >= batch.num_tokens[token_rows])
         block_ids = batch.block_table[token_rows, positions // self.block_size]
         slot_mapping = block_ids * self.block_size + positions % self.block_size
         seq_lens = num_computed + query_lens
-        # A request samples when this step reaches the end of its known tokens; a partial
-        # prefill does not (and must not advance its seeded generator).
-        sample_mask = seq_lens == batch.num_tokens[rows]
+        # A request samples when this step reaches the end of its tokens (those read back and
+        # those in flight); a partial prefill does not (and must not advance its seeded
+        # generator).
+        sample_mask = seq_lens == batch.num_tokens[rows] + batch.num_in_flight[rows]
         max_blocks = blocks_for(int(seq_lens.max()), self.block_size)
-        (query_start_loc, seq_lens_dev, block_table, slot_mapping_dev, input_ids_dev,
-         logits_indices, model_positions) = upload(self.device, [
+        arrays = [
             np.concatenate(([0], cu_query)).astype(np.int32),
             seq_lens.astype(np.int32),
             batch.block_table[rows, :max_blocks].astype(np.int32),
@@ -368,7 +422,16 @@ class ModelRunner:
             input_ids,
             cu_query[sample_mask] - 1,
             self._model_positions(rows, positions, query_lens),
-        ])  # fmt: skip
+        ]
+        if from_device.size:
+            assert self._last_sampled is not None
+            last_tokens, index = self._last_sampled
+            arrays += [from_device, np.fromiter((index[req_ids[i]] for i in token_req[from_device]),
+                                                np.int64, from_device.size)]  # fmt: skip
+        (query_start_loc, seq_lens_dev, block_table, slot_mapping_dev, input_ids_dev,
+         logits_indices, model_positions, *fed) = upload(self.device, arrays)  # fmt: skip
+        if fed:
+            input_ids_dev[fed[0]] = last_tokens[fed[1]]
         attn_metadata = AttentionMetadata(
             query_start_loc=query_start_loc,
             seq_lens=seq_lens_dev,

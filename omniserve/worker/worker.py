@@ -22,7 +22,7 @@ from omniserve.cpu.backend import apply_cpu_backend
 from omniserve.cpu.build import has_native_bf16
 from omniserve.layers.tp import get_tp_size
 from omniserve.layers.weight_utils import default_dtype
-from omniserve.messages import ModelRunnerOutput
+from omniserve.messages import ModelRunnerOutput, PendingOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from omniserve.plugins import load_plugins
@@ -297,6 +297,9 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def dispatch_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        return self.model_runner.dispatch(scheduler_output)
 
     def start_step_timing(self) -> None:
         self.model_runner.step_timer.start()

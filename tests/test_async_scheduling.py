@@ -1,0 +1,323 @@
+"""Async scheduling (``--async-scheduling``): each step is scheduled and launched before the one
+before it is read back, its decodes fed the tokens that step sampled, still on the device.
+
+On CPU nothing overlaps, but every decision is the code CUDA runs, so these check that the
+outputs equal synchronous scheduling's token for token, through chunked prefill, preemption,
+stops inside a step in flight, logprobs, seeded sampling, requests that must wait for their last
+token (penalties, min_tokens, bad words, grammars), failures and aborts."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from omniserve import LLM, SamplingParams
+from omniserve.core.request import RequestStatus
+from omniserve.core.scheduler import Scheduler
+from omniserve.engine.arg_utils import EngineArgs
+from omniserve.engine.core import EngineCore
+from omniserve.messages import ModelRunnerOutput
+from omniserve.sampling_params import StructuredOutputsParams
+from tests.hf_reference import make_prompts
+from tests.test_reliability import POISON, _poison_runner
+from tests.utils import EOS_TOKEN_ID, assert_all_free, make_requests, make_scheduler
+
+ENGINE_KWARGS = dict(
+    dtype="float32",
+    max_model_len=256,
+    max_num_seqs=6,
+    max_num_batched_tokens=64,  # long prompts take several chunks
+    num_gpu_blocks_override=24,  # 12 requests of up to 160 tokens do not fit: preemption
+    seed=0,
+)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint: Any) -> Iterator[tuple[LLM, LLM, str]]:
+    patch = pytest.MonkeyPatch()
+    patch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+    model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))
+    yield (
+        LLM(model_dir, **ENGINE_KWARGS),
+        LLM(model_dir, async_scheduling=True, **ENGINE_KWARGS),
+        model_dir,
+    )
+    patch.undo()
+
+
+def _depths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Steps in flight each time the engine core reads one back."""
+    depths: list[int] = []
+    original = EngineCore._finish_oldest_step
+
+    def finish(self: EngineCore) -> Any:
+        depths.append(len(self._in_flight))
+        return original(self)
+
+    monkeypatch.setattr(EngineCore, "_finish_oldest_step", finish)
+    return depths
+
+
+def _results(llm: LLM, prompts: list[dict[str, Any]], params: list[SamplingParams]) -> list[Any]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        (
+            o.outputs[0].token_ids,
+            o.outputs[0].finish_reason,
+            o.outputs[0].stop_reason,
+            [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs or []],
+        )
+        for o in outputs
+    ]
+
+
+def _assert_same(sync: list[Any], ahead: list[Any]) -> None:
+    for (tokens, finish, stop, logprobs), (tokens2, finish2, stop2, logprobs2) in zip(
+        sync, ahead, strict=True
+    ):
+        assert (tokens2, finish2, stop2) == (tokens, finish, stop)
+        assert len(logprobs2) == len(logprobs)
+        for step, step2 in zip(logprobs, logprobs2, strict=True):
+            assert step2.keys() == step.keys()
+            # Batches differ between the modes (a waiting request skips a step), and a GEMM's
+            # rounding can follow its row count.
+            assert list(step2.values()) == pytest.approx(list(step.values()), abs=1e-5)
+
+
+def test_outputs_equal_synchronous_scheduling(
+    engines: tuple[LLM, LLM, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sync_llm, async_llm, model_dir = engines
+    lengths = [5 + 13 * i for i in range(12)]
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, lengths, seed=3)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i) for i in range(12)]
+    # Each request's 4th greedy token as its stop token: requests stop while a step that
+    # already holds their next token is in flight.
+    reference = sync_llm.generate(prompts, greedy, use_tqdm=False)
+    params = []
+    for i, out in enumerate(reference):
+        kinds = {
+            0: dict(stop_token_ids=[out.outputs[0].token_ids[3]]),
+            1: dict(logprobs=2),
+            2: dict(repetition_penalty=1.3, presence_penalty=0.5),
+            3: dict(min_tokens=5, stop_token_ids=[out.outputs[0].token_ids[1]]),
+            4: dict(temperature=0.9, top_p=0.9, seed=i),
+            5: dict(bad_words=["the"], logprobs=1),
+        }
+        params.append(greedy[i].clone(**kinds[i % 6]))
+    expected = _results(sync_llm, prompts, params)
+    depths = _depths(monkeypatch)
+    _assert_same(expected, _results(async_llm, prompts, params))
+    assert max(depths) == 2  # it did run ahead
+    assert {r[1] for r in expected} == {"stop", "length"}
+    stats = async_llm.llm_engine.engine_core.call_utility("get_stats")
+    assert stats["num_preemptions"] > 0
+    assert stats["kv_cache_usage"] == 0.0 and stats["num_running"] == 0.0
+
+
+def test_a_request_with_a_grammar_waits_for_its_tokens(engines: tuple[LLM, LLM, str]) -> None:
+    sync_llm, async_llm, model_dir = engines
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [9, 14, 7], seed=5)]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=12,
+            structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"]),
+        ),
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    ]
+    expected = _results(sync_llm, prompts, params)
+    assert _results(async_llm, prompts, params) == expected
+
+
+def test_a_failing_request_fails_alone_under_async_scheduling(
+    engines: tuple[LLM, LLM, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, async_llm, model_dir = engines
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    good = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [9, 17, 5], seed=11)]
+    reference = [o.outputs[0].token_ids for o in async_llm.generate(good, greedy, use_tqdm=False)]
+    calls: list[int] = []
+    _poison_runner(monkeypatch, calls)
+    bad = {"prompt_token_ids": [POISON, *good[0]["prompt_token_ids"]]}
+    outputs = async_llm.generate([good[0], bad, good[1], good[2]], greedy, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length", "error", "length", "length"]
+    assert [outputs[i].outputs[0].token_ids for i in (0, 2, 3)] == reference
+    stats = async_llm.llm_engine.engine_core.call_utility("get_stats")
+    assert stats["kv_cache_usage"] == 0.0 and stats["num_running"] == 0.0
+
+
+def test_the_flag_reaches_an_engine_in_its_own_process(engines: tuple[LLM, LLM, str]) -> None:
+    """``--async-scheduling`` from the command line, with the engine core in its own process
+    (the server's and ``LLM``'s default): the same tokens as the synchronous engine."""
+    sync_llm, _, model_dir = engines
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    parser.add_argument("model")  # positional, as ``omniserve serve MODEL`` takes it
+    args = EngineArgs.from_cli_args(parser.parse_args([model_dir, "--async-scheduling"]))
+    assert args.async_scheduling
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [7, 30, 12], seed=9)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1)
+    expected = _results(sync_llm, prompts, [params] * 3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "1")
+        kwargs = {**ENGINE_KWARGS, **{f: getattr(args, f) for f in ("model", "async_scheduling")}}
+        _assert_same(expected, _results(LLM(**kwargs), prompts, [params] * 3))
+
+
+def test_async_scheduling_needs_the_uni_executor(tiny_checkpoint: Any) -> None:
+    with pytest.raises(ValueError, match="--async-scheduling needs the 'uni' executor"):
+        LLM(
+            str(tiny_checkpoint("Qwen3ForCausalLM")),
+            async_scheduling=True,
+            distributed_executor_backend="mp",
+        )
+
+
+@pytest.mark.gpu
+def test_async_scheduling_on_gpu_equals_sync(
+    tiny_checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where steps do overlap: tokens read back through pinned memory, and decodes fed from the
+    device inside the captured graphs, give the synchronous engine's outputs in bf16 bit for bit
+    (every request is admitted before any finishes and none waits, so both modes run the same
+    batches)."""
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+    model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))
+    kwargs = dict(dtype="bfloat16", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+    lengths = [5 + 11 * i for i in range(8)]
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, lengths, seed=7)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20 + 5 * i, ignore_eos=True,
+                       logprobs=2 if i % 2 else None)
+        for i in range(8)
+    ]  # fmt: skip
+    expected = _results(LLM(model_dir, **kwargs), prompts, params)
+    depths = _depths(monkeypatch)
+    assert _results(LLM(model_dir, async_scheduling=True, **kwargs), prompts, params) == expected
+    assert max(depths) == 2
+
+
+# ---- the scheduler alone, two steps in flight ----------------------------------------------
+
+
+def _launch(scheduler: Scheduler) -> tuple[Any, ModelRunnerOutput]:
+    """Schedule a step and make the output a runner would read back for it later: a token for
+    each request whose placeholders this step raised, numbered by its position in the output."""
+    before = {r.request_id: r.num_output_placeholders for r in scheduler.requests.values()}
+    so = scheduler.schedule()
+    sampled = []
+    for req_id in so.num_scheduled_tokens:
+        request = scheduler.requests[req_id]
+        samples = request.num_output_placeholders > before.get(req_id, 0)
+        sampled.append(
+            [request.num_output_tokens + request.num_output_placeholders] if samples else []
+        )
+    return so, ModelRunnerOutput(list(so.num_scheduled_tokens), sampled)
+
+
+def test_the_scheduler_counts_tokens_in_flight_as_known() -> None:
+    scheduler = make_scheduler(block_size=4)
+    (request,) = make_requests(1, 6, max_tokens=2)
+    scheduler.add_request(request)
+    first = _launch(scheduler)  # the prompt, sampling output token 1
+    second = _launch(scheduler)  # output token 2, fed token 1 from the device
+    assert second[0].num_scheduled_tokens == {request.request_id: 1}
+    assert request.num_computed_tokens == 7 and request.num_output_placeholders == 2
+    # Token 2 is its last (max_tokens): nothing is scheduled past it.
+    assert _launch(scheduler)[0].num_scheduled_tokens == {}
+    outputs = [o for step in (first, second) for o in scheduler.update_from_output(*step).outputs]
+    assert [o.new_token_ids for o in outputs] == [[1], [2]]
+    assert outputs[-1].finished and request.num_output_placeholders == 0
+    scheduler.schedule()
+    assert_all_free(scheduler)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"repetition_penalty": 1.2},
+        {"frequency_penalty": 0.5},
+        {"min_tokens": 4},
+        {"bad_words_token_ids": [[5, 6]]},
+    ],
+)
+def test_a_request_that_reads_its_tokens_waits_for_them(params: dict[str, Any]) -> None:
+    scheduler = make_scheduler()
+    (request,) = make_requests(1, 6, max_tokens=8, **params)
+    scheduler.add_request(request)
+    first = _launch(scheduler)
+    assert _launch(scheduler)[0].num_scheduled_tokens == {}
+    scheduler.update_from_output(*first)
+    assert _launch(scheduler)[0].num_scheduled_tokens == {request.request_id: 1}
+
+
+def test_no_request_with_a_step_in_flight_is_preempted() -> None:
+    # Two requests of 8 prompt tokens in 4-token blocks, 5 blocks: the 9th tokens need a third
+    # block each, and only one is free.
+    scheduler = make_scheduler(block_size=4, num_blocks=5, max_model_len=20)
+    a, b = make_requests(2, 8, max_tokens=8)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    first = _launch(scheduler)
+    second = _launch(scheduler)
+    assert second[0].num_scheduled_tokens == {a.request_id: 1}
+    assert scheduler.blocked_by_steps_in_flight and not second[0].preempted_req_ids
+    scheduler.update_from_output(*first)
+    scheduler.update_from_output(*second)
+    # With nothing in flight, b makes room for a's next step as without async scheduling.
+    assert _launch(scheduler)[0].preempted_req_ids == {b.request_id}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_randomized_two_steps_in_flight_keep_every_request_exact(seed: int) -> None:
+    """Arrivals, aborts (also of requests in flight) and eos, with two steps in flight: every
+    request's output is its tokens in order, with nothing after its stop, and every resource
+    is free at the end."""
+    rng = random.Random(seed)
+    scheduler = make_scheduler(block_size=4, num_blocks=16, max_model_len=64, max_num_seqs=6,
+                               max_num_batched_tokens=40)  # fmt: skip
+    in_flight: list[tuple[Any, ModelRunnerOutput]] = []
+    outputs: dict[str, list[int]] = {}
+    finished: set[str] = set()
+    eos_at: dict[str, int] = {}
+    for step in range(400):
+        if step < 300 and rng.random() < 0.5:
+            (request,) = make_requests(1, rng.randrange(1, 30), prefix=f"r{step}-",
+                                       max_tokens=rng.randrange(1, 20))  # fmt: skip
+            eos_at[request.request_id] = rng.randrange(1, 25)
+            scheduler.add_request(request)
+        if scheduler.requests and rng.random() < 0.03:
+            victim = rng.choice(list(scheduler.requests))
+            scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+            finished.add(victim)
+        if len(in_flight) < 2 and scheduler.has_unfinished_requests():
+            if not (in_flight and scheduler.blocked_by_steps_in_flight):
+                so, output = _launch(scheduler)
+                # The fake model says eos at each request's chosen position.
+                output.sampled_token_ids = [
+                    [EOS_TOKEN_ID if t and t[0] == eos_at[r] else t[0]] if t else []
+                    for r, t in zip(output.req_ids, output.sampled_token_ids, strict=True)
+                ]
+                in_flight.append((so, output))
+        if in_flight and (len(in_flight) == 2 or rng.random() < 0.5):
+            so, output = in_flight.pop(0)
+            for out in scheduler.update_from_output(so, output).outputs:
+                assert out.request_id not in finished
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    finished.add(out.request_id)
+    while in_flight:
+        scheduler.update_from_output(*in_flight.pop(0))
+    scheduler.finish_requests(list(scheduler.requests), RequestStatus.FINISHED_ABORTED)
+    scheduler.schedule()
+    assert_all_free(scheduler)
+    assert scheduler.num_preemptions > 0
+    for req_id, tokens in outputs.items():
+        stop = eos_at[req_id]
+        expected = [*range(1, stop), EOS_TOKEN_ID][: len(tokens)]
+        assert tokens == expected, req_id
