@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from transformers import AutoProcessor
 
 from omniserve import LLM, SamplingParams
 from omniserve.core.request import RequestStatus
@@ -23,6 +24,7 @@ from omniserve.engine.core import EngineCore
 from omniserve.messages import ModelRunnerOutput
 from omniserve.sampling_params import StructuredOutputsParams
 from tests.hf_reference import make_prompts
+from tests.test_fidelity_omni import _engine_prompt, _media, _text
 from tests.test_reliability import POISON, _poison_runner
 from tests.utils import EOS_TOKEN_ID, assert_all_free, make_requests, make_scheduler
 
@@ -133,6 +135,26 @@ def test_a_request_with_a_grammar_waits_for_its_tokens(engines: tuple[LLM, LLM, 
     ]
     expected = _results(sync_llm, prompts, params)
     assert _results(async_llm, prompts, params) == expected
+
+
+def test_media_requests_equal_synchronous_scheduling(
+    tiny_checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The omni thinker (M-RoPE, whose decode positions follow each request's media): prompts
+    with images, audio and a video with its track, chunked through the encoders, decode alike."""
+    model_dir = str(tiny_checkpoint("Qwen2_5OmniThinkerForConditionalGeneration"))
+    processor = AutoProcessor.from_pretrained(model_dir)
+    kinds = [[], ["image"], ["audio"], ["av"], ["image", "audio"]]
+    prompts = [_engine_prompt(_text(processor, k), _media(k, seed)) for seed, k in enumerate(kinds)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 2 * i) for i in range(len(kinds))]
+    kwargs = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=128, max_num_seqs=4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+        expected = _results(LLM(model_dir, **kwargs), prompts, params)
+        depths = _depths(monkeypatch)
+        _assert_same(expected, _results(LLM(model_dir, async_scheduling=True, **kwargs),
+                                        prompts, params))  # fmt: skip
+    assert max(depths) == 2
 
 
 def test_a_failing_request_fails_alone_under_async_scheduling(
