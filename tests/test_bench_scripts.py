@@ -160,6 +160,8 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
     assert "omniserve:torch vs omniserve: the same greedy tokens in" in table
     assert "of 19 requests" in table  # b1, 16 prefills, the media warm-up and the media request
     assert "omniserve b1 profile (1 prefill and 127 decode steps" in table
+    # the first media request, profiled as it ran (its first uses are what it shows)
+    assert "omniserve ttft_mm_warmup profile (1 prefill and 0 decode steps" in table
     assert "decode steps: forward + logits" in table and ", rest " in table
 
 
