@@ -4,7 +4,8 @@ before it is read back, its decodes fed the tokens that step sampled, still on t
 On CPU nothing overlaps, but every decision is the code CUDA runs, so these check that the
 outputs equal synchronous scheduling's token for token, through chunked prefill, preemption,
 stops inside a step in flight, logprobs, seeded sampling, requests that must wait for their last
-token (penalties, min_tokens, bad words, grammars), failures and aborts."""
+token (penalties, min_tokens, bad words, grammars) and aborts; ``test_reliability`` fails
+steps under it."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from omniserve.messages import ModelRunnerOutput
 from omniserve.sampling_params import StructuredOutputsParams
 from tests.hf_reference import make_prompts
 from tests.test_fidelity_omni import _engine_prompt, _media, _text
-from tests.test_reliability import POISON, _poison_runner
 from tests.utils import EOS_TOKEN_ID, assert_all_free, make_requests, make_scheduler
 
 ENGINE_KWARGS = dict(
@@ -155,23 +155,6 @@ def test_media_requests_equal_synchronous_scheduling(
         _assert_same(expected, _results(LLM(model_dir, async_scheduling=True, **kwargs),
                                         prompts, params))  # fmt: skip
     assert max(depths) == 2
-
-
-def test_a_failing_request_fails_alone_under_async_scheduling(
-    engines: tuple[LLM, LLM, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _, async_llm, model_dir = engines
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    good = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [9, 17, 5], seed=11)]
-    reference = [o.outputs[0].token_ids for o in async_llm.generate(good, greedy, use_tqdm=False)]
-    calls: list[int] = []
-    _poison_runner(monkeypatch, calls)
-    bad = {"prompt_token_ids": [POISON, *good[0]["prompt_token_ids"]]}
-    outputs = async_llm.generate([good[0], bad, good[1], good[2]], greedy, use_tqdm=False)
-    assert [o.outputs[0].finish_reason for o in outputs] == ["length", "error", "length", "length"]
-    assert [outputs[i].outputs[0].token_ids for i in (0, 2, 3)] == reference
-    stats = async_llm.llm_engine.engine_core.call_utility("get_stats")
-    assert stats["kv_cache_usage"] == 0.0 and stats["num_running"] == 0.0
 
 
 def test_the_flag_reaches_an_engine_in_its_own_process(engines: tuple[LLM, LLM, str]) -> None:

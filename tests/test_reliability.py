@@ -120,12 +120,15 @@ def test_sampler_takes_the_top_token_when_top_p_rounds_to_nothing() -> None:
 POISON = 3  # prompts starting with this token id make the model runner raise
 
 
-@pytest.fixture(scope="module")
-def inproc_llm(tiny_checkpoint: Any) -> Any:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def inproc_llm(tiny_checkpoint: Any, request: pytest.FixtureRequest) -> Any:
+    """An engine core in this process, scheduling steps one at a time or ahead (a step that
+    raises then fails together with the step launched after it, which built on it)."""
     patch = pytest.MonkeyPatch()
     patch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
     model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))
-    llm = LLM(model_dir, dtype="float32", max_model_len=256, max_num_seqs=8)
+    llm = LLM(model_dir, dtype="float32", max_model_len=256, max_num_seqs=8,
+              async_scheduling=request.param)  # fmt: skip
     yield llm, model_dir
     patch.undo()
 
