@@ -174,12 +174,15 @@ def test_the_flag_reaches_an_engine_in_its_own_process(engines: tuple[LLM, LLM, 
         _assert_same(expected, _results(LLM(**kwargs), prompts, [params] * 3))
 
 
-def test_async_scheduling_needs_the_uni_executor(tiny_checkpoint: Any) -> None:
-    with pytest.raises(ValueError, match="--async-scheduling needs the 'uni' executor"):
+def test_async_scheduling_is_refused_with_the_ray_executor(
+    tiny_checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+    with pytest.raises(ValueError, match="needs the 'uni' or 'mp' executor, not RayExecutor"):
         LLM(
             str(tiny_checkpoint("Qwen3ForCausalLM")),
             async_scheduling=True,
-            distributed_executor_backend="mp",
+            distributed_executor_backend="ray",
         )
 
 

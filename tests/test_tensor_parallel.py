@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import time
+from typing import Any
 
 import httpx
 import numpy as np
@@ -19,6 +20,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from omniserve import LLM, SamplingParams
 from omniserve.config import ModelConfig, OmniConfig, ParallelConfig
+from omniserve.engine.core import EngineCore
 from omniserve.executor.abstract import Executor
 from omniserve.layers.weight_utils import SafetensorsFile, copy_weight
 from tests.hf_reference import ReferenceOutput, assert_matches_reference, hf_greedy, make_prompts
@@ -54,7 +56,31 @@ def test_text_model_tp2_matches_tp1_and_hf(tiny_checkpoint):
     # A small token budget: chunked prefill and mixed prefill/decode steps under TP too.
     tp2 = _generate(model_dir, engine_prompts, tp=2, max_num_batched_tokens=16)
     assert _tokens(tp2) == _tokens(tp1)
+    # Async scheduling: each step is sent to the ranks before the last one's reply is read.
+    ahead = _generate(model_dir, engine_prompts, tp=2, max_num_batched_tokens=16,
+                      async_scheduling=True)  # fmt: skip
+    assert _tokens(ahead) == _tokens(tp1)
     assert_matches_reference(tp2, reference)
+
+
+@pytest.mark.slow
+def test_calls_between_steps_in_flight_leave_their_replies(tiny_checkpoint, monkeypatch):
+    """Async scheduling over two ranks, with a call to every rank while a step is in flight
+    before each read-back: its collection keeps the step's reply for the step's own."""
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+    model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [5, 23, 40])]
+    tp1 = _generate(model_dir, prompts, tp=1)
+    original = EngineCore._finish_oldest_step
+    calls = []
+
+    def finish(self: EngineCore) -> Any:
+        calls.append(self.model_executor.model_info())  # sent after the steps in flight
+        return original(self)
+
+    monkeypatch.setattr(EngineCore, "_finish_oldest_step", finish)
+    assert _tokens(_generate(model_dir, prompts, tp=2, async_scheduling=True)) == _tokens(tp1)
+    assert len(calls) >= MAX_TOKENS  # one per step: a prefill and 7 decodes
 
 
 @pytest.mark.slow

@@ -277,7 +277,7 @@ class EngineArgs:
             "--async-scheduling",
             action="store_true",
             help="Schedule and launch the next step while the device runs this one, so it "
-            "never waits for the host between steps (one worker: the 'uni' executor).",
+            "never waits for the host between steps (the 'uni' and 'mp' executors).",
         )
         add(
             "--long-prefill-token-threshold",

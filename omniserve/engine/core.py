@@ -56,8 +56,9 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         if self.async_scheduling and not executor_class.supports_async_scheduling:
             raise ValueError(
-                "--async-scheduling needs the 'uni' executor (one worker, in the engine core's "
-                "process); drop it for tensor parallelism or another executor backend."
+                "--async-scheduling needs the 'uni' or 'mp' executor, not "
+                f"{executor_class.__name__}; drop it, or pick one with "
+                "--distributed-executor-backend."
             )
         self.model_executor = executor_class(config)
         num_blocks = self.model_executor.determine_num_kv_blocks()

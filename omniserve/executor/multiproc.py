@@ -5,7 +5,9 @@ Each rank is a spawned process running ``run_worker``: it joins the ``torch.dist
 ``WorkerWrapper`` and then serves calls. The executor sends every call once over a broadcast
 queue (``broadcast.py``); replies come back on one PULL socket, tagged with the call's id. A step
 is answered by rank 0 alone (every rank samples the same tokens); calls such as sizing the KV
-cache are answered by all ranks. Other ranks reply to a step only when it failed.
+cache are answered by all ranks. Other ranks reply to a step only when it failed. Under async
+scheduling the next step is sent before a step's reply is read, so the workers go from one step
+to the next without waiting for the engine core to schedule it.
 
 Failure handling: a monitor thread watches the worker processes. When one dies, the waiting call
 (or, when the engine is idle, the engine core through ``register_failure_callback``) gets a
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from dataclasses import dataclass
 from typing import Any, NoReturn, cast
 
 import zmq
@@ -36,7 +39,7 @@ from omniserve.core.sched_output import SchedulerOutput
 from omniserve.executor.abstract import Executor
 from omniserve.executor.broadcast import BroadcastReceiver, BroadcastSender
 from omniserve.executor.worker_wrapper import REPLY_ALL, REPLY_RANK0, WorkerWrapper
-from omniserve.messages import ModelRunnerOutput
+from omniserve.messages import ModelRunnerOutput, PendingOutput
 from omniserve.process_utils import on_parent_death, spawn_context, spawning
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,8 @@ _STARTUP_CALL_ID = 0
 
 
 class MultiprocExecutor(Executor):
+    supports_async_scheduling = True
+
     def __init__(self, config: OmniConfig) -> None:
         super().__init__(config)
         self.world_size = config.parallel_config.world_size
@@ -57,8 +62,12 @@ class MultiprocExecutor(Executor):
         self._broadcast = BroadcastSender(self._zmq_ctx, f"ipc://{self._ipc_dir}/calls")
         self._results = self._zmq_ctx.socket(zmq.PULL)
         self._results.bind(f"ipc://{self._ipc_dir}/results")
-        self._lock = threading.Lock()  # one call in flight: replies match the last broadcast
+        self._lock = threading.Lock()  # one thread at a time sends calls and collects replies
         self._call_id = _STARTUP_CALL_ID
+        # Steps sent and not yet collected (async scheduling sends the next before collecting
+        # one), and their replies that came while another call was collecting.
+        self._steps_in_flight: set[int] = set()
+        self._early_replies: dict[int, Any] = {}
         self._abandoned_calls: set[int] = set()
         self._failure: str | None = None
         self._closing = False
@@ -120,19 +129,41 @@ class MultiprocExecutor(Executor):
         return self._call(method, args, REPLY_ALL)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", (scheduler_output,), REPLY_RANK0)[0]
+        return self.dispatch_model(scheduler_output).result()
+
+    def dispatch_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Send the step; the workers run it while the engine core schedules the next one, and
+        take that one as soon as they are done with this (rank 0's reply is read later)."""
+        with self._lock:
+            call_id = self._send("execute_model", (scheduler_output,), REPLY_RANK0)
+            self._steps_in_flight.add(call_id)
+        return _StepReply(self, call_id)
+
+    def step_result(self, call_id: int) -> ModelRunnerOutput:
+        with self._lock:
+            try:
+                return self._collect(call_id, {0}, "execute_model")[0]
+            finally:
+                self._steps_in_flight.discard(call_id)
 
     def _call(self, method: str, args: tuple, reply: str) -> list[Any]:
         with self._lock:
-            self._check_alive()
-            self._call_id += 1
-            self._broadcast.send((self._call_id, method, args, reply))
+            call_id = self._send(method, args, reply)
             ranks = set(range(self.world_size)) if reply == REPLY_ALL else {0}
-            return self._collect(self._call_id, ranks, method)
+            return self._collect(call_id, ranks, method)
+
+    def _send(self, method: str, args: tuple, reply: str) -> int:
+        self._check_alive()
+        self._call_id += 1
+        self._broadcast.send((self._call_id, method, args, reply))
+        return self._call_id
 
     def _collect(self, call_id: int, ranks: set[int], method: str) -> list[Any]:
-        """Replies of ``ranks`` to call ``call_id``, in rank order; raises a worker's error."""
+        """Replies of ``ranks`` to call ``call_id``, in rank order; raises a worker's error.
+        Replies to other steps in flight are kept for their own collection."""
         results: dict[int, Any] = {}
+        if call_id in self._early_replies:
+            results[0] = self._early_replies.pop(call_id)
         try:
             while len(results) < len(ranks):
                 if not self._results.poll(_POLL_MS):
@@ -145,6 +176,8 @@ class MultiprocExecutor(Executor):
                     raise _remote_error(rank, method, payload)
                 if reply_id == call_id and rank in ranks:
                     results[rank] = payload
+                elif reply_id in self._steps_in_flight and rank == 0:
+                    self._early_replies[reply_id] = payload
         except BaseException:
             self._abandoned_calls.add(call_id)
             raise
@@ -169,6 +202,17 @@ class MultiprocExecutor(Executor):
         self._results.close(linger=0)
         self._zmq_ctx.destroy(linger=0)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+@dataclass
+class _StepReply:
+    """A step sent to the workers (a ``PendingOutput``): ``result()`` collects rank 0's reply."""
+
+    executor: MultiprocExecutor
+    call_id: int
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor.step_result(self.call_id)
 
 
 def _describe_exit(exitcode: int | None) -> str:
