@@ -251,15 +251,14 @@ class SamplingParams:
     @property
     def reads_output_tokens(self) -> bool:
         """Whether sampling a token reads the tokens before it on the host (penalties, bad
-        words, a grammar; speech, whose talker follows them): a step of such a request cannot
-        be launched before the previous step's token is back (async scheduling)."""
+        words, a grammar): a step of such a request cannot be launched before the previous
+        step's token is back (async scheduling)."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.bad_words_token_ids
             or self.structured_outputs is not None
-            or self.wants_audio
         )
 
     @property

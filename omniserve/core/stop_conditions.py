@@ -57,7 +57,7 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
 def waits_for_tokens_in_flight(request: Request, max_model_len: int) -> bool:
     """Whether a request with tokens of steps still in flight must wait for them before its next
     step (async scheduling): it may finish on them (length), or sampling its next token reads
-    them on the host (penalties, bad words, a grammar, speech; ``min_tokens`` counts them)."""
+    them on the host (penalties, bad words, a grammar; ``min_tokens`` counts them)."""
     num_in_flight = request.num_output_placeholders
     return num_in_flight > 0 and (
         request.num_output_tokens + num_in_flight >= request.max_tokens

@@ -109,7 +109,8 @@ class Executor(ABC):
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
 
     def dispatch_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
-        """Launch one step; its output comes from the result's ``result()``."""
+        """Launch one step and return its pending output; here the step has run to its end
+        (executors that support async scheduling return before)."""
         return ReadyOutput(self.execute_model(scheduler_output))
 
     @abstractmethod
