@@ -22,6 +22,7 @@ from omniserve.core.request import RequestStatus
 from omniserve.core.scheduler import Scheduler
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.core import EngineCore
+from omniserve.executor.uniproc import UniProcExecutor
 from omniserve.messages import ModelRunnerOutput
 from omniserve.sampling_params import StructuredOutputsParams
 from tests.hf_reference import make_prompts
@@ -119,6 +120,27 @@ def test_outputs_equal_synchronous_scheduling(
     stats = async_llm.llm_engine.engine_core.call_utility("get_stats")
     assert stats["num_preemptions"] > 0
     assert stats["kv_cache_usage"] == 0.0 and stats["num_running"] == 0.0
+
+
+def test_requests_that_wait_for_their_tokens_launch_no_empty_steps(
+    engines: tuple[LLM, LLM, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every running request waiting for its token, nothing is launched ahead (an empty
+    step would cost a schedule and a dispatch per token), and the tokens are the same."""
+    sync_llm, async_llm, model_dir = engines
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [9, 20], seed=4)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.2)
+    expected = _results(sync_llm, prompts, [params] * 2)
+    launched: list[int] = []
+    original = UniProcExecutor.dispatch_model
+
+    def dispatch(self: UniProcExecutor, so: Any) -> Any:
+        launched.append(so.total_num_scheduled_tokens)
+        return original(self, so)
+
+    monkeypatch.setattr(UniProcExecutor, "dispatch_model", dispatch)
+    assert _results(async_llm, prompts, [params] * 2) == expected
+    assert launched == [29] + [2] * 7  # the prompts, then one decode each per step
 
 
 def test_a_request_with_a_grammar_waits_for_its_tokens(engines: tuple[LLM, LLM, str]) -> None:

@@ -187,6 +187,13 @@ class Scheduler:
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
+    def has_work_ahead(self) -> bool:
+        """Whether a step scheduled before the steps in flight are back could run anything: a
+        request waiting for admission, or a running one that need not wait for its tokens."""
+        return bool(self.waiting) or not all(
+            waits_for_tokens_in_flight(r, self.max_model_len) for r in self.running
+        )
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.talker and self.talker.requests)
 
@@ -532,14 +539,9 @@ class Scheduler:
         innocent request fails. Encoder-cache entries the steps were to fill are dropped: the
         workers may not hold them. No other step may be in flight.
         """
-        requests = list(
-            {
-                req_id: self.requests[req_id]
-                for so in scheduler_outputs
-                for req_id in so.num_scheduled_tokens
-                if req_id in self.requests
-            }.values()
-        )
+        requests = list({req_id: self.requests[req_id] for so in scheduler_outputs
+                         for req_id in so.num_scheduled_tokens
+                         if req_id in self.requests}.values())  # fmt: skip
         for so in scheduler_outputs:
             for req_id, num_tokens in so.num_scheduled_tokens.items():
                 if req_id in self.requests:

@@ -211,10 +211,13 @@ class EngineCore:
 
     def _launch_steps(self) -> None:
         """Schedule and launch steps until one is in flight (two under async scheduling), or
-        until the scheduler needs the steps in flight back before it can go on."""
+        until the scheduler needs the steps in flight back before it can go on (or has nothing
+        to run before then: no empty step is launched)."""
         depth = 2 if self.async_scheduling else 1
         while len(self._in_flight) < depth and self.scheduler.has_unfinished_requests():
-            if self._in_flight and self.scheduler.blocked_by_steps_in_flight:
+            if self._in_flight and (
+                self.scheduler.blocked_by_steps_in_flight or not self.scheduler.has_work_ahead()
+            ):
                 return
             scheduler_output = self.scheduler.schedule()
             self._attach_grammar_bitmask(scheduler_output)
