@@ -53,8 +53,9 @@ class EngineCore:
         """Data-parallel rank: which of the front end's engine cores this is."""
         self.num_requests_received = 0
         executor_class = executor_class or Executor.get_class(config)
-        self.async_scheduling = config.scheduler_config.async_scheduling
-        if self.async_scheduling and not executor_class.supports_async_scheduling:
+        async_scheduling = config.scheduler_config.async_scheduling
+        self._max_steps_in_flight = 2 if async_scheduling else 1
+        if async_scheduling and not executor_class.supports_async_scheduling:
             raise ValueError(
                 "--async-scheduling needs the 'uni' or 'mp' executor, not "
                 f"{executor_class.__name__}; drop it, or pick one with "
@@ -67,7 +68,7 @@ class EngineCore:
         num_talker_blocks = self.model_executor.determine_num_talker_kv_blocks()
         if num_talker_blocks:
             self.model_executor.initialize_talker_kv_cache(num_talker_blocks)
-        if self.async_scheduling and num_talker_blocks:
+        if async_scheduling and num_talker_blocks:
             self.model_executor.shutdown()
             raise ValueError(
                 "--async-scheduling does not support speech output yet (the talker follows "
@@ -213,8 +214,10 @@ class EngineCore:
         """Schedule and launch steps until one is in flight (two under async scheduling), or
         until the scheduler needs the steps in flight back before it can go on (or has nothing
         to run before then: no empty step is launched)."""
-        depth = 2 if self.async_scheduling else 1
-        while len(self._in_flight) < depth and self.scheduler.has_unfinished_requests():
+        while (
+            len(self._in_flight) < self._max_steps_in_flight
+            and self.scheduler.has_unfinished_requests()
+        ):
             if self._in_flight and (
                 self.scheduler.blocked_by_steps_in_flight or not self.scheduler.has_work_ahead()
             ):

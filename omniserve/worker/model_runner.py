@@ -7,7 +7,7 @@ request's history through its block table. Logits are computed only where a toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -70,20 +70,18 @@ class _SampledStep:
     batch: InputBatch
     timer: StepTimer
     output: ModelRunnerOutput
-    sampled_req_ids: list[str]
+    sampling: list[int]
+    """Index in ``output.req_ids`` of each request that sampled, in the tokens' order."""
     tokens: TokenReadback
     logprobs: LogprobsTensors | None
-    _index: dict[str, int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._index = {req_id: i for i, req_id in enumerate(self.output.req_ids)}
 
     def result(self) -> ModelRunnerOutput:
         batch, output = self.batch, self.output
         with self.timer.part("sampler"):
             sampled = self.tokens.tolist()
-        for j, req_id in enumerate(self.sampled_req_ids):
-            output.sampled_token_ids[self._index[req_id]] = [sampled[j]]
+        for j, i in enumerate(self.sampling):
+            req_id = output.req_ids[i]
+            output.sampled_token_ids[i] = [sampled[j]]
             row = batch.req_id_to_row.get(req_id)
             if row is None:
                 continue
@@ -129,9 +127,9 @@ class ModelRunner:
             else None
         )
         self.decode_graphs: DecodeGraphs | None = None
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
-        """The last launched step's sampled tokens (on the device) and each request's index in
-        them: the inputs of next steps launched before they are read back."""
+        self._last_sampled: tuple[torch.Tensor, list[str]] | None = None
+        """The last launched step's sampled tokens (on the device) and the requests they are
+        for, in order: the inputs of next steps launched before they are read back."""
         self.step_timer = StepTimer(device)
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -280,9 +278,9 @@ class ModelRunner:
         sample_rows = step.rows[step.sample_mask]
         with timer.part("sampler"):
             sampler_output = self.sampler(logits, self._sampling_metadata(sample_rows))
-        sampled_req_ids = [r for r, s in zip(step.req_ids, step.sample_mask, strict=True) if s]
+        sampling = np.flatnonzero(step.sample_mask).tolist()
         self._last_sampled = (sampler_output.sampled_token_ids,
-                              {req_id: j for j, req_id in enumerate(sampled_req_ids)})  # fmt: skip
+                              [step.req_ids[i] for i in sampling])  # fmt: skip
         self.input_batch.num_in_flight[sample_rows] += 1
         return _SampledStep(
             self.input_batch,
@@ -292,7 +290,7 @@ class ModelRunner:
                 [[] for _ in step.req_ids],
                 prompt_logprobs=self._prompt_logprobs(step, hidden_states),
             ),
-            sampled_req_ids,
+            sampling,
             TokenReadback(sampler_output.sampled_token_ids),
             sampler_output.logprobs,
         )
@@ -425,7 +423,8 @@ class ModelRunner:
         ]
         if from_device.size:
             assert self._last_sampled is not None
-            last_tokens, index = self._last_sampled
+            last_tokens, last_req_ids = self._last_sampled
+            index = {req_id: j for j, req_id in enumerate(last_req_ids)}
             arrays += [from_device, np.fromiter((index[req_ids[i]] for i in token_req[from_device]),
                                                 np.int64, from_device.size)]  # fmt: skip
         (query_start_loc, seq_lens_dev, block_table, slot_mapping_dev, input_ids_dev,
