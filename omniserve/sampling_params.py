@@ -250,15 +250,14 @@ class SamplingParams:
 
     @property
     def reads_output_tokens(self) -> bool:
-        """Whether sampling a token reads the tokens before it on the host (penalties, bad
-        words, a grammar): a step of such a request cannot be launched before the previous
-        step's token is back (async scheduling)."""
+        """Whether sampling a token reads the values of the tokens before it (penalties, bad
+        words): with async scheduling, the worker waits for the last step's token before it
+        samples such a request's next one."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.bad_words_token_ids
-            or self.structured_outputs is not None
         )
 
     @property

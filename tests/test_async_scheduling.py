@@ -3,9 +3,9 @@ before it is read back, its decodes fed the tokens that step sampled, still on t
 
 On CPU nothing overlaps, but every decision is the code CUDA runs, so these check that the
 outputs equal synchronous scheduling's token for token, through chunked prefill, preemption,
-stops inside a step in flight, logprobs, seeded sampling, requests that must wait for their last
-token (penalties, min_tokens, bad words, grammars) and aborts; ``test_reliability`` fails
-steps under it."""
+stops inside a step in flight, logprobs, seeded sampling, penalties, min_tokens and bad words
+(the worker reads the last step's token before it samples), grammars (the request waits for its
+last token) and aborts; ``test_reliability`` fails steps under it."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from transformers import AutoProcessor
 
 from omniserve import LLM, SamplingParams
@@ -125,11 +126,13 @@ def test_outputs_equal_synchronous_scheduling(
 def test_requests_that_wait_for_their_tokens_launch_no_empty_steps(
     engines: tuple[LLM, LLM, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With every running request waiting for its token, nothing is launched ahead (an empty
-    step would cost a schedule and a dispatch per token), and the tokens are the same."""
+    """With every running request waiting for its token (a grammar), nothing is launched ahead
+    (an empty step would cost a schedule and a dispatch per token), and the tokens are the
+    same."""
     sync_llm, async_llm, model_dir = engines
     prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [9, 20], seed=4)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.2)
+    grammar = StructuredOutputsParams(regex="[a-z]{60}")
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=grammar)
     expected = _results(sync_llm, prompts, [params] * 2)
     launched: list[int] = []
     original = UniProcExecutor.dispatch_model
@@ -140,7 +143,33 @@ def test_requests_that_wait_for_their_tokens_launch_no_empty_steps(
 
     monkeypatch.setattr(UniProcExecutor, "dispatch_model", dispatch)
     assert _results(async_llm, prompts, [params] * 2) == expected
-    assert launched == [29] + [2] * 7  # the prompts, then one decode each per step
+    # No empty step: only the prompts and one decode per token after the first, whenever the
+    # grammars (compiled in the background) let each request in.
+    assert 0 not in launched and sum(launched) == 29 + 2 * 7
+
+
+def test_penalties_min_tokens_and_bad_words_run_ahead(
+    engines: tuple[LLM, LLM, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """These read the tokens before the one they sample; the worker reads the last step's token
+    back before it samples (behind the launched forward on CUDA), so they keep two steps in
+    flight and give synchronous scheduling's tokens."""
+    sync_llm, async_llm, model_dir = engines
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [9, 20, 14], seed=6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    reference = sync_llm.generate(prompts, [greedy] * 3, use_tqdm=False)
+    repeated = reference[2].outputs[0].token_ids
+    params = [
+        greedy.clone(repetition_penalty=1.4, frequency_penalty=0.4),
+        greedy.clone(temperature=0.8, seed=3, presence_penalty=0.7, min_tokens=10,
+                     stop_token_ids=list(reference[1].outputs[0].token_ids[2:6])),
+        greedy.clone(bad_words_token_ids=[[repeated[3]], [repeated[5], repeated[6]]]),
+    ]  # fmt: skip
+    expected = _results(sync_llm, prompts, params)
+    assert [r[0] for r in expected] != [o.outputs[0].token_ids for o in reference]
+    depths = _depths(monkeypatch)
+    _assert_same(expected, _results(async_llm, prompts, params))
+    assert depths.count(2) >= 12
 
 
 def test_a_request_with_a_grammar_waits_for_its_tokens(engines: tuple[LLM, LLM, str]) -> None:
@@ -232,6 +261,44 @@ def test_async_scheduling_on_gpu_equals_sync(
     assert max(depths) == 2
 
 
+@pytest.mark.gpu
+def test_async_decode_steps_on_gpu_never_synchronize(
+    tiny_checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What async scheduling is for: once every request decodes, a step is scheduled, launched
+    and sampled without a read of the device (each step's only wait is its own read-back, an
+    event), also with penalties, min_tokens, bad words, seeded top-k / top-p / min-p sampling
+    and logprobs. A synchronizing op fails the step and names itself."""
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+    model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))
+    llm = LLM(model_dir, async_scheduling=True, dtype="bfloat16", max_model_len=256,
+              max_num_seqs=8)  # fmt: skip
+    base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = [
+        base,
+        base.clone(repetition_penalty=1.2, frequency_penalty=0.3, logprobs=2),
+        base.clone(temperature=0.8, seed=1, top_p=0.9, presence_penalty=0.2),
+        base.clone(temperature=0.7, seed=2, top_k=20, min_tokens=30, stop_token_ids=[3]),
+        base.clone(temperature=1.0, seed=3, min_p=0.05, bad_words_token_ids=[[5], [6, 7]]),
+        base.clone(temperature=0.9, top_p=0.8, top_k=50, logprobs=0),
+    ]
+    engine = llm.llm_engine
+    for i, (prompt, p) in enumerate(
+        zip(make_prompts(model_dir, [6, 9, 12, 15, 18, 21], seed=8), params, strict=True)
+    ):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+    for _ in range(4):  # the prompts and the first decodes
+        engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 # ---- the scheduler alone, two steps in flight ----------------------------------------------
 
 
@@ -268,22 +335,29 @@ def test_the_scheduler_counts_tokens_in_flight_as_known() -> None:
 
 
 @pytest.mark.parametrize(
-    "params",
+    ("params", "waits"),
     [
-        {"repetition_penalty": 1.2},
-        {"frequency_penalty": 0.5},
-        {"min_tokens": 4},
-        {"bad_words_token_ids": [[5, 6]]},
+        ({"structured_outputs": StructuredOutputsParams(choice=["a", "b"])}, True),
+        ({"max_tokens": 1}, True),  # it ends on its token in flight
+        # The worker reads the last step's token itself before it samples these.
+        ({"repetition_penalty": 1.2}, False),
+        ({"frequency_penalty": 0.5}, False),
+        ({"min_tokens": 4}, False),
+        ({"bad_words_token_ids": [[5, 6]]}, False),
     ],
 )
-def test_a_request_that_reads_its_tokens_waits_for_them(params: dict[str, Any]) -> None:
+def test_only_a_grammar_or_a_length_limit_waits_for_tokens_in_flight(
+    params: dict[str, Any], waits: bool
+) -> None:
     scheduler = make_scheduler()
-    (request,) = make_requests(1, 6, max_tokens=8, **params)
+    (request,) = make_requests(1, 6, **{"max_tokens": 8, **params})
     scheduler.add_request(request)
     first = _launch(scheduler)
-    assert _launch(scheduler)[0].num_scheduled_tokens == {}
+    ahead = _launch(scheduler)[0].num_scheduled_tokens
+    assert ahead == ({} if waits else {request.request_id: 1})
     scheduler.update_from_output(*first)
-    assert _launch(scheduler)[0].num_scheduled_tokens == {request.request_id: 1}
+    if waits and not request.is_finished:
+        assert _launch(scheduler)[0].num_scheduled_tokens == {request.request_id: 1}
 
 
 def test_no_request_with_a_step_in_flight_is_preempted() -> None:

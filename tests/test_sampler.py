@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from omniserve.layers.sampler import (
     Sampler,
@@ -15,6 +18,7 @@ from omniserve.layers.sampler import (
     compute_logprobs,
 )
 from omniserve.sampling_params import SamplingParams
+from omniserve.worker.sampling_inputs import banned_ids, build_sampling_metadata, padded
 
 
 def make_metadata(
@@ -25,8 +29,10 @@ def make_metadata(
     vocab_size: int = 100,
     eos_token_id: int | None = None,
     generators: dict[int, torch.Generator] | None = None,
+    device: torch.device | None = None,
 ) -> SamplingMetadata:
-    """SamplingMetadata the way the model runner builds it, from plain per-row params."""
+    """SamplingMetadata the way the model runner builds it, from plain per-row params (on a
+    ``device`` other than the CPU, the sampler takes CUDA's paths: no probes)."""
     outputs = outputs if outputs is not None else [[] for _ in params]
     if generators is None:
         generators = {
@@ -35,49 +41,33 @@ def make_metadata(
             if p.seed is not None and not p.greedy
         }
 
-    def column(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.tensor([getattr(p, name) for p in params], dtype=dtype)
+    def column(name: str) -> np.ndarray:
+        return np.array([getattr(p, name) for p in params])
 
-    top_p, top_k, min_p = column("top_p"), column("top_k", torch.long), column("min_p")
-    no_penalties = all(
-        p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
-        for p in params
-    )
-    prompt_token_ids = None
-    if prompts is not None and not no_penalties:
-        width = max(map(len, prompts))
-        prompt_token_ids = torch.tensor([p + [vocab_size] * (width - len(p)) for p in prompts])
-    min_tokens = {}
-    for i, p in enumerate(params):
-        blocked = set(p.stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
-        if len(outputs[i]) < p.min_tokens:
-            min_tokens[i] = (p.min_tokens, blocked)
+    banned = {
+        i: ids
+        for i, p in enumerate(params)
+        if (ids := banned_ids(p, outputs[i], len(outputs[i]), eos_token_id, vocab_size))
+    }
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
-    return SamplingMetadata(
+    return build_sampling_metadata(
+        device or torch.device("cpu"),
         temperature=column("temperature"),
-        all_greedy=all(p.greedy for p in params),
-        all_random=not any(p.greedy for p in params),
-        top_p=None if bool((top_p >= 1).all()) else top_p,
-        top_k=None if not bool(top_k.any()) else top_k,
-        min_p=None if not bool(min_p.any()) else min_p,
+        top_p=column("top_p"),
+        top_k=column("top_k"),
+        min_p=column("min_p"),
         generators=generators,
         max_num_logprobs=max(logprobs) if logprobs else None,
-        no_penalties=no_penalties,
-        presence_penalties=column("presence_penalty"),
-        frequency_penalties=column("frequency_penalty"),
-        repetition_penalties=column("repetition_penalty"),
-        prompt_token_ids=prompt_token_ids,
-        output_token_ids=outputs,
-        min_tokens=min_tokens,
-        allowed_token_ids={
-            i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids
-        },
-        banned_token_ids={
-            i: banned
-            for i, p in enumerate(params)
-            if (banned := banned_by_bad_words(p.bad_words_token_ids, outputs[i]))
-        },
-        logit_bias={i: p.logit_bias for i, p in enumerate(params) if p.logit_bias},
+        repetition=column("repetition_penalty"),
+        frequency=column("frequency_penalty"),
+        presence=column("presence_penalty"),
+        seen_tokens=lambda rows: (
+            padded([prompts[r] if prompts else [] for r in rows]),
+            padded([outputs[r] for r in rows]),
+        ),
+        allowed={i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids},
+        banned=banned,
+        bias={i: p.logit_bias for i, p in enumerate(params) if p.logit_bias},
     )
 
 
@@ -215,7 +205,7 @@ def test_penalties_match_hand_computed_values() -> None:
     metadata = make_metadata(
         params, prompts=[[0, 1], [0, 1, 2]], outputs=[[2, 2, 1, 2], [3, 3]], vocab_size=6
     )
-    apply_penalties(logits, metadata)
+    apply_penalties(logits, metadata.penalties)
     # Row 0: repetition on prompt+output tokens {0, 1, 2}; counts in output: 2 -> 3, 1 -> 1.
     expected = [
         2.0 / 2,  # seen in prompt only: repetition, no frequency/presence
@@ -234,7 +224,7 @@ def test_penalties_without_prompt_or_output_tokens() -> None:
     metadata = make_metadata(
         [SamplingParams(frequency_penalty=1.0)], prompts=None, outputs=[[]], vocab_size=3
     )
-    apply_penalties(logits, metadata)
+    apply_penalties(logits, metadata.penalties)
     assert logits.tolist() == [[1.0, 2.0, 3.0]]
 
 
@@ -353,3 +343,96 @@ def test_seeded_row_same_token_on_candidate_and_full_vocab_paths() -> None:
         alone = sample(logits[None], [params])
         batched = sample(torch.cat([other, logits[None]]), [SamplingParams(top_k=18_000), params])
         assert alone.item() == batched[1].item()
+
+
+def _mixed_batch(vocab: int) -> tuple[torch.Tensor, list[SamplingParams], dict[str, Any]]:
+    """Logits and params of rows on every path and with every rule, seeded (so the draws do
+    not depend on the batch or on the path taken)."""
+    torch.manual_seed(11)
+    logits = torch.randn(10, vocab) * 3
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2),
+        SamplingParams(seed=1, top_k=7, frequency_penalty=0.5),
+        SamplingParams(seed=2, top_p=0.6, presence_penalty=0.3),
+        SamplingParams(seed=3, min_p=0.05, bad_words_token_ids=[[4], [9, 8]]),
+        SamplingParams(seed=4, top_p=0.95, min_p=0.01, min_tokens=5, stop_token_ids=[1]),
+        SamplingParams(seed=5, temperature=0.7),
+        SamplingParams(seed=6, top_k=3, top_p=0.5, allowed_token_ids=[2, 3, 5, 7, 11]),
+        SamplingParams(seed=7, logit_bias={5: 4.0, 6: -100.0}, logprobs=0),
+        SamplingParams(temperature=0.0, min_tokens=2),
+        SamplingParams(seed=8, top_p=1.0, min_p=0.2),
+    ]
+    kwargs = dict(
+        prompts=[[1, 2, 3], [4], [5, 5], [6], [7, 8], [9], [10], [11], [12], [13]],
+        outputs=[[2, 2], [3], [], [9], [1, 4], [], [7], [], [0], [5, 5, 5]],
+        eos_token_id=0,
+        vocab_size=vocab,
+    )
+    return logits, params, kwargs
+
+
+@pytest.mark.parametrize("vocab", [64, 3_000])
+def test_cuda_paths_draw_the_cpu_paths_tokens(vocab: int) -> None:
+    """Without probes (CUDA: rows truncated by top-p / min-p alone sort the vocab at once) every
+    row draws the token the probing CPU paths draw."""
+    logits, params, kwargs = _mixed_batch(vocab)
+    outputs = []
+    for probe in (True, False):
+        metadata = make_metadata(params, **kwargs)
+        metadata.probe = probe
+        outputs.append(Sampler()(logits.clone(), metadata))
+    assert outputs[0].sampled_token_ids.tolist() == outputs[1].sampled_token_ids.tolist()
+    assert outputs[0].logprobs.token_ids.equal(outputs[1].logprobs.token_ids)
+
+
+class _DeviceReads(TorchFunctionMode):
+    """Fails on every op that reads a device tensor back to the host (on CUDA, each waits for
+    all the work queued before it): values, truth tests, and shapes that depend on values."""
+
+    READS = frozenset(
+        "tolist item __bool__ __int__ __float__ __index__ nonzero argwhere masked_select unique "
+        "unique_consecutive repeat_interleave".split()
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = getattr(func, "__name__", "")
+        indexes = args[1:2] if name in ("__getitem__", "__setitem__") else ()
+        flat = [i for index in indexes for i in (index if isinstance(index, tuple) else (index,))]
+        if name in self.READS or any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in flat
+        ):
+            raise AssertionError(f"the sampler read the device back: {name}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_sampling_without_probes_never_reads_the_device() -> None:
+    """What CUDA runs (``probe`` off) queues every op without reading a value back, so a step's
+    sampling never waits for its forward, nor, with async scheduling, for the next step's."""
+    logits, params, kwargs = _mixed_batch(3_000)
+    metadata = make_metadata(params, **kwargs)
+    metadata.probe = False
+    with _DeviceReads():
+        Sampler()(logits.clone(), metadata)
+    metadata.probe = True
+    with pytest.raises(AssertionError, match="read the device back"), _DeviceReads():
+        Sampler()(logits.clone(), metadata)
+
+
+@pytest.mark.gpu
+def test_sampling_on_cuda_does_not_synchronize() -> None:
+    logits, params, kwargs = _mixed_batch(3_000)
+    device = torch.device("cuda")
+    generators = {
+        i: torch.Generator(device=device).manual_seed(p.seed)
+        for i, p in enumerate(params)
+        if p.seed is not None and not p.greedy
+    }
+    metadata = make_metadata(params, **kwargs, generators=generators, device=device)
+    assert not metadata.probe
+    logits = logits.to(device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        Sampler()(logits, metadata)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,17 +1,19 @@
 """The sampler: last-position logits of each request -> its next token (and logprobs).
 
 Order of operations (vLLM's): raw logprobs (log_softmax of the model's logits, before anything
-else), the token rules (allowed_token_ids, bad words, logit_bias), min_tokens blocking, penalties,
-then greedy rows take the argmax and random rows go through temperature, min-p, top-k, top-p and a
-random draw.
+else), the token rules (allowed_token_ids, then the banned ids: bad words and, before min_tokens,
+eos / stop ids; then logit_bias, which leaves a banned id at -inf), penalties, then greedy rows
+take the argmax and random rows go through temperature, min-p, top-k, top-p and a random draw.
 
 CPU speed is a design goal (batch 256 x vocab 150k), so:
 
-- Flags in ``SamplingMetadata`` skip whole stages; penalties are applied sparsely to the few
-  token ids a row has seen, never as dense [num_reqs, vocab] masks.
-- Truncated rows (top-k, or a top-p / min-p nucleus that turns out small) are sampled among the
-  top candidates from ``topk``, probing ``_PROBE_SIZES`` in turn; the full vocab is sorted only for
-  top-p rows whose nucleus fits in none of them.
+- ``SamplingMetadata`` says on the host which rows take which path, and stages no row needs are
+  skipped; penalties are applied sparsely to the few token ids a row has seen, never as dense
+  [num_reqs, vocab] masks.
+- Rows with a top-k are sampled among their top candidates from ``topk``. On CPU, rows truncated
+  by top-p / min-p alone probe ``_PROBE_SIZES`` candidates in turn, and the full vocab is sorted
+  only for those whose nucleus fits in none of them (on CUDA they sort at once: the probe's check
+  would read the device back, see ``SamplingMetadata``).
 - The draw is inverse-CDF in token-id order with ONE uniform per row (not an exponential race
   over the vocab, which costs ~0.9 s per 256 x 150k batch on CPU). A seeded row takes its uniform
   from its own generator, so its token depends only on its own logits, params and seed, never on
@@ -29,7 +31,6 @@ import torch
 from torch import nn
 
 from omniserve.messages import LogprobsLists
-from omniserve.sampling_params import SAMPLING_EPS
 
 # Candidates taken with topk for rows truncated only by top-p / min-p, tried in turn (topk of 1k
 # costs ~0.1 s, 16k ~0.35 s, a full sort ~2 s on a 256 x 150k batch on 2 CPU cores).
@@ -37,35 +38,57 @@ _PROBE_SIZES = (1_024, 16_384)
 
 
 @dataclass
+class Penalties:
+    """The rows with a repetition, frequency or presence penalty, and the tokens they have seen."""
+
+    rows: torch.Tensor  # [m] int64: batch rows
+    prompt_token_ids: torch.Tensor  # [m, max_prompt_len] int64, padded with -1
+    output_token_ids: torch.Tensor  # [m, max_output_len] int64, padded with -1
+    repetition: torch.Tensor  # [m] float32
+    frequency: torch.Tensor  # [m] float32
+    presence: torch.Tensor  # [m] float32
+    counts_outputs: bool
+    """Some row has a frequency or presence penalty and output tokens (they need counting)."""
+
+
+@dataclass
+class TokenRules:
+    """allowed_token_ids, banned ids (bad words just begun, eos / stop ids before min_tokens)
+    and logit_bias, as flat (row, token id) index pairs."""
+
+    allowed_rows: torch.Tensor  # [a] int64: rows restricted to their allowed ids
+    allowed: tuple[torch.Tensor, torch.Tensor]  # (rows, ids) of every allowed id
+    banned: tuple[torch.Tensor, torch.Tensor]  # (rows, ids) set to -inf
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, ids, bias added)
+
+
+@dataclass
 class SamplingMetadata:
-    """Per-step sampling inputs, one row per request that samples this step."""
+    """Per-step sampling inputs, one row per request that samples this step.
+
+    Which rows take which path is decided on the host (``*_rows``), so that on CUDA sampling
+    never reads the device back: a read would wait for the whole step, and with async
+    scheduling for the next step's forward too."""
 
     temperature: torch.Tensor  # [num_reqs] float32 (0 for greedy rows)
     all_greedy: bool
-    all_random: bool
     top_p: torch.Tensor | None  # [num_reqs] float32 (1.0 = off), or None when no row uses it
     top_k: torch.Tensor | None  # [num_reqs] int64 (0 = off), or None when no row uses it
     min_p: torch.Tensor | None  # [num_reqs] float32 (0.0 = off), or None when no row uses it
+    greedy_rows: torch.Tensor  # [g] int64
+    top_k_rows: torch.Tensor  # [k] random rows with a top-k: drawn among their top candidates
+    max_top_k: int
+    nucleus_rows: torch.Tensor  # random rows truncated by top-p / min-p alone
+    plain_rows: torch.Tensor  # random rows drawn over the whole vocab, untruncated
+    probe: bool
+    """Try ``nucleus_rows`` among ``_PROBE_SIZES`` candidates before sorting the vocab (CPU:
+    the check reads the device; on CUDA the vocab sort is cheap and needs no read)."""
     generators: dict[int, torch.Generator]
     """row -> the request's own generator (seeded requests)."""
     max_num_logprobs: int | None
     """Max over rows of the logprobs asked for (None: no row asked)."""
-    no_penalties: bool
-    presence_penalties: torch.Tensor  # [num_reqs] float32
-    frequency_penalties: torch.Tensor  # [num_reqs] float32
-    repetition_penalties: torch.Tensor  # [num_reqs] float32
-    prompt_token_ids: torch.Tensor | None
-    """[num_reqs, max_prompt_len] int64, padded with vocab_size (only when penalties are used)."""
-    output_token_ids: list[list[int]]
-    """Per row, the tokens generated so far."""
-    min_tokens: dict[int, tuple[int, set[int]]]
-    """row -> (min_tokens, ids blocked while fewer tokens were generated: eos + stop ids)."""
-    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    """row -> the only ids it may sample."""
-    banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    """row -> ids it may not sample this step (the bad words its last tokens began)."""
-    logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
-    """row -> {token id: bias added to its logit}."""
+    penalties: Penalties | None = None
+    rules: TokenRules | None = None
 
 
 @dataclass
@@ -76,6 +99,10 @@ class LogprobsTensors:
     logprobs: torch.Tensor  # [num_rows, 1 + k] float32
     ranks: torch.Tensor  # [num_rows] int64: rank of the chosen token (1 = most likely)
     _lists: tuple[list, list, list] | None = field(default=None, init=False, repr=False)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The fields, in the order the constructor takes them."""
+        return [self.token_ids, self.logprobs, self.ranks]
 
     def to_lists(self, row: int, num_logprobs: int) -> LogprobsLists:
         """Row ``row`` as one position, trimmed to that request's own ``num_logprobs``."""
@@ -138,12 +165,10 @@ class Sampler(nn.Module):
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_reqs, vocab]
-        if metadata.allowed_token_ids or metadata.banned_token_ids or metadata.logit_bias:
-            _apply_token_rules(logits, metadata)
-        if metadata.min_tokens:
-            _block_min_tokens(logits, metadata)
-        if not metadata.no_penalties:
-            apply_penalties(logits, metadata)
+        if metadata.rules is not None:
+            _apply_token_rules(logits, metadata.rules)
+        if metadata.penalties is not None:
+            apply_penalties(logits, metadata.penalties)
         sampled = _sample(logits, metadata)
         logprobs = None
         if raw_logprobs is not None:
@@ -162,79 +187,51 @@ def banned_by_bad_words(sequences: list[list[int]], output_token_ids: list[int])
     return banned
 
 
-def _apply_token_rules(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """allowed_token_ids, bad words and logit_bias, touching only the listed rows."""
-    device = logits.device
-    for row, allowed in md.allowed_token_ids.items():
-        keep = torch.tensor(allowed, device=device)
-        values = logits[row, keep]
-        logits[row] = -torch.inf
-        logits[row, keep] = values
-    for row, banned in md.banned_token_ids.items():
-        logits[row, torch.tensor(banned, device=device)] = -torch.inf
-    for row, bias in md.logit_bias.items():
-        ids = torch.tensor(list(bias), device=device)
-        logits[row, ids] += torch.tensor(list(bias.values()), device=device)
+def _apply_token_rules(logits: torch.Tensor, rules: TokenRules) -> None:
+    """Allowed ids, then banned ids, then the bias (a banned id stays -inf)."""
+    if rules.allowed_rows.numel():
+        rows, ids = rules.allowed
+        values = logits[rows, ids]
+        logits[rules.allowed_rows] = -torch.inf
+        logits[rows, ids] = values
+    rows, ids = rules.banned
+    if rows.numel():
+        logits[rows, ids] = -torch.inf
+    rows, ids, bias = rules.bias
+    if rows.numel():
+        logits[rows, ids] += bias
 
 
-def _block_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """Forbid eos / stop tokens in rows that have not yet generated ``min_tokens``."""
-    vocab = logits.shape[1]
-    rows: list[int] = []
-    cols: list[int] = []
-    for row, (min_tokens, blocked) in md.min_tokens.items():
-        if len(md.output_token_ids[row]) < min_tokens:
-            ids = [t for t in blocked if t < vocab]
-            rows.extend([row] * len(ids))
-            cols.extend(ids)
-    if rows:
-        device = logits.device
-        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = -torch.inf
-
-
-def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
     """Repetition (prompt + output tokens, HF-style) and frequency/presence (output tokens, OpenAI).
 
     Touches only the listed ids: gather their logits, penalize, scatter back. A token listed
     several times gets the same new value from each copy, so duplicate writes agree.
     """
-    vocab = logits.shape[1]
-    device = logits.device
-    rep, freq, pres = md.repetition_penalties, md.frequency_penalties, md.presence_penalties
-    rows = ((rep != 1.0) | (freq != 0.0) | (pres != 0.0)).nonzero().squeeze(1)  # [n]
-    if rows.numel() == 0:
-        return
-    outputs = [md.output_token_ids[r] for r in rows.tolist()]
-    max_out = max(map(len, outputs))
-    out_ids = torch.tensor(
-        [o + [vocab] * (max_out - len(o)) for o in outputs], dtype=torch.long, device=device
-    ).view(len(outputs), max_out)
-    prompt_ids = (
-        md.prompt_token_ids[rows].long()
-        if md.prompt_token_ids is not None
-        else out_ids.new_empty(len(outputs), 0)
-    )
-    token_ids = torch.cat([prompt_ids, out_ids], 1)  # [n, num_listed]; vocab marks padding
+    p = penalties
+    token_ids = torch.cat([p.prompt_token_ids, p.output_token_ids], 1)  # -1 marks padding
     if token_ids.shape[1] == 0:
         return
-    real = token_ids < vocab
+    real = token_ids >= 0
     # Padding borrows its row's first real token, so its write repeats a genuine one.
     first_real = token_ids.gather(1, real.int().argmax(1, keepdim=True))
-    token_ids = torch.where(real, token_ids, first_real).clamp_(max=vocab - 1)
+    token_ids = torch.where(real, token_ids, first_real).clamp_(min=0)
 
-    values = logits[rows[:, None], token_ids]  # [n, num_listed]
-    penalty = rep[rows, None]
+    rows = p.rows[:, None]
+    values = logits[rows, token_ids]  # [m, num_listed]
+    penalty = p.repetition[:, None]
     penalized = torch.where(values > 0, values / penalty, values * penalty)
-    if max_out and bool(((freq[rows] != 0.0) | (pres[rows] != 0.0)).any()):
-        sorted_out = out_ids.sort(1).values  # padding (vocab) sorts last and never matches
+    if p.counts_outputs:
+        sorted_out = p.output_token_ids.sort(1).values  # padding (-1) never matches
         counts = (
             torch.searchsorted(sorted_out, token_ids, right=True)
             - torch.searchsorted(sorted_out, token_ids)
         ).to(values.dtype)
-        penalized -= freq[rows, None] * counts + pres[rows, None] * (counts > 0).to(values.dtype)
+        seen = (counts > 0).to(values.dtype)
+        penalized -= p.frequency[:, None] * counts + p.presence[:, None] * seen
     # Rows with no token at all (nothing listed) keep their logits.
     penalized = torch.where(real.any(1, keepdim=True), penalized, values)
-    logits[rows[:, None], token_ids] = penalized
+    logits[rows, token_ids] = penalized
 
 
 def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -244,27 +241,21 @@ def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         return logits.argmax(-1)
     device = logits.device
     sampled = torch.empty(num_reqs, dtype=torch.long, device=device)
-    is_random = md.temperature >= SAMPLING_EPS  # [num_reqs]
-    if not md.all_random:
-        greedy_rows = (~is_random).nonzero().squeeze(1)
-        sampled[greedy_rows] = _take_rows(logits, greedy_rows).argmax(-1)
+    if md.greedy_rows.numel():
+        sampled[md.greedy_rows] = _take_rows(logits, md.greedy_rows).argmax(-1)
     uniform = _uniforms(md, num_reqs, device)  # [num_reqs]
-    truncated = torch.zeros(num_reqs, dtype=torch.bool, device=device)
-    if md.top_k is not None:
-        truncated |= md.top_k > 0
-    if md.top_p is not None:
-        truncated |= md.top_p < 1.0
-    if md.min_p is not None:
-        truncated |= md.min_p > 0.0
-    full_rows = (is_random & ~truncated).nonzero().squeeze(1)
-    candidate_rows = (is_random & truncated).nonzero().squeeze(1)
-    for num_probe in _PROBE_SIZES:
-        if candidate_rows.numel() == 0:
+    if md.top_k_rows.numel():
+        _sample_candidates(logits, md.top_k_rows, md, uniform, sampled, md.max_top_k, False)
+    nucleus_rows = md.nucleus_rows
+    for num_probe in _PROBE_SIZES if md.probe else ():
+        if nucleus_rows.numel() == 0:
             break
-        candidate_rows = _sample_candidates(logits, candidate_rows, md, uniform, sampled, num_probe)
-    full_rows = torch.cat([full_rows, candidate_rows]).sort().values
-    if full_rows.numel():
-        _sample_full_vocab(logits, full_rows, md, uniform, sampled)
+        nucleus_rows = _sample_candidates(logits, nucleus_rows, md, uniform, sampled,
+                                          num_probe, True)  # fmt: skip
+    if nucleus_rows.numel():
+        _sample_full_vocab(logits, nucleus_rows, md, uniform, sampled, truncated=True)
+    if md.plain_rows.numel():
+        _sample_full_vocab(logits, md.plain_rows, md, uniform, sampled, truncated=False)
     return sampled
 
 
@@ -287,51 +278,48 @@ def _sample_candidates(
     md: SamplingMetadata,
     uniform: torch.Tensor,
     sampled: torch.Tensor,
-    num_probe: int,
+    num_candidates: int,
+    probe: bool,
 ) -> torch.Tensor:
-    """Sample truncated ``rows`` among their top candidates; return the rows that did not fit.
+    """Sample truncated ``rows`` among their top ``num_candidates``; return the rows that did not
+    fit.
 
-    Candidates: the largest top-k among ``rows``, or ``num_probe`` if larger and some row has no
-    top-k.
-
-    A row fits when everything its top-k / min-p / top-p keep lies among the candidates (the kept
-    set is always a prefix of the value-sorted order, so checking the last candidate suffices).
+    Rows with a top-k (``num_candidates`` their largest) always fit. A ``probe`` of rows without
+    one keeps those whose min-p / top-p keep only candidates: the kept set is always a prefix of
+    the value-sorted order, so checking the last candidate suffices (a read of the device).
     """
     x = _take_rows(logits, rows)  # [n, vocab]
-    vocab = x.shape[1]
-    top_k = md.top_k[rows] if md.top_k is not None else torch.zeros_like(rows)
-    num_candidates = int(top_k.max())
-    if not bool((top_k > 0).all()):
-        num_candidates = max(num_candidates, num_probe)
-    num_candidates = min(num_candidates, vocab)
-    values, ids = x.topk(num_candidates, dim=-1)  # [n, C], sorted descending
+    values, ids = x.topk(min(num_candidates, x.shape[1]), dim=-1)  # [n, C], sorted descending
     temperature = md.temperature[rows, None]  # [n, 1]
     values = values / temperature
+    top_k = md.top_k[rows] if md.top_k is not None and not probe else None
     keep = _keep_candidates(values, x, temperature, top_k, md, rows)  # [n, C]
-    fits = (top_k > 0) | ~keep[:, -1]
-    fit = fits.nonzero().squeeze(1)
-    if fit.numel():
-        ids_by_id, order = ids[fit].sort(-1)  # draw in token-id order, as the full path does
-        weights = (values[fit] - values[fit, :1]).exp().masked_fill(~keep[fit], 0.0)
-        picked = _draw(weights.gather(1, order), uniform[rows[fit]])
-        drawn = ids_by_id.gather(1, picked.clamp(min=0)[:, None]).squeeze(1)
-        sampled[rows[fit]] = torch.where(picked >= 0, drawn, ids[fit, 0])
-    return rows[~fits]
+    left = rows[:0]
+    if probe:
+        fits = ~keep[:, -1]
+        fit, left = fits.nonzero().squeeze(1), rows[~fits]
+        rows, ids, values, keep = rows[fit], ids[fit], values[fit], keep[fit]
+    ids_by_id, order = ids.sort(-1)  # draw in token-id order, as the full path does
+    weights = (values - values[:, :1]).exp().masked_fill(~keep, 0.0)
+    picked = _draw(weights.gather(1, order), uniform[rows])
+    drawn = ids_by_id.gather(1, picked.clamp(min=0)[:, None]).squeeze(1)
+    sampled[rows] = torch.where(picked >= 0, drawn, ids[:, 0])
+    return left
 
 
 def _keep_candidates(
     values: torch.Tensor,
     x: torch.Tensor,
     temperature: torch.Tensor,
-    top_k: torch.Tensor,
+    top_k: torch.Tensor | None,
     md: SamplingMetadata,
     rows: torch.Tensor,
 ) -> torch.Tensor:
     """Which of the value-sorted candidates [n, C] survive top-k, then min-p, then top-p."""
-    num_candidates = values.shape[1]
-    position = torch.arange(num_candidates, device=values.device)
-    keep = position < torch.where(top_k > 0, top_k, num_candidates)[:, None]
-    keep &= values > -torch.inf
+    position = torch.arange(values.shape[1], device=values.device)
+    keep = values > -torch.inf
+    if top_k is not None:
+        keep &= position < top_k[:, None]
     log_min_p = None
     if md.min_p is not None:
         log_min_p = md.min_p[rows].log()[:, None]  # log(0) = -inf keeps everything
@@ -341,14 +329,15 @@ def _keep_candidates(
     top_p = md.top_p[rows]
     masked = values.masked_fill(~keep, -torch.inf)
     log_mass = masked.logsumexp(-1)  # [n]
-    # Survivors may run past the candidates (no top-k, min-p not cutting): top-p must then be
-    # normalized over the whole row.
-    spill = (keep[:, -1] & (top_k == 0) & (top_p < 1.0)).nonzero().squeeze(1)
-    if spill.numel():
-        scaled = x[spill] / temperature[spill]  # [num_spill, vocab]
-        if log_min_p is not None:
-            scaled.masked_fill_(scaled < values[spill, :1] + log_min_p[spill], -torch.inf)
-        log_mass[spill] = scaled.logsumexp(-1)
+    if top_k is None:
+        # Survivors may run past the candidates (min-p not cutting): top-p must then be
+        # normalized over the whole row.
+        spill = (keep[:, -1] & (top_p < 1.0)).nonzero().squeeze(1)
+        if spill.numel():
+            scaled = x[spill] / temperature[spill]  # [num_spill, vocab]
+            if log_min_p is not None:
+                scaled.masked_fill_(scaled < values[spill, :1] + log_min_p[spill], -torch.inf)
+            log_mass[spill] = scaled.logsumexp(-1)
     probs = (masked - log_mass[:, None]).exp()
     mass_before = probs.cumsum(-1) - probs
     # The most likely candidate always survives top-p, however small top_p is.
@@ -362,37 +351,34 @@ def _sample_full_vocab(
     md: SamplingMetadata,
     uniform: torch.Tensor,
     sampled: torch.Tensor,
+    truncated: bool,
 ) -> None:
-    """Sample ``rows`` (no top-k) over the whole vocab, with their min-p and top-p."""
+    """Sample ``rows`` (no top-k) over the whole vocab, with their min-p and top-p when
+    ``truncated``."""
     scaled = _take_rows(logits, rows)
     temperature = md.temperature[rows, None]
     # Divide in place when the rows are the whole batch (the logits are ours to consume).
     scaled = scaled.div_(temperature) if scaled is logits else scaled / temperature  # [n, vocab]
     row_max, row_argmax = scaled.max(-1, keepdim=True)  # [n, 1]
-    if md.min_p is not None:
-        min_p = md.min_p[rows, None]
-        scaled.masked_fill_(scaled < row_max + min_p.log(), -torch.inf)
-    if md.top_p is not None:
-        nucleus = (md.top_p[rows] < 1.0).nonzero().squeeze(1)
-        if nucleus.numel():
-            _mask_top_p(scaled, nucleus, md.top_p[rows[nucleus]])
+    if truncated and md.min_p is not None:
+        scaled.masked_fill_(scaled < row_max + md.min_p[rows, None].log(), -torch.inf)
+    if truncated and md.top_p is not None:
+        _mask_top_p(scaled, md.top_p[rows])
     weights = scaled.sub_(row_max).exp_()  # [n, vocab], 0 where masked
     picked = _draw(weights, uniform[rows])
     sampled[rows] = torch.where(picked >= 0, picked, row_argmax.squeeze(1))
 
 
-def _mask_top_p(scaled: torch.Tensor, nucleus: torch.Tensor, top_p: torch.Tensor) -> None:
-    """Mask (in place) the tokens of rows ``nucleus`` outside their top-p nucleus; sorts the vocab.
-
-    Tokens tied with the smallest kept value are kept too.
-    """
-    sub = scaled[nucleus]  # [m, vocab]
-    values = sub.sort(-1, descending=True).values
+def _mask_top_p(scaled: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Mask (in place) the tokens of each row outside its top-p nucleus (a row with top_p 1
+    keeps all); sorts the vocab. Tokens tied with the smallest kept value are kept too."""
+    values = scaled.sort(-1, descending=True).values
     probs = values.softmax(-1)
     mass_before = probs.cumsum(-1) - probs
     num_keep = (mass_before < top_p[:, None]).sum(-1, keepdim=True).clamp_(min=1)
-    cutoff = values.gather(1, num_keep - 1)  # [m, 1]
-    scaled[nucleus] = sub.masked_fill_(sub < cutoff, -torch.inf)
+    num_keep = torch.where(top_p[:, None] >= 1.0, values.shape[1], num_keep)
+    cutoff = values.gather(1, num_keep - 1)  # [n, 1]
+    scaled.masked_fill_(scaled < cutoff, -torch.inf)
 
 
 def _draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

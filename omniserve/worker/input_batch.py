@@ -69,24 +69,26 @@ def unpack(
     ]
 
 
-class TokenReadback:
-    """Sampled token ids on their way to the host. On CUDA: a copy into pinned memory that does
-    not synchronize the stream, so the next step can be launched behind it, and ``tolist()``
-    waits for that copy alone."""
+class HostCopy:
+    """Device tensors on their way to the host. On CUDA: copies into pinned memory that do not
+    synchronize the stream, so the next step can be launched behind them, and ``get()`` waits
+    for these copies alone (``tolist()`` on a device tensor would wait for the whole stream)."""
 
-    def __init__(self, tokens: torch.Tensor) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self._event: torch.cuda.Event | None = None
-        self._host = tokens
-        if tokens.device.type == "cuda":
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+        self._host = list(tensors)
+        if self._host and self._host[0].device.type == "cuda":
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, tensor in zip(self._host, tensors, strict=True):
+                host.copy_(tensor, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
 
-    def tolist(self) -> list[int]:
+    def get(self) -> list[torch.Tensor]:
         if self._event is not None:
             self._event.synchronize()
-        return self._host.tolist()
+            self._event = None
+        return self._host
 
 
 def host_to_device(

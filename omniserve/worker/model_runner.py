@@ -7,6 +7,7 @@ request's history through its block table. Logits are computed only where a toke
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,21 +28,21 @@ from omniserve.layers.sampler import (
     LogprobsTensors,
     Sampler,
     SamplingMetadata,
-    banned_by_bad_words,
     compute_logprobs,
 )
-from omniserve.messages import LogprobsLists, ModelRunnerOutput, PendingOutput, ReadyOutput
+from omniserve.messages import ModelRunnerOutput, PendingOutput, ReadyOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.structured_output import apply_bitmask_rows
 from omniserve.worker.cuda_graph import PAD_SLOT, DecodeGraphs, graph_batch_sizes
 from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions, to_device
 from omniserve.worker.input_batch import (
     CachedRequestState,
+    HostCopy,
     InputBatch,
-    TokenReadback,
     host_to_device,
     upload,
 )
+from omniserve.worker.sampling_inputs import banned_ids, build_sampling_metadata
 from omniserve.worker.step_timing import StepTimer
 from omniserve.worker.talker_families import create_talker_runner
 
@@ -63,35 +64,58 @@ class StepInputs:
 
 @dataclass
 class _SampledStep:
-    """A launched step (a ``PendingOutput``): ``result()`` reads its tokens back and appends
-    them to their requests' rows; a request that left the batch meanwhile is skipped (its
-    output is not used)."""
+    """A launched step (a ``PendingOutput``): ``read_back()`` waits for its sampled tokens and
+    appends them to their requests' rows (once: the next step's sampling may need them first);
+    ``result()`` also attaches the logprobs. A request that left the batch meanwhile is
+    skipped (its output is not used)."""
 
     batch: InputBatch
     timer: StepTimer
     output: ModelRunnerOutput
     sampling: list[int]
     """Index in ``output.req_ids`` of each request that sampled, in the tokens' order."""
-    tokens: TokenReadback
+    sampled: torch.Tensor
     logprobs: LogprobsTensors | None
+    prompt_logprobs: dict[str, tuple[LogprobsTensors, int]]
+    """req id -> logprobs of its prompt positions in this step, and how many it asked for."""
+
+    def __post_init__(self) -> None:
+        tensors = [self.sampled]
+        for logprobs in (self.logprobs, *(lp for lp, _ in self.prompt_logprobs.values())):
+            if logprobs is not None:
+                tensors += logprobs.tensors()
+        self._copy: HostCopy | None = HostCopy(tensors)
+        self._host: list[torch.Tensor] = []
+
+    def read_back(self) -> None:
+        if self._copy is None:
+            return
+        batch, output = self.batch, self.output
+        self._host, self._copy = self._copy.get(), None
+        sampled = self._host[0].tolist()
+        for j, i in enumerate(self.sampling):
+            output.sampled_token_ids[i] = [sampled[j]]
+            row = batch.req_id_to_row.get(output.req_ids[i])
+            if row is not None:
+                batch.num_in_flight[row] -= 1
+                batch.append_token(row, sampled[j])
 
     def result(self) -> ModelRunnerOutput:
-        batch, output = self.batch, self.output
         with self.timer.part("sampler"):
-            sampled = self.tokens.tolist()
-        for j, i in enumerate(self.sampling):
-            req_id = output.req_ids[i]
-            output.sampled_token_ids[i] = [sampled[j]]
-            row = batch.req_id_to_row.get(req_id)
-            if row is None:
-                continue
-            batch.num_in_flight[row] -= 1
-            batch.append_token(row, sampled[j])
-            state = batch.states[row]
-            assert state is not None
-            num_logprobs = state.sampling_params.logprobs
-            if num_logprobs is not None and self.logprobs is not None:
-                output.logprobs[req_id] = self.logprobs.to_lists(j, num_logprobs)
+            self.read_back()
+        output, host = self.output, iter(self._host[1:])
+        if self.logprobs is not None:
+            logprobs = LogprobsTensors(*itertools.islice(host, 3))
+            for j, i in enumerate(self.sampling):
+                req_id = output.req_ids[i]
+                row = self.batch.req_id_to_row.get(req_id)
+                state = self.batch.states[row] if row is not None else None
+                if state is not None and state.sampling_params.logprobs is not None:
+                    output.logprobs[req_id] = logprobs.to_lists(j, state.sampling_params.logprobs)
+        for req_id, (_, k) in self.prompt_logprobs.items():
+            output.prompt_logprobs[req_id] = LogprobsTensors(
+                *itertools.islice(host, 3)
+            ).to_lists_all(k)
         return output
 
 
@@ -127,9 +151,9 @@ class ModelRunner:
             else None
         )
         self.decode_graphs: DecodeGraphs | None = None
-        self._last_sampled: tuple[torch.Tensor, list[str]] | None = None
-        """The last launched step's sampled tokens (on the device) and the requests they are
-        for, in order: the inputs of next steps launched before they are read back."""
+        self._last_step: _SampledStep | None = None
+        """The last launched step: its sampled tokens (on the device) are the inputs of next
+        steps launched before they are read back, and the tokens any row has in flight."""
         self.step_timer = StepTimer(device)
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -278,22 +302,17 @@ class ModelRunner:
         sample_rows = step.rows[step.sample_mask]
         with timer.part("sampler"):
             sampler_output = self.sampler(logits, self._sampling_metadata(sample_rows))
-        sampling = np.flatnonzero(step.sample_mask).tolist()
-        self._last_sampled = (sampler_output.sampled_token_ids,
-                              [step.req_ids[i] for i in sampling])  # fmt: skip
         self.input_batch.num_in_flight[sample_rows] += 1
-        return _SampledStep(
+        self._last_step = _SampledStep(
             self.input_batch,
             timer,
-            ModelRunnerOutput(
-                step.req_ids,
-                [[] for _ in step.req_ids],
-                prompt_logprobs=self._prompt_logprobs(step, hidden_states),
-            ),
-            sampling,
-            TokenReadback(sampler_output.sampled_token_ids),
+            ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids]),
+            np.flatnonzero(step.sample_mask).tolist(),
+            sampler_output.sampled_token_ids,
             sampler_output.logprobs,
+            self._prompt_logprobs(step, hidden_states),
         )
+        return self._last_step
 
     def _replay_decode(self, so: SchedulerOutput, step: StepInputs) -> torch.Tensor | None:
         """The step's hidden states from a captured graph when every request feeds back one
@@ -422,9 +441,10 @@ class ModelRunner:
             self._model_positions(rows, positions, query_lens),
         ]
         if from_device.size:
-            assert self._last_sampled is not None
-            last_tokens, last_req_ids = self._last_sampled
-            index = {req_id: j for j, req_id in enumerate(last_req_ids)}
+            last = self._last_step
+            assert last is not None
+            last_tokens = last.sampled
+            index = {last.output.req_ids[i]: j for j, i in enumerate(last.sampling)}
             arrays += [from_device, np.fromiter((index[req_ids[i]] for i in token_req[from_device]),
                                                 np.int64, from_device.size)]  # fmt: skip
         (query_start_loc, seq_lens_dev, block_table, slot_mapping_dev, input_ids_dev,
@@ -452,77 +472,70 @@ class ModelRunner:
         )
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """The sampling rows' settings. A row's tokens still in flight (the last step's) count
+        toward ``min_tokens`` as they are; penalties and bad words read their values, so when
+        such a row has one, the last step is read back first. Called once this step's forward
+        is launched, so on CUDA that wait overlaps it."""
         batch = self.input_batch
-        states = [batch.states[r] for r in rows]
-        temperature = batch.temperature[rows]
-        greedy = temperature < 1e-5
-        top_p, top_k, min_p = batch.top_p[rows], batch.top_k[rows], batch.min_p[rows]
-        presence = batch.presence_penalty[rows]
-        frequency = batch.frequency_penalty[rows]
-        repetition = batch.repetition_penalty[rows]
-        no_penalties = not (presence.any() or frequency.any() or (repetition != 1.0).any())
-        prompt_token_ids = None
-        if not no_penalties:
-            max_prompt = int(batch.num_prompt_tokens[rows].max())
-            prompt = batch.token_ids[rows, :max_prompt].copy()
-            prompt[np.arange(max_prompt)[None, :] >= batch.num_prompt_tokens[rows][:, None]] = (
-                self.vocab_size
-            )
-            prompt_token_ids = host_to_device(prompt, self.device)
-        generators, min_tokens = {}, {}
-        allowed, banned, bias = {}, {}, {}
+        generators, allowed, banned, bias = {}, {}, {}, {}
         max_num_logprobs = None
-        for i, state in enumerate(states):
+        for i, row in enumerate(rows):
+            state = batch.states[row]
             assert state is not None
             params = state.sampling_params
+            if batch.num_in_flight[row] and params.reads_output_tokens:
+                assert self._last_step is not None
+                self._last_step.read_back()  # once; every row's token in flight is its
             if state.generator is not None:
                 generators[i] = state.generator
             if params.logprobs is not None:
                 max_num_logprobs = max(max_num_logprobs or 0, params.logprobs)
-            if len(state.output_token_ids) < params.min_tokens:
-                blocked = set(params.stop_token_ids)
-                if state.eos_token_id is not None:
-                    blocked.add(state.eos_token_id)
-                min_tokens[i] = (params.min_tokens, blocked)
+            num_generated = len(state.output_token_ids) + int(batch.num_in_flight[row])
+            blocked = banned_ids(params, state.output_token_ids, num_generated,
+                                 state.eos_token_id, self.vocab_size)  # fmt: skip
+            if blocked:
+                banned[i] = blocked
             if params.allowed_token_ids:
                 allowed[i] = params.allowed_token_ids
             if params.logit_bias:
                 bias[i] = params.logit_bias
-            if params.bad_words_token_ids:
-                ids = banned_by_bad_words(params.bad_words_token_ids, state.output_token_ids)
-                if ids:
-                    banned[i] = ids
-
-        temperature_dev, top_p_dev, top_k_dev, min_p_dev, presence_dev, frequency_dev, \
-            repetition_dev = upload(self.device, [temperature, top_p, top_k, min_p, presence,
-                                                  frequency, repetition])  # fmt: skip
-        return SamplingMetadata(
-            temperature=temperature_dev,
-            all_greedy=bool(greedy.all()),
-            all_random=not bool(greedy.any()),
-            top_p=None if (top_p >= 1.0).all() else top_p_dev,
-            top_k=None if not top_k.any() else top_k_dev,
-            min_p=None if not min_p.any() else min_p_dev,
+        return build_sampling_metadata(
+            self.device,
+            temperature=batch.temperature[rows],
+            top_p=batch.top_p[rows],
+            top_k=batch.top_k[rows],
+            min_p=batch.min_p[rows],
             generators=generators,
             max_num_logprobs=max_num_logprobs,
-            no_penalties=no_penalties,
-            presence_penalties=presence_dev,
-            frequency_penalties=frequency_dev,
-            repetition_penalties=repetition_dev,
-            prompt_token_ids=prompt_token_ids,
-            output_token_ids=[s.output_token_ids for s in states],
-            min_tokens=min_tokens,
-            allowed_token_ids=allowed,
-            banned_token_ids=banned,
-            logit_bias=bias,
+            repetition=batch.repetition_penalty[rows],
+            frequency=batch.frequency_penalty[rows],
+            presence=batch.presence_penalty[rows],
+            seen_tokens=lambda penalized: self._seen_tokens(rows[penalized]),
+            allowed=allowed,
+            banned=banned,
+            bias=bias,
         )
+
+    def _seen_tokens(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt and output token ids of batch ``rows``, each padded with -1."""
+        batch = self.input_batch
+        num_prompt, num_tokens = batch.num_prompt_tokens[rows], batch.num_tokens[rows]
+
+        def window(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+            index = start[:, None] + np.arange(int((end - start).max(initial=0)))
+            inside = index < end[:, None]
+            ids = batch.token_ids[rows[:, None], np.where(inside, index, 0)]
+            return np.where(inside, ids, -1)
+
+        return window(np.zeros_like(num_prompt), num_prompt), window(num_prompt, num_tokens)
 
     def _prompt_logprobs(
         self, step: StepInputs, hidden_states: torch.Tensor
-    ) -> dict[str, LogprobsLists]:
-        """Logprobs of each prompt token given its prefix, for the prompt positions of this step."""
+    ) -> dict[str, tuple[LogprobsTensors, int]]:
+        """Logprobs of each prompt token given its prefix, for the prompt positions of this step
+        (and how many each request asked for)."""
         batch = self.input_batch
-        result: dict[str, LogprobsLists] = {}
+        result: dict[str, tuple[LogprobsTensors, int]] = {}
         start = 0
         for i, req_id in enumerate(step.req_ids):
             row, q = int(step.rows[i]), int(step.query_lens[i])
@@ -537,6 +550,6 @@ class ModelRunner:
                     batch.token_ids[row, first + 1 : first + 1 + count], self.device
                 )
                 logits = self.model.compute_logits(hidden_states[start : start + count])
-                result[req_id] = compute_logprobs(logits, targets, k).to_lists_all(k)
+                result[req_id] = (compute_logprobs(logits, targets, k), k)
             start += q
         return result

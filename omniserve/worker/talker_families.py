@@ -6,11 +6,13 @@ states it reads. ``create_talker_runner`` picks the family the model names (``sp
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import torch
 from torch import nn
 
 from omniserve.core.sched_output import TEXT_END
 from omniserve.layers.sampler import SamplingMetadata
+from omniserve.worker.sampling_inputs import build_sampling_metadata
 from omniserve.worker.talker_runner import TalkerRunner, TalkerState, ThinkerSide
 
 # The code predictor's sampling when the talker samples (transformers hard-codes these).
@@ -135,27 +137,14 @@ class Qwen3OmniTalkerRunner(TalkerRunner):
     def _predictor_metadata(self, states: list[TalkerState]) -> SamplingMetadata:
         """The code predictor's sampling: greedy, or top-k 50 / top-p 0.8 at temperature 1, with
         no penalties or suppressed ids."""
-        n, dev = len(states), self.device
-        greedy = [s.speech.sampling_params.greedy for s in states]
-        top_k = [0 if g else PREDICTOR_TOP_K for g in greedy]
-        top_p = [1.0 if g else PREDICTOR_TOP_P for g in greedy]
-        return SamplingMetadata(
-            temperature=torch.tensor([0.0 if g else 1.0 for g in greedy], device=dev),
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            top_p=None if all(greedy) else torch.tensor(top_p, device=dev),
-            top_k=None if all(greedy) else torch.tensor(top_k, device=dev),
-            min_p=None,
+        greedy = np.array([s.speech.sampling_params.greedy for s in states])
+        return build_sampling_metadata(
+            self.device,
+            temperature=np.where(greedy, 0.0, 1.0),
+            top_p=np.where(greedy, 1.0, PREDICTOR_TOP_P),
+            top_k=np.where(greedy, 0, PREDICTOR_TOP_K),
+            min_p=np.zeros(len(states)),
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            max_num_logprobs=None,
-            no_penalties=True,
-            presence_penalties=torch.zeros(n, device=dev),
-            frequency_penalties=torch.zeros(n, device=dev),
-            repetition_penalties=torch.ones(n, device=dev),
-            prompt_token_ids=None,
-            output_token_ids=[[] for _ in states],
-            min_tokens={},
-            banned_token_ids={},
         )
 
 

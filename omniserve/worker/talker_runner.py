@@ -36,6 +36,7 @@ from omniserve.messages import SpeechRequest, SpeechStepOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.worker.encoder_runner import mrope_positions
 from omniserve.worker.input_batch import host_to_device
+from omniserve.worker.sampling_inputs import build_sampling_metadata, padded
 
 
 @dataclass
@@ -252,39 +253,21 @@ class TalkerRunner(ABC):
         """The talker's sampling: each request's settings, repetition over its own sampled
         codes (and ``prompt_codes``, where the reference penalises its prompt's too), ``banned``
         control ids suppressed."""
-        n, dev = len(states), self.device
         params = [s.speech.sampling_params for s in states]
-        greedy = [p.greedy for p in params]
-        return SamplingMetadata(
-            temperature=torch.tensor(
-                [0.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
-                device=dev,
-            ),
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            top_p=(
-                None
-                if all(p.top_p >= 1.0 for p in params)
-                else torch.tensor([p.top_p for p in params], device=dev)
-            ),
-            top_k=(
-                None
-                if not any(p.top_k for p in params)
-                else torch.tensor([p.top_k for p in params], device=dev)
-            ),
-            min_p=None,
+        codes = np.array(prompt_codes or [], np.int64)
+        return build_sampling_metadata(
+            self.device,
+            temperature=np.array([0.0 if p.greedy else p.temperature for p in params]),
+            top_p=np.array([p.top_p for p in params]),
+            top_k=np.array([p.top_k for p in params]),
+            min_p=np.zeros(len(params)),
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            max_num_logprobs=None,
-            no_penalties=all(p.repetition_penalty == 1.0 for p in params),
-            presence_penalties=torch.zeros(n, device=dev),
-            frequency_penalties=torch.zeros(n, device=dev),
-            repetition_penalties=torch.tensor([p.repetition_penalty for p in params], device=dev),
-            prompt_token_ids=(
-                None if prompt_codes is None else torch.tensor([prompt_codes] * n, device=dev)
+            repetition=np.array([p.repetition_penalty for p in params]),
+            seen_tokens=lambda rows: (
+                np.broadcast_to(codes, (len(rows), len(codes))),
+                padded([states[r].history for r in rows]),
             ),
-            output_token_ids=[s.history for s in states],
-            min_tokens={},
-            banned_token_ids={i: banned for i in range(n)},
+            banned={i: banned for i in range(len(states))},
         )
 
     # ---- vocoder ---------------------------------------------------------------------------------
