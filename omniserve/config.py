@@ -381,8 +381,9 @@ class SchedulerConfig:
     async_scheduling: bool = False
     """Schedule and launch each step before the previous one's tokens are back on the host, so
     the device does not wait for the host between steps (vLLM's --async-scheduling). A request
-    that stops on a stop token computes one token more, discarded; one whose next step reads its
-    output tokens on the host (penalties, bad words, a grammar, min_tokens) waits for them."""
+    that stops on a stop token computes one token more, discarded; sampling that reads the
+    tokens before (penalties, bad words, a grammar) waits for the last one behind the launched
+    forward."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

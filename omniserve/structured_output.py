@@ -146,19 +146,11 @@ def wait_any(futures: list[Future[Any]], timeout: float) -> None:
     )
 
 
-def apply_bitmask_rows(logits: Any, rows: dict[int, bytes]) -> None:
-    """Mask ``logits`` [num_rows, vocab] in place: in row r, every token whose bit is 0 in
-    ``rows[r]`` gets -inf (and tokens past the bitmask's vocabulary too)."""
-    import torch
-
-    if not rows:
-        return
-    vocab = logits.shape[1]
-    index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
-    words = torch.from_numpy(np.stack([np.frombuffer(b, dtype=np.int32) for b in rows.values()]))
-    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [n, W, 32]
-    allowed = bits.reshape(len(rows), -1)[:, :vocab].bool().to(logits.device)
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    sub = logits[index]
-    logits[index] = sub.masked_fill(~allowed, -torch.inf)
+def allowed_by_bitmask(rows: list[bytes], vocab_size: int) -> np.ndarray:
+    """Bitmask rows (packed int32 words: bit i of word j is token 32 j + i) -> [len(rows),
+    vocab_size] bool, False past the bitmask's vocabulary too."""
+    bits = np.unpackbits(np.frombuffer(b"".join(rows), np.uint8), bitorder="little")
+    allowed = np.zeros((len(rows), vocab_size), bool)
+    known = bits.reshape(len(rows), -1)[:, :vocab_size]
+    allowed[:, : known.shape[1]] = known
+    return allowed

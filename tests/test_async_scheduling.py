@@ -4,13 +4,14 @@ before it is read back, its decodes fed the tokens that step sampled, still on t
 On CPU nothing overlaps, but every decision is the code CUDA runs, so these check that the
 outputs equal synchronous scheduling's token for token, through chunked prefill, preemption,
 stops inside a step in flight, logprobs, seeded sampling, penalties, min_tokens and bad words
-(the worker reads the last step's token before it samples), grammars (the request waits for its
-last token) and aborts; ``test_reliability`` fails steps under it."""
+(the worker reads the last step's token before it samples), grammars (a step is sampled once
+the step before it is back) and aborts; ``test_reliability`` fails steps under it."""
 
 from __future__ import annotations
 
 import argparse
 import random
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -126,13 +127,11 @@ def test_outputs_equal_synchronous_scheduling(
 def test_requests_that_wait_for_their_tokens_launch_no_empty_steps(
     engines: tuple[LLM, LLM, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With every running request waiting for its token (a grammar), nothing is launched ahead
-    (an empty step would cost a schedule and a dispatch per token), and the tokens are the
-    same."""
+    """With every running request waiting for its token (its last one is in flight), nothing
+    is launched ahead: an empty step would cost a schedule and a dispatch."""
     sync_llm, async_llm, model_dir = engines
     prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [9, 20], seed=4)]
-    grammar = StructuredOutputsParams(regex="[a-z]{60}")
-    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=grammar)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     expected = _results(sync_llm, prompts, [params] * 2)
     launched: list[int] = []
     original = UniProcExecutor.dispatch_model
@@ -143,9 +142,7 @@ def test_requests_that_wait_for_their_tokens_launch_no_empty_steps(
 
     monkeypatch.setattr(UniProcExecutor, "dispatch_model", dispatch)
     assert _results(async_llm, prompts, [params] * 2) == expected
-    # No empty step: only the prompts and one decode per token after the first, whenever the
-    # grammars (compiled in the background) let each request in.
-    assert 0 not in launched and sum(launched) == 29 + 2 * 7
+    assert launched == [29, 2, 2]  # the prompts, then one decode each per step
 
 
 def test_penalties_min_tokens_and_bad_words_run_ahead(
@@ -172,20 +169,38 @@ def test_penalties_min_tokens_and_bad_words_run_ahead(
     assert depths.count(2) >= 12
 
 
-def test_a_request_with_a_grammar_waits_for_its_tokens(engines: tuple[LLM, LLM, str]) -> None:
+def test_grammar_steps_are_sampled_once_the_step_before_is_back(
+    engines: tuple[LLM, LLM, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with a constrained request is launched up to its logits while the step before it
+    is in flight, and sampled once that step's tokens have advanced the grammars: the tokens of
+    synchronous scheduling, with two steps in flight."""
     sync_llm, async_llm, model_dir = engines
     prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [9, 14, 7], seed=5)]
+    base = SamplingParams(temperature=0.0, max_tokens=24)
     params = [
-        SamplingParams(
-            temperature=0.0,
-            max_tokens=12,
-            structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"]),
-        ),
-        SamplingParams(temperature=0.0, max_tokens=12),
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-    ]
+        base.clone(structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])),
+        base.clone(structured_outputs=StructuredOutputsParams(regex="[a-z]{3,9}-[0-9]{2,5}"),
+                   logprobs=1),
+        base.clone(ignore_eos=True),
+    ]  # fmt: skip
     expected = _results(sync_llm, prompts, params)
-    assert _results(async_llm, prompts, params) == expected
+    assert re.fullmatch("[a-z]{3,9}-[0-9]{2,5}", _text_of(async_llm, expected[1][0]))
+    split: list[int] = []
+    original = UniProcExecutor.launch_model
+
+    def launch(self: UniProcExecutor, so: Any) -> None:
+        split.append(so.total_num_scheduled_tokens)
+        original(self, so)
+
+    monkeypatch.setattr(UniProcExecutor, "launch_model", launch)
+    depths = _depths(monkeypatch)
+    _assert_same(expected, _results(async_llm, prompts, params))
+    assert len(split) >= 5 and max(depths) == 2
+
+
+def _text_of(llm: LLM, token_ids: list[int]) -> str:
+    return llm.get_tokenizer().decode(token_ids, skip_special_tokens=True)
 
 
 def test_media_requests_equal_synchronous_scheduling(
@@ -337,16 +352,16 @@ def test_the_scheduler_counts_tokens_in_flight_as_known() -> None:
 @pytest.mark.parametrize(
     ("params", "waits"),
     [
-        ({"structured_outputs": StructuredOutputsParams(choice=["a", "b"])}, True),
         ({"max_tokens": 1}, True),  # it ends on its token in flight
-        # The worker reads the last step's token itself before it samples these.
+        # Sampled once the last step's token is back (worker or engine core).
+        ({"structured_outputs": StructuredOutputsParams(choice=["a", "b"])}, False),
         ({"repetition_penalty": 1.2}, False),
         ({"frequency_penalty": 0.5}, False),
         ({"min_tokens": 4}, False),
         ({"bad_words_token_ids": [[5, 6]]}, False),
     ],
 )
-def test_only_a_grammar_or_a_length_limit_waits_for_tokens_in_flight(
+def test_only_a_length_limit_waits_for_tokens_in_flight(
     params: dict[str, Any], waits: bool
 ) -> None:
     scheduler = make_scheduler()

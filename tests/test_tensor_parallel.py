@@ -22,7 +22,9 @@ from omniserve import LLM, SamplingParams
 from omniserve.config import ModelConfig, OmniConfig, ParallelConfig
 from omniserve.engine.core import EngineCore
 from omniserve.executor.abstract import Executor
+from omniserve.executor.multiproc import MultiprocExecutor
 from omniserve.layers.weight_utils import SafetensorsFile, copy_weight
+from omniserve.sampling_params import StructuredOutputsParams
 from tests.hf_reference import ReferenceOutput, assert_matches_reference, hf_greedy, make_prompts
 from tests.server_utils import launch_server
 from tests.test_fidelity_mm import IMAGE, TEXT, Case, _engine_prompt, _hf_reference, _image, _user
@@ -81,6 +83,35 @@ def test_calls_between_steps_in_flight_leave_their_replies(tiny_checkpoint, monk
     monkeypatch.setattr(EngineCore, "_finish_oldest_step", finish)
     assert _tokens(_generate(model_dir, prompts, tp=2, async_scheduling=True)) == _tokens(tp1)
     assert len(calls) >= MAX_TOKENS  # one per step: a prefill and 7 decodes
+
+
+@pytest.mark.slow
+def test_async_grammars_and_penalties_over_two_ranks(tiny_checkpoint, monkeypatch):
+    """Async scheduling over two ranks: a step with a grammar is launched on the ranks before
+    the step before it is read back, and sampled after; penalties and bad words read the last
+    token back on each rank. The tokens of one rank, synchronous."""
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+    launched = []
+    original = MultiprocExecutor.launch_model
+    monkeypatch.setattr(MultiprocExecutor, "launch_model",
+                        lambda self, so: launched.append(so) or original(self, so))  # fmt: skip
+    model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [5, 23, 40])]
+    base = SamplingParams(temperature=0.0, max_tokens=12)
+    params = [
+        base.clone(structured_outputs=StructuredOutputsParams(regex="[a-z]{3,9}-[0-9]{2,5}")),
+        base.clone(repetition_penalty=1.3, frequency_penalty=0.5, ignore_eos=True),
+        base.clone(bad_words_token_ids=[[7], [8, 9]], min_tokens=6, logprobs=1),
+    ]
+    tokens = []
+    for tp, ahead in ((1, False), (2, True)):
+        llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, async_scheduling=ahead)
+        try:
+            tokens.append(_tokens(llm.generate(prompts, params, use_tqdm=False)))
+        finally:
+            llm.shutdown()
+    assert tokens[1] == tokens[0]
+    assert len(launched) >= 3
 
 
 @pytest.mark.slow

@@ -56,14 +56,14 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
 
 def waits_for_tokens_in_flight(request: Request, max_model_len: int) -> bool:
     """Whether a request with tokens of steps still in flight must wait for them before its next
-    step (async scheduling): it may finish on them (length), or its grammar must advance over
-    them before the next step's bitmask (made here, at scheduling). Penalties, bad words and
-    ``min_tokens`` need not wait: the worker reads the last step's token before it samples."""
+    step (async scheduling): it may finish on them (length). What sampling reads of them does
+    not wait: the worker reads the last step's token back before it samples a request with
+    penalties or bad words, and the engine core samples a step with a grammar once the step
+    before it is back."""
     num_in_flight = request.num_output_placeholders
     return num_in_flight > 0 and (
         request.num_output_tokens + num_in_flight >= request.max_tokens
         or request.num_tokens + num_in_flight >= max_model_len
-        or request.sampling_params.structured_outputs is not None
     )
 
 

@@ -99,6 +99,9 @@ class EngineCore:
         self._in_flight: collections.deque[tuple[SchedulerOutput, PendingOutput]] = (
             collections.deque()
         )
+        self._unsampled: SchedulerOutput | None = None
+        """A step launched up to its logits, to be sampled once the step before it is read
+        back (its grammar bitmask follows that step's tokens)."""
 
     def _make_text_stop(self, request: Request) -> IncrementalDetokenizer:
         """The front end's detokenizer, here for a speaking request with stop strings."""
@@ -207,6 +210,8 @@ class EngineCore:
                 outputs=failed, timestamp=time.time(), engine_index=self.engine_index
             )
         outputs = self._finish_oldest_step()
+        if self._unsampled is not None:
+            self._sample_launched()
         outputs.outputs = failed + outputs.outputs
         return outputs
 
@@ -223,14 +228,37 @@ class EngineCore:
             ):
                 return
             scheduler_output = self.scheduler.schedule()
-            self._attach_grammar_bitmask(scheduler_output)
             try:
+                if self._in_flight and self._samples_under_grammar(scheduler_output):
+                    # Its bitmask follows the tokens in flight: sampled once they are back.
+                    self.model_executor.launch_model(scheduler_output)
+                    self._unsampled = scheduler_output
+                    return
+                self._attach_grammar_bitmask(scheduler_output)
                 pending: PendingOutput = self.model_executor.dispatch_model(scheduler_output)
             except Exception as exc:
                 # Read back in order: the steps before it end normally.
                 self._in_flight.append((scheduler_output, _Raised(exc)))
                 return
             self._in_flight.append((scheduler_output, pending))
+
+    def _samples_under_grammar(self, scheduler_output: SchedulerOutput) -> bool:
+        matchers = self.structured_output.matchers
+        return bool(matchers) and any(r in matchers for r in scheduler_output.num_scheduled_tokens)
+
+    def _sample_launched(self) -> None:
+        """Sample the step launched before the last one was read back, now that the grammars
+        have seen its tokens."""
+        scheduler_output, self._unsampled = self._unsampled, None
+        assert scheduler_output is not None
+        try:
+            self._attach_grammar_bitmask(scheduler_output)
+            pending: PendingOutput = self.model_executor.dispatch_sampling(
+                scheduler_output.grammar_bitmask
+            )
+        except Exception as exc:
+            pending = _Raised(exc)
+        self._in_flight.append((scheduler_output, pending))
 
     def _finish_oldest_step(self) -> EngineCoreOutputs:
         scheduler_output, pending = self._in_flight.popleft()
@@ -239,7 +267,10 @@ class EngineCore:
         except Exception as exc:
             # The steps launched after it build on it: they fail with it, unread.
             failed = [scheduler_output, *(so for so, _ in self._in_flight)]
+            if self._unsampled is not None:
+                failed.append(self._unsampled)
             self._in_flight.clear()
+            self._unsampled = None
             return self._fail_step(failed, exc)
         return self._update_from_output(scheduler_output, model_output)
 

@@ -113,6 +113,15 @@ class Executor(ABC):
         (executors that support async scheduling return before)."""
         return ReadyOutput(self.execute_model(scheduler_output))
 
+    def launch_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Launch one step up to its logits; ``dispatch_sampling`` completes it, so that the
+        grammar bitmask can be made meanwhile (async scheduling's executors)."""
+        raise NotImplementedError(f"{type(self).__name__} does not split a step")
+
+    def dispatch_sampling(self, grammar_bitmask: dict[str, bytes]) -> PendingOutput:
+        """Sample the step ``launch_model`` launched; its pending output."""
+        raise NotImplementedError(f"{type(self).__name__} does not split a step")
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release the workers (processes, actors, or the in-process one)."""

@@ -134,15 +134,27 @@ class MultiprocExecutor(Executor):
     def dispatch_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
         """Send the step; the workers run it while the engine core schedules the next one, and
         take that one as soon as they are done with this (rank 0's reply is read later)."""
-        with self._lock:
-            call_id = self._send("execute_model", (scheduler_output,), REPLY_RANK0)
-            self._steps_in_flight.add(call_id)
-        return _StepReply(self, call_id)
+        return self._dispatch("execute_model", scheduler_output)
 
-    def step_result(self, call_id: int) -> ModelRunnerOutput:
+    def launch_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Send the step's first half; its reply is not read (an error reply fails the next
+        collection)."""
+        with self._lock:
+            self._send("launch_model", (scheduler_output,), REPLY_RANK0)
+
+    def dispatch_sampling(self, grammar_bitmask: dict[str, bytes]) -> PendingOutput:
+        return self._dispatch("sample_model", grammar_bitmask)
+
+    def _dispatch(self, method: str, arg: Any) -> PendingOutput:
+        with self._lock:
+            call_id = self._send(method, (arg,), REPLY_RANK0)
+            self._steps_in_flight.add(call_id)
+        return _StepReply(self, call_id, method)
+
+    def step_result(self, call_id: int, method: str) -> ModelRunnerOutput:
         with self._lock:
             try:
-                return self._collect(call_id, {0}, "execute_model")[0]
+                return self._collect(call_id, {0}, method)[0]
             finally:
                 self._steps_in_flight.discard(call_id)
 
@@ -210,9 +222,10 @@ class _StepReply:
 
     executor: MultiprocExecutor
     call_id: int
+    method: str
 
     def result(self) -> ModelRunnerOutput:
-        return self.executor.step_result(self.call_id)
+        return self.executor.step_result(self.call_id, self.method)
 
 
 def _describe_exit(exitcode: int | None) -> str:

@@ -24,5 +24,11 @@ class UniProcExecutor(Executor):
     def dispatch_model(self, scheduler_output: SchedulerOutput) -> PendingOutput:
         return self.worker.dispatch_model(scheduler_output)
 
+    def launch_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.worker.launch_model(scheduler_output)
+
+    def dispatch_sampling(self, grammar_bitmask: dict[str, bytes]) -> PendingOutput:
+        return self.worker.dispatch_sampling(grammar_bitmask)
+
     def shutdown(self) -> None:
         """Nothing to release: the worker lives and dies with this process."""

@@ -1,9 +1,10 @@
 """The sampler: last-position logits of each request -> its next token (and logprobs).
 
-Order of operations (vLLM's): raw logprobs (log_softmax of the model's logits, before anything
-else), the token rules (allowed_token_ids, then the banned ids: bad words and, before min_tokens,
-eos / stop ids; then logit_bias, which leaves a banned id at -inf), penalties, then greedy rows
-take the argmax and random rows go through temperature, min-p, top-k, top-p and a random draw.
+Order of operations (vLLM's): a grammar's mask, raw logprobs (log_softmax of those logits,
+before anything else), the token rules (allowed_token_ids, then the banned ids: bad words and,
+before min_tokens, eos / stop ids; then logit_bias, which leaves a banned id at -inf), penalties,
+then greedy rows take the argmax and random rows go through temperature, min-p, top-k, top-p and
+a random draw.
 
 CPU speed is a design goal (batch 256 x vocab 150k), so:
 
@@ -89,6 +90,9 @@ class SamplingMetadata:
     """Max over rows of the logprobs asked for (None: no row asked)."""
     penalties: Penalties | None = None
     rules: TokenRules | None = None
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Rows [g] under a grammar, and the ids each may sample next ([g, vocab] bool): applied
+    before anything else (raw logprobs included), as vLLM masks the model's logits."""
 
 
 @dataclass
@@ -162,6 +166,9 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()  # [num_reqs, vocab]
+        if metadata.grammar is not None:
+            rows, allowed = metadata.grammar
+            logits[rows] = logits[rows].masked_fill_(~allowed, -torch.inf)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_reqs, vocab]

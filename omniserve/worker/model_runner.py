@@ -32,7 +32,7 @@ from omniserve.layers.sampler import (
 )
 from omniserve.messages import ModelRunnerOutput, PendingOutput, ReadyOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
-from omniserve.structured_output import apply_bitmask_rows
+from omniserve.structured_output import allowed_by_bitmask
 from omniserve.worker.cuda_graph import PAD_SLOT, DecodeGraphs, graph_batch_sizes
 from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions, to_device
 from omniserve.worker.input_batch import (
@@ -151,6 +151,8 @@ class ModelRunner:
             else None
         )
         self.decode_graphs: DecodeGraphs | None = None
+        self._launched: tuple[StepInputs, torch.Tensor, torch.Tensor] | None = None
+        """The step ``launch`` started and ``sample`` completes: inputs, hidden states, logits."""
         self._last_step: _SampledStep | None = None
         """The last launched step: its sampled tokens (on the device) are the inputs of next
         steps launched before they are read back, and the tokens any row has in flight."""
@@ -251,7 +253,8 @@ class ModelRunner:
         """Launch the thinker's step; its sampled tokens are read back by ``result()``, so the
         next step can be prepared and launched meanwhile. The speech stage (which reads what
         the thinker tapped and sampled) runs after the read-back, in this call."""
-        pending = self._dispatch_thinker(scheduler_output)
+        self.launch(scheduler_output)
+        pending = self.sample(scheduler_output.grammar_bitmask)
         if self.talker_runner is None or scheduler_output.talker is None:
             return pending
         output = pending.result()
@@ -259,10 +262,15 @@ class ModelRunner:
             output.speech = self.talker_runner.execute(scheduler_output.talker)
         return ReadyOutput(output)
 
-    def _dispatch_thinker(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> None:
+        """The thinker's step up to its logits; ``sample`` completes it. Apart, the grammar
+        bitmask of a request whose last token is still in flight can be made once that token
+        is back, while this forward runs (async scheduling)."""
         self._update_states(scheduler_output)
+        self._launched = None
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ReadyOutput(ModelRunnerOutput([], []))
+            return
         step = self._prepare_inputs(scheduler_output)
         timer = self.step_timer
         forward = "decode steps: forward + logits"
@@ -287,25 +295,30 @@ class ModelRunner:
             self._keep_talker_hidden(step, hidden_states)
         with timer.part(forward):
             logits = self.model.compute_logits(hidden_states[step.logits_indices])  # [S, vocab]
-        if scheduler_output.grammar_bitmask:
-            sampling_ids = [
-                r for r, samples in zip(step.req_ids, step.sample_mask, strict=True) if samples
-            ]
-            apply_bitmask_rows(
-                logits,
-                {
-                    j: scheduler_output.grammar_bitmask[req_id]
-                    for j, req_id in enumerate(sampling_ids)
-                    if req_id in scheduler_output.grammar_bitmask
-                },
-            )
+        self._launched = (step, hidden_states, logits)
+
+    @torch.inference_mode()
+    def sample(self, grammar_bitmask: dict[str, bytes]) -> PendingOutput:
+        """Sample the launched step (``grammar_bitmask``: req id -> its allowed-token bitmask
+        row) and launch its read-back."""
+        if self._launched is None:
+            return ReadyOutput(ModelRunnerOutput([], []))
+        step, hidden_states, logits = self._launched
+        self._launched = None
         sample_rows = step.rows[step.sample_mask]
-        with timer.part("sampler"):
-            sampler_output = self.sampler(logits, self._sampling_metadata(sample_rows))
+        grammar = None
+        if grammar_bitmask:
+            sampling_ids = [step.req_ids[i] for i in np.flatnonzero(step.sample_mask)]
+            rows = [j for j, req_id in enumerate(sampling_ids) if req_id in grammar_bitmask]
+            masks = [grammar_bitmask[sampling_ids[j]] for j in rows]
+            grammar = (np.array(rows, np.int64), allowed_by_bitmask(masks, self.vocab_size))
+        with self.step_timer.part("sampler"):
+            metadata = self._sampling_metadata(sample_rows, grammar)
+            sampler_output = self.sampler(logits, metadata)
         self.input_batch.num_in_flight[sample_rows] += 1
         self._last_step = _SampledStep(
             self.input_batch,
-            timer,
+            self.step_timer,
             ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids]),
             np.flatnonzero(step.sample_mask).tolist(),
             sampler_output.sampled_token_ids,
@@ -471,7 +484,9 @@ class ModelRunner:
             logits_indices=logits_indices,
         )
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(
+        self, rows: np.ndarray, grammar: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> SamplingMetadata:
         """The sampling rows' settings. A row's tokens still in flight (the last step's) count
         toward ``min_tokens`` as they are; penalties and bad words read their values, so when
         such a row has one, the last step is read back first. Called once this step's forward
@@ -514,6 +529,7 @@ class ModelRunner:
             allowed=allowed,
             banned=banned,
             bias=bias,
+            grammar=grammar,
         )
 
     def _seen_tokens(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -37,9 +37,11 @@ def build_sampling_metadata(
     allowed: dict[int, list[int]] | None = None,
     banned: dict[int, list[int]] | None = None,
     bias: dict[int, dict[int, float]] | None = None,
+    grammar: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> SamplingMetadata:
     """Per-row settings (one entry per sampling row; penalties default to none) -> metadata.
-    ``seen_tokens`` is asked only for the rows with a penalty."""
+    ``seen_tokens`` is asked only for the rows with a penalty; ``grammar``: rows under one and
+    the ids each may sample next ([rows, vocab] bool)."""
     num_rows = len(temperature)
     random = temperature >= SAMPLING_EPS
     with_top_k = random & (top_k > 0)
@@ -51,7 +53,8 @@ def build_sampling_metadata(
     ]  # fmt: skip
     penalties = _penalty_arrays(num_rows, repetition, frequency, presence, seen_tokens)
     rules = _rule_arrays(allowed or {}, banned or {}, bias or {})
-    tensors = upload(device, arrays + penalties + rules)
+    masks = list(grammar) if grammar is not None and len(grammar[0]) else []
+    tensors = upload(device, arrays + penalties + rules + masks)
     (temperature_t, top_p_t, top_k_t, min_p_t, greedy_rows, top_k_rows, nucleus_rows,
      plain_rows) = tensors[:8]  # fmt: skip
     return SamplingMetadata(
@@ -69,7 +72,10 @@ def build_sampling_metadata(
         generators=generators,
         max_num_logprobs=max_num_logprobs,
         penalties=_penalties(tensors[8 : 8 + len(penalties)], penalties),
-        rules=TokenRules(*_pairs(tensors[8 + len(penalties) :])) if rules else None,
+        rules=TokenRules(*_pairs(tensors[8 + len(penalties) : 8 + len(penalties) + len(rules)]))
+        if rules
+        else None,
+        grammar=(tensors[-2], tensors[-1]) if masks else None,
     )
 
 
