@@ -5,7 +5,8 @@ into the cache dir by ``omniserve.checkpoint_builder.build_realsize_checkpoint``
 
 - offline throughput at batch 1, 8, 32 and 128 (128-token prompts, 128 new tokens), at batch 1
   after a long prompt (``b1_long``: 3840 tokens, the length of a media-heavy context) and on a
-  prefill-heavy mix (16 x 128 prompt tokens, 32 new), greedy, ignore_eos;
+  prefill-heavy mix (16 x 128 prompt tokens, 32 new), greedy (``--sampling`` sets other
+  settings, seeded per request), ignore_eos;
 - the prefill alone (16 x 128 tokens, 1 new) and, on the omni thinkers, the time to the first
   token of an image + audio prompt;
 - load time (checkpoint in the page cache) and the peak RSS of each engine's processes;
@@ -271,13 +272,16 @@ def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
     # A warm-up at the workloads' prompt length: the Triton kernels compile per specialization
     # (lengths divisible by 16 among them) on first use, which must not land in a timed run.
     warmup = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    sampling = workload.get("sampling") or {"temperature": 0.0}
     for length in (8, PROMPT_LEN):
         llm.generate({"prompt_token_ids": list(range(1000, 1000 + length))}, warmup,
                      use_tqdm=False)  # fmt: skip
     runs = []
     for run in workload["runs"]:
-        params = [SamplingParams(temperature=0.0, max_tokens=request["max_tokens"],
-                                 ignore_eos=True) for request in run["requests"]]  # fmt: skip
+        # Seeded, so that the variants draw the same tokens (each request from its own seed).
+        params = [SamplingParams(**sampling, seed=i, max_tokens=request["max_tokens"],
+                                 ignore_eos=True)
+                  for i, request in enumerate(run["requests"])]  # fmt: skip
         prompts = _prompts(run["requests"])
         fresh_media = iter(run.get("fresh_media", []))
         # A warm-up is profiled as it runs: what it is there to show (first uses) a re-run lacks.
@@ -358,6 +362,11 @@ def run_hf(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
     load_s = time.perf_counter() - start
     processor = None
     runs = []
+    # transformers samples only with do_sample (and takes no temperature 0).
+    sampling = workload.get("sampling") or {"temperature": 0.0}
+    greedy = sampling.get("temperature", 1.0) == 0
+    generate_kwargs = {**{k: v for k, v in sampling.items() if k != "temperature" or not greedy},
+                       "do_sample": not greedy}  # fmt: skip
     with torch.inference_mode():
         model.generate(torch.arange(1000, 1008, device=device)[None], max_new_tokens=4,
                        min_new_tokens=4,
@@ -378,7 +387,7 @@ def run_hf(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
                           for k, v in inputs.items()}  # fmt: skip
             inputs = {k: v.to(device) for k, v in inputs.items()}
             out = model.generate(**inputs, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False)  # fmt: skip
+                                 **generate_kwargs)  # fmt: skip
             if device != "cpu":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
@@ -526,8 +535,9 @@ def print_engine(engine: str, result: dict[str, Any]) -> None:
 
 
 def _agreement(results: dict[str, dict[str, Any]]) -> list[str]:
-    """Whether each omniserve variant generated the same greedy tokens as plain omniserve (e.g.
-    CUDA-graph replays against eager decodes: the same kernels, so the same tokens)."""
+    """Whether each omniserve variant generated the same tokens as plain omniserve (e.g.
+    CUDA-graph replays against eager decodes: the same kernels, so the same tokens; sampled
+    runs are seeded per request)."""
     ours = results.get("omniserve")
     if not ours:
         return []
@@ -540,7 +550,7 @@ def _agreement(results: dict[str, dict[str, Any]]) -> list[str]:
             pairs = list(zip(mine["token_ids"], theirs["token_ids"], strict=True))
             same += sum(a == b for a, b in pairs)
             total += len(pairs)
-        lines.append(f"{engine} vs omniserve: the same greedy tokens in {same} of {total} "
+        lines.append(f"{engine} vs omniserve: the same tokens in {same} of {total} "
                      "requests")  # fmt: skip
     return lines
 
@@ -573,6 +583,13 @@ def main() -> None:
         "--workloads", default=",".join(DEFAULT_WORKLOADS), help=f"Any of {','.join(WORKLOADS)}."
     )
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda.")
+    parser.add_argument(
+        "--sampling",
+        default="{}",
+        help="JSON of the sampling settings of every timed request, for every engine (vLLM's "
+        'and transformers\' names, e.g. {"temperature": 0.7, "top_p": 0.8, "top_k": 20, '
+        '"repetition_penalty": 1.05}); default greedy.',
+    )
     parser.add_argument(
         "--llm-kwargs", default="{}", help="JSON of extra LLM(...) arguments for omniserve."
     )
@@ -650,6 +667,7 @@ def main() -> None:
             workload = make_workload(names, model_dir, Path(tmp), device)
             workload["llm_kwargs"] = json.loads(args.llm_kwargs)
             workload["profile_steps"] = args.profile_steps
+            workload["sampling"] = json.loads(args.sampling)
             workload["torch_profile"] = args.torch_profile
             workload["python_profile"] = args.python_profile
             workload_file.write_text(json.dumps(workload))

@@ -10,6 +10,7 @@
 #   WHEELS=.whl bash scripts/gpu_checks.sh     # first install carried wheels (no registry there)
 #   BENCH_FLAGS=--torch-profile bash ...       # more bench_realsize flags (--python-profile too)
 #   ENGINES=omniserve,hf,omniserve:eager ...   # and the eager variant
+#   SAMPLING='{"temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05}' ...  # not greedy
 #   TEST_GROUPS="tests/a.py;tests/b.py" ...    # other GPU test groups; FIDELITY_TIMEOUT=0 skips
 # The defaults fit one 10-minute call of a 15-minute loan: 2 minutes of tests, then 3 per model.
 set -o pipefail
@@ -39,7 +40,7 @@ PYTEST="$PY -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout=${PER_TES
 # In groups (';'-separated in TEST_GROUPS), each with an equal share of what the groups before
 # it left of the budget: a group stopped at its budget can lose its summary, and then only that
 # group's.
-TEST_GROUPS=${TEST_GROUPS:-"tests/test_cuda_kernels.py tests/test_input_batch.py \
+TEST_GROUPS=${TEST_GROUPS:-"tests/test_cuda_kernels.py tests/test_transfers.py \
 tests/test_memory.py tests/test_kernel_compiles.py tests/test_async_scheduling.py;\
 tests/test_cuda_graph.py;\
 tests/test_triton_fused_moe.py tests/test_triton_attention.py"}
@@ -66,5 +67,6 @@ for name in ${MODELS//,/ }; do
     --variants '{"async": {"async_scheduling": true}, "eager": {"enforce_eager": true}, "torch": {"enforce_eager": true, "attention_backend": "torch"}}' \
     --workloads "${WORKLOADS:-b1,b32,b128,b1_long,ttft_mm}" --profile-steps ${BENCH_FLAGS:-} \
     --engine-timeout "${ENGINE_TIMEOUT:-100}" --llm-kwargs "$LLM_KWARGS" \
+    --sampling "${SAMPLING:-{\}}" \
     --out "$OUT/bench-$name.json" 2>&1 | tee "$OUT/bench-$name.log"
 done

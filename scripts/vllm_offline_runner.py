@@ -517,9 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - t0
     print(f"[vllm_offline_runner] LLM(...) took {load_s:.1f} s", file=sys.stderr)
 
-    def params(max_tokens: int) -> SamplingParams:
+    sampling = workload.get("sampling") or {"temperature": 0.0}
+
+    def params(max_tokens: int, seed: int = 0) -> SamplingParams:
         return SamplingParams(
-            temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True, detokenize=False
+            **sampling, seed=seed, max_tokens=int(max_tokens), ignore_eos=True, detokenize=False
         )
 
     llm.generate([{"prompt_token_ids": list(range(100, 108))}], params(4), use_tqdm=False)
@@ -528,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in workload["runs"]:
         requests = run["requests"]
         prompts = [build_prompt(r) for r in requests]
-        sps = [params(r.get("max_tokens", 16)) for r in requests]
+        sps = [params(r.get("max_tokens", 16), i) for i, r in enumerate(requests)]
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, sps, use_tqdm=False)
         elapsed = time.perf_counter() - t0

@@ -128,6 +128,9 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
     fresh = workload["runs"][-1]["fresh_media"]  # the profiled re-runs' unseen media
     assert len({m["image"] for m in fresh} | {workload["runs"][-1]["requests"][0]["image"]}) == 4
     workload["profile_steps"] = workload["torch_profile"] = True
+    # --sampling: every engine samples (seeded per request in omniserve, so variants agree).
+    workload["sampling"] = {"temperature": 0.8, "top_p": 0.9, "top_k": 40,
+                            "repetition_penalty": 1.1}  # fmt: skip
     workload_file = tmp_path / "workload.json"
     workload_file.write_text(json.dumps(workload))
     results = {}
@@ -157,7 +160,7 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
     table = "\n".join(lines)
     assert "| ttft_mm |" in table and "omniserve: float32, weights" in table  # as stored
     assert "x the bound" in table and "x the GEMM time" in table
-    assert "omniserve:torch vs omniserve: the same greedy tokens in" in table
+    assert "omniserve:torch vs omniserve: the same tokens in" in table
     assert "of 19 requests" in table  # b1, 16 prefills, the media warm-up and the media request
     assert "omniserve b1 profile (1 prefill and 127 decode steps" in table
     # the first media request, profiled as it ran (its first uses are what it shows)

@@ -24,12 +24,14 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from omniserve.attention.base import AttentionBackend
 from omniserve.attention.metadata import AttentionMetadata
+from omniserve.transfers import upload
 from omniserve.triton_utils import INTERPRETED, dot
 
 _DECODE_ROWS = 16
@@ -67,7 +69,7 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
 # Triton compiles a kernel once for each class of its integer arguments (1, multiples of 16, the
 # rest) and of its pointers' alignment. The integers that change from step to step (the block
 # table's width, the step's longest request in blocks, and the split count, set by the batch) are
-# left unspecialized, and the step's arrays arrive 16-byte aligned (``input_batch.upload``), so
+# left unspecialized, and the step's arrays arrive 16-byte aligned (``transfers.upload``), so
 # the start-up warm-up compiles every variant a step can launch and none compiles while serving.
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
@@ -228,10 +230,9 @@ class TritonAttentionBackend(AttentionBackend):
         key = ("triton", tokens_per_tile, decodes)
         if key not in metadata.plans:
             reqs, firsts = plan_tiles(metadata.query_lens_cpu, tokens_per_tile, decodes)
-            device = metadata.query_start_loc.device
+            tiles = [np.array(reqs, dtype=np.int32), np.array(firsts, dtype=np.int32)]
             metadata.plans[key] = _Tiles(
-                torch.tensor(reqs, dtype=torch.int32, device=device),
-                torch.tensor(firsts, dtype=torch.int32, device=device),
+                *upload(metadata.query_start_loc.device, tiles)
             ) if reqs else None  # fmt: skip
         return metadata.plans[key]
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
-from omniserve.worker.input_batch import host_to_device
+from omniserve.transfers import host_to_device
 
 
 def to_device(data: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:

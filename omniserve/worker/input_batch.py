@@ -6,7 +6,6 @@ preallocated numpy rows (one row per request) that each step indexes, instead of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,89 +13,6 @@ import torch
 
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
-
-
-def upload(device: torch.device, arrays: Sequence[np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
-    """Host arrays of one step on ``device``, each in its own dtype and shape.
-
-    On CUDA they travel in one copy: packed into one pinned buffer, then sent without a stream
-    synchronize (each pageable copy synchronized the stream, and a dozen separate pinned copies
-    cost ~50 us of host time each: a tenth of a batch-1 decode step on an H200). torch's cached
-    host allocator reuses the pinned block only once the copy has run. On CPU they are the
-    arrays themselves."""
-    tensors = [torch.from_numpy(np.ascontiguousarray(a)) if isinstance(a, np.ndarray)
-               else a.contiguous() for a in arrays]  # fmt: skip
-    if device.type != "cuda":
-        return tensors
-    staging = torch.empty(packed_size(tensors), dtype=torch.uint8, pin_memory=True)
-    offsets = pack(tensors, staging)
-    return unpack(staging.to(device, non_blocking=True), tensors, offsets)
-
-
-_PACK_ALIGN = 16
-"""Byte alignment of every packed piece: enough to view it in any dtype, and what Triton
-specializes a pointer argument on, so kernels fed these views compile once, not once for each
-mix of aligned and unaligned pointers that a step's array lengths happen to make."""
-
-
-def _aligned_nbytes(tensor: torch.Tensor) -> int:
-    """Bytes of ``tensor`` rounded up to ``_PACK_ALIGN``."""
-    return -(-tensor.numel() * tensor.element_size() // _PACK_ALIGN) * _PACK_ALIGN
-
-
-def packed_size(tensors: Sequence[torch.Tensor]) -> int:
-    return max(sum(_aligned_nbytes(t) for t in tensors), _PACK_ALIGN)
-
-
-def pack(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> list[int]:
-    """Copy contiguous host tensors into the uint8 ``buffer`` back to back; their offsets."""
-    packed, offsets, offset = buffer.numpy(), [], 0
-    for tensor in tensors:
-        values = tensor.numpy().reshape(-1)
-        packed[offset : offset + values.nbytes].view(values.dtype)[:] = values
-        offsets.append(offset)
-        offset += _aligned_nbytes(tensor)
-    return offsets
-
-
-def unpack(
-    buffer: torch.Tensor, like: Sequence[torch.Tensor], offsets: list[int]
-) -> list[torch.Tensor]:
-    """Views of the packed ``buffer``, each in the dtype and shape of its ``like``."""
-    return [
-        buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        for t, offset in zip(like, offsets, strict=True)
-    ]
-
-
-class HostCopy:
-    """Device tensors on their way to the host. On CUDA: copies into pinned memory that do not
-    synchronize the stream, so the next step can be launched behind them, and ``get()`` waits
-    for these copies alone (``tolist()`` on a device tensor would wait for the whole stream)."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self._event: torch.cuda.Event | None = None
-        self._host = list(tensors)
-        if self._host and self._host[0].device.type == "cuda":
-            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for host, tensor in zip(self._host, tensors, strict=True):
-                host.copy_(tensor, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def get(self) -> list[torch.Tensor]:
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-        return self._host
-
-
-def host_to_device(
-    values: np.ndarray | torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """One host array on ``device`` (see ``upload``), converted to ``dtype`` first."""
-    tensor = torch.from_numpy(values) if isinstance(values, np.ndarray) else values
-    return upload(device, [tensor if dtype is None else tensor.to(dtype)])[0]
 
 
 @dataclass(eq=False)

@@ -33,15 +33,10 @@ from omniserve.layers.sampler import (
 from omniserve.messages import ModelRunnerOutput, PendingOutput, ReadyOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.structured_output import allowed_by_bitmask
+from omniserve.transfers import HostCopy, host_to_device, upload
 from omniserve.worker.cuda_graph import PAD_SLOT, DecodeGraphs, graph_batch_sizes
 from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions, to_device
-from omniserve.worker.input_batch import (
-    CachedRequestState,
-    HostCopy,
-    InputBatch,
-    host_to_device,
-    upload,
-)
+from omniserve.worker.input_batch import CachedRequestState, InputBatch
 from omniserve.worker.sampling_inputs import banned_ids, build_sampling_metadata
 from omniserve.worker.step_timing import StepTimer
 from omniserve.worker.talker_families import create_talker_runner

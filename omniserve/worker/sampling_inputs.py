@@ -15,7 +15,7 @@ import torch
 
 from omniserve.layers.sampler import Penalties, SamplingMetadata, TokenRules, banned_by_bad_words
 from omniserve.sampling_params import SAMPLING_EPS, SamplingParams
-from omniserve.worker.input_batch import upload
+from omniserve.transfers import upload
 
 SeenTokens = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 """Rows -> their prompt and output token ids, each [rows, width] padded with -1."""

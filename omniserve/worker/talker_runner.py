@@ -34,8 +34,8 @@ from omniserve.forward_context import set_forward_context
 from omniserve.layers.sampler import Sampler, SamplingMetadata
 from omniserve.messages import SpeechRequest, SpeechStepOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
+from omniserve.transfers import host_to_device
 from omniserve.worker.encoder_runner import mrope_positions
-from omniserve.worker.input_batch import host_to_device
 from omniserve.worker.sampling_inputs import build_sampling_metadata, padded
 
 

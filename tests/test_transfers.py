@@ -1,7 +1,8 @@
 """A step's host arrays reach the device in one copy: packed back to back into one buffer, each
 piece 16-byte aligned so it can be viewed in its own dtype and shape, and Triton's kernels see the
 same pointer alignment whatever the step's array lengths (checked here on CPU with a
-plain buffer, and through pinned memory on a GPU when one is present)."""
+plain buffer, and through pinned memory on a GPU when one is present); what a step reads back
+travels the other way the same way."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from omniserve.worker.input_batch import pack, packed_size, unpack, upload
+from omniserve.transfers import HostCopy, pack, pack_on_device, packed_size, unpack, upload
 
 
 def step_arrays() -> list[np.ndarray | torch.Tensor]:
@@ -52,4 +53,22 @@ def test_upload_through_pinned_memory() -> None:
     got = upload(torch.device("cuda"), arrays)
     assert all(t.is_cuda for t in got)
     assert all(t.data_ptr() % 16 == 0 for t in got)
+    check_same(got, arrays)
+
+
+def test_device_tensors_pack_for_one_copy_back() -> None:
+    """What a step reads back (sampled ids, logprobs, ranks, prompt logprobs), packed on the
+    device for one copy to the host: each piece at an aligned offset, viewed back as it was."""
+    tensors = [torch.as_tensor(a) for a in step_arrays()]
+    packed, offsets = pack_on_device(tensors)
+    assert packed.dtype == torch.uint8 and all(offset % 16 == 0 for offset in offsets)
+    check_same(unpack(packed, tensors, offsets), step_arrays())
+
+
+@pytest.mark.gpu
+def test_host_copy_reads_back_through_pinned_memory() -> None:
+    arrays = step_arrays()
+    copy = HostCopy([torch.as_tensor(a).cuda() for a in arrays])
+    got = copy.get()
+    assert all(t.is_pinned() for t in got)
     check_same(got, arrays)
