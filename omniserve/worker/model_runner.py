@@ -306,7 +306,7 @@ class ModelRunner:
             sampling_ids = [step.req_ids[i] for i in np.flatnonzero(step.sample_mask)]
             rows = [j for j, req_id in enumerate(sampling_ids) if req_id in grammar_bitmask]
             masks = [grammar_bitmask[sampling_ids[j]] for j in rows]
-            grammar = (np.array(rows, np.int64), allowed_by_bitmask(masks, self.vocab_size))
+            grammar = (np.array(rows, np.int64), allowed_by_bitmask(masks, logits.shape[1]))
         with self.step_timer.part("sampler"):
             metadata = self._sampling_metadata(sample_rows, grammar)
             sampler_output = self.sampler(logits, metadata)
