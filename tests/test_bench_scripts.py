@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -166,6 +167,15 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
     # the first media request, profiled as it ran (its first uses are what it shows)
     assert "omniserve ttft_mm_warmup profile (1 prefill and 0 decode steps" in table
     assert "decode steps: forward + logits" in table and ", rest " in table
+
+
+def test_sampler_benchmark_runs_every_case():
+    bench = _load_script("bench_sampler")
+    args = argparse.Namespace(batch=3, vocab=500, prompt_len=7, output_len=5, repeats=1,
+                              device="cpu")  # fmt: skip
+    results = bench.run(args)
+    assert [r["case"] for r in results] == list(bench.CASES)
+    assert all(r["omniserve_ms"] > 0 and r["transformers_ms"] > 0 for r in results)
 
 
 def test_structured_benchmark_runs_on_a_tiny_checkpoint(monkeypatch, capsys):
