@@ -112,8 +112,9 @@ def test_outputs_equal_synchronous_scheduling(
             3: dict(min_tokens=5, stop_token_ids=[out.outputs[0].token_ids[1]]),
             4: dict(temperature=0.9, top_p=0.9, seed=i),
             5: dict(bad_words=["the"], logprobs=1),
+            6: dict(structured_outputs=StructuredOutputsParams(regex="[a-z]{2,6}( [a-z]{2,6})*")),
         }
-        params.append(greedy[i].clone(**kinds[i % 6]))
+        params.append(greedy[i].clone(**kinds[i % 7]))
     expected = _results(sync_llm, prompts, params)
     depths = _depths(monkeypatch)
     _assert_same(expected, _results(async_llm, prompts, params))

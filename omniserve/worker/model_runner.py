@@ -495,7 +495,7 @@ class ModelRunner:
             params = state.sampling_params
             if batch.num_in_flight[row] and params.reads_output_tokens:
                 assert self._last_step is not None
-                self._last_step.read_back()  # once; every row's token in flight is its
+                self._last_step.read_back()  # every token in flight is that step's
             if state.generator is not None:
                 generators[i] = state.generator
             if params.logprobs is not None:
