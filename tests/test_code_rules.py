@@ -3,6 +3,7 @@ lists, and a size cap per module, on the whole repository."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,16 @@ def test_modules_stay_under_the_size_cap() -> None:
     assert {
         str(p.relative_to(REPO_ROOT)): n for p, n in sizes.items() if n > MAX_MODULE_LINES
     } == {}
+
+
+def test_the_gpu_checks_run_every_module_with_gpu_tests() -> None:
+    """A GPU session runs ``scripts/gpu_checks.sh``: a module of ``gpu`` tests missing from its
+    default groups would never run on a GPU."""
+    script = (REPO_ROOT / "scripts" / "gpu_checks.sh").read_text()
+    with_gpu_tests = {
+        f"tests/{path.name}"
+        for path in (REPO_ROOT / "tests").glob("test_*.py")
+        if re.search(r"^@pytest\.mark\.gpu$", path.read_text(), re.MULTILINE)
+    }
+    assert with_gpu_tests, "no gpu tests found"
+    assert {name for name in with_gpu_tests if name not in script} == set()
