@@ -232,6 +232,9 @@ def test_the_flag_reaches_an_engine_in_its_own_process(engines: tuple[LLM, LLM, 
     parser.add_argument("model")  # positional, as ``omniserve serve MODEL`` takes it
     args = EngineArgs.from_cli_args(parser.parse_args([model_dir, "--async-scheduling"]))
     assert args.async_scheduling
+    # vLLM's spelling to turn it off (its default is on) is taken too.
+    off = EngineArgs.from_cli_args(parser.parse_args([model_dir, "--no-async-scheduling"]))
+    assert not off.async_scheduling
     prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [7, 30, 12], seed=9)]
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1)
     expected = _results(sync_llm, prompts, [params] * 3)

@@ -275,9 +275,11 @@ class EngineArgs:
         )
         add(
             "--async-scheduling",
-            action="store_true",
+            action=argparse.BooleanOptionalAction,
+            default=False,
             help="Schedule and launch the next step while the device runs this one, so it "
-            "never waits for the host between steps (the 'uni' and 'mp' executors).",
+            "never waits for the host between steps (the 'uni' and 'mp' executors; off by "
+            "default, --no-async-scheduling as in vLLM).",
         )
         add(
             "--long-prefill-token-threshold",
