@@ -85,6 +85,10 @@ class PendingOutput(Protocol):
 
     def result(self) -> ModelRunnerOutput: ...
 
+    def done(self) -> bool:
+        """Whether ``result()`` would return without waiting for the device."""
+        ...
+
 
 @dataclass
 class ReadyOutput:
@@ -94,6 +98,9 @@ class ReadyOutput:
 
     def result(self) -> ModelRunnerOutput:
         return self.output
+
+    def done(self) -> bool:
+        return True
 
 
 @dataclass

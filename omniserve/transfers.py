@@ -102,6 +102,10 @@ class HostCopy:
         self._event.record()
         self._host = unpack(host, self._host, offsets)
 
+    def ready(self) -> bool:
+        """Whether the copy has landed (``get()`` would not wait)."""
+        return self._event is None or self._event.query()
+
     def get(self) -> list[torch.Tensor]:
         if self._event is not None:
             self._event.synchronize()

@@ -444,3 +444,81 @@ def test_randomized_two_steps_in_flight_keep_every_request_exact(seed: int) -> N
         stop = eos_at[req_id]
         expected = [*range(1, stop), EOS_TOKEN_ID][: len(tokens)]
         assert tokens == expected, req_id
+
+
+# ---- a tensor-parallel worker's call loop ---------------------------------------------------
+
+
+class _Step:
+    """A fake launched step that is done only once told so."""
+
+    def __init__(self, name: str, events: list[str], done: bool) -> None:
+        self.name, self.events, self._done = name, events, done
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self) -> str:
+        self.events.append(f"read {self.name}")
+        return self.name
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_worker_launches_the_next_step_before_it_reads_this_one_back(ahead: bool) -> None:
+    """With async scheduling the engine core sends step 2 before it reads step 1's reply; a
+    worker that finds it in launches it before it reads step 1 back (its device goes from one
+    step to the next), then answers in order; any other call sees every step read back."""
+    import pickle
+
+    from omniserve.executor.multiproc import serve_calls
+    from omniserve.executor.worker_wrapper import REPLY_ALL, REPLY_RANK0
+
+    events: list[str] = []
+    messages = [(1, "execute_model", ("s1",), REPLY_RANK0),
+                (2, "execute_model", ("s2",), REPLY_RANK0),
+                (3, "launch_model", ("s3",), REPLY_RANK0),
+                (4, "sample_model", ({},), REPLY_RANK0),
+                (5, "model_info", (), REPLY_ALL),
+                (None, None, (), REPLY_ALL)]  # fmt: skip
+
+    class Calls:
+        def poll(self, timeout_ms: int) -> bool:
+            return bool(messages)
+
+        def recv(self) -> Any:
+            return messages.pop(0)
+
+    class Worker:
+        def dispatch_model(self, so: str) -> _Step:
+            events.append(f"launch {so}")
+            return _Step(so, events, done=False)
+
+        def dispatch_sampling(self, bitmask: dict) -> _Step:
+            events.append("sample s3")
+            return _Step("s3", events, done=False)
+
+    class Wrapper:
+        rank, worker = 0, Worker()
+
+        def execute_method(self, method: str, args: tuple, mode: str) -> Any:
+            events.append(method)
+            return method
+
+    replies: list[Any] = []
+
+    class Results:
+        def send(self, message: bytes) -> None:
+            reply = pickle.loads(message)
+            replies.append(reply[0])
+            events.append(f"reply {reply[0]}")
+
+    serve_calls(Calls(), Results(), Wrapper(), ahead)  # type: ignore[arg-type]
+    if ahead:
+        assert events == ["launch s1", "launch s2", "read s1", "reply 1", "launch_model",
+                          "reply 3", "sample s3", "read s2", "reply 2", "read s3", "reply 4",
+                          "model_info", "reply 5"]  # fmt: skip
+    else:
+        assert events == ["launch s1", "read s1", "reply 1", "launch s2", "read s2", "reply 2",
+                          "launch_model", "reply 3", "sample s3", "read s3", "reply 4",
+                          "model_info", "reply 5"]  # fmt: skip
+    assert sorted(replies) == [1, 2, 3, 4, 5]

@@ -38,6 +38,9 @@ class _Raised:
     def result(self) -> ModelRunnerOutput:
         raise self.error
 
+    def done(self) -> bool:
+        return True
+
 
 class EngineCore:
     """Owns the scheduler and the executor. Only the scheduler owns request state."""

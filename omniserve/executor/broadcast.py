@@ -65,5 +65,9 @@ class BroadcastReceiver:
         """The next message, in send order (blocks)."""
         return pickle.loads(self._socket.recv(copy=False).buffer)
 
+    def poll(self, timeout_ms: int) -> bool:
+        """Whether a message is in, waiting up to ``timeout_ms``."""
+        return bool(self._socket.poll(timeout_ms, zmq.POLLIN))
+
     def close(self) -> None:
         self._socket.close(linger=0)

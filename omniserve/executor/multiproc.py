@@ -7,7 +7,8 @@ queue (``broadcast.py``); replies come back on one PULL socket, tagged with the 
 is answered by rank 0 alone (every rank samples the same tokens); calls such as sizing the KV
 cache are answered by all ranks. Other ranks reply to a step only when it failed. Under async
 scheduling the next step is sent before a step's reply is read, so the workers go from one step
-to the next without waiting for the engine core to schedule it.
+to the next without waiting for the engine core to schedule it, and a worker that finds the next
+step in launches it before it reads its own last step back (``serve_calls``).
 
 Failure handling: a monitor thread watches the worker processes. When one dies, the waiting call
 (or, when the engine is idle, the engine core through ``register_failure_callback``) gets a
@@ -28,6 +29,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, NoReturn, cast
@@ -47,6 +49,8 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 100
 _READERS_TIMEOUT_S = 60.0
 _SHUTDOWN_TIMEOUT_S = 5.0
+_WAIT_S = 5e-5
+"""A worker's pause between looks for its next call while its step runs on the device."""
 _STARTUP_CALL_ID = 0
 """Id of the READY (or start-up error) reply each worker sends once."""
 
@@ -227,6 +231,10 @@ class _StepReply:
     def result(self) -> ModelRunnerOutput:
         return self.executor.step_result(self.call_id, self.method)
 
+    def done(self) -> bool:
+        """Whether rank 0's reply is in (kept while another call was collecting)."""
+        return self.call_id in self.executor._early_replies
+
 
 def _describe_exit(exitcode: int | None) -> str:
     if exitcode is not None and exitcode < 0:
@@ -271,22 +279,73 @@ def run_worker(
         results.close(linger=2000)  # let the error reach the executor
         sys.exit(1)
     results.send(pickle.dumps((_STARTUP_CALL_ID, rank, True, None)))
-    while True:
-        call_id, method, args, reply = calls.recv()
-        if method is None:
-            break
-        try:
-            result = wrapper.execute_method(method, args, reply)
-        except Exception as exc:
-            _reply_error(results, call_id, rank, exc)
-            continue
-        if reply == REPLY_ALL or rank == 0:
-            results.send(
-                pickle.dumps((call_id, rank, True, result), protocol=pickle.HIGHEST_PROTOCOL)
-            )
+    serve_calls(calls, results, wrapper, config.scheduler_config.async_scheduling)
     wrapper.shutdown()
     context.destroy(linger=1000)
     sys.exit(0)
+
+
+_STEP_DISPATCH = {"execute_model": "dispatch_model", "sample_model": "dispatch_sampling"}
+"""Step calls -> the worker method that launches the step and returns before its read-back."""
+
+
+def serve_calls(
+    calls: BroadcastReceiver, results: zmq.Socket, wrapper: WorkerWrapper, ahead: bool
+) -> None:
+    """Answer calls in order until told to stop. With ``ahead`` (async scheduling, where the
+    engine core sends the next step before it reads this one's reply), a step is launched and
+    read back only once the next call is in or the step is done, whichever is first: a step
+    that is in is launched behind it first (and a ``launch_model``, the next step's first half),
+    so the device goes from one step to the next without waiting for this worker's host."""
+    pending: tuple[int, str, PendingOutput] | None = None
+
+    def reply(call_id: int, mode: str, result: Any) -> None:
+        if mode == REPLY_ALL or wrapper.rank == 0:
+            results.send(
+                pickle.dumps(
+                    (call_id, wrapper.rank, True, result), protocol=pickle.HIGHEST_PROTOCOL
+                )
+            )
+
+    def finish() -> None:
+        nonlocal pending
+        if pending is not None:
+            (call_id, mode, step), pending = pending, None
+            try:
+                output = step.result()
+            except Exception as exc:
+                _reply_error(results, call_id, wrapper.rank, exc)
+            else:
+                reply(call_id, mode, output)
+
+    while True:
+        while pending is not None and not calls.poll(0):
+            if pending[2].done():
+                finish()
+            else:
+                time.sleep(_WAIT_S)
+        call_id, method, args, mode = calls.recv()
+        if method is None:
+            finish()
+            return
+        if method not in _STEP_DISPATCH and method != "launch_model":
+            finish()  # every other call sees each step read back
+        try:
+            if method in _STEP_DISPATCH:
+                step = getattr(wrapper.worker, _STEP_DISPATCH[method])(*args)
+            else:
+                result = wrapper.execute_method(method, args, mode)
+        except Exception as exc:
+            finish()
+            _reply_error(results, call_id, wrapper.rank, exc)
+            continue
+        if method not in _STEP_DISPATCH:
+            reply(call_id, mode, result)
+            continue
+        finish()
+        pending = (call_id, mode, step)
+        if not ahead:
+            finish()
 
 
 def _reply_error(socket: zmq.Socket, call_id: int, rank: int, exc: BaseException) -> None:

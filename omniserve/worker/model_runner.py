@@ -82,6 +82,9 @@ class _SampledStep:
         self._copy: HostCopy | None = HostCopy(tensors)
         self._host: list[torch.Tensor] = []
 
+    def done(self) -> bool:
+        return self._copy is None or self._copy.ready()
+
     def read_back(self) -> None:
         if self._copy is None:
             return
