@@ -10,6 +10,7 @@ the step before it is back) and aborts; ``test_reliability`` fails steps under i
 from __future__ import annotations
 
 import argparse
+import pickle
 import random
 import re
 from collections.abc import Iterator
@@ -21,10 +22,14 @@ from transformers import AutoProcessor
 
 from omniserve import LLM, SamplingParams
 from omniserve.core.request import RequestStatus
+from omniserve.core.sched_output import CachedRequestData, SchedulerOutput
 from omniserve.core.scheduler import Scheduler
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.core import EngineCore
+from omniserve.executor.abstract import Executor
+from omniserve.executor.multiproc import serve_calls
 from omniserve.executor.uniproc import UniProcExecutor
+from omniserve.executor.worker_wrapper import REPLY_ALL, REPLY_RANK0
 from omniserve.messages import ModelRunnerOutput
 from omniserve.sampling_params import StructuredOutputsParams
 from tests.hf_reference import make_prompts
@@ -468,11 +473,6 @@ def test_a_worker_launches_the_next_step_before_it_reads_this_one_back(ahead: bo
     """With async scheduling the engine core sends step 2 before it reads step 1's reply; a
     worker that finds it in launches it before it reads step 1 back (its device goes from one
     step to the next), then answers in order; any other call sees every step read back."""
-    import pickle
-
-    from omniserve.executor.multiproc import serve_calls
-    from omniserve.executor.worker_wrapper import REPLY_ALL, REPLY_RANK0
-
     events: list[str] = []
     messages = [(1, "execute_model", ("s1",), REPLY_RANK0),
                 (2, "execute_model", ("s2",), REPLY_RANK0),
@@ -522,3 +522,27 @@ def test_a_worker_launches_the_next_step_before_it_reads_this_one_back(ahead: bo
                           "launch_model", "reply 3", "sample s3", "read s3", "reply 4",
                           "model_info", "reply 5"]  # fmt: skip
     assert sorted(replies) == [1, 2, 3, 4, 5]
+
+
+def test_an_executor_that_cannot_split_a_step_runs_it_whole_when_sampled() -> None:
+    """The base executor's ``launch_model`` holds the step and ``dispatch_sampling`` runs it with
+    the bitmask made meanwhile: correct for any executor, without the overlap."""
+    ran: list[Any] = []
+
+    class Whole(Executor):
+        def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+            ran.append(args[0])
+            return [ModelRunnerOutput(["r"], [[7]])]
+
+        def shutdown(self) -> None:
+            pass
+
+    executor = Whole(None)  # type: ignore[arg-type]
+    step = SchedulerOutput([], CachedRequestData(), {"r": 1}, 1)
+    executor.launch_model(step)
+    assert ran == []
+    output = executor.dispatch_sampling({"r": b"\xff"}).result()
+    assert ran == [step] and step.grammar_bitmask == {"r": b"\xff"}
+    assert output.sampled_token_ids == [[7]]
+    with pytest.raises(RuntimeError, match="without a step"):
+        executor.dispatch_sampling({})

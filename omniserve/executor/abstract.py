@@ -19,6 +19,7 @@ class Executor(ABC):
     def __init__(self, config: OmniConfig) -> None:
         self.config = config
         self._failure_callback: Callable[[BaseException], None] | None = None
+        self._held_step: SchedulerOutput | None = None  # see launch_model
 
     @staticmethod
     def get_class(config: OmniConfig) -> type[Executor]:
@@ -115,12 +116,17 @@ class Executor(ABC):
 
     def launch_model(self, scheduler_output: SchedulerOutput) -> None:
         """Launch one step up to its logits; ``dispatch_sampling`` completes it, so that the
-        grammar bitmask can be made meanwhile (async scheduling's executors)."""
-        raise NotImplementedError(f"{type(self).__name__} does not split a step")
+        grammar bitmask can be made meanwhile. Here the step is only held, and runs whole when
+        it is sampled (executors that can split a step launch its forward now)."""
+        self._held_step = scheduler_output
 
     def dispatch_sampling(self, grammar_bitmask: dict[str, bytes]) -> PendingOutput:
         """Sample the step ``launch_model`` launched; its pending output."""
-        raise NotImplementedError(f"{type(self).__name__} does not split a step")
+        scheduler_output, self._held_step = self._held_step, None
+        if scheduler_output is None:
+            raise RuntimeError("dispatch_sampling without a step from launch_model")
+        scheduler_output.grammar_bitmask = grammar_bitmask
+        return self.dispatch_model(scheduler_output)
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -307,9 +307,6 @@ class Worker:
     def dispatch_sampling(self, grammar_bitmask: dict[str, bytes]) -> PendingOutput:
         return self.model_runner.sample(grammar_bitmask)
 
-    def sample_model(self, grammar_bitmask: dict[str, bytes]) -> ModelRunnerOutput:
-        return self.dispatch_sampling(grammar_bitmask).result()
-
     def start_step_timing(self) -> None:
         self.model_runner.step_timer.start()
 
