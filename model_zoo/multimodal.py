@@ -15,16 +15,63 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.vision_utils import (
+    get_vision_cu_seqlens,
+    get_vision_interpolation_indices_and_weights,
+    get_vision_position_ids,
+    get_vision_window_index,
+)
 
 from model_zoo.decoder import DecoderForCausalLM, LanguageModel
 from omniserve.layers.weight_utils import WeightRoute, load_weights_by_route, route_stacked
+from omniserve.transfers import upload
 
 _DECODER_PREFIXES = ("model.", "lm_head.")
+
+
+def on_device(device: torch.device, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Host tensors on ``device`` in one pinned copy, by name."""
+    return dict(zip(tensors, upload(device, list(tensors.values())), strict=True))
+
+
+def run_vision_tower(visual: nn.Module, pixel_values: torch.Tensor, grid: torch.Tensor) -> Any:
+    """A transformers vision tower's output for ``pixel_values`` (on the device) of the items of
+    ``grid`` (``grid_thw``, on the host).
+
+    What the tower derives from the grid is derived here, on the host, and passed in (the
+    towers' forwards take it precomputed): derived in the tower from a device grid, it reads the
+    grid back, per item and in every attention layer, and each read waits for all the work
+    queued on the device. The attention boundaries stay on the host, where the towers' SDPA
+    attention (the one they are built with) splits by them."""
+    merge = visual.spatial_merge_size
+    host: dict[str, Any] = {"cu_seqlens": get_vision_cu_seqlens(grid)}
+    device_side = {"position_ids": get_vision_position_ids(grid, merge)}
+    if hasattr(visual, "window_size"):  # Qwen2.5's windowed attention
+        device_side["window_index"], host["cu_window_seqlens"] = get_vision_window_index(
+            grid, spatial_merge_size=merge, window_size=visual.window_size,
+            patch_size=visual.patch_size,
+        )  # fmt: skip
+    if hasattr(visual, "num_grid_per_side"):  # Qwen3's interpolated position embeddings
+        device_side["interp_indices"], device_side["interp_weights"] = (
+            get_vision_interpolation_indices_and_weights(
+                grid, num_grid_per_side=visual.num_grid_per_side,
+                mode=visual.interpolation_mode, align_corners=visual.interpolation_align_corners,
+                spatial_merge_size=visual.config.spatial_merge_size,
+            )
+        )  # fmt: skip
+    kwargs = host | on_device(pixel_values.device, **device_side)
+    return visual(pixel_values, grid_thw=grid, **kwargs)
+
+
+def mm_rows(is_mm: torch.Tensor, mm_embeds: torch.Tensor) -> torch.Tensor:
+    """``[len(mm_embeds)]`` indices of the rows ``is_mm`` sets. Sized by the embeddings, so the
+    device is never read for the count (``nonzero`` would wait for all queued work)."""
+    return torch.nonzero_static(is_mm, size=mm_embeds.shape[0]).squeeze(1)
 
 
 class MultiModalDecoderBase(LanguageModel, ABC):
@@ -70,18 +117,15 @@ class MultiModalDecoderBase(LanguageModel, ABC):
         is_mm: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token embeddings ``[num_tokens, hidden_size]``, with the rows where ``is_mm``
-        (``[num_tokens]`` bool) is set replaced, in order, by ``mm_embeds``."""
+        (``[num_tokens]`` bool) is set replaced, in order, by ``mm_embeds``. The caller
+        guarantees that ``is_mm`` sets exactly ``len(mm_embeds)`` rows (the runner checks it on
+        the host: counting them here would read the device)."""
         embeds = self.model.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         if mm_embeds is None:
             return embeds
         if is_mm is None:
             raise ValueError("mm_embeds needs is_mm, the mask of the rows it replaces.")
-        rows = is_mm.nonzero().squeeze(1)  # [num_mm_tokens]
-        if rows.numel() != mm_embeds.shape[0]:
-            raise ValueError(
-                f"{mm_embeds.shape[0]} multimodal embeddings for {rows.numel()} masked positions."
-            )
-        return embeds.index_copy(0, rows, mm_embeds.to(embeds.dtype))
+        return embeds.index_copy(0, mm_rows(is_mm, mm_embeds), mm_embeds.to(embeds.dtype))
 
     def checkpoint_to_param_name(self, name: str) -> str:
         for prefix, ours in self.checkpoint_prefixes:

@@ -28,16 +28,21 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from transformers import PretrainedConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniAudioEncoder,
     Qwen2_5OmniToken2WavModel,
     Qwen2_5OmniVisionEncoder,
+    chunk_and_pad_features,
+    get_audio_cu_seqlens,
+    get_pool_indices,
+    get_valid_indices,
 )
 
 from model_zoo.decoder import head_dim_of
-from model_zoo.multimodal import MultiModalDecoderBase
+from model_zoo.multimodal import MultiModalDecoderBase, on_device, run_vision_tower
 from model_zoo.qwen2 import Qwen2ForCausalLM
 from model_zoo.qwen2_5_omni_speech import (
     Qwen2_5OmniSpeechConfig,
@@ -47,7 +52,7 @@ from model_zoo.qwen2_5_omni_speech import (
 )
 from omniserve.layers.rotary_embedding import MRotaryEmbedding, get_rope
 from omniserve.layers.weight_utils import WeightRoute, default_dtype, load_weights_by_route
-from omniserve.multimodal.inputs import MultiModalFeatureSpec
+from omniserve.multimodal.inputs import MultiModalFeatureSpec, host_data
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from processors.qwen2_5_omni_audio import get_feat_extract_output_lengths
 from processors.qwen2_5_omni_thinker import (
@@ -80,14 +85,24 @@ def item_data(feature: MultiModalFeatureSpec) -> dict[str, Any]:
 
 def is_audio_in_video(data: dict[str, Any]) -> bool:
     """Whether a video item carries its audio track (the composite audio-in-video item)."""
-    return bool(torch.as_tensor(data.get("use_audio_in_video", False)).any())
+    return bool(torch.as_tensor(host_data(data).get("use_audio_in_video", False)).any())
+
+
+def num_audio_frames(data: dict[str, Any]) -> int:
+    """An item's number of valid log-mel frames, read from its host mask (which marks a prefix:
+    the feature extractor pads at the end)."""
+    mask = host_data(data)["feature_attention_mask"].reshape(-1)
+    num_frames = int(mask.sum())
+    if not bool(mask[:num_frames].all()):
+        raise ValueError("An audio item's feature_attention_mask must mark a prefix of frames.")
+    return num_frames
 
 
 def audio_frames(data: dict[str, Any]) -> torch.Tensor:
     """An item's valid log-mel frames ``[num_mel_bins, num_frames]`` (padding dropped)."""
     features = data["input_features"]
     features = features.reshape(-1, *features.shape[-2:])[0]  # [num_mel_bins, padded_frames]
-    return features[:, data["feature_attention_mask"].reshape(-1).bool()]
+    return features[:, : num_audio_frames(data)]
 
 
 def seconds_per_grid(data: dict[str, Any]) -> torch.Tensor:
@@ -272,28 +287,25 @@ class OmniThinkerBase(MultiModalDecoderBase):
         self, item: dict[str, Any], video: torch.Tensor, audio: torch.Tensor
     ) -> torch.Tensor:
         """A composite item's video and audio embeddings, in its token order."""
-        is_video = self.audio_in_video_order(item).to(video.device)
-        if (
-            int(is_video.sum()) != video.shape[0]
-            or len(is_video) != video.shape[0] + audio.shape[0]
-        ):
+        is_video = self.audio_in_video_order(host_data(item)).numpy()  # on the host
+        video_rows, audio_rows = np.flatnonzero(is_video), np.flatnonzero(~is_video)
+        if len(video_rows) != video.shape[0] or len(audio_rows) != audio.shape[0]:
             raise ValueError(
-                f"An audio-in-video item lays out {int(is_video.sum())} video and "
-                f"{int((~is_video).sum())} audio tokens, but the encoders gave "
+                f"An audio-in-video item lays out {len(video_rows)} video and "
+                f"{len(audio_rows)} audio tokens, but the encoders gave "
                 f"{video.shape[0]} and {audio.shape[0]} embeddings."
             )
+        rows = on_device(video.device, video=video_rows, audio=audio_rows)
         out = video.new_empty(len(is_video), video.shape[1])  # [num_embeds, width]
-        out[is_video] = video
-        out[~is_video] = audio
-        return out
+        return out.index_copy_(0, rows["video"], video).index_copy_(0, rows["audio"], audio)
 
     def vision_outputs(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         """``[num_merged_patches, width]`` rows the decoder takes for the patches of ``grid``."""
-        return self.visual(pixel_values, grid_thw=grid).pooler_output
+        return run_vision_tower(self.visual, pixel_values, grid).pooler_output
 
     def encode_vision(self, modality: str, items: list[dict[str, Any]]) -> list[torch.Tensor]:
         pixels_key, grid_key = VISION_KEYS[modality]
-        grid = torch.cat([item[grid_key].reshape(-1, 3) for item in items])  # [num_items, 3]
+        grid = torch.cat([host_data(item)[grid_key].reshape(-1, 3) for item in items])  # host
         if grid.shape[0] != len(items):
             raise ValueError(f"Each {modality} item must carry exactly one {grid_key} row.")
         pixel_values = torch.cat([item[pixels_key] for item in items]).to(self.visual.dtype)
@@ -304,8 +316,8 @@ class OmniThinkerBase(MultiModalDecoderBase):
     def audio_output_lengths(self, num_frames: torch.Tensor) -> torch.Tensor:
         """Embeddings of clips of ``num_frames`` valid mel frames (the processor's counts)."""
 
-    def audio_lengths(self, frames: list[torch.Tensor]) -> list[int]:
-        return self.audio_output_lengths(torch.tensor([f.shape[1] for f in frames])).tolist()
+    def audio_lengths(self, num_frames: list[int]) -> list[int]:
+        return self.audio_output_lengths(torch.tensor(num_frames)).tolist()
 
     @abstractmethod
     def encode_audio(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
@@ -337,13 +349,24 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerBase):
         return get_audio_in_video_order(item)
 
     def encode_audio(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
-        frames = [audio_frames(item) for item in items]
-        feature_lens = torch.tensor([f.shape[1] for f in frames], device=frames[0].device)
         tower = self.audio_tower
-        aftercnn_lens, _ = tower._get_feat_extract_output_lengths(feature_lens)
-        features = torch.cat(frames, dim=1).to(tower.conv1.weight.dtype)  # [mel, total_frames]
-        hidden = tower(features, feature_lens=feature_lens, aftercnn_lens=aftercnn_lens)
-        return list(hidden.last_hidden_state.split(self.audio_lengths(frames)))
+        num_frames = [num_audio_frames(item) for item in items]
+        features = torch.cat([audio_frames(item) for item in items], dim=1)  # [mel, frames]
+        features = features.to(tower.conv1.weight.dtype)
+        # What the tower derives from the lengths, derived on the host (see run_vision_tower).
+        feature_lens = torch.tensor(num_frames)
+        padded, chunk_lengths = chunk_and_pad_features(features, feature_lens, tower.n_window)
+        hidden = tower(
+            padded_feature=padded,
+            cu_seqlens=get_audio_cu_seqlens(chunk_lengths),
+            **on_device(
+                features.device,
+                chunk_lengths=chunk_lengths,
+                valid_indices=get_valid_indices(chunk_lengths),
+                pool_indices=get_pool_indices(feature_lens),
+            ),
+        )
+        return list(hidden.last_hidden_state.split(self.audio_lengths(num_frames)))
 
     def temporal_index(self, feature: MultiModalFeatureSpec, t: int) -> torch.Tensor:
         """Frame-group temporal offsets, floored as the reference does (images: step 1 s)."""
@@ -387,7 +410,7 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerBase):
         t_index = self.temporal_index(feature, t)
         start = pieces.start()
         video = grid_positions(t_index, h // self.merge_size, w // self.merge_size) + start
-        (num_audio,) = self.audio_lengths([audio_frames(item_data(feature))])
+        (num_audio,) = self.audio_lengths([num_audio_frames(item_data(feature))])
         audio = torch.arange(num_audio).expand(3, -1) + start
         tokens_per_chunk = int(self.config.position_id_per_seconds * self.config.seconds_per_chunk)
         video_chunks = chunk_bounds(video[0].sub(start).tolist(), tokens_per_chunk)

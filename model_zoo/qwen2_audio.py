@@ -17,8 +17,9 @@ from transformers.models.qwen2_audio.modeling_qwen2_audio import (
     Qwen2AudioMultiModalProjector,
 )
 
-from model_zoo.multimodal import MultiModalDecoderBase
+from model_zoo.multimodal import MultiModalDecoderBase, on_device
 from model_zoo.qwen2 import Qwen2ForCausalLM
+from omniserve.multimodal.inputs import host_data
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from processors.qwen2_audio import (
     Qwen2AudioDummyInputsBuilder,
@@ -71,21 +72,21 @@ class Qwen2AudioForConditionalGeneration(MultiModalDecoderBase):
         # [num_items, num_mel_bins, num_frames]
         input_features = torch.cat([f.reshape(-1, *f.shape[-2:]) for f in features])
         feature_mask = torch.cat(
-            [item["feature_attention_mask"].reshape(-1, num_frames) for item in items]
-        )  # [num_items, num_frames]
+            [host_data(item)["feature_attention_mask"].reshape(-1, num_frames) for item in items]
+        )  # [num_items, num_frames], on the host: lengths are read without waiting for the device
         tower = self.audio_tower
         conv_lengths, output_lengths = tower._get_feat_extract_output_lengths(feature_mask.sum(-1))
         max_conv_length = (num_frames - 2) // 2 + 1
-        frame_ids = torch.arange(max_conv_length, device=conv_lengths.device)
+        frame_ids = torch.arange(max_conv_length)
         valid = (frame_ids[None, :] < conv_lengths[:, None]).long()  # [num_items, max_conv_len]
         dtype = self.model.embed_tokens.weight.dtype
-        attention_mask = create_bidirectional_mask(
+        attention_mask = create_bidirectional_mask(  # on the host too (it tests the mask's values)
             config=tower.config,
-            inputs_embeds=torch.zeros(
-                len(items), max_conv_length, 1, dtype=dtype, device=valid.device
-            ),
+            inputs_embeds=torch.zeros(len(items), max_conv_length, 1, dtype=dtype),
             attention_mask=valid,
         )
+        if attention_mask is not None:  # None: no padding to mask
+            attention_mask = on_device(input_features.device, mask=attention_mask)["mask"]
         hidden = tower(input_features, attention_mask=attention_mask).last_hidden_state
         embeds = self.multi_modal_projector(hidden)  # [num_items, max_conv_len // 2, hidden]
         return [embeds[i, :n] for i, n in enumerate(output_lengths.tolist())]

@@ -19,9 +19,9 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from model_zoo.multimodal import MultiModalDecoderBase
+from model_zoo.multimodal import MultiModalDecoderBase, run_vision_tower
 from model_zoo.qwen2 import Qwen2ForCausalLM
-from omniserve.multimodal.inputs import MultiModalFeatureSpec
+from omniserve.multimodal.inputs import MultiModalFeatureSpec, host_data
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from processors.qwen2_vl import (
     Qwen2VLDummyInputsBuilder,
@@ -87,12 +87,14 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
         if modality not in _VISION_KEYS:
             raise ValueError(f"{type(self).__name__} encodes image and video, not {modality!r}.")
         pixels_key, grid_key = _VISION_KEYS[modality]
-        grid_thw = torch.cat([item[grid_key].reshape(-1, 3) for item in items])  # [num_items, 3]
+        # [num_items, 3], on the host
+        grid_thw = torch.cat([host_data(item)[grid_key].reshape(-1, 3) for item in items])
         if grid_thw.shape[0] != len(items):
             raise ValueError(f"Each {modality} item must carry exactly one {grid_key} row.")
         pixel_values = torch.cat([item[pixels_key] for item in items])  # [num_patches, patch_dim]
         pixel_values = pixel_values.to(self.visual.dtype)
-        embeds = self.visual(pixel_values, grid_thw=grid_thw).pooler_output  # [num_embeds, hidden]
+        # [num_embeds, hidden]
+        embeds = run_vision_tower(self.visual, pixel_values, grid_thw).pooler_output
         sizes = (grid_thw.prod(-1) // self.merge_size**2).tolist()
         return list(embeds.split(sizes))
 

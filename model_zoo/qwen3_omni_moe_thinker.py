@@ -36,8 +36,12 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeAudioEncoder,
     Qwen3OmniMoeCode2Wav,
     Qwen3OmniMoeVisionEncoder,
+    chunk_and_pad_features,
+    get_audio_cu_seqlens,
+    get_valid_indices,
 )
 
+from model_zoo.multimodal import mm_rows, on_device, run_vision_tower
 from model_zoo.qwen2_5_omni_thinker import (
     OmniThinkerBase,
     PositionPieces,
@@ -48,6 +52,7 @@ from model_zoo.qwen2_5_omni_thinker import (
     is_audio_in_video,
     item_data,
     load_omni_weights,
+    num_audio_frames,
     seconds_per_grid,
     thinker_rope,
 )
@@ -140,7 +145,7 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
 
     # ---- encoders --------------------------------------------------------------------------------
     def vision_outputs(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        out = self.visual(pixel_values, grid_thw=grid)
+        out = run_vision_tower(self.visual, pixel_values, grid)
         # [num_merged_patches, hidden * (1 + num_deepstack)]: main embedding, then each level
         return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
 
@@ -151,18 +156,29 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
         return get_audio_in_video_order(item)
 
     def encode_audio(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
-        frames = [audio_frames(item) for item in items]
-        sizes = self.audio_lengths(frames)
+        num_frames = [num_audio_frames(item) for item in items]
+        sizes = self.audio_lengths(num_frames)
         tower = self.audio_tower
         groups: dict[int, list[int]] = {}  # padded chunk width -> items
-        for i, f in enumerate(frames):
-            groups.setdefault(min(f.shape[1], 2 * tower.n_window), []).append(i)
+        for i, n in enumerate(num_frames):
+            groups.setdefault(min(n, 2 * tower.n_window), []).append(i)
         out: list[torch.Tensor] = [torch.empty(0)] * len(items)
         for members in groups.values():
-            feature_lens = torch.tensor([frames[i].shape[1] for i in members])
-            features = torch.cat([frames[i] for i in members], dim=1)  # [mel, total_frames]
+            features = torch.cat([audio_frames(items[i]) for i in members], dim=1)  # [mel, frames]
             features = features.to(tower.conv2d1.weight.dtype)
-            hidden = tower(features, feature_lens=feature_lens.to(features.device))
+            # What the tower derives from the lengths, derived on the host (see run_vision_tower).
+            feature_lens = torch.tensor([num_frames[i] for i in members])
+            padded, chunk_lengths = chunk_and_pad_features(features, feature_lens, tower.n_window)
+            hidden = tower(
+                padded_feature=padded,
+                chunk_lengths=chunk_lengths,
+                cu_seqlens=get_audio_cu_seqlens(
+                    chunk_lengths, feature_lens, tower.n_window_infer, tower.n_window
+                ),
+                **on_device(
+                    features.device, valid_indices=get_valid_indices(chunk_lengths, tower.n_window)
+                ),
+            )
             rows = hidden.last_hidden_state.split([sizes[i] for i in members])
             for i, item_rows in zip(members, rows, strict=True):
                 out[i] = F.pad(item_rows, (0, self.hidden_size * self.num_deepstack))  # no levels
@@ -187,7 +203,7 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
         if self.num_deepstack:
             assert is_mm is not None  # checked by the merge above
             self._deepstack = DeepstackInput(
-                rows=is_mm.nonzero().squeeze(1),
+                rows=mm_rows(is_mm, mm_embeds),
                 embeds=levels.reshape(-1, self.num_deepstack, self.hidden_size).to(embeds.dtype),
                 num_tokens=input_ids.shape[0],
             )
@@ -284,7 +300,7 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
             self.temporal_index(feature, t), h // self.merge_size, w // self.merge_size
         )
         video = video + start  # [3, num_video]
-        (num_audio,) = self.audio_lengths([audio_frames(item_data(feature))])
+        (num_audio,) = self.audio_lengths([num_audio_frames(item_data(feature))])
         audio = torch.arange(num_audio, dtype=torch.float32).expand(3, -1) + start
         merged = torch.cat([video, audio], dim=1)  # [3, num_video + num_audio]
         order = torch.sort(merged[0], stable=True).indices  # both inputs are non-decreasing

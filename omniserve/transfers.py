@@ -20,11 +20,13 @@ def upload(device: torch.device, arrays: Sequence[np.ndarray | torch.Tensor]) ->
     synchronize (each pageable copy synchronized the stream, and a dozen separate pinned copies
     cost ~50 us of host time each: a tenth of a batch-1 decode step on an H200). torch's cached
     host allocator reuses the pinned block only once the copy has run. On CPU they are the
-    arrays themselves."""
+    arrays themselves; other devices (the meta device of tests) get plain copies."""
     tensors = [torch.from_numpy(np.ascontiguousarray(a)) if isinstance(a, np.ndarray)
                else a.contiguous() for a in arrays]  # fmt: skip
-    if device.type != "cuda":
+    if device.type == "cpu":
         return tensors
+    if device.type != "cuda":
+        return [t.to(device) for t in tensors]
     staging = torch.empty(packed_size(tensors), dtype=torch.uint8, pin_memory=True)
     offsets = pack(tensors, staging)
     return unpack(staging.to(device, non_blocking=True), tensors, offsets)
@@ -49,8 +51,9 @@ def pack(tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> list[int]:
     """Copy contiguous host tensors into the uint8 ``buffer`` back to back; their offsets."""
     packed, offsets, offset = buffer.numpy(), [], 0
     for tensor in tensors:
-        values = tensor.numpy().reshape(-1)
-        packed[offset : offset + values.nbytes].view(values.dtype)[:] = values
+        if tensor.numel():
+            values = tensor.reshape(-1).view(torch.uint8).numpy()  # bytes: any dtype, bf16 too
+            packed[offset : offset + values.nbytes] = values
         offsets.append(offset)
         offset += _aligned_nbytes(tensor)
     return offsets

@@ -15,7 +15,8 @@ from omniserve.transfers import HostCopy, pack, pack_on_device, packed_size, unp
 
 def step_arrays() -> list[np.ndarray | torch.Tensor]:
     """What a step uploads: int32 offsets and a 2-D block table, int64 slots, ids and M-RoPE
-    rows, float32 sampling knobs, a bool mask, odd sizes and an empty piece."""
+    rows, float32 sampling knobs, a bool mask, odd sizes and an empty piece; and what an encoder
+    step uploads: media in bf16 (no numpy dtype), a 0-d scalar."""
     rng = np.random.default_rng(0)
     return [
         np.array([0, 3, 4, 9], dtype=np.int32),
@@ -25,6 +26,8 @@ def step_arrays() -> list[np.ndarray | torch.Tensor]:
         torch.arange(15).view(3, 5),
         rng.random(3).astype(np.float32),
         np.array([True, False, True]),
+        torch.randn(3, 7, generator=torch.Generator().manual_seed(0)).bfloat16(),
+        torch.tensor(2.5),
     ]
 
 

@@ -54,3 +54,19 @@ class MultiModalFeatureSpec(msgspec.Struct, array_like=True, omit_defaults=True)
     mm_position: PlaceholderRange
     data: dict[str, Any] | None = None
     """The encoder's inputs for this item alone (tensors, e.g. pixel_values + image_grid_thw)."""
+
+
+class EncoderItem(dict[str, Any]):
+    """An item's data as the model's encoder gets it: its tensors on the model's device, and
+    ``host``, the same data where the processor made it. Encoders read their metadata (grids,
+    lengths, masks, token orders) from ``host``: reading a value from a GPU waits for everything
+    queued before it (the step in flight, under async scheduling the next one too)."""
+
+    def __init__(self, on_device: dict[str, Any], host: dict[str, Any]) -> None:
+        super().__init__(on_device)
+        self.host = host
+
+
+def host_data(item: dict[str, Any]) -> dict[str, Any]:
+    """The host data of an encoder's item; a plain dict (a direct call) is its own."""
+    return item.host if isinstance(item, EncoderItem) else item

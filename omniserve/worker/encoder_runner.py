@@ -16,14 +16,23 @@ import torch
 from torch import nn
 
 from omniserve.core.sched_output import SchedulerOutput
-from omniserve.multimodal.inputs import MultiModalFeatureSpec
-from omniserve.transfers import host_to_device
+from omniserve.multimodal.inputs import EncoderItem, MultiModalFeatureSpec
+from omniserve.transfers import host_to_device, upload
 
 
-def to_device(data: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
-    if data is None:
+def to_device(items: list[dict[str, Any] | None], device: torch.device) -> list[EncoderItem]:
+    """The items' tensors on ``device`` in one pinned copy (``upload``: a pageable copy would
+    wait for the step in flight), each item keeping its host data for the encoder's metadata."""
+    if any(data is None for data in items):
         raise RuntimeError("A scheduled encoder input carries no data.")
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+    hosts: list[dict[str, Any]] = items  # type: ignore[assignment]
+    keys = [(i, k) for i, data in enumerate(hosts)
+            for k, v in data.items() if isinstance(v, torch.Tensor)]  # fmt: skip
+    moved = upload(device, [hosts[i][k] for i, k in keys])
+    out = [EncoderItem(data, host=data) for data in hosts]
+    for (i, k), tensor in zip(keys, moved, strict=True):
+        out[i][k] = tensor
+    return out
 
 
 class EncoderRunner:
@@ -49,14 +58,14 @@ class EncoderRunner:
                     continue
                 queued.add(feature.identifier)
                 by_modality.setdefault(feature.modality, []).append(feature)
+        dtype = next(self.model.parameters()).dtype
         for modality, all_features in by_modality.items():
             key = f"{modality}_embeds"  # precomputed (--enable-mm-embeds): no encoder to run
-            given = [f for f in all_features if f.data is not None and key in f.data]
             features = [f for f in all_features if f.data is None or key not in f.data]
+            given = [f for f in all_features if f.data is not None and key in f.data]
+            items = to_device([f.data for f in [*features, *given]], self.device)
             outputs = (
-                self.model.get_multimodal_embeddings(
-                    modality, [to_device(f.data, self.device) for f in features]
-                )
+                self.model.get_multimodal_embeddings(modality, items[: len(features)])
                 if features
                 else []
             )
@@ -65,8 +74,7 @@ class EncoderRunner:
                     f"The {modality} encoder returned {len(outputs)} outputs for "
                     f"{len(features)} items."
                 )
-            dtype = next(self.model.parameters()).dtype
-            outputs = [*outputs, *((f.data or {})[key].to(self.device, dtype) for f in given)]
+            outputs = [*outputs, *(item[key].to(dtype) for item in items[len(features) :])]
             for feature, output in zip([*features, *given], outputs, strict=True):
                 if output.shape[0] != feature.mm_position.num_embeds:
                     raise RuntimeError(
@@ -109,6 +117,12 @@ class EncoderRunner:
             flat_start += end - start
         if not pieces:
             return None, None
+        # Checked here, on the host: the merge takes the count as given (``nonzero_static``).
+        num_rows = sum(piece.shape[0] for piece in pieces)
+        if num_rows != int(is_mm.sum()):
+            raise RuntimeError(
+                f"{num_rows} multimodal embeddings for {int(is_mm.sum())} masked positions."
+            )
         return torch.cat(pieces), host_to_device(is_mm, self.device)
 
 

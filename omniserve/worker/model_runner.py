@@ -173,7 +173,7 @@ class ModelRunner:
         the logits and sampling probabilities of a full batch."""
         for feature in media:
             self.model.get_multimodal_embeddings(
-                feature.modality, [to_device(feature.data, self.device)]
+                feature.modality, to_device([feature.data], self.device)
             )
         num_tokens = self.max_num_batched_tokens
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
