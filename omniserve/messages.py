@@ -160,6 +160,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     """Waveform samples finalised this step (a float32 numpy array), for audio output."""
     num_audio_tokens: int = 0
     """Codec frames spoken so far."""
+    error: str | None = None
+    """With finish reason ERROR: the request's own cause, for its client (an HTTP 400); None:
+    the engine failed on it (the log has why)."""
 
     @property
     def finished(self) -> bool:

@@ -450,6 +450,14 @@ BAD_CASES = [
         id="undecodable audio",
     ),
     pytest.param(
+        "audio",
+        _input_audio(_wav(np.where(np.arange(16000) == 700, np.nan, WAVEFORM), 16000)),
+        "audio decode",
+        "samples that are NaN or infinite",
+        {},
+        id="NaN samples",
+    ),
+    pytest.param(
         "vl",
         {"type": "video_url", "video_url": {"url": _data_url("video/mp4", b"x")}},
         "video decode",

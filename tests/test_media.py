@@ -309,6 +309,12 @@ def test_audio_formats_soundfile_and_pyav() -> None:
     assert abs(len(waveform) - 16000) <= 2048 and abs(_peak_hz(waveform, rate) - 440) < 2
     with _raises("decode", "audio", "cannot decode audio"):
         connector.load_audio_bytes(b"RIFF garbage" * 50)
+    # Float formats can carry NaN and infinity: refused, not passed on to the encoder.
+    for bad in (np.nan, np.inf):
+        with _raises("decode", "audio", "samples that are NaN or infinite"):
+            samples = tone.copy()
+            samples[100] = bad
+            connector.load_audio_bytes(_sf_bytes(samples, 16000, "WAV", "FLOAT"))
 
 
 @pytest.mark.skipif("libmp3lame" not in av.codecs_available, reason="no mp3 encoder")

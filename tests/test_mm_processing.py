@@ -172,6 +172,9 @@ def test_audio_is_resampled_to_the_feature_extractor_rate(make_processor, hf_pro
     with pytest.raises(MultiModalInputError, match="sampling rate") as err:
         processor.apply(f"{AUDIO}?", {"audio": clip})
     assert err.value.stage == "process" and err.value.modality == "audio"
+    with pytest.raises(MultiModalInputError, match="item 1 has samples that are NaN") as err:
+        processor.apply(f"{AUDIO}{AUDIO}?", {"audio": [(clip, 8_000), (clip * np.inf, 8_000)]})
+    assert err.value.stage == "process" and err.value.modality == "audio"
 
 
 @pytest.mark.parametrize("arch", [QWEN2_VL, QWEN2_AUDIO])

@@ -436,3 +436,34 @@ def test_sampling_on_cuda_does_not_synchronize() -> None:
         Sampler()(logits, metadata)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_rows_with_no_possible_token_are_flagged() -> None:
+    """A row whose rules exclude every token (here: its one allowed id, banned as a bad word),
+    or whose scores are NaN, is flagged on the device; its id stays a vocabulary id (the next
+    step may feed it) and the engine is told -1. Greedy, top-k, top-p and plain random rows
+    with a possible token are not flagged, not even with a single possible token."""
+    vocab = 100
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(0))
+    logits[3] = torch.nan
+    excluded = dict(allowed_token_ids=[7], bad_words_token_ids=[[7]], max_tokens=5)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, **excluded),
+        SamplingParams(temperature=1.0, seed=1, **excluded),
+        SamplingParams(temperature=0.0),  # NaN scores
+        SamplingParams(temperature=1.0, seed=2, top_k=5),
+        SamplingParams(temperature=1.0, seed=3, top_p=0.5, **excluded),
+        SamplingParams(temperature=1.0, seed=4, allowed_token_ids=[9]),
+        SamplingParams(temperature=0.8, seed=5),
+    ]
+    for probe in (True, False):
+        metadata = make_metadata(params, vocab_size=vocab)
+        metadata.probe = probe
+        out = Sampler()(logits.clone(), metadata)
+        flagged = [1, 2, 3, 5]
+        assert out.no_token.tolist() == [i in flagged for i in range(8)]
+        assert ((out.sampled_token_ids >= 0) & (out.sampled_token_ids < vocab)).all()
+        reported = out.reported_ids().tolist()
+        assert [reported[i] for i in flagged] == [-1] * 4
+        assert reported[6] == 9 and all(reported[i] >= 0 for i in (0, 4, 7))

@@ -237,6 +237,68 @@ def test_ignore_eos_goes_on_after_the_grammar_ends(llm: LLM) -> None:
     assert len(out.token_ids) == 12 and out.text.startswith(("yes", "no"))
 
 
+def _no_token_cases(model_dir: str) -> list[dict[str, Any]]:
+    """Request fields whose rules together leave no token at some output position: the
+    grammar's tokens against ``allowed_token_ids``, bad words, or a ``min_tokens`` that bans the
+    only token the grammar has left (its end)."""
+    tokenizer = get_tokenizer(model_dir)
+    (letter,) = tokenizer.encode("x", add_special_tokens=False)
+    digits = [str(d) for d in range(10)]
+    return [
+        {"guided_regex": "[0-9]+", "allowed_token_ids": [letter]},
+        {"guided_choice": ["x"], "min_tokens": 2},
+        {"guided_choice": ["x"], "bad_words": ["x"]},
+        {"guided_regex": "[0-9]", "bad_words": digits},
+    ]
+
+
+def test_rules_that_leave_no_token_fail_only_their_request(
+    server: Server, tiny_checkpoint: Any
+) -> None:
+    """Each is a 400 naming the cause (streamed, once tokens went out: an error event), and the
+    engine serves on: a good request after each, and one running through all of them, are
+    answered in full."""
+    client = server.client()
+    running = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "go"}], max_tokens=64,
+        temperature=0.0, stream=True, extra_body={"ignore_eos": True, "min_tokens": 64},
+    )  # fmt: skip
+    first = next(iter(running))
+    for fields in _no_token_cases(str(tiny_checkpoint("Qwen3ForCausalLM"))):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4, **fields}  # fmt: skip
+        error = assert_error(server.post("/v1/chat/completions", body), 400)
+        assert "no token is possible" in error["message"], (fields, error)
+        streamed = server.post("/v1/chat/completions", {**body, "stream": True})
+        # a 400 before the stream when the first token fails, else an error event in it
+        assert streamed.status_code in (200, 400), streamed.text
+        assert "no token is possible" in streamed.text, fields
+        ok = server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert ok.status_code == 200, ok.text
+    chunks = [first, *running]
+    assert sum(len(c.choices[0].delta.content or "") > 0 for c in chunks if c.choices) > 1
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert server.post("/v1/completions", {"model": MODEL, "prompt": "x"}).status_code == 200
+
+
+def test_rules_that_leave_no_token_end_offline_in_error(llm: LLM, tiny_checkpoint: Any) -> None:
+    """Offline, such a request finishes with "error" and its batch-mates are untouched."""
+    model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))
+    tokenizer = get_tokenizer(model_dir)
+    (letter,) = tokenizer.encode("x", add_special_tokens=False)
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    impossible = [
+        SamplingParams(temperature=t, max_tokens=6, allowed_token_ids=[letter],
+                       structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+        for t in (0.0, 1.0)
+    ]  # fmt: skip
+    alone = llm.generate(["Well?"], free, use_tqdm=False)[0].outputs[0]
+    outs = llm.generate(["Well?"] * 3, [impossible[0], free, impossible[1]], use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "length", "error"]
+    assert outs[1].outputs[0].token_ids == alone.token_ids
+    assert all(not outs[i].outputs[0].token_ids for i in (0, 2))
+
+
 @pytest.mark.parametrize(
     "architecture",
     [

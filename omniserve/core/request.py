@@ -21,7 +21,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
-    """A step raised while the request ran alone: it caused the failure."""
+    """A step raised while the request ran alone (it caused the failure), or its rules left no
+    token to sample."""
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -67,6 +68,9 @@ class Request:
     suspect: bool = False
     """In a step that raised together with others: runs alone until it samples a token."""
     stop_reason: int | str | None = None
+    error: str | None = None
+    """Why the request ended in error, when its own sampling rules caused it (the client is
+    told); None for an engine failure."""
     block_hashes: list[int] = field(default_factory=list)
     """Chained hashes of this request's full blocks, extended as tokens arrive."""
     _output_token_ids: list[int] = field(default_factory=list)

@@ -513,6 +513,7 @@ class Scheduler:
                         finish_reason=FINISH_REASONS.get(request.status),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens,
+                        error=request.error,
                     )
                 )
             if request.is_finished:

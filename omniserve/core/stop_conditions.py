@@ -28,9 +28,21 @@ class TextStop(Protocol):
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None: ...
 
 
+NO_TOKEN_ERROR = (
+    "Output token {index}: no token is possible. This request's constraints (its structured "
+    "output, allowed_token_ids, bad_words, logit_bias and min_tokens together) exclude every "
+    "token here, or the model's scores were not finite."
+)
+
+
 def append_and_check_stop(request: Request, sampled: list[int], max_model_len: int) -> list[int]:
-    """Append tokens one by one; stop at the first that finishes the request."""
+    """Append tokens one by one; stop at the first that finishes the request. A negative id
+    (the sampler had no token to give) ends it in error."""
     for count, token_id in enumerate(sampled, start=1):
+        if token_id < 0:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = NO_TOKEN_ERROR.format(index=request.num_output_tokens)
+            return sampled[: count - 1]
         request.append_output_token_ids([token_id])
         status = check_stop(request, token_id, max_model_len)
         if status is not None:

@@ -196,10 +196,17 @@ class EngineCore:
         if not manager.matchers:
             return
         for output in outputs.outputs:
-            if output.request_id in manager.matchers:
+            if output.request_id not in manager.matchers:
+                continue
+            try:
                 manager.accept(output.request_id, output.new_token_ids)
-                if output.finished:
-                    manager.remove(output.request_id)
+            except RuntimeError:
+                # The sampler applies the grammar, so this is a bug; it ends this request only.
+                logger.exception("Request %s left its grammar", output.request_id)
+                self.scheduler.finish_requests(output.request_id, RequestStatus.FINISHED_ERROR)
+                output.finish_reason = FinishReason.ERROR
+            if output.finished:
+                manager.remove(output.request_id)
 
     def step(self) -> EngineCoreOutputs:
         """Run one step; return what it produced (empty when there was nothing to run).

@@ -7,6 +7,11 @@ class EngineGenerateError(Exception):
     """One request failed inside the engine; the engine itself is still healthy."""
 
 
+class UnsatisfiableRequestError(ValueError):
+    """The engine ended one request because the request's own rules left it no token to
+    sample: the client's to fix (HTTP 400); the engine is healthy."""
+
+
 class EngineStoppingError(Exception):
     """The engine is being stopped on purpose (the server is shutting down): in-flight requests
     end with this, and new ones are refused with it."""

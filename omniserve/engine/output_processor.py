@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from omniserve.engine.detokenizer import IncrementalDetokenizer, TokenTexts
-from omniserve.engine.exceptions import EngineGenerateError
+from omniserve.engine.exceptions import EngineGenerateError, UnsatisfiableRequestError
 from omniserve.messages import EngineCoreOutput, FinishReason, LogprobsLists
 from omniserve.outputs import (
     CompletionOutput,
@@ -239,7 +239,7 @@ class OutputProcessor:
             if child is None:
                 continue
             if output.finish_reason == FinishReason.ERROR and child.parent.queue is not None:
-                self._fail(child, result)
+                self._fail(child, result, output.error)
                 changed.pop(child.parent.request_id, None)
                 continue
             self._apply(child, output, now, result)
@@ -248,7 +248,7 @@ class OutputProcessor:
             self._emit(parent, result)
         return result
 
-    def _fail(self, failed: _ChildState, result: OutputProcessorOutput) -> None:
+    def _fail(self, failed: _ChildState, result: OutputProcessorOutput, error: str | None) -> None:
         """The engine failed on ``failed``: its request's consumer gets the error and the other
         children are aborted (a queue-less request instead finishes with "error")."""
         parent = failed.parent
@@ -263,6 +263,8 @@ class OutputProcessor:
                 f"Request {parent.request_id} failed with an internal error in the engine (the "
                 "server log has the cause); other requests are unaffected."
             )
+            if error is None
+            else UnsatisfiableRequestError(error)
         )
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:

@@ -129,9 +129,17 @@ class LogprobsTensors:
 
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # [num_reqs] int64
+    sampled_token_ids: torch.Tensor
+    """[num_reqs] int64, always a vocabulary id (the next step may feed it to the model)."""
     logprobs: LogprobsTensors | None
     """Raw-distribution logprobs of the sampled tokens plus the top ``max_num_logprobs``."""
+    no_token: torch.Tensor
+    """[num_reqs] bool: the row had no token to sample (its rules and grammar excluded every
+    one, or its scores were not finite); its sampled id is a stand-in."""
+
+    def reported_ids(self) -> torch.Tensor:
+        """The sampled ids with -1 where there was no token: what the engine is told."""
+        return torch.where(self.no_token, -1, self.sampled_token_ids)
 
 
 def compute_logprobs(
@@ -177,11 +185,14 @@ class Sampler(nn.Module):
         if metadata.penalties is not None:
             apply_penalties(logits, metadata.penalties)
         sampled = _sample(logits, metadata)
+        # A draw only lands on an excluded (-inf) token when every token is excluded; a NaN
+        # score fails the comparison too. One gather: no pass over the vocabulary.
+        no_token = ~(logits.gather(1, sampled[:, None]).squeeze(1) > -torch.inf)
         logprobs = None
         if raw_logprobs is not None:
             assert metadata.max_num_logprobs is not None
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
-        return SamplerOutput(sampled, logprobs)
+        return SamplerOutput(sampled, logprobs, no_token)
 
 
 def banned_by_bad_words(sequences: list[list[int]], output_token_ids: list[int]) -> list[int]:

@@ -150,9 +150,18 @@ def decode_audio(data: bytes, *, max_seconds: float) -> tuple[np.ndarray, int]:
             raise _decode_error("audio", f"cannot decode audio: {exc}") from exc
         waveform = np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32)
         _check_seconds("audio", "the audio", waveform.size / rate, max_seconds, _AUDIO_SECONDS)
+        _check_finite(waveform, "audio", "the audio")
     if waveform.size == 0:
         raise _decode_error("audio", "the audio has no samples")
     return waveform, int(rate)
+
+
+def _check_finite(waveform: np.ndarray, modality: str, what: str) -> np.ndarray:
+    """Float formats can carry NaN or infinite samples; the encoder would turn them into NaN
+    scores (a meaningless answer), so they are refused here, naming the part."""
+    if not np.isfinite(waveform).all():
+        raise _decode_error(modality, f"{what} has samples that are NaN or infinite")
+    return waveform
 
 
 def _check_seconds(
@@ -218,7 +227,9 @@ class _AudioTrack:
         if not self._chunks:
             return np.zeros(0, dtype=np.float32), self.rate
         waveform = np.concatenate(self._chunks, axis=1).mean(axis=0)  # [num_samples]
-        return np.ascontiguousarray(waveform, dtype=np.float32), self.rate
+        waveform = np.ascontiguousarray(waveform, dtype=np.float32)
+        modality, what, _ = self._limit
+        return _check_finite(waveform, modality, what), self.rate
 
 
 # ---------------------------------------------------------------------------------------- video

@@ -150,6 +150,12 @@ class MultiModalDataParser:
             waveform = waveform.mean(axis=int(np.argmin(waveform.shape)), dtype=np.float32)
         if waveform.ndim != 1 or waveform.size == 0:
             raise _bad_item("audio", index, clip, "a non-empty mono or multi-channel waveform")
+        if not np.isfinite(waveform).all():
+            raise MultiModalInputError(
+                f"item {index} has samples that are NaN or infinite",
+                stage="process",
+                modality="audio",
+            )
         if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or rate <= 0:
             raise _bad_item("audio", index, clip, "a positive sample rate")
         if self.target_sr is not None and rate != self.target_sr:

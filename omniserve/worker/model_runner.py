@@ -70,12 +70,15 @@ class _SampledStep:
     sampling: list[int]
     """Index in ``output.req_ids`` of each request that sampled, in the tokens' order."""
     sampled: torch.Tensor
+    """[num_sampling] ids on the device, which the next step may feed to the model."""
+    reported: torch.Tensor
+    """The same, -1 where the sampler had no token (``SamplerOutput.reported_ids``): read back."""
     logprobs: LogprobsTensors | None
     prompt_logprobs: dict[str, tuple[LogprobsTensors, int]]
     """req id -> logprobs of its prompt positions in this step, and how many it asked for."""
 
     def __post_init__(self) -> None:
-        tensors = [self.sampled]
+        tensors = [self.reported]
         for logprobs in (self.logprobs, *(lp for lp, _ in self.prompt_logprobs.values())):
             if logprobs is not None:
                 tensors += logprobs.tensors()
@@ -96,7 +99,8 @@ class _SampledStep:
             row = batch.req_id_to_row.get(output.req_ids[i])
             if row is not None:
                 batch.num_in_flight[row] -= 1
-                batch.append_token(row, sampled[j])
+                if sampled[j] >= 0:  # -1: no token; the scheduler ends the request
+                    batch.append_token(row, sampled[j])
 
     def result(self) -> ModelRunnerOutput:
         with self.timer.part("sampler"):
@@ -320,6 +324,7 @@ class ModelRunner:
             ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids]),
             np.flatnonzero(step.sample_mask).tolist(),
             sampler_output.sampled_token_ids,
+            sampler_output.reported_ids(),
             sampler_output.logprobs,
             self._prompt_logprobs(step, hidden_states),
         )
