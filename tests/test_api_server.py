@@ -242,6 +242,44 @@ def test_completion_logprobs_and_echo(server: Server) -> None:
     assert echo_logprobs.token_logprobs[num_prompt:] == pytest.approx(logprobs.token_logprobs)
 
 
+def test_prompt_logprobs_on_completions_and_chat(server: Server) -> None:
+    """vLLM's ``prompt_logprobs``: per prompt position (the first has none) the prompt's token
+    and the top k, keyed by token id, with rank and text; the same values as echo's logprobs
+    and on the chat route the rendered prompt's; refused with stream and past the limit."""
+    prompt, k = "Once upon a time", 3
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+    out = server.post("/v1/completions", {**body, "prompt_logprobs": k, "return_token_ids": True})
+    choice = out.json()["choices"][0]
+    ids, positions = choice["prompt_token_ids"], choice["prompt_logprobs"]
+    assert len(positions) == len(ids) and positions[0] is None
+    echoed = server.post("/v1/completions", {**body, "echo": True, "logprobs": k}).json()
+    echo_logprobs = echoed["choices"][0]["logprobs"]["token_logprobs"][: len(ids)]
+    for i, (token_id, position) in enumerate(zip(ids[1:], positions[1:], strict=True), 1):
+        assert k <= len(position) <= k + 1 and str(token_id) in position
+        entry = position[str(token_id)]
+        assert entry["logprob"] == pytest.approx(echo_logprobs[i], abs=1e-5)
+        assert entry["rank"] >= 1 and isinstance(entry["decoded_token"], str)
+        top = sorted(position.values(), key=lambda e: e["rank"])[:k]
+        assert [e["rank"] for e in top] == [1, 2, 3]
+    chat = server.post(
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": _chat("hi"),
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+        },
+    ).json()
+    assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"])
+    assert all(len(p) == 1 for p in chat["prompt_logprobs"][1:])  # k=0: the prompt's token
+    error = assert_error(server.post("/v1/completions", {**body, "prompt_logprobs": 1,
+                                                          "stream": True}), 400)  # fmt: skip
+    assert "prompt_logprobs is not available with stream" in error["message"]
+    error = assert_error(server.post("/v1/completions", {**body, "prompt_logprobs": 10_000}), 400)
+    assert error["param"] == "prompt_logprobs"
+
+
 def test_stop_strings(server: Server) -> None:
     client = server.client()
     prompt = "In the beginning"
@@ -401,6 +439,34 @@ def test_malformed_json_and_sdk_errors(server: Server) -> None:
     assert "maximum context length" in bad.value.message
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=_chat("hi"))
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "where"),
+    [
+        ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
+        ("/v1/chat/completions",
+         '{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+         '"text": "x"}, {"type": "text", "text": "\\udfff"}]}]}',
+         "messages[0].content[1].text"),
+        ("/v1/completions", '{"model": "a\\ud800", "prompt": "hi"}', "model"),
+        ("/v1/completions", '{"model": "tiny", "prompt": "hi", "stop": ["\\ud800"]}',
+         "stop[0]"),
+        ("/v1/completions", '{"model": "tiny", "prompt": "hi", "a\\ud800": 1}', "a\\ud800"),
+        ("/tokenize", '{"model": "tiny", "prompt": "\\ud800"}', "prompt"),
+    ],
+)  # fmt: skip
+def test_lone_surrogates_are_located_400s_and_the_connection_lives(
+    server: Server, path: str, body: str, where: str
+) -> None:
+    """JSON's ``\\uD800``-``\\uDFFF`` escapes parse to text no UTF-8 consumer can encode:
+    refused with the place named, on a keep-alive connection that then serves on."""
+    headers = {"Authorization": "Bearer sk-test", "Content-Type": "application/json"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as client:
+        error = assert_error(client.post(path, content=body.encode()), 400)
+        assert f"{where} holds a lone UTF-16 surrogate" in error["message"], error
+        ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
 
 
 # ---- metrics, load, cancellation ----
@@ -711,6 +777,8 @@ CHAT_FIELDS_THAT_WORK = {
     "seed": 3,
     "structured_outputs": {"choice": ["a", "b"]},
     "guided_choice": ["a", "b"],
+    "guided_decoding_backend": "xgrammar",
+    "prompt_logprobs": 1,
     "documents": [{"title": "t", "text": "x"}],
     "reasoning_effort": "low",
     "include_reasoning": True,
@@ -741,6 +809,11 @@ CHAT_FIELDS_REFUSED = {
     "logits_processors": ["m.p"],
     "kv_transfer_params": {"a": 1},
     "vllm_xargs": {"a": 1},
+    "guided_whitespace_pattern": " ",
+    "media_io_kwargs": {"video": {"num_frames": 4}},
+    "thinking_token_budget": 10,
+    "functions": [{"name": "f", "parameters": {}}],
+    "function_call": "auto",
 }
 
 
@@ -783,6 +856,10 @@ def test_vllm_chat_fields_refused_by_name(server: Server) -> None:
     for field, response in _post_each(server, CHAT_FIELDS_REFUSED).items():
         error = assert_error(response, 400)
         assert field in error["message"] and "not supported" in error["message"], error
+    # xgrammar is the one backend: vLLM's other names are refused, naming the field
+    body = {"model": MODEL, "messages": _chat("Hi"), "guided_decoding_backend": "outlines"}
+    error = assert_error(server.post("/v1/chat/completions", body), 400)
+    assert error["param"] == "guided_decoding_backend" and "xgrammar" in error["message"]
 
 
 def test_prompt_options_truncation_and_cache_salt(server: Server) -> None:

@@ -9,7 +9,12 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from omniserve.entrypoints.openai.protocol import OpenAIBaseModel, ToolCall, UsageInfo
+from omniserve.entrypoints.openai.protocol import (
+    OpenAIBaseModel,
+    PromptLogprob,
+    ToolCall,
+    UsageInfo,
+)
 
 
 class ChatLogprob(OpenAIBaseModel):
@@ -63,6 +68,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None
     """The prompt's token ids, media placeholders expanded (``return_token_ids``)."""
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    """vLLM's, for ``prompt_logprobs``: per prompt position, token id -> its logprob."""
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):

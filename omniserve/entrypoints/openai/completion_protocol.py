@@ -11,6 +11,7 @@ from pydantic import ConfigDict, Field, StrictBool, StrictInt, model_validator
 from omniserve.entrypoints.openai.protocol import (
     SAMPLING_UNSUPPORTED,
     OpenAIBaseModel,
+    PromptLogprob,
     SamplingRequest,
     UsageInfo,
 )
@@ -81,6 +82,9 @@ class CompletionResponseChoice(OpenAIBaseModel):
     """This choice's prompt (on its first chunk when streaming; ``return_token_ids``)."""
     token_ids: list[int] | None = None
     """The answer's (this chunk's) token ids (``return_token_ids``)."""
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    """vLLM's, for ``prompt_logprobs``: per position of this choice's prompt, token id -> its
+    logprob."""
 
 
 class CompletionResponse(OpenAIBaseModel):

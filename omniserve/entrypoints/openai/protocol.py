@@ -34,12 +34,48 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _lone_surrogate_at(value: Any, path: str) -> str | None:
+    """Where in a parsed JSON body a string holds a lone UTF-16 surrogate (JSON's ``"\\ud800"``
+    parses to one), which no UTF-8 consumer (tokenizer, template, log) can encode."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "the body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = str(key).encode("utf-8", "backslashreplace").decode()  # printable as is
+            where = f"{path}.{name}" if path else name
+            found = _lone_surrogate_at(key, where) or _lone_surrogate_at(item, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if found := _lone_surrogate_at(item, f"{path}[{i}]"):
+                return found
+    return None
+
+
 class RequestModel(OpenAIBaseModel):
-    """A request body that refuses vLLM's fields it cannot honour (``unsupported``)."""
+    """A request body that refuses vLLM's fields it cannot honour (``unsupported``) and text
+    that is not valid Unicode."""
 
     unsupported: ClassVar[dict[str, tuple[Any, str]]] = {}
     """vLLM's fields with no meaning here yet, with their no-op value and why: any other value
     is a 400 naming the field (a silently dropped field would change answers without a word)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        if where := _lone_surrogate_at(data, ""):
+            raise ValueError(
+                f"{where} holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), "
+                "which is not valid Unicode text."
+            )
+        return data
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> RequestModel:
@@ -56,6 +92,15 @@ SAMPLING_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "logits_processors": (None, "there are no custom logits processors"),
     "kv_transfer_params": (None, "there is no KV transfer between instances"),
     "vllm_xargs": (None, "there are no extra engine arguments per request"),
+    "guided_whitespace_pattern": (
+        None,
+        "xgrammar takes no whitespace pattern (structured_outputs.disable_any_whitespace turns "
+        "free whitespace off)",
+    ),
+    "media_io_kwargs": (None, "media decoding is set for the server (--media-io-kwargs)"),
+    "thinking_token_budget": (None, "there is no thinking budget"),
+    "functions": (None, "that is OpenAI's deprecated function calling: send tools"),
+    "function_call": (None, "that is OpenAI's deprecated function calling: send tool_choice"),
 }
 
 
@@ -108,6 +153,14 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None
+
+
+class PromptLogprob(OpenAIBaseModel):
+    """One entry of vLLM's ``prompt_logprobs`` (token id -> this, per prompt position)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -219,6 +272,9 @@ class SamplingRequest(RequestModel):
     """Also return the prompt's and the answer's token ids."""
     return_tokens_as_token_ids: StrictBool = False
     """Logprobs name tokens as "token_id:<id>" (for tokens that are not valid text alone)."""
+    prompt_logprobs: StrictInt | None = Field(None, ge=0)
+    """vLLM's: each prompt token's logprob and the top k at its position, returned as
+    ``prompt_logprobs`` (not with stream, as in vLLM)."""
     priority: StrictInt = Field(0, ge=-(2**31), lt=2**31)
     """Lower runs first (the server needs --scheduling-policy priority for any other than 0)."""
     # vLLM's fields refused unless left at their no-op value (`unsupported`)
@@ -228,6 +284,13 @@ class SamplingRequest(RequestModel):
     logits_processors: list[Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
+    guided_whitespace_pattern: Any = None
+    media_io_kwargs: Any = None
+    thinking_token_budget: Any = None
+    functions: Any = None
+    function_call: Any = None
+    guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
+    """vLLM's older backend choice: xgrammar is the one here ("auto" picks it)."""
 
     @property
     def constraint(self) -> dict[str, Any] | None:
@@ -278,6 +341,8 @@ class SamplingRequest(RequestModel):
         self.token_logit_bias  # noqa: B018  (raises for keys that are not token ids)
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or >= 1.")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream=true (as in vLLM).")
         return self
 
 

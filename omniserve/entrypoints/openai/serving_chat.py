@@ -230,6 +230,7 @@ class OpenAIServingChat(OpenAIServing):
             choices=choices,
             usage=usage,
             prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
+            prompt_logprobs=self.prompt_logprobs_json(request, final),
         )
 
     async def _stream(

@@ -108,6 +108,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=out.finish_reason,
                         stop_reason=out.stop_reason,
+                        prompt_logprobs=self.prompt_logprobs_json(request, final),
                         **_token_ids(request, final, out.token_ids, first=True),
                     )
                 )

@@ -27,6 +27,7 @@ from omniserve.entrypoints.openai.protocol import (
     CompletionTokensDetails,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
@@ -315,14 +316,19 @@ class OpenAIServing:
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The one mapping from request fields to SamplingParams: a field the request omits
-        takes the checkpoint's recommended value (``--generation-config``), else OpenAI's."""
+        takes the checkpoint's recommended value (``--generation-config``), else OpenAI's.
+        ``prompt_logprobs``: what the route itself needs of the prompt (echo), beside what the
+        request asks for."""
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         limit = self.engine.model_config.max_logprobs
-        if logprobs is not None and logprobs > limit:
-            name = request.logprobs_field
-            raise ServingError(
-                f"{name} may be at most {limit} (--max-logprobs), got {logprobs}.", param=name
-            )
+        for name, value in ((request.logprobs_field, logprobs),
+                            ("prompt_logprobs", request.prompt_logprobs)):  # fmt: skip
+            if value is not None and value > limit:
+                raise ServingError(
+                    f"{name} may be at most {limit} (--max-logprobs), got {value}.", param=name
+                )
+        wanted = [k for k in (prompt_logprobs, request.prompt_logprobs) if k is not None]
+        prompt_logprobs = max(wanted) if wanted else None
 
         def field(name: str, openai_default: float) -> Any:
             value = getattr(request, name)
@@ -373,6 +379,30 @@ class OpenAIServing:
     def top_entries(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
         """The k most likely tokens at one position, most likely first."""
         return sorted(position.items(), key=lambda item: -item[1].logprob)[:k]
+
+    def prompt_logprobs_json(
+        self, request: SamplingRequest, output: RequestOutput
+    ) -> list[dict[str, PromptLogprob] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt position (the first has none), the prompt's
+        token and the top ``request.prompt_logprobs``, keyed by token id."""
+        k = request.prompt_logprobs
+        if k is None:
+            return None
+        positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        result: list[dict[str, PromptLogprob] | None] = []
+        for token_id, position in zip(output.prompt_token_ids, positions, strict=False):
+            if position is None:
+                result.append(None)
+                continue
+            entries = dict(self.top_entries(position, k))
+            if token_id in position:
+                entries[token_id] = position[token_id]
+            result.append({
+                str(t): PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank,
+                                      decoded_token=self.token_text(t, lp))
+                for t, lp in entries.items()
+            })  # fmt: skip
+        return result
 
     @staticmethod
     def usage(
