@@ -31,8 +31,9 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
-    """"stop", "length", "abort", or "error" (the engine failed on this request; only offline:
-    the server answers such a request with a 500); None while running."""
+    """"stop", "length", "abort", or "error" (the engine failed on this request, or its rules
+    left no token to sample; only offline: the server answers such a request with a 500, or a
+    400 when its rules caused it); None while running."""
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     audio: np.ndarray | None = None
     """Spoken answer of an audio-output request: float32 mono samples in [-1, 1] at the model's

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +37,9 @@ def _grammar_source(params: StructuredOutputsParams) -> tuple[str, Any]:
     return kind, getattr(params, kind)
 
 
-def validate_structured_outputs(params: StructuredOutputsParams) -> None:
-    """Parse the constraint (cheap, no tokenizer needed); ValueError naming the field."""
+def validate_structured_outputs(params: StructuredOutputsParams, field: str | None = None) -> None:
+    """Parse the constraint (cheap, no tokenizer needed); ValueError naming ``field`` (where
+    the constraint came from; default ``structured_outputs.<kind>``)."""
     import xgrammar as xgr
 
     kind, source = _grammar_source(params)
@@ -52,7 +54,12 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
             xgr.Grammar.from_structural_tag(source)
     except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"structured_outputs.{params.kind} is not valid: {message}") from None
+        message = _XGRAMMAR_LOCATION.sub("", message)  # its log time and C++ source line
+        field = field or f"structured_outputs.{params.kind}"
+        raise ValueError(f"{field} is not valid: {message}") from None
+
+
+_XGRAMMAR_LOCATION = re.compile(r"^\[[\d:.]+\] \S+:\d+: ")
 
 
 class StructuredOutputManager:

@@ -970,8 +970,10 @@ def test_vllm_completion_fields_and_request_id(server: Server) -> None:
     for field, value in (("prompt_embeds", "AAAA"), ("suffix", "x"), ("priority", 2)):
         error = assert_error(server.post("/v1/completions", {**body, field: value}), 400)
         assert field in error["message"]
+    other = server.post("/v1/completions", {**body, "request_id": None, "other_servers_field": 1})
+    assert other.status_code == 200, other.text
     assert (
-        "Ignored request fields this server does not use: some_other_servers_field"
+        "Ignored request fields this server does not use: other_servers_field"
         in server.log.read_text()
     )
 

@@ -213,8 +213,22 @@ def test_vllm_fields_on_completions_and_chat(server: Server) -> None:
             "one output constraint, not response_format and guided_regex",
         ),
         ({"response_format": {"type": "json_schema"}}, "json_schema is required"),
+        # each named where the request put it, without xgrammar's log time and C++ source line
+        (
+            {"response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "a", "schema": {"type": "nonsense"}}}},
+            'response_format.json_schema.schema is not valid: Unsupported type "nonsense"',
+        ),
+        ({"guided_json": {"type": "nonsense"}}, "guided_json is not valid: Unsupported type"),
+        ({"guided_regex": "(a"}, "guided_regex is not valid: Regex parsing error"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}},
+                       {"type": "function", "function": {"name": "g", "parameters": {"type": "x"}}}],
+             "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tools[1].function.parameters is not valid",
+        ),
     ],
-)
+)  # fmt: skip
 def test_bad_constraints_are_400s(server: Server, fields: dict, needle: str) -> None:
     body = {
         "model": MODEL,
@@ -224,6 +238,9 @@ def test_bad_constraints_are_400s(server: Server, fields: dict, needle: str) -> 
     }
     error = assert_error(server.post("/v1/chat/completions", body), 400)
     assert needle in error["message"], error
+    assert ".cc:" not in error["message"]
+    if "is not valid" in needle:
+        assert error["param"] == needle.split(" ", 1)[0]
 
 
 def test_ignore_eos_goes_on_after_the_grammar_ends(llm: LLM) -> None:

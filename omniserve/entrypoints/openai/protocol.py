@@ -295,32 +295,49 @@ class SamplingRequest(RequestModel):
     @property
     def constraint(self) -> dict[str, Any] | None:
         """The one output constraint the request asks for, as ``StructuredOutputsParams``
-        fields: from response_format, structured_outputs or a guided_* field."""
-        found: dict[str, dict[str, Any]] = {}
-        if self.response_format is not None and self.response_format.type != "text":
-            if self.response_format.type == "json_object":
-                found["response_format"] = {"json_object": True}
-            else:
-                assert self.response_format.json_schema is not None
-                found["response_format"] = {"json": self.response_format.json_schema.schema_}
+        fields: from response_format, structured_outputs, a guided_* field or the tools."""
+        found = self._constraints()
         options: dict[str, Any] = {}
         if self.structured_outputs is not None:
+            options["disable_any_whitespace"] = self.structured_outputs.disable_any_whitespace
+        constraint = next(iter(found.values()), None)
+        return None if constraint is None else {**constraint[0], **options}
+
+    @property
+    def constraint_field(self) -> str | None:
+        """Where in the body the constraint is (what its errors name)."""
+        return next((where for _, where in self._constraints().values()), None)
+
+    def _constraints(self) -> dict[str, tuple[dict[str, Any], str]]:
+        """Each field that constrains the output -> (its constraint, where it is in the
+        body); more than one is an error."""
+        found: dict[str, tuple[dict[str, Any], str]] = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.response_format.type == "json_object":
+                found["response_format"] = ({"json_object": True}, "response_format")
+            else:
+                assert self.response_format.json_schema is not None
+                found["response_format"] = (
+                    {"json": self.response_format.json_schema.schema_},
+                    "response_format.json_schema.schema",
+                )
+        if self.structured_outputs is not None:
             fields = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
-            options = {"disable_any_whitespace": fields.pop("disable_any_whitespace")}
+            fields.pop("disable_any_whitespace")
             if fields:
-                found["structured_outputs"] = fields
+                found["structured_outputs"] = (fields, f"structured_outputs.{next(iter(fields))}")
         for name in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{name}")
             if value is not None:
-                found[f"guided_{name}"] = {name: value}
+                found[f"guided_{name}"] = ({name: value}, f"guided_{name}")
         found.update(self.forced_output())
         if len(found) > 1:
             raise ValueError(f"Give one output constraint, not {' and '.join(found)}.")
-        constraint = next(iter(found.values()), None)
-        return None if constraint is None else {**constraint, **options}
+        return found
 
-    def forced_output(self) -> dict[str, dict[str, Any]]:
-        """Constraints the request implies beyond the constraint fields (named like them)."""
+    def forced_output(self) -> dict[str, tuple[dict[str, Any], str]]:
+        """Constraints the request implies beyond the constraint fields (named like them),
+        with where they are in the body."""
         return {}
 
     @property
@@ -538,14 +555,17 @@ class ChatCompletionRequest(SamplingRequest):
                 " which is not among the tools."
             )
 
-    def forced_output(self) -> dict[str, dict[str, Any]]:
+    def forced_output(self) -> dict[str, tuple[dict[str, Any], str]]:
         """``tool_choice`` "required" or a named function: the grammar engine makes the answer
         the calls' JSON (vLLM's forms): a list of {"name", "parameters"} objects, or the named
         function's arguments. Checks the tool fields first (SamplingRequest's validator asks
         for the constraint, so this runs on every request)."""
         self._check_tools()
         if isinstance(self.tool_choice, NamedToolChoice):
-            return {"tool_choice": {"json": self.named_tool.arguments_schema}}
+            index = next(i for i, tool in enumerate(self.tools or [])
+                         if tool.function is self.named_tool)  # fmt: skip
+            where = f"tools[{index}].function.parameters"
+            return {"tool_choice": ({"json": self.named_tool.arguments_schema}, where)}
         if self.tool_choice != "required":
             return {}
         calls: dict[str, Any] = {
@@ -568,7 +588,7 @@ class ChatCompletionRequest(SamplingRequest):
         }
         if not self.parallel_tool_calls:
             calls["maxItems"] = 1
-        return {"tool_choice": {"json": calls}}
+        return {"tool_choice": ({"json": calls}, "tools[*].function.parameters")}
 
     @property
     def named_tool(self) -> FunctionDefinition:

@@ -37,6 +37,7 @@ from omniserve.inputs.data import TokensPrompt
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.outputs import Logprob, RequestOutput
 from omniserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from omniserve.structured_output import validate_structured_outputs
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -335,7 +336,7 @@ class OpenAIServing:
             return self.default_sampling.get(name, openai_default) if value is None else value
 
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=request.n,
                 temperature=field("temperature", 1.0),
                 top_p=field("top_p", 1.0),
@@ -366,6 +367,13 @@ class OpenAIServing:
         except ValueError as exc:
             param = str(exc).split(" ", 1)[0]
             raise ServingError(str(exc), param=param if param.isidentifier() else None) from exc
+        if params.structured_outputs is not None:  # named where the request put it
+            field = request.constraint_field
+            try:
+                validate_structured_outputs(params.structured_outputs, field)
+            except ValueError as exc:
+                raise ServingError(str(exc), param=field) from exc
+        return params
 
     def token_text(self, token_id: int, logprob: Logprob | None = None, as_id: bool = False) -> str:
         """A logprobs entry's token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
