@@ -451,6 +451,22 @@ BAD_CASES = [
     ),
     pytest.param(
         "audio",
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "xyz"}},
+        "audio decode",
+        "input_audio.format must be one of wav, mp3",
+        {},
+        id="unknown audio format",
+    ),
+    pytest.param(
+        "vl",
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": 5}},
+        "image fetch",
+        "image_url.detail must be one of auto, low, high",
+        {},
+        id="bad image detail",
+    ),
+    pytest.param(
+        "audio",
         _input_audio(_wav(np.where(np.arange(16000) == 700, np.nan, WAVEFORM), 16000)),
         "audio decode",
         "samples that are NaN or infinite",

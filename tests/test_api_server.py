@@ -442,6 +442,35 @@ def test_malformed_json_and_sdk_errors(server: Server) -> None:
 
 
 @pytest.mark.parametrize(
+    ("path", "body", "param", "needle"),
+    [
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+        ("/v1/completions", {"prompt": [10**9]}, "prompt", "outside the vocabulary"),
+        ("/v1/completions", {"prompt": ["a", [{}]]}, "prompt", "valid"),
+        ("/v1/chat/completions", {"messages": [{"role": 1, "content": "hi"}]},
+         "messages[0].role", "must be a non-empty string"),
+        ("/v1/chat/completions", {"messages": [{"role": None, "content": "hi"}]},
+         "messages[0].role", "must be a non-empty string"),
+        ("/v1/chat/completions", {"messages": _chat("hi"), "chat_template_kwargs": {"messages": 1}},
+         "chat_template_kwargs.messages", "set from the request itself"),
+        ("/v1/chat/completions", {"messages": _chat("hi"), "add_generation_prompt": False,
+                                  "continue_final_message": True},
+         "continue_final_message", "must be the assistant's"),
+        ("/v1/completions", {"prompt": "hi", "structured_outputs": {}},
+         "structured_outputs", "has no constraint"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens", "outside the vocabulary"),
+        ("/detokenize", {"tokens": [-1]}, "tokens", "outside the vocabulary"),
+        ("/tokenize", {"messages": "x"}, "messages", "valid list"),
+    ],
+)  # fmt: skip
+def test_400s_name_the_field(
+    server: Server, path: str, body: dict[str, Any], param: str, needle: str
+) -> None:
+    error = assert_error(server.post(path, {"model": MODEL, **body}), 400)
+    assert error["param"] == param and needle in error["message"], error
+
+
+@pytest.mark.parametrize(
     ("path", "body", "where"),
     [
         ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),

@@ -138,7 +138,7 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(llm):
     params = SamplingParams(temperature=0.0, max_tokens=4)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [5] * 600}, params, use_tqdm=False)
-    with pytest.raises(ValueError, match="out of vocabulary"):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate({"prompt_token_ids": [10**7]}, params, use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate({"prompt_token_ids": []}, params, use_tqdm=False)

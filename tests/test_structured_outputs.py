@@ -222,8 +222,8 @@ def test_vllm_fields_on_completions_and_chat(server: Server) -> None:
         ({"guided_json": {"type": "nonsense"}}, "guided_json is not valid: Unsupported type"),
         ({"guided_regex": "(a"}, "guided_regex is not valid: Regex parsing error"),
         (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}},
-                       {"type": "function", "function": {"name": "g", "parameters": {"type": "x"}}}],
+            {"tools": [{"type": "function", "function": {"name": n, "parameters": {"type": t}}}
+                       for n, t in (("f", "object"), ("g", "x"))],
              "tool_choice": {"type": "function", "function": {"name": "g"}}},
             "tools[1].function.parameters is not valid",
         ),

@@ -245,11 +245,7 @@ class Processor:
             ("logit_bias", params.logit_bias or {}),
             ("allowed_token_ids", params.allowed_token_ids or []),
         ):
-            bad = sorted({t for t in ids if t >= self.vocab_size})
-            if bad:
-                raise ValueError(
-                    f"{name}: token ids {bad} are outside the vocabulary (size {self.vocab_size})."
-                )
+            self.check_token_ids(name, list(ids))
 
     def _speech_request(
         self, params: SamplingParams, token_ids: list[int], has_media: bool
@@ -336,11 +332,15 @@ class Processor:
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("The prompt is empty.")
-        max_id = max(token_ids)
-        if max_id >= self.vocab_size or min(token_ids) < 0:
+        self.check_token_ids("prompt", token_ids)
+
+    def check_token_ids(self, name: str, token_ids: list[int]) -> None:
+        """ValueError naming ``name`` when an id is outside the model's vocabulary."""
+        bad = sorted({t for t in token_ids if not 0 <= t < self.vocab_size})
+        if bad:
             raise ValueError(
-                f"Token id {max_id if max_id >= self.vocab_size else min(token_ids)} "
-                f"is out of vocabulary (size {self.vocab_size})."
+                f"{name}: token ids {bad[:8]}{' ...' if len(bad) > 8 else ''} are outside the "
+                f"vocabulary (size {self.vocab_size})."
             )
 
     def _resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:

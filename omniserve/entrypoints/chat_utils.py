@@ -116,6 +116,10 @@ def parse_chat_messages(
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise ChatTemplateError(f"messages[{i}] must be an object with a 'role'.")
+        if not isinstance(message["role"], str) or not message["role"]:
+            raise ChatTemplateError(
+                f"messages[{i}].role must be a non-empty string, not {message['role']!r}."
+            )
         if message.get("tool_calls"):
             message = {**message, "tool_calls": _template_tool_calls(i, message["tool_calls"])}
         content = message.get("content")
@@ -214,6 +218,12 @@ def _parse_part(
     return {"type": modality, "placeholder": placeholder(modality, index)}
 
 
+_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "m4a", "aac", "webm", "mp4")
+"""``input_audio.format`` values (OpenAI's wav and mp3, and what the decoders read)."""
+_IMAGE_DETAILS = ("auto", "low", "high")
+"""OpenAI's ``image_url.detail`` (taken and checked; the model's processor sets the size)."""
+
+
 def _media_url(item: _PendingMedia) -> str:
     payload = item.payload
     if item.kind == "input_audio":
@@ -224,7 +234,24 @@ def _media_url(item: _PendingMedia) -> str:
                 modality="audio",
                 location=item.location,
             )
-        return f"data:audio/{payload.get('format') or 'wav'};base64,{payload['data']}"
+        audio_format = payload.get("format", "wav")
+        if audio_format not in _AUDIO_FORMATS:
+            raise MultiModalInputError(
+                f"input_audio.format must be one of {', '.join(_AUDIO_FORMATS)}, "
+                f"not {audio_format!r}",
+                stage="decode",
+                modality="audio",
+                location=item.location,
+            )
+        return f"data:audio/{audio_format};base64,{payload['data']}"
+    if isinstance(payload, dict) and payload.get("detail", "auto") not in _IMAGE_DETAILS:
+        raise MultiModalInputError(
+            f"{item.kind}.detail must be one of {', '.join(_IMAGE_DETAILS)}, "
+            f"not {payload['detail']!r}",
+            stage="fetch",
+            modality=item.modality,
+            location=item.location,
+        )
     url = payload.get("url") if isinstance(payload, dict) else payload
     if not isinstance(url, str) or not url:
         raise MultiModalInputError(
@@ -347,6 +374,17 @@ def apply_chat_template(
         raise ChatTemplateError("The tokenizer has no chat template; pass --chat-template.")
     if add_generation_prompt and continue_final_message:
         raise ChatTemplateError("add_generation_prompt and continue_final_message are exclusive.")
+    if continue_final_message and conversation[-1].get("role") != "assistant":
+        raise ChatTemplateError(
+            "continue_final_message continues the last message, which must be the assistant's, "
+            f"not {conversation[-1].get('role')!r}."
+        )
+    taken = sorted(set(chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise ChatTemplateError(
+            f"chat_template_kwargs.{taken[0]} is set from the request itself; it cannot be a "
+            f"template keyword (those are {', '.join(sorted(_TEMPLATE_ARGUMENTS))})."
+        )
     try:
         return tokenizer.apply_chat_template(
             conversation,
@@ -358,6 +396,14 @@ def apply_chat_template(
         )
     except Exception as exc:  # jinja errors are many types; all mean "cannot render"
         raise ChatTemplateError(f"Cannot apply the chat template: {exc}") from exc
+
+
+_TEMPLATE_ARGUMENTS = frozenset(
+    ("messages", "conversation", "chat_template", "tokenize", "add_generation_prompt",
+     "continue_final_message", "return_dict", "return_assistant_tokens_mask")
+)  # fmt: skip
+"""What ``apply_chat_template`` takes from the request itself, never from chat_template_kwargs
+(``tools`` and ``documents`` may come from either)."""
 
 
 class ChatRenderer:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import io
 import math
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
@@ -41,7 +42,12 @@ class VideoItem:
 
 
 def _decode_error(modality: str, message: str) -> MultiModalInputError:
+    # decoders name the in-memory file by its repr ("<_io.BytesIO object at 0x7f...>")
+    message = _IN_MEMORY_FILE.sub("the data", message)
     return MultiModalInputError(message, stage="decode", modality=modality)
+
+
+_IN_MEMORY_FILE = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 
 
 # ---------------------------------------------------------------------------------------- image

@@ -142,6 +142,11 @@ def with_cancellation(handler: Callable[..., Awaitable[Response]]) -> Callable[.
     return wrapper
 
 
+_UNION_BRANCHES = frozenset(("str", "int", "float", "bool", "dict", "list", "none"))
+"""pydantic names the branch of a union in an error's location ("prompt.str"); the others
+("list[int]", "function-after[...]") are not identifiers."""
+
+
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     """pydantic's errors as one 400: "field: problem; ...", ``param`` = the first bad field."""
     problems, fields = [], []
@@ -152,7 +157,12 @@ def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
                     f"Malformed JSON body: {error.get('ctx', {}).get('error', 'cannot parse')}."
                 )
             )
-        field = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        field = ""
+        for part in error.get("loc", ()):
+            if isinstance(part, int):
+                field += f"[{part}]"
+            elif part != "body" and str(part).isidentifier() and part not in _UNION_BRANCHES:
+                field += f".{part}" if field else str(part)
         message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
         problems.append(f"{field}: {message}" if field else message)
         fields.append(field)
@@ -533,6 +543,7 @@ def _api_router(
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         completion.check_model(request.model)
         try:
+            completion.engine.processor.check_token_ids("tokens", request.tokens)
             return DetokenizeResponse(prompt=completion.tokenizer.decode(request.tokens))
         except (ValueError, TypeError, OverflowError) as exc:
             raise ServingError(f"Cannot detokenize: {exc}", param="tokens") from exc

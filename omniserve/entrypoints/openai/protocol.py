@@ -333,6 +333,12 @@ class SamplingRequest(RequestModel):
         found.update(self.forced_output())
         if len(found) > 1:
             raise ValueError(f"Give one output constraint, not {' and '.join(found)}.")
+        if self.structured_outputs is not None and not found:
+            raise ValueError(
+                "structured_outputs has no constraint: give one of json, regex, choice, grammar, "
+                "json_object or structural_tag (disable_any_whitespace alone goes with "
+                "response_format or a guided_* field)."
+            )
         return found
 
     def forced_output(self) -> dict[str, tuple[dict[str, Any], str]]:

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ class ServingError(Exception):
         super().__init__(message)
         self.message = message
         self.status = status
-        self.param = param
+        self.param = param if param is not None or status != 400 else leading_param(message)
         self.code = code
 
     def to_response(self) -> ErrorResponse:
@@ -73,6 +74,32 @@ class ServingError(Exception):
         return ErrorResponse(
             error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code)
         )
+
+
+_FIELD_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\[\d+\]|\[\*\]|\.[a-z_][a-z0-9_]*)*")
+
+
+@functools.cache
+def _request_fields() -> frozenset[str]:
+    from omniserve.entrypoints.openai.completion_protocol import CompletionRequest
+    from omniserve.entrypoints.openai.tokenize_protocol import (
+        DetokenizeRequest,
+        TokenizeCompletionRequest,
+    )
+
+    models = (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
+              TokenizeCompletionRequest, DetokenizeRequest)  # fmt: skip
+    return frozenset(name for model in models for name in model.model_fields)
+
+
+def leading_param(message: str) -> str | None:
+    """The request field a 400's message begins with ("logit_bias keys must ...",
+    "messages[0].content[1] (image) ..."): its ``param``; None when it begins otherwise."""
+    match = _FIELD_PATH.match(message)
+    if match is None or match.end() < len(message) and message[match.end()] not in " :":
+        return None
+    path = match.group(0)
+    return path if re.split(r"[.\[]", path, maxsplit=1)[0] in _request_fields() else None
 
 
 def to_serving_error(exc: BaseException) -> ServingError:
