@@ -27,10 +27,8 @@ from typing import Any
 import anyio
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from omniserve import __version__, envs
@@ -40,6 +38,7 @@ from omniserve.engine.exceptions import EngineStoppingError
 from omniserve.entrypoints.chat_utils import locate_mm_error
 from omniserve.entrypoints.openai.audio_encoding import MEDIA_TYPES
 from omniserve.entrypoints.openai.chat_protocol import (
+    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
 )
@@ -53,11 +52,11 @@ from omniserve.entrypoints.openai.middleware import (
     BodySizeLimitMiddleware,
     DrainMiddleware,
     Lifecycle,
+    add_error_handlers,
     error_json,
 )
 from omniserve.entrypoints.openai.playground import playground_router
 from omniserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -140,46 +139,6 @@ def with_cancellation(handler: Callable[..., Awaitable[Response]]) -> Callable[.
         return handler_task.result() if handler_task.done() else None  # None: nobody listens
 
     return wrapper
-
-
-_UNION_BRANCHES = frozenset(("str", "int", "float", "bool", "dict", "list", "none"))
-"""pydantic names the branch of a union in an error's location ("prompt.str"); the others
-("list[int]", "function-after[...]") are not identifiers."""
-
-
-def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    """pydantic's errors as one 400: "field: problem; ...", ``param`` = the first bad field."""
-    problems, fields = [], []
-    for error in exc.errors():
-        if error.get("type") == "json_invalid":
-            return error_json(
-                ServingError(
-                    f"Malformed JSON body: {error.get('ctx', {}).get('error', 'cannot parse')}."
-                )
-            )
-        field = ""
-        for part in error.get("loc", ()):
-            if isinstance(part, int):
-                field += f"[{part}]"
-            elif part != "body" and str(part).isidentifier() and part not in _UNION_BRANCHES:
-                field += f".{part}" if field else str(part)
-        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-        problems.append(f"{field}: {message}" if field else message)
-        fields.append(field)
-    return error_json(
-        ServingError(
-            "; ".join(problems) or "Invalid request.", param=next((f for f in fields if f), None)
-        )
-    )
-
-
-def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    status = HTTPStatus(exc.status_code)
-    return error_json(ServingError(str(exc.detail), status))
-
-
-def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-    return error_json(to_serving_error(exc))  # logs anything that is not a client mistake
 
 
 class DrainingServer(uvicorn.Server):
@@ -311,10 +270,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         engine.shutdown()
 
     app = FastAPI(title="omniserve", version=__version__, lifespan=lifespan)
-    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
-    app.add_exception_handler(ServingError, lambda _, exc: error_json(exc))
-    app.add_exception_handler(Exception, _unexpected_error)
+    add_error_handlers(app)
 
     @app.get(
         "/health",
@@ -366,7 +322,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
 
     def openapi() -> dict[str, Any]:
         """FastAPI's schema without the 422s it documents by default: validation errors are
-        400s here (``_validation_error``), as in OpenAI's API."""
+        400s here (``middleware.add_error_handlers``), as in OpenAI's API."""
         if app.openapi_schema is not None:
             return app.openapi_schema
         schema = default_openapi()  # FastAPI keeps it as app.openapi_schema

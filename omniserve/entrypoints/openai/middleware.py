@@ -1,6 +1,7 @@
 """The OpenAI server's ASGI middlewares: API-key auth, request draining at shutdown, and the
 request-body size limit; plain ASGI (not BaseHTTPMiddleware), so each runs before the body is read
-and leaves ``receive`` to the disconnect listeners. Their refusals use OpenAI's error shape."""
+and leaves ``receive`` to the disconnect listeners. Their refusals use OpenAI's error shape, as
+do the exception handlers (``add_error_handlers``) for everything the routes raise."""
 
 from __future__ import annotations
 
@@ -8,14 +9,65 @@ import secrets
 from http import HTTPStatus
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from omniserve.entrypoints.openai.serving_engine import ServingError
+from omniserve.entrypoints.openai.serving_engine import ServingError, to_serving_error
 
 
 def error_json(error: ServingError) -> JSONResponse:
     return JSONResponse(error.to_response().model_dump(), status_code=error.status)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error a route raises leaves as one OpenAI-shaped body."""
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ServingError, lambda _, exc: error_json(exc))
+    app.add_exception_handler(Exception, _unexpected_error)
+
+
+_UNION_BRANCHES = frozenset(("str", "int", "float", "bool", "dict", "list", "none"))
+"""pydantic names the branch of a union in an error's location ("prompt.str"); the others
+("list[int]", "function-after[...]") are not identifiers."""
+
+
+def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """pydantic's errors as one 400: "field: problem; ...", ``param`` = the first bad field."""
+    problems, fields = [], []
+    for error in exc.errors():
+        if error.get("type") == "json_invalid":
+            return error_json(
+                ServingError(
+                    f"Malformed JSON body: {error.get('ctx', {}).get('error', 'cannot parse')}."
+                )
+            )
+        field = ""
+        for part in error.get("loc", ()):
+            if isinstance(part, int):
+                field += f"[{part}]"
+            elif part != "body" and str(part).isidentifier() and part not in _UNION_BRANCHES:
+                field += f".{part}" if field else str(part)
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        problems.append(f"{field}: {message}" if field else message)
+        fields.append(field)
+    return error_json(
+        ServingError(
+            "; ".join(problems) or "Invalid request.", param=next((f for f in fields if f), None)
+        )
+    )
+
+
+def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    status = HTTPStatus(exc.status_code)
+    return error_json(ServingError(str(exc.detail), status))
+
+
+def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    return error_json(to_serving_error(exc))  # logs anything that is not a client mistake
 
 
 class APIKeyMiddleware:

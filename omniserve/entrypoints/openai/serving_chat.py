@@ -11,6 +11,7 @@ from omniserve.entrypoints.openai.audio_encoding import encode_audio, pcm16
 from omniserve.entrypoints.openai.chat_protocol import (
     ChatCompletionAudio,
     ChatCompletionLogprobs,
+    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
@@ -20,7 +21,6 @@ from omniserve.entrypoints.openai.chat_protocol import (
     ChatMessage,
 )
 from omniserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
     FunctionCall,
     ToolCall,
     UsageInfo,

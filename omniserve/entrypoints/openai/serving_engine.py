@@ -23,8 +23,8 @@ from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
 from omniserve.engine.processor import ContextLengthError
 from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
+from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from omniserve.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
     CompletionTokensDetails,
     ErrorInfo,
     ErrorResponse,
@@ -395,11 +395,11 @@ class OpenAIServing:
             param = str(exc).split(" ", 1)[0]
             raise ServingError(str(exc), param=param if param.isidentifier() else None) from exc
         if params.structured_outputs is not None:  # named where the request put it
-            field = request.constraint_field
+            where = request.constraint_field
             try:
-                validate_structured_outputs(params.structured_outputs, field)
+                validate_structured_outputs(params.structured_outputs, where)
             except ValueError as exc:
-                raise ServingError(str(exc), param=field) from exc
+                raise ServingError(str(exc), param=where) from exc
         return params
 
     def token_text(self, token_id: int, logprob: Logprob | None = None, as_id: bool = False) -> str:

@@ -21,7 +21,8 @@ import json
 import uuid
 from typing import Any
 
-from omniserve.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice
+from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from omniserve.entrypoints.openai.protocol import NamedToolChoice
 
 
 def new_tool_call_id() -> str:
