@@ -205,6 +205,30 @@ def test_grammar_steps_are_sampled_once_the_step_before_is_back(
     assert len(split) >= 5 and max(depths) == 2
 
 
+def test_a_request_left_no_token_ends_alone_while_others_run_ahead(
+    engines: tuple[LLM, LLM, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose rules exclude every token at its third output token (a choice whose
+    end min_tokens forbids), beside free and constrained ones: under async scheduling, with
+    its next step already launched on a stand-in token, it ends in error and the others get
+    synchronous scheduling's tokens."""
+    sync_llm, async_llm, model_dir = engines
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [9, 14, 7, 11], seed=6)]
+    base = SamplingParams(temperature=0.0, max_tokens=20)
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = [
+        base.clone(ignore_eos=True),
+        base.clone(structured_outputs=choice, min_tokens=8),
+        base.clone(structured_outputs=choice),
+        base.clone(temperature=1.0, seed=3, ignore_eos=True),
+    ]
+    expected = _results(sync_llm, prompts, params)
+    assert [r[1] for r in expected] == ["length", "error", "stop", "length"]
+    depths = _depths(monkeypatch)
+    _assert_same(expected, _results(async_llm, prompts, params))
+    assert max(depths) == 2
+
+
 def _text_of(llm: LLM, token_ids: list[int]) -> str:
     return llm.get_tokenizer().decode(token_ids, skip_special_tokens=True)
 
