@@ -96,6 +96,7 @@ def test_serve_logs_load_progress_and_one_ready_line(server: Server) -> None:
 
 def test_models_health_version(server: Server) -> None:
     assert httpx.get(server.url + "/health").status_code == 200  # open without the key
+    assert httpx.head(server.url + "/health").status_code == 200  # load balancers probe so
     assert httpx.get(server.url + "/version").json()["version"]
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -432,6 +433,11 @@ def test_request_errors(server: Server, path: str, body: Any, status: int, needl
 
 def test_malformed_json_and_sdk_errors(server: Server) -> None:
     assert_error(server.post("/v1/chat/completions", content=b'{"model": "tiny", "mess'), 400)
+    body = b'{"model": "tiny", "prompt": "hi"}'
+    for headers in ({"Content-Type": "text/plain"}, {}):
+        plain = httpx.post(server.url + "/v1/completions", content=body, timeout=60,
+                           headers={"Authorization": f"Bearer {API_KEY}", **headers})  # fmt: skip
+        assert "Content-Type: application/json" in assert_error(plain, 400)["message"]
     assert_error(httpx.get(server.url + "/no/such/route"), 404)
     client = server.client()
     with pytest.raises(openai.BadRequestError) as bad:

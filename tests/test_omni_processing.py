@@ -402,6 +402,7 @@ def test_requests_set_only_the_declared_processor_options(make_processor, arch: 
         ({"max_pixels": 0}, "mm_processor_kwargs.max_pixels must be an integer in [1, "),
         ({"fps": float("nan")}, "mm_processor_kwargs.fps must be a number in"),
         ({"use_audio_in_video": "yes"}, "mm_processor_kwargs.use_audio_in_video must be true"),
+        ({"min_pixels": 10**6, "max_pixels": 100}, "min_pixels (1000000) is over max_pixels (100)"),
     ):
         with pytest.raises(MultiModalInputError, match=re.escape(phrase)):
             info.check_request_kwargs(kwargs)

@@ -162,6 +162,14 @@ class BaseProcessingInfo(ABC):
                     stage="process",
                 )
             rule.check(name, value)
+        for name, value in kwargs.items():  # a min_x over the request's own max_x
+            upper = kwargs.get(f"max_{name.removeprefix('min_')}")
+            if name.startswith("min_") and upper is not None and value > upper:  # type: ignore[operator]
+                raise MultiModalInputError(
+                    f"mm_processor_kwargs.{name} ({value}) is over "
+                    f"max_{name.removeprefix('min_')} ({upper})",
+                    stage="process",
+                )
 
     def get_allowed_mm_limits(self) -> dict[str, int | None]:
         """The model's limits tightened by ``--limit-mm-per-prompt``."""

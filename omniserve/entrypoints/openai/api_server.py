@@ -272,8 +272,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="omniserve", version=__version__, lifespan=lifespan)
     add_error_handlers(app)
 
-    @app.get(
+    @app.api_route(  # HEAD too: load balancers probe with it
         "/health",
+        methods=["GET", "HEAD"],
         response_class=Response,
         responses={
             200: {"description": "The engine is alive (empty body)", "content": None},

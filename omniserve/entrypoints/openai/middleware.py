@@ -35,14 +35,23 @@ _UNION_BRANCHES = frozenset(("str", "int", "float", "bool", "dict", "list", "non
 ("list[int]", "function-after[...]") are not identifiers."""
 
 
-def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """pydantic's errors as one 400: "field: problem; ...", ``param`` = the first bad field."""
     problems, fields = [], []
+    content_type = request.headers.get("content-type", "")
     for error in exc.errors():
         if error.get("type") == "json_invalid":
             return error_json(
                 ServingError(
                     f"Malformed JSON body: {error.get('ctx', {}).get('error', 'cannot parse')}."
+                )
+            )
+        if tuple(error.get("loc", ())) == ("body",) and "json" not in content_type:
+            # FastAPI reads a body as JSON only when its Content-Type says so
+            return error_json(
+                ServingError(
+                    "The body must be a JSON object sent with Content-Type: application/json "
+                    f"(got {content_type or 'no Content-Type'})."
                 )
             )
         field = ""
