@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 from transformers import AutoProcessor
 
 from omniserve import LLM, SamplingParams
@@ -34,7 +33,13 @@ from omniserve.messages import ModelRunnerOutput
 from omniserve.sampling_params import StructuredOutputsParams
 from tests.hf_reference import make_prompts
 from tests.test_fidelity_omni import _engine_prompt, _media, _text
-from tests.utils import EOS_TOKEN_ID, assert_all_free, make_requests, make_scheduler
+from tests.utils import (
+    EOS_TOKEN_ID,
+    assert_all_free,
+    make_requests,
+    make_scheduler,
+    steps_never_synchronizing,
+)
 
 ENGINE_KWARGS = dict(
     dtype="float32",
@@ -337,14 +342,7 @@ def test_async_decode_steps_on_gpu_never_synchronize(
         engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
     for _ in range(4):  # the prompts and the first decodes
         engine.step()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(20):
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    while engine.has_unfinished_requests():
-        engine.step()
+    steps_never_synchronizing(engine, 20)
 
 
 # ---- the scheduler alone, two steps in flight ----------------------------------------------

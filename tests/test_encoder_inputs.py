@@ -39,6 +39,7 @@ from tests.test_models_mm import (
     vl_inputs,
 )
 from tests.test_models_omni import QWEN2_5, QWEN3, Omni
+from tests.utils import steps_never_synchronizing
 
 META = torch.device("meta")
 
@@ -136,12 +137,4 @@ def test_media_steps_on_gpu_never_synchronize(
     engine = llm.llm_engine
     engine.add_request("media", _engine_prompt(_text(processor, kinds), _media(kinds, 2)),
                        SamplingParams(temperature=0.0, max_tokens=6))  # fmt: skip
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(4):
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    while engine.has_unfinished_requests():
-        engine.step()
+    steps_never_synchronizing(engine, 4)

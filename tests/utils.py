@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from omniserve.config import CacheConfig, SchedulerConfig
 from omniserve.core.request import Request, RequestStatus
@@ -350,3 +351,19 @@ def run_stress(
     scheduler.schedule()
     assert_all_free(scheduler)
     return worker
+
+
+def steps_never_synchronizing(engine: Any, num_steps: int) -> None:
+    """Run ``num_steps`` engine steps with CUDA's sync debug mode on "error" (any op that waits
+    for the device raises, naming itself), then the rest of the engine's work as usual."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(num_steps):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    while engine.has_unfinished_requests():
+        engine.step()
