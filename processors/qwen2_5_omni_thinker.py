@@ -217,7 +217,10 @@ class Qwen2_5OmniThinkerProcessingInfo(Qwen2VLProcessingInfo, Qwen2AudioProcessi
         return {"image": None, "video": None, "audio": None}
 
     def get_data_parser(self) -> MultiModalDataParser:
-        return OmniDataParser(target_sr=self.get_feature_extractor().sampling_rate)
+        return OmniDataParser(
+            target_sr=self.get_feature_extractor().sampling_rate,
+            max_audio_seconds=self.max_audio_seconds,
+        )
 
     def merge_hf_kwargs(self, mm_kwargs: Mapping[str, object] | None = None) -> dict[str, Any]:
         """The HF processor's per-modality kwargs for ``mm_kwargs`` (default: the front end's

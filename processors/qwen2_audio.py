@@ -34,7 +34,10 @@ class Qwen2AudioProcessingInfo(BaseProcessingInfo):
         return self.get_hf_processor().feature_extractor
 
     def get_data_parser(self) -> MultiModalDataParser:
-        return MultiModalDataParser(target_sr=self.get_feature_extractor().sampling_rate)
+        return MultiModalDataParser(
+            target_sr=self.get_feature_extractor().sampling_rate,
+            max_audio_seconds=self.max_audio_seconds,
+        )
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"audio": None}

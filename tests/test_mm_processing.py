@@ -175,6 +175,9 @@ def test_audio_is_resampled_to_the_feature_extractor_rate(make_processor, hf_pro
     with pytest.raises(MultiModalInputError, match="item 1 has samples that are NaN") as err:
         processor.apply(f"{AUDIO}{AUDIO}?", {"audio": [(clip, 8_000), (clip * np.inf, 8_000)]})
     assert err.value.stage == "process" and err.value.modality == "audio"
+    # 125 KB at 1 Hz claims 32,000 s: refused before resampling (to 2 GB), as a file would be
+    with pytest.raises(MultiModalInputError, match="lasts 32000.0 s, over the limit of 600 s"):
+        processor.apply(f"{AUDIO}?", {"audio": (np.zeros(32_000, np.float32), 1)})
 
 
 @pytest.mark.parametrize("arch", [QWEN2_VL, QWEN2_AUDIO])
@@ -347,6 +350,13 @@ def test_limits_and_unsupported_modalities(make_processor) -> None:
     with pytest.raises(MultiModalInputError, match="item 1 is a str") as err:
         processor.apply(IMAGE * 2, {"image": [_rng_image(19, 56, 56), "x"]})
     assert err.value.modality == "image" and err.value.stage == "process"
+    # float pixels must be numbers, and a video needs a frame (both once silently accepted)
+    with pytest.raises(MultiModalInputError, match="item 0 has pixels that are NaN") as err:
+        processor.apply(IMAGE, {"image": np.full((56, 56, 3), np.nan, np.float32)})
+    assert err.value.modality == "image"
+    with pytest.raises(MultiModalInputError, match="item 0 has no frames") as err:
+        processor.apply(VIDEO, {"video": np.zeros((0, 56, 56, 3), np.uint8)})
+    assert err.value.modality == "video"
 
 
 def test_registry_text_arch_has_no_processor(tiny_checkpoint) -> None:

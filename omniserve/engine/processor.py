@@ -399,6 +399,7 @@ def _cache_salt(prompt: PromptType) -> str | None:
 def _create_mm_processor(config: OmniConfig, tokenizer: Any) -> Any | None:
     """The model's multimodal processor with its cache, or None for a text-only model."""
     from omniserve.multimodal.cache import ProcessorCache
+    from omniserve.multimodal.media import media_config
     from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 
     if not MULTIMODAL_REGISTRY.supports_multimodal(config.model_config):
@@ -415,4 +416,5 @@ def _create_mm_processor(config: OmniConfig, tokenizer: Any) -> Any | None:
         cache=cache,
         limit_mm_per_prompt=mm.limit_mm_per_prompt,
         enable_mm_embeds=mm.enable_mm_embeds,
+        max_audio_seconds=media_config(mm).max_audio_seconds,
     )

@@ -18,6 +18,7 @@ from PIL import Image
 
 from omniserve.config import ModelConfig
 from omniserve.multimodal.errors import MultiModalInputError
+from omniserve.multimodal.media import MediaConfig
 from omniserve.multimodal.parse import MultiModalDataParser
 
 
@@ -32,8 +33,13 @@ class InputProcessingContext:
         mm_processor_kwargs: Mapping[str, object] | None = None,
         limit_mm_per_prompt: Mapping[str, int] | None = None,
         enable_mm_embeds: bool = False,
+        max_audio_seconds: float | None = None,
     ) -> None:
         self.model_config = model_config
+        self.max_audio_seconds = (
+            MediaConfig().max_audio_seconds if max_audio_seconds is None else max_audio_seconds
+        )
+        """The longest audio clip taken (``--media-io-kwargs``), offline as over the API."""
         self.tokenizer = tokenizer
         self.enable_mm_embeds = enable_mm_embeds
         """Whether precomputed embeddings may stand for items (``--enable-mm-embeds``)."""
@@ -121,7 +127,11 @@ class BaseProcessingInfo(ABC):
         return self.ctx.get_hf_processor(**kwargs)
 
     def get_data_parser(self) -> MultiModalDataParser:
-        return MultiModalDataParser()
+        return MultiModalDataParser(max_audio_seconds=self.max_audio_seconds)
+
+    @property
+    def max_audio_seconds(self) -> float:
+        return self.ctx.max_audio_seconds
 
     @abstractmethod
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:

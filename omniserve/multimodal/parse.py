@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from omniserve.multimodal.errors import MultiModalInputError
+from omniserve.multimodal.media_io import media_io_knob
 
 MODALITIES = ("image", "video", "audio")
 
@@ -88,10 +89,15 @@ class MultiModalDataParser:
 
     ``target_sr`` is the sampling rate the model's feature extractor expects; audio given at
     another rate is resampled (librosa) so that hashing and processing see the same samples.
+    ``max_audio_seconds``: longer clips are refused before resampling (a short array at 1 Hz
+    would resample to gigabytes), as the server refuses longer files.
     """
 
-    def __init__(self, *, target_sr: float | None = None) -> None:
+    def __init__(
+        self, *, target_sr: float | None = None, max_audio_seconds: float | None = None
+    ) -> None:
         self.target_sr = target_sr
+        self.max_audio_seconds = max_audio_seconds
 
     def parse_mm_data(self, mm_data: Mapping[str, Any]) -> MultiModalDataItems:
         parsed = MultiModalDataItems()
@@ -124,6 +130,7 @@ class MultiModalDataParser:
                 raise _bad_item(
                     "image", index, image, "a PIL image, an HWC ndarray or a CHW tensor"
                 )
+            _check_finite("image", index, image)
         return ImageProcessorItems(images)
 
     def _parse_audio(self, data: Any) -> AudioProcessorItems:
@@ -158,6 +165,14 @@ class MultiModalDataParser:
             )
         if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or rate <= 0:
             raise _bad_item("audio", index, clip, "a positive sample rate")
+        seconds = waveform.size / float(rate)
+        if self.max_audio_seconds is not None and seconds > self.max_audio_seconds:
+            raise MultiModalInputError(
+                f"item {index} lasts {seconds:.1f} s, over the limit of "
+                f"{self.max_audio_seconds:g} s ({media_io_knob('audio', 'max_seconds')})",
+                stage="process",
+                modality="audio",
+            )
         if self.target_sr is not None and rate != self.target_sr:
             import librosa
 
@@ -192,6 +207,9 @@ def _video_to_array(index: int, video: Any) -> tuple[np.ndarray, dict[str, Any]]
             "a [num_frames, height, width, 3] array, a list of frames or a loaded video",
         )
     num_frames, height, width = (int(n) for n in video.shape[:3])
+    if num_frames == 0:
+        raise MultiModalInputError(f"item {index} has no frames", stage="process", modality="video")
+    _check_finite("video", index, video)
     # Describes the frames as given (already sampled), so HF's sampled_fps equals ``fps``;
     # without fps these are exactly the defaults transformers assumes for a bare array.
     meta: dict[str, Any] = {
@@ -203,6 +221,15 @@ def _video_to_array(index: int, video: Any) -> tuple[np.ndarray, dict[str, Any]]
         "width": width,
     }
     return np.ascontiguousarray(video), meta
+
+
+def _check_finite(modality: str, index: int, pixels: np.ndarray | torch.Tensor) -> None:
+    """Float pixels must be numbers (NaN would reach the encoder and end in NaN scores)."""
+    values = torch.as_tensor(pixels)
+    if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+        raise MultiModalInputError(
+            f"item {index} has pixels that are NaN or infinite", stage="process", modality=modality
+        )
 
 
 def embeds_of(modality: str, item: Any) -> dict[str, Any] | None:

@@ -90,6 +90,7 @@ class MultiModalRegistry:
         limit_mm_per_prompt: Mapping[str, int] | None = None,
         mm_processor_kwargs: Mapping[str, object] | None = None,
         enable_mm_embeds: bool = False,
+        max_audio_seconds: float | None = None,
     ) -> BaseMultiModalProcessor | None:
         """The model's multimodal processor (None for text-only architectures).
 
@@ -105,6 +106,7 @@ class MultiModalRegistry:
             mm_processor_kwargs=mm_processor_kwargs,
             limit_mm_per_prompt=limit_mm_per_prompt,
             enable_mm_embeds=enable_mm_embeds,
+            max_audio_seconds=max_audio_seconds,
         )
         info = factories.info(ctx)
         return factories.processor(info, factories.dummy_inputs(info), cache=cache)
