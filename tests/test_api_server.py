@@ -281,6 +281,20 @@ def test_prompt_logprobs_on_completions_and_chat(server: Server) -> None:
     assert error["param"] == "prompt_logprobs"
 
 
+def test_an_empty_answer_is_an_empty_string(server: Server) -> None:
+    """A stop string that the first token already holds leaves nothing: content is "", as in
+    OpenAI's and vLLM's answers (null is for tool calls)."""
+    client = server.client()
+    first = client.chat.completions.create(
+        model=MODEL, messages=_chat("hi"), max_tokens=1, **GREEDY
+    ).choices[0].message.content
+    assert first
+    empty = client.chat.completions.create(
+        model=MODEL, messages=_chat("hi"), max_tokens=4, stop=[first], **GREEDY
+    ).choices[0]
+    assert empty.message.content == "" and empty.finish_reason == "stop"
+
+
 def test_stop_strings(server: Server) -> None:
     client = server.client()
     prompt = "In the beginning"

@@ -157,6 +157,7 @@ def test_audio_speech_endpoint(speaking):
         ({"audio": {"voice": "ethan", "format": "aac"}}, "wav, pcm16, flac, mp3, opus"),
         ({"audio": {"voice": "ethan", "format": "wav"}, "stream": True}, "pcm16 when streaming"),
         ({"audio": None}, "audio (voice and format) is required"),
+        ({"modalities": ["audio", "audio"]}, "modalities names one twice"),
     ],
 )
 def test_bad_audio_requests_are_400s(speaking, changes, needle):
@@ -189,3 +190,10 @@ def test_speech_endpoint_refusals_and_text_clients(speaking, default_server):
     assert text.choices[0].message.content == offline.text
     assert text.choices[0].message.audio is None
     assert encode_audio(np.zeros(4, np.float32), "pcm16", 24000) == b"\0" * 8
+    # An answer with no speech (the talker ended at once) is still a file every format's
+    # readers open: no samples in WAV and PCM16, one silent sample where libsndfile needs one.
+    for fmt in ("wav", "flac", "mp3", "opus"):
+        empty, rate = soundfile.read(io.BytesIO(encode_audio(np.zeros(0, np.float32), fmt, 24000)))
+        assert rate == 24000 and len(empty) == (0 if fmt == "wav" else 1)
+        assert np.abs(empty).max(initial=0.0) < 1e-6  # silent (opus: codec noise)
+    assert encode_audio(np.zeros(0, np.float32), "pcm16", 24000) == b""

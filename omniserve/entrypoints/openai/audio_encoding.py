@@ -43,6 +43,10 @@ def encode_audio(samples: np.ndarray, fmt: str, sample_rate: int) -> bytes:
     if fmt not in _CONTAINERS:
         raise ValueError(f"audio format {fmt!r} is not one of {', '.join(AUDIO_FORMATS)}.")
     container, subtype = _CONTAINERS[fmt]
+    if samples.size == 0 and fmt != "wav":
+        # libsndfile writes no readable FLAC / MP3 / Ogg for zero samples: an answer with no
+        # speech is one silent sample there
+        samples = np.zeros(1, dtype=np.float32)
     buffer = io.BytesIO()
     soundfile.write(
         buffer, np.clip(samples, -1.0, 1.0), sample_rate, format=container, subtype=subtype

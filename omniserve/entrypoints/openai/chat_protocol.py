@@ -186,6 +186,8 @@ class ChatCompletionRequest(SamplingRequest):
     def _audio_output(self) -> ChatCompletionRequest:
         if self.modalities is not None and not self.modalities:
             raise ValueError("modalities must name at least one of text, audio.")
+        if self.modalities is not None and len(set(self.modalities)) != len(self.modalities):
+            raise ValueError(f"modalities names one twice: {self.modalities}.")
         if self.wants_audio and self.audio is None:
             raise ValueError('audio (voice and format) is required with "audio" in modalities.')
         if not self.wants_audio and (self.audio is not None or self.speech is not None):

@@ -86,7 +86,8 @@ class ChatAnswer:
         ]
         return ChatMessage(
             role="assistant",
-            content=delta.get("content"),
+            # an empty answer is "" (as OpenAI and vLLM give it); null only beside tool calls
+            content=delta.get("content", None if calls else ""),
             reasoning_content=delta.get("reasoning_content"),
             tool_calls=calls or None,
         )
@@ -222,7 +223,7 @@ class OpenAIServingChat(OpenAIServing):
         usage = self.usage(
             [final],
             sum(len(out.token_ids) for out in final.outputs),
-            sum(out.num_audio_tokens for out in final.outputs),
+            sum(out.num_audio_tokens for out in final.outputs) if request.wants_audio else None,
         )
         return ChatCompletionResponse(
             id=request_id,
@@ -247,6 +248,10 @@ class OpenAIServingChat(OpenAIServing):
         options = request.stream_options
         num_generated = [0] * request.n
         num_audio = [0] * request.n
+
+        def spoken() -> int | None:  # codec frames so far; None for a text-only request
+            return sum(num_audio) if request.wants_audio else None
+
         answers = [self._answer(request, thinking) for _ in range(request.n)]
         audio_ids = [_audio_id() for _ in range(request.n)]
         audio_only = request.wants_audio and "text" not in (request.modalities or [])
@@ -302,7 +307,7 @@ class OpenAIServingChat(OpenAIServing):
                         token_ids=list(out.token_ids) if request.return_token_ids else None,
                     )
                     running = (
-                        self.usage(latest, sum(num_generated), sum(num_audio))
+                        self.usage(latest, sum(num_generated), spoken())
                         if options and options.continuous_usage_stats
                         else None
                     )
@@ -311,7 +316,7 @@ class OpenAIServingChat(OpenAIServing):
                     )
                     prompt_ids_sent = True
             if options and options.include_usage:
-                yield chunk([], self.usage(latest, sum(num_generated), sum(num_audio)))
+                yield chunk([], self.usage(latest, sum(num_generated), spoken()))
         except Exception as exc:  # e.g. the engine died mid-stream: tell the client in-band
             yield sse_event(to_serving_error(exc).to_response())
         finally:

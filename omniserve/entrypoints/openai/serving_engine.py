@@ -441,11 +441,12 @@ class OpenAIServing:
 
     @staticmethod
     def usage(
-        outputs: list[RequestOutput], completion_tokens: int, audio_tokens: int = 0
+        outputs: list[RequestOutput], completion_tokens: int, audio_tokens: int | None = None
     ) -> UsageInfo:
         """Usage over the prompts' (expanded) tokens, with OpenAI's prompt_tokens_details:
         prefix-cache hits and the tokens that stand for images, audio and video; spoken
-        answers' codec frames count as completion tokens too (completion_tokens_details)."""
+        answers' codec frames count as completion tokens too (completion_tokens_details, set
+        whenever audio was asked for: ``audio_tokens`` not None, 0 when nothing was spoken)."""
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         details = PromptTokensDetails(
             cached_tokens=sum(o.num_cached_tokens for o in outputs),
@@ -454,15 +455,15 @@ class OpenAIServing:
                 for m in ("image", "audio", "video")
             },
         )
-        completion_tokens += audio_tokens
+        completion_tokens += audio_tokens or 0
         return UsageInfo(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=details,
-            completion_tokens_details=CompletionTokensDetails(audio_tokens=audio_tokens)
-            if audio_tokens
-            else None,
+            completion_tokens_details=None
+            if audio_tokens is None
+            else CompletionTokensDetails(audio_tokens=audio_tokens),
         )
 
     async def start_generation(
