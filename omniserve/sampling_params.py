@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -142,6 +143,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name) or [], list | tuple):
+                raise ValueError(f"{name} must be a list, got {getattr(self, name)!r}.")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -149,7 +153,12 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.speech, dict):
+            known = {f.name for f in dataclasses.fields(SpeechParams)}
+            if unknown := sorted(set(self.speech) - known):
+                raise ValueError(f"speech.{unknown[0]} is not a speech setting ({sorted(known)}).")
             self.speech = SpeechParams(**self.speech)
+        if self.speech is not None and not isinstance(self.speech, SpeechParams):
+            raise ValueError(f"speech must be a SpeechParams or a dict, got {self.speech!r}.")
         self.output_modalities = list(self.output_modalities)
         if self.wants_audio and self.speech is None:
             self.speech = SpeechParams()

@@ -572,7 +572,20 @@ def test_bad_input_is_a_located_400(
     error = assert_error(server.post("/v1/chat/completions", body), 400)
     assert error["message"].startswith(f"messages[2].content[1]: {where} error: "), error
     assert phrase in error["message"], error
+    assert error["param"] == "messages[2].content[1]", error
     assert http_media.hits == hits  # nothing fetched from a refused address
+
+
+def test_processor_option_errors_name_the_option(vl: Server) -> None:
+    for kwargs, phrase in (
+        ({"fps": 1000}, "mm_processor_kwargs.fps must be a number in"),
+        ({"min_pixels": 10**5, "max_pixels": 10**3}, "min_pixels (100000) is over max_pixels"),
+    ):
+        body = {"model": MODEL, "messages": _user(_text(), _png_part(IMAGE)),
+                "mm_processor_kwargs": kwargs}  # fmt: skip
+        error = assert_error(vl.post("/v1/chat/completions", body), 400)
+        assert phrase in error["message"], error
+        assert error["param"] == f"mm_processor_kwargs.{next(iter(kwargs))}", error
 
 
 def test_too_many_items_names_the_first_part_over_the_limit(strict: Server) -> None:

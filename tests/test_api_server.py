@@ -285,9 +285,11 @@ def test_an_empty_answer_is_an_empty_string(server: Server) -> None:
     """A stop string that the first token already holds leaves nothing: content is "", as in
     OpenAI's and vLLM's answers (null is for tool calls)."""
     client = server.client()
-    first = client.chat.completions.create(
-        model=MODEL, messages=_chat("hi"), max_tokens=1, **GREEDY
-    ).choices[0].message.content
+    first = (
+        client.chat.completions.create(model=MODEL, messages=_chat("hi"), max_tokens=1, **GREEDY)
+        .choices[0]
+        .message.content
+    )
     assert first
     empty = client.chat.completions.create(
         model=MODEL, messages=_chat("hi"), max_tokens=4, stop=[first], **GREEDY

@@ -148,6 +148,23 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(llm):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="logprobs"):
         llm.generate("hi", SamplingParams(logprobs=1000), use_tqdm=False)
+    # Wrong types say what was expected, naming the argument (and the item of a list).
+    for args, error, needle in (
+        ((None,), TypeError, "prompts must be a prompt"),
+        ((["a", 5],), TypeError, r"prompts\[1\] must be text"),
+        ((["a"], {"max_tokens": 3}), TypeError, "sampling_params must be a SamplingParams"),
+        ((["a", "b"], [params, None]), TypeError, r"sampling_params\[1\] must be"),
+        (({"prompt": "a", "multi_modal_data": [1]},), TypeError, "multi_modal_data must be a dict"),
+    ):
+        with pytest.raises(error, match=needle):
+            llm.generate(*args, use_tqdm=False)
+    for kwargs, needle in (
+        ({"stop": 5}, "stop must be a list"),
+        ({"speech": "ethan"}, "speech must be a SpeechParams or a dict"),
+        ({"speech": {"foo": 1}}, "speech.foo is not a speech setting"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            SamplingParams(**kwargs)
     # A bad prompt in a batch rejects the call without leaving its good prompts running.
     with pytest.raises(ValueError):
         llm.generate(["fine", {"prompt_token_ids": [5] * 600}], params, use_tqdm=False)

@@ -179,7 +179,7 @@ class OutputProcessor:
         """Register a request. ``child_request_ids``: the engine ids of its n children (n > 1);
         ``queue``: where its outputs go (else ``process_outputs`` returns them)."""
         if request_id in self._parents:
-            raise ValueError(f"Request {request_id!r} already exists.")
+            raise ValueError(f"request_id {request_id!r} is in use by a running request.")
         child_ids = child_request_ids or [request_id]
         parent = _ParentState(
             request_id,

@@ -51,14 +51,33 @@ class LLM:
         lower first) needs ``scheduling_policy="priority"``."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(
+                "prompts must be a prompt (text, or a dict with prompt or prompt_token_ids) or "
+                f"a list of them, not {type(prompts).__name__}."
+            )
         prompts = list(prompts)
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, (str, dict)):
+                raise TypeError(
+                    f"prompts[{i}] must be text or a dict with prompt or prompt_token_ids, "
+                    f"not {type(prompt).__name__}."
+                )
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = (
             [sampling_params] * len(prompts)
             if isinstance(sampling_params, SamplingParams)
             else list(sampling_params)
+            if isinstance(sampling_params, Sequence)
+            else [sampling_params]
         )
+        for i, param in enumerate(params):
+            if not isinstance(param, SamplingParams):
+                raise TypeError(
+                    f"sampling_params{'' if len(params) == 1 else f'[{i}]'} must be a "
+                    f"SamplingParams, not {type(param).__name__}."
+                )
         if len(params) != len(prompts):
             raise ValueError(f"Got {len(params)} sampling params for {len(prompts)} prompts.")
         priorities = list(priority) if priority is not None else [0] * len(prompts)

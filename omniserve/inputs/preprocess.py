@@ -57,6 +57,11 @@ class InputPreprocessor:
         if text is None and token_ids is None:
             raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
         mm_data = prompt.get("multi_modal_data")
+        if mm_data is not None and not isinstance(mm_data, dict):
+            raise TypeError(
+                "multi_modal_data must be a dict of modality -> item or items (e.g. "
+                f"{{'image': [img1, img2]}}), not {type(mm_data).__name__}."
+            )
         uuids = prompt.get("multi_modal_uuids")
         if uuids is not None and not (isinstance(uuids, dict) and mm_data):
             raise TypeError(

@@ -82,13 +82,14 @@ _FIELD_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\[\d+\]|\[\*\]|\.[a-z_][a-z0-9_]*)
 @functools.cache
 def _request_fields() -> frozenset[str]:
     from omniserve.entrypoints.openai.completion_protocol import CompletionRequest
+    from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest
     from omniserve.entrypoints.openai.tokenize_protocol import (
         DetokenizeRequest,
         TokenizeCompletionRequest,
     )
 
     models = (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
-              TokenizeCompletionRequest, DetokenizeRequest)  # fmt: skip
+              TokenizeCompletionRequest, DetokenizeRequest, CreateSpeechRequest)  # fmt: skip
     return frozenset(name for model in models for name in model.model_fields)
 
 
@@ -119,6 +120,8 @@ def to_serving_error(exc: BaseException) -> ServingError:
         return ServingError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR, code="internal_error")
     if isinstance(exc, ContextLengthError):
         return ServingError(str(exc), param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, MultiModalInputError):  # its part, or the field its detail begins with
+        return ServingError(str(exc), param=exc.location or leading_param(exc.detail))
     if isinstance(exc, (ValueError, TypeError)):
         return ServingError(str(exc))
     error_id = uuid.uuid4().hex[:12]
