@@ -336,6 +336,8 @@ class Processor:
 
     def check_token_ids(self, name: str, token_ids: list[int]) -> None:
         """ValueError naming ``name`` when an id is outside the model's vocabulary."""
+        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < self.vocab_size):
+            return  # the common case, in C: prompts can be long
         bad = sorted({t for t in token_ids if not 0 <= t < self.vocab_size})
         if bad:
             raise ValueError(
