@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from omniserve.multimodal.errors import MultiModalInputError
+from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.multimodal.parse import (
     MultiModalDataItems,
     MultiModalDataParser,
@@ -503,6 +504,14 @@ class Qwen2_5OmniThinkerMultiModalProcessor(Qwen2VLMultiModalProcessor):
             PromptReplacement("video", hf_processor.video_token, video),
             PromptReplacement("audio", hf_processor.audio_token, audio),
         ]
+
+    def token_counts(self, feature: MultiModalFeatureSpec) -> Mapping[str, int]:
+        """A video with its track counts the track's tokens as audio, the rest as video."""
+        data = feature.data or {}
+        if feature.modality != "video" or not data.get("use_audio_in_video"):
+            return super().token_counts(feature)
+        audio = int((~self.audio_in_video_order(data)).sum())
+        return {"video": feature.mm_position.length - audio, "audio": audio}
 
     def _audio_in_video_tokens(
         self, data: Mapping[str, Any], i: int, mm_kwargs: Mapping[str, object]

@@ -154,8 +154,10 @@ def test_audio_in_video_through_the_api_matches_offline(server, monkeypatch, tmp
         )
         for mm_kwargs in ({"num_frames": 4}, kwargs)
     ]
-    plain, with_audio = (r.usage.prompt_tokens_details.video_tokens for r in responses)
-    assert with_audio > plain > 0  # the audio track's tokens joined the video item
+    plain, with_audio = (r.usage.prompt_tokens_details for r in responses)
+    # the track's tokens joined the video item, and count as audio (the rest as video)
+    assert plain.audio_tokens == 0 and with_audio.audio_tokens > 0
+    assert with_audio.video_tokens >= plain.video_tokens > 0
     monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
     video_file = tmp_path / "clip.mp4"
     video_file.write_bytes(mp4)
@@ -175,5 +177,6 @@ def test_audio_in_video_through_the_api_matches_offline(server, monkeypatch, tmp
         mm_processor_kwargs=kwargs,
         use_tqdm=False,
     )[0]
-    assert offline.num_mm_tokens["video"] == with_audio
+    assert offline.num_mm_tokens == {"video": with_audio.video_tokens,
+                                     "audio": with_audio.audio_tokens}  # fmt: skip
     assert responses[1].choices[0].message.content == offline.outputs[0].text

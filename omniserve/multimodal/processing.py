@@ -217,8 +217,14 @@ class BaseMultiModalProcessor(ABC):
         )
         counts: dict[str, int] = {}
         for feature in features:
-            counts[feature.modality] = counts.get(feature.modality, 0) + feature.mm_position.length
+            for modality, count in self.token_counts(feature).items():
+                counts[modality] = counts.get(modality, 0) + count
         return MultiModalInputs(prompt_text, token_ids, features, counts)
+
+    def token_counts(self, feature: MultiModalFeatureSpec) -> Mapping[str, int]:
+        """An item's prompt tokens by modality (usage's prompt_tokens_details): all of them
+        its own modality's, unless a model's composite items say otherwise."""
+        return {feature.modality: feature.mm_position.length}
 
     @cached_property
     def _data_parser(self) -> MultiModalDataParser:
