@@ -51,6 +51,10 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
     """JSON without optional whitespace (else any amount, as JSON allows)."""
+    origin: str | None = None
+    """Where a request gave the constraint (the API's ``response_format.json_schema.schema``,
+    ``guided_regex``, ``tools[0].function.parameters``, ...), named in its errors; None:
+    ``structured_outputs.<kind>``."""
 
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
@@ -64,12 +68,17 @@ class StructuredOutputsParams:
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) for c in self.choice)
         ):
-            raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+            raise ValueError(f"{self.where} must be a non-empty list of strings.")
 
     @property
     def kind(self) -> str:
         """The constraint's field name ("json", "regex", ...)."""
         return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    @property
+    def where(self) -> str:
+        """What the constraint's errors name."""
+        return self.origin or f"structured_outputs.{self.kind}"
 
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")

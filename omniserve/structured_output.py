@@ -37,9 +37,9 @@ def _grammar_source(params: StructuredOutputsParams) -> tuple[str, Any]:
     return kind, getattr(params, kind)
 
 
-def validate_structured_outputs(params: StructuredOutputsParams, field: str | None = None) -> None:
-    """Parse the constraint (cheap, no tokenizer needed); ValueError naming ``field`` (where
-    the constraint came from; default ``structured_outputs.<kind>``)."""
+def validate_structured_outputs(params: StructuredOutputsParams) -> None:
+    """Parse the constraint (cheap, no tokenizer needed); ValueError naming where the request
+    gave it (``params.where``)."""
     import xgrammar as xgr
 
     kind, source = _grammar_source(params)
@@ -55,8 +55,7 @@ def validate_structured_outputs(params: StructuredOutputsParams, field: str | No
     except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         message = _XGRAMMAR_LOCATION.sub("", message)  # its log time and C++ source line
-        field = field or f"structured_outputs.{params.kind}"
-        raise ValueError(f"{field} is not valid: {message}") from None
+        raise ValueError(f"{params.where} is not valid: {message}") from None
 
 
 _XGRAMMAR_LOCATION = re.compile(r"^\[[\d:.]+\] \S+:\d+: ")

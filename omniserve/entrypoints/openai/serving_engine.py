@@ -24,6 +24,7 @@ from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, En
 from omniserve.engine.processor import ContextLengthError
 from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
 from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from omniserve.entrypoints.openai.completion_protocol import CompletionRequest
 from omniserve.entrypoints.openai.protocol import (
     CompletionTokensDetails,
     ErrorInfo,
@@ -33,12 +34,16 @@ from omniserve.entrypoints.openai.protocol import (
     SamplingRequest,
     UsageInfo,
 )
-from omniserve.entrypoints.openai.tokenize_protocol import TokenizeChatRequest
+from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest
+from omniserve.entrypoints.openai.tokenize_protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from omniserve.inputs.data import TokensPrompt
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.outputs import Logprob, RequestOutput
 from omniserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from omniserve.structured_output import validate_structured_outputs
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,13 +86,6 @@ _FIELD_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\[\d+\]|\[\*\]|\.[a-z_][a-z0-9_]*)
 
 @functools.cache
 def _request_fields() -> frozenset[str]:
-    from omniserve.entrypoints.openai.completion_protocol import CompletionRequest
-    from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest
-    from omniserve.entrypoints.openai.tokenize_protocol import (
-        DetokenizeRequest,
-        TokenizeCompletionRequest,
-    )
-
     models = (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
               TokenizeCompletionRequest, DetokenizeRequest, CreateSpeechRequest)  # fmt: skip
     return frozenset(name for model in models for name in model.model_fields)
@@ -366,7 +364,7 @@ class OpenAIServing:
             return self.default_sampling.get(name, openai_default) if value is None else value
 
         try:
-            params = SamplingParams(
+            return SamplingParams(
                 n=request.n,
                 temperature=field("temperature", 1.0),
                 top_p=field("top_p", 1.0),
@@ -387,7 +385,9 @@ class OpenAIServing:
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 output_kind=kind,
-                structured_outputs=StructuredOutputsParams(**constraint)
+                structured_outputs=StructuredOutputsParams(
+                    **constraint, origin=request.constraint_field
+                )
                 if (constraint := request.constraint)
                 else None,
                 logit_bias=request.token_logit_bias,
@@ -395,15 +395,7 @@ class OpenAIServing:
                 bad_words=request.bad_words,
             )
         except ValueError as exc:
-            param = str(exc).split(" ", 1)[0]
-            raise ServingError(str(exc), param=param if param.isidentifier() else None) from exc
-        if params.structured_outputs is not None:  # named where the request put it
-            where = request.constraint_field
-            try:
-                validate_structured_outputs(params.structured_outputs, where)
-            except ValueError as exc:
-                raise ServingError(str(exc), param=where) from exc
-        return params
+            raise ServingError(str(exc)) from exc  # param: the field the message begins with
 
     def token_text(self, token_id: int, logprob: Logprob | None = None, as_id: bool = False) -> str:
         """A logprobs entry's token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
