@@ -14,7 +14,13 @@ from omniserve.attention import Attention
 from omniserve.cpu import moe as cpu_moe
 from omniserve.cpu.backend import apply_cpu_backend
 from omniserve.cpu.build import load_library
-from omniserve.cpu.linear import ROWS_KERNEL_MAX_ROWS, RowsLinear, onednn_packs
+from omniserve.cpu.linear import (
+    AMX_ROWS_KERNEL_MAX_ROWS,
+    ROWS_KERNEL_MAX_ROWS,
+    RowsLinear,
+    onednn_packs,
+    rows_kernel_max_rows,
+)
 from omniserve.cpu.moe import CpuMoE
 from omniserve.cpu.norm_rope import qk_norm_rope
 from omniserve.layers.fused_moe import FusedMoE, select_experts, torch_fused_experts
@@ -101,12 +107,25 @@ def test_rows_linear_matches_torch(rows: int, dtype: torch.dtype) -> None:
     """The plain-layout kernel (tied LM heads): row tiles and weight blocks cut anywhere, a
     strided input; past its row limit it hands over to F.linear."""
     layer = _linear(131, 96, True, dtype, rows)
-    kernel = RowsLinear(layer.weight)
+    kernel = RowsLinear(layer.weight, max_rows=ROWS_KERNEL_MAX_ROWS)
     x = torch.randn(rows, 200).to(dtype)[:, 50:146]
     with torch.inference_mode():
         expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
         _close(kernel(x, layer.bias), expected, dtype)
     assert not RowsLinear.supports(torch.zeros(8, 40))  # K not a multiple of 32
+
+
+def test_rows_kernel_hands_bf16_to_onednn_where_the_cpu_has_amx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """AMX multiplies bf16 faster than the kernel's dot products from 3 rows; fp32 never runs on
+    AMX, and a CPU without it keeps the kernel up to 64 rows."""
+    for amx, bf16_rows in ((True, AMX_ROWS_KERNEL_MAX_ROWS), (False, ROWS_KERNEL_MAX_ROWS)):
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda amx=amx: {"amx_bf16": amx})
+        rows_kernel_max_rows.cache_clear()
+        assert rows_kernel_max_rows(torch.bfloat16) == bf16_rows
+        assert rows_kernel_max_rows(torch.float32) == ROWS_KERNEL_MAX_ROWS
+    rows_kernel_max_rows.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -84,6 +84,13 @@ def test_greedy_is_argmax_in_mixed_batch() -> None:
     assert tokens[0::2].tolist() == logits[0::2].argmax(-1).tolist()
     all_greedy = sample(logits, [SamplingParams(temperature=0.0)] * 6)
     assert all_greedy.tolist() == logits.argmax(-1).tolist()
+    # Ties go to the first id, as argmax and transformers' greedy search take it.
+    tied = torch.zeros(3, 4096)
+    tied[:, [700, 3000, 4095]] = 1.0
+    tied[2, 5] = 1.0
+    assert sample(tied, [SamplingParams(temperature=0.0)] * 3).tolist() == [700, 700, 5]
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(temperature=0.0)]
+    assert sample(tied, mixed)[::2].tolist() == [700, 5]
 
 
 def _frequencies(logits_row: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:

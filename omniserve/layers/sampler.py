@@ -252,15 +252,21 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
     logits[rows, token_ids] = penalized
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first highest score's id per row, as ``argmax``: torch's CPU ``argmax`` is a scalar
+    loop, ``max`` a vectorised one (3.3 ms against 1.3 at 32 x 151,936 fp32, 2 cores)."""
+    return logits.max(-1).indices
+
+
 def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Token per row [num_reqs]: argmax for greedy rows, a truncated random draw for the rest."""
     num_reqs = logits.shape[0]
     if md.all_greedy:
-        return logits.argmax(-1)
+        return _argmax(logits)
     device = logits.device
     sampled = torch.empty(num_reqs, dtype=torch.long, device=device)
     if md.greedy_rows.numel():
-        sampled[md.greedy_rows] = _take_rows(logits, md.greedy_rows).argmax(-1)
+        sampled[md.greedy_rows] = _argmax(_take_rows(logits, md.greedy_rows))
     uniform = _uniforms(md, num_reqs, device)  # [num_reqs]
     if md.top_k_rows.numel():
         _sample_candidates(logits, md.top_k_rows, md, uniform, sampled, md.max_top_k, False)
