@@ -28,6 +28,7 @@ from transformers.vision_utils import (
 )
 
 from model_zoo.decoder import DecoderForCausalLM, LanguageModel
+from omniserve.attention.encoder import segment_bounds
 from omniserve.layers.weight_utils import WeightRoute, load_weights_by_route, route_stacked
 from omniserve.transfers import upload
 
@@ -46,13 +47,14 @@ def run_vision_tower(visual: nn.Module, pixel_values: torch.Tensor, grid: torch.
     What the tower derives from the grid is derived here, on the host, and passed in (the
     towers' forwards take it precomputed): derived in the tower from a device grid, it reads the
     grid back, per item and in every attention layer, and each read waits for all the work
-    queued on the device. The attention boundaries stay on the host, where the towers' SDPA
-    attention (the one they are built with) splits by them."""
+    queued on the device. The attention boundaries stay on the host where the tower's SDPA
+    attention splits by them, and go up with their longest lengths where it attends packed
+    (``omniserve.attention.encoder``)."""
     merge = visual.spatial_merge_size
-    host: dict[str, Any] = {"cu_seqlens": get_vision_cu_seqlens(grid)}
+    bounds = {"cu_seqlens": get_vision_cu_seqlens(grid)}
     device_side = {"position_ids": get_vision_position_ids(grid, merge)}
     if hasattr(visual, "window_size"):  # Qwen2.5's windowed attention
-        device_side["window_index"], host["cu_window_seqlens"] = get_vision_window_index(
+        device_side["window_index"], bounds["cu_window_seqlens"] = get_vision_window_index(
             grid, spatial_merge_size=merge, window_size=visual.window_size,
             patch_size=visual.patch_size,
         )  # fmt: skip
@@ -64,7 +66,8 @@ def run_vision_tower(visual: nn.Module, pixel_values: torch.Tensor, grid: torch.
                 spatial_merge_size=visual.config.spatial_merge_size,
             )
         )  # fmt: skip
-    kwargs = host | on_device(pixel_values.device, **device_side)
+    host, uploaded = segment_bounds(visual, **bounds)
+    kwargs = host | on_device(pixel_values.device, **device_side, **uploaded)
     return visual(pixel_values, grid_thw=grid, **kwargs)
 
 
@@ -81,6 +84,9 @@ class MultiModalDecoderBase(LanguageModel, ABC):
     supports_multimodal: ClassVar[bool] = True
     uses_mrope: ClassVar[bool] = False
     text_family: ClassVar[type[DecoderForCausalLM]]
+    packed_attention_towers: ClassVar[tuple[str, ...]] = ()
+    """The encoder towers that attend within ``cu_seqlens`` segments and take packed attention
+    on CUDA (``omniserve.attention.encoder``); their callers pass bounds by ``segment_bounds``."""
     """The text model whose decoder spec, MLPs and fused-weight mapping the decoder uses."""
     checkpoint_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
     """(checkpoint prefix, our prefix) renames for other layouts of the same weights; first

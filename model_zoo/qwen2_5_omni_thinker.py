@@ -50,6 +50,7 @@ from model_zoo.qwen2_5_omni_speech import (
     Token2WavOnce,
     load_voices,
 )
+from omniserve.attention.encoder import segment_bounds
 from omniserve.layers.rotary_embedding import MRotaryEmbedding, get_rope
 from omniserve.layers.weight_utils import WeightRoute, default_dtype, load_weights_by_route
 from omniserve.multimodal.inputs import MultiModalFeatureSpec, host_data
@@ -240,6 +241,7 @@ class OmniThinkerBase(MultiModalDecoderBase):
     composite audio-in-video items and the placeholder strings."""
 
     uses_mrope: ClassVar[bool] = True
+    packed_attention_towers = ("visual", "audio_tower")
     placeholders: ClassVar[dict[str, str]]
     # transformers' module names -> the hub names we use
     checkpoint_prefixes = (
@@ -356,14 +358,16 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerBase):
         # What the tower derives from the lengths, derived on the host (see run_vision_tower).
         feature_lens = torch.tensor(num_frames)
         padded, chunk_lengths = chunk_and_pad_features(features, feature_lens, tower.n_window)
+        host, bounds = segment_bounds(tower, cu_seqlens=get_audio_cu_seqlens(chunk_lengths))
         hidden = tower(
             padded_feature=padded,
-            cu_seqlens=get_audio_cu_seqlens(chunk_lengths),
+            **host,
             **on_device(
                 features.device,
                 chunk_lengths=chunk_lengths,
                 valid_indices=get_valid_indices(chunk_lengths),
                 pool_indices=get_pool_indices(feature_lens),
+                **bounds,
             ),
         )
         return list(hidden.last_hidden_state.split(self.audio_lengths(num_frames)))

@@ -62,6 +62,7 @@ from model_zoo.qwen3_omni_moe_speech import (
     Qwen3OmniMoeSpeechConfig,
     Qwen3OmniMoeTalker,
 )
+from omniserve.attention.encoder import segment_bounds
 from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.rotary_embedding import MRotaryEmbedding
 from omniserve.layers.weight_utils import WeightRoute
@@ -169,14 +170,17 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
             # What the tower derives from the lengths, derived on the host (see run_vision_tower).
             feature_lens = torch.tensor([num_frames[i] for i in members])
             padded, chunk_lengths = chunk_and_pad_features(features, feature_lens, tower.n_window)
+            host, bounds = segment_bounds(tower, cu_seqlens=get_audio_cu_seqlens(
+                chunk_lengths, feature_lens, tower.n_window_infer, tower.n_window
+            ))  # fmt: skip
             hidden = tower(
                 padded_feature=padded,
                 chunk_lengths=chunk_lengths,
-                cu_seqlens=get_audio_cu_seqlens(
-                    chunk_lengths, feature_lens, tower.n_window_infer, tower.n_window
-                ),
+                **host,
                 **on_device(
-                    features.device, valid_indices=get_valid_indices(chunk_lengths, tower.n_window)
+                    features.device,
+                    valid_indices=get_valid_indices(chunk_lengths, tower.n_window),
+                    **bounds,
                 ),
             )
             rows = hidden.last_hidden_state.split([sizes[i] for i in members])

@@ -14,6 +14,9 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+MM_ENCODER_ATTN_BACKENDS = ("auto", "TORCH_SDPA", "FLASH_ATTN")
+"""The towers' attention (``attention/encoder.py``); auto: FLASH_ATTN on CUDA where its
+start-up check passes, else TORCH_SDPA."""
 _DTYPE_ALIASES = {
     "fp32": "float32",
     "float": "float32",
@@ -442,10 +445,18 @@ class MultiModalConfig:
     """Per-modality media limits, e.g. {"video": {"num_frames": 16}} (``MediaConfig``)."""
     enable_mm_embeds: bool = False
     """Accept precomputed embeddings (``image_embeds`` / ``audio_embeds``) in place of media."""
+    mm_encoder_attn_backend: str = "auto"
+    """The towers' attention within their segments (``attention/encoder.py``): "auto",
+    "TORCH_SDPA" or "FLASH_ATTN"."""
 
     def __post_init__(self) -> None:
         if self.mm_processor_cache_gb < 0:
             raise ValueError("mm_processor_cache_gb must be >= 0.")
+        if self.mm_encoder_attn_backend not in MM_ENCODER_ATTN_BACKENDS:
+            raise ValueError(
+                f"mm_encoder_attn_backend must be one of {MM_ENCODER_ATTN_BACKENDS}, got "
+                f"{self.mm_encoder_attn_backend!r}."
+            )
         for modality, limit in self.limit_mm_per_prompt.items():
             if not isinstance(limit, int) or limit < 0:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be an integer >= 0.")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from omniserve import envs
 from omniserve.config import (
     ATTENTION_BACKENDS,
+    MM_ENCODER_ATTN_BACKENDS,
     CacheConfig,
     ModelConfig,
     MultiModalConfig,
@@ -97,6 +98,7 @@ class EngineArgs:
     allow_private_media_urls: bool = False
     media_io_kwargs: dict[str, dict[str, object]] | str | None = None
     enable_mm_embeds: bool = False
+    mm_encoder_attn_backend: str = "auto"
     disable_audio_output: bool = False
 
     def create_config(self, *, default_batched_tokens: int = 8192) -> OmniConfig:
@@ -154,6 +156,7 @@ class EngineArgs:
                 allow_private_media_urls=self.allow_private_media_urls,
                 media_io_kwargs=_json_arg("media_io_kwargs", self.media_io_kwargs),
                 enable_mm_embeds=self.enable_mm_embeds,
+                mm_encoder_attn_backend=self.mm_encoder_attn_backend,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -326,6 +329,15 @@ class EngineArgs:
             type=int,
             default=None,
             help="Encoder-output cache capacity, in embeddings; None: as above.",
+        )
+        mm.add_argument(
+            "--mm-encoder-attn-backend",
+            default="auto",
+            choices=MM_ENCODER_ATTN_BACKENDS,
+            help="The vision and audio towers' attention: FLASH_ATTN (their windows, frames "
+            "and chunks in one varlen flash-attention call; CUDA, bf16/fp16), TORCH_SDPA (one "
+            "SDPA call per segment), or auto (FLASH_ATTN on CUDA where it passes a start-up "
+            "check).",
         )
         mm.add_argument(
             "--mm-processor-cache-gb",

@@ -14,6 +14,7 @@ import torch
 from transformers import PretrainedConfig
 
 from omniserve import envs
+from omniserve.attention.encoder import set_encoder_attention
 from omniserve.attention.layer import get_attention_layers
 from omniserve.attention.selector import apply_attention_backend
 from omniserve.config import OmniConfig
@@ -148,6 +149,11 @@ class Worker:
             model, model_config.attention_backend, self.device, self.dtype
         )
         logger.info("Attention layers by backend: %s", self.attention_backends)
+        self.encoder_attention = set_encoder_attention(
+            model, config.multimodal_config.mm_encoder_attn_backend, self.device, self.dtype
+        )
+        if self.encoder_attention:
+            logger.info("Encoder towers' attention: %s", self.encoder_attention)
         self.graph_sizes: list[int] = []  # decode batch sizes replayed from CUDA graphs
         self._gpu_kv_budget: int | None = None  # from the memory profile, once
         self.load_seconds = time.perf_counter() - start
@@ -289,6 +295,7 @@ class Worker:
             "load_seconds": self.load_seconds,
             "layer_kernels": dict(self.backend_report.placements),
             "attention_backends": dict(self.attention_backends),
+            "mm_encoder_attn_backend": self.encoder_attention,
             "cuda_graph_sizes": list(self.graph_sizes),
             "cuda_graph_replays": (
                 graphs.num_replays if (graphs := self.model_runner.decode_graphs) else 0
