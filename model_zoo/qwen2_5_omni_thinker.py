@@ -42,7 +42,12 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 )
 
 from model_zoo.decoder import head_dim_of
-from model_zoo.multimodal import MultiModalDecoderBase, on_device, run_vision_tower
+from model_zoo.multimodal import (
+    MultiModalDecoderBase,
+    adopt_vision_norms,
+    on_device,
+    run_vision_tower,
+)
 from model_zoo.qwen2 import Qwen2ForCausalLM
 from model_zoo.qwen2_5_omni_speech import (
     Qwen2_5OmniSpeechConfig,
@@ -338,6 +343,7 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerBase):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
         self.visual = Qwen2_5OmniVisionEncoder(config.vision_config)
+        adopt_vision_norms(self.visual)
         self.audio_tower = Qwen2_5OmniAudioEncoder(config.audio_config)
 
     @classmethod

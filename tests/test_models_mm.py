@@ -26,7 +26,10 @@ from transformers.video_utils import VideoMetadata
 
 import model_zoo
 from omniserve.attention import AttentionMetadata, get_attention_layers
+from omniserve.cpu.backend import apply_cpu_backend
+from omniserve.cpu.norm_rope import CpuRMSNorm
 from omniserve.forward_context import set_forward_context
+from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.rotary_embedding import MRotaryEmbedding, get_rope
 from omniserve.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from omniserve.registry import ModelRegistry
@@ -423,3 +426,18 @@ def test_loading_names_unexpected_and_missing_keys(
         _write_checkpoint(tmp_path / "tied", {**config, "tie_word_embeddings": True}, untied)
     )
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize(
+    "arch", ["Qwen2_5_VLForConditionalGeneration", "Qwen2_5OmniThinkerForConditionalGeneration"]
+)
+def test_qwen2_5_vision_norms_are_ours(arch: str, tiny_checkpoint: Callable[..., Path]) -> None:
+    """Qwen2.5's vision tower norms are our RMSNorm on the checkpoint's parameters (it loads
+    with no key left over or missing), so the CPU backend gives them its bf16 kernel."""
+    model = load_ours(tiny_checkpoint(arch)).to(torch.bfloat16)
+    norms = [m for m in model.visual.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * model.config.vision_config.depth + 1  # two per block, the merger's
+    assert not [m for m in model.visual.modules() if type(m).__name__.endswith("RMSNorm")
+                and not isinstance(m, RMSNorm)]  # fmt: skip
+    apply_cpu_backend(model)
+    assert all(norm.kernel is not None for norm in norms) == CpuRMSNorm.supports(norms[0])
