@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from omniserve.attention import Attention
+from omniserve.cpu import activation as cpu_activation
 from omniserve.cpu import moe as cpu_moe
 from omniserve.cpu.backend import apply_cpu_backend
 from omniserve.cpu.build import load_library
@@ -23,6 +24,7 @@ from omniserve.cpu.linear import (
 )
 from omniserve.cpu.moe import CpuMoE
 from omniserve.cpu.norm_rope import qk_norm_rope
+from omniserve.layers.activation import SiluAndMul, silu_and_mul
 from omniserve.layers.fused_moe import FusedMoE, select_experts, torch_fused_experts
 from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -283,6 +285,31 @@ def test_bf16_rms_norm_kernel_matches_transformers_rounding(cols: int) -> None:
         got = layer(x)
     assert got.shape == expected.shape and got.dtype == torch.bfloat16
     _rarely_a_step_apart(got, expected)
+
+
+@pytest.mark.parametrize("width", [8960, 1000, 7])
+def test_bf16_silu_and_mul_kernel_matches_torch_rounding(
+    width: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One pass over strided rows (a row splits into blocks; a width not a multiple of 16 ends
+    in the scalar loop): torch's two roundings, the exp an ulp apart at most."""
+    monkeypatch.setattr(cpu_activation, "MIN_ELEMENTS", 1)  # small inputs take it too
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(5, 2 * width + 6, generator=gen) * 4).bfloat16()[:, 3 : 2 * width + 3]
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, float("inf")])
+    layer = SiluAndMul()
+    expected = layer(x)  # the torch reference (no kernel yet)
+    fp32 = torch.nn.Sequential(ReplicatedLinear(4, 4), SiluAndMul())
+    assert apply_cpu_backend(fp32).placements == {"linear: oneDNN packed float32": 1}
+    model = torch.nn.Sequential(ReplicatedLinear(4, 4).bfloat16(), layer)
+    assert apply_cpu_backend(model).placements["SiLU-and-mul: C bfloat16"] == 1
+    with torch.inference_mode():
+        got = layer(x)
+        assert torch.equal(layer(x.float()), silu_and_mul(x.float()))  # fp32: torch's
+    assert got.shape == expected.shape == (5, width) and got.dtype == torch.bfloat16
+    _rarely_a_step_apart(got[:, 4:], expected[:, 4:])
+    assert got[0, :4].tolist()[1:] == expected[0, :4].tolist()[1:]  # silu(-100) is ~0 in both
+    assert abs(got[0, 0].item()) < 1e-30
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

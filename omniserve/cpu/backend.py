@@ -2,7 +2,7 @@
 
 Layers compute through torch by default and expose a hook for a faster implementation
 (``LinearBase.kernel``, ``FusedMoE.kernel``, ``QKRotary.kernel``, ``RMSNorm.kernel``,
-``Attention.backend``).
+``SiluAndMul.kernel``, ``Attention.backend``).
 ``apply_cpu_backend`` walks a loaded model once and sets those hooks where a kernel covers the
 layer's device, dtype and shapes; everything else stays on torch, and the report says what went
 where. Weights a kernel keeps in its own layout replace the originals layer by layer, so the
@@ -19,10 +19,12 @@ from torch import nn
 
 from omniserve import envs
 from omniserve.attention.layer import Attention
+from omniserve.cpu.activation import cpu_silu_and_mul, cpu_silu_and_mul_available
 from omniserve.cpu.attention import CpuAttentionBackend
 from omniserve.cpu.linear import OneDnnLinear, RowsLinear, release_weight
 from omniserve.cpu.moe import CpuMoE
 from omniserve.cpu.norm_rope import CpuRMSNorm, qk_norm_rope
+from omniserve.layers.activation import SiluAndMul
 from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import LinearBase
@@ -63,6 +65,8 @@ def apply_cpu_backend(model: nn.Module) -> KernelPlacement:
         return report
     shared = _shared_parameters(model)
     attention_backend = CpuAttentionBackend()
+    # An activation has no weight to tell its dtype: the model's (fp32 stays on torch).
+    bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, LinearBase):
@@ -84,6 +88,11 @@ def apply_cpu_backend(model: nn.Module) -> KernelPlacement:
                     continue  # fp32: torch's fused F.rms_norm already makes one pass
                 module.kernel = CpuRMSNorm(module)
                 kind = "RMSNorm: C bfloat16"
+            elif isinstance(module, SiluAndMul):
+                if not (bf16 and cpu_silu_and_mul_available()):
+                    continue
+                module.kernel = cpu_silu_and_mul
+                kind = "SiLU-and-mul: C bfloat16"
             else:
                 continue
             report.placements[kind] += 1

@@ -9,6 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` in torch (the reference a kernel must match)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class SiluAndMul(nn.Module):
     """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of width 2d: the SwiGLU of Llama/Qwen MLPs; a
     device backend may give it a ``kernel`` that does it in one pass."""
@@ -18,8 +24,7 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)
 
 
 def get_act_and_mul(hidden_act: str) -> nn.Module:
