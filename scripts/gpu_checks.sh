@@ -10,6 +10,7 @@
 #   WHEELS=.whl bash scripts/gpu_checks.sh     # first install carried wheels (no registry there)
 #   BENCH_FLAGS=--torch-profile bash ...       # more bench_realsize flags (--python-profile too)
 #   ENGINES=omniserve,hf,omniserve:eager ...   # and the eager variant
+#   ENGINES=omniserve,omniserve:sdpa_towers WORKLOADS=ttft_mm ...  # towers' packed attention
 #   SAMPLING='{"temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05}' ...  # not greedy
 #   TEST_GROUPS="tests/a.py;tests/b.py" ...    # other GPU test groups; FIDELITY_TIMEOUT=0 skips
 # The defaults fit one 10-minute call of a 15-minute loan: 2 minutes of tests, then 3 per model.
@@ -65,7 +66,7 @@ wait $BUILD; tail -2 "$OUT/build.log"
 for name in ${MODELS//,/ }; do
   timeout -s INT "${BENCH_TIMEOUT:-180}" $PY scripts/bench_realsize.py --models "$name" \
     --engines "${ENGINES:-omniserve,omniserve:async,hf}" \
-    --variants '{"async": {"async_scheduling": true}, "eager": {"enforce_eager": true}, "torch": {"enforce_eager": true, "attention_backend": "torch"}}' \
+    --variants '{"async": {"async_scheduling": true}, "eager": {"enforce_eager": true}, "torch": {"enforce_eager": true, "attention_backend": "torch"}, "sdpa_towers": {"mm_encoder_attn_backend": "TORCH_SDPA"}}' \
     --workloads "${WORKLOADS:-b1,b32,b128,b1_long,ttft_mm}" --profile-steps ${BENCH_FLAGS:-} \
     --engine-timeout "${ENGINE_TIMEOUT:-100}" --llm-kwargs "$LLM_KWARGS" \
     --sampling "${SAMPLING:-{\}}" \
