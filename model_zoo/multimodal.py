@@ -104,10 +104,10 @@ class MultiModalDecoderBase(LanguageModel, ABC):
     supports_multimodal: ClassVar[bool] = True
     uses_mrope: ClassVar[bool] = False
     text_family: ClassVar[type[DecoderForCausalLM]]
+    """The text model whose decoder spec, MLPs and fused-weight mapping the decoder uses."""
     packed_attention_towers: ClassVar[tuple[str, ...]] = ()
     """The encoder towers that attend within ``cu_seqlens`` segments and take packed attention
     on CUDA (``omniserve.attention.encoder``); their callers pass bounds by ``segment_bounds``."""
-    """The text model whose decoder spec, MLPs and fused-weight mapping the decoder uses."""
     checkpoint_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
     """(checkpoint prefix, our prefix) renames for other layouts of the same weights; first
     match wins, names matching none are already ours."""

@@ -25,8 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
-from omniserve.config import MM_ENCODER_ATTN_BACKENDS
-
 try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # an older torch than the pinned one: SDPA only
@@ -122,13 +120,10 @@ def set_encoder_attention(
     model: nn.Module, requested: str, device: torch.device, dtype: torch.dtype
 ) -> str:
     """Give the towers that attend within packed segments (``model.packed_attention_towers``)
-    their attention; returns the backend they run ("TORCH_SDPA" or "FLASH_ATTN"; "" for a
-    model without such towers). FLASH_ATTN asked for where it cannot run is an error."""
+    their attention for ``requested`` (one of ``MM_ENCODER_ATTN_BACKENDS``, which
+    ``MultiModalConfig`` checks); returns the backend they run ("TORCH_SDPA" or "FLASH_ATTN";
+    "" for a model without such towers). FLASH_ATTN asked for where it cannot run is an error."""
     towers = [getattr(model, name) for name in getattr(model, "packed_attention_towers", ())]
-    if requested not in MM_ENCODER_ATTN_BACKENDS:
-        raise ValueError(
-            f"mm_encoder_attn_backend must be one of {MM_ENCODER_ATTN_BACKENDS}, got {requested!r}."
-        )
     if not towers or requested == "TORCH_SDPA" or (requested == "auto" and device.type != "cuda"):
         return "TORCH_SDPA" if towers else ""
     for head_dim in sorted(set().union(*map(_head_dims, towers))):
