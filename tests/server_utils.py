@@ -188,6 +188,7 @@ def assert_kill_fails_cleanly(server: Server, kill_pid: int, **stream_kwargs: An
     assert time.monotonic() - start < 10
     error = assert_error(httpx.get(server.url + "/health"), 503)
     assert "engine" in error["message"]
+    assert assert_error(httpx.post(server.url + "/ping"), 503) == error
     with pytest.raises(openai.InternalServerError) as dead:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert dead.value.status_code == 503

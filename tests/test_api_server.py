@@ -97,6 +97,9 @@ def test_serve_logs_load_progress_and_one_ready_line(server: Server) -> None:
 def test_models_health_version(server: Server) -> None:
     assert httpx.get(server.url + "/health").status_code == 200  # open without the key
     assert httpx.head(server.url + "/health").status_code == 200  # load balancers probe so
+    for method in ("GET", "POST", "HEAD"):  # vLLM's /ping, which SageMaker probes
+        response = httpx.request(method, server.url + "/ping")
+        assert response.status_code == 200 and response.content == b""
     assert httpx.get(server.url + "/version").json()["version"]
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]

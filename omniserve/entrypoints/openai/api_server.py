@@ -272,18 +272,19 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="omniserve", version=__version__, lifespan=lifespan)
     add_error_handlers(app)
 
-    @app.api_route(  # HEAD too: load balancers probe with it
-        "/health",
-        methods=["GET", "HEAD"],
-        response_class=Response,
-        responses={
-            200: {"description": "The engine is alive (empty body)", "content": None},
-            503: {
-                "model": ErrorResponse,
-                "description": "The engine is dead or the server is shutting down",
-            },
+    health_responses: dict[int | str, dict[str, Any]] = {
+        200: {"description": "The engine is alive (empty body)", "content": None},
+        503: {
+            "model": ErrorResponse,
+            "description": "The engine is dead or the server is shutting down",
         },
-    )
+    }
+
+    # /ping: vLLM's alias, which SageMaker probes (POST too); HEAD: load balancers probe with it.
+    @app.api_route("/ping", methods=["GET", "POST", "HEAD"], response_class=Response,
+                   responses=health_responses)  # fmt: skip
+    @app.api_route("/health", methods=["GET", "HEAD"], response_class=Response,
+                   responses=health_responses)  # fmt: skip
     async def health() -> Response:
         try:
             await engine.check_health()

@@ -80,7 +80,7 @@ def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 class APIKeyMiddleware:
-    """Bearer-token auth on the API routes; /health, /version and /metrics stay open."""
+    """Bearer-token auth on the API routes; /health, /ping, /version and /metrics stay open."""
 
     PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
