@@ -43,10 +43,12 @@ class ReferenceVarlen:
     def __init__(self) -> None:
         self.segments: list[list[int]] = []
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
-                 cu_k: torch.Tensor, max_q: int, max_k: int, *, scale: float | None = None,
-                 window_size: tuple[int, int] = (-1, -1)) -> torch.Tensor:  # fmt: skip
-        assert cu_q.dtype == cu_k.dtype == torch.int32 and window_size == (-1, -1)
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+        cu_k: torch.Tensor, max_q: int, max_k: int, **kwargs: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        assert not kwargs  # the towers' scale is the default: torch 2.10's signature serves
+        assert cu_q.dtype == cu_k.dtype == torch.int32
         assert isinstance(max_q, int) and isinstance(max_k, int)
         if q.device == META:  # no values to check
             self.segments.append([max_q])
@@ -56,7 +58,7 @@ class ReferenceVarlen:
         self.segments.append(lengths)
         segments = zip(*(t.split(lengths) for t in (q, k, v)), strict=True)
         return torch.cat([
-            F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in qkv), scale=scale)
+            F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in qkv))
             .transpose(0, 1)
             for qkv in segments
         ])  # fmt: skip

@@ -53,14 +53,17 @@ def varlen_attention(
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: ``[1, heads, tokens, head_dim]`` in,
-    ``[1, tokens, heads, head_dim]`` out; segments bounded by ``cu_seq_lens_*``."""
-    if attention_mask is not None:
-        raise ValueError("Packed encoder attention takes segment bounds, not a mask.")
+    ``[1, tokens, heads, head_dim]`` out; segments bounded by ``cu_seq_lens_*``. Towers attend
+    both ways within a segment; their scale is the default one, which every torch release of
+    ``varlen_attn`` applies (a ``scale`` argument came after 2.10), so it is passed only when
+    it differs."""
+    if attention_mask is not None or is_causal:
+        raise ValueError("Packed encoder attention is bidirectional, bounded by segments.")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, head_dim]
-    out = varlen_attn(
-        q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling,
-        window_size=(-1, 0) if is_causal else (-1, -1),
-    )  # fmt: skip
+    kwargs = {}
+    if scaling is not None and abs(scaling * q.shape[-1] ** 0.5 - 1.0) > 1e-6:
+        kwargs["scale"] = scaling
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, **kwargs)
     return out.unsqueeze(0), None
 
 
