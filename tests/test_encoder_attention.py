@@ -17,12 +17,13 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-import torch.nn.functional as F
 
 from omniserve.attention import encoder
 from omniserve.attention.encoder import (
     FLASH_VARLEN,
+    pack_towers,
     segment_bounds,
+    segmented_sdpa,
     set_encoder_attention,
     varlen_unavailable,
 )
@@ -56,19 +57,7 @@ class ReferenceVarlen:
         lengths = (cu_q[1:] - cu_q[:-1]).tolist()
         assert torch.equal(cu_q, cu_k) and max_q == max_k == max(lengths, default=0)
         self.segments.append(lengths)
-        segments = zip(*(t.split(lengths) for t in (q, k, v)), strict=True)
-        return torch.cat([
-            F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in qkv))
-            .transpose(0, 1)
-            for qkv in segments
-        ])  # fmt: skip
-
-
-def _pack(model: torch.nn.Module) -> None:
-    for name in model.packed_attention_towers:
-        for module in getattr(model, name).modules():
-            if hasattr(module, "config"):
-                module.config._attn_implementation = FLASH_VARLEN
+        return segmented_sdpa(q, k, v, lengths)
 
 
 @pytest.fixture
@@ -89,7 +78,7 @@ def test_packed_towers_match_their_sdpa_path(
     model = load_ours(model_dir)
     expected = encode(model, features)
     assert not reference_varlen.segments
-    _pack(model)
+    pack_towers(model)
     got = encode(model, features)
     for want, have in zip(expected, got, strict=True):
         torch.testing.assert_close(have, want, atol=1e-5, rtol=1e-5)
@@ -106,7 +95,7 @@ def test_packed_towers_read_nothing_back(
     model_dir = tiny_checkpoint(arch)
     features = _features(arch, model_dir)
     model = _on_meta(model_dir)
-    _pack(model)
+    pack_towers(model)
     for modality in sorted({f.modality for f in features}):
         items = [f for f in features if f.modality == modality]
         with torch.no_grad():

@@ -100,23 +100,47 @@ def varlen_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) 
         return f"it runs in bf16 or fp16, not {str(dtype).removeprefix('torch.')}"
     if varlen_attn is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
-    lengths = (5, 11)
+    lengths = [5, 11]
     generator = torch.Generator(device).manual_seed(0)
-    q, k, v = torch.randn(3, 1, 4, sum(lengths), head_dim, device=device, dtype=dtype,
+    q, k, v = torch.randn(3, sum(lengths), 4, head_dim, device=device, dtype=dtype,
                           generator=generator).unbind(0)  # fmt: skip
     cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=device)
+    query, key, value = (t.transpose(0, 1)[None] for t in (q, k, v))  # the towers' layout
     try:
-        out = varlen_attention(None, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                               max_length_q=max(lengths), max_length_k=max(lengths))[0]  # fmt: skip
+        longest = max(lengths)
+        out = varlen_attention(None, query, key, value, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                               max_length_q=longest, max_length_k=longest)[0][0]  # fmt: skip
     except Exception as exc:  # any failure means: not on this build or GPU
         return f"torch's varlen flash attention failed its check ({type(exc).__name__}: {exc})"
-    expected = torch.cat([
-        F.scaled_dot_product_attention(*(t.split(lengths, dim=2)[i] for t in (q, k, v)))
-        for i in range(len(lengths))
-    ], dim=2).transpose(1, 2)  # fmt: skip
+    expected = segmented_sdpa(q, k, v, lengths)
     if not torch.allclose(out.float(), expected.float(), atol=2e-2, rtol=2e-2):
         return "torch's varlen flash attention disagreed with SDPA in its check"
     return None
+
+
+def segmented_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]
+) -> torch.Tensor:
+    """Attention within each segment of ``lengths``, one SDPA call per segment, as the towers'
+    SDPA path computes it: ``[tokens, heads, head_dim]`` in and out (the packed kernel's
+    reference)."""
+    segments = zip(*(t.split(lengths) for t in (q, k, v)), strict=True)
+    return torch.cat([
+        F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in qkv)).transpose(0, 1)
+        for qkv in segments
+    ])  # fmt: skip
+
+
+def _towers(model: nn.Module) -> list[nn.Module]:
+    return [getattr(model, name) for name in getattr(model, "packed_attention_towers", ())]
+
+
+def pack_towers(model: nn.Module) -> None:
+    """Switch ``model.packed_attention_towers`` to ``FLASH_VARLEN`` (every config they hold)."""
+    for tower in _towers(model):
+        configs = {id(m.config): m.config for m in tower.modules() if hasattr(m, "config")}
+        for config in configs.values():
+            config._attn_implementation = FLASH_VARLEN
 
 
 def set_encoder_attention(
@@ -126,7 +150,7 @@ def set_encoder_attention(
     their attention for ``requested`` (one of ``MM_ENCODER_ATTN_BACKENDS``, which
     ``MultiModalConfig`` checks); returns the backend they run ("TORCH_SDPA" or "FLASH_ATTN";
     "" for a model without such towers). FLASH_ATTN asked for where it cannot run is an error."""
-    towers = [getattr(model, name) for name in getattr(model, "packed_attention_towers", ())]
+    towers = _towers(model)
     if not towers or requested == "TORCH_SDPA" or (requested == "auto" and device.type != "cuda"):
         return "TORCH_SDPA" if towers else ""
     for head_dim in sorted(set().union(*map(_head_dims, towers))):
@@ -137,8 +161,5 @@ def set_encoder_attention(
             raise ValueError(f"mm_encoder_attn_backend FLASH_ATTN cannot run here: {reason}.")
         logger.info("Encoder attention stays on SDPA: packed attention %s.", reason)
         return "TORCH_SDPA"
-    for tower in towers:
-        configs = {id(m.config): m.config for m in tower.modules() if hasattr(m, "config")}
-        for config in configs.values():
-            config._attn_implementation = FLASH_VARLEN
+    pack_towers(model)
     return "FLASH_ATTN"
