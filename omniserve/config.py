@@ -463,6 +463,27 @@ class MultiModalConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (``omniserve/lora``): present only with ``--enable-lora``."""
+
+    max_loras: int = 1
+    """Distinct adapters one step may run (each has a slot of weights on the device)."""
+    max_lora_rank: int = 16
+    """Largest rank an adapter may have (the slots are this wide)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept read in host memory (None: ``max_loras``); others are read again."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})."
+            )
+
+
+@dataclass(frozen=True)
 class OmniConfig:
     """The root: every sub-config of one engine."""
 
@@ -471,3 +492,5 @@ class OmniConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
+    lora_config: LoRAConfig | None = None
+    """None: LoRA is off (requests naming an adapter are refused)."""

@@ -48,6 +48,12 @@ def torch_profiler_dir() -> str | None:
     return os.environ.get("OMNISERVE_TORCH_PROFILER_DIR") or None
 
 
+def allow_runtime_lora_updating() -> bool:
+    """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+    (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, vLLM's switch; off by default)."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
+
+
 def num_threads() -> int | None:
     """Torch intra-op threads for CPU workers (``OMNISERVE_NUM_THREADS``); None keeps torch's."""
     value = os.environ.get("OMNISERVE_NUM_THREADS")

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from omniserve.lora.request import LoRARequest
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
 
@@ -144,6 +145,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     """Lower is served first under the priority scheduling policy."""
     speech: SpeechRequest | None = None
     """Audio output: the talker stage's part of the request (None: text only)."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter it runs with (the engine core has added it: ``add_lora``)."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

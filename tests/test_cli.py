@@ -168,7 +168,8 @@ def test_serve_refuses_flags_of_missing_features(capsys):
 
     for flags, message in (
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
-        (["--enable-lora"], "--enable-lora: LoRA adapters is not implemented"),
+        (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+        (["--enable-lora", "--lora-modules", "a"], "--lora-modules 'a': expected name=path"),
         (
             ["--speculative-config", "{}"],
             "--speculative-config: speculative decoding is not implemented",

@@ -43,7 +43,7 @@ LAYERS: dict[str, int] = {
     "plugins": 2, "attention": 2,
     "__init__": 2,  # the package: eagerly it imports logger alone (its public names are lazy)
     # inputs and the types that cross stage and process boundaries
-    "multimodal": 3,
+    "multimodal": 3, "lora": 3,
     "inputs": 4, "messages": 4, "processors": 4,
     # the scheduler side and the model side, independent of each other
     "core": 5, "layers": 5, "metrics": 5,

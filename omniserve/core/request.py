@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from omniserve.lora.request import LoRARequest
 from omniserve.messages import SpeechRequest
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
@@ -53,6 +54,8 @@ class Request:
     """Lower is served first under the priority policy."""
     speech: SpeechRequest | None = None
     """Audio output: what the talker stage needs (None: text only)."""
+    lora_request: LoRARequest | None = None
+    """The adapter it runs with (its id is mixed into the prefix-cache hashes)."""
     text_stop: Any = None
     """A speaking request's stop-string matcher (made by the scheduler's ``make_text_stop``):
     the engine ends its text at a stop string before the talker could speak past it."""

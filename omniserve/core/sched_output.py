@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from omniserve.lora.request import LoRARequest
 from omniserve.messages import SpeechRequest
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
@@ -29,6 +30,7 @@ class NewRequestData:
     """Needed by the sampler to hold eos back until min_tokens."""
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     """The request's multimodal items (the worker needs their encoder inputs and positions)."""
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

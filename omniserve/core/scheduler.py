@@ -34,6 +34,7 @@ from omniserve.core.stop_conditions import (
     waits_for_tokens_in_flight,
 )
 from omniserve.core.talker_scheduler import TalkerScheduler
+from omniserve.lora.request import adapter_fits
 from omniserve.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, ModelRunnerOutput
 
 
@@ -78,12 +79,14 @@ class Scheduler:
         max_mm_item_embeds: int = 0,
         num_talker_blocks: int = 0,
         make_text_stop: Callable[[Request], TextStop] | None = None,
+        max_loras: int = 0,
     ) -> None:
         """``max_mm_item_embeds``: the model's largest multimodal item in embeddings (0: text
         only or unknown); start-up fails if that item could never be encoded.
         ``num_talker_blocks``: the speech stage's own KV pool (0: the model does not speak).
         ``make_text_stop``: a stop-string matcher for a speaking request (the front end matches
-        stop strings of the others, a step later)."""
+        stop strings of the others, a step later).
+        ``max_loras``: distinct LoRA adapters the running requests may use (0: LoRA is off)."""
         if max_mm_item_embeds:
             check_encoder_limits(scheduler_config, max_mm_item_embeds)
         self.scheduler_config = scheduler_config
@@ -95,6 +98,7 @@ class Scheduler:
         )
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.make_text_stop = make_text_stop
+        self.max_loras = max_loras
         self.talker = (
             TalkerScheduler(
                 num_talker_blocks,
@@ -208,7 +212,7 @@ class Scheduler:
     def make_stats(self) -> dict[str, float]:
         """Gauges (running, waiting, KV and encoder-cache usage) and cumulative counters."""
         kv = self.kv_cache_manager
-        return {
+        stats = {
             "num_running": float(len(self.running)),
             "num_waiting": float(len(self.waiting)),
             "kv_cache_usage": kv.usage,
@@ -218,16 +222,12 @@ class Scheduler:
             "encoder_cache_usage": self.encoder_cache_manager.usage,
             "encoder_cache_queries": float(self.encoder_cache_queries),
             "encoder_cache_hits": float(self.encoder_cache_hits),
-            **(
-                {
-                    "talker_kv_cache_usage": self.talker.usage,
-                    "num_speaking": float(len(self.talker.requests)),
-                    "num_talker_preemptions": float(self.talker.num_preemptions),
-                }
-                if self.talker
-                else {}
-            ),
         }
+        if self.talker:
+            stats["talker_kv_cache_usage"] = self.talker.usage
+            stats["num_speaking"] = float(len(self.talker.requests))
+            stats["num_talker_preemptions"] = float(self.talker.num_preemptions)
+        return stats
 
     # ---- one step ----
 
@@ -291,10 +291,7 @@ class Scheduler:
         return plan
 
     def _schedule_running(
-        self,
-        scheduled: dict[str, _ScheduledRequest],
-        preempted: list[Request],
-        budget: _StepBudget,
+        self, scheduled: dict[str, _ScheduledRequest], preempted: list[Request], budget: _StepBudget
     ) -> None:
         """Schedule RUNNING requests in order, preempting from the back."""
         index = 0
@@ -397,6 +394,8 @@ class Scheduler:
         max_num_seqs = config.max_num_seqs if max_num_seqs is None else max_num_seqs
         while self.waiting and budget.num_tokens > 0 and len(self.running) < max_num_seqs:
             request = self.waiting[0]
+            if not adapter_fits(request, self.running, self.max_loras):
+                break  # its LoRA adapter needs a slot the running requests' adapters hold
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             if request.speech is not None and request.speech.reads_prompt_hidden:
                 # The talker needs the thinker's hidden states at prompt positions, which a
@@ -457,6 +456,7 @@ class Scheduler:
                         num_computed_tokens=request.num_computed_tokens,
                         eos_token_id=request.eos_token_id,
                         mm_features=request.mm_features,
+                        lora_request=request.lora_request,
                     )
                 )
             else:
@@ -571,8 +571,7 @@ class Scheduler:
                 request.suspect = True
         for so in scheduler_outputs:
             if so.talker is not None and self.talker is not None:
-                # A talker's state in the workers may be half-advanced: its request ends in
-                # error.
+                # A talker's state in the workers may be half-advanced: its request fails.
                 for req_id in so.talker.num_scheduled_tokens:
                     reported = any(o.request_id == req_id for o in outputs)
                     if req_id in self.talker.requests:

@@ -13,6 +13,7 @@ from omniserve.config import (
     ATTENTION_BACKENDS,
     MM_ENCODER_ATTN_BACKENDS,
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     MultiModalConfig,
     OmniConfig,
@@ -100,6 +101,10 @@ class EngineArgs:
     enable_mm_embeds: bool = False
     mm_encoder_attn_backend: str = "auto"
     disable_audio_output: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def create_config(self, *, default_batched_tokens: int = 8192) -> OmniConfig:
         model_config = ModelConfig.from_path(
@@ -164,6 +169,9 @@ class EngineArgs:
                 data_parallel_size=self.data_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
+            lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+            if self.enable_lora
+            else None,
         )
         from omniserve.multimodal.media import media_config  # numpy, PIL, av: only here
 
@@ -374,6 +382,28 @@ class EngineArgs:
             "audio max_bytes, max_seconds; video num_frames, max_bytes, max_seconds, "
             'max_frames, max_total_pixels; e.g. {"video": {"num_frames": 16}}. '
             "Fetch timeouts: VLLM_{IMAGE,AUDIO,VIDEO}_FETCH_TIMEOUT.",
+        )
+        lora = parser.add_argument_group("LoRA adapters")
+        lora.add_argument(
+            "--enable-lora",
+            action="store_true",
+            help="Serve PEFT LoRA adapters of the language model (requests pick one by name; "
+            "decode steps then run eagerly, without CUDA graphs).",
+        )
+        lora.add_argument(
+            "--max-loras",
+            type=int,
+            default=1,
+            help="Distinct adapters one step may run (each holds a slot of weights).",
+        )
+        lora.add_argument(
+            "--max-lora-rank", type=int, default=16, help="Largest adapter rank accepted."
+        )
+        lora.add_argument(
+            "--max-cpu-loras",
+            type=int,
+            default=None,
+            help="Adapters kept read in host memory (default: --max-loras).",
         )
         return parser
 

@@ -20,6 +20,7 @@ from omniserve.engine.mp_client import AsyncMPClient
 from omniserve.engine.output_processor import OutputProcessor
 from omniserve.engine.processor import start_with_engine
 from omniserve.inputs.data import PromptType
+from omniserve.lora.request import AddedAdapters, LoRARequest
 from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import SamplingParams
 
@@ -67,6 +68,7 @@ class AsyncLLM:
         )
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.adapters = AddedAdapters()
         self.stat_loggers = list(stat_loggers or [])
         self._output_handler: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
@@ -90,12 +92,16 @@ class AsyncLLM:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
-        """Validate and submit; raises ValueError/TypeError for bad input, EngineDeadError."""
+        """Validate and submit; raises ValueError/TypeError for bad input (also an adapter that
+        does not load), EngineDeadError."""
         if self.dead_error is not None:
             raise EngineDeadError("The engine core is dead.") from self.dead_error
         self._check_not_stopping()
         self._ensure_output_handler()
+        if lora_request is not None and self.adapters.is_new(lora_request):
+            await self.add_lora(lora_request)
         processed = await self.run_input_work(
             self.processor.process_inputs,
             request_id,
@@ -103,6 +109,7 @@ class AsyncLLM:
             params,
             arrival_time,
             priority,
+            lora_request,
             media=isinstance(prompt, dict) and bool(prompt.get("multi_modal_data")),
         )
         self._check_not_stopping()  # it may have begun while the input was processed
@@ -119,10 +126,13 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; aborts it if the consumer leaves.
         ``priority``: lower runs first under ``--scheduling-policy priority``."""
-        collector = await self.add_request(request_id, prompt, sampling_params, priority=priority)
+        collector = await self.add_request(
+            request_id, prompt, sampling_params, priority=priority, lora_request=lora_request
+        )
         finished = False
         try:
             while not finished:
@@ -205,6 +215,22 @@ class AsyncLLM:
     async def get_engine_stats(self) -> list[dict[str, float]]:
         """``get_stats`` of each data-parallel engine core, by rank."""
         return await self.engine_core.call_utility_per_engine_async("get_stats")
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter into every engine core's workers (ValueError: it does not load)."""
+        self.adapters.is_new(lora_request)  # refuses an id taken by another adapter
+        await self.engine_core.call_utility_async(
+            "add_lora", *self.adapters.utility_args(lora_request)
+        )
+        self.adapters.added(lora_request)
+        return True
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        await self.engine_core.call_utility_async("remove_lora", lora_int_id)
+        return self.adapters.removed(lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        return self.adapters.ids()
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility_async("reset_prefix_cache")

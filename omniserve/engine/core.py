@@ -15,6 +15,7 @@ from omniserve.core.sched_output import SchedulerOutput
 from omniserve.core.scheduler import Scheduler
 from omniserve.engine.detokenizer import IncrementalDetokenizer
 from omniserve.executor.abstract import Executor
+from omniserve.lora.request import LoRARequest
 from omniserve.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -92,6 +93,7 @@ class EngineCore:
             num_blocks,
             num_talker_blocks=num_talker_blocks,
             make_text_stop=self._make_text_stop,
+            max_loras=config.lora_config.max_loras if config.lora_config else 0,
         )
         # Requests with structured outputs wait here, outside the scheduler, for their grammar.
         self.grammar_waiting: dict[str, tuple[Request, Future[Any]]] = {}
@@ -127,6 +129,7 @@ class EngineCore:
             cache_salt=request.cache_salt,
             priority=request.priority,
             speech=request.speech,
+            lora_request=request.lora_request,
         )
         constraint = request.sampling_params.structured_outputs
         if constraint is None:
@@ -335,6 +338,20 @@ class EngineCore:
         """Scheduler gauges and counters, plus the KV cache size (a utility for clients/tests)."""
         return {**self.make_stats(), "num_kv_blocks": float(self.num_kv_blocks)}
 
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:
+        """Read a LoRA adapter into the workers (ValueError: it does not fit the model)."""
+        if self.config.lora_config is None:
+            raise ValueError("LoRA adapters need the engine started with --enable-lora.")
+        self.model_executor.collective_rpc(
+            "add_lora", (LoRARequest(lora_name, lora_int_id, lora_path),)
+        )
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests running with it finish with it)."""
+        self.model_executor.collective_rpc("remove_lora", (lora_int_id,))
+        return True
+
     def get_model_info(self) -> dict[str, Any]:
         """The loaded model's dtype, weight and KV-cache bytes, load time and CPU kernels."""
         return self.model_executor.model_info()
@@ -361,6 +378,8 @@ class EngineCore:
 UTILITY_METHODS = frozenset(
     {
         "reset_prefix_cache",
+        "add_lora",
+        "remove_lora",
         "get_stats",
         "has_unfinished_requests",
         "get_model_info",

@@ -13,6 +13,7 @@ from omniserve.engine.mp_client import SyncMPClient
 from omniserve.engine.output_processor import OutputProcessor
 from omniserve.engine.processor import start_with_engine
 from omniserve.inputs.data import PromptType
+from omniserve.lora.request import AddedAdapters, LoRARequest
 from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ class LLMEngine:
         )
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.adapters = AddedAdapters()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -44,10 +46,14 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request; raises ValueError/TypeError for bad input."""
+        """Validate and queue a request; raises ValueError/TypeError for bad input (also an
+        adapter that does not load)."""
+        if lora_request is not None and self.adapters.is_new(lora_request):
+            self.add_lora(lora_request)
         processed = self.processor.process_inputs(
-            request_id, prompt, params, arrival_time, priority
+            request_id, prompt, params, arrival_time, priority, lora_request
         )
         self.output_processor.add_processed_request(request_id, processed, params)
         self.engine_core.add_requests(processed.engine_requests)
@@ -67,6 +73,20 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter into the engine's workers (ValueError: it does not load)."""
+        self.adapters.is_new(lora_request)  # refuses an id taken by another adapter
+        self.engine_core.call_utility("add_lora", *self.adapters.utility_args(lora_request))
+        self.adapters.added(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self.engine_core.call_utility("remove_lora", lora_int_id)
+        return self.adapters.removed(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.adapters.ids()
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

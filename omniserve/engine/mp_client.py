@@ -87,7 +87,10 @@ class _ClientState:
             future = self.pending_calls.pop(output.call_id, None)
         if future is None:
             return
-        if output.error is not None:
+        if output.error is not None and output.error.startswith("ValueError: "):
+            # Bad input (e.g. an adapter that does not load): the caller's 400, as in process.
+            future.set_exception(ValueError(output.error.removeprefix("ValueError: ")))
+        elif output.error is not None:
             future.set_exception(RuntimeError(f"Engine utility call failed: {output.error}"))
         else:
             future.set_result(output.result)

@@ -20,6 +20,7 @@ from omniserve.config import OmniConfig
 from omniserve.core.talker_scheduler import plan_talker_prompt
 from omniserve.inputs.data import PromptType
 from omniserve.inputs.preprocess import InputPreprocessor, ProcessedInputs
+from omniserve.lora.request import LoRARequest
 from omniserve.messages import EngineCoreRequest, SpeechRequest
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.sampling_params import SamplingParams, SpeechParams
@@ -141,6 +142,7 @@ class Processor:
         self.eos_token_ids = get_eos_token_ids(model_config.model, self.tokenizer)
         sched = config.scheduler_config
         self.scheduling_policy = sched.policy
+        self.lora_enabled = config.lora_config is not None
         # An item larger than this can never be encoded in one step or held in the cache.
         self.max_item_embeds = min(sched.max_num_encoder_input_tokens, sched.encoder_cache_size)
         self.mm_processor = _create_mm_processor(config, self.tokenizer)
@@ -157,10 +159,14 @@ class Processor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
-        """Tokenize and validate; raise ``ValueError``/``TypeError`` naming the problem."""
+        """Tokenize and validate; raise ``ValueError``/``TypeError`` naming the problem.
+        ``lora_request``: an adapter the engine core has added."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Expected SamplingParams, got {type(params).__name__}.")
+        if lora_request is not None and not self.lora_enabled:
+            raise ValueError("LoRA adapters need the engine started with --enable-lora.")
         if priority != 0 and self.scheduling_policy != "priority":
             raise ValueError(
                 f"priority={priority} needs --scheduling-policy priority (this "
@@ -207,6 +213,7 @@ class Processor:
                 self._speech_request(p, token_ids, bool(inputs.mm_features))
                 if p.wants_audio
                 else None,
+                lora_request,
             )
             for rid, p in children
         ]

@@ -10,6 +10,7 @@ import sys
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from omniserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
+from omniserve.lora.request import parse_lora_modules
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,6 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
 MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--enable-log-requests": ({"action": "store_true"}, "request logging"),
     "--speculative-config": ({}, "speculative decoding"),
-    "--enable-lora": ({"action": "store_true"}, "LoRA adapters"),
-    "--lora-modules": ({"nargs": "+"}, "LoRA adapters"),
     "--quantization": ({}, "quantized checkpoints"),
     "--enable-prompt-embeds": ({"action": "store_true"}, "prompt embeddings"),
     "--cpu-offload-gb": ({"type": float}, "weight offloading"),
@@ -107,6 +106,12 @@ def _flag_dest(flag: str) -> str:
 def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora.")
+    try:
+        parse_lora_modules(args.lora_modules)
+    except ValueError as exc:
+        parser.error(str(exc))
     for flag, (_, feature) in MISSING_FEATURE_FLAGS.items():
         if getattr(args, _flag_dest(flag), None) not in (None, False):
             parser.error(f"{flag}: {feature} is not implemented in omniserve.")
@@ -319,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         help="Names clients may use for the model; the first is reported. None: the model path.",
+    )
+    server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help='LoRA adapters to serve, as name=path or JSON {"name": ..., "path": ..., '
+        '"base_model_name": ...}; a request picks one with its model field.',
     )
     server.add_argument(
         "--api-key", default=None, help="Require 'Authorization: Bearer KEY' on the API routes."

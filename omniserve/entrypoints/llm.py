@@ -12,6 +12,7 @@ from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.llm_engine import LLMEngine
 from omniserve.entrypoints.chat_utils import ChatRenderer
 from omniserve.inputs.data import PromptType
+from omniserve.lora.request import LoRARequest
 from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -46,9 +47,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in prompt order; ``priority`` (one per prompt,
-        lower first) needs ``scheduling_policy="priority"``."""
+        lower first) needs ``scheduling_policy="priority"``; ``lora_request``: the LoRA adapter
+        of every prompt, or one per prompt (needs ``enable_lora=True``)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):
@@ -83,7 +86,14 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"Got {len(priorities)} priorities for {len(prompts)} prompts.")
-        request_ids = self._add_requests(prompts, params, priorities)
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, Sequence)
+            else [lora_request] * len(prompts)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError(f"Got {len(loras)} LoRA requests for {len(prompts)} prompts.")
+        request_ids = self._add_requests(prompts, params, priorities, loras)
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(
@@ -97,6 +107,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template (loading any attached media), then
         generate. Content parts are those of the OpenAI API, plus ``image_pil`` and
@@ -117,10 +128,14 @@ class LLM:
             )
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _add_requests(
-        self, prompts: list[PromptType], params: list[SamplingParams], priorities: list[int]
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priorities: list[int],
+        loras: list[LoRARequest | None],
     ) -> list[str]:
         request_ids: list[str] = []
         # Only finished outputs are returned, whole (vLLM's LLM does the same): a cumulative
@@ -128,7 +143,9 @@ class LLM:
         # output would hold only its last piece.
         final_only: dict[int, SamplingParams] = {}
         try:
-            for prompt, param, priority in zip(prompts, params, priorities, strict=True):
+            for prompt, param, priority, lora in zip(
+                prompts, params, priorities, loras, strict=True
+            ):
                 if param.output_kind != RequestOutputKind.FINAL_ONLY:
                     if id(param) not in final_only:
                         final_only[id(param)] = param.clone(
@@ -136,7 +153,9 @@ class LLM:
                         )
                     param = final_only[id(param)]
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(request_id, prompt, param, priority=priority)
+                self.llm_engine.add_request(
+                    request_id, prompt, param, priority=priority, lora_request=lora
+                )
                 request_ids.append(request_id)
         except Exception:
             # One bad prompt rejects the call; leave the engine clean for the next one.
@@ -165,6 +184,16 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter into the engine now (requests naming it otherwise do, once)."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm_engine.list_loras()
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()

@@ -8,7 +8,7 @@ all; their ``weight_loader`` takes a shard id naming which checkpoint matrix is 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from omniserve.layers.weight_utils import (
     default_weight_loader,
     set_weight_loader,
 )
+
+if TYPE_CHECKING:
+    from omniserve.layers.lora import LoRASlots
 
 
 def _check_shape(param: torch.Tensor, expected: tuple[int, ...], loaded: LoadedWeight) -> None:
@@ -38,16 +41,17 @@ class LinearKernel(Protocol):
 
 
 class LinearBase(nn.Module):
-    """A layer computing ``x @ weight.T (+ bias)``, through a backend's ``kernel`` when set."""
+    """A layer computing ``x @ weight.T (+ bias)``, through a backend's ``kernel`` when set,
+    plus the step's LoRA adapters' products when it has ``lora`` slots."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
     kernel: LinearKernel | None = None
+    lora: LoRASlots | None = None
 
     def apply_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.kernel is None:
-            return F.linear(x, self.weight, bias)
-        return self.kernel(x, bias)
+        out = F.linear(x, self.weight, bias) if self.kernel is None else self.kernel(x, bias)
+        return out if self.lora is None else self.lora.add_delta(x, out)
 
 
 class ReplicatedLinear(LinearBase):
@@ -177,6 +181,7 @@ class RowParallelLinear(LinearBase):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.input_size = input_size
+        self.output_size = output_size
         self.input_size_per_partition = divide(input_size, self.tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition))
         set_weight_loader(self.weight, self.weight_loader)

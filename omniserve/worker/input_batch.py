@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from omniserve.lora.request import LoRARequest
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class CachedRequestState:
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] for M-RoPE models
     mrope_delta: int = 0  # a generated token at position p sits at p + delta on all axes
+    lora_request: LoRARequest | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

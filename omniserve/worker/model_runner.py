@@ -37,6 +37,7 @@ from omniserve.transfers import HostCopy, host_to_device, upload
 from omniserve.worker.cuda_graph import PAD_SLOT, DecodeGraphs, graph_batch_sizes
 from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions, to_device
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
+from omniserve.worker.lora_manager import LoRAManager
 from omniserve.worker.sampling_inputs import banned_ids, build_sampling_metadata
 from omniserve.worker.step_timing import StepTimer
 from omniserve.worker.talker_families import create_talker_runner
@@ -129,8 +130,10 @@ class ModelRunner:
         cache_config: CacheConfig,
         vocab_size: int,
         device: torch.device,
+        lora_manager: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora_manager = lora_manager
         self.device = device
         self.block_size = cache_config.block_size
         self.vocab_size = vocab_size
@@ -236,9 +239,11 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode_graphs(self) -> list[int]:
         """Capture the decode forward at each size of the ladder (after the KV cache exists);
-        returns the sizes, none where a layer's attention backend plans on the host."""
-        if not all(layer.backend.supports_cuda_graphs
-                   for layer in get_attention_layers(self.model)):  # fmt: skip
+        returns the sizes, none where a layer's attention backend plans on the host or LoRA is
+        on (its token groups change with every step)."""
+        if self.lora_manager is not None or not all(
+            layer.backend.supports_cuda_graphs for layer in get_attention_layers(self.model)
+        ):
             return []
         self.decode_graphs = DecodeGraphs(self.model, graph_batch_sizes(self.max_num_seqs),
                                           self.max_num_blocks_per_req, self.device,
@@ -289,7 +294,12 @@ class ModelRunner:
                 with timer.part("encoders"):
                     inputs_embeds = self._embed_with_mm(scheduler_output, step)
                 input_ids = None
-            with timer.part(forward), set_forward_context(step.attn_metadata):
+            lora_mapping = None
+            if self.lora_manager is not None:
+                states = self.input_batch.states
+                loras = [states[row].lora_request for row in step.rows]
+                lora_mapping = self.lora_manager.prepare(loras, step.query_lens)
+            with timer.part(forward), set_forward_context(step.attn_metadata, lora_mapping):
                 hidden_states = self.model(
                     input_ids, step.model_positions, inputs_embeds=inputs_embeds
                 )
@@ -407,6 +417,7 @@ class ModelRunner:
                 generator,
                 new.eos_token_id,
                 list(new.mm_features),
+                lora_request=new.lora_request,
             )
             if self.uses_mrope:
                 state.mrope_positions, state.mrope_delta = self.model.get_mrope_input_positions(

@@ -23,6 +23,7 @@ from omniserve.cpu.backend import apply_cpu_backend
 from omniserve.cpu.build import has_native_bf16
 from omniserve.layers.tp import get_tp_size
 from omniserve.layers.weight_utils import default_dtype
+from omniserve.lora.request import LoRARequest
 from omniserve.messages import ModelRunnerOutput, PendingOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
@@ -30,6 +31,7 @@ from omniserve.plugins import load_plugins
 from omniserve.registry import ModelRegistry
 from omniserve.tokenizer import get_tokenizer
 from omniserve.worker.host_allocator import keep_freed_memory, release_freed_memory
+from omniserve.worker.lora_manager import LoRAManager
 from omniserve.worker.memory import (
     check_model_fits,
     cpu_kv_budget_for_utilization,
@@ -157,10 +159,16 @@ class Worker:
         self.graph_sizes: list[int] = []  # decode batch sizes replayed from CUDA graphs
         self._gpu_kv_budget: int | None = None  # from the memory profile, once
         self.load_seconds = time.perf_counter() - start
+        self.lora_manager = (
+            LoRAManager(model, config.lora_config, self.dtype, self.device)
+            if config.lora_config is not None
+            else None
+        )
         vocab_size = self.hf_config.get_text_config().vocab_size
         self.model_runner = ModelRunner(
-            model, config.scheduler_config, config.cache_config, vocab_size, self.device
-        )
+            model, config.scheduler_config, config.cache_config, vocab_size, self.device,
+            self.lora_manager,
+        )  # fmt: skip
 
     def _kv_bytes_per_token(self, model: torch.nn.Module) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -271,6 +279,8 @@ class Worker:
                 logger.info("Captured decode graphs for %d batch sizes (1 to %d) in %.1f s",
                             len(self.graph_sizes), self.graph_sizes[-1],
                             time.perf_counter() - start)  # fmt: skip
+            elif self.lora_manager is not None and self.device.type == "cuda":
+                logger.info("LoRA: decode steps run eagerly (no CUDA graphs).")
         if self.rank == 0:
             info = self.model_info()
             logger.info(
@@ -289,6 +299,7 @@ class Worker:
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "weight_bytes": self.weight_bytes,
+            "lora_slot_bytes": self.lora_manager.slot_bytes if self.lora_manager else 0,
             "kv_cache_bytes": self.num_kv_blocks
             * self.model_runner.kv_cache_bytes_per_block(self.dtype),
             "num_kv_tokens": self.num_kv_blocks * block_size,
@@ -301,6 +312,15 @@ class Worker:
                 graphs.num_replays if (graphs := self.model_runner.decode_graphs) else 0
             ),
         }
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need the engine started with --enable-lora.")
+        self.lora_manager.add(lora)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.lora_manager is not None:
+            self.lora_manager.remove(lora_int_id)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

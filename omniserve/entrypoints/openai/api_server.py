@@ -58,8 +58,9 @@ from omniserve.entrypoints.openai.middleware import (
 from omniserve.entrypoints.openai.playground import playground_router
 from omniserve.entrypoints.openai.protocol import (
     ErrorResponse,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
+    UnloadLoRAAdapterRequest,
 )
 from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from omniserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -69,6 +70,7 @@ from omniserve.entrypoints.openai.serving_engine import (
     ServingError,
     to_serving_error,
 )
+from omniserve.entrypoints.openai.serving_models import OpenAIServingModels
 from omniserve.entrypoints.openai.serving_speech import OpenAIServingSpeech
 from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest, VoiceList
 from omniserve.entrypoints.openai.tokenize_protocol import (
@@ -78,6 +80,7 @@ from omniserve.entrypoints.openai.tokenize_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from omniserve.lora.request import parse_lora_modules
 from omniserve.metrics import PrometheusStatLogger
 from omniserve.multimodal.errors import MultiModalInputError
 
@@ -237,9 +240,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     parser_name = getattr(args, "reasoning_parser", None)
     auto_tools = getattr(args, "enable_auto_tool_choice", False)
     trust = getattr(args, "trust_request_chat_template", False)
+    models = OpenAIServingModels(engine, names)
     chat = OpenAIServingChat(
         engine,
-        names,
+        models,
         chat_template,
         trust_request_chat_template=trust,
         reasoning_parser=REASONING_PARSERS[parser_name] if parser_name else None,
@@ -249,9 +253,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         ),
     )
     completion = OpenAIServingCompletion(
-        engine, names, chat_template, trust_request_chat_template=trust
+        engine, models, chat_template, trust_request_chat_template=trust
     )
-    speech = OpenAIServingSpeech(engine, names, chat_template)
+    speech = OpenAIServingSpeech(engine, models, chat_template)
     if chat.default_sampling:
         logger.info(
             "Default sampling parameters from the checkpoint's generation config, for "
@@ -270,6 +274,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         engine.shutdown()
 
     app = FastAPI(title="omniserve", version=__version__, lifespan=lifespan)
+    app.state.models = models
     add_error_handlers(app)
 
     health_responses: dict[int | str, dict[str, Any]] = {
@@ -315,7 +320,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         body, content_type = stat_logger.render()
         return Response(body, media_type=content_type)
 
-    app.include_router(_api_router(engine, chat, completion, speech, names))
+    app.include_router(_api_router(engine, chat, completion, speech, models))
     if not getattr(args, "no_playground", False):
         app.include_router(
             playground_router(_playground_info(engine, names), getattr(args, "api_key", None))
@@ -419,7 +424,7 @@ def _api_router(
     chat: OpenAIServingChat,
     completion: OpenAIServingCompletion,
     speech: OpenAIServingSpeech,
-    names: list[str],
+    models: OpenAIServingModels,
 ) -> APIRouter:
     router = APIRouter()
     max_model_len = engine.model_config.max_model_len
@@ -433,17 +438,19 @@ def _api_router(
         "/v1/models", responses={401: {"model": ErrorResponse, "description": "Unauthorized"}}
     )
     async def show_models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(
-                    id=name,
-                    root=engine.model_config.model,
-                    max_model_len=max_model_len,
-                    default_sampling_params=completion.default_sampling,
-                )
-                for name in names
-            ]
-        )
+        return ModelList(data=models.cards(max_model_len, completion.default_sampling))
+
+    if envs.allow_runtime_lora_updating():  # vLLM's routes, behind vLLM's switch
+
+        @router.post("/v1/load_lora_adapter", responses=_documented())
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> PlainTextResponse:
+            await models.load(request.lora_name, request.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added.")
+
+        @router.post("/v1/unload_lora_adapter", responses=_documented())
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+            await models.unload(request.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed.")
 
     @router.post(
         "/v1/chat/completions",
@@ -546,6 +553,8 @@ async def serve(args: argparse.Namespace) -> None:
     )
     try:
         app = build_app(engine, args)
+        for name, path, base in parse_lora_modules(getattr(args, "lora_modules", None)):
+            await app.state.models.load(name, path, base)  # a bad adapter stops start-up
         config = uvicorn.Config(
             app,
             host=args.host,

@@ -123,6 +123,8 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "omniserve"
     root: str | None = None
+    parent: str | None = None
+    """For a LoRA adapter: the served model it adapts."""
     max_model_len: int | None = None
     default_sampling_params: dict[str, float] = Field(default_factory=dict)
     """The checkpoint's recommended settings used for fields a request omits
@@ -132,6 +134,17 @@ class ModelCard(OpenAIBaseModel):
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+    """Accepted for vLLM's clients; the name decides."""
 
 
 class PromptTokensDetails(OpenAIBaseModel):

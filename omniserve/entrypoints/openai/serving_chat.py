@@ -117,7 +117,7 @@ class OpenAIServingChat(OpenAIServing):
 
         Raises ``ServingError`` for anything wrong with the request, before any output is sent.
         """
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         self.check_engine()
         try:
             tool_call_reader(request, self.tool_call_parser)  # "auto" needs a parser
@@ -138,7 +138,9 @@ class OpenAIServingChat(OpenAIServing):
                 speech=self._speech_params(request),
             )
         request_id = self.new_request_id("chatcmpl", request.request_id)
-        (generator,) = await self.start_generation([prompt], params, request_id, request.priority)
+        (generator,) = await self.start_generation(
+            [prompt], params, request_id, request.priority, lora
+        )
         if request.stream:
             return self._stream(request, request_id, generator, thinking)
         return await self._full(request, request_id, generator, thinking)
@@ -227,7 +229,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         return ChatCompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=self.response_model(request.model),
             choices=choices,
             usage=usage,
             prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
@@ -266,7 +268,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionStreamResponse(
                     id=request_id,
                     created=created,
-                    model=self.model_name,
+                    model=self.response_model(request.model),
                     choices=choices,
                     usage=usage,
                     prompt_token_ids=prompt_token_ids,

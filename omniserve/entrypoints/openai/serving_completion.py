@@ -38,7 +38,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         Raises ``ServingError`` for anything wrong with the request, before any output is sent.
         """
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         self.check_engine()
         prompts = [
             self.apply_prompt_options(
@@ -55,7 +55,9 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs=request.num_logprobs if request.echo else None,
         )
         request_id = self.new_request_id("cmpl", request.request_id)
-        generators = await self.start_generation(prompts, params, request_id, request.priority)
+        generators = await self.start_generation(
+            prompts, params, request_id, request.priority, lora
+        )
         if request.stream:
             return self._stream(request, request_id, prompts, generators)
         return await self._full(request, request_id, prompts, generators)
@@ -114,7 +116,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         usage = self.usage([f for f in finals if f is not None], num_generated)
         return CompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage
+            id=request_id, model=self.response_model(request.model), choices=choices, usage=usage
         )
 
     async def _stream(
@@ -137,7 +139,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 CompletionStreamResponse(
                     id=request_id,
                     created=created,
-                    model=self.model_name,
+                    model=self.response_model(request.model),
                     choices=choices,
                     usage=usage,
                 )

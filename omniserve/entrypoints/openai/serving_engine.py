@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
@@ -41,9 +41,13 @@ from omniserve.entrypoints.openai.tokenize_protocol import (
     TokenizeCompletionRequest,
 )
 from omniserve.inputs.data import TokensPrompt
+from omniserve.lora.request import LoRARequest
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.outputs import Logprob, RequestOutput
 from omniserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from omniserve.entrypoints.openai.serving_models import OpenAIServingModels
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -212,31 +216,26 @@ class OpenAIServing:
     def __init__(
         self,
         engine: AsyncLLM,
-        served_model_names: list[str],
+        models: OpenAIServingModels,
         chat_template: str | None = None,
         trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
-        self.served_model_names = served_model_names
+        self.models = models
         self.renderer = ChatRenderer.from_config(engine.config, engine.tokenizer, chat_template)
         self.trust_request_chat_template = trust_request_chat_template
         """Whether requests may bring their own chat template (rendered in jinja's sandbox)."""
         self.default_sampling = engine.model_config.default_sampling_params()
 
-    @property
-    def model_name(self) -> str:
-        return self.served_model_names[0]
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); 404 if none."""
+        return self.models.resolve(name)
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.served_model_names:
-            raise ServingError(
-                f"The model `{name}` does not exist.",
-                HTTPStatus.NOT_FOUND,
-                param="model",
-                code="model_not_found",
-            )
+    def response_model(self, name: str | None) -> str:
+        """The ``model`` a response reports: the adapter's name, else the served model's."""
+        return name if name is not None and name in self.models.loras else self.models.model_name
 
     def check_engine(self) -> None:
         if self.engine.errored:
@@ -467,6 +466,7 @@ class OpenAIServing:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> list[OutputStream]:
         """Submit every prompt and wait for each one's first output.
 
@@ -479,6 +479,7 @@ class OpenAIServing:
                 params,
                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
                 priority,
+                lora_request,
             )
             for i, p in enumerate(prompts)
         ]

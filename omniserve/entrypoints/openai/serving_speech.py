@@ -39,7 +39,7 @@ class OpenAIServingSpeech(OpenAIServing):
         self, request: CreateSpeechRequest
     ) -> tuple[AsyncIterator[bytes | str], str]:
         """(body chunks, "audio" | "sse") after every check; errors are 400s before any byte."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         self.check_engine()
         speech = self._speech()
         try:
@@ -66,6 +66,7 @@ class OpenAIServingSpeech(OpenAIServing):
             [EnginePrompt(text=None, token_ids=prompt.token_ids + words)],
             params,
             self.new_request_id("speech", None),
+            lora_request=lora,
         )
 
         async def chunks() -> AsyncIterator[tuple[np.ndarray, int]]:

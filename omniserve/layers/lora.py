@@ -1,0 +1,116 @@
+"""Adapters on the decoder's linear layers, several per step.
+
+Each adapted layer holds ``max_loras`` slots on the device: ``a`` ``[slot, slices * R, in]`` and
+``b`` ``[slot, out, slices * R]`` (R = ``max_lora_rank``; smaller ranks are zero-padded), where a
+fused layer's slices (q/k/v, gate/up) each own R rows of ``a`` and R columns of ``b``, so one pair
+of matmuls serves the whole layer. The step's ``LoRAMapping`` says which tokens run with which
+slot; a layer adds ``(x[rows] @ a.T) @ b.T`` to its output for each (the adapter's scaling is
+folded into ``b``). Tensor parallelism shards as the base weight does: ``b`` with a
+column-parallel layer's outputs, ``a`` with a row-parallel layer's inputs (the product is then a
+partial sum, reduced with the layer's own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omniserve.config import LoRAConfig
+from omniserve.forward_context import current_forward_context
+from omniserve.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from omniserve.lora.adapter import LoRAPair
+
+
+@dataclass(frozen=True)
+class LoRAMapping:
+    """One step's adapters: (slot, token rows) pairs; rows None means every token."""
+
+    groups: list[tuple[int, torch.Tensor | None]]
+
+
+def _shard_ids(layer: LinearBase) -> list[tuple[object, ...]]:
+    """The layer's checkpoint matrices, as its weight loader names them."""
+    if isinstance(layer, QKVParallelLinear):
+        return [("q",), ("k",), ("v",)]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return [(i,) for i in range(len(layer.output_sizes))]
+    return [()]
+
+
+class LoRASlots:
+    """One layer's adapter slots and the delta it adds to its output."""
+
+    def __init__(
+        self, layer: ColumnParallelLinear | RowParallelLinear, config: LoRAConfig,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:  # fmt: skip
+        self.layer = layer
+        self.shards = _shard_ids(layer)
+        self.rank = config.max_lora_rank
+        if isinstance(layer, RowParallelLinear):
+            self.in_features, self.out_features = layer.input_size_per_partition, layer.output_size
+        else:
+            self.in_features, self.out_features = layer.input_size, layer.output_size_per_partition
+        width = len(self.shards) * self.rank
+        self.a = torch.zeros(config.max_loras, width, self.in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(config.max_loras, self.out_features, width, dtype=dtype, device=device)
+
+    def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A host copy of one slot, to fill with an adapter's pairs."""
+        return torch.zeros_like(self.a[0], device="cpu"), torch.zeros_like(self.b[0], device="cpu")
+
+    def place(
+        self, a: torch.Tensor, b: torch.Tensor, pair: LoRAPair, shard: tuple[object, ...]
+    ) -> None:
+        """Write ``pair`` (full checkpoint shapes) into a host slot as this rank holds it."""
+        if shard not in self.shards:
+            raise ValueError(f"no shard {shard}")
+        cols = slice(self.shards.index(shard) * self.rank, self.shards.index(shard) * self.rank
+                     + pair.rank)  # fmt: skip
+        scaled_b = (pair.b.double() * pair.scaling).to(b.dtype)
+        if isinstance(self.layer, RowParallelLinear):
+            local_a = torch.zeros(pair.rank, self.in_features, dtype=a.dtype)
+            self.layer.weight_loader(local_a, pair.a)
+            a[cols] = local_a
+            if scaled_b.shape[0] != self.out_features:
+                raise ValueError(f"lora_B has {scaled_b.shape[0]} rows, the layer "
+                                 f"{self.out_features} outputs")  # fmt: skip
+            b[:, cols] = scaled_b
+            return
+        if pair.a.shape[1] != self.in_features:
+            raise ValueError(f"lora_A has {pair.a.shape[1]} columns, the layer "
+                             f"{self.in_features} inputs")  # fmt: skip
+        a[cols] = pair.a.to(a.dtype)
+        local_b = torch.zeros(self.out_features, pair.rank, dtype=b.dtype)
+        self.layer.weight_loader(local_b, scaled_b, *shard)
+        b[:, cols] = local_b
+
+    def load(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Fill ``slot`` with an adapter's host copy (None: the adapter leaves the layer be)."""
+        if weights is None:
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+        else:
+            self.a[slot].copy_(weights[0])
+            self.b[slot].copy_(weights[1])
+
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        context = current_forward_context()
+        mapping = context.lora_mapping if context is not None else None
+        if mapping is None:
+            return out
+        x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        for slot, rows in mapping.groups:
+            if rows is None:
+                out2.addmm_(x2 @ self.a[slot].T, self.b[slot].T)
+            else:
+                delta = (x2.index_select(0, rows) @ self.a[slot].T) @ self.b[slot].T
+                out2.index_add_(0, rows, delta)
+        return out

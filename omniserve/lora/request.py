@@ -1,0 +1,104 @@
+"""Which adapter a request runs with (vLLM's ``LoRARequest``), and the one-step limit on them.
+
+Pure Python: the scheduler and the front end use it, the workers receive it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Protocol
+
+import msgspec
+
+
+class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """An adapter by name, a positive id unique to it in this engine, and its PEFT directory."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+    """The served model it adapts (listed as its parent by ``/v1/models``)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}.")
+        if not self.lora_name:
+            raise ValueError("lora_name must be a non-empty string.")
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+
+class HasLoRA(Protocol):
+    lora_request: LoRARequest | None
+
+
+def adapter_fits(request: HasLoRA, running: Iterable[HasLoRA], max_loras: int) -> bool:
+    """Whether ``request`` may join ``running`` when one step holds at most ``max_loras``
+    distinct adapters (the workers' slots)."""
+    lora = request.lora_request
+    if lora is None:
+        return True
+    ids = {r.lora_request.lora_int_id for r in running if r.lora_request is not None}
+    return lora.lora_int_id in ids or len(ids) < max_loras
+
+
+class AddedAdapters:
+    """The front end's record of the adapters its engine cores hold, by id: each is added once,
+    and an id stays bound to one adapter (the workers and the prefix cache key on it)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, LoRARequest] = {}
+
+    def is_new(self, lora: LoRARequest) -> bool:
+        """Whether ``lora`` still has to be added; ValueError when its id names another."""
+        if not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, not {type(lora).__name__}.")
+        known = self._by_id.get(lora.lora_int_id)
+        if known is not None and (known.lora_name, known.lora_path) != (
+            lora.lora_name,
+            lora.lora_path,
+        ):
+            raise ValueError(
+                f"lora_int_id {lora.lora_int_id} is adapter {known.lora_name!r} "
+                f"({known.lora_path}); give {lora.lora_name!r} another id."
+            )
+        return known is None
+
+    @staticmethod
+    def utility_args(lora: LoRARequest) -> tuple[str, int, str]:
+        """The engine core's ``add_lora`` arguments (plain values: they cross processes)."""
+        return lora.lora_name, lora.lora_int_id, lora.lora_path
+
+    def added(self, lora: LoRARequest) -> None:
+        self._by_id[lora.lora_int_id] = lora
+
+    def removed(self, lora_int_id: int) -> bool:
+        return self._by_id.pop(lora_int_id, None) is not None
+
+    def ids(self) -> set[int]:
+        return set(self._by_id)
+
+
+def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str, str | None]]:
+    """``--lora-modules`` entries, ``name=path`` or JSON ``{"name", "path",
+    "base_model_name"}``, as (name, path, base model name)."""
+    modules = []
+    for value in values or []:
+        if value.lstrip().startswith("{"):
+            try:
+                spec = json.loads(value)
+                modules.append((spec["name"], spec["path"], spec.get("base_model_name")))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(
+                    f"--lora-modules {value!r}: a JSON entry needs name and path ({exc})."
+                ) from exc
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {value!r}: expected name=path.")
+            modules.append((name, path, None))
+    return modules

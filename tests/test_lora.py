@@ -1,0 +1,289 @@
+"""LoRA adapters against PEFT on transformers (the same adapter files, fp32, greedy): several
+adapters and the base model in one batch, one slot shared by turns, tensor parallelism, a
+vision-language model; bad adapters get a precise error and leave the engine serving; the
+server's ``--lora-modules``, ``model`` routing, ``/v1/models`` and runtime loading."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+
+from omniserve import LLM, SamplingParams
+from omniserve.lora.request import LoRARequest, adapter_fits, parse_lora_modules
+from tests.hf_reference import assert_matches_reference, hf_greedy, make_prompts
+from tests.server_utils import assert_error, launch_server
+from tests.test_fidelity_mm import VL_CASES, _engine_prompt, _hf_reference
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3)
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class WithAdapter:
+    """A transformers class whose ``from_pretrained`` returns the model with a PEFT adapter."""
+
+    def __init__(self, model_cls: Any, adapter: Path) -> None:
+        self.model_cls, self.adapter = model_cls, adapter
+
+    def from_pretrained(self, model_dir: str, dtype: torch.dtype) -> Any:
+        base = self.model_cls.from_pretrained(model_dir, dtype=dtype)
+        return PeftModel.from_pretrained(base, str(self.adapter))
+
+
+def save_adapter(model_cls: Any, model_dir: str, path: Path, seed: int, **config: Any) -> Path:
+    """A PEFT adapter with random (non-zero) A and B, as PEFT saves it."""
+    torch.manual_seed(seed)
+    base = model_cls.from_pretrained(model_dir, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(init_lora_weights=False, **config)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_case(tiny_checkpoint, tmp_path_factory):
+    """A Qwen2 checkpoint, two adapters (all projections at rank 8; q/v/down at rank 4 with
+    rsLoRA and a per-module alpha), and transformers' greedy outputs with each and without."""
+    model_dir = str(tiny_checkpoint("Qwen2ForCausalLM"))
+    root = tmp_path_factory.mktemp("lora")
+    wide = save_adapter(AutoModelForCausalLM, model_dir, root / "wide", 1, r=8, lora_alpha=16,
+                        target_modules=ALL_PROJECTIONS)  # fmt: skip
+    narrow = save_adapter(AutoModelForCausalLM, model_dir, root / "narrow", 2, r=4, lora_alpha=8,
+                          use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"],
+                          alpha_pattern={"down_proj": 2})  # fmt: skip
+    prompts = make_prompts(model_dir, [5, 19, 36])
+    reference = {
+        None: hf_greedy(model_dir, prompts, MAX_TOKENS),
+        "wide": hf_greedy(model_dir, prompts, MAX_TOKENS, WithAdapter(AutoModelForCausalLM, wide)),
+        "narrow": hf_greedy(
+            model_dir, prompts, MAX_TOKENS, WithAdapter(AutoModelForCausalLM, narrow)
+        ),
+    }
+    loras = {
+        "wide": LoRARequest("wide", 1, str(wide)),
+        "narrow": LoRARequest("narrow", 2, str(narrow)),
+    }
+    return model_dir, prompts, reference, loras, root
+
+
+def _mixed(text_case: Any) -> tuple[list[dict], list[LoRARequest | None], list]:
+    """Every prompt with each adapter and with none, interleaved in one batch."""
+    _, prompts, reference, loras, _ = text_case
+    engine_prompts, requests, expected = [], [], []
+    for i, prompt in enumerate(prompts):
+        for name in ("wide", None, "narrow"):
+            engine_prompts.append({"prompt_token_ids": prompt})
+            requests.append(loras[name] if name else None)
+            expected.append(reference[name][i])
+    return engine_prompts, requests, expected
+
+
+@pytest.mark.slow
+def test_adapters_and_base_in_one_batch_match_peft(text_case):
+    model_dir = text_case[0]
+    prompts, requests, expected = _mixed(text_case)
+    assert expected[0].token_ids != expected[1].token_ids  # the adapters change the output
+    llm = LLM(model_dir, dtype="float32", enable_lora=True, max_loras=2)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)
+    assert_matches_reference(outputs, expected)
+    # Again: prefix-cache hits, each only within its own adapter (the id is in the hashes).
+    again = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)
+    assert sum(o.num_cached_tokens for o in again) > 0
+    assert_matches_reference(again, expected)
+    assert llm.list_loras() == {1, 2}
+
+
+@pytest.mark.slow
+def test_one_slot_takes_adapters_in_turn(text_case):
+    """max_loras=1: the scheduler runs one adapter's requests at a time (with base requests
+    beside them), and the slot is refilled; max_cpu_loras=1 reads an adapter again."""
+    model_dir = text_case[0]
+    prompts, requests, expected = _mixed(text_case)
+    llm = LLM(model_dir, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1,
+              max_num_batched_tokens=32)  # fmt: skip
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)
+    assert_matches_reference(outputs, expected)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_adapters_match_peft(text_case):
+    model_dir = text_case[0]
+    prompts, requests, expected = _mixed(text_case)
+    llm = LLM(model_dir, dtype="float32", enable_lora=True, max_loras=2, tensor_parallel_size=2)
+    try:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)
+    finally:
+        llm.shutdown()
+    assert_matches_reference(outputs, expected)
+
+
+@pytest.mark.slow
+def test_vision_language_adapter_matches_peft(tiny_checkpoint, tmp_path):
+    """Qwen2-VL: the adapter's names are transformers' (model.language_model.layers...)."""
+    model_dir = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
+    targets = r".*language_model.*\.(q_proj|up_proj|o_proj)"
+    adapter = save_adapter(AutoModelForImageTextToText, model_dir, tmp_path / "vl", 3, r=8,
+                           lora_alpha=16, target_modules=targets)  # fmt: skip
+    cases = VL_CASES[:2]
+    processor = AutoProcessor.from_pretrained(model_dir)
+    texts = [processor.apply_chat_template(c.messages, add_generation_prompt=True, tokenize=False)
+             for c in cases]  # fmt: skip
+    expected = _hf_reference(
+        WithAdapter(AutoModelForImageTextToText, adapter), model_dir, texts, cases
+    )
+    llm = LLM(model_dir, dtype="float32", enable_lora=True)
+    outputs = llm.generate(
+        [_engine_prompt(t, c.media) for t, c in zip(texts, cases, strict=True)],
+        SamplingParams(temperature=0.0, max_tokens=12, logprobs=3),
+        use_tqdm=False,
+        lora_request=LoRARequest("vl", 1, str(adapter)),
+    )
+    assert_matches_reference(outputs, expected)
+    tower = save_adapter(AutoModelForImageTextToText, model_dir, tmp_path / "tower", 4, r=4,
+                         target_modules=["qkv"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"adapts model\.visual\.blocks\.0\.attn\.qkv"):
+        llm.add_lora(LoRARequest("tower", 2, str(tower)))
+
+
+@pytest.mark.gpu
+def test_adapters_on_gpu_match_peft(text_case):
+    """On CUDA (eager decode: LoRA turns the graphs off), fp32 against PEFT's fp32 on the CPU."""
+    prompts, requests, expected = _mixed(text_case)
+    llm = LLM(text_case[0], dtype="float32", device="cuda", enable_lora=True, max_loras=2)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)
+    assert_matches_reference(outputs, expected, atol=1e-3)
+
+
+def _broken(root: Path, source: Path, name: str, config: dict | None = None,
+            tensors: dict | None = None) -> Path:  # fmt: skip
+    path = root / name
+    shutil.copytree(source, path)
+    if config is not None:
+        data = json.loads((path / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps({**data, **config}))
+    if tensors is not None:
+        save_file(tensors, path / "adapter_model.safetensors")
+    return path
+
+
+@pytest.mark.slow
+def test_bad_adapters_are_refused_and_the_engine_serves_on(text_case, tiny_checkpoint):
+    model_dir, prompts, reference, loras, root = text_case
+    wide, narrow = Path(loras["wide"].lora_path), Path(loras["narrow"].lora_path)
+    weights = load_file(narrow / "adapter_model.safetensors")  # rank 4
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    head = {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
+            "base_model.model.lm_head.lora_B.weight": torch.zeros(2048, 4)}  # fmt: skip
+    other = tiny_checkpoint("Qwen2ForCausalLM", overrides={"hidden_size": 96})
+    cases = {
+        "missing": (root / "nowhere", "has no adapter_config.json"),
+        "dora": (_broken(root, narrow, "dora", {"use_dora": True}), "use_dora=True"),
+        "bias": (_broken(root, narrow, "bias", {"bias": "all"}), "bias='all'"),
+        "saved": (
+            _broken(
+                root,
+                narrow,
+                "saved",
+                tensors={**weights, "base_model.model.lm_head.weight": torch.zeros(4, 4)},
+            ),
+            "modules_to_save",
+        ),  # fmt: skip
+        "half": (
+            _broken(root, narrow, "half", tensors={k: v for k, v in weights.items() if k != key}),
+            "lacks its lora_A",
+        ),
+        "rank": (wide, "above --max-lora-rank 4"),
+        "shape": (
+            save_adapter(
+                AutoModelForCausalLM, str(other), root / "shape", 4, r=4, target_modules=["q_proj"]
+            ),  # fmt: skip
+            "does not fit this model",
+        ),
+        "head": (_broken(root, narrow, "head", tensors={**weights, **head}), "adapts lm_head"),
+    }
+    llm = LLM(model_dir, dtype="float32", enable_lora=True, max_lora_rank=4)
+    prompt = {"prompt_token_ids": prompts[0]}
+    for i, (name, (path, message)) in enumerate(cases.items(), start=1):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompt, GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest(name, i, str(path)))  # fmt: skip
+    assert llm.list_loras() == set()
+    llm.add_lora(LoRARequest("narrow", 20, str(narrow)))
+    with pytest.raises(ValueError, match="lora_int_id 20 is adapter .narrow."):
+        llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 20, "/x"))
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("zero", 0, str(wide))
+    outputs = llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, reference[None][:1])
+    plain = LLM(model_dir, dtype="float32")
+    with pytest.raises(ValueError, match="--enable-lora"):
+        plain.generate(prompt, GREEDY, use_tqdm=False, lora_request=loras["wide"])
+
+
+def test_adapter_slots_per_step_and_module_flags():
+    class Req:
+        def __init__(self, lora: LoRARequest | None) -> None:
+            self.lora_request = lora
+
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    running = [Req(a), Req(None)]
+    assert adapter_fits(Req(a), running, 1) and adapter_fits(Req(None), running, 1)
+    assert not adapter_fits(Req(b), running, 1) and adapter_fits(Req(b), running, 2)
+    assert parse_lora_modules(["x=/p", '{"name": "y", "path": "/q", "base_model_name": "m"}']) == [
+        ("x", "/p", None),
+        ("y", "/q", "m"),
+    ]
+    for bad in ("x", "=/p", '{"name": "y"}'):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_modules([bad])
+
+
+@pytest.mark.slow
+def test_server_routes_models_to_adapters(text_case, tmp_path, monkeypatch):
+    model_dir, prompts, _, loras, root = text_case
+    wide, narrow = loras["wide"].lora_path, loras["narrow"].lora_path
+    offline = LLM(model_dir, dtype="float32", enable_lora=True, max_loras=2)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    expected = {
+        name: offline.generate("Hello there", params, use_tqdm=False, lora_request=lora)[0]
+        .outputs[0]
+        .text
+        for name, lora in (("tiny", None), ("wide", loras["wide"]), ("narrow", loras["narrow"]))
+    }
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    with launch_server(Path(model_dir), tmp_path, "--dtype", "float32", "--enable-lora",
+                       "--max-loras", "2", "--lora-modules", f"wide={wide}") as server:  # fmt: skip
+        client = server.client()
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"tiny", "wide"} and cards["wide"].parent == "tiny"
+        assert cards["wide"].root == wide
+
+        def complete(model: str) -> Any:
+            return client.completions.create(model=model, prompt="Hello there",
+                                             max_tokens=MAX_TOKENS, temperature=0.0)  # fmt: skip
+
+        for model in ("tiny", "wide"):
+            response = complete(model)
+            assert response.model == model and response.choices[0].text == expected[model]
+        assert_error(server.post("/v1/completions", {"model": "narrow", "prompt": "x"}), 404)
+        loaded = server.post("/v1/load_lora_adapter", {"lora_name": "narrow", "lora_path": narrow})
+        assert loaded.status_code == 200, loaded.text
+        assert complete("narrow").choices[0].text == expected["narrow"]
+        chat = client.chat.completions.create(
+            model="narrow", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert chat.model == "narrow"
+        again = server.post("/v1/load_lora_adapter", {"lora_name": "narrow", "lora_path": wide})
+        assert "already been loaded" in assert_error(again, 400)["message"]
+        bad = server.post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(root)})
+        assert "adapter_config.json" in assert_error(bad, 400)["message"]
+        assert server.post("/v1/unload_lora_adapter", {"lora_name": "narrow"}).status_code == 200
+        assert_error(server.post("/v1/completions", {"model": "narrow", "prompt": "x"}), 404)
+        assert_error(server.post("/v1/unload_lora_adapter", {"lora_name": "narrow"}), 404)
+        assert complete("wide").choices[0].text == expected["wide"]  # still serving
