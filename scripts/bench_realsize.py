@@ -24,6 +24,8 @@ none); every engine gets a 4 GiB KV cache and max_model_len 4096.
     python scripts/bench_realsize.py                                   # everything found
     python scripts/bench_realsize.py --models qwen2.5-1.5b --engines omniserve,hf
     python scripts/bench_realsize.py --vllm-python /work/vllm-venv/bin/python --out r.json
+    python scripts/bench_realsize.py --models qwen2.5-1.5b --lora-rank 16 \
+        --engines omniserve,omniserve:base,hf --variants '{"base": {"enable_lora": false}}'
 """
 
 from __future__ import annotations
@@ -262,11 +264,16 @@ def _load_media(request: dict[str, Any]) -> dict[str, Any]:
 
 def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
     from omniserve import LLM, SamplingParams
+    from omniserve.lora.request import LoRARequest
 
+    adapter = workload.get("lora_path")
+    lora_kwargs = {"enable_lora": True, "max_lora_rank": workload["lora_rank"]} if adapter else {}
+    llm_kwargs = {**lora_kwargs, **workload.get("llm_kwargs", {})}
+    lora = LoRARequest("bench", 1, adapter) if llm_kwargs.get("enable_lora") else None
     start = time.perf_counter()
     llm = LLM(model_dir, max_model_len=workload["max_model_len"], device=workload["device"],
               kv_cache_memory=KV_CACHE_GIB << 30, enable_prefix_caching=False,
-              **workload.get("llm_kwargs", {}))  # fmt: skip
+              **llm_kwargs)  # fmt: skip
     load_s = time.perf_counter() - start
     info = llm.llm_engine.engine_core.call_utility("get_model_info")
     # A warm-up at the workloads' prompt length: the Triton kernels compile per specialization
@@ -275,7 +282,7 @@ def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
     sampling = workload.get("sampling") or {"temperature": 0.0}
     for length in (8, PROMPT_LEN):
         llm.generate({"prompt_token_ids": list(range(1000, 1000 + length))}, warmup,
-                     use_tqdm=False)  # fmt: skip
+                     use_tqdm=False, lora_request=lora)  # fmt: skip
     runs = []
     for run in workload["runs"]:
         # Seeded, so that the variants draw the same tokens (each request from its own seed).
@@ -289,7 +296,7 @@ def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
         if profile_now:
             llm.llm_engine.start_step_timing()
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         elapsed = time.perf_counter() - start
         failed = [o.request_id for o, p in zip(outputs, params, strict=True)
                   if len(o.outputs[0].token_ids) != p.max_tokens]  # fmt: skip
@@ -306,12 +313,14 @@ def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
         elif workload.get("profile_steps"):  # once more, untimed, with the step timer on
             llm.llm_engine.start_step_timing()
             start = time.perf_counter()
-            llm.generate(_rerun_prompts(run, fresh_media), params, use_tqdm=False)
+            llm.generate(_rerun_prompts(run, fresh_media), params, use_tqdm=False,
+                         lora_request=lora)  # fmt: skip
             timings = llm.llm_engine.get_step_timings()
             runs[-1]["step_timings"] = {**timings, "wall_s": time.perf_counter() - start}
         if workload.get("torch_profile"):  # and under the torch profiler: the top ops' table
             llm.start_profile()
-            llm.generate(_rerun_prompts(run, fresh_media), params, use_tqdm=False)
+            llm.generate(_rerun_prompts(run, fresh_media), params, use_tqdm=False,
+                         lora_request=lora)  # fmt: skip
             llm.stop_profile()
             table = Path(os.environ["OMNISERVE_TORCH_PROFILER_DIR"], "profiler_out_0.txt")
             runs[-1]["torch_profile"] = table.read_text()
@@ -358,6 +367,10 @@ def run_hf(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     device = workload["device"]
     model = getattr(transformers, architecture).from_pretrained(model_dir, dtype=torch.bfloat16)
+    if workload.get("lora_path"):  # unmerged, as a server of several adapters runs them
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, workload["lora_path"])
     model.to(device).eval()
     load_s = time.perf_counter() - start
     processor = None
@@ -576,6 +589,7 @@ def _step_profiles(results: dict[str, dict[str, Any]]) -> list[str]:
 
 def main() -> None:
     from omniserve.checkpoint_builder import REALSIZE_MODELS, build_realsize_checkpoint
+    from omniserve.checkpoint_builder.lora import build_random_adapter
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(REALSIZE_MODELS))
@@ -634,6 +648,14 @@ def main() -> None:
         help="Run omniserve's engine core in-process (timed runs too) and each workload once "
         "more under cProfile, and print the functions with the most own time.",
     )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="Every request runs with a random LoRA adapter of this rank on all of the decoder's "
+        "projections (transformers through PEFT, unmerged); a variant with "
+        '{"enable_lora": false} runs omniserve without it.',
+    )
     parser.add_argument("--worker", choices=["omniserve", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -670,6 +692,10 @@ def main() -> None:
             workload["sampling"] = json.loads(args.sampling)
             workload["torch_profile"] = args.torch_profile
             workload["python_profile"] = args.python_profile
+            if args.lora_rank:
+                workload["lora_rank"] = args.lora_rank
+                workload["lora_path"] = str(build_random_adapter(
+                    model_dir, Path(tmp) / f"{name}-lora", args.lora_rank))  # fmt: skip
             workload_file.write_text(json.dumps(workload))
             results = {}
             for engine in engines:

@@ -221,3 +221,29 @@ def test_long_prompt_workload_fits_the_context(tiny_checkpoint, tmp_path):
     (request,) = run["requests"]
     assert len(request["prompt_token_ids"]) == bench.LONG_PROMPT_LEN
     assert bench.LONG_PROMPT_LEN + request["max_tokens"] <= bench.MAX_MODEL_LEN
+
+
+def test_realsize_benchmark_runs_every_request_with_a_lora_adapter(tiny_checkpoint, tmp_path):
+    """--lora-rank: a random adapter on every decoder projection, for omniserve (a variant
+    without it) and transformers through PEFT."""
+    from omniserve.checkpoint_builder.lora import build_random_adapter
+    from omniserve.lora.adapter import read_adapter
+    from omniserve.lora.request import LoRARequest
+
+    bench = _load_script("bench_realsize")
+    model_dir = tiny_checkpoint("Qwen2ForCausalLM")
+    adapter = build_random_adapter(model_dir, tmp_path / "adapter", rank=8)
+    pairs = read_adapter(LoRARequest("bench", 1, str(adapter)), max_rank=8)
+    assert len(pairs) == 7 * 2 and {p.rank for p in pairs.values()} == {8}  # 2 layers
+    workload = bench.make_workload(["b1"], model_dir, tmp_path, "cpu")
+    workload.update(lora_rank=8, lora_path=str(adapter))
+    workload_file = tmp_path / "workload.json"
+    workload_file.write_text(json.dumps(workload))
+    slots = {}
+    for engine, kwargs in (("omniserve", {}), ("omniserve:base", {"enable_lora": False}),
+                           ("hf", {})):  # fmt: skip
+        result = bench.run_engine(engine, model_dir, workload_file, tmp_path / f"{engine}.json",
+                                  None, 600, kwargs)  # fmt: skip
+        assert result["runs"][0]["num_output_tokens"] == 128
+        slots[engine] = result.get("model_info", {}).get("lora_slot_bytes")
+    assert slots["omniserve"] > 0 and slots["omniserve:base"] == 0

@@ -27,10 +27,6 @@ class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
         if not self.lora_name:
             raise ValueError("lora_name must be a non-empty string.")
 
-    @property
-    def adapter_id(self) -> int:
-        return self.lora_int_id
-
 
 class HasLoRA(Protocol):
     lora_request: LoRARequest | None
