@@ -28,6 +28,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from omniserve.lora.request import RUNNING_KEY, WAITING_KEY
 from omniserve.messages import EngineCoreOutputs, EngineCoreRequest
 
 PREFIX = "omniserve:"
@@ -87,7 +88,8 @@ class _RequestTimes:
 class PrometheusStatLogger:
     """Engine load, token counts and per-request latencies, in a registry of its own."""
 
-    def __init__(self, model_name: str, num_engines: int = 1) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1, max_loras: int = 0) -> None:
+        """``max_loras``: adapters per step with LoRA on (0: off, no LoRA metric)."""
         self.registry = CollectorRegistry()
         self._requests: dict[str, _RequestTimes] = {}  # engine request id -> its timings
         # (engine rank, counter key) -> the engine's last cumulative value
@@ -133,6 +135,19 @@ class PrometheusStatLogger:
             "Per request: (last token - first token) / (tokens - 1).",
         )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self._max_loras = max_loras
+        self._lora_info = (
+            Gauge(
+                PREFIX + "lora_requests_info",
+                "The adapters of running and waiting requests (vLLM's labels); the value is "
+                "when they were read.",
+                [*engine_labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+                registry=self.registry,
+            )
+            if max_loras
+            else None
+        )
+        self._lora_labels: dict[int, tuple[str, ...]] = {}  # engine -> its current label set
         for engine in range(num_engines):  # every engine shows from the start, at zero
             self.record_scheduler_stats({}, engine)
 
@@ -181,6 +196,16 @@ class PrometheusStatLogger:
             # max(): a counter never goes back, even if the engine's is reset.
             child.inc(max(0.0, value - last))
             self._last_engine_counters[engine, key] = max(value, last)
+        if self._lora_info is not None:
+            adapters = [",".join(sorted(k.removeprefix(prefix) for k in stats
+                                        if k.startswith(prefix)))
+                        for prefix in (RUNNING_KEY, WAITING_KEY)]  # fmt: skip
+            lora_labels = (*labels, str(self._max_loras), *adapters)
+            previous = self._lora_labels.get(engine)
+            if previous is not None and previous != lora_labels:
+                self._lora_info.remove(*previous)
+            self._lora_labels[engine] = lora_labels
+            self._lora_info.labels(*lora_labels).set_to_current_time()
         queries = stats.get("prefix_cache_queries", 0.0)
         hit_rate = self._prefix_cache_hit_rate.labels(*labels)
         if queries:

@@ -169,6 +169,8 @@ def test_serve_refuses_flags_of_missing_features(capsys):
     for flags, message in (
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+        (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests"),
+        (["--enable-log-requests", "--max-log-len", "-1"], "--max-log-len must be >= 0"),
         (["--enable-lora", "--lora-modules", "a"], "--lora-modules 'a': expected name=path"),
         (
             ["--speculative-config", "{}"],

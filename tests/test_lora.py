@@ -13,11 +13,13 @@ from typing import Any
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 from omniserve import LLM, SamplingParams
-from omniserve.lora.request import LoRARequest, adapter_fits, parse_lora_modules
+from omniserve.lora.request import LoRARequest, adapter_fits, lora_stats, parse_lora_modules
+from omniserve.metrics import PrometheusStatLogger
 from tests.hf_reference import assert_matches_reference, hf_greedy, make_prompts
 from tests.server_utils import assert_error, launch_server
 from tests.test_fidelity_mm import VL_CASES, _engine_prompt, _hf_reference
@@ -245,7 +247,7 @@ def test_adapter_slots_per_step_and_module_flags():
 
 
 @pytest.mark.slow
-def test_server_routes_models_to_adapters(text_case, tmp_path, monkeypatch):
+def test_server_routes_models_to_adapters_and_logs_requests(text_case, tmp_path, monkeypatch):
     model_dir, prompts, _, loras, root = text_case
     wide, narrow = loras["wide"].lora_path, loras["narrow"].lora_path
     offline = LLM(model_dir, dtype="float32", enable_lora=True, max_loras=2)
@@ -258,7 +260,8 @@ def test_server_routes_models_to_adapters(text_case, tmp_path, monkeypatch):
     }
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
     with launch_server(Path(model_dir), tmp_path, "--dtype", "float32", "--enable-lora",
-                       "--max-loras", "2", "--lora-modules", f"wide={wide}") as server:  # fmt: skip
+                       "--max-loras", "2", "--lora-modules", f"wide={wide}",
+                       "--enable-log-requests", "--enable-log-outputs") as server:  # fmt: skip
         client = server.client()
         cards = {m.id: m for m in client.models.list().data}
         assert set(cards) == {"tiny", "wide"} and cards["wide"].parent == "tiny"
@@ -287,3 +290,28 @@ def test_server_routes_models_to_adapters(text_case, tmp_path, monkeypatch):
         assert_error(server.post("/v1/completions", {"model": "narrow", "prompt": "x"}), 404)
         assert_error(server.post("/v1/unload_lora_adapter", {"lora_name": "narrow"}), 404)
         assert complete("wide").choices[0].text == expected["wide"]  # still serving
+    log = server.log.read_text()  # --enable-log-requests names each request's adapter
+    assert "lora_request: wide." in log and "lora_request: narrow." in log
+    assert f"output: {expected['wide']!r}" in log
+
+
+def test_lora_requests_info_metric_names_the_adapters_in_use():
+    class Req:
+        def __init__(self, lora: LoRARequest | None) -> None:
+            self.lora_request = lora
+
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    stats = lora_stats([Req(a), Req(a), Req(None)], [Req(b)])
+    assert stats == {"lora_running:a": 2.0, "lora_waiting:b": 1.0}
+    metrics = PrometheusStatLogger("m", max_loras=2)
+    metrics.record_scheduler_stats(stats)
+    metrics.record_scheduler_stats({"lora_running:b": 1.0})  # replaces the label set
+
+    def series() -> list[dict[str, str]]:
+        families = text_string_to_metric_families(metrics.render()[0].decode())
+        return [s.labels for f in families if f.name == "omniserve:lora_requests_info"
+                for s in f.samples]  # fmt: skip
+
+    assert series() == [{"model_name": "m", "engine": "0", "max_lora": "2",
+                         "running_lora_adapters": "b", "waiting_lora_adapters": ""}]  # fmt: skip
+    assert "lora_requests_info" not in PrometheusStatLogger("m").render()[0].decode()

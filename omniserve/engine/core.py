@@ -15,7 +15,7 @@ from omniserve.core.sched_output import SchedulerOutput
 from omniserve.core.scheduler import Scheduler
 from omniserve.engine.detokenizer import IncrementalDetokenizer
 from omniserve.executor.abstract import Executor
-from omniserve.lora.request import LoRARequest
+from omniserve.lora.request import LoRARequest, lora_stats
 from omniserve.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -326,10 +326,13 @@ class EngineCore:
 
     def make_stats(self) -> dict[str, float]:
         """The scheduler's gauges and counters, plus the requests this engine core received."""
-        return {
+        stats = {
             **self.scheduler.make_stats(),
             "num_requests_received": float(self.num_requests_received),
         }
+        if self.config.lora_config is not None:
+            stats.update(lora_stats(self.scheduler.running, self.scheduler.waiting))
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()

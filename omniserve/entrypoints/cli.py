@@ -73,7 +73,10 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
         {"action": "store_true"},
         "no code from checkpoints runs: omniserve's model classes load them",
     ),
-    "--disable-log-requests": ({"action": "store_true"}, "requests are not logged anyway"),
+    "--disable-log-requests": (
+        {"action": "store_true"},
+        "requests are logged only with --enable-log-requests",
+    ),
     "--disable-log-stats": ({"action": "store_true"}, "there are no periodic stats logs"),
     "--swap-space": ({"type": float}, "preempted requests are recomputed, never swapped"),
     "--disable-custom-all-reduce": (
@@ -87,7 +90,6 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
 }
 """vLLM's flags that mean nothing here: accepted, each logged once with why."""
 MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
-    "--enable-log-requests": ({"action": "store_true"}, "request logging"),
     "--speculative-config": ({}, "speculative decoding"),
     "--quantization": ({}, "quantized checkpoints"),
     "--enable-prompt-embeds": ({"action": "store_true"}, "prompt embeddings"),
@@ -106,6 +108,10 @@ def _flag_dest(flag: str) -> str:
 def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
+    if args.enable_log_outputs and not args.enable_log_requests:
+        parser.error("--enable-log-outputs needs --enable-log-requests.")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        parser.error("--max-log-len must be >= 0.")
     if args.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora.")
     try:
@@ -324,6 +330,22 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         help="Names clients may use for the model; the first is reported. None: the model path.",
+    )
+    server.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="Log each request's parameters (INFO) and prompt (DEBUG) as it is submitted.",
+    )
+    server.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="With --enable-log-requests: log each finished choice's text and token ids too.",
+    )
+    server.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="Most prompt/output characters and token ids a log line shows (default: all).",
     )
     server.add_argument(
         "--lora-modules",

@@ -63,8 +63,11 @@ class LoRASlots:
         self.b = torch.zeros(config.max_loras, self.out_features, width, dtype=dtype, device=device)
 
     def empty(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A host copy of one slot, to fill with an adapter's pairs."""
-        return torch.zeros_like(self.a[0], device="cpu"), torch.zeros_like(self.b[0], device="cpu")
+        """A host copy of one slot, to fill with an adapter's pairs (pinned for a GPU's slots,
+        so that filling a slot does not wait for the steps before it)."""
+        pin = self.a.device.type == "cuda"
+        return (torch.zeros(self.a.shape[1:], dtype=self.a.dtype, pin_memory=pin),
+                torch.zeros(self.b.shape[1:], dtype=self.b.dtype, pin_memory=pin))  # fmt: skip
 
     def place(
         self, a: torch.Tensor, b: torch.Tensor, pair: LoRAPair, shard: tuple[object, ...]
@@ -98,8 +101,8 @@ class LoRASlots:
             self.a[slot].zero_()
             self.b[slot].zero_()
         else:
-            self.a[slot].copy_(weights[0])
-            self.b[slot].copy_(weights[1])
+            self.a[slot].copy_(weights[0], non_blocking=True)
+            self.b[slot].copy_(weights[1], non_blocking=True)
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         context = current_forward_context()

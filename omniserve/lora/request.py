@@ -42,6 +42,21 @@ def adapter_fits(request: HasLoRA, running: Iterable[HasLoRA], max_loras: int) -
     return lora.lora_int_id in ids or len(ids) < max_loras
 
 
+RUNNING_KEY, WAITING_KEY = "lora_running:", "lora_waiting:"
+"""Scheduler-stat key prefixes: ``lora_running:NAME`` -> running requests with adapter NAME."""
+
+
+def lora_stats(running: Iterable[HasLoRA], waiting: Iterable[HasLoRA]) -> dict[str, float]:
+    """Requests per adapter, running and waiting (the ``lora_requests_info`` metric's labels)."""
+    stats: dict[str, float] = {}
+    for prefix, requests in ((RUNNING_KEY, running), (WAITING_KEY, waiting)):
+        for request in requests:
+            if request.lora_request is not None:
+                key = prefix + request.lora_request.lora_name
+                stats[key] = stats.get(key, 0.0) + 1.0
+    return stats
+
+
 class AddedAdapters:
     """The front end's record of the adapters its engine cores hold, by id: each is added once,
     and an id stays bound to one adapter (the workers and the prefix cache key on it)."""

@@ -15,6 +15,7 @@ from omniserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from omniserve.layers.lora import LoRAMapping, LoRASlots
 from omniserve.lora.adapter import read_adapter
 from omniserve.lora.request import LoRARequest
+from omniserve.transfers import upload
 
 logger = logging.getLogger(__name__)
 
@@ -103,17 +104,11 @@ class LoRAManager:
             return None
         token_ids = np.repeat(ids, query_lens)
         wanted = {lora.lora_int_id: lora for lora in loras if lora is not None}
-        groups: list[tuple[int, torch.Tensor | None]] = []
-        for lora_id, lora in wanted.items():
-            slot = self._slot_for(lora, set(wanted))
-            rows = np.flatnonzero(token_ids == lora_id)
-            groups.append(
-                (
-                    slot,
-                    None if rows.size == token_ids.size else torch.as_tensor(rows).to(self.device),
-                )
-            )
-        return LoRAMapping(groups)
+        slots = [self._slot_for(lora, set(wanted)) for lora in wanted.values()]
+        rows = [np.flatnonzero(token_ids == lora_id) for lora_id in wanted]
+        if len(rows) == 1 and rows[0].size == token_ids.size:  # every token, one adapter
+            return LoRAMapping([(slots[0], None)])
+        return LoRAMapping(list(zip(slots, upload(self.device, rows), strict=True)))
 
     def _slot_for(self, lora: LoRARequest, wanted: set[int]) -> int:
         if lora.lora_int_id in self.slot_ids:

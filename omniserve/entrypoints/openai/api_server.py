@@ -36,6 +36,7 @@ from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineStoppingError
 from omniserve.entrypoints.chat_utils import locate_mm_error
+from omniserve.entrypoints.logger import RequestLogger
 from omniserve.entrypoints.openai.audio_encoding import MEDIA_TYPES
 from omniserve.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
@@ -241,11 +242,19 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     auto_tools = getattr(args, "enable_auto_tool_choice", False)
     trust = getattr(args, "trust_request_chat_template", False)
     models = OpenAIServingModels(engine, names)
+    request_logger = (
+        RequestLogger(
+            getattr(args, "max_log_len", None), getattr(args, "enable_log_outputs", False)
+        )
+        if getattr(args, "enable_log_requests", False)
+        else None
+    )
     chat = OpenAIServingChat(
         engine,
         models,
         chat_template,
         trust_request_chat_template=trust,
+        request_logger=request_logger,
         reasoning_parser=REASONING_PARSERS[parser_name] if parser_name else None,
         tool_call_parser=getattr(args, "tool_call_parser", None) if auto_tools else None,
         exclude_tools_when_tool_choice_none=getattr(
@@ -253,9 +262,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         ),
     )
     completion = OpenAIServingCompletion(
-        engine, models, chat_template, trust_request_chat_template=trust
-    )
-    speech = OpenAIServingSpeech(engine, models, chat_template)
+        engine, models, chat_template, trust_request_chat_template=trust,
+        request_logger=request_logger,
+    )  # fmt: skip
+    speech = OpenAIServingSpeech(engine, models, chat_template, request_logger=request_logger)
     if chat.default_sampling:
         logger.info(
             "Default sampling parameters from the checkpoint's generation config, for "
@@ -546,7 +556,9 @@ async def serve(args: argparse.Namespace) -> None:
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.served_model_name = names[0] if names else None
     stat_logger = PrometheusStatLogger(
-        names[0] if names else args.model, num_engines=engine_args.data_parallel_size
+        names[0] if names else args.model,
+        num_engines=engine_args.data_parallel_size,
+        max_loras=engine_args.max_loras if engine_args.enable_lora else 0,
     )
     engine = AsyncLLM.from_engine_args(
         engine_args, stat_loggers=[stat_logger], input_threads=args.input_processing_threads

@@ -23,6 +23,7 @@ from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
 from omniserve.engine.processor import ContextLengthError
 from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
+from omniserve.entrypoints.logger import RequestLogger
 from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from omniserve.entrypoints.openai.completion_protocol import CompletionRequest
 from omniserve.entrypoints.openai.protocol import (
@@ -219,11 +220,13 @@ class OpenAIServing:
         models: OpenAIServingModels,
         chat_template: str | None = None,
         trust_request_chat_template: bool = False,
+        request_logger: RequestLogger | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
         self.models = models
+        self.request_logger = request_logger
         self.renderer = ChatRenderer.from_config(engine.config, engine.tokenizer, chat_template)
         self.trust_request_chat_template = trust_request_chat_template
         """Whether requests may bring their own chat template (rendered in jinja's sandbox)."""
@@ -473,16 +476,21 @@ class OpenAIServing:
         Waiting for the first output makes submission errors (the processor's validation) a 400
         before any 200 or stream is sent. A failure or cancellation here aborts every prompt.
         """
-        generators = [
-            self.engine.generate(
-                p.to_engine_input(),
-                params,
-                request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                priority,
-                lora_request,
-            )
-            for i, p in enumerate(prompts)
+        ids = [
+            request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))
         ]
+        generators = [
+            self.engine.generate(p.to_engine_input(), params, rid, priority, lora_request)
+            for rid, p in zip(ids, prompts, strict=True)
+        ]
+        if self.request_logger is not None:
+            for rid, p in zip(ids, prompts, strict=True):
+                media = sum(len(items) for items in (p.mm_data or {}).values())
+                self.request_logger.log_inputs(rid, p.text, p.token_ids, params, lora_request,
+                                               media)  # fmt: skip
+            if self.request_logger.log_outputs:
+                generators = [self.request_logger.watch(rid, params, g)
+                              for rid, g in zip(ids, generators, strict=True)]  # fmt: skip
         tasks = [asyncio.ensure_future(anext(g)) for g in generators]
         try:
             firsts = await asyncio.gather(*tasks)
