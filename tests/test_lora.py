@@ -92,6 +92,8 @@ def test_adapters_and_base_in_one_batch_match_peft(text_case):
     prompts, requests, expected = _mixed(text_case)
     assert expected[0].token_ids != expected[1].token_ids  # the adapters change the output
     llm = LLM(model_dir, dtype="float32", enable_lora=True, max_loras=2)
+    info = llm.llm_engine.engine_core.call_utility("get_model_info")
+    assert info["lora_layers"] == {"C kernel up to 32 rows": 8, "torch": 0}  # 2 layers x 4
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)
     assert_matches_reference(outputs, expected)
     # Again: prefix-cache hits, each only within its own adapter (the id is in the hashes).
@@ -315,3 +317,26 @@ def test_lora_requests_info_metric_names_the_adapters_in_use():
     assert series() == [{"model_name": "m", "engine": "0", "max_lora": "2",
                          "running_lora_adapters": "b", "waiting_lora_adapters": ""}]  # fmt: skip
     assert "lora_requests_info" not in PrometheusStatLogger("m").render()[0].decode()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_adds_the_product_as_torch_does(dtype):
+    """csrc/lora.c against float64: rows 1 to MAX_ROWS, slot widths of one to three slices,
+    output widths with a partial last block; more rows are left to torch."""
+    from omniserve.cpu.lora import MAX_ROWS, CpuLoRA
+
+    kernel = CpuLoRA(dtype)
+    generator = torch.Generator().manual_seed(0)
+    for rows, k, width, n in ((1, 64, 16, 100), (5, 1536, 48, 2048), (MAX_ROWS, 256, 32, 64)):
+        x = torch.randn(rows, k, generator=generator).to(dtype)
+        a = (torch.randn(width, k, generator=generator) / k**0.5).to(dtype)
+        bt = (torch.randn(width, n, generator=generator) * 0.1).to(dtype)
+        y = torch.randn(rows, n, generator=generator).to(dtype)
+        assert CpuLoRA.supports(a, bt)
+        expected = y.double() + (x.double() @ a.double().T) @ bt.double()
+        assert kernel.add(x, a, kernel.pack(bt), y)
+        # fp32: summation order only; bf16: y is rounded once (the shrink stays in fp32)
+        tol = 1e-5 if dtype == torch.float32 else 2**-8 * expected.abs().max().item()
+        torch.testing.assert_close(y.double(), expected, atol=tol, rtol=0)
+    x, y = torch.zeros(MAX_ROWS + 1, k, dtype=dtype), torch.zeros(MAX_ROWS + 1, n, dtype=dtype)
+    assert not kernel.add(x, a, kernel.pack(bt), y)  # a prefill's rows: torch's GEMMs

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from omniserve.config import LoRAConfig
+from omniserve.cpu.lora import MAX_ROWS as CPU_LORA_MAX_ROWS
+from omniserve.cpu.lora import CpuLoRA
 from omniserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from omniserve.layers.lora import LoRAMapping, LoRASlots
 from omniserve.lora.adapter import read_adapter
@@ -45,15 +47,26 @@ class LoRAManager:
                 module.lora = self.layers[name] = LoRASlots(module, config, dtype, device)
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no layers LoRA adapters can adapt.")
+        if device.type == "cpu":  # decode-sized products in one C call per layer
+            kernel = CpuLoRA(dtype)
+            for slots in self.layers.values():
+                if CpuLoRA.supports(slots.a, slots.bt):
+                    slots.kernel = kernel
         self.host: collections.OrderedDict[int, tuple[LoRARequest, HostAdapter]] = (
             collections.OrderedDict()
         )
         self.max_host = config.max_cpu_loras or config.max_loras
         self.slot_ids: list[int | None] = [None] * config.max_loras
 
+    def kernels(self) -> dict[str, int]:
+        """How many adapted layers compute their products where (for ``get_model_info``)."""
+        with_kernel = sum(slots.kernel is not None for slots in self.layers.values())
+        label = f"C kernel up to {CPU_LORA_MAX_ROWS} rows"
+        return {label: with_kernel, "torch": len(self.layers) - with_kernel}
+
     @property
     def slot_bytes(self) -> int:
-        return sum(s.a.nbytes + s.b.nbytes for s in self.layers.values())
+        return sum(s.a.nbytes + s.bt.nbytes for s in self.layers.values())
 
     def add(self, lora: LoRARequest) -> None:
         """Read and place ``lora`` (ValueError when it does not fit this model), keeping it."""

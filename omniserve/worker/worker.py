@@ -300,6 +300,7 @@ class Worker:
             "device": str(self.device),
             "weight_bytes": self.weight_bytes,
             "lora_slot_bytes": self.lora_manager.slot_bytes if self.lora_manager else 0,
+            "lora_layers": self.lora_manager.kernels() if self.lora_manager else {},
             "kv_cache_bytes": self.num_kv_blocks
             * self.model_runner.kv_cache_bytes_per_block(self.dtype),
             "num_kv_tokens": self.num_kv_blocks * block_size,
