@@ -23,6 +23,7 @@ from omniserve.metrics import PrometheusStatLogger
 from tests.hf_reference import assert_matches_reference, hf_greedy, make_prompts
 from tests.server_utils import assert_error, launch_server
 from tests.test_fidelity_mm import VL_CASES, _engine_prompt, _hf_reference
+from tests.utils import make_requests, make_runner_output, make_scheduler, run_to_completion
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3)
@@ -295,6 +296,24 @@ def test_server_routes_models_to_adapters_and_logs_requests(text_case, tmp_path,
     log = server.log.read_text()  # --enable-log-requests names each request's adapter
     assert "lora_request: wide." in log and "lora_request: narrow." in log
     assert f"output: {expected['wide']!r}" in log
+
+
+def test_scheduler_passes_over_a_request_whose_adapter_has_no_slot():
+    """max_loras=1: a request for another adapter waits (in its place) while requests behind it
+    run, with the running adapter or none; it runs once the slot is free."""
+    scheduler = make_scheduler(max_loras=1)
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    requests = make_requests(4, 8, max_tokens=2)
+    for request, lora in zip(requests, (a, b, None, a), strict=True):
+        request.lora_request = lora
+        scheduler.add_request(request)
+    first = scheduler.schedule()
+    assert set(first.num_scheduled_tokens) == {"req-0", "req-2", "req-3"}
+    assert [r.request_id for r in scheduler.waiting] == ["req-1"]
+    assert {r.req_id: r.lora_request for r in first.scheduled_new_reqs}["req-3"] == a
+    scheduler.update_from_output(first, make_runner_output(scheduler, first))
+    tokens = run_to_completion(scheduler)  # finishes the first three, then runs req-1
+    assert set(tokens) == {"req-0", "req-1", "req-2", "req-3"}
 
 
 def test_lora_requests_info_metric_names_the_adapters_in_use():

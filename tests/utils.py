@@ -37,6 +37,7 @@ def make_scheduler(
     encoder_cache_size: int = 8192,
     max_mm_item_embeds: int = 0,
     policy: str = "fcfs",
+    max_loras: int = 0,
 ) -> Scheduler:
     scheduler_config = SchedulerConfig(
         policy=policy,
@@ -49,7 +50,9 @@ def make_scheduler(
         encoder_cache_size=encoder_cache_size,
     )
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(scheduler_config, cache_config, num_blocks, max_mm_item_embeds)
+    return Scheduler(
+        scheduler_config, cache_config, num_blocks, max_mm_item_embeds, max_loras=max_loras
+    )
 
 
 def make_mm_features(

@@ -388,14 +388,16 @@ class Scheduler:
         max_num_seqs: int | None = None,
     ) -> None:
         """Admit WAITING requests in queue order; the first that cannot run this step stops
-        admission."""
+        admission, except one whose LoRA adapter has no slot: it is passed over (in place)."""
         config = self.scheduler_config
         kv = self.kv_cache_manager
         max_num_seqs = config.max_num_seqs if max_num_seqs is None else max_num_seqs
+        passed_over: list[Request] = []
         while self.waiting and budget.num_tokens > 0 and len(self.running) < max_num_seqs:
             request = self.waiting[0]
             if not adapter_fits(request, self.running, self.max_loras):
-                break  # its LoRA adapter needs a slot the running requests' adapters hold
+                passed_over.append(self.waiting.popleft())  # the slots hold other adapters
+                continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             if request.speech is not None and request.speech.reads_prompt_hidden:
                 # The talker needs the thinker's hidden states at prompt positions, which a
@@ -431,6 +433,7 @@ class Scheduler:
             self.running.append(request)
             block_ids = kv.get_block_ids(request.request_id)
             self._commit(scheduled, request, plan, block_ids, budget, is_new=True)
+        self.waiting.extendleft(reversed(passed_over))
 
     def _plan_admission(
         self, request: Request, num_hit_tokens: int, budget: _StepBudget
@@ -577,13 +580,8 @@ class Scheduler:
                     if req_id in self.talker.requests:
                         self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
                         if not reported:
-                            outputs.append(
-                                EngineCoreOutput(
-                                    request_id=req_id,
-                                    new_token_ids=[],
-                                    finish_reason=FinishReason.ERROR,
-                                )
-                            )
+                            error = EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR)
+                            outputs.append(error)
         by_id = {request.request_id: request for request in requests}
         self.encoder_cache_manager.discard(
             by_id[req_id].mm_features[i].identifier

@@ -24,6 +24,7 @@ class OpenAIServingModels:
         self.engine = engine
         self.base_names = base_names
         self.loras: dict[str, LoRARequest] = {}
+        self._loading: set[str] = set()
         self._ids = itertools.count(1)
 
     @property
@@ -49,16 +50,19 @@ class OpenAIServingModels:
 
     async def load(self, name: str, path: str, base_model_name: str | None = None) -> None:
         """Read an adapter into the engine under ``name`` (400: taken, or it does not load)."""
-        if name in self.loras or name in self.base_names:
+        if name in self.loras or name in self.base_names or name in self._loading:
             raise ServingError(f"The lora adapter '{name}' has already been loaded.",
                                param="lora_name")  # fmt: skip
         if base_model_name is not None and base_model_name not in self.base_names:
             raise ServingError(f"base_model_name {base_model_name!r} is not a served model.")
         lora = LoRARequest(name, next(self._ids), path, base_model_name or self.model_name)
+        self._loading.add(name)  # a second load of the name meanwhile is refused
         try:
             await self.engine.add_lora(lora)
         except ValueError as exc:
             raise ServingError(str(exc), param="lora_path") from exc
+        finally:
+            self._loading.discard(name)
         self.loras[name] = lora
 
     async def unload(self, name: str) -> None:
