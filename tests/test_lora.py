@@ -107,11 +107,12 @@ def test_adapters_and_base_in_one_batch_match_peft(text_case):
 @pytest.mark.slow
 def test_one_slot_takes_adapters_in_turn(text_case):
     """max_loras=1: the scheduler runs one adapter's requests at a time (with base requests
-    beside them), and the slot is refilled; max_cpu_loras=1 reads an adapter again."""
+    beside them), and the slot is refilled; max_cpu_loras=1 reads an adapter again. With async
+    scheduling (each step launched before the last is read back) and chunked prefill."""
     model_dir = text_case[0]
     prompts, requests, expected = _mixed(text_case)
     llm = LLM(model_dir, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1,
-              max_num_batched_tokens=32)  # fmt: skip
+              max_num_batched_tokens=32, async_scheduling=True)  # fmt: skip
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)
     assert_matches_reference(outputs, expected)
 
