@@ -315,6 +315,8 @@ def test_scheduler_passes_over_a_request_whose_adapter_has_no_slot():
     scheduler.update_from_output(first, make_runner_output(scheduler, first))
     tokens = run_to_completion(scheduler)  # finishes the first three, then runs req-1
     assert set(tokens) == {"req-0", "req-1", "req-2", "req-3"}
+    with pytest.raises(ValueError, match="names a LoRA adapter; LoRA is off"):
+        make_scheduler().add_request(requests[0])
 
 
 def test_lora_requests_info_metric_names_the_adapters_in_use():

@@ -136,6 +136,8 @@ class Scheduler:
                 f"tokens; needs 1..max_model_len ({self.max_model_len})."
             )
         check_request_items(request, self.scheduler_config)
+        if request.lora_request is not None and not self.max_loras:
+            raise ValueError(f"Request {request.request_id!r} names a LoRA adapter; LoRA is off.")
         if request.speech is not None:
             if self.talker is None:
                 raise ValueError(
