@@ -410,7 +410,12 @@ def run_hf(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
                 "num_prompt_tokens": prompt_len * len(requests),
                 "num_output_tokens": (out.shape[1] - prompt_len) * len(requests),
             })  # fmt: skip
-    return {"engine": "transformers " + transformers.__version__, "load_s": load_s, "runs": runs}
+    name = "transformers " + transformers.__version__
+    if workload.get("lora_path"):
+        import peft
+
+        name += " + PEFT " + peft.__version__
+    return {"engine": name, "load_s": load_s, "runs": runs}
 
 
 def worker_main(args: argparse.Namespace) -> None:
