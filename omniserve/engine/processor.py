@@ -142,7 +142,6 @@ class Processor:
         self.eos_token_ids = get_eos_token_ids(model_config.model, self.tokenizer)
         sched = config.scheduler_config
         self.scheduling_policy = sched.policy
-        self.lora_enabled = config.lora_config is not None
         # An item larger than this can never be encoded in one step or held in the cache.
         self.max_item_embeds = min(sched.max_num_encoder_input_tokens, sched.encoder_cache_size)
         self.mm_processor = _create_mm_processor(config, self.tokenizer)
@@ -165,8 +164,6 @@ class Processor:
         ``lora_request``: an adapter the engine core has added."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Expected SamplingParams, got {type(params).__name__}.")
-        if lora_request is not None and not self.lora_enabled:
-            raise ValueError("LoRA adapters need the engine started with --enable-lora.")
         if priority != 0 and self.scheduling_policy != "priority":
             raise ValueError(
                 f"priority={priority} needs --scheduling-policy priority (this "

@@ -315,8 +315,8 @@ class Worker:
         }
 
     def add_lora(self, lora: LoRARequest) -> None:
-        if self.lora_manager is None:
-            raise ValueError("LoRA adapters need the engine started with --enable-lora.")
+        if self.lora_manager is None:  # the engine core refuses adapters first
+            raise RuntimeError("This worker has no LoRA slots.")
         self.lora_manager.add(lora)
 
     def remove_lora(self, lora_int_id: int) -> None:

@@ -229,7 +229,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         return ChatCompletionResponse(
             id=request_id,
-            model=self.response_model(request.model),
+            model=self.models.response_name(request.model),
             choices=choices,
             usage=usage,
             prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
@@ -268,7 +268,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionStreamResponse(
                     id=request_id,
                     created=created,
-                    model=self.response_model(request.model),
+                    model=self.models.response_name(request.model),
                     choices=choices,
                     usage=usage,
                     prompt_token_ids=prompt_token_ids,

@@ -116,7 +116,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         usage = self.usage([f for f in finals if f is not None], num_generated)
         return CompletionResponse(
-            id=request_id, model=self.response_model(request.model), choices=choices, usage=usage
+            id=request_id,
+            model=self.models.response_name(request.model),
+            choices=choices,
+            usage=usage,
         )
 
     async def _stream(
@@ -139,7 +142,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 CompletionStreamResponse(
                     id=request_id,
                     created=created,
-                    model=self.response_model(request.model),
+                    model=self.models.response_name(request.model),
                     choices=choices,
                     usage=usage,
                 )

@@ -236,10 +236,6 @@ class OpenAIServing:
         """The LoRA adapter a request's ``model`` names (None: the base model); 404 if none."""
         return self.models.resolve(name)
 
-    def response_model(self, name: str | None) -> str:
-        """The ``model`` a response reports: the adapter's name, else the served model's."""
-        return name if name is not None and name in self.models.loras else self.models.model_name
-
     def check_engine(self) -> None:
         if self.engine.errored:
             raise to_serving_error(EngineDeadError("engine dead"))

@@ -45,8 +45,9 @@ class OpenAIServingModels:
             )
         return lora
 
-    def response_name(self, lora: LoRARequest | None) -> str:
-        return lora.lora_name if lora is not None else self.model_name
+    def response_name(self, name: str | None) -> str:
+        """The ``model`` a response reports: the adapter's name, else the served model's."""
+        return name if name is not None and name in self.loras else self.model_name
 
     async def load(self, name: str, path: str, base_model_name: str | None = None) -> None:
         """Read an adapter into the engine under ``name`` (400: taken, or it does not load)."""
