@@ -64,6 +64,13 @@ class LogprobsLists:
     logprobs: list[list[float]]
     ranks: list[int]
 
+    def head(self, num_positions: int) -> LogprobsLists:
+        """The first ``num_positions`` positions (those whose tokens were kept)."""
+        if num_positions >= len(self.ranks):
+            return self
+        n = num_positions
+        return LogprobsLists(self.token_ids[:n], self.logprobs[:n], self.ranks[:n])
+
 
 @dataclass
 class ModelRunnerOutput:
@@ -78,6 +85,8 @@ class ModelRunnerOutput:
     """req_id -> logprobs of the prompt positions computed this step (only requests that asked)."""
     speech: dict[str, SpeechStepOutput] = field(default_factory=dict)
     """req_id -> the talker's progress, for talker requests scheduled this step."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> draft tokens proposed for its next step (speculative decoding)."""
 
 
 class PendingOutput(Protocol):

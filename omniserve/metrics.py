@@ -64,6 +64,10 @@ _ENGINE_COUNTERS = {
     "encoder_cache_hits": "Of those, items whose encoder output was cached or shared (not "
     "encoded again).",
     "num_requests_received": "Requests the engine core was given (each of n samples counts).",
+    "spec_decode_num_drafts": "Speculative decoding: request steps that verified drafts.",
+    "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens verified.",
+    "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted (the "
+    "model sampled the same token).",
 }
 _ENGINE_GAUGES = {  # scheduler_stats key -> (metric name, help)
     "num_running": ("num_requests_running", "Requests in the running batch."),

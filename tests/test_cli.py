@@ -173,8 +173,20 @@ def test_serve_refuses_flags_of_missing_features(capsys):
         (["--enable-log-requests", "--max-log-len", "-1"], "--max-log-len must be >= 0"),
         (["--enable-lora", "--lora-modules", "a"], "--lora-modules 'a': expected name=path"),
         (
-            ["--speculative-config", "{}"],
-            "--speculative-config: speculative decoding is not implemented",
+            ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'],
+            "--speculative-config: speculative_config.method 'eagle3' is not supported",
+        ),
+        (
+            ["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 0}'],
+            "speculative_config needs num_speculative_tokens",
+        ),
+        (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2}',
+                "--async-scheduling",
+            ],
+            "--speculative-config does not work with --async-scheduling",
         ),
     ):
         try:

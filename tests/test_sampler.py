@@ -314,10 +314,10 @@ def test_logprobs_are_raw_with_ranks_and_top_k() -> None:
     assert out.logprobs.ranks[0].item() > 1 and out.logprobs.ranks[3].item() > 1
     assert out.logprobs.ranks[2].item() == 1
 
-    lists = out.logprobs.to_lists(1, 1)
+    lists = out.logprobs.to_lists(range(1, 2), 1)
     assert lists.token_ids == [[int(sampled[1]), int(raw[1].argmax())]]
     assert lists.ranks == [out.logprobs.ranks[1].item()]
-    assert len(out.logprobs.to_lists(0, 3).logprobs[0]) == 4
+    assert len(out.logprobs.to_lists(range(1), 3).logprobs[0]) == 4
 
 
 def test_compute_logprobs_for_prompt_positions() -> None:

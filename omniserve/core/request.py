@@ -74,6 +74,9 @@ class Request:
     error: str | None = None
     """Why the request ended in error, when its own sampling rules caused it (the client is
     told); None for an engine failure."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens (speculative decoding) for its next step: proposed by the workers from its
+    tokens so far, verified by that step, never its tokens until then."""
     block_hashes: list[int] = field(default_factory=list)
     """Chained hashes of this request's full blocks, extended as tokens arrive."""
     _output_token_ids: list[int] = field(default_factory=list)

@@ -94,6 +94,9 @@ class SchedulerOutput:
     """req_id -> indices of the multimodal items to encode this step."""
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
     """Encoder outputs (by item hash) the workers may drop."""
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> draft tokens fed after its last token (speculative decoding); the step samples
+    each of those positions too."""
     grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
     """req_id -> the tokens its structured output allows next, as packed int32 bit words; only
     for constrained requests that sample this step."""

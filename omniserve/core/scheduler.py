@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from omniserve.config import CacheConfig, SchedulerConfig
+from omniserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from omniserve.core.encoder_cache_manager import EncoderCacheManager
 from omniserve.core.encoder_planner import (
     EncoderPlan,
@@ -35,7 +35,7 @@ from omniserve.core.stop_conditions import (
 )
 from omniserve.core.talker_scheduler import TalkerScheduler
 from omniserve.lora.request import adapter_fits
-from omniserve.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, ModelRunnerOutput
+from omniserve.messages import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
 
 
 @dataclass(slots=True)
@@ -49,6 +49,8 @@ class _ScheduledRequest:
     """Workers have not seen it: admitted from waiting (fresh or resumed after preemption)."""
     encoder_inputs: list[int]
     """Indices of the request's multimodal items encoded this step."""
+    spec_token_ids: list[int]
+    """Draft tokens fed after its last token (their positions count in ``num_new_tokens``)."""
 
 
 @dataclass(slots=True)
@@ -80,13 +82,16 @@ class Scheduler:
         num_talker_blocks: int = 0,
         make_text_stop: Callable[[Request], TextStop] | None = None,
         max_loras: int = 0,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """``max_mm_item_embeds``: the model's largest multimodal item in embeddings (0: text
         only or unknown); start-up fails if that item could never be encoded.
         ``num_talker_blocks``: the speech stage's own KV pool (0: the model does not speak).
         ``make_text_stop``: a stop-string matcher for a speaking request (the front end matches
         stop strings of the others, a step later).
-        ``max_loras``: distinct LoRA adapters the running requests may use (0: LoRA is off)."""
+        ``max_loras``: distinct LoRA adapters the running requests may use (0: LoRA is off).
+        ``speculative_config``: drafts (from the workers) are scheduled after a request's last
+        token, unless the batch reaches its ``disable_by_batch_size``."""
         if max_mm_item_embeds:
             check_encoder_limits(scheduler_config, max_mm_item_embeds)
         self.scheduler_config = scheduler_config
@@ -99,6 +104,8 @@ class Scheduler:
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.make_text_stop = make_text_stop
         self.max_loras = max_loras
+        self.drafts_off_at = speculative_config and speculative_config.disable_by_batch_size
+        self.use_drafts = speculative_config is not None
         self.talker = (
             TalkerScheduler(
                 num_talker_blocks,
@@ -124,6 +131,9 @@ class Scheduler:
         # served from the encoder cache or shared with another item encoded in the same step.
         self.encoder_cache_queries = 0
         self.encoder_cache_hits = 0
+        # Speculative decoding: requests' steps with drafts, drafts fed, drafts kept.
+        self.spec_counts = {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                            "spec_decode_num_accepted_tokens": 0}  # fmt: skip
 
     # ---- requests in and out ----
 
@@ -185,9 +195,9 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.status = finished_status
-            self._free_request(request)
+            self.free_request(request)
 
-    def _free_request(self, request: Request) -> None:
+    def free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
         del self.requests[request.request_id]
@@ -224,6 +234,7 @@ class Scheduler:
             "encoder_cache_usage": self.encoder_cache_manager.usage,
             "encoder_cache_queries": float(self.encoder_cache_queries),
             "encoder_cache_hits": float(self.encoder_cache_hits),
+            **{key: float(count) for key, count in self.spec_counts.items()},
         }
         if self.talker:
             stats["talker_kv_cache_usage"] = self.talker.usage
@@ -243,7 +254,9 @@ class Scheduler:
         budget = _StepBudget(config.max_num_batched_tokens, config.max_num_encoder_input_tokens)
         if config.policy == "priority":  # the back of `running` is what preemption takes
             self.running.sort(key=_priority_key)
-        if self._isolate_suspect(preempted):
+        if self.drafts_off_at:
+            self.use_drafts = len(self.running) + len(self.waiting) < self.drafts_off_at
+        if self.isolate_suspect(preempted):
             if self.blocked_by_steps_in_flight:
                 return self._make_output(scheduled, preempted)
             self._schedule_running(scheduled, preempted, budget)
@@ -255,19 +268,26 @@ class Scheduler:
                 self._schedule_waiting(scheduled, budget)
         output = self._make_output(scheduled, preempted)
         # Optimistic: the step will compute these tokens (vLLM's _update_after_schedule), and
-        # one that reaches the end of the known tokens samples one more. The talker runs after
-        # the thinker in the same step, so it may read what they produce.
+        # one that reaches the end of the known tokens (and its drafts) samples one more per
+        # position after its last token. The talker runs after the thinker in the same step, so
+        # it may read what they produce.
         for record in scheduled.values():
             request = record.request
             request.num_computed_tokens += record.num_new_tokens
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1
+            num_sampled = 1 + len(record.spec_token_ids)
+            if (request.num_computed_tokens + 1 - num_sampled
+                    == request.num_tokens + request.num_output_placeholders):  # fmt: skip
+                request.num_output_placeholders += num_sampled
         if self.talker is not None:
             output.talker = self.talker.schedule()
         return output
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
         num_new_tokens = request.num_tokens + request.num_output_placeholders - num_computed_tokens
+        if self.use_drafts and request.spec_token_ids:
+            # No draft past the last token max_tokens allows (the step samples one more).
+            num_new_tokens += min(len(request.spec_token_ids),
+                                  request.max_tokens - request.num_output_tokens - 1)  # fmt: skip
         threshold = self.scheduler_config.long_prefill_token_threshold
         if self.scheduler_config.enable_chunked_prefill and 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -320,7 +340,7 @@ class Scheduler:
                     self.blocked_by_steps_in_flight = True
                     return
                 victim = self.running.pop()
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
@@ -345,21 +365,24 @@ class Scheduler:
         self.encoder_cache_hits += num_hits
         budget.num_tokens -= plan.num_new_tokens
         budget.num_encoder_embeds -= plan.num_embeds
+        known = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+        drafts = request.spec_token_ids[: max(plan.num_new_tokens - known, 0)]
         scheduled[request.request_id] = _ScheduledRequest(
-            request, plan.num_new_tokens, block_ids, is_new, plan.encode
+            request, plan.num_new_tokens, block_ids, is_new, plan.encode, drafts
         )
 
-    def _preempt(self, request: Request) -> None:
+    def preempt(self, request: Request) -> None:
         # NOTE: free() before resetting num_computed_tokens: it tells which blocks were written.
         self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request, front=True)
 
-    def _isolate_suspect(self, preempted: list[Request]) -> bool:
+    def isolate_suspect(self, preempted: list[Request]) -> bool:
         """While requests of a step that raised are suspects, run one of them per step, alone.
 
         The first suspect (running, else the first waiting) is put where this step takes it: every
@@ -376,7 +399,7 @@ class Scheduler:
             return True
         for request in [r for r in self.running if r is not suspect]:
             self.running.remove(request)
-            self._preempt(request)
+            self.preempt(request)
             preempted.append(request)
         if suspect.status != RequestStatus.RUNNING:
             self.waiting.remove(suspect)
@@ -481,9 +504,24 @@ class Scheduler:
                 req_id: r.encoder_inputs for req_id, r in scheduled.items() if r.encoder_inputs
             },
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
+            scheduled_spec_decode_tokens={
+                req_id: r.spec_token_ids for req_id, r in scheduled.items() if r.spec_token_ids
+            },
         )
 
     # ---- after the step ----
+
+    def _settle_drafts(self, request: Request, so: SchedulerOutput, sampled: list[int]) -> None:
+        """The step's tokens are back: the drafts the model rejected were computed (in the KV
+        cache) but are not the request's tokens; the next step overwrites them."""
+        num_drafts = len(so.scheduled_spec_decode_tokens.get(request.request_id, ()))
+        request.num_output_placeholders -= 1 + num_drafts
+        request.num_computed_tokens -= 1 + num_drafts - len(sampled)
+        if num_drafts:
+            counts = self.spec_counts
+            counts["spec_decode_num_drafts"] += 1
+            counts["spec_decode_num_draft_tokens"] += num_drafts
+            counts["spec_decode_num_accepted_tokens"] += len(sampled) - 1
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -501,7 +539,8 @@ class Scheduler:
             free_consumed_encoder_inputs(request, self.encoder_cache_manager)
             index = req_id_to_index.get(req_id)
             sampled = runner.sampled_token_ids[index] if index is not None else []
-            request.num_output_placeholders -= len(sampled)
+            if sampled:
+                self._settle_drafts(request, scheduler_output, sampled)
             new_token_ids = append_and_check_stop(request, sampled, self.max_model_len)
             if self.make_text_stop is not None:
                 check_text_stop(request, new_token_ids, self.make_text_stop)
@@ -509,11 +548,13 @@ class Scheduler:
                 request.suspect = False  # it ran past the step that failed
             prompt_logprobs = runner.prompt_logprobs.get(req_id)
             if new_token_ids or request.is_finished or prompt_logprobs is not None:
+                logprobs = runner.logprobs.get(req_id)
                 outputs.append(
                     EngineCoreOutput(
                         request_id=req_id,
                         new_token_ids=new_token_ids,
-                        new_logprobs=runner.logprobs.get(req_id),
+                        # only the tokens kept (a stop or a missing token cuts the step's)
+                        new_logprobs=logprobs and logprobs.head(len(new_token_ids)),
                         new_prompt_logprobs=prompt_logprobs,
                         finish_reason=FINISH_REASONS.get(request.status),
                         stop_reason=request.stop_reason,
@@ -522,76 +563,15 @@ class Scheduler:
                     )
                 )
             if request.is_finished:
-                self._free_request(request)
+                self.free_request(request)
                 num_finished += 1
             else:
                 self.kv_cache_manager.update_block_hashes(request)
+                request.spec_token_ids = runner.spec_token_ids.get(req_id, [])
         if num_finished:
             self.running = [request for request in self.running if not request.is_finished]
         if self.talker is not None:
             outputs = self.talker.hold(outputs) + self.talker.outputs(runner.speech)
-        return EngineCoreOutputs(outputs=outputs)
-
-    # ---- a step that raised ----
-
-    def fail_step(self, scheduler_outputs: list[SchedulerOutput]) -> EngineCoreOutputs:
-        """Undo steps whose execution raised (with async scheduling, the one that raised and
-        those launched after it, which build on it), and pin the failure on the request that
-        caused it.
-
-        A request alone in the steps is the cause: it finishes with an error. Several requests
-        all go back to waiting (recompute) as suspects and then run one at a time until each has
-        sampled a token (``_isolate_suspect``), so a repeat failure has a single cause and no
-        innocent request fails. Encoder-cache entries the steps were to fill are dropped: the
-        workers may not hold them. No other step may be in flight.
-        """
-        requests = list({req_id: self.requests[req_id] for so in scheduler_outputs
-                         for req_id in so.num_scheduled_tokens
-                         if req_id in self.requests}.values())  # fmt: skip
-        for so in scheduler_outputs:
-            for req_id, num_tokens in so.num_scheduled_tokens.items():
-                if req_id in self.requests:
-                    # The optimistic advance did not happen: that KV was never (all) written.
-                    self.requests[req_id].num_computed_tokens -= num_tokens
-        for request in requests:
-            request.num_output_placeholders = 0
-        outputs: list[EngineCoreOutput] = []
-        if len({r for so in scheduler_outputs for r in so.num_scheduled_tokens}) == 1:
-            for request in requests:
-                self.running.remove(request)
-                request.status = RequestStatus.FINISHED_ERROR
-                self._free_request(request)
-                outputs.append(
-                    EngineCoreOutput(
-                        request_id=request.request_id,
-                        new_token_ids=[],
-                        finish_reason=FinishReason.ERROR,
-                        num_cached_tokens=max(request.num_cached_tokens, 0),
-                    )
-                )
-        else:
-            for request in reversed(requests):  # _preempt puts each at the head, in order
-                self.running.remove(request)
-                self._preempt(request)
-                request.suspect = True
-        for so in scheduler_outputs:
-            if so.talker is not None and self.talker is not None:
-                # A talker's state in the workers may be half-advanced: its request fails.
-                for req_id in so.talker.num_scheduled_tokens:
-                    reported = any(o.request_id == req_id for o in outputs)
-                    if req_id in self.talker.requests:
-                        self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
-                        if not reported:
-                            error = EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR)
-                            outputs.append(error)
-        by_id = {request.request_id: request for request in requests}
-        self.encoder_cache_manager.discard(
-            by_id[req_id].mm_features[i].identifier
-            for so in scheduler_outputs
-            for req_id, items in so.scheduled_encoder_inputs.items()
-            if req_id in by_id
-            for i in items
-        )
         return EngineCoreOutputs(outputs=outputs)
 
 

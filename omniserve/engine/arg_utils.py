@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from omniserve import envs
 from omniserve.config import (
@@ -19,6 +20,7 @@ from omniserve.config import (
     OmniConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 _UNITS = {
@@ -105,6 +107,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    speculative_config: dict[str, Any] | str | None = None
 
     def create_config(self, *, default_batched_tokens: int = 8192) -> OmniConfig:
         model_config = ModelConfig.from_path(
@@ -171,6 +174,9 @@ class EngineArgs:
             ),
             lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
             if self.enable_lora
+            else None,
+            speculative_config=SpeculativeConfig.from_dict(self.speculative_config)
+            if self.speculative_config is not None
             else None,
         )
         from omniserve.multimodal.media import media_config  # numpy, PIL, av: only here
@@ -404,6 +410,16 @@ class EngineArgs:
             type=int,
             default=None,
             help="Adapters kept read in host memory (default: --max-loras).",
+        )
+        parser.add_argument(
+            "--speculative-config",
+            default=None,
+            help='Speculative decoding, as JSON (vLLM\'s): {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+            '"disable_by_batch_size": 8}. Drafts are copied from each request\'s own earlier '
+            "tokens and verified in one forward; outputs keep their distribution (greedy: "
+            "the same tokens). Requests with penalties, bad words, a grammar, audio output or "
+            "min_tokens still ahead decode one token per step.",
         )
         return parser
 

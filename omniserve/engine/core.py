@@ -13,6 +13,7 @@ from omniserve.config import OmniConfig
 from omniserve.core.request import Request, RequestStatus
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.core.scheduler import Scheduler
+from omniserve.core.step_failure import fail_step
 from omniserve.engine.detokenizer import IncrementalDetokenizer
 from omniserve.executor.abstract import Executor
 from omniserve.lora.request import LoRARequest, lora_stats
@@ -94,6 +95,7 @@ class EngineCore:
             num_talker_blocks=num_talker_blocks,
             make_text_stop=self._make_text_stop,
             max_loras=config.lora_config.max_loras if config.lora_config else 0,
+            speculative_config=config.speculative_config,
         )
         # Requests with structured outputs wait here, outside the scheduler, for their grammar.
         self.grammar_waiting: dict[str, tuple[Request, Future[Any]]] = {}
@@ -303,7 +305,7 @@ class EngineCore:
             "failing it" if len(req_ids) == 1 else "rerunning each alone to find the cause",
             exc_info=exc,
         )
-        outputs = self.scheduler.fail_step(scheduler_outputs).outputs
+        outputs = fail_step(self.scheduler, scheduler_outputs).outputs
         for output in outputs:
             if output.finished:
                 self.structured_output.remove(output.request_id)

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from omniserve.config import SpeculativeConfig
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from omniserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
@@ -90,7 +91,6 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
 }
 """vLLM's flags that mean nothing here: accepted, each logged once with why."""
 MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
-    "--speculative-config": ({}, "speculative decoding"),
     "--quantization": ({}, "quantized checkpoints"),
     "--enable-prompt-embeds": ({"action": "store_true"}, "prompt embeddings"),
     "--cpu-offload-gb": ({"type": float}, "weight offloading"),
@@ -118,6 +118,13 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
         parse_lora_modules(args.lora_modules)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.speculative_config is not None:
+        if args.async_scheduling:
+            parser.error("--speculative-config does not work with --async-scheduling.")
+        try:
+            SpeculativeConfig.from_dict(args.speculative_config)
+        except ValueError as exc:
+            parser.error(f"--speculative-config: {exc}")
     for flag, (_, feature) in MISSING_FEATURE_FLAGS.items():
         if getattr(args, _flag_dest(flag), None) not in (None, False):
             parser.error(f"{flag}: {feature} is not implemented in omniserve.")

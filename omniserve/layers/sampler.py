@@ -108,11 +108,12 @@ class LogprobsTensors:
         """The fields, in the order the constructor takes them."""
         return [self.token_ids, self.logprobs, self.ranks]
 
-    def to_lists(self, row: int, num_logprobs: int) -> LogprobsLists:
-        """Row ``row`` as one position, trimmed to that request's own ``num_logprobs``."""
+    def to_lists(self, rows: range, num_logprobs: int) -> LogprobsLists:
+        """``rows`` as consecutive positions of one request, trimmed to its ``num_logprobs``."""
         ids, logprobs, ranks = self._as_lists()
         width = 1 + num_logprobs
-        return LogprobsLists([ids[row][:width]], [logprobs[row][:width]], [ranks[row]])
+        return LogprobsLists([ids[r][:width] for r in rows], [logprobs[r][:width] for r in rows],
+                             [ranks[r] for r in rows])  # fmt: skip
 
     def to_lists_all(self, num_logprobs: int) -> LogprobsLists:
         """Every row as consecutive positions (a request's prompt logprobs)."""

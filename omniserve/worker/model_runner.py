@@ -7,7 +7,6 @@ request's history through its block table. Logits are computed only where a toke
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +19,7 @@ from omniserve.attention.layer import (
     kv_cache_bytes_per_block,
 )
 from omniserve.attention.metadata import AttentionMetadata
-from omniserve.config import CacheConfig, SchedulerConfig, blocks_for
+from omniserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, blocks_for
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.forward_context import set_forward_context
 from omniserve.layers.fused_moe import FusedMoE
@@ -32,12 +31,14 @@ from omniserve.layers.sampler import (
 )
 from omniserve.messages import ModelRunnerOutput, PendingOutput, ReadyOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
+from omniserve.spec_decode.ngram_proposer import NgramProposer
 from omniserve.structured_output import allowed_by_bitmask
-from omniserve.transfers import HostCopy, host_to_device, upload
+from omniserve.transfers import host_to_device, upload
 from omniserve.worker.cuda_graph import PAD_SLOT, DecodeGraphs, graph_batch_sizes
 from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions, to_device
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
 from omniserve.worker.lora_manager import LoRAManager
+from omniserve.worker.sampled_step import SampledStep
 from omniserve.worker.sampling_inputs import banned_ids, build_sampling_metadata
 from omniserve.worker.step_timing import StepTimer
 from omniserve.worker.talker_families import create_talker_runner
@@ -56,70 +57,8 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     sample_mask: np.ndarray  # [num_reqs] bool: this step samples a token for the request
     logits_indices: torch.Tensor  # [num_sampled] flattened-token index of each sampling position
-
-
-@dataclass
-class _SampledStep:
-    """A launched step (a ``PendingOutput``): ``read_back()`` waits for its sampled tokens and
-    appends them to their requests' rows (once: the next step's sampling may need them first);
-    ``result()`` also attaches the logprobs. A request that left the batch meanwhile is
-    skipped (its output is not used)."""
-
-    batch: InputBatch
-    timer: StepTimer
-    output: ModelRunnerOutput
-    sampling: list[int]
-    """Index in ``output.req_ids`` of each request that sampled, in the tokens' order."""
-    sampled: torch.Tensor
-    """[num_sampling] ids on the device, which the next step may feed to the model."""
-    reported: torch.Tensor
-    """The same, -1 where the sampler had no token (``SamplerOutput.reported_ids``): read back."""
-    logprobs: LogprobsTensors | None
-    prompt_logprobs: dict[str, tuple[LogprobsTensors, int]]
-    """req id -> logprobs of its prompt positions in this step, and how many it asked for."""
-
-    def __post_init__(self) -> None:
-        tensors = [self.reported]
-        for logprobs in (self.logprobs, *(lp for lp, _ in self.prompt_logprobs.values())):
-            if logprobs is not None:
-                tensors += logprobs.tensors()
-        self._copy: HostCopy | None = HostCopy(tensors)
-        self._host: list[torch.Tensor] = []
-
-    def done(self) -> bool:
-        return self._copy is None or self._copy.ready()
-
-    def read_back(self) -> None:
-        if self._copy is None:
-            return
-        batch, output = self.batch, self.output
-        self._host, self._copy = self._copy.get(), None
-        sampled = self._host[0].tolist()
-        for j, i in enumerate(self.sampling):
-            output.sampled_token_ids[i] = [sampled[j]]
-            row = batch.req_id_to_row.get(output.req_ids[i])
-            if row is not None:
-                batch.num_in_flight[row] -= 1
-                if sampled[j] >= 0:  # -1: no token; the scheduler ends the request
-                    batch.append_token(row, sampled[j])
-
-    def result(self) -> ModelRunnerOutput:
-        with self.timer.part("sampler"):
-            self.read_back()
-        output, host = self.output, iter(self._host[1:])
-        if self.logprobs is not None:
-            logprobs = LogprobsTensors(*itertools.islice(host, 3))
-            for j, i in enumerate(self.sampling):
-                req_id = output.req_ids[i]
-                row = self.batch.req_id_to_row.get(req_id)
-                state = self.batch.states[row] if row is not None else None
-                if state is not None and state.sampling_params.logprobs is not None:
-                    output.logprobs[req_id] = logprobs.to_lists(j, state.sampling_params.logprobs)
-        for req_id, (_, k) in self.prompt_logprobs.items():
-            output.prompt_logprobs[req_id] = LogprobsTensors(
-                *itertools.islice(host, 3)
-            ).to_lists_all(k)
-        return output
+    num_drafts: np.ndarray  # [num_reqs] draft tokens fed after the request's last token
+    drafts: dict[str, list[int]]  # req id -> those drafts (speculative decoding)
 
 
 class ModelRunner:
@@ -131,6 +70,7 @@ class ModelRunner:
         vocab_size: int,
         device: torch.device,
         lora_manager: LoRAManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.model = model
         self.lora_manager = lora_manager
@@ -145,6 +85,9 @@ class ModelRunner:
             scheduler_config.max_num_seqs, max_len, self.max_num_blocks_per_req
         )
         self.sampler = Sampler()
+        self.proposer = (
+            NgramProposer(speculative_config, max_len) if speculative_config is not None else None
+        )
         self.kv_caches: list[torch.Tensor] = []
         self.encoder_runner = (
             EncoderRunner(model, device) if getattr(model, "supports_multimodal", False) else None
@@ -158,7 +101,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self._launched: tuple[StepInputs, torch.Tensor, torch.Tensor] | None = None
         """The step ``launch`` started and ``sample`` completes: inputs, hidden states, logits."""
-        self._last_step: _SampledStep | None = None
+        self._last_step: SampledStep | None = None
         """The last launched step: its sampled tokens (on the device) are the inputs of next
         steps launched before they are read back, and the tokens any row has in flight."""
         self.step_timer = StepTimer(device)
@@ -317,26 +260,30 @@ class ModelRunner:
             return ReadyOutput(ModelRunnerOutput([], []))
         step, hidden_states, logits = self._launched
         self._launched = None
-        sample_rows = step.rows[step.sample_mask]
+        sampling = np.flatnonzero(step.sample_mask)
+        counts = 1 + step.num_drafts[sampling]  # positions each sampling request samples
         grammar = None
-        if grammar_bitmask:
-            sampling_ids = [step.req_ids[i] for i in np.flatnonzero(step.sample_mask)]
+        if grammar_bitmask:  # (a request under a grammar takes no drafts: one position)
+            firsts = np.cumsum(counts) - counts
+            sampling_ids = [step.req_ids[i] for i in sampling]
             rows = [j for j, req_id in enumerate(sampling_ids) if req_id in grammar_bitmask]
             masks = [grammar_bitmask[sampling_ids[j]] for j in rows]
-            grammar = (np.array(rows, np.int64), allowed_by_bitmask(masks, logits.shape[1]))
+            grammar = (firsts[rows], allowed_by_bitmask(masks, logits.shape[1]))
         with self.step_timer.part("sampler"):
-            metadata = self._sampling_metadata(sample_rows, grammar)
+            metadata = self._sampling_metadata(np.repeat(step.rows[sampling], counts), grammar)
             sampler_output = self.sampler(logits, metadata)
-        self.input_batch.num_in_flight[sample_rows] += 1
-        self._last_step = _SampledStep(
+        self.input_batch.num_in_flight[step.rows[sampling]] += 1
+        self._last_step = SampledStep(
             self.input_batch,
             self.step_timer,
             ModelRunnerOutput(step.req_ids, [[] for _ in step.req_ids]),
-            np.flatnonzero(step.sample_mask).tolist(),
+            sampling.tolist(),
+            [step.drafts.get(step.req_ids[i], []) for i in sampling],
             sampler_output.sampled_token_ids,
             sampler_output.reported_ids(),
             sampler_output.logprobs,
             self._prompt_logprobs(step, hidden_states),
+            self.proposer,
         )
         return self._last_step
 
@@ -441,22 +388,30 @@ class ModelRunner:
         query_lens = np.fromiter(so.num_scheduled_tokens.values(), np.int64, len(req_ids))
         num_computed = batch.num_computed_tokens[rows]
         cu_query = np.cumsum(query_lens)
-        num_tokens = int(cu_query[-1])
         token_req = np.repeat(np.arange(len(req_ids)), query_lens)  # [num_tokens] request index
-        offsets = np.arange(num_tokens) - np.repeat(cu_query - query_lens, query_lens)
-        positions = num_computed[token_req] + offsets  # [num_tokens]
+        positions = _ranges(num_computed, query_lens)  # [num_tokens]
         token_rows = rows[token_req]
+        num_drafts = np.zeros(len(req_ids), np.int64)
+        index_of = {r: i for i, r in enumerate(req_ids)} if so.scheduled_spec_decode_tokens else {}
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            i = index_of[req_id]
+            end = batch.num_tokens[rows[i]]  # inputs past the row's tokens, not its tokens
+            batch.token_ids[rows[i], end : end + len(drafts)] = drafts
+            num_drafts[i] = len(drafts)
         input_ids = batch.token_ids[token_rows, positions]
-        # A token past the known ones was sampled by the last launched step and is not read
-        # back yet (async scheduling): it is taken from that step's output on the device.
-        from_device = np.flatnonzero(positions >= batch.num_tokens[token_rows])
+        # A token past the known ones (and drafts) was sampled by the last launched step and is
+        # not read back yet (async scheduling): it is taken from that step's output on the
+        # device.
+        known = batch.num_tokens[rows] + num_drafts
+        from_device = np.flatnonzero(positions >= known[token_req])
         block_ids = batch.block_table[token_rows, positions // self.block_size]
         slot_mapping = block_ids * self.block_size + positions % self.block_size
         seq_lens = num_computed + query_lens
         # A request samples when this step reaches the end of its tokens (those read back and
         # those in flight); a partial prefill does not (and must not advance its seeded
         # generator).
-        sample_mask = seq_lens == batch.num_tokens[rows] + batch.num_in_flight[rows]
+        sample_mask = seq_lens == known + batch.num_in_flight[rows]
+        counts = 1 + num_drafts[sample_mask]  # a sampled position per draft, and the last one
         max_blocks = blocks_for(int(seq_lens.max()), self.block_size)
         arrays = [
             np.concatenate(([0], cu_query)).astype(np.int32),
@@ -464,14 +419,14 @@ class ModelRunner:
             batch.block_table[rows, :max_blocks].astype(np.int32),
             slot_mapping,
             input_ids,
-            cu_query[sample_mask] - 1,
+            _ranges(cu_query[sample_mask] - counts, counts),
             self._model_positions(rows, positions, query_lens),
         ]
         if from_device.size:
             last = self._last_step
             assert last is not None
             last_tokens = last.sampled
-            index = {last.output.req_ids[i]: j for j, i in enumerate(last.sampling)}
+            index = last.last_position()
             arrays += [from_device, np.fromiter((index[req_ids[i]] for i in token_req[from_device]),
                                                 np.int64, from_device.size)]  # fmt: skip
         (query_start_loc, seq_lens_dev, block_table, slot_mapping_dev, input_ids_dev,
@@ -496,6 +451,8 @@ class ModelRunner:
             attn_metadata=attn_metadata,
             sample_mask=sample_mask,
             logits_indices=logits_indices,
+            num_drafts=num_drafts,
+            drafts=so.scheduled_spec_decode_tokens,
         )
 
     def _sampling_metadata(
@@ -583,3 +540,9 @@ class ModelRunner:
                 result[req_id] = (compute_logprobs(logits, targets, k), k)
             start += q
         return result
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``[start, start + length)`` of each pair, end to end."""
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()))

@@ -18,6 +18,7 @@ PARTS = (
     "prefill steps: forward + logits",
     "decode steps: forward + logits",
     "sampler",
+    "drafts",
     "speech stage",
 )
 """A step whose requests compute any prompt token is a prefill step; the rest decode."""

@@ -167,7 +167,7 @@ class Worker:
         vocab_size = self.hf_config.get_text_config().vocab_size
         self.model_runner = ModelRunner(
             model, config.scheduler_config, config.cache_config, vocab_size, self.device,
-            self.lora_manager,
+            self.lora_manager, config.speculative_config,
         )  # fmt: skip
 
     def _kv_bytes_per_token(self, model: torch.nn.Module) -> int:
