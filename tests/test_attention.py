@@ -334,16 +334,22 @@ def test_gather_workspace_survives_grad_modes() -> None:
 
 
 def test_kernel_plans_decodes_without_padding(decode_path: str) -> None:
-    batch = make_batch([(9, 1), (0, 7), (4, 1)], num_heads=4, num_kv_heads=2)
+    """A chunk of up to KERNEL_MAX_QUERY tokens (a decode with drafts) is a row per token, each
+    with its causal length; a longer one stays a prefill."""
+    batch = make_batch([(9, 1), (5, 3), (0, 9), (4, 1)], num_heads=4, num_kv_heads=2)
     use_kernel = BACKEND().decode_kernel_supports(batch.query, batch.kv_cache)
     assert use_kernel == (decode_path == "kernel")
     plan = torch_backend._plan_batch(batch.metadata, 4, None, use_kernel)
+    prefills = [(p.start, p.end) for p in plan.prefills]
     if use_kernel:
+        assert prefills == [(4, 13)]
         assert plan.decode_rows is not None and not plan.decode_chunks
-        assert plan.decode_rows.token_rows.tolist() == [0, 8]
-        assert plan.decode_rows.seq_lens.tolist() == [10, 5]
+        assert plan.decode_rows.token_rows.tolist() == [0, 1, 2, 3, 13]
+        assert plan.decode_rows.seq_lens.tolist() == [10, 6, 7, 8, 5]
     else:
+        assert prefills == [(1, 4), (4, 13)]
         assert plan.decode_rows is None and plan.decode_chunks
+    run_and_compare(batch)
 
 
 def test_kernel_on_strided_query_rows(decode_path: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -246,3 +247,26 @@ def test_realsize_benchmark_runs_every_request_with_a_lora_adapter(tiny_checkpoi
     assert "+ PEFT" in result["engine"]  # the adapter, through PEFT
     omni = json.loads((tmp_path / "omniserve.json").read_text())
     assert omni["model_info"]["lora_slot_bytes"] > 0
+
+
+def test_spec_decode_benchmark_measures_drafts_of_known_quality(tiny_checkpoint):
+    """fp32 (no rounding between the 1-row and the verifying steps): drafts all wrong keep none,
+    drafts all right keep every one, and every omniserve run gives the plain run's tokens."""
+    model_dir = tiny_checkpoint("Qwen3ForCausalLM")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_spec_decode.py"), "--model",
+         str(model_dir), "--batches", "1,2", "--new-tokens", "12", "--repeats", "1",
+         "--dtype", "float32", "-k", "3"],
+        capture_output=True, text=True, timeout=600, cwd=SCRIPTS.parent,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("| omniserve + drafts all wrong (cost) |") == 2
+    for batch in (1, 2):
+        table = out.split(f"## batch {batch}")[1].split("Derived bound")[0]
+        rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()}
+        assert "| 0% of " in rows["omniserve + drafts all wrong (cost)"]
+        assert "| 100% of " in rows["omniserve + drafts all right (bound)"]
+        assert all(line.endswith(f"| {batch}/{batch} |") for name, line in rows.items()
+                   if name.startswith("omniserve +"))  # fmt: skip
+    assert "| transformers + prompt lookup |" in out.split("## batch 2")[0]

@@ -22,6 +22,12 @@ import torch.nn.functional as F
 from omniserve.attention.base import AttentionBackend
 from omniserve.attention.metadata import AttentionMetadata
 
+KERNEL_MAX_QUERY = 8
+"""With a decode kernel, chunks of at most this many tokens (a decode with drafts to verify, the
+last tokens of a prompt) are handed to it too, one row per token, each with its own causal
+length: the kernel reads the request's keys in place, where SDPA would first gather them (and
+a step's worth of per-request gathers and SDPA calls costs more than the attention itself)."""
+
 # Decodes are gathered in chunks of at most this many (request, key position) pairs so one step's
 # padded key copy stays bounded (32k positions x 1k head elements x 4 bytes = 128 MiB for K).
 _DECODE_KEYS_PER_CHUNK = 1 << 15
@@ -134,17 +140,25 @@ def _plan_prefill(
 def _decode_rows(
     md: AttentionMetadata, decode_reqs: list[int], token_starts: list[int]
 ) -> _DecodeRows:
-    if len(decode_reqs) == md.num_reqs:  # decode-only step: the runner's tensors as they are
+    """The kernel's rows: each token of ``decode_reqs`` (one for a decode, up to
+    ``KERNEL_MAX_QUERY`` for a short chunk), its request's block table and its causal length."""
+    if all(q == 1 for q in md.query_lens_cpu):  # decodes only: the runner's tensors as they are
         return _DecodeRows(
             torch.tensor(token_starts, dtype=torch.int64),
             md.block_table.contiguous(),
             md.seq_lens.to(torch.int32).contiguous(),
         )
-    rows = torch.tensor(decode_reqs)
+    reqs, token_rows, seq_lens = [], [], []
+    for r in decode_reqs:
+        query_len, seq_len = md.query_lens_cpu[r], md.seq_lens_cpu[r]
+        for i in range(query_len):
+            reqs.append(r)
+            token_rows.append(token_starts[r] + i)
+            seq_lens.append(seq_len - query_len + 1 + i)
     return _DecodeRows(
-        torch.tensor([token_starts[r] for r in decode_reqs], dtype=torch.int64),
-        md.block_table[rows].contiguous(),
-        md.seq_lens[rows].to(torch.int32).contiguous(),
+        torch.tensor(token_rows, dtype=torch.int64),
+        md.block_table[torch.tensor(reqs)].contiguous(),
+        torch.tensor(seq_lens, dtype=torch.int32),
     )
 
 
@@ -156,7 +170,7 @@ def _plan_batch(
     start = 0
     for req, query_len in enumerate(md.query_lens_cpu):
         token_starts.append(start)
-        if query_len == 1:
+        if query_len == 1 or (use_kernel and 1 < query_len <= KERNEL_MAX_QUERY):
             decode_reqs.append(req)
         elif query_len > 1:
             plan.prefills.append(_plan_prefill(md, req, start, block_size, sliding_window))

@@ -97,6 +97,14 @@ class EngineCore:
             max_loras=config.lora_config.max_loras if config.lora_config else 0,
             speculative_config=config.speculative_config,
         )
+        if spec := config.speculative_config:
+            logger.info(
+                "Speculative decoding: n-gram prompt lookup, up to %d drafts per request and "
+                "step from matches of %d..%d tokens%s.",
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                f", none while {spec.disable_by_batch_size}+ requests are in"
+                if spec.disable_by_batch_size else "",
+            )  # fmt: skip
         # Requests with structured outputs wait here, outside the scheduler, for their grammar.
         self.grammar_waiting: dict[str, tuple[Request, Future[Any]]] = {}
         self.structured_output = StructuredOutputManager(config.model_config)
