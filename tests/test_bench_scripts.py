@@ -146,6 +146,7 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
         assert runs["ttft_mm"]["num_prompt_tokens"] > 200  # 448 px image + 10 s clip
         assert results[engine]["peak_rss_bytes"] > 0
     workload["python_profile"] = True  # the variant's engine core runs in-process, under cProfile
+    workload["profile_steps"] = workload["torch_profile"] = False  # (checked above already)
     variant_file = tmp_path / "variant.json"
     variant_file.write_text(json.dumps(workload))
     variant = bench.run_engine("omniserve:torch", model_dir, variant_file, tmp_path / "v.json",
