@@ -53,13 +53,10 @@ def test_accept_drafts_keeps_the_agreeing_prefix_and_the_models_next_token():
     assert accept_drafts([3], []) == [3]
 
 
-def test_requests_whose_sampling_reads_earlier_tokens_take_no_drafts():
-    assert takes_drafts(SamplingParams(temperature=0.7, top_k=5, logprobs=2), 0)
-    assert not takes_drafts(SamplingParams(repetition_penalty=1.1), 3)
-    assert not takes_drafts(SamplingParams(presence_penalty=0.5), 3)
-    assert not takes_drafts(SamplingParams(min_tokens=4), 3)
-    assert takes_drafts(SamplingParams(min_tokens=4), 4)
-    assert not takes_drafts(SamplingParams(structured_outputs={"regex": "a+"}), 0)
+def test_requests_under_a_grammar_take_no_drafts():
+    assert takes_drafts(SamplingParams(temperature=0.7, top_k=5, logprobs=2))
+    assert takes_drafts(SamplingParams(repetition_penalty=1.1, min_tokens=4, bad_words=["a"]))
+    assert not takes_drafts(SamplingParams(structured_outputs={"regex": "a+"}))
 
 
 def test_config_follows_vllm():
@@ -234,3 +231,73 @@ def test_mrope_model_with_images(tiny_checkpoint, monkeypatch):
             assert a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     assert llm.llm_engine.engine_core.call_utility("get_stats")["spec_decode_num_accepted_tokens"]
+
+
+def test_scheduler_feeds_drafts_rolls_back_rejected_ones_and_stops_them_for_large_batches():
+    from omniserve.config import CacheConfig, SchedulerConfig
+    from omniserve.core.scheduler import Scheduler
+    from omniserve.messages import ModelRunnerOutput
+    from tests.utils import make_requests
+
+    spec = SpeculativeConfig(3, disable_by_batch_size=3)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=256), CacheConfig(), 100,
+                          speculative_config=spec)  # fmt: skip
+    first, second = make_requests(2, 20, max_tokens=6)
+    for request in (first, second):
+        scheduler.add_request(request)
+
+    def step(sampled: dict[str, list[int]], drafts: dict[str, list[int]]):
+        so = scheduler.schedule()
+        ids = list(so.num_scheduled_tokens)
+        out = ModelRunnerOutput(ids, [sampled[r] for r in ids], spec_token_ids=drafts)
+        scheduler.update_from_output(so, out)
+        return so
+
+    step({"req-0": [5], "req-1": [6]}, {"req-0": [7, 8, 9], "req-1": [1, 2, 3]})
+    so = step({"req-0": [7, 8, 9, 10], "req-1": [4]}, {"req-0": [11, 12, 13]})
+    assert so.scheduled_spec_decode_tokens == {"req-0": [7, 8, 9], "req-1": [1, 2, 3]}
+    assert so.num_scheduled_tokens == {"req-0": 4, "req-1": 4}
+    # req-0 kept its 3 drafts and one more token; req-1 none (its 3 drafts' KV rolled back).
+    assert first.output_token_ids == (5, 7, 8, 9, 10) and second.output_token_ids == (6, 4)
+    assert (first.num_computed_tokens, second.num_computed_tokens) == (24, 21)
+    assert scheduler.make_stats()["spec_decode_num_accepted_tokens"] == 3
+    # max_tokens 6: req-0 may sample one more token, so no draft is fed.
+    so = step({"req-0": [14], "req-1": [15]}, {"req-1": [1, 2]})
+    assert so.scheduled_spec_decode_tokens == {} and first.is_finished
+    (third,) = make_requests(1, 20, prefix="late")
+    scheduler.add_request(third)
+    scheduler.add_request(make_requests(1, 20, prefix="later")[0])
+    so = scheduler.schedule()  # three requests in: drafts are off
+    assert so.scheduled_spec_decode_tokens == {} and so.num_scheduled_tokens["req-1"] == 1
+
+
+def test_penalties_bad_words_and_min_tokens_see_the_drafts_before_each_position(case, monkeypatch):
+    """Each verifying row samples as the request would at its position, the drafts before it
+    counted as its tokens: the same tokens and logprobs as without drafts (fp32)."""
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+    model_dir, prompts, reference = case
+    plain = LLM(model_dir, dtype="float32")
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    first = plain.generate(requests, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, repetition_penalty=1.3,
+                       presence_penalty=0.4, frequency_penalty=0.3, min_tokens=12,
+                       # the greedy third token stops it, once min_tokens allows
+                       stop_token_ids=[o.outputs[0].token_ids[2]],
+                       bad_words=[plain.get_tokenizer().decode(o.outputs[0].token_ids[4:6])])
+        for o in first
+    ]  # fmt: skip
+    expected = plain.generate(requests, params, use_tqdm=False)
+    greedy = {
+        tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, expected, strict=True)
+    }
+    monkeypatch.setattr(NgramProposer, "propose", _oracle(greedy, prompts))
+    spec = LLM(model_dir, dtype="float32",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})  # fmt: skip
+    outputs = spec.generate(requests, params, use_tqdm=False)
+    for ours, theirs in zip(outputs, expected, strict=True):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert spec.llm_engine.engine_core.call_utility("get_stats")["spec_decode_num_accepted_tokens"]

@@ -418,8 +418,8 @@ class EngineArgs:
             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
             '"disable_by_batch_size": 8}. Drafts are copied from each request\'s own earlier '
             "tokens and verified in one forward; outputs keep their distribution (greedy: "
-            "the same tokens). Requests with penalties, bad words, a grammar, audio output or "
-            "min_tokens still ahead decode one token per step.",
+            "the same tokens). Requests under a grammar or with audio output decode one token "
+            "per step.",
         )
         return parser
 

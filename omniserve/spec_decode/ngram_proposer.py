@@ -16,8 +16,10 @@ That is speculative sampling's accept/resample rule for a draft that puts all it
 token (an n-gram lookup does), so every output token has the model's distribution: greedy
 requests get the same tokens as without drafts, random ones the same distribution.
 
-Only requests whose sampling at a position does not depend on the tokens before it take drafts
-(``takes_drafts``); the others decode one token per step as before.
+Each verifying row samples with the request's settings as they would stand at its position,
+the drafts before it counted as the request's tokens (penalties, bad words, ``min_tokens``): so
+its distribution is the one the request would have there. Requests under a grammar or speaking
+take no drafts (``takes_drafts``) and decode one token per step as before.
 """
 
 from __future__ import annotations
@@ -28,17 +30,11 @@ from omniserve.config import SpeculativeConfig
 from omniserve.sampling_params import SamplingParams
 
 
-def takes_drafts(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether drafts can be verified for a request with one sampler row per position, all
-    with the same settings: not with penalties or bad words (they read the tokens before each
-    position), a grammar (its state advances with each token), ``min_tokens`` still ahead
-    (eos is banned at some positions only) or audio output (the talker follows each token)."""
-    return (
-        not params.reads_output_tokens
-        and params.structured_outputs is None
-        and not params.wants_audio
-        and num_output_tokens >= params.min_tokens
-    )
+def takes_drafts(params: SamplingParams) -> bool:
+    """Whether a request's drafts can be verified: not under a grammar (its matcher would have
+    to advance through each draft and back) nor with audio output (the talker follows each
+    token as it is sampled)."""
+    return params.structured_outputs is None and not params.wants_audio
 
 
 def accept_drafts(sampled: list[int], drafts: list[int]) -> list[int]:

@@ -270,7 +270,8 @@ class ModelRunner:
             masks = [grammar_bitmask[sampling_ids[j]] for j in rows]
             grammar = (firsts[rows], allowed_by_bitmask(masks, logits.shape[1]))
         with self.step_timer.part("sampler"):
-            metadata = self._sampling_metadata(np.repeat(step.rows[sampling], counts), grammar)
+            metadata = self._sampling_metadata(np.repeat(step.rows[sampling], counts), grammar,
+                                               _ranges(np.zeros_like(counts), counts))  # fmt: skip
             sampler_output = self.sampler(logits, metadata)
         self.input_batch.num_in_flight[step.rows[sampling]] += 1
         self._last_step = SampledStep(
@@ -456,13 +457,20 @@ class ModelRunner:
         )
 
     def _sampling_metadata(
-        self, rows: np.ndarray, grammar: tuple[np.ndarray, np.ndarray] | None = None
+        self,
+        rows: np.ndarray,
+        grammar: tuple[np.ndarray, np.ndarray] | None = None,
+        drafts_before: np.ndarray | None = None,
     ) -> SamplingMetadata:
         """The sampling rows' settings. A row's tokens still in flight (the last step's) count
         toward ``min_tokens`` as they are; penalties and bad words read their values, so when
         such a row has one, the last step is read back first. Called once this step's forward
-        is launched, so on CUDA that wait overlaps it."""
+        is launched, so on CUDA that wait overlaps it. ``drafts_before``: per row, how many of
+        its request's drafts precede its position; they count as the request's tokens there
+        (penalties, bad words, ``min_tokens``), as they will be if the row's token is kept."""
         batch = self.input_batch
+        if drafts_before is None:
+            drafts_before = np.zeros(len(rows), np.int64)
         generators, allowed, banned, bias = {}, {}, {}, {}
         max_num_logprobs = None
         for i, row in enumerate(rows):
@@ -476,9 +484,13 @@ class ModelRunner:
                 generators[i] = state.generator
             if params.logprobs is not None:
                 max_num_logprobs = max(max_num_logprobs or 0, params.logprobs)
-            num_generated = len(state.output_token_ids) + int(batch.num_in_flight[row])
-            blocked = banned_ids(params, state.output_token_ids, num_generated,
-                                 state.eos_token_id, self.vocab_size)  # fmt: skip
+            ahead, end = int(drafts_before[i]), int(batch.num_tokens[row])
+            outputs = state.output_token_ids
+            if ahead and params.bad_words_token_ids:
+                outputs = outputs + batch.token_ids[row, end : end + ahead].tolist()
+            num_generated = len(state.output_token_ids) + int(batch.num_in_flight[row]) + ahead
+            blocked = banned_ids(params, outputs, num_generated, state.eos_token_id,
+                                 self.vocab_size)  # fmt: skip
             if blocked:
                 banned[i] = blocked
             if params.allowed_token_ids:
@@ -496,17 +508,23 @@ class ModelRunner:
             repetition=batch.repetition_penalty[rows],
             frequency=batch.frequency_penalty[rows],
             presence=batch.presence_penalty[rows],
-            seen_tokens=lambda penalized: self._seen_tokens(rows[penalized]),
+            seen_tokens=lambda penalized: self._seen_tokens(
+                rows[penalized], drafts_before[penalized]
+            ),
             allowed=allowed,
             banned=banned,
             bias=bias,
             grammar=grammar,
         )
 
-    def _seen_tokens(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The prompt and output token ids of batch ``rows``, each padded with -1."""
+    def _seen_tokens(
+        self, rows: np.ndarray, drafts_before: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt and output token ids of batch ``rows`` (with the drafts before each row's
+        position, which follow the row's tokens in ``token_ids``), each padded with -1."""
         batch = self.input_batch
-        num_prompt, num_tokens = batch.num_prompt_tokens[rows], batch.num_tokens[rows]
+        num_prompt = batch.num_prompt_tokens[rows]
+        num_tokens = batch.num_tokens[rows] + drafts_before
 
         def window(start: np.ndarray, end: np.ndarray) -> np.ndarray:
             index = start[:, None] + np.arange(int((end - start).max(initial=0)))

@@ -116,7 +116,7 @@ class SampledStep:
                 continue
             state = batch.states[row]
             assert state is not None
-            if takes_drafts(state.sampling_params, len(state.output_token_ids)):
+            if takes_drafts(state.sampling_params):
                 drafts = proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
                 if drafts:
                     output.spec_token_ids[req_id] = drafts
