@@ -181,11 +181,17 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
+ACCEPTED_AT_KEY = "spec_decode_accepted_at:"
+"""Stats key prefix: drafts kept at each draft position (the position follows it)."""
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One batch of outputs from the engine core (one step, or abort acknowledgements)."""
 
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
     scheduler_stats: dict[str, float] | None = None
+    """Gauges and cumulative counters by name (``Scheduler.make_stats``); a name may carry a
+    label value after a prefix, e.g. ``ACCEPTED_AT_KEY`` + the draft position."""
     engine_index: int = 0
     """The data-parallel rank of the engine core that sent these."""

@@ -29,7 +29,7 @@ from prometheus_client import (
 )
 
 from omniserve.lora.request import RUNNING_KEY, WAITING_KEY
-from omniserve.messages import EngineCoreOutputs, EngineCoreRequest
+from omniserve.messages import ACCEPTED_AT_KEY, EngineCoreOutputs, EngineCoreRequest
 
 PREFIX = "omniserve:"
 # Seconds; fine at the low end (a step of a small model) and up to long CPU generations.
@@ -124,6 +124,12 @@ class PrometheusStatLogger:
             key: Counter(PREFIX + key, doc, engine_labels, registry=self.registry)
             for key, doc in _ENGINE_COUNTERS.items()
         }
+        self._accepted_at = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: drafts accepted at each draft position (0: the first).",
+            [*engine_labels, "position"],
+            registry=self.registry,
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._request_success = Counter(
@@ -194,12 +200,12 @@ class PrometheusStatLogger:
         for key, counter in self._engine_counters.items():
             child = counter.labels(*labels)  # created at zero, so it shows before any traffic
             value = stats.get(key)
-            if value is None:
-                continue
-            last = self._last_engine_counters.get((engine, key), 0.0)
-            # max(): a counter never goes back, even if the engine's is reset.
-            child.inc(max(0.0, value - last))
-            self._last_engine_counters[engine, key] = max(value, last)
+            if value is not None:
+                child.inc(self._growth(engine, key, value))
+        for key, value in stats.items():
+            if key.startswith(ACCEPTED_AT_KEY):
+                position = key.removeprefix(ACCEPTED_AT_KEY)
+                self._accepted_at.labels(*labels, position).inc(self._growth(engine, key, value))
         if self._lora_info is not None:
             adapters = [",".join(sorted(k.removeprefix(prefix) for k in stats
                                         if k.startswith(prefix)))
@@ -214,6 +220,13 @@ class PrometheusStatLogger:
         hit_rate = self._prefix_cache_hit_rate.labels(*labels)
         if queries:
             hit_rate.set(stats.get("prefix_cache_hits", 0.0) / queries)
+
+    def _growth(self, engine: int, key: str, value: float) -> float:
+        """How much an engine's cumulative counter grew since it was last read; never negative
+        (a counter never goes back, even if the engine's is reset)."""
+        last = self._last_engine_counters.get((engine, key), 0.0)
+        self._last_engine_counters[engine, key] = max(value, last)
+        return max(0.0, value - last)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type."""

@@ -236,7 +236,7 @@ def test_mrope_model_with_images(tiny_checkpoint, monkeypatch):
 def test_scheduler_feeds_drafts_rolls_back_rejected_ones_and_stops_them_for_large_batches():
     from omniserve.config import CacheConfig, SchedulerConfig
     from omniserve.core.scheduler import Scheduler
-    from omniserve.messages import ModelRunnerOutput
+    from omniserve.messages import ACCEPTED_AT_KEY, ModelRunnerOutput
     from tests.utils import make_requests
 
     spec = SpeculativeConfig(3, disable_by_batch_size=3)
@@ -260,7 +260,9 @@ def test_scheduler_feeds_drafts_rolls_back_rejected_ones_and_stops_them_for_larg
     # req-0 kept its 3 drafts and one more token; req-1 none (its 3 drafts' KV rolled back).
     assert first.output_token_ids == (5, 7, 8, 9, 10) and second.output_token_ids == (6, 4)
     assert (first.num_computed_tokens, second.num_computed_tokens) == (24, 21)
-    assert scheduler.make_stats()["spec_decode_num_accepted_tokens"] == 3
+    stats = scheduler.make_stats()
+    assert stats["spec_decode_num_accepted_tokens"] == 3
+    assert [stats[f"{ACCEPTED_AT_KEY}{i}"] for i in range(3)] == [1, 1, 1]
     # max_tokens 6: req-0 may sample one more token, so no draft is fed.
     so = step({"req-0": [14], "req-1": [15]}, {"req-1": [1, 2]})
     assert so.scheduled_spec_decode_tokens == {} and first.is_finished
@@ -301,3 +303,21 @@ def test_penalties_bad_words_and_min_tokens_see_the_drafts_before_each_position(
             assert a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     assert spec.llm_engine.engine_core.call_utility("get_stats")["spec_decode_num_accepted_tokens"]
+
+
+def test_metrics_count_drafts_and_acceptance_per_position():
+    from omniserve.messages import ACCEPTED_AT_KEY
+    from omniserve.metrics import PrometheusStatLogger
+
+    metrics = PrometheusStatLogger("m")
+    for drafted, kept, kept_at in ((8.0, 3.0, (2.0, 1.0)), (12.0, 5.0, (4.0, 1.0))):
+        metrics.record_scheduler_stats({
+            "spec_decode_num_draft_tokens": drafted, "spec_decode_num_accepted_tokens": kept,
+            **{f"{ACCEPTED_AT_KEY}{i}": n for i, n in enumerate(kept_at)},
+        })  # fmt: skip
+    body = metrics.render()[0].decode()
+    assert 'omniserve:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 12.0' in body
+    assert 'omniserve:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 5.0' in body
+    per_pos = "omniserve:spec_decode_num_accepted_tokens_per_pos_total"
+    assert f'{per_pos}{{engine="0",model_name="m",position="0"}} 4.0' in body
+    assert f'{per_pos}{{engine="0",model_name="m",position="1"}} 1.0' in body

@@ -35,7 +35,12 @@ from omniserve.core.stop_conditions import (
 )
 from omniserve.core.talker_scheduler import TalkerScheduler
 from omniserve.lora.request import adapter_fits
-from omniserve.messages import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput
+from omniserve.messages import (
+    ACCEPTED_AT_KEY,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+)
 
 
 @dataclass(slots=True)
@@ -134,6 +139,7 @@ class Scheduler:
         # Speculative decoding: requests' steps with drafts, drafts fed, drafts kept.
         self.spec_counts = {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
                             "spec_decode_num_accepted_tokens": 0}  # fmt: skip
+        self.spec_accepted_at: list[int] = []  # drafts kept at each draft position
 
     # ---- requests in and out ----
 
@@ -235,6 +241,7 @@ class Scheduler:
             "encoder_cache_queries": float(self.encoder_cache_queries),
             "encoder_cache_hits": float(self.encoder_cache_hits),
             **{key: float(count) for key, count in self.spec_counts.items()},
+            **{f"{ACCEPTED_AT_KEY}{i}": float(n) for i, n in enumerate(self.spec_accepted_at)},
         }
         if self.talker:
             stats["talker_kv_cache_usage"] = self.talker.usage
@@ -522,6 +529,10 @@ class Scheduler:
             counts["spec_decode_num_drafts"] += 1
             counts["spec_decode_num_draft_tokens"] += num_drafts
             counts["spec_decode_num_accepted_tokens"] += len(sampled) - 1
+            kept_at = self.spec_accepted_at
+            kept_at += [0] * (len(sampled) - 1 - len(kept_at))
+            for position in range(len(sampled) - 1):
+                kept_at[position] += 1
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
