@@ -2,7 +2,8 @@
 
 Tokens of all scheduled requests are laid end to end with no padding; attention finds each
 request's history through its block table. Logits are computed only where a token is sampled
-(the last position of a request whose known tokens are all in the KV cache after this step).
+(the last position of a request whose known tokens are all in the KV cache after this step, and
+each position of the draft tokens fed after them, with speculative decoding).
 """
 
 from __future__ import annotations
