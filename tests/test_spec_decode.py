@@ -109,6 +109,20 @@ def _oracle(reference: dict[tuple[int, ...], list[int]], prompts: list[list[int]
     return propose
 
 
+def _assert_same_with_drafts(model_dir: str, prompts: list, params, expected: list,
+                             num_drafts: int) -> None:  # fmt: skip
+    """An engine with (patched) drafts gives ``expected``'s tokens and logprobs, keeping some."""
+    spec = {"method": "ngram", "num_speculative_tokens": num_drafts}
+    llm = LLM(model_dir, dtype="float32", speculative_config=spec)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for ours, theirs in zip(outputs, expected, strict=True):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert llm.llm_engine.engine_core.call_utility("get_stats")["spec_decode_num_accepted_tokens"]
+
+
 @pytest.mark.parametrize(
     "engine",
     [
@@ -219,18 +233,7 @@ def test_mrope_model_with_images(tiny_checkpoint, monkeypatch):
     ids = [list(o.prompt_token_ids) for o in base]
     greedy = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(ids, base, strict=True)}
     monkeypatch.setattr(NgramProposer, "propose", _oracle(greedy, ids))
-    llm = LLM(
-        model_dir,
-        dtype="float32",
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-    )
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    for ours, theirs in zip(outputs, base, strict=True):
-        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
-        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
-            assert a.keys() == b.keys()
-            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
-    assert llm.llm_engine.engine_core.call_utility("get_stats")["spec_decode_num_accepted_tokens"]
+    _assert_same_with_drafts(model_dir, prompts, params, base, num_drafts=3)
 
 
 def test_scheduler_feeds_drafts_rolls_back_rejected_ones_and_stops_them_for_large_batches():
@@ -294,15 +297,7 @@ def test_penalties_bad_words_and_min_tokens_see_the_drafts_before_each_position(
         tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, expected, strict=True)
     }
     monkeypatch.setattr(NgramProposer, "propose", _oracle(greedy, prompts))
-    spec = LLM(model_dir, dtype="float32",
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4})  # fmt: skip
-    outputs = spec.generate(requests, params, use_tqdm=False)
-    for ours, theirs in zip(outputs, expected, strict=True):
-        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
-        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
-            assert a.keys() == b.keys()
-            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
-    assert spec.llm_engine.engine_core.call_utility("get_stats")["spec_decode_num_accepted_tokens"]
+    _assert_same_with_drafts(model_dir, requests, params, expected, num_drafts=4)
 
 
 def test_metrics_count_drafts_and_acceptance_per_position():
