@@ -316,3 +316,19 @@ def test_metrics_count_drafts_and_acceptance_per_position():
     per_pos = "omniserve:spec_decode_num_accepted_tokens_per_pos_total"
     assert f'{per_pos}{{engine="0",model_name="m",position="0"}} 4.0' in body
     assert f'{per_pos}{{engine="0",model_name="m",position="1"}} 1.0' in body
+
+
+@pytest.mark.gpu
+def test_verified_drafts_on_gpu_match_hf(case, monkeypatch):
+    """On CUDA (Triton attention takes a verifying chunk as a prefill chunk; steps with drafts
+    run eagerly, the others replay graphs), fp32 against transformers' fp32 on the CPU."""
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+    model_dir, prompts, reference = case
+    greedy = {tuple(p): list(r.token_ids) for p, r in zip(prompts, reference, strict=True)}
+    monkeypatch.setattr(NgramProposer, "propose", _oracle(greedy, prompts))
+    llm = LLM(model_dir, dtype="float32", device="cuda",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_matches_reference(outputs, reference, atol=1e-3)
+    assert llm.llm_engine.engine_core.call_utility("get_stats")["spec_decode_num_accepted_tokens"]
