@@ -121,7 +121,7 @@ class ModelRunner:
     def profile_run(self, media: list[MultiModalFeatureSpec]) -> None:
         """The start-up memory profile's work: each media item through its encoder, then the
         largest step (``max_num_batched_tokens`` tokens as one causal sequence, no cache) and
-        the logits and sampling probabilities of a full batch."""
+        the logits and sampling probabilities of a full batch (with its drafts)."""
         for feature in media:
             self.model.get_multimodal_embeddings(
                 feature.modality, to_device([feature.data], self.device)
@@ -133,7 +133,9 @@ class ModelRunner:
             positions = positions.expand(3, num_tokens)
         with set_forward_context(None):
             hidden_states = self.model(input_ids, positions)
-        logits = self.model.compute_logits(hidden_states[: self.max_num_seqs])
+        # A full batch samples a row per request, and with drafts one per draft too.
+        per_request = 1 + (self.proposer.k if self.proposer is not None else 0)
+        logits = self.model.compute_logits(hidden_states[: self.max_num_seqs * per_request])
         torch.softmax(logits, dim=-1)
 
     @torch.inference_mode()
