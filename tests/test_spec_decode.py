@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -111,11 +112,13 @@ def _oracle(reference: dict[tuple[int, ...], list[int]], prompts: list[list[int]
 
 
 def _assert_same_with_drafts(model_dir: str, prompts: list, params, expected: list,
-                             num_drafts: int) -> None:  # fmt: skip
-    """An engine with (patched) drafts gives ``expected``'s tokens and logprobs, keeping some."""
+                             num_drafts: int, **engine: Any) -> None:  # fmt: skip
+    """An engine with (patched) drafts gives ``expected``'s tokens and logprobs, keeping some
+    (``engine``: more LLM arguments; ``lora_request`` goes to ``generate``)."""
+    lora_request = engine.pop("lora_request", None)
     spec = {"method": "ngram", "num_speculative_tokens": num_drafts}
-    llm = LLM(model_dir, dtype="float32", speculative_config=spec)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    llm = LLM(model_dir, dtype="float32", speculative_config=spec, **engine)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     for ours, theirs in zip(outputs, expected, strict=True):
         assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
         for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
@@ -337,3 +340,27 @@ def test_verified_drafts_on_gpu_match_hf(case, monkeypatch):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_matches_reference(outputs, reference, atol=1e-3)
     assert llm.llm_engine.engine_core.call_utility("get_stats")["spec_decode_num_accepted_tokens"]
+
+
+def test_lora_requests_verify_their_drafts_with_their_adapter(case, tmp_path, monkeypatch):
+    """A verifying chunk's rows all take the request's adapter (the step's token -> slot groups
+    count draft rows): with an adapter and without, in one batch, the same tokens and logprobs
+    as the engine without drafts."""
+    from omniserve.checkpoint_builder.lora import build_random_adapter
+    from omniserve.lora.request import LoRARequest
+
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+    model_dir, prompts, _ = case
+    adapter = LoRARequest("a", 1, str(build_random_adapter(model_dir, tmp_path / "a", 8)))
+    loras = [adapter if i % 2 else None for i in range(len(prompts))]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
+    expected = LLM(model_dir, dtype="float32", enable_lora=True).generate(
+        requests, params, use_tqdm=False, lora_request=loras
+    )
+    greedy = {
+        tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, expected, strict=True)
+    }
+    monkeypatch.setattr(NgramProposer, "propose", _oracle(greedy, prompts))
+    _assert_same_with_drafts(model_dir, requests, params, expected, num_drafts=4,
+                             enable_lora=True, lora_request=loras)  # fmt: skip
