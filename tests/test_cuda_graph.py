@@ -60,7 +60,7 @@ def compare_paths(architecture: str, device: str, dtype: str) -> dict[str, Any]:
         )
     else:
         prompts.append({"prompt_token_ids": list(range(300, 311))})
-    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True, logprobs=2)
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True, logprobs=2)
               for i in range(len(prompts))]  # fmt: skip
     result: dict[str, Any] = {}
     for name, backend, eager in (("torch", "torch", True), ("eager", "triton", True),
@@ -82,7 +82,7 @@ def compare_paths(architecture: str, device: str, dtype: str) -> dict[str, Any]:
 
 def _check(result: dict[str, Any], atol: float, *, same_as_torch: bool = True) -> None:
     graphs, eager = result["graphs"], result["eager"]
-    assert graphs["sizes"] == [1, 2, 4, 6] and graphs["replays"] > 10
+    assert graphs["sizes"] == [1, 2, 4, 6] and graphs["replays"] > 8
     assert eager["sizes"] == [] and eager["replays"] == 0
     assert graphs["tokens"] == eager["tokens"]
     if same_as_torch:
