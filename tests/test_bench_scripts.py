@@ -130,6 +130,7 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
     fresh = workload["runs"][-1]["fresh_media"]  # the profiled re-runs' unseen media
     assert len({m["image"] for m in fresh} | {workload["runs"][-1]["requests"][0]["image"]}) == 4
     workload["profile_steps"] = workload["torch_profile"] = True
+    workload["runs"][0]["requests"][0]["max_tokens"] = 32  # (128 in the benchmark: time)
     # --sampling: every engine samples (seeded per request in omniserve, so variants agree).
     workload["sampling"] = {"temperature": 0.8, "top_p": 0.9, "top_k": 40,
                             "repetition_penalty": 1.1}  # fmt: skip
@@ -140,7 +141,7 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
         results[engine] = bench.run_engine(engine, model_dir, workload_file,
                                            tmp_path / f"{engine}.json", None, 600)  # fmt: skip
         runs = {run["name"]: run for run in results[engine]["runs"]}
-        assert runs["b1"]["num_output_tokens"] == 128 and runs["b1"]["num_prompt_tokens"] == 128
+        assert runs["b1"]["num_output_tokens"] == 32 and runs["b1"]["num_prompt_tokens"] == 128
         assert runs["prefill"]["num_output_tokens"] == 16
         assert runs["ttft_mm"]["num_output_tokens"] == 1
         assert runs["ttft_mm"]["num_prompt_tokens"] > 200  # 448 px image + 10 s clip
@@ -165,7 +166,7 @@ def test_realsize_benchmark_runs_each_engine_in_its_own_process(tiny_checkpoint,
     assert "x the bound" in table and "x the GEMM time" in table
     assert "omniserve:torch vs omniserve: the same tokens in" in table
     assert "of 19 requests" in table  # b1, 16 prefills, the media warm-up and the media request
-    assert "omniserve b1 profile (1 prefill and 127 decode steps" in table
+    assert "omniserve b1 profile (1 prefill and 31 decode steps" in table
     # the first media request, profiled as it ran (its first uses are what it shows)
     assert "omniserve ttft_mm_warmup profile (1 prefill and 0 decode steps" in table
     assert "decode steps: forward + logits" in table and ", rest " in table
