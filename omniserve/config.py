@@ -483,11 +483,6 @@ class LoRAConfig:
             )
 
 
-_DRAFT_MODEL_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "mtp",
-                        "deepseek_mtp", "qwen3_next_mtp", "suffix", "ngram_gpu")  # fmt: skip
-"""vLLM's other speculative methods: each needs a draft model, head or cache omniserve lacks."""
-
-
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding by n-gram prompt lookup (vLLM's ``--speculative-config`` with
@@ -526,13 +521,11 @@ class SpeculativeConfig:
                 f"speculative_config.model {model!r}: omniserve has no draft models; it "
                 'speculates by n-gram prompt lookup ({"method": "ngram", ...}).'
             )
-        if method in _DRAFT_MODEL_METHODS:
+        if method not in ("ngram", "[ngram]"):  # EAGLE, MTP, draft models...: no draft model here
             raise ValueError(
                 f"speculative_config.method {method!r} is not supported: omniserve "
                 "speculates by n-gram prompt lookup only (method 'ngram')."
             )
-        if method not in ("ngram", "[ngram]"):
-            raise ValueError(f"speculative_config.method must be 'ngram', got {method!r}.")
         known = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                  "disable_by_batch_size"}  # fmt: skip
         if unknown := sorted(options.keys() - known):
@@ -551,6 +544,15 @@ class SpeculativeConfig:
             prompt_lookup_min=5 if lookup_min is None else lookup_min,
             **options,
         )
+
+    @staticmethod
+    def check_scheduling(async_scheduling: bool) -> None:
+        """Drafts need the tokens of the step before theirs on the host when they are made."""
+        if async_scheduling:
+            raise ValueError(
+                "--speculative-config does not work with --async-scheduling (the drafts of a "
+                "step come from the tokens of the step before it); drop one of them."
+            )
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
@@ -585,8 +587,5 @@ class OmniConfig:
     """None: one token per request per step."""
 
     def __post_init__(self) -> None:
-        if self.speculative_config is not None and self.scheduler_config.async_scheduling:
-            raise ValueError(
-                "--speculative-config does not work with --async-scheduling (the drafts of a "
-                "step come from the tokens of the step before it); drop one of them."
-            )
+        if self.speculative_config is not None:
+            self.speculative_config.check_scheduling(self.scheduler_config.async_scheduling)

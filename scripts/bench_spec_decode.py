@@ -22,17 +22,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import random
 import time
 from pathlib import Path
 from typing import Any
 
 os.environ["OMNISERVE_ENABLE_MULTIPROCESSING"] = "0"  # the drafts below are set in this process
 
-
-def _prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1000, vocab_size) for _ in range(length)] for _ in range(num)]
+from bench_realsize import _token_prompts  # noqa: E402  (this directory: the same prompts)
 
 
 def _timed(llm: Any, prompts: list[list[int]], params: Any, repeats: int) -> tuple[float, list]:
@@ -160,7 +156,7 @@ def main() -> None:
           f"{args.new_tokens} new tokens, k={args.k}, n-grams "
           f"{args.lookup_min}..{args.lookup_max}")  # fmt: skip
     for batch in (int(b) for b in args.batches.split(",")):
-        prompts = _prompts(batch, args.prompt_len, vocab_size, seed=batch)
+        prompts = _token_prompts(batch, batch, vocab_size, args.prompt_len)
         rows = run_omniserve(model_dir, prompts, args)
         if not args.no_hf:
             rows += run_hf(model_dir, prompts, args)

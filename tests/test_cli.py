@@ -174,7 +174,7 @@ def test_serve_refuses_flags_of_missing_features(capsys):
         (["--enable-lora", "--lora-modules", "a"], "--lora-modules 'a': expected name=path"),
         (
             ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'],
-            "--speculative-config: speculative_config.method 'eagle3' is not supported",
+            "speculative_config.method 'eagle3' is not supported",
         ),
         (
             ["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 0}'],

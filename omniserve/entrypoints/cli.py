@@ -119,12 +119,11 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     except ValueError as exc:
         parser.error(str(exc))
     if args.speculative_config is not None:
-        if args.async_scheduling:
-            parser.error("--speculative-config does not work with --async-scheduling.")
         try:
             SpeculativeConfig.from_dict(args.speculative_config)
+            SpeculativeConfig.check_scheduling(args.async_scheduling)
         except ValueError as exc:
-            parser.error(f"--speculative-config: {exc}")
+            parser.error(str(exc))
     for flag, (_, feature) in MISSING_FEATURE_FLAGS.items():
         if getattr(args, _flag_dest(flag), None) not in (None, False):
             parser.error(f"{flag}: {feature} is not implemented in omniserve.")

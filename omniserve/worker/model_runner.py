@@ -487,9 +487,10 @@ class ModelRunner:
                 generators[i] = state.generator
             if params.logprobs is not None:
                 max_num_logprobs = max(max_num_logprobs or 0, params.logprobs)
-            ahead, end = int(drafts_before[i]), int(batch.num_tokens[row])
+            ahead = int(drafts_before[i])
             outputs = state.output_token_ids
-            if ahead and params.bad_words_token_ids:
+            if ahead and params.bad_words_token_ids:  # the drafts follow the row's tokens
+                end = int(batch.num_tokens[row])
                 outputs = outputs + batch.token_ids[row, end : end + ahead].tolist()
             num_generated = len(state.output_token_ids) + int(batch.num_in_flight[row]) + ahead
             blocked = banned_ids(params, outputs, num_generated, state.eos_token_id,
