@@ -106,6 +106,11 @@ class ModelConfig:
     """Set from config.json when the model speaks (and audio output is not disabled)."""
     no_speech_reason: str = ""
     """Why ``speech`` is None, for the error an audio request gets."""
+    quantization: str | None = None
+    """vLLM's ``--quantization``: the method the checkpoint must be quantized with (None: read
+    it from the checkpoint)."""
+    quantization_config: QuantizationConfig | None = None
+    """Set from config.json's ``quantization_config`` when the checkpoint is quantized."""
 
     @staticmethod
     def from_path(
@@ -148,6 +153,7 @@ class ModelConfig:
             architecture=architectures[0],
             speech=speech,
             no_speech_reason=no_speech_reason,
+            quantization_config=_quantization_of(hf_config, kwargs.get("quantization"), path),
             max_model_len=max_model_len,
             tokenizer=str(Path(tokenizer).expanduser()) if tokenizer else str(path),
             **kwargs,
@@ -175,6 +181,11 @@ class ModelConfig:
             )
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {sorted(QUANTIZATION_METHODS)}, got "
+                f"{self.quantization!r}."
+            )
         if self.generation_config not in ("auto", "vllm"):
             file = Path(self.generation_config).expanduser() / GENERATION_CONFIG_FILE
             if not file.is_file():
@@ -301,6 +312,21 @@ def _speech_of(
     if reader is None:
         return None, f"speech output of {architecture} is not served yet (text only)"
     return reader(hf_config, model_dir), ""
+
+
+def _quantization_of(
+    hf_config: dict, requested: str | None, path: Path
+) -> QuantizationConfig | None:
+    """The checkpoint's quantization, checked against ``--quantization``."""
+    stored = hf_config.get("quantization_config")
+    if stored is None:
+        if requested is not None:
+            raise ValueError(
+                f"--quantization {requested}: {path} is not a quantized checkpoint (its "
+                "config.json has no quantization_config); omniserve does not quantize at load."
+            )
+        return None
+    return QuantizationConfig.from_hf(stored, requested)
 
 
 def _derive_max_model_len(hf_config: dict) -> int | None:
@@ -570,6 +596,58 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.disable_by_batch_size must be an integer >= 2, got {size!r}."
             )
+
+
+QUANTIZATION_METHODS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
+"""``--quantization`` values (vLLM's names) -> the checkpoint format they read; the Marlin names
+are vLLM's GPU kernels for the same checkpoints."""
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """A checkpoint's ``quantization_config`` (config.json), checked for what omniserve runs."""
+
+    method: str
+    """"awq" or "gptq": the checkpoint's packing."""
+    group_size: int
+    gptq_v1_zeros: bool = True
+    """GPTQ's original format stores each zero point minus one (``checkpoint_format`` "gptq")."""
+
+    @staticmethod
+    def from_hf(config: dict[str, Any], requested: str | None = None) -> QuantizationConfig:
+        """Parse ``quantization_config``; ``requested`` is ``--quantization``, which must name
+        the checkpoint's method (or its Marlin alias). ValueError says what is unsupported."""
+        method = str(config.get("quant_method", "")).lower()
+        if method not in ("awq", "gptq"):
+            raise ValueError(
+                f"The checkpoint's quantization_config has quant_method {method!r}; omniserve "
+                "runs 4-bit AWQ and GPTQ checkpoints only."
+            )
+        if requested is not None and QUANTIZATION_METHODS.get(requested) != method:
+            raise ValueError(
+                f"--quantization {requested} does not match the checkpoint's quant_method "
+                f"{method!r} (use --quantization {method}, or leave it out)."
+            )
+        bits = config.get("bits", config.get("w_bit"))
+        group_size = config.get("group_size", config.get("q_group_size"))
+        if bits != 4:
+            raise ValueError(f"{method} checkpoint with bits={bits}: omniserve runs 4-bit only.")
+        if not isinstance(group_size, int) or group_size <= 0 or group_size % 2:
+            raise ValueError(
+                f"{method} checkpoint with group_size={group_size}: omniserve needs a positive "
+                "even group size (a per-channel group_size of -1 is not supported)."
+            )
+        if method == "awq":
+            version = str(config.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise ValueError(f"AWQ version {version!r}: omniserve reads the GEMM packing only.")
+            if not config.get("zero_point", True):
+                raise ValueError("AWQ without zero points: omniserve reads zero_point=true only.")
+            return QuantizationConfig("awq", group_size)
+        fmt = str(config.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"GPTQ checkpoint_format {fmt!r}: omniserve reads gptq and gptq_v2.")
+        return QuantizationConfig("gptq", group_size, gptq_v1_zeros=fmt == "gptq")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,11 @@ _PROJECTION = re.compile(
 _TOWERS = ("visual", "audio_tower", "talker", "code2wav", "token2wav")
 
 
+def is_decoder_projection(name: str) -> bool:
+    """Whether module ``name`` is an attention or dense MLP projection of the language model."""
+    return bool(_PROJECTION.match(name)) and not any(t in name.split(".") for t in _TOWERS)
+
+
 def build_random_adapter(model_dir: str | Path, out_dir: str | Path, rank: int,
                          seed: int = 0) -> Path:  # fmt: skip
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (bf16) into ``out_dir``:
@@ -36,9 +41,7 @@ def build_random_adapter(model_dir: str | Path, out_dir: str | Path, rank: int,
     modules = {
         name: module
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
-        and _PROJECTION.match(name)
-        and not any(t in name.split(".") for t in _TOWERS)
+        if isinstance(module, nn.Linear) and is_decoder_projection(name)
     }
     if not modules:
         raise ValueError(f"{model_dir}: no decoder projections found to adapt.")

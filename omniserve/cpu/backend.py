@@ -44,6 +44,8 @@ def _shared_parameters(model: nn.Module) -> set[int]:
 
 
 def _place_linear(layer: LinearBase, shared: set[int]) -> str:
+    if layer.quantization is not None:
+        return "torch 4-bit (dequantized per call)"
     weight = layer.weight
     dtype = str(weight.dtype).removeprefix("torch.")
     if id(weight) in shared:

@@ -13,6 +13,7 @@ from omniserve import envs
 from omniserve.config import (
     ATTENTION_BACKENDS,
     MM_ENCODER_ATTN_BACKENDS,
+    QUANTIZATION_METHODS,
     CacheConfig,
     LoRAConfig,
     ModelConfig,
@@ -67,6 +68,7 @@ class EngineArgs:
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     device: str = "auto"
     attention_backend: str = field(default_factory=envs.attention_backend)
     enforce_eager: bool = False
@@ -115,6 +117,7 @@ class EngineArgs:
             tokenizer=self.tokenizer,
             max_model_len=self.max_model_len,
             dtype=self.dtype,
+            quantization=self.quantization,
             device=self.device,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
@@ -196,6 +199,14 @@ class EngineArgs:
             choices=["auto", "float32", "bfloat16", "float16"],
             help="Weights and activations dtype; auto = the checkpoint's (on a CPU without "
             "native bf16, fp32; on a GPU, bf16 for an fp32 checkpoint).",
+        )
+        add(
+            "--quantization",
+            "-q",
+            default=None,
+            choices=sorted(QUANTIZATION_METHODS),
+            help="The method the checkpoint is quantized with (4-bit AWQ or GPTQ; the Marlin "
+            "names read the same checkpoints). Default: read from its config.json.",
         )
         add("--device", default="auto", help="auto (CUDA when present), cpu or cuda.")
         add(

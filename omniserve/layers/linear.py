@@ -24,6 +24,7 @@ from omniserve.layers.weight_utils import (
 
 if TYPE_CHECKING:
     from omniserve.layers.lora import LoRASlots
+    from omniserve.layers.quantization import QuantizationConfig
 
 
 def _check_shape(param: torch.Tensor, expected: tuple[int, ...], loaded: LoadedWeight) -> None:
@@ -41,13 +42,16 @@ class LinearKernel(Protocol):
 
 
 class LinearBase(nn.Module):
-    """A layer computing ``x @ weight.T (+ bias)``, through a backend's ``kernel`` when set,
-    plus the step's LoRA adapters' products when it has ``lora`` slots."""
+    """A layer computing ``x @ weight.T (+ bias)``, through a backend's ``kernel`` when set (a
+    quantized layer always has one), plus the step's LoRA adapters' products when it has ``lora``
+    slots."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
     kernel: LinearKernel | None = None
     lora: LoRASlots | None = None
+    quantization: QuantizationConfig | None = None
+    """Set when the weight is 4-bit (``qweight``, ``qzeros``, ``scales`` replace ``weight``)."""
 
     def apply_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = F.linear(x, self.weight, bias) if self.kernel is None else self.kernel(x, bias)
@@ -190,8 +194,10 @@ class RowParallelLinear(LinearBase):
             set_weight_loader(self.bias, default_weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
-        _check_shape(param, (param.shape[0], self.input_size), loaded)
-        copy_weight(param.data, loaded, 1, self.tp_rank * self.input_size_per_partition)
+        # Columns per rank from the parameter, not the features: a quantized weight's tensors
+        # hold features two to a byte, or one column per group (layers/quantization.py).
+        _check_shape(param, (param.shape[0], param.shape[1] * self.tp_size), loaded)
+        copy_weight(param.data, loaded, 1, self.tp_rank * param.shape[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

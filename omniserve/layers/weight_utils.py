@@ -221,8 +221,11 @@ def load_weights_by_route(
     """Load every routed tensor; return the names of fully loaded parameters.
 
     ``route`` returns None for keys the model deliberately ignores. Keys that route to no
-    parameter are collected and raised together as one ValueError naming them.
+    parameter are collected and raised together as one ValueError naming them. While
+    ``module.find_quantized`` is set (``layers.quantization.quantize_layers``), nothing is
+    loaded: each routed key goes to it instead, so the model's own routing names its layers.
     """
+    find_quantized = getattr(module, "find_quantized", None)
     params = dict(module.named_parameters())
     shards_seen: dict[str, set[tuple[Any, ...]]] = defaultdict(set)
     unexpected: list[str] = []
@@ -231,6 +234,9 @@ def load_weights_by_route(
         if target is None:
             continue
         param_name, shard_args = target
+        if find_quantized is not None:
+            find_quantized(ckpt_name, param_name)
+            continue
         param = params.get(param_name)
         if param is None:
             unexpected.append(ckpt_name)

@@ -21,6 +21,7 @@ from omniserve.config import OmniConfig
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.cpu.backend import apply_cpu_backend
 from omniserve.cpu.build import has_native_bf16
+from omniserve.layers.quantization import quantize_layers
 from omniserve.layers.tp import get_tp_size
 from omniserve.layers.weight_utils import default_dtype
 from omniserve.lora.request import LoRARequest
@@ -39,7 +40,7 @@ from omniserve.worker.memory import (
     gib,
     gpu_kv_budget,
 )
-from omniserve.worker.model_loader import load_model_weights
+from omniserve.worker.model_loader import checkpoint_tensor_shapes, load_model_weights
 from omniserve.worker.model_runner import ModelRunner
 from omniserve.worker.profiler import WorkerProfiler
 
@@ -127,6 +128,14 @@ class Worker:
         # building touches no memory and the fit check below comes before any real allocation.
         with torch.device(self.device), default_dtype(self.dtype), skip_weight_init():
             model = model_cls(self.hf_config)
+            if (quantization := model_config.quantization_config) is not None:
+                count = quantize_layers(
+                    model, quantization, checkpoint_tensor_shapes(model_config.model)
+                )
+                logger.info(
+                    "%s checkpoint: %d linear layers hold 4-bit weights (groups of %d).",
+                    quantization.method.upper(), count, quantization.group_size,
+                )  # fmt: skip
         self.weight_bytes = sum(
             t.numel() * t.element_size() for t in {*model.parameters(), *model.buffers()}
         )

@@ -1,0 +1,137 @@
+"""A 4-bit AWQ or GPTQ copy of a checkpoint, as AutoAWQ / GPTQModel save one, for tests and
+benchmarks, with its dequantized twin for transformers.
+
+Every attention and dense MLP projection of the language model is quantized by round-to-nearest
+in groups of ``group_size`` input features (AWQ: asymmetric, a zero point per group; GPTQ:
+symmetric, zero point 8, stored minus one as ``checkpoint_format`` "gptq" does); the towers, the
+embeddings, the head and MoE experts keep their weights. What AWQ and GPTQ add over rounding
+(calibrated scaling, error feedback) changes the codes, not the format, so a rounded checkpoint
+exercises the same loading and arithmetic. The twin stores ``(code - zero) * scale`` in the
+source's dtype under the original names: what a model quantized this way computes, which
+transformers runs without any quantization library.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from omniserve.checkpoint_builder.builder import BUILD_INFO_FILE, build_key, build_once
+from omniserve.checkpoint_builder.lora import is_decoder_projection
+from omniserve.layers.quantization import dequantize, pack_int32, pack_nibbles
+from omniserve.layers.weight_utils import SafetensorsFile
+from omniserve.worker.model_loader import INDEX_FILE, checkpoint_files
+
+METHODS = ("awq", "gptq")
+
+
+def build_quantized_checkpoint(
+    model_dir: str | Path, method: str = "awq", group_size: int = 128
+) -> tuple[Path, Path]:
+    """``(quantized, dequantized)`` directories next to ``model_dir`` (built once per inputs)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+    source = Path(model_dir)
+    key = build_key(method, group_size, _source_key(source))
+    stem = source.parent / f"{source.name}-{method}-g{group_size}"
+    info = {"source": str(source), "method": method, "group_size": group_size}
+    quantized = build_once(
+        stem, key, info, lambda path: _write(source, path, method, group_size, dequantized=False)
+    )
+    twin = build_once(
+        stem.with_name(f"{stem.name}-dequantized"), key, info,
+        lambda path: _write(source, path, method, group_size, dequantized=True),
+    )  # fmt: skip
+    return quantized, twin
+
+
+def _source_key(source: Path) -> str:
+    """What identifies the source's weights: its build key, else its files' sizes and times."""
+    info = source / BUILD_INFO_FILE
+    if info.is_file():
+        return json.loads(info.read_text()).get("key", "")
+    files = checkpoint_files(source)
+    return repr([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+
+
+def quantize_rtn(
+    weight: torch.Tensor, group_size: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[N, K]`` -> codes uint8 ``[N, K]``, zeros uint8 ``[N, K / g]``, fp16 scales
+    ``[N, K / g]``, rounding each group to 16 levels."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"{k} input features do not split into groups of {group_size}.")
+    groups = weight.float().reshape(n, k // group_size, group_size)
+    if symmetric:
+        scales = groups.abs().amax(-1) * 2 / 15
+        zeros = torch.full_like(scales, 8)
+    else:
+        low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+        scales = (high - low) / 15
+        zeros = (-low / scales.clamp(min=1e-8)).round().clamp(0, 15)
+    scales = scales.clamp(min=1e-6).half()
+    codes = (groups / scales.float().unsqueeze(-1) + zeros.unsqueeze(-1)).round().clamp(0, 15)
+    return codes.reshape(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
+
+
+def _quantized_tensors(
+    stem: str, weight: torch.Tensor, method: str, group_size: int, dequantized: bool
+) -> dict[str, torch.Tensor]:
+    codes, zeros, scales = quantize_rtn(weight, group_size, symmetric=method == "gptq")
+    if dequantized:
+        w = dequantize(pack_nibbles(codes), zeros, scales.float(), weight.dtype)
+        return {f"{stem}.weight": w}
+    if method == "awq":
+        return {
+            f"{stem}.qweight": pack_int32(codes.t(), awq_order=True),
+            f"{stem}.qzeros": pack_int32(zeros.t(), awq_order=True),
+            f"{stem}.scales": scales.t().contiguous(),
+        }
+    return {
+        f"{stem}.qweight": pack_int32(codes, awq_order=False).t().contiguous(),
+        f"{stem}.qzeros": pack_int32((zeros - 1).t(), awq_order=False),
+        f"{stem}.scales": scales.t().contiguous(),
+        f"{stem}.g_idx": torch.arange(weight.shape[1], dtype=torch.int32) // group_size,
+    }
+
+
+def _write(source: Path, target: Path, method: str, group_size: int, dequantized: bool) -> None:
+    files = checkpoint_files(source)
+    for item in source.iterdir():
+        if item.is_file() and item not in files and item.name != INDEX_FILE:
+            shutil.copy2(item, target / item.name)
+    weight_map: dict[str, str] = {}
+    for file in files:
+        tensors: dict[str, torch.Tensor] = {}
+        with SafetensorsFile(file) as f:
+            for name in f.keys():
+                tensor = f.tensor(name).materialize()
+                stem = name.removesuffix(".weight")
+                if name.endswith(".weight") and is_decoder_projection(stem):
+                    tensors.update(
+                        _quantized_tensors(stem, tensor, method, group_size, dequantized)
+                    )
+                else:
+                    tensors[name] = tensor
+        save_file(tensors, target / file.name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file.name))
+    if (source / INDEX_FILE).is_file():
+        (target / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}, indent=1))
+    if not dequantized:
+        config = json.loads((target / "config.json").read_text())
+        config["quantization_config"] = _quantization_config(method, group_size)
+        (target / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _quantization_config(method: str, group_size: int) -> dict[str, object]:
+    """config.json's entry, as AutoAWQ (GEMM) / GPTQModel write it."""
+    if method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                "version": "gemm", "zero_point": True}  # fmt: skip
+    return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False,
+            "sym": True, "checkpoint_format": "gptq"}  # fmt: skip

@@ -1,0 +1,204 @@
+"""4-bit weight-only quantized checkpoints (AWQ and GPTQ, as AutoAWQ / GPTQModel save them).
+
+A quantized linear layer keeps its weight as 4-bit codes with one scale and one zero point per
+``group_size`` input features: ``w[n, k] = (code[n, k] - zero[n, k // g]) * scale[n, k // g]``.
+The two checkpoint formats pack those numbers differently; on loading, each tensor is turned into
+one layout, oriented like a plain weight (output features first), so the layers' own weight
+loaders shard it for tensor parallelism exactly as they shard a plain weight:
+
+- ``qweight``: uint8 ``[N, K / 2]``, feature ``2j`` in the low nibble of byte ``j``, ``2j + 1`` in
+  the high one;
+- ``qzeros``: uint8 ``[N, K / g]`` (0..15);
+- ``scales``: fp32 ``[N, K / g]`` (the checkpoint's fp16 / bf16 scales, exactly);
+- ``g_idx`` (GPTQ only): int32 ``[K]``, each feature's group, which must be ``k // g``: a
+  checkpoint that reorders features (``desc_act`` with a permuted ``g_idx``) is refused.
+
+A layer becomes quantized when the checkpoint stores its matrices as ``qweight``
+(``quantize_linear``); the others (media towers, the LM head, ``modules_to_not_convert``) stay
+in the model's dtype. Its product runs through ``layer.kernel``: here a torch one that
+dequantizes the weight on each call (CUDA, and CPUs without the C kernels); the CPU backend
+swaps in ``cpu.linear.Int4Linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omniserve.config import QuantizationConfig
+from omniserve.layers.linear import LinearBase
+from omniserve.layers.weight_utils import LoadedWeight, materialize, set_weight_loader
+
+QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+"""AutoAWQ's packing: nibble ``i`` of an int32 holds column ``_AWQ_ORDER[i]`` of its eight."""
+
+
+def canonical(config: QuantizationConfig, suffix: str, loaded: LoadedWeight) -> torch.Tensor:
+    """One checkpoint tensor of a quantized layer in the layout of the module docstring."""
+    tensor = materialize(loaded)
+    if suffix == "scales":
+        return tensor.t().float().contiguous()  # [groups, N] -> [N, groups]
+    if suffix == "g_idx":
+        return tensor.to(torch.int32)
+    if suffix == "qzeros":  # both formats pack zeros along N
+        zeros = unpack_int32(tensor, awq_order=config.method == "awq")  # [groups, N]
+        if config.method == "gptq" and config.gptq_v1_zeros:
+            zeros = (zeros + 1) & 0xF
+        return zeros.t().contiguous()
+    if config.method == "awq":  # [K, N / 8]
+        codes = unpack_int32(tensor, awq_order=True).t()
+    else:  # GPTQ packs eight input features per int32: [K / 8, N]
+        codes = unpack_int32(tensor.t().contiguous(), awq_order=False)
+    return pack_nibbles(codes)
+
+
+def unpack_int32(packed: torch.Tensor, awq_order: bool) -> torch.Tensor:
+    """``[R, C]`` int32 holding eight 4-bit values each -> uint8 ``[R, 8 C]`` (AWQ's column
+    order, or nibble ``i`` = column ``i``)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    nibbles = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF  # [R, C, 8], by nibble
+    if awq_order:
+        nibbles = nibbles[..., list(_inverse(_AWQ_ORDER))]
+    return nibbles.flatten(-2).to(torch.uint8)
+
+
+def pack_int32(values: torch.Tensor, awq_order: bool) -> torch.Tensor:
+    """The inverse of ``unpack_int32``: uint8 ``[R, 8 C]`` (0..15) -> int32 ``[R, C]``."""
+    groups = values.to(torch.int32).unflatten(-1, (-1, 8))
+    if awq_order:
+        groups = groups[..., list(_AWQ_ORDER)]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return (groups << shifts).sum(-1, dtype=torch.int64).to(torch.uint32).view(torch.int32)
+
+
+@functools.cache
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(order)), key=order.__getitem__))
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, K]`` codes (0..15) -> ``[N, K / 2]``, even features in the low nibbles."""
+    codes = codes.to(torch.uint8)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_nibbles``."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def dequantize(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The ``[N, K]`` weight in ``dtype``: ``(code - zero) * scale`` in fp32, rounded once."""
+    codes = unpack_nibbles(qweight).float()
+    group_size = codes.shape[1] // scales.shape[1]
+    zeros = qzeros.float().repeat_interleave(group_size, dim=1)
+    return ((codes - zeros) * scales.repeat_interleave(group_size, dim=1)).to(dtype)
+
+
+class DequantizeLinear:
+    """``x @ W.T + b`` with W dequantized on each call: torch only, so it runs anywhere."""
+
+    def __init__(self, layer: LinearBase) -> None:
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        layer = self.layer
+        return F.linear(x, dequantize(layer.qweight, layer.qzeros, layer.scales, x.dtype), bias)
+
+
+def quantize_linear(layer: LinearBase, config: QuantizationConfig) -> None:
+    """Replace ``layer.weight`` by the parameters of a 4-bit weight (see the module docstring),
+    whose loaders turn checkpoint tensors into that layout and then shard them as the layer's
+    own ``weight_loader`` shards a weight."""
+    weight = layer.weight
+    out_features, in_features = weight.shape
+    if in_features % config.group_size:
+        raise ValueError(
+            f"{type(layer).__name__} with {in_features} input features per rank cannot hold "
+            f"groups of {config.group_size} (tensor parallelism must split on group bounds)."
+        )
+    groups = in_features // config.group_size
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+        "qweight": ((out_features, in_features // 2), torch.uint8),
+        "qzeros": ((out_features, groups), torch.uint8),
+        "scales": ((out_features, groups), torch.float32),
+    }
+    if config.method == "gptq":
+        shapes["g_idx"] = ((in_features,), torch.int32)
+    shard_loader = getattr(weight, "weight_loader", None)
+    shard_ids = getattr(weight, "shard_ids", None)
+    del layer.weight
+    for suffix, (shape, dtype) in shapes.items():
+        param = nn.Parameter(torch.empty(shape, dtype=dtype, device=weight.device), False)
+        setattr(layer, suffix, param)
+        set_weight_loader(param, _quantized_loader(config, suffix, shard_loader, layer), shard_ids)
+    layer.kernel = DequantizeLinear(layer)
+    layer.quantization = config
+
+
+def _quantized_loader(
+    config: QuantizationConfig, suffix: str, shard_loader: Any, layer: LinearBase
+) -> Any:
+    def load(param: nn.Parameter, loaded: LoadedWeight, *shard: Any) -> None:
+        tensor = canonical(config, suffix, loaded)
+        if suffix == "g_idx":  # checked whole, then each local feature's group
+            expected = torch.arange(getattr(layer, "input_size", param.numel()))
+            if not torch.equal(tensor, (expected // config.group_size).to(torch.int32)):
+                raise ValueError(
+                    "g_idx reorders the input features (GPTQ desc_act): not supported; "
+                    "quantize without act-order."
+                )
+            param.data.copy_(torch.arange(param.numel()) // config.group_size)
+        elif shard_loader is None:
+            if param.shape != tensor.shape:
+                raise ValueError(f"Shape mismatch: {tuple(param.shape)} vs {tuple(tensor.shape)}.")
+            param.data.copy_(tensor)
+        else:
+            shard_loader(param, tensor, *shard)
+
+    return load
+
+
+def quantize_layers(model: nn.Module, config: QuantizationConfig, keys: Iterable[str]) -> int:
+    """Make quantized every linear layer whose checkpoint matrices are stored as ``qweight``
+    (among ``keys``), before loading; return how many. The keys go through the model's own
+    ``load_weights`` routing (with ``find_quantized`` set, which loads nothing), so fused layers
+    and renamed prefixes map as they do when the weights are read."""
+    quantized: set[str] = set()
+
+    def find_quantized(ckpt_name: str, param_name: str) -> None:
+        path, _, suffix = param_name.rpartition(".")
+        if suffix != "qweight" or path in quantized:
+            return
+        try:
+            layer = model.get_submodule(path)
+        except AttributeError:
+            layer = None
+        if not isinstance(layer, LinearBase):
+            raise ValueError(
+                f"Checkpoint tensor {ckpt_name!r} is a 4-bit weight, but omniserve runs 4-bit "
+                f"weights in its linear layers only and {path!r} is not one (quantized MoE "
+                "experts are not supported)."
+            )
+        quantize_linear(layer, config)
+        quantized.add(path)
+
+    model.find_quantized = find_quantized
+    try:
+        model.load_weights((key, None) for key in keys if key.endswith(".qweight"))
+    finally:
+        del model.find_quantized
+    if not quantized:
+        raise ValueError(
+            f"The checkpoint's quantization_config says {config.method}, but it stores no "
+            "qweight tensor that omniserve's model routes to a linear layer."
+        )
+    return len(quantized)
