@@ -12,13 +12,18 @@ import torch.nn.functional as F
 
 from omniserve.attention import Attention
 from omniserve.cpu import activation as cpu_activation
+from omniserve.cpu import linear as cpu_linear
 from omniserve.cpu import moe as cpu_moe
 from omniserve.cpu.backend import apply_cpu_backend
 from omniserve.cpu.build import load_library
 from omniserve.cpu.linear import (
+    AMX_INT4_KERNEL_MAX_ROWS,
     AMX_ROWS_KERNEL_MAX_ROWS,
+    INT4_KERNEL_MAX_ROWS,
     ROWS_KERNEL_MAX_ROWS,
+    Int4Linear,
     RowsLinear,
+    int4_kernel_max_rows,
     onednn_packs,
     rows_kernel_max_rows,
 )
@@ -28,6 +33,7 @@ from omniserve.layers.activation import SiluAndMul, silu_and_mul
 from omniserve.layers.fused_moe import FusedMoE, select_experts, torch_fused_experts
 from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from omniserve.layers.quantization import dequantize, pack_nibbles
 from omniserve.layers.rotary_embedding import QKRotary, apply_rotary_emb
 from omniserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -36,7 +42,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.fixture(autouse=True)
 def _kernels_built() -> None:
-    for source in ("moe.c", "linear_rows.c", "paged_decode.c", "norm_rope.c"):
+    for source in ("moe.c", "linear_rows.c", "linear_int4.c", "paged_decode.c", "norm_rope.c"):
         assert load_library(source) is not None, f"{source} must build on this machine"
 
 
@@ -128,6 +134,98 @@ def test_rows_kernel_hands_bf16_to_onednn_where_the_cpu_has_amx(
         assert rows_kernel_max_rows(torch.bfloat16) == bf16_rows
         assert rows_kernel_max_rows(torch.float32) == ROWS_KERNEL_MAX_ROWS
     rows_kernel_max_rows.cache_clear()
+
+
+def _int4_weights(out_features: int, in_features: int, group_size: int, seed: int):
+    """``qweight``, ``qzeros``, ``scales`` in ``layers.quantization``'s layout."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8)
+    groups = (out_features, in_features // group_size)
+    zeros = torch.randint(0, 16, groups, generator=gen, dtype=torch.uint8)
+    return pack_nibbles(codes), zeros, torch.rand(groups, generator=gen) * 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("rows", [1, 3, 5, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linear_matches_the_dequantized_weight(rows, group_size, bias, dtype) -> None:
+    """The fused kernel (up to 8 rows here) and the decode-then-``F.linear`` path above it, on
+    100 output rows (blocks of 48 and tiles of 6 cut anywhere) and rows of a wider input, against
+    the torch reference's weight (bf16: the same rounded weights, multiplied in fp32)."""
+    qweight, qzeros, scales = _int4_weights(100, 384, group_size, rows)
+    assert Int4Linear.supports(qweight, qzeros, scales, dtype)
+    kernel = Int4Linear(qweight, qzeros, scales, dtype, max_rows=8)
+    bias_t = torch.randn(100) if bias else None  # fp32: cast to the activations' dtype
+    x = torch.randn(rows, 400).to(dtype)[:, 8:392]
+    weight = dequantize(qweight, qzeros, scales, dtype).float()
+    with torch.inference_mode():
+        got = kernel(x, bias_t)
+    expected = F.linear(x.float(), weight, None if bias_t is None else bias_t.to(dtype).float())
+    assert got.dtype == dtype
+    _close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("in_features", "group_size"), [(2176, 128), (2144, 32)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int4_linear_sums_long_rows_slice_by_slice(rows, in_features, group_size, dtype) -> None:
+    """Rows of over 2,048 features are multiplied in slices of whole groups (here two, the
+    second shorter), summed in fp32, the bias added once."""
+    qweight, qzeros, scales = _int4_weights(100, in_features, group_size, rows)
+    bias = torch.randn(100).to(dtype)
+    x = torch.randn(rows, in_features).to(dtype)
+    with torch.inference_mode():
+        got = Int4Linear(qweight, qzeros, scales, dtype, max_rows=8)(x, bias)
+    weight = dequantize(qweight, qzeros, scales, dtype).float()
+    _close(got, F.linear(x.float(), weight, bias.float()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_linear_shapes_and_its_decoding(dtype: torch.dtype, monkeypatch) -> None:
+    """Leading dims on both paths; the decoded weight is the torch reference's, bit for bit (zero,
+    denormal and huge scales too); past the scratch's size the weight is decoded in pieces, and
+    two layers in turn reuse one scratch."""
+    qweight, qzeros, scales = _int4_weights(100, 256, 64, 0)
+    scales[0, :3] = torch.tensor([0.0, 1e-40, 1e37])
+    kernel = Int4Linear(qweight, qzeros, scales, dtype, max_rows=8)
+    assert torch.equal(kernel.dequantize(), dequantize(qweight, qzeros, scales, dtype))
+    scales[0, :3] = 0.01
+    monkeypatch.setattr(cpu_linear, "DEQUANTIZE_SCRATCH_BYTES", 100 * 256 * 2 // 3)
+    other_weights = _int4_weights(100, 256, 64, 1)
+    other = Int4Linear(*other_weights, dtype, max_rows=8)
+    with torch.inference_mode():
+        for shape in ((2, 3, 256), (2, 5, 256)):  # 6 rows fused, 10 decoded
+            x = torch.randn(shape).to(dtype)
+            for layer, weights in ((kernel, (qweight, qzeros, scales)), (other, other_weights)):
+                got = layer(x, None)
+                assert got.shape == (*shape[:-1], 100)
+                _close(got, F.linear(x.float(), dequantize(*weights, torch.float32)), dtype)
+        assert kernel(torch.empty(0, 256).to(dtype), None).shape == (0, 100)
+        with pytest.raises(TypeError, match="does not match"):
+            kernel(torch.randn(2, 256).to(torch.float16), None)
+
+
+def test_int4_linear_refuses_shapes_off_the_kernel() -> None:
+    """K and the group size must be multiples of 32; the layout's dtypes, contiguous."""
+    assert Int4Linear.supports(*_int4_weights(8, 64, 32, 0), torch.bfloat16)
+    assert not Int4Linear.supports(*_int4_weights(8, 48, 48, 0), torch.float32)  # K % 32
+    assert not Int4Linear.supports(*_int4_weights(8, 64, 16, 0), torch.float32)  # groups of 16
+    assert not Int4Linear.supports(*_int4_weights(8, 64, 32, 0), torch.float16)
+    qweight, qzeros, scales = _int4_weights(8, 64, 32, 0)
+    assert not Int4Linear.supports(qweight, qzeros, scales.double(), torch.float32)
+    assert not Int4Linear.supports(qweight.t().contiguous().t(), qzeros, scales, torch.float32)
+
+
+def test_int4_kernel_hands_bf16_to_onednn_sooner_where_the_cpu_has_amx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for amx, bf16_rows in ((True, AMX_INT4_KERNEL_MAX_ROWS), (False, INT4_KERNEL_MAX_ROWS)):
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda amx=amx: {"amx_bf16": amx})
+        int4_kernel_max_rows.cache_clear()
+        assert int4_kernel_max_rows(torch.bfloat16) == bf16_rows
+        assert int4_kernel_max_rows(torch.float32) == INT4_KERNEL_MAX_ROWS
+    int4_kernel_max_rows.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

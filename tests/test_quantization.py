@@ -151,6 +151,16 @@ def test_quantized_checkpoint_matches_transformers_on_its_dequantized_twin(text_
     assert_matches_reference(outputs, reference)
 
 
+@pytest.mark.gpu
+def test_quantized_checkpoint_on_gpu_matches_transformers(text_case):
+    """On CUDA (the dequantize-per-call kernel), fp32 against transformers' fp32 on the CPU."""
+    model_dir, prompts = text_case
+    quantized, twin = build_quantized_checkpoint(model_dir, "awq", GROUP)
+    llm = LLM(str(quantized), dtype="float32", device="cuda")
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, hf_greedy(str(twin), prompts, MAX_TOKENS), atol=1e-3)
+
+
 def _weight_bytes(model_dir: Path) -> tuple[int, int]:
     """(all tensors, the decoder's projections) in bytes."""
     tensors = load_file(model_dir / "model.safetensors")

@@ -21,7 +21,7 @@ from omniserve import envs
 from omniserve.attention.layer import Attention
 from omniserve.cpu.activation import cpu_silu_and_mul, cpu_silu_and_mul_available
 from omniserve.cpu.attention import CpuAttentionBackend
-from omniserve.cpu.linear import OneDnnLinear, RowsLinear, release_weight
+from omniserve.cpu.linear import Int4Linear, OneDnnLinear, RowsLinear, release_weight
 from omniserve.cpu.moe import CpuMoE
 from omniserve.cpu.norm_rope import CpuRMSNorm, qk_norm_rope
 from omniserve.layers.activation import SiluAndMul
@@ -43,9 +43,22 @@ def _shared_parameters(model: nn.Module) -> set[int]:
     return {param_id for param_id, count in owners.items() if count > 1}
 
 
-def _place_linear(layer: LinearBase, shared: set[int]) -> str:
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype most of the model's floating-point weights are in."""
+    counts: Counter[torch.dtype] = Counter()
+    for param in model.parameters():
+        if param.is_floating_point():
+            counts[param.dtype] += param.numel()
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> str:
     if layer.quantization is not None:
-        return "torch 4-bit (dequantized per call)"
+        parts = (layer.qweight, layer.qzeros, layer.scales)
+        if not Int4Linear.supports(*parts, dtype):
+            return "torch 4-bit (dequantized per call)"
+        layer.kernel = Int4Linear(*parts, dtype)
+        return f"C 4-bit, {str(dtype).removeprefix('torch.')} activations"
     weight = layer.weight
     dtype = str(weight.dtype).removeprefix("torch.")
     if id(weight) in shared:
@@ -69,10 +82,11 @@ def apply_cpu_backend(model: nn.Module) -> KernelPlacement:
     attention_backend = CpuAttentionBackend()
     # An activation has no weight to tell its dtype: the model's (fp32 stays on torch).
     bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
+    dtype = _model_dtype(model)  # a 4-bit layer's activations
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, LinearBase):
-                kind = f"linear: {_place_linear(module, shared)}"
+                kind = f"linear: {_place_linear(module, shared, dtype)}"
             elif isinstance(module, FusedMoE):
                 if CpuMoE.supports(module):
                     module.kernel = CpuMoE(module)

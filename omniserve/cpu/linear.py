@@ -11,12 +11,23 @@ computation with it fails loudly), so the model holds each weight once.
 **C, plain layout** (``RowsLinear``): for weights another layer also reads, so they must keep
 their layout (an LM head tied to the token embedding). ``csrc/linear_rows.c`` streams the weight
 once for a few rows (``rows_kernel_max_rows``); more rows go to ``F.linear``.
+
+**C, 4-bit weights** (``Int4Linear``): for AWQ / GPTQ layers, on ``layers/quantization.py``'s
+layout as loaded. For a few rows (``int4_kernel_max_rows``) ``csrc/linear_int4.c`` decodes a
+tile's weight rows at a time into a thread's scratch (a table lookup per 16 or 32 codes) and runs
+the plain-layout tiles over it, so a decode step streams a quarter of a bf16 weight's bytes: at
+one row about twice as fast as ``OneDnnLinear`` on the bf16 weight, and as fast as torch's own
+int4 kernel (``scripts/bench_int4_linear.py``). More rows, where the tiles' dot products cost
+more than the bytes saved, go to ``F.linear`` on the weight decoded piece by piece (oneDNN, on
+AMX where the CPU has it).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import threading
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +46,30 @@ the kernel's AVX-512 dot products from 3 rows. Measured on a 2-core Xeon with AM
 151,936 x 1,536 tied head: 3 rows 24.5 ms against the kernel's 27.5, 8 rows 23.5 against 42.7,
 32 rows 27.0 against 97.3; 1 and 2 rows 22.7 and 24.3 against 20.0 and 23.4."""
 
+INT4_KERNEL_MAX_ROWS = 64
+"""Up to this many rows ``Int4Linear`` runs its kernel, above it ``F.linear`` on the decoded
+weight. Measured in fp32 on the 2-core Xeon (2 threads, weights out of cache): at 1,536 x 17,920,
+64 rows 16.1 ms against 21.6, 128 rows 32.5 against 31.5; at 8,960 x 1,536, 10.6 against 10.2
+and 25.2 against 16.6. bf16 without AMX is assumed alike (oneDNN then multiplies with the
+kernel's AVX-512 dot products; no such CPU was measured)."""
+AMX_INT4_KERNEL_MAX_ROWS = 16
+"""bf16 with AMX: ``F.linear`` on the decoded weight runs on the tile unit and wins from about 20
+rows. Measured as above: at 1,536 x 17,920, 16 rows 5.6 ms against 6.6, 24 rows 7.7 against 6.0;
+at 8,960 x 1,536, 3.2 against 3.6 and 4.2 against 3.7; at 3,584 x 37,888, 25.5 against 23.6 and
+36.9 against 23.1 (8 rows: 14.4 against 22.0)."""
+
+DEQUANTIZE_SCRATCH_BYTES = 32 << 20
+"""Past ``max_rows`` a weight is decoded in pieces of at most this size, each multiplied by
+``F.linear``, into one buffer per thread and dtype that is kept across calls: a fresh buffer for
+a whole 1.5B model's gate/up projection (55 MB in bf16) cost 12 ms of page faults per call, more
+than the product of 128 rows, and a 7B's (271 MB) would be held for good. Pieces help besides:
+at 3,584 x 37,888, 16 to 32 rows took 23-25 ms in 32 MB pieces, 28 in 64 MB ones and 31 whole."""
+
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ROWS_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, ctypes.c_int)
+_INT4_SIGNATURE = (_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64,
+                   ctypes.c_int)  # fmt: skip
+_DEQUANTIZE_SIGNATURE = (_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, ctypes.c_int)
 
 
 @functools.cache
@@ -45,6 +78,14 @@ def rows_kernel_max_rows(dtype: torch.dtype) -> int:
     if dtype == torch.bfloat16 and torch.cpu.get_capabilities().get("amx_bf16"):
         return AMX_ROWS_KERNEL_MAX_ROWS
     return ROWS_KERNEL_MAX_ROWS
+
+
+@functools.cache
+def int4_kernel_max_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows ``Int4Linear`` runs its kernel rather than ``F.linear`` on this CPU."""
+    if dtype == torch.bfloat16 and torch.cpu.get_capabilities().get("amx_bf16"):
+        return AMX_INT4_KERNEL_MAX_ROWS
+    return INT4_KERNEL_MAX_ROWS
 
 
 def _check_input(x: torch.Tensor, weight_dtype: torch.dtype, name: str) -> None:
@@ -145,3 +186,129 @@ class RowsLinear:
             out.stride(0), torch.get_num_threads(),
         )  # fmt: skip
         return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _int4_kernels(dtype: torch.dtype) -> tuple[Any, Any]:
+    """The fused product's and the full dequantization's C functions for ``dtype`` (None each
+    when they cannot be built)."""
+    return (
+        load_typed("linear_int4.c", "omniserve_linear_int4", dtype, _INT4_SIGNATURE, ctypes.c_int),
+        load_typed("linear_int4.c", "omniserve_dequantize_int4", dtype, _DEQUANTIZE_SIGNATURE,
+                   None),
+    )  # fmt: skip
+
+
+class Int4Linear:
+    """``x @ W.T + bias`` with W kept as 4-bit codes, scales and zero points (``qweight`` uint8
+    ``[N, K / 2]``, ``qzeros`` uint8 and ``scales`` fp32 ``[N, K / g]``); the activations (and
+    the decoded weights) are in ``dtype``, the model's."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        qzeros: torch.Tensor,
+        scales: torch.Tensor,
+        dtype: torch.dtype,
+        max_rows: int | None = None,
+    ) -> None:
+        # references: the layer keeps its parameters
+        self.qweight, self.qzeros, self.scales = qweight, qzeros, scales
+        self.dtype = dtype
+        self.max_rows = int4_kernel_max_rows(dtype) if max_rows is None else max_rows
+        self.out_features, self.in_features = qweight.shape[0], 2 * qweight.shape[1]
+        self.group_size = self.in_features // scales.shape[1]
+        self.kernel, self.dequantize_kernel = _int4_kernels(dtype)
+
+    @staticmethod
+    def supports(
+        qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+    ) -> bool:
+        tensors = (qweight, qzeros, scales)
+        if not (
+            all(t.device.type == "cpu" and t.dim() == 2 and t.is_contiguous() for t in tensors)
+            and (qweight.dtype, qzeros.dtype, scales.dtype)
+            == (torch.uint8, torch.uint8, torch.float32)
+            and qzeros.shape == scales.shape
+            and qzeros.shape[0] == qweight.shape[0]
+            and qzeros.shape[1] > 0
+        ):
+            return False
+        in_features, groups = 2 * qweight.shape[1], qzeros.shape[1]
+        return (
+            in_features % 32 == 0
+            and in_features % groups == 0
+            and in_features // groups % 32 == 0
+            and None not in _int4_kernels(dtype)
+        )
+
+    def dequantize(
+        self, start: int = 0, end: int | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows ``start:end`` of the weight in ``dtype`` (into ``out`` when given), as
+        ``layers.quantization.dequantize`` gives them."""
+        end = self.out_features if end is None else end
+        if out is None:
+            out = torch.empty(end - start, self.in_features, dtype=self.dtype)
+        groups = self.scales.shape[1]
+        self.dequantize_kernel(
+            self.qweight.data_ptr() + start * self.qweight.shape[1],
+            self.qzeros.data_ptr() + start * groups,
+            self.scales.data_ptr() + start * groups * self.scales.element_size(),
+            end - start, self.in_features, self.group_size, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        _check_input(x, self.dtype, "Int4Linear")
+        if x.numel() == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        if bias is not None:
+            bias = bias.detach().to(self.dtype).contiguous()
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > self.max_rows:
+            return self._dequantized_product(x, bias)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = x.new_empty(rows.shape[0], self.out_features)
+        status = self.kernel(
+            rows.data_ptr(), rows.shape[0], rows.stride(0), self.qweight.data_ptr(),
+            self.qzeros.data_ptr(), self.scales.data_ptr(), self.out_features, self.in_features,
+            self.group_size, None if bias is None else bias.data_ptr(), out.data_ptr(),
+            out.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise MemoryError("The CPU 4-bit linear kernel could not allocate its scratch.")
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _dequantized_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear`` on the weight decoded piece by piece into this thread's scratch."""
+        n, k = self.out_features, self.in_features
+        pieces = -(-n * k * self.dtype.itemsize // DEQUANTIZE_SCRATCH_BYTES)
+        rows = -(-n // pieces)
+        scratch = _dequantize_scratch(rows * k, self.dtype).view(rows, k)
+        if pieces == 1:
+            return F.linear(x, self.dequantize(out=scratch), bias)
+        out = x.new_empty(*x.shape[:-1], n)
+        for start in range(0, n, rows):
+            end = min(n, start + rows)
+            weight = self.dequantize(start, end, scratch[: end - start])
+            out[..., start:end] = F.linear(x, weight, None if bias is None else bias[start:end])
+        return out
+
+
+class _Scratch(threading.local):
+    def __init__(self) -> None:
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+
+
+_SCRATCH = _Scratch()
+
+
+def _dequantize_scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's buffer for decoded weights (``numel`` elements of it), kept across calls."""
+    buffer = _SCRATCH.buffers.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        with torch.inference_mode(False):
+            buffer = _SCRATCH.buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel]

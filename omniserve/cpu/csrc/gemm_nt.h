@@ -116,4 +116,38 @@ tile_bf16(const bf16 *x, int64_t ldx, const bf16 *const w[NR], int64_t K, float 
 DEFINE_TILE_ROWS(tile_rows_f32, tile_f32, float)
 DEFINE_TILE_ROWS(tile_rows_bf16, tile_bf16, bf16)
 
+/* y[i][c] = x_i . w_c (+ bias[c]) for every row i < M of x and the rows c < rows of a block of w
+ * (ldw elements apart): each row tile of x passes over the whole block, which stays in cache
+ * between them. bias (or NULL) and y start at the block's first row; y (of type Y: T, or fp32 for
+ * partial sums) is rounded once. With accumulate, the products add to y: a K-slice of a longer
+ * product. */
+#define DEFINE_GEMM_BLOCK(NAME, T, Y, TILE_ROWS, TO_Y, FROM_Y, FROM_T)                             \
+    static inline __attribute__((always_inline)) void NAME(                                       \
+        const T *x, int64_t M, int64_t ldx, const T *w, int64_t ldw, int64_t rows, int64_t K,     \
+        const T *bias, Y *y, int64_t ldy, int accumulate) {                                       \
+        for (int64_t m = 0; m < M; m += MR) {                                                     \
+            const int mr = (int)(M - m < MR ? M - m : MR);                                        \
+            for (int64_t n = 0; n < rows; n += NR) {                                              \
+                const T *tile[NR];                                                                \
+                for (int c = 0; c < NR; ++c)                                                      \
+                    tile[c] = w + (n + c < rows ? n + c : rows - 1) * ldw;                        \
+                float out[MR][NR];                                                                \
+                TILE_ROWS(x + m * ldx, ldx, mr, tile, K, out);                                    \
+                for (int i = 0; i < mr; ++i)                                                      \
+                    for (int c = 0; c < NR && n + c < rows; ++c) {                                \
+                        Y *dst = y + (m + i) * ldy + n + c;                                       \
+                        float sum = out[i][c] + (bias ? FROM_T(bias[n + c]) : 0.0f);              \
+                        if (accumulate) sum += FROM_Y(*dst);                                      \
+                        *dst = TO_Y(sum);                                                         \
+                    }                                                                             \
+            }                                                                                     \
+        }                                                                                         \
+    }
+#define GEMM_NT_SAME(v) (v)
+DEFINE_GEMM_BLOCK(gemm_block_f32, float, float, tile_rows_f32, GEMM_NT_SAME, GEMM_NT_SAME,
+                  GEMM_NT_SAME)
+DEFINE_GEMM_BLOCK(gemm_block_bf16, bf16, bf16, tile_rows_bf16, to_bf16, from_bf16, from_bf16)
+DEFINE_GEMM_BLOCK(gemm_block_bf16_f32, bf16, float, tile_rows_bf16, GEMM_NT_SAME, GEMM_NT_SAME,
+                  from_bf16)
+
 #endif

@@ -13,29 +13,17 @@
 
 #define BLOCK 48 /* rows of w per work item (8 tiles): stays in L2 across the row tiles of x */
 
-#define DEFINE_LINEAR_ROWS(NAME, T, TILE_ROWS, TO_T, FROM_T)                                      \
+#define DEFINE_LINEAR_ROWS(NAME, T, GEMM_BLOCK)                                                   \
     void NAME(const T *x, int64_t M, int64_t ldx, const T *w, int64_t N, int64_t K,              \
               const T *bias, T *y, int64_t ldy, int num_threads) {                                \
         const int64_t blocks = (N + BLOCK - 1) / BLOCK;                                           \
         _Pragma("omp parallel for schedule(dynamic) num_threads(num_threads)")                    \
         for (int64_t b = 0; b < blocks; ++b) {                                                    \
-            const int64_t n1 = (b + 1) * BLOCK < N ? (b + 1) * BLOCK : N;                         \
-            for (int64_t m = 0; m < M; m += MR) {                                                 \
-                const int mr = (int)(M - m < MR ? M - m : MR);                                    \
-                for (int64_t n = b * BLOCK; n < n1; n += NR) {                                    \
-                    const T *rows[NR];                                                            \
-                    for (int c = 0; c < NR; ++c) rows[c] = w + (n + c < n1 ? n + c : n1 - 1) * K; \
-                    float out[MR][NR];                                                            \
-                    TILE_ROWS(x + m * ldx, ldx, mr, rows, K, out);                                \
-                    for (int i = 0; i < mr; ++i)                                                  \
-                        for (int c = 0; c < NR && n + c < n1; ++c)                                \
-                            y[(m + i) * ldy + n + c] =                                            \
-                                TO_T(out[i][c] + (bias ? FROM_T(bias[n + c]) : 0.0f));            \
-                }                                                                                 \
-            }                                                                                     \
+            const int64_t n0 = b * BLOCK, rows = N - n0 < BLOCK ? N - n0 : BLOCK;                 \
+            GEMM_BLOCK(x, M, ldx, w + n0 * K, K, rows, K, bias ? bias + n0 : NULL, y + n0, ldy,   \
+                       0);                                                                        \
         }                                                                                         \
     }
 
-#define IDENTITY(v) (v)
-DEFINE_LINEAR_ROWS(omniserve_linear_rows_f32, float, tile_rows_f32, IDENTITY, IDENTITY)
-DEFINE_LINEAR_ROWS(omniserve_linear_rows_bf16, bf16, tile_rows_bf16, to_bf16, from_bf16)
+DEFINE_LINEAR_ROWS(omniserve_linear_rows_f32, float, gemm_block_f32)
+DEFINE_LINEAR_ROWS(omniserve_linear_rows_bf16, bf16, gemm_block_bf16)
