@@ -24,6 +24,8 @@ none); every engine gets a 4 GiB KV cache and max_model_len 4096.
     python scripts/bench_realsize.py                                   # everything found
     python scripts/bench_realsize.py --models qwen2.5-1.5b --engines omniserve,hf
     python scripts/bench_realsize.py --vllm-python /work/vllm-venv/bin/python --out r.json
+    python scripts/bench_realsize.py --models qwen2.5-omni-3b-thinker --quantization awq \
+        --engines omniserve,omniserve:dequantized,hf
     python scripts/bench_realsize.py --models qwen2.5-1.5b --lora-rank 16 \
         --engines omniserve,omniserve:base,hf --variants '{"base": {"enable_lora": false}}'
 """
@@ -118,13 +120,14 @@ def measure_roofline(device: str) -> dict[str, float]:
 
 def model_costs(model_dir: Path) -> dict[str, float]:
     """From the checkpoint's headers and config: bytes a batch-1 decode step reads (decoder
-    weights, the selected experts only, the LM head) and prefill FLOPs per token."""
+    weights, the selected experts only, the LM head) and prefill FLOPs per token (of a bf16
+    checkpoint: pass a quantized one's dequantized twin for those)."""
     from omniserve.worker.model_loader import checkpoint_tensor_shapes
 
     text = _text_config(model_dir)
     dense = experts = embedding = head = 0
-    for name, (shape, _) in checkpoint_tensor_shapes(model_dir).items():
-        count = shape.numel()
+    for name, (shape, dtype) in checkpoint_tensor_shapes(model_dir).items():
+        count = shape.numel() * dtype.itemsize / 2  # in bf16 weights (4-bit ones count a quarter)
         if any(tower in name for tower in ("visual", "audio_tower")):
             continue
         if ".experts." in name:
@@ -595,6 +598,7 @@ def _step_profiles(results: dict[str, dict[str, Any]]) -> list[str]:
 def main() -> None:
     from omniserve.checkpoint_builder import REALSIZE_MODELS, build_realsize_checkpoint
     from omniserve.checkpoint_builder.lora import build_random_adapter
+    from omniserve.checkpoint_builder.quantized import build_quantized_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(REALSIZE_MODELS))
@@ -661,6 +665,13 @@ def main() -> None:
         "projections (transformers through PEFT, unmerged); a variant with "
         '{"enable_lora": false} runs omniserve without it.',
     )
+    parser.add_argument(
+        "--quantization",
+        choices=["awq", "gptq"],
+        default=None,
+        help="Serve a 4-bit copy of each checkpoint (round-to-nearest, groups of 128, built "
+        "once); transformers, vLLM and omniserve:dequantized run its dequantized bf16 twin.",
+    )
     parser.add_argument("--worker", choices=["omniserve", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -702,17 +713,24 @@ def main() -> None:
                 workload["lora_path"] = str(build_random_adapter(
                     model_dir, Path(tmp) / f"{name}-lora", args.lora_rank))  # fmt: skip
             workload_file.write_text(json.dumps(workload))
+            quantized = twin = model_dir
+            if args.quantization:
+                quantized, twin = build_quantized_checkpoint(model_dir, args.quantization, 128)
             results = {}
             for engine in engines:
                 label = engine.partition(":")[2]
-                result = run_engine(engine, model_dir, workload_file,
+                plain = engine in ("hf", "vllm") or label == "dequantized"
+                result = run_engine(engine, twin if plain else quantized, workload_file,
                                     Path(tmp) / f"{name}-{engine.replace(':', '-')}.json",
                                     args.vllm_python, args.engine_timeout,
                                     json.loads(args.variants).get(label))  # fmt: skip
                 if result is not None:
                     results[engine] = result
                     print_engine(engine, result)  # now, in case a later engine runs out of time
-            costs = model_costs(model_dir)
+            costs = {
+                **model_costs(twin),
+                "decode_bytes_per_step": model_costs(quantized)["decode_bytes_per_step"],
+            }
             all_results["models"][name] = {"results": results, "costs": costs}
             section = report(name, results, costs, roofline) if results else []
             print("\n".join(section), flush=True)

@@ -106,6 +106,7 @@ def _write(source: Path, target: Path, method: str, group_size: int, dequantized
         if item.is_file() and item not in files and item.name != INDEX_FILE:
             shutil.copy2(item, target / item.name)
     weight_map: dict[str, str] = {}
+    total_size = 0
     for file in files:
         tensors: dict[str, torch.Tensor] = {}
         with SafetensorsFile(file) as f:
@@ -120,8 +121,10 @@ def _write(source: Path, target: Path, method: str, group_size: int, dequantized
                     tensors[name] = tensor
         save_file(tensors, target / file.name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file.name))
+        total_size += sum(t.numel() * t.element_size() for t in tensors.values())
     if (source / INDEX_FILE).is_file():
-        (target / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}, indent=1))
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        (target / INDEX_FILE).write_text(json.dumps(index, indent=1))
     if not dequantized:
         config = json.loads((target / "config.json").read_text())
         config["quantization_config"] = _quantization_config(method, group_size)
