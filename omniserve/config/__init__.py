@@ -12,6 +12,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from omniserve.config.quantization import QUANTIZATION_METHODS, QuantizationConfig
+from omniserve.config.speculative import SpeculativeConfig
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 MM_ENCODER_ATTN_BACKENDS = ("auto", "TORCH_SDPA", "FLASH_ATTN")
@@ -507,147 +510,6 @@ class LoRAConfig:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})."
             )
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding by n-gram prompt lookup (vLLM's ``--speculative-config`` with
-    ``"method": "ngram"``): drafts are copied from the request's own earlier tokens where its
-    last n tokens occurred before, and one forward verifies them (``omniserve/spec_decode``)."""
-
-    num_speculative_tokens: int
-    """Most draft tokens per request per step."""
-    prompt_lookup_max: int = 5
-    """Longest n-gram matched (the longest match wins)."""
-    prompt_lookup_min: int = 5
-    """Shortest n-gram matched."""
-    disable_by_batch_size: int | None = None
-    """No drafts while this many requests or more are running and waiting (a large batch
-    already reads each weight once for many tokens, so drafts would cost more than they save)."""
-
-    @classmethod
-    def from_dict(cls, value: dict[str, Any] | str) -> SpeculativeConfig:
-        """vLLM's dict (or its JSON text): ``method`` "ngram" (or ``model`` "[ngram]"),
-        ``num_speculative_tokens``, ``prompt_lookup_max`` / ``prompt_lookup_min`` (one given:
-        both take it; neither: 5, vLLM's default) and ``disable_by_batch_size``."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object.")
-        options = dict(value)
-        method = options.pop("method", None)
-        model = options.pop("model", None)
-        if method is None and model in ("ngram", "[ngram]"):
-            method = "ngram"
-        elif model is not None and model not in ("ngram", "[ngram]"):
-            raise ValueError(
-                f"speculative_config.model {model!r}: omniserve has no draft models; it "
-                'speculates by n-gram prompt lookup ({"method": "ngram", ...}).'
-            )
-        if method not in ("ngram", "[ngram]"):  # EAGLE, MTP, draft models...: no draft model here
-            raise ValueError(
-                f"speculative_config.method {method!r} is not supported: omniserve "
-                "speculates by n-gram prompt lookup only (method 'ngram')."
-            )
-        known = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"}  # fmt: skip
-        if unknown := sorted(options.keys() - known):
-            raise ValueError(
-                f"speculative_config: unknown key(s) {unknown}; the n-gram method takes "
-                f"{sorted(known | {'method'})}."
-            )
-        if "num_speculative_tokens" not in options:
-            raise ValueError("speculative_config needs num_speculative_tokens.")
-        lookup_max = options.pop("prompt_lookup_max", None)
-        lookup_min = options.pop("prompt_lookup_min", None)
-        lookup_max = lookup_min if lookup_max is None else lookup_max
-        lookup_min = lookup_max if lookup_min is None else lookup_min
-        return cls(
-            prompt_lookup_max=5 if lookup_max is None else lookup_max,
-            prompt_lookup_min=5 if lookup_min is None else lookup_min,
-            **options,
-        )
-
-    @staticmethod
-    def check_scheduling(async_scheduling: bool) -> None:
-        """Drafts need the tokens of the step before theirs on the host when they are made."""
-        if async_scheduling:
-            raise ValueError(
-                "--speculative-config does not work with --async-scheduling (the drafts of a "
-                "step come from the tokens of the step before it); drop one of them."
-            )
-
-    def __post_init__(self) -> None:
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got "
-                                 f"{value!r}.")  # fmt: skip
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
-                f"prompt_lookup_max ({self.prompt_lookup_max})."
-            )
-        size = self.disable_by_batch_size
-        if size is not None and (not isinstance(size, int) or size < 2):
-            raise ValueError(
-                f"speculative_config.disable_by_batch_size must be an integer >= 2, got {size!r}."
-            )
-
-
-QUANTIZATION_METHODS = {"awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
-"""``--quantization`` values (vLLM's names) -> the checkpoint format they read; the Marlin names
-are vLLM's GPU kernels for the same checkpoints."""
-
-
-@dataclass(frozen=True)
-class QuantizationConfig:
-    """A checkpoint's ``quantization_config`` (config.json), checked for what omniserve runs."""
-
-    method: str
-    """"awq" or "gptq": the checkpoint's packing."""
-    group_size: int
-    gptq_v1_zeros: bool = True
-    """GPTQ's original format stores each zero point minus one (``checkpoint_format`` "gptq")."""
-
-    @staticmethod
-    def from_hf(config: dict[str, Any], requested: str | None = None) -> QuantizationConfig:
-        """Parse ``quantization_config``; ``requested`` is ``--quantization``, which must name
-        the checkpoint's method (or its Marlin alias). ValueError says what is unsupported."""
-        method = str(config.get("quant_method", "")).lower()
-        if method not in ("awq", "gptq"):
-            raise ValueError(
-                f"The checkpoint's quantization_config has quant_method {method!r}; omniserve "
-                "runs 4-bit AWQ and GPTQ checkpoints only."
-            )
-        if requested is not None and QUANTIZATION_METHODS.get(requested) != method:
-            raise ValueError(
-                f"--quantization {requested} does not match the checkpoint's quant_method "
-                f"{method!r} (use --quantization {method}, or leave it out)."
-            )
-        bits = config.get("bits", config.get("w_bit"))
-        group_size = config.get("group_size", config.get("q_group_size"))
-        if bits != 4:
-            raise ValueError(f"{method} checkpoint with bits={bits}: omniserve runs 4-bit only.")
-        if not isinstance(group_size, int) or group_size <= 0 or group_size % 2:
-            raise ValueError(
-                f"{method} checkpoint with group_size={group_size}: omniserve needs a positive "
-                "even group size (a per-channel group_size of -1 is not supported)."
-            )
-        if method == "awq":
-            version = str(config.get("version", "gemm")).lower()
-            if version != "gemm":
-                raise ValueError(f"AWQ version {version!r}: omniserve reads the GEMM packing only.")
-            if not config.get("zero_point", True):
-                raise ValueError("AWQ without zero points: omniserve reads zero_point=true only.")
-            return QuantizationConfig("awq", group_size)
-        fmt = str(config.get("checkpoint_format", "gptq")).lower()
-        if fmt not in ("gptq", "gptq_v2"):
-            raise ValueError(f"GPTQ checkpoint_format {fmt!r}: omniserve reads gptq and gptq_v2.")
-        return QuantizationConfig("gptq", group_size, gptq_v1_zeros=fmt == "gptq")
 
 
 @dataclass(frozen=True)
