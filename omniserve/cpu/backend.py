@@ -80,9 +80,9 @@ def apply_cpu_backend(model: nn.Module) -> KernelPlacement:
         return report
     shared = _shared_parameters(model)
     attention_backend = CpuAttentionBackend()
-    # An activation has no weight to tell its dtype: the model's (fp32 stays on torch).
-    bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
-    dtype = _model_dtype(model)  # a 4-bit layer's activations
+    # The activations' dtype (a 4-bit layer's, and an activation's, which has no weight to tell;
+    # fp32 activations stay on torch).
+    dtype = _model_dtype(model)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, LinearBase):
@@ -105,7 +105,7 @@ def apply_cpu_backend(model: nn.Module) -> KernelPlacement:
                 module.kernel = CpuRMSNorm(module)
                 kind = "RMSNorm: C bfloat16"
             elif isinstance(module, SiluAndMul):
-                if not (bf16 and cpu_silu_and_mul_available()):
+                if not (dtype == torch.bfloat16 and cpu_silu_and_mul_available()):
                     continue
                 module.kernel = cpu_silu_and_mul
                 kind = "SiLU-and-mul: C bfloat16"
