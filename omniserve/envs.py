@@ -102,6 +102,19 @@ def media_loading_threads() -> int:
     return int(value)
 
 
+def responses_store_mb() -> float:
+    """``OMNISERVE_RESPONSES_STORE_MB``: memory for stored Responses API responses (their
+    conversations, media included); the least recently used go first; 0 stores none."""
+    value = os.environ.get("OMNISERVE_RESPONSES_STORE_MB", "256")
+    try:
+        megabytes = float(value)
+    except ValueError:
+        raise ValueError(f"OMNISERVE_RESPONSES_STORE_MB must be a number, not {value!r}.") from None
+    if megabytes < 0:
+        raise ValueError(f"OMNISERVE_RESPONSES_STORE_MB must be >= 0, not {value!r}.")
+    return megabytes
+
+
 def configure_logging() -> bool:
     """Whether omniserve sets up its own log output (``OMNISERVE_CONFIGURE_LOGGING``, default 1)."""
     return os.environ.get("OMNISERVE_CONFIGURE_LOGGING", "1") not in ("0", "false", "False")

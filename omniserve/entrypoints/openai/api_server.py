@@ -15,21 +15,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from http import HTTPStatus
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import anyio
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import PlainTextResponse, Response
 
 from omniserve import __version__, envs
 from omniserve.engine.arg_utils import EngineArgs
@@ -64,6 +61,17 @@ from omniserve.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
+from omniserve.entrypoints.openai.responses_protocol import (
+    DeletedResponse,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
+from omniserve.entrypoints.openai.routing import (
+    EventStreamResponse,
+    documented,
+    with_cancellation,
+)
 from omniserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from omniserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from omniserve.entrypoints.openai.serving_engine import (
@@ -72,6 +80,7 @@ from omniserve.entrypoints.openai.serving_engine import (
     to_serving_error,
 )
 from omniserve.entrypoints.openai.serving_models import OpenAIServingModels
+from omniserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from omniserve.entrypoints.openai.serving_speech import OpenAIServingSpeech
 from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest, VoiceList
 from omniserve.entrypoints.openai.tokenize_protocol import (
@@ -93,56 +102,6 @@ FLUSH_TIMEOUT_S = 2.0
 """After a drain runs out of time: how long the ended requests get to send their error."""
 CLOSE_TIMEOUT_S = 5
 """uvicorn's own graceful-shutdown bound, a backstop once the drain is over."""
-
-
-class EventStreamResponse(StreamingResponse):
-    """SSE that stops the moment the client goes away, even between tokens.
-
-    Starlette only notices a disconnect when a write fails; here a listener races the stream,
-    and the body iterator is always closed, so the generator's ``finally`` (the abort) runs now.
-    """
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as group:
-
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        pass  # the client vanished mid-write
-                    group.cancel_scope.cancel()
-
-                group.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                group.cancel_scope.cancel()
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def with_cancellation(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Any]:
-    """Cancel the handler (and so abort its request) if the client disconnects first."""
-
-    @functools.wraps(handler)
-    async def wrapper(*args: Any, **kwargs: Any) -> Response | None:
-        handler_task = asyncio.ensure_future(handler(*args, **kwargs))
-        disconnect_task = asyncio.ensure_future(_wait_for_disconnect(kwargs["raw_request"]))
-        try:
-            await asyncio.wait([handler_task, disconnect_task], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            disconnect_task.cancel()
-            if not handler_task.done():
-                handler_task.cancel()  # the client left first, or the server is stopping
-        return handler_task.result() if handler_task.done() else None  # None: nobody listens
-
-    return wrapper
 
 
 class DrainingServer(uvicorn.Server):
@@ -330,7 +289,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         body, content_type = stat_logger.render()
         return Response(body, media_type=content_type)
 
-    app.include_router(_api_router(engine, chat, completion, speech, models))
+    responses = OpenAIServingResponses(chat, int(envs.responses_store_mb() * 2**20))
+    app.include_router(_api_router(engine, chat, completion, speech, responses, models))
     if not getattr(args, "no_playground", False):
         app.include_router(
             playground_router(_playground_info(engine, names), getattr(args, "api_key", None))
@@ -366,55 +326,6 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     return app
 
 
-def _documented(body: type | None = None, chunk: type | None = None) -> dict[int | str, Any]:
-    """The OpenAPI responses a route really gives: its body (JSON, or with ``stream`` an SSE
-    stream of ``chunk`` events), and the error statuses, all in OpenAI's error shape."""
-    responses: dict[int | str, Any] = {
-        int(status): {"model": ErrorResponse, "description": status.phrase}
-        for status in (
-            HTTPStatus.BAD_REQUEST,
-            HTTPStatus.UNAUTHORIZED,
-            HTTPStatus.NOT_FOUND,
-            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            HTTPStatus.INTERNAL_SERVER_ERROR,
-            HTTPStatus.SERVICE_UNAVAILABLE,
-        )
-    }
-    if body is not None:
-        content: dict[str, Any] = {"application/json": {}}
-        if chunk is not None:  # the schema of one event, as OpenAPI 3.1 tools read SSE
-            content["text/event-stream"] = {
-                "schema": {
-                    "type": "object",
-                    "required": ["data"],
-                    "properties": {
-                        "event": {"type": "string"},
-                        "data": {
-                            "anyOf": [
-                                {"const": "[DONE]"},
-                                {
-                                    "type": "string",
-                                    "contentMediaType": "application/json",
-                                    "contentSchema": {
-                                        "$ref": f"#/components/schemas/{chunk.__name__}"
-                                    },
-                                },
-                                {
-                                    "type": "string",
-                                    "contentMediaType": "application/json",
-                                    "contentSchema": {"$ref": "#/components/schemas/ErrorResponse"},
-                                },
-                            ]
-                        },
-                    },
-                    "description": f"data: <{chunk.__name__}> events (an error event if the "
-                    "request fails midway), then data: [DONE]",
-                }
-            }
-        responses[200] = {"model": body, "content": content}
-    return responses
-
-
 def _playground_info(engine: AsyncLLM, names: list[str]) -> dict[str, Any]:
     """The served model as the playground shows it: its name and limits, the media it takes
     (modality -> items per prompt, None: no limit) and its voices."""
@@ -434,6 +345,7 @@ def _api_router(
     chat: OpenAIServingChat,
     completion: OpenAIServingCompletion,
     speech: OpenAIServingSpeech,
+    responses: OpenAIServingResponses,
     models: OpenAIServingModels,
 ) -> APIRouter:
     router = APIRouter()
@@ -452,19 +364,19 @@ def _api_router(
 
     if envs.allow_runtime_lora_updating():  # vLLM's routes, behind vLLM's switch
 
-        @router.post("/v1/load_lora_adapter", responses=_documented())
+        @router.post("/v1/load_lora_adapter", responses=documented())
         async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> PlainTextResponse:
             await models.load(request.lora_name, request.lora_path)
             return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added.")
 
-        @router.post("/v1/unload_lora_adapter", responses=_documented())
+        @router.post("/v1/unload_lora_adapter", responses=documented())
         async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> PlainTextResponse:
             await models.unload(request.lora_name)
             return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed.")
 
     @router.post(
         "/v1/chat/completions",
-        responses=_documented(ChatCompletionResponse, ChatCompletionStreamResponse),
+        responses=documented(ChatCompletionResponse, ChatCompletionStreamResponse),
     )
     @with_cancellation
     async def create_chat_completion(
@@ -473,7 +385,7 @@ def _api_router(
         return respond(await chat.create_chat_completion(request))
 
     @router.post(
-        "/v1/completions", responses=_documented(CompletionResponse, CompletionStreamResponse)
+        "/v1/completions", responses=documented(CompletionResponse, CompletionStreamResponse)
     )
     @with_cancellation
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -483,7 +395,7 @@ def _api_router(
         "/v1/audio/speech",
         response_class=Response,
         responses={
-            **_documented(),
+            **documented(),
             200: {
                 "description": "The audio file (or SSE events with stream_format sse)",
                 "content": {media: {} for media in {*MEDIA_TYPES.values(), "text/event-stream"}},
@@ -496,25 +408,44 @@ def _api_router(
         media = "text/event-stream" if kind == "sse" else MEDIA_TYPES[request.encoding]
         return EventStreamResponse(body, media_type=media)
 
-    @router.get("/v1/audio/voices", responses=_documented())
+    @router.get("/v1/audio/voices", responses=documented())
     async def list_voices() -> VoiceList:
         return speech.voices()
 
     if envs.torch_profiler_dir():  # vLLM's routes, there only while profiling is enabled
 
-        @router.post("/start_profile", responses=_documented())
+        @router.post("/start_profile", responses=documented())
         async def start_profile() -> Response:
             return await _profile(engine.start_profile())
 
-        @router.post("/stop_profile", responses=_documented())
+        @router.post("/stop_profile", responses=documented())
         async def stop_profile() -> Response:
             return await _profile(engine.stop_profile())
 
-    @router.post("/tokenize", responses=_documented())
+    @router.post("/v1/responses", responses=documented(ResponseObject, ResponseStreamEvent))
+    @with_cancellation
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return respond(await responses.create_response(request))
+
+    @router.get("/v1/responses/{response_id}", responses=documented())
+    async def retrieve_response(response_id: str, stream: bool = False) -> ResponseObject:
+        if stream:
+            raise ServingError("Stored responses are not streamed again here.", param="stream")
+        return responses.retrieve(response_id)
+
+    @router.post("/v1/responses/{response_id}/cancel", responses=documented())
+    async def cancel_response(response_id: str) -> ResponseObject:
+        return await responses.cancel(response_id)
+
+    @router.delete("/v1/responses/{response_id}", responses=documented())
+    async def delete_response(response_id: str) -> DeletedResponse:
+        return await responses.delete(response_id)
+
+    @router.post("/tokenize", responses=documented())
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         return await _tokenize(completion, request)
 
-    @router.post("/detokenize", responses=_documented())
+    @router.post("/detokenize", responses=documented())
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         completion.check_model(request.model)
         try:

@@ -66,6 +66,27 @@ class RequestModel(OpenAIBaseModel):
     """vLLM's fields with no meaning here yet, with their no-op value and why: any other value
     is a 400 naming the field (a silently dropped field would change answers without a word)."""
 
+    passed_on: ClassVar[frozenset[str]] = frozenset()
+    """Fields the request hands on, unparsed, to another request model that reads them."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown(cls, data: Any) -> Any:
+        """Fields this server does not know are ignored with one warning naming them, as in
+        vLLM (clients send fields of other servers)."""
+        if isinstance(data, dict):
+            known = (
+                set(cls.model_fields)
+                | cls.passed_on
+                | {info.alias for info in cls.model_fields.values() if info.alias}
+            )
+            unknown = sorted(str(key) for key in data if key not in known)
+            if unknown:
+                logger.warning(
+                    "Ignored request fields this server does not use: %s", ", ".join(unknown)
+                )
+        return data
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_lone_surrogates(cls, data: Any) -> Any:
@@ -224,22 +245,6 @@ class SamplingRequest(RequestModel):
     unsupported: ClassVar[dict[str, tuple[Any, str]]] = SAMPLING_UNSUPPORTED
     logprobs_field: ClassVar[str]
     """The field that says how many logprobs per token (named in its errors)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _warn_unknown(cls, data: Any) -> Any:
-        """Fields this server does not know are ignored with one warning naming them, as in
-        vLLM (clients send fields of other servers)."""
-        if isinstance(data, dict):
-            known = set(cls.model_fields) | {
-                info.alias for info in cls.model_fields.values() if info.alias
-            }
-            unknown = sorted(str(key) for key in data if key not in known)
-            if unknown:
-                logger.warning(
-                    "Ignored request fields this server does not use: %s", ", ".join(unknown)
-                )
-        return data
 
     model: str | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)

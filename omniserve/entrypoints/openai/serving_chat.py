@@ -37,6 +37,7 @@ from omniserve.entrypoints.openai.serving_engine import (
     to_serving_error,
 )
 from omniserve.entrypoints.openai.tool_parsers import ToolCallReader, tool_call_reader
+from omniserve.lora.request import LoRARequest
 from omniserve.outputs import CompletionOutput, Logprob, RequestOutput
 from omniserve.sampling_params import SpeechParams
 
@@ -119,6 +120,18 @@ class OpenAIServingChat(OpenAIServing):
         """
         lora = self.check_model(request.model)
         self.check_engine()
+        request_id = self.new_request_id("chatcmpl", request.request_id)
+        generator, thinking = await self.generate(request, request_id, lora)
+        if request.stream:
+            return self._stream(request, request_id, generator, thinking)
+        return await self._full(request, request_id, generator, thinking)
+
+    async def generate(
+        self, request: ChatCompletionRequest, request_id: str, lora: LoRARequest | None
+    ) -> tuple[OutputStream, bool]:
+        """Render the request, start its generation and wait for its first output (so errors
+        are 400s before any answer is sent): its outputs, and whether the prompt left the model
+        thinking (the answer then starts in its reasoning)."""
         try:
             tool_call_reader(request, self.tool_call_parser)  # "auto" needs a parser
             tools = request.template_tools(self.exclude_tools_when_tool_choice_none)
@@ -137,13 +150,10 @@ class OpenAIServingChat(OpenAIServing):
                 output_modalities=list(request.modalities or []),
                 speech=self._speech_params(request),
             )
-        request_id = self.new_request_id("chatcmpl", request.request_id)
         (generator,) = await self.start_generation(
             [prompt], params, request_id, request.priority, lora
         )
-        if request.stream:
-            return self._stream(request, request_id, generator, thinking)
-        return await self._full(request, request_id, generator, thinking)
+        return generator, thinking
 
     def _speech_params(self, request: ChatCompletionRequest) -> SpeechParams:
         """The request's voice (checked against the model's) and talker settings; a model that
@@ -178,7 +188,8 @@ class OpenAIServingChat(OpenAIServing):
             transcript=transcript,
         )
 
-    def _answer(self, request: ChatCompletionRequest, thinking: bool) -> ChatAnswer:
+    def answer(self, request: ChatCompletionRequest, thinking: bool) -> ChatAnswer:
+        """A reader of one choice's answer: its thinking, content and tool calls."""
         split = (
             StreamingSplit(self.reasoning_parser, thinking)
             if self.reasoning_parser is not None
@@ -205,7 +216,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         echo = _echo(request)
         for out in sorted(final.outputs, key=lambda o: o.index):
-            answer = self._answer(request, thinking)
+            answer = self.answer(request, thinking)
             message = answer.message(answer.feed(out.text, final=True))
             if echo:
                 message.content = echo + (message.content or "")
@@ -216,7 +227,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionResponseChoice(
                     index=out.index,
                     message=message,
-                    logprobs=self._logprobs(request, out) if request.logprobs else None,
+                    logprobs=self.logprobs(request, out) if request.logprobs else None,
                     finish_reason=answer.finish_reason(out.finish_reason),
                     stop_reason=out.stop_reason,
                     token_ids=list(out.token_ids) if request.return_token_ids else None,
@@ -254,7 +265,7 @@ class OpenAIServingChat(OpenAIServing):
         def spoken() -> int | None:  # codec frames so far; None for a text-only request
             return sum(num_audio) if request.wants_audio else None
 
-        answers = [self._answer(request, thinking) for _ in range(request.n)]
+        answers = [self.answer(request, thinking) for _ in range(request.n)]
         audio_ids = [_audio_id() for _ in range(request.n)]
         audio_only = request.wants_audio and "text" not in (request.modalities or [])
         prompt_ids_sent = not request.return_token_ids
@@ -303,7 +314,7 @@ class OpenAIServingChat(OpenAIServing):
                     choice = ChatCompletionStreamChoice(
                         index=out.index,
                         delta=changes,
-                        logprobs=self._logprobs(request, out) if wants_logprobs else None,
+                        logprobs=self.logprobs(request, out) if wants_logprobs else None,
                         finish_reason=answer.finish_reason(out.finish_reason),
                         stop_reason=out.stop_reason,
                         token_ids=list(out.token_ids) if request.return_token_ids else None,
@@ -325,7 +336,7 @@ class OpenAIServingChat(OpenAIServing):
             await generator.aclose()  # aborts it if unfinished
         yield SSE_DONE
 
-    def _logprobs(
+    def logprobs(
         self, request: ChatCompletionRequest, out: CompletionOutput
     ) -> ChatCompletionLogprobs:
         """OpenAI's chat shape: per generated token, its logprob and the top alternatives."""

@@ -35,6 +35,7 @@ from omniserve.entrypoints.openai.protocol import (
     SamplingRequest,
     UsageInfo,
 )
+from omniserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest
 from omniserve.entrypoints.openai.tokenize_protocol import (
     DetokenizeRequest,
@@ -92,7 +93,8 @@ _FIELD_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\[\d+\]|\[\*\]|\.[a-z_][a-z0-9_]*)
 @functools.cache
 def _request_fields() -> frozenset[str]:
     models = (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
-              TokenizeCompletionRequest, DetokenizeRequest, CreateSpeechRequest)  # fmt: skip
+              TokenizeCompletionRequest, DetokenizeRequest, CreateSpeechRequest,
+              ResponsesRequest)  # fmt: skip
     return frozenset(name for model in models for name in model.model_fields)
 
 
