@@ -102,6 +102,21 @@ def media_loading_threads() -> int:
     return int(value)
 
 
+def max_audio_clip_filesize_mb() -> float:
+    """``VLLM_MAX_AUDIO_CLIP_FILESIZE_MB`` (vLLM's name, default 25): the largest audio file
+    the transcription and translation routes take."""
+    value = os.environ.get("VLLM_MAX_AUDIO_CLIP_FILESIZE_MB", "25")
+    try:
+        megabytes = float(value)
+    except ValueError:
+        raise ValueError(
+            f"VLLM_MAX_AUDIO_CLIP_FILESIZE_MB must be a number, not {value!r}."
+        ) from None
+    if megabytes <= 0:
+        raise ValueError(f"VLLM_MAX_AUDIO_CLIP_FILESIZE_MB must be > 0, not {value!r}.")
+    return megabytes
+
+
 def responses_store_mb() -> float:
     """``OMNISERVE_RESPONSES_STORE_MB``: memory for stored Responses API responses (their
     conversations, media included); the least recently used go first; 0 stores none."""

@@ -82,6 +82,7 @@ from omniserve.entrypoints.openai.serving_engine import (
 from omniserve.entrypoints.openai.serving_models import OpenAIServingModels
 from omniserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from omniserve.entrypoints.openai.serving_speech import OpenAIServingSpeech
+from omniserve.entrypoints.openai.serving_transcription import OpenAIServingTranscription, Task
 from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest, VoiceList
 from omniserve.entrypoints.openai.tokenize_protocol import (
     DetokenizeRequest,
@@ -90,6 +91,7 @@ from omniserve.entrypoints.openai.tokenize_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from omniserve.entrypoints.openai.transcription_protocol import TranscriptionResponse, form_schema
 from omniserve.lora.request import parse_lora_modules
 from omniserve.metrics import PrometheusStatLogger
 from omniserve.multimodal.errors import MultiModalInputError
@@ -290,7 +292,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         return Response(body, media_type=content_type)
 
     responses = OpenAIServingResponses(chat, int(envs.responses_store_mb() * 2**20))
-    app.include_router(_api_router(engine, chat, completion, speech, responses, models))
+    transcription = OpenAIServingTranscription(chat)
+    app.include_router(
+        _api_router(engine, chat, completion, speech, responses, transcription, models)
+    )
     if not getattr(args, "no_playground", False):
         app.include_router(
             playground_router(_playground_info(engine, names), getattr(args, "api_key", None))
@@ -346,6 +351,7 @@ def _api_router(
     completion: OpenAIServingCompletion,
     speech: OpenAIServingSpeech,
     responses: OpenAIServingResponses,
+    transcription: OpenAIServingTranscription,
     models: OpenAIServingModels,
 ) -> APIRouter:
     router = APIRouter()
@@ -407,6 +413,34 @@ def _api_router(
         body, kind = await speech.create_speech(request)
         media = "text/event-stream" if kind == "sse" else MEDIA_TYPES[request.encoding]
         return EventStreamResponse(body, media_type=media)
+
+    async def speech_to_text(raw_request: Request, task: Task) -> Response:
+        async with raw_request.form(max_files=1, max_fields=64) as form:
+            result = await transcription.create(form, task)
+        if isinstance(result, str):
+            return PlainTextResponse(result)
+        return respond(result)
+
+    transcript = {
+        **documented(),
+        200: {
+            "model": TranscriptionResponse,
+            "description": "The transcript: JSON, plain text, or with stream SSE events",
+            "content": {"application/json": {}, "text/plain": {}, "text/event-stream": {}},
+        },
+    }
+
+    @router.post("/v1/audio/transcriptions", responses=transcript, response_class=Response,
+                 openapi_extra=form_schema())  # fmt: skip
+    @with_cancellation
+    async def create_transcription(raw_request: Request) -> Response:
+        return await speech_to_text(raw_request, "transcribe")
+
+    @router.post("/v1/audio/translations", responses=transcript, response_class=Response,
+                 openapi_extra=form_schema())  # fmt: skip
+    @with_cancellation
+    async def create_translation(raw_request: Request) -> Response:
+        return await speech_to_text(raw_request, "translate")
 
     @router.get("/v1/audio/voices", responses=documented())
     async def list_voices() -> VoiceList:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+import pydantic
+
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
 from omniserve.engine.processor import ContextLengthError
@@ -42,6 +44,7 @@ from omniserve.entrypoints.openai.tokenize_protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from omniserve.entrypoints.openai.transcription_protocol import TranscriptionRequest
 from omniserve.inputs.data import TokensPrompt
 from omniserve.lora.request import LoRARequest
 from omniserve.multimodal.errors import MultiModalInputError
@@ -94,7 +97,7 @@ _FIELD_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\[\d+\]|\[\*\]|\.[a-z_][a-z0-9_]*)
 def _request_fields() -> frozenset[str]:
     models = (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
               TokenizeCompletionRequest, DetokenizeRequest, CreateSpeechRequest,
-              ResponsesRequest)  # fmt: skip
+              ResponsesRequest, TranscriptionRequest)  # fmt: skip
     return frozenset(name for model in models for name in model.model_fields)
 
 
@@ -106,6 +109,16 @@ def leading_param(message: str) -> str | None:
         return None
     path = match.group(0)
     return path if re.split(r"[.\[]", path, maxsplit=1)[0] in _request_fields() else None
+
+
+def validation_message(exc: pydantic.ValidationError) -> str:
+    """pydantic's errors as one line, "field: problem; ..." (as the API's 400s say them)."""
+    problems = []
+    for error in exc.errors():
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+        message = str(error["msg"]).removeprefix("Value error, ")
+        problems.append(f"{path.lstrip('.')}: {message}" if path else message)
+    return "; ".join(problems)
 
 
 def to_serving_error(exc: BaseException) -> ServingError:

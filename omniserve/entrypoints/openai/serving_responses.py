@@ -48,6 +48,7 @@ from omniserve.entrypoints.openai.serving_engine import (
     OutputStream,
     ServingError,
     to_serving_error,
+    validation_message,
 )
 from omniserve.lora.request import LoRARequest
 from omniserve.outputs import CompletionOutput, RequestOutput
@@ -344,12 +345,7 @@ class OpenAIServingResponses:
                 request.chat_fields(chat_messages(conversation))
             )
         except pydantic.ValidationError as exc:
-            problems = []
-            for error in exc.errors():
-                path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
-                message = str(error["msg"]).removeprefix("Value error, ")
-                problems.append(f"{path.lstrip('.')}: {message}" if path else message)
-            raise ServingError(conversation.relocate("; ".join(problems))) from exc
+            raise ServingError(conversation.relocate(validation_message(exc))) from exc
 
     async def _generate(
         self,
