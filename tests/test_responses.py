@@ -149,9 +149,15 @@ def test_previous_response_id_continues_as_if_sent_whole(qwen3_server: Server) -
     sent = client.responses.create(input=whole, **follow)  # the instructions are not carried over
     assert chained.output_text == sent.output_text
     assert chained.usage.input_tokens == sent.usage.input_tokens
-    assert chained.usage.input_tokens_details.cached_tokens > 0  # the first turn's blocks
+    assert sent.usage.input_tokens_details.cached_tokens > 0  # the chained prompt's blocks
     assert chained.previous_response_id == first.id
     assert client.responses.retrieve(chained.id).output_text == chained.output_text
+    (item,) = client.responses.input_items.list(first.id).data
+    assert (item.type, item.content[0].text) == ("message", "What is the weather in Paris?")
+    page = client.responses.input_items.list(sent.id, order="asc", limit=2)
+    assert [i.type for i in page.data] == ["message", "function_call"] and page.has_more
+    rest = client.responses.input_items.list(sent.id, order="asc", after=page.data[-1].id)
+    assert [i.type for i in rest.data] == ["function_call_output"] and not rest.has_more
 
 
 def test_media_parts_answer_as_in_chat(default_server: Server) -> None:

@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator, Awaitable
 from http import HTTPStatus
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import uvicorn
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response
 
@@ -63,6 +63,7 @@ from omniserve.entrypoints.openai.protocol import (
 from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from omniserve.entrypoints.openai.responses_protocol import (
     DeletedResponse,
+    InputItemList,
     ResponseObject,
     ResponsesRequest,
     ResponseStreamEvent,
@@ -466,6 +467,15 @@ def _api_router(
         if stream:
             raise ServingError("Stored responses are not streamed again here.", param="stream")
         return responses.retrieve(response_id)
+
+    @router.get("/v1/responses/{response_id}/input_items", responses=documented())
+    async def list_input_items(
+        response_id: str,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ) -> InputItemList:
+        return responses.input_items(response_id, limit, order, after)
 
     @router.post("/v1/responses/{response_id}/cancel", responses=documented())
     async def cancel_response(response_id: str) -> ResponseObject:

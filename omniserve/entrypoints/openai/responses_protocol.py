@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -386,6 +387,38 @@ def conversation_of(
 def chat_messages(conversation: Conversation) -> list[dict[str, Any]]:
     """The messages as the chat request takes them (without the builder's marks)."""
     return [{k: v for k, v in m.items() if k != "_closed"} for m in conversation.messages]
+
+
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                     "reasoning": "rs"}  # fmt: skip
+
+
+def input_items(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as OpenAI lists it back (``GET .../input_items``): each item typed,
+    with an id, message text as content parts."""
+    raw = (
+        [{"role": "user", "content": request.input}]
+        if isinstance(request.input, str)
+        else request.input
+    )
+    items = []
+    for item in raw:
+        kind = item.get("type", "message")
+        listed = {"type": kind, "id": f"{_ITEM_ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}",
+                  **item}  # fmt: skip
+        if kind == "message" and isinstance(item.get("content"), str):
+            text = "output_text" if item.get("role") == "assistant" else "input_text"
+            listed["content"] = [{"type": text, "text": item["content"]}]
+        items.append(listed)
+    return items
+
+
+class InputItemList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
 
 
 # ---- the response ----

@@ -28,6 +28,7 @@ from omniserve.entrypoints.openai.responses_protocol import (
     DeletedResponse,
     FunctionCallItem,
     IncompleteDetails,
+    InputItemList,
     InputTokensDetails,
     OutputItem,
     OutputMessage,
@@ -41,6 +42,7 @@ from omniserve.entrypoints.openai.responses_protocol import (
     ResponseUsage,
     chat_messages,
     conversation_of,
+    input_items,
 )
 from omniserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from omniserve.entrypoints.openai.serving_engine import (
@@ -200,6 +202,8 @@ class StoredResponse:
     response: ResponseObject
     conversation: list[dict[str, Any]] | None
     """The chat messages a next turn continues (its output included); None while it runs."""
+    inputs: list[dict[str, Any]]
+    """The request's input items, as ``GET .../input_items`` lists them."""
     task: asyncio.Task | None = None
     """A background run's task."""
     size: int = 0
@@ -302,21 +306,42 @@ class OpenAIServingResponses:
         response.store = request.store and self.store.enabled
         if request.background:
             response.status = "queued"
-            entry = StoredResponse(response, None)
+            inputs = input_items(request)
+            entry = StoredResponse(response, None, inputs)
             entry.task = asyncio.ensure_future(
-                self._run_in_background(request, conversation, response, lora)
+                self._run_in_background(request, conversation, inputs, response, lora)
             )
             self.store.put(entry)
             return response.model_copy(deep=True)
         generator, thinking, chat_request = await self._generate(
             request, conversation, response.id, lora
         )
+        made = (chat_request, conversation, input_items(request), response, generator, thinking)
         if request.stream:
-            return self._stream(chat_request, conversation, response, generator, thinking)
-        return await self._full(chat_request, conversation, response, generator, thinking)
+            return self._stream(*made)
+        return await self._full(*made)
 
     def retrieve(self, response_id: str) -> ResponseObject:
         return self.store.get(response_id).response
+
+    def input_items(
+        self, response_id: str, limit: int, order: str, after: str | None
+    ) -> InputItemList:
+        """A page of a stored response's input items (OpenAI's list: newest first by default)."""
+        items = self.store.get(response_id).inputs
+        items = items[::-1] if order == "desc" else items
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise ServingError(f"No input item {after!r} in {response_id!r}.", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return InputItemList(
+            data=page,
+            first_id=page[0]["id"] if page else None,
+            last_id=page[-1]["id"] if page else None,
+            has_more=len(items) > limit,
+        )
 
     async def cancel(self, response_id: str) -> ResponseObject:
         """Stop a background response (one that has ended is returned as it is)."""
@@ -374,8 +399,8 @@ class OpenAIServingResponses:
         self,
         builder: OutputBuilder,
         response: ResponseObject,
-        chat_request: ChatCompletionRequest,
         conversation: Conversation,
+        inputs: list[dict[str, Any]],
         final: RequestOutput,
         token_ids: list[int],
         finish_reason: str | None,
@@ -402,7 +427,7 @@ class OpenAIServingResponses:
         )
         if response.store:
             turn = [*chat_messages(conversation)[conversation.fixed :], builder.assistant_turn()]
-            self.store.put(StoredResponse(response, turn))
+            self.store.put(StoredResponse(response, turn, inputs))
 
     def _reasoning_tokens(self, token_ids: list[int], reasoning: str) -> int:
         """Tokens spent thinking: up to the end tag's token when it is one, else the thinking
@@ -427,6 +452,7 @@ class OpenAIServingResponses:
         self,
         chat_request: ChatCompletionRequest,
         conversation: Conversation,
+        inputs: list[dict[str, Any]],
         response: ResponseObject,
         generator: OutputStream,
         thinking: bool,
@@ -444,14 +470,15 @@ class OpenAIServingResponses:
         builder = OutputBuilder(chat_request.logprobs)
         answer = self.chat.answer(chat_request, thinking)
         builder.feed(answer.feed(out.text, final=True), self._logprobs(chat_request, out))
-        self._finish(builder, response, chat_request, conversation, final,
-                     list(out.token_ids), out.finish_reason)  # fmt: skip
+        self._finish(builder, response, conversation, inputs, final, list(out.token_ids),
+                     out.finish_reason)  # fmt: skip
         return response
 
     async def _stream(
         self,
         chat_request: ChatCompletionRequest,
         conversation: Conversation,
+        inputs: list[dict[str, Any]],
         response: ResponseObject,
         generator: OutputStream,
         thinking: bool,
@@ -486,7 +513,7 @@ class OpenAIServingResponses:
                     for payload in builder.take_events():
                         yield event(payload)
             assert final is not None
-            self._finish(builder, response, chat_request, conversation, final, token_ids,
+            self._finish(builder, response, conversation, inputs, final, token_ids,
                          finish_reason)  # fmt: skip
             for payload in builder.take_events():
                 yield event(payload)
@@ -503,6 +530,7 @@ class OpenAIServingResponses:
         self,
         request: ResponsesRequest,
         conversation: Conversation,
+        inputs: list[dict[str, Any]],
         response: ResponseObject,
         lora: LoRARequest | None,
     ) -> None:
@@ -513,7 +541,7 @@ class OpenAIServingResponses:
                 request, conversation, response.id, lora
             )
             response.status = "in_progress"
-            await self._full(chat_request, conversation, response, generator, thinking)
+            await self._full(chat_request, conversation, inputs, response, generator, thinking)
         except asyncio.CancelledError:
             response.status = "cancelled"
         except Exception as exc:
