@@ -33,6 +33,7 @@ from omniserve.entrypoints.openai.serving_engine import (
     OutputStream,
     ServingError,
     clamp_logprob,
+    final_output,
     sse_event,
     to_serving_error,
 )
@@ -206,13 +207,7 @@ class OpenAIServingChat(OpenAIServing):
         generator: OutputStream,
         thinking: bool,
     ) -> ChatCompletionResponse:
-        final: RequestOutput | None = None
-        try:
-            async for output in generator:
-                final = output
-        except Exception as exc:
-            raise to_serving_error(exc) from exc
-        assert final is not None and final.finished, "a FINAL_ONLY request ends with its output"
+        final = await final_output(generator)
         choices = []
         echo = _echo(request)
         for out in sorted(final.outputs, key=lambda o: o.index):

@@ -521,6 +521,21 @@ class OpenAIServing:
         return [_prepend(first, gen) for first, gen in zip(firsts, generators, strict=True)]
 
 
+async def final_output(generator: OutputStream) -> RequestOutput:
+    """A non-streamed request's one output (FINAL_ONLY), its errors as ``ServingError``; the
+    generator is closed whatever happens (which aborts the request if it is unfinished)."""
+    final: RequestOutput | None = None
+    try:
+        async for output in generator:
+            final = output
+    except Exception as exc:
+        raise to_serving_error(exc) from exc
+    finally:
+        await generator.aclose()
+    assert final is not None and final.finished, "a FINAL_ONLY request ends with its output"
+    return final
+
+
 def _text_chars(messages: list[dict[str, Any]]) -> int:
     """Characters of text in chat messages (string contents and text parts)."""
     total = 0

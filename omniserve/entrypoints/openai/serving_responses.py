@@ -49,6 +49,7 @@ from omniserve.entrypoints.openai.serving_engine import (
     EventStream,
     OutputStream,
     ServingError,
+    final_output,
     to_serving_error,
     validation_message,
 )
@@ -457,15 +458,10 @@ class OpenAIServingResponses:
         generator: OutputStream,
         thinking: bool,
     ) -> ResponseObject:
-        final: RequestOutput | None = None
         try:
-            async for output in generator:
-                final = output
-        except Exception as exc:
-            raise _relocated(to_serving_error(exc), conversation) from exc
-        finally:
-            await generator.aclose()  # aborts it if unfinished (e.g. cancelled)
-        assert final is not None and final.finished, "a FINAL_ONLY request ends with its output"
+            final = await final_output(generator)
+        except ServingError as exc:
+            raise _relocated(exc, conversation) from exc
         out = final.outputs[0]
         builder = OutputBuilder(chat_request.logprobs)
         answer = self.chat.answer(chat_request, thinking)

@@ -26,6 +26,7 @@ from omniserve.entrypoints.openai.serving_engine import (
     EventStream,
     OutputStream,
     ServingError,
+    final_output,
     to_serving_error,
     validation_message,
 )
@@ -164,15 +165,10 @@ class OpenAIServingTranscription:
         generator: OutputStream,
         thinking: bool,
     ) -> TranscriptionResponse | str:
-        final: RequestOutput | None = None
         try:
-            async for output in generator:
-                final = output
-        except Exception as exc:
-            raise _on_file(to_serving_error(exc)) from exc
-        finally:
-            await generator.aclose()
-        assert final is not None and final.finished, "a FINAL_ONLY request ends with its output"
+            final = await final_output(generator)
+        except ServingError as exc:
+            raise _on_file(exc) from exc
         out = final.outputs[0]
         text = (
             self.chat.answer(chat_request, thinking).feed(out.text, final=True).get("content", "")
