@@ -18,6 +18,7 @@ configure_logging()
 _LAZY = {
     "LLM": "omniserve.entrypoints.llm",
     "SamplingParams": "omniserve.sampling_params",
+    "BeamSearchParams": "omniserve.entrypoints.beam_search",
     "RequestOutput": "omniserve.outputs",
     "CompletionOutput": "omniserve.outputs",
     "EngineArgs": "omniserve.engine.arg_utils",
@@ -28,6 +29,7 @@ __all__ = [
     "__version__",
     "LLM",
     "SamplingParams",
+    "BeamSearchParams",
     "RequestOutput",
     "CompletionOutput",
     "EngineArgs",
@@ -37,6 +39,7 @@ __all__ = [
 if TYPE_CHECKING:
     from omniserve.engine.arg_utils import EngineArgs
     from omniserve.engine.llm_engine import LLMEngine
+    from omniserve.entrypoints.beam_search import BeamSearchParams
     from omniserve.entrypoints.llm import LLM
     from omniserve.outputs import CompletionOutput, RequestOutput
     from omniserve.sampling_params import SamplingParams

@@ -855,11 +855,10 @@ CHAT_FIELDS_THAT_WORK = {
     "return_tokens_as_token_ids": True,
     "echo": True,
     "add_special_tokens": True,
+    "use_beam_search": True,
 }
 CHAT_FIELDS_REFUSED = {
     "best_of": 2,
-    "use_beam_search": True,
-    "length_penalty": 0.5,
     "logits_processors": ["m.p"],
     "kv_transfer_params": {"a": 1},
     "vllm_xargs": {"a": 1},

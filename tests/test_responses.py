@@ -287,7 +287,7 @@ def test_truncation_auto_drops_the_oldest_turns(qwen3_server: Server) -> None:
             "not JSON",
         ),  # fmt: skip
         ({"input": [{"role": "tool", "content": "hi"}]}, "input[0].role", "must be one of"),
-        ({"use_beam_search": True}, "use_beam_search", "no beam search"),
+        ({"use_beam_search": True}, "use_beam_search", "chat and completions"),
         ({"max_output_tokens": 5000}, "max_output_tokens", "maximum context length"),
         ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
         ({"background": True, "store": False}, "background", "background needs store=true"),

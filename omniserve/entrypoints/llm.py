@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.llm_engine import LLMEngine
+from omniserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from omniserve.entrypoints.chat_utils import ChatRenderer
 from omniserve.inputs.data import PromptType
 from omniserve.lora.request import LoRARequest
@@ -130,6 +131,43 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Each prompt's best ``params.beam_width`` answers by beam search (``beam_search``
+        says how), best first; prompts may carry media as in ``generate``."""
+        params.check_width(self.llm_engine.config.model_config.max_logprobs)
+        tokenizer = self.get_tokenizer()
+        bases = [_token_prompt(prompt, tokenizer) for prompt in prompts]
+        eos = self.llm_engine.processor.eos_token_ids
+        max_len = self.llm_engine.config.model_config.max_model_len
+        searches = [BeamSearch(params, eos, max_len) for _ in bases]
+        step = params.step_params()
+        while live := [(s, base) for s, base in zip(searches, bases, strict=True) if not s.done]:
+            step_prompts: list[Any] = [
+                {**base, "prompt_token_ids": base["prompt_token_ids"] + beam.tokens}
+                for search, base in live
+                for beam in search.live
+            ]
+            outputs = iter(self.generate(step_prompts, step, use_tqdm=False,
+                                         lora_request=lora_request))  # fmt: skip
+            for search, _ in live:
+                firsts = [next(outputs) for _ in search.live]
+                search.advance(
+                    [first.outputs[0].logprobs[0] for first in firsts],  # type: ignore[index]
+                    len(firsts[0].prompt_token_ids) - len(search.live[0].tokens),
+                )
+        results = []
+        for search in searches:
+            beams = search.result()
+            for beam in beams:
+                beam.text = tokenizer.decode(beam.tokens, skip_special_tokens=True)
+            results.append(BeamSearchOutput(beams))
+        return results
+
     def _add_requests(
         self,
         prompts: list[PromptType],
@@ -208,3 +246,17 @@ class LLM:
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
+
+
+def _token_prompt(prompt: PromptType, tokenizer: Any) -> dict[str, Any]:
+    """A prompt as token ids (with its media, if any), which each beam extends."""
+    if isinstance(prompt, str):
+        prompt = {"prompt": prompt}
+    if not isinstance(prompt, dict):
+        raise TypeError(f"A prompt must be a str or a dict, got {type(prompt).__name__}.")
+    base = {k: v for k, v in prompt.items() if k != "prompt"}
+    if base.get("prompt_token_ids") is None:
+        if not isinstance(prompt.get("prompt"), str):
+            raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        base["prompt_token_ids"] = list(tokenizer(prompt["prompt"]).input_ids)
+    return base

@@ -107,8 +107,6 @@ class RequestModel(OpenAIBaseModel):
 
 SAMPLING_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "best_of": (1, "sample n instead"),
-    "use_beam_search": (False, "there is no beam search"),
-    "length_penalty": (1.0, "it applies to beam search, which there is not"),
     "logits_processors": (None, "there are no custom logits processors"),
     "kv_transfer_params": (None, "there is no KV transfer between instances"),
     "vllm_xargs": (None, "there are no extra engine arguments per request"),
@@ -296,8 +294,10 @@ class SamplingRequest(RequestModel):
     """Lower runs first (the server needs --scheduling-policy priority for any other than 0)."""
     # vLLM's fields refused unless left at their no-op value (`unsupported`)
     best_of: StrictInt | None = None
+    # vLLM's beam search: n is the beam width, the n best beams are the choices
     use_beam_search: StrictBool = False
     length_penalty: StrictFloat = 1.0
+    """Beams are scored by their cumulative logprob over length ** length_penalty."""
     logits_processors: list[Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
@@ -383,7 +383,34 @@ class SamplingRequest(RequestModel):
             raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or >= 1.")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not available with stream=true (as in vLLM).")
+        self._check_beam_search()
         return self
+
+    def _check_beam_search(self) -> None:
+        """Beam search picks tokens by the model's own logprobs: it takes no sampling setting,
+        and its answer is known only at the end."""
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise ValueError("length_penalty applies only with use_beam_search.")
+            return
+        if self.stream:
+            raise ValueError("use_beam_search cannot stream: the best beams are known at the end.")
+        if self.temperature:
+            raise ValueError("use_beam_search takes temperature 0 (or none): it has no sampling.")
+        neutral: dict[str, tuple[Any, ...]] = {
+            "top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0), "seed": (None,),
+            "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+            "repetition_penalty": (None, 1.0), "stop": (None, [], ""), "stop_token_ids": (None, []),
+            "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": ([],),
+            "min_tokens": (0,), "prompt_logprobs": (None,),
+        }  # fmt: skip
+        for name, values in neutral.items():
+            if getattr(self, name) not in values:
+                raise ValueError(f"{name} does not apply with use_beam_search (no sampling).")
+        if self.constraint is not None:
+            raise ValueError(f"{self.constraint_field}: use_beam_search takes no constraint.")
+        if getattr(self, "logprobs", None) not in (None, False):
+            raise ValueError("logprobs is not available with use_beam_search.")
 
 
 # ---- tools ----

@@ -111,6 +111,7 @@ class ResponsesRequest(RequestModel):
         "conversation": (None, "there is no Conversations API here: chain responses with "
                          "previous_response_id"),
         "prompt": (None, "there are no stored prompts here: send instructions and input"),
+        "use_beam_search": (False, "beam search is on chat and completions"),
     }  # fmt: skip
 
     input: str | list[dict[str, Any]]
@@ -144,6 +145,7 @@ class ResponsesRequest(RequestModel):
     service_tier: Literal["auto", "default"] | None = None
     conversation: Any = None
     prompt: Any = None
+    use_beam_search: Any = False
 
     @model_validator(mode="before")
     @classmethod

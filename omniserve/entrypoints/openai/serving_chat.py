@@ -7,6 +7,7 @@ import time
 import uuid
 from typing import Any
 
+from omniserve.entrypoints.beam_search import BeamSearchParams
 from omniserve.entrypoints.openai.audio_encoding import encode_audio, pcm16
 from omniserve.entrypoints.openai.chat_protocol import (
     ChatCompletionAudio,
@@ -28,6 +29,7 @@ from omniserve.entrypoints.openai.protocol import (
 from omniserve.entrypoints.openai.reasoning import ReasoningParser, StreamingSplit
 from omniserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
+    EnginePrompt,
     EventStream,
     OpenAIServing,
     OutputStream,
@@ -40,7 +42,7 @@ from omniserve.entrypoints.openai.serving_engine import (
 from omniserve.entrypoints.openai.tool_parsers import ToolCallReader, tool_call_reader
 from omniserve.lora.request import LoRARequest
 from omniserve.outputs import CompletionOutput, Logprob, RequestOutput
-from omniserve.sampling_params import SpeechParams
+from omniserve.sampling_params import SamplingParams, SpeechParams
 
 
 class ChatAnswer:
@@ -122,6 +124,8 @@ class OpenAIServingChat(OpenAIServing):
         lora = self.check_model(request.model)
         self.check_engine()
         request_id = self.new_request_id("chatcmpl", request.request_id)
+        if request.use_beam_search:
+            return await self._beam_search(request, request_id, lora)
         generator, thinking = await self.generate(request, request_id, lora)
         if request.stream:
             return self._stream(request, request_id, generator, thinking)
@@ -133,6 +137,51 @@ class OpenAIServingChat(OpenAIServing):
         """Render the request, start its generation and wait for its first output (so errors
         are 400s before any answer is sent): its outputs, and whether the prompt left the model
         thinking (the answer then starts in its reasoning)."""
+        prompt, params, thinking = await self._prepare(request)
+        (generator,) = await self.start_generation(
+            [prompt], params, request_id, request.priority, lora
+        )
+        return generator, thinking
+
+    async def _beam_search(
+        self, request: ChatCompletionRequest, request_id: str, lora: LoRARequest | None
+    ) -> ChatCompletionResponse:
+        """The n best beams as the n choices (``use_beam_search``)."""
+        if request.wants_audio:
+            raise ServingError("use_beam_search answers in text only.", param="modalities")
+        prompt, params, thinking = await self._prepare(request)
+        beam_params = BeamSearchParams(
+            beam_width=request.n,
+            max_tokens=request.output_limit or self.max_model_len,
+            ignore_eos=request.ignore_eos,
+            length_penalty=request.length_penalty,
+        )
+        beams, first = await self.beam_search(
+            prompt, beam_params, request_id, request.priority, lora
+        )
+        choices = []
+        for index, beam in enumerate(beams):
+            answer = self.answer(request, thinking)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=index,
+                    message=answer.message(answer.feed(beam.text, final=True)),
+                    finish_reason=answer.finish_reason(beam.finish_reason),
+                    token_ids=beam.tokens if request.return_token_ids else None,
+                )
+            )
+        return ChatCompletionResponse(
+            id=request_id,
+            model=self.models.response_name(request.model),
+            choices=choices,
+            usage=self.usage([first], sum(len(beam.tokens) for beam in beams)),
+            prompt_token_ids=first.prompt_token_ids if request.return_token_ids else None,
+        )
+
+    async def _prepare(
+        self, request: ChatCompletionRequest
+    ) -> tuple[EnginePrompt, SamplingParams, bool]:
+        """The rendered prompt, its sampling params, and whether it leaves the model thinking."""
         try:
             tool_call_reader(request, self.tool_call_parser)  # "auto" needs a parser
             tools = request.template_tools(self.exclude_tools_when_tool_choice_none)
@@ -151,10 +200,7 @@ class OpenAIServingChat(OpenAIServing):
                 output_modalities=list(request.modalities or []),
                 speech=self._speech_params(request),
             )
-        (generator,) = await self.start_generation(
-            [prompt], params, request_id, request.priority, lora
-        )
-        return generator, thinking
+        return prompt, params, thinking
 
     def _speech_params(self, request: ChatCompletionRequest) -> SpeechParams:
         """The request's voice (checked against the model's) and talker settings; a model that

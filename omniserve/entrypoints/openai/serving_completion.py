@@ -6,8 +6,10 @@ comes back in one response (or one stream) with every choice addressable.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+from omniserve.entrypoints.beam_search import BeamSearchParams
 from omniserve.entrypoints.openai.completion_protocol import (
     CompletionLogprobs,
     CompletionRequest,
@@ -22,11 +24,13 @@ from omniserve.entrypoints.openai.serving_engine import (
     EventStream,
     OpenAIServing,
     OutputStream,
+    ServingError,
     clamp_logprob,
     merge_async_iterators,
     sse_event,
     to_serving_error,
 )
+from omniserve.lora.request import LoRARequest
 from omniserve.outputs import Logprob, RequestOutput
 
 
@@ -55,12 +59,54 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs=request.num_logprobs if request.echo else None,
         )
         request_id = self.new_request_id("cmpl", request.request_id)
+        if request.use_beam_search:
+            return await self._beam_search(request, request_id, prompts, lora)
         generators = await self.start_generation(
             prompts, params, request_id, request.priority, lora
         )
         if request.stream:
             return self._stream(request, request_id, prompts, generators)
         return await self._full(request, request_id, prompts, generators)
+
+    async def _beam_search(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[EnginePrompt],
+        lora: LoRARequest | None,
+    ) -> CompletionResponse:
+        """Each prompt's n best beams as its n choices (``use_beam_search``)."""
+        if request.echo:
+            raise ServingError("echo is not available with use_beam_search.", param="echo")
+        params = BeamSearchParams(
+            beam_width=request.n,
+            max_tokens=request.output_limit or self.max_model_len,
+            ignore_eos=request.ignore_eos,
+            length_penalty=request.length_penalty,
+        )
+        searches = await asyncio.gather(*(
+            self.beam_search(prompt, params, f"{request_id}-{i}", request.priority, lora)
+            for i, prompt in enumerate(prompts)
+        ))  # fmt: skip
+        choices = [
+            CompletionResponseChoice(
+                index=i * request.n + j,
+                text=beam.text,
+                finish_reason=beam.finish_reason,
+                **_token_ids(request, first, beam.tokens, first=True),
+            )
+            for i, (beams, first) in enumerate(searches)
+            for j, beam in enumerate(beams)
+        ]
+        return CompletionResponse(
+            id=request_id,
+            model=self.models.response_name(request.model),
+            choices=choices,
+            usage=self.usage(
+                [first for _, first in searches],
+                sum(len(beam.tokens) for beams, _ in searches for beam in beams),
+            ),
+        )
 
     async def _to_engine_prompt(
         self, prompt: str | list[int], add_special_tokens: bool

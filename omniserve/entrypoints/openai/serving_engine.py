@@ -24,6 +24,7 @@ import pydantic
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
 from omniserve.engine.processor import ContextLengthError
+from omniserve.entrypoints.beam_search import BeamSearch, BeamSearchParams, BeamSequence
 from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
 from omniserve.entrypoints.logger import RequestLogger
 from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
@@ -519,6 +520,43 @@ class OpenAIServing:
                 raise error from exc
             raise
         return [_prepend(first, gen) for first, gen in zip(firsts, generators, strict=True)]
+
+    async def beam_search(
+        self,
+        prompt: EnginePrompt,
+        params: BeamSearchParams,
+        request_id: str,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> tuple[list[BeamSequence], RequestOutput]:
+        """The prompt's best beams (``entrypoints.beam_search``), with the first step's output
+        (its prompt as the engine saw it, for usage)."""
+        try:
+            params.check_width(self.engine.model_config.max_logprobs)
+        except ValueError as exc:
+            raise ServingError(str(exc), param="n") from exc
+        search = BeamSearch(params, self.engine.processor.eos_token_ids, self.max_model_len)
+        step = params.step_params()
+        first: RequestOutput | None = None
+        while not search.done:
+            prompts = [
+                dataclasses.replace(prompt, text=None, token_ids=prompt.token_ids + beam.tokens)
+                for beam in search.live
+            ]
+            generators = await self.start_generation(
+                prompts, step, f"{request_id}-{search.steps}", priority, lora_request
+            )
+            finals = await asyncio.gather(*(final_output(g) for g in generators))
+            first = first or finals[0]
+            search.advance(
+                [final.outputs[0].logprobs[0] for final in finals],  # type: ignore[index]
+                len(finals[0].prompt_token_ids) - len(search.live[0].tokens),
+            )
+        assert first is not None, "a search runs at least one step"
+        beams = search.result()
+        for beam in beams:
+            beam.text = self.tokenizer.decode(beam.tokens, skip_special_tokens=True)
+        return beams, first
 
 
 async def final_output(generator: OutputStream) -> RequestOutput:

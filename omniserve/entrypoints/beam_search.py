@@ -1,0 +1,124 @@
+"""Beam search (vLLM's ``LLM.beam_search`` and ``use_beam_search``), run over the engine one
+token at a time, as vLLM runs it.
+
+Each step asks the engine for every live beam's next-token logprobs (a one-token request whose
+prompt is the beam's whole text, so the prefix cache holds what beams share), extends each beam
+by each of its ``2 x beam_width`` most likely tokens, and keeps the ``beam_width`` best by score;
+a beam that writes an end-of-sequence token is set aside as finished. After ``max_tokens`` steps
+(or when no beam is left) the best ``beam_width`` of the finished and live beams are the answer.
+The score is vLLM's: the cumulative logprob divided by the length (prompt and answer, an end
+token not counted) to the power ``length_penalty``. Logprobs are the model's own (before any
+sampling setting), so beam search takes no sampling settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from omniserve.outputs import Logprob
+from omniserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    """Treat end-of-sequence tokens as any other (beams then always run max_tokens)."""
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}.")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}.")
+
+    def check_width(self, max_logprobs: int) -> None:
+        """Each step asks for ``2 x beam_width`` logprobs, which ``max_logprobs`` bounds."""
+        if 2 * self.beam_width > max_logprobs:
+            raise ValueError(
+                f"A beam width of {self.beam_width} needs {2 * self.beam_width} logprobs a step; "
+                f"this server gives at most {max_logprobs} (--max-logprobs), so at most "
+                f"{max_logprobs // 2} beams."
+            )
+
+    def step_params(self) -> SamplingParams:
+        """The one-token request of a step: its top ``2 x beam_width`` logprobs."""
+        return SamplingParams(
+            max_tokens=1, temperature=0.0, logprobs=2 * self.beam_width, ignore_eos=True,
+            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+        )  # fmt: skip
+
+
+@dataclass
+class BeamSequence:
+    tokens: list[int] = field(default_factory=list)
+    """The answer's token ids (with the end token, for a beam that wrote one)."""
+    logprobs: list[float] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    finish_reason: str | None = None
+    """"stop": it wrote an end-of-sequence token; "length": it reached max_tokens."""
+    text: str = ""
+    """The answer's text (special tokens skipped), set when the search ends."""
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSequence]
+    """The best ``beam_width`` answers, best first."""
+
+
+class BeamSearch:
+    """One prompt's search; a driver runs the engine on ``live`` beams and ``advance``s."""
+
+    def __init__(
+        self, params: BeamSearchParams, eos_token_ids: Collection[int], max_model_len: int
+    ) -> None:
+        self.params = params
+        self.max_model_len = max_model_len
+        self.prompt_len = 0
+        """The prompt's tokens as the model sees them (media placeholders expanded)."""
+        self.eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self.live: list[BeamSequence] = [BeamSequence()]
+        self.finished: list[BeamSequence] = []
+        self.steps = 0
+
+    @property
+    def done(self) -> bool:
+        return (
+            not self.live
+            or self.steps >= self.params.max_tokens
+            or self.prompt_len + self.steps >= self.max_model_len
+        )
+
+    def score(self, beam: BeamSequence) -> float:
+        length = self.prompt_len + len(beam.tokens) - (beam.finish_reason == "stop")
+        return beam.cum_logprob / (length**self.params.length_penalty)
+
+    def advance(self, next_logprobs: list[dict[int, Logprob]], prompt_len: int) -> None:
+        """Extend the live beams (in order) by their next tokens' logprobs."""
+        assert len(next_logprobs) == len(self.live), "one logprob dict per live beam"
+        self.prompt_len = prompt_len
+        grown = []
+        for beam, candidates in zip(self.live, next_logprobs, strict=True):
+            for token, logprob in candidates.items():
+                child = BeamSequence(
+                    [*beam.tokens, token],
+                    [*beam.logprobs, logprob.logprob],
+                    beam.cum_logprob + logprob.logprob,
+                )
+                if token in self.eos:
+                    child.finish_reason = "stop"
+                    self.finished.append(child)
+                else:
+                    grown.append(child)
+        self.steps += 1
+        self.live = sorted(grown, key=self.score, reverse=True)[: self.params.beam_width]
+
+    def result(self) -> list[BeamSequence]:
+        """The best ``beam_width`` of the finished and live beams, best first."""
+        for beam in self.live:
+            beam.finish_reason = "length"
+        beams = sorted([*self.finished, *self.live], key=self.score, reverse=True)
+        return beams[: self.params.beam_width]
