@@ -120,3 +120,24 @@ def test_the_api_returns_the_best_beams_as_choices(qwen3_server: Server) -> None
             "use_beam_search": True, **body,
         })  # fmt: skip
         assert assert_error(response, 400)["param"] == param, (body, response.text)
+
+
+def test_beams_keep_the_prompts_media(default_server: Server) -> None:
+    """Each step's requests carry the image and the sound of the prompt."""
+    import base64
+
+    from tests.test_default_model import IMAGE, WAV, _messages, _png
+
+    messages = _messages(
+        {"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(_png(IMAGE)).decode()}},
+        {"type": "input_audio", "input_audio": {
+            "data": base64.b64encode(WAV).decode(), "format": "wav"}},
+    )  # fmt: skip
+    chat = default_server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, n=2,
+        extra_body={"use_beam_search": True},
+    )  # fmt: skip
+    assert len(chat.choices) == 2 and chat.choices[0].message.content
+    details = chat.usage.prompt_tokens_details
+    assert details.image_tokens > 0 and details.audio_tokens > 0

@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any, ClassVar, Literal
 
+import pydantic
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -56,6 +57,16 @@ def _lone_surrogate_at(value: Any, path: str) -> str | None:
             if found := _lone_surrogate_at(item, f"{path}[{i}]"):
                 return found
     return None
+
+
+def validation_message(exc: pydantic.ValidationError) -> str:
+    """pydantic's errors as one line, "field: problem; ..." (as the API's 400s say them)."""
+    problems = []
+    for error in exc.errors():
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+        message = str(error["msg"]).removeprefix("Value error, ")
+        problems.append(f"{path.lstrip('.')}: {message}" if path else message)
+    return "; ".join(problems)
 
 
 class RequestModel(OpenAIBaseModel):

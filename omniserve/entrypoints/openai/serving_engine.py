@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-import pydantic
-
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
 from omniserve.engine.processor import ContextLengthError
@@ -110,16 +108,6 @@ def leading_param(message: str) -> str | None:
         return None
     path = match.group(0)
     return path if re.split(r"[.\[]", path, maxsplit=1)[0] in _request_fields() else None
-
-
-def validation_message(exc: pydantic.ValidationError) -> str:
-    """pydantic's errors as one line, "field: problem; ..." (as the API's 400s say them)."""
-    problems = []
-    for error in exc.errors():
-        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
-        message = str(error["msg"]).removeprefix("Value error, ")
-        problems.append(f"{path.lstrip('.')}: {message}" if path else message)
-    return "; ".join(problems)
 
 
 def to_serving_error(exc: BaseException) -> ServingError:

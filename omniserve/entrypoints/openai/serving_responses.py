@@ -23,6 +23,7 @@ from typing import Any
 import pydantic
 
 from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatLogprobsContent
+from omniserve.entrypoints.openai.protocol import validation_message
 from omniserve.entrypoints.openai.responses_protocol import (
     Conversation,
     DeletedResponse,
@@ -51,7 +52,6 @@ from omniserve.entrypoints.openai.serving_engine import (
     ServingError,
     final_output,
     to_serving_error,
-    validation_message,
 )
 from omniserve.lora.request import LoRARequest
 from omniserve.outputs import CompletionOutput, RequestOutput

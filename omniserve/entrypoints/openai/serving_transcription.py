@@ -20,6 +20,7 @@ from starlette.datastructures import FormData, UploadFile
 
 from omniserve import envs
 from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from omniserve.entrypoints.openai.protocol import validation_message
 from omniserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from omniserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -28,7 +29,6 @@ from omniserve.entrypoints.openai.serving_engine import (
     ServingError,
     final_output,
     to_serving_error,
-    validation_message,
 )
 from omniserve.entrypoints.openai.transcription_protocol import (
     LIST_FIELDS,
