@@ -32,7 +32,7 @@ def test_finished_beams_and_the_length_penalty() -> None:
     assert not search.done
     search.advance([_step((1, -5.0)), _step((2, -5.0))], prompt_len=4)
     assert search.done
-    best = search.result()
+    best = search.result(str)
     # scores: [0] -0.2 / 4 (the end token not counted); [5, 8, 1] -5.6 / 7; [6, 0] -1.1 / 5
     assert [(b.tokens, b.finish_reason) for b in best] == [([EOS], "stop"), ([6, EOS], "stop")]
     long = BeamSearch(
@@ -40,11 +40,11 @@ def test_finished_beams_and_the_length_penalty() -> None:
     )  # no length normalisation: the cumulative logprob alone
     long.advance([_step((EOS, -0.3), (3, -0.2))], prompt_len=1)
     long.advance([_step((4, -0.2))], prompt_len=1)
-    assert [(b.tokens, b.finish_reason) for b in long.result()] == [([EOS], "stop")]
+    assert [(b.tokens, b.finish_reason) for b in long.result(str)] == [([EOS], "stop")]
     ignoring = BeamSearch(BeamSearchParams(beam_width=1, max_tokens=5, ignore_eos=True), [EOS], 3)
     ignoring.advance([_step((EOS, -0.1))], prompt_len=2)
     assert [b.tokens for b in ignoring.live] == [[EOS]] and ignoring.done  # max_model_len
-    assert ignoring.result()[0].finish_reason == "length"
+    assert ignoring.result(str)[0].finish_reason == "length"
     with pytest.raises(ValueError, match="at most 10 beams"):
         BeamSearchParams(beam_width=11, max_tokens=1).check_width(20)
 

@@ -13,10 +13,10 @@ sampling setting), so beam search takes no sampling settings.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from omniserve.outputs import Logprob
+from omniserve.outputs import Logprob, RequestOutput
 from omniserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -116,9 +116,20 @@ class BeamSearch:
         self.steps += 1
         self.live = sorted(grown, key=self.score, reverse=True)[: self.params.beam_width]
 
-    def result(self) -> list[BeamSequence]:
-        """The best ``beam_width`` of the finished and live beams, best first."""
+    def take_step(self, outputs: list[RequestOutput]) -> None:
+        """``advance`` by the engine's outputs of a step's requests (one per live beam, in
+        order; their prompts are the beams' whole texts)."""
+        self.advance(
+            [output.outputs[0].logprobs[0] for output in outputs],  # type: ignore[index]
+            len(outputs[0].prompt_token_ids) - len(self.live[0].tokens),
+        )
+
+    def result(self, decode: Callable[[list[int]], str]) -> list[BeamSequence]:
+        """The best ``beam_width`` of the finished and live beams, best first, their text
+        ``decode``d."""
         for beam in self.live:
             beam.finish_reason = "length"
         beams = sorted([*self.finished, *self.live], key=self.score, reverse=True)
+        for beam in beams[: self.params.beam_width]:
+            beam.text = decode(beam.tokens)
         return beams[: self.params.beam_width]

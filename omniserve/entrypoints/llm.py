@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -155,18 +156,9 @@ class LLM:
             outputs = iter(self.generate(step_prompts, step, use_tqdm=False,
                                          lora_request=lora_request))  # fmt: skip
             for search, _ in live:
-                firsts = [next(outputs) for _ in search.live]
-                search.advance(
-                    [first.outputs[0].logprobs[0] for first in firsts],  # type: ignore[index]
-                    len(firsts[0].prompt_token_ids) - len(search.live[0].tokens),
-                )
-        results = []
-        for search in searches:
-            beams = search.result()
-            for beam in beams:
-                beam.text = tokenizer.decode(beam.tokens, skip_special_tokens=True)
-            results.append(BeamSearchOutput(beams))
-        return results
+                search.take_step([next(outputs) for _ in search.live])
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
+        return [BeamSearchOutput(search.result(decode)) for search in searches]
 
     def _add_requests(
         self,

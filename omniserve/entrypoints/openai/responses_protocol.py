@@ -232,6 +232,8 @@ class Conversation:
     origins: dict[str, str] = field(default_factory=dict)
     fixed: int = 0
     """Leading messages ``truncation: "auto"`` keeps (the instructions)."""
+    input_start: int = 0
+    """The first message of the request's own input (a call never joins an earlier turn)."""
 
     def add(self, message: dict[str, Any], origin: str, content: str | None = None) -> None:
         i = len(self.messages)
@@ -243,7 +245,7 @@ class Conversation:
         """A function call joins the assistant message just before it (the calls of one turn),
         or starts one."""
         last = self.messages[-1] if self.messages else None
-        if last is None or last.get("role") != "assistant" or last.get("_closed"):
+        if last is None or last["role"] != "assistant" or len(self.messages) <= self.input_start:
             self.add({"role": "assistant", "content": None}, origin)
             last = self.messages[-1]
         calls = last.setdefault("tool_calls", [])
@@ -337,8 +339,9 @@ def conversation_of(
     if request.instructions is not None:
         conversation.add({"role": "system", "content": request.instructions}, "instructions")
         conversation.fixed = 1
-    for message in history or []:  # closed: a new call starts its own assistant message
-        conversation.add({**message, "_closed": True}, "previous_response_id")
+    for message in history or []:
+        conversation.add(dict(message), "previous_response_id")
+    conversation.input_start = len(conversation.messages)
     if isinstance(request.input, str):
         conversation.add({"role": "user", "content": request.input}, "input")
         return conversation
@@ -384,11 +387,6 @@ def conversation_of(
                 "function_call_output and reasoning items (earlier turns: previous_response_id)."
             )
     return conversation
-
-
-def chat_messages(conversation: Conversation) -> list[dict[str, Any]]:
-    """The messages as the chat request takes them (without the builder's marks)."""
-    return [{k: v for k, v in m.items() if k != "_closed"} for m in conversation.messages]
 
 
 _ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",

@@ -536,15 +536,10 @@ class OpenAIServing:
             )
             finals = await asyncio.gather(*(final_output(g) for g in generators))
             first = first or finals[0]
-            search.advance(
-                [final.outputs[0].logprobs[0] for final in finals],  # type: ignore[index]
-                len(finals[0].prompt_token_ids) - len(search.live[0].tokens),
-            )
+            search.take_step(finals)
         assert first is not None, "a search runs at least one step"
-        beams = search.result()
-        for beam in beams:
-            beam.text = self.tokenizer.decode(beam.tokens, skip_special_tokens=True)
-        return beams, first
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        return search.result(decode), first
 
 
 async def final_output(generator: OutputStream) -> RequestOutput:

@@ -41,7 +41,6 @@ from omniserve.entrypoints.openai.responses_protocol import (
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
-    chat_messages,
     conversation_of,
     input_items,
 )
@@ -310,12 +309,14 @@ class OpenAIServingResponses:
             inputs = input_items(request)
             entry = StoredResponse(response, None, inputs)
             entry.task = asyncio.ensure_future(
-                self._run_in_background(request, conversation, inputs, response, lora)
+                self._run_in_background(
+                    request, chat_request, conversation, inputs, response, lora
+                )  # fmt: skip
             )
             self.store.put(entry)
             return response.model_copy(deep=True)
         generator, thinking, chat_request = await self._generate(
-            request, conversation, response.id, lora
+            request, chat_request, conversation, response.id, lora
         )
         made = (chat_request, conversation, input_items(request), response, generator, thinking)
         if request.stream:
@@ -367,34 +368,32 @@ class OpenAIServingResponses:
     ) -> ChatCompletionRequest:
         """The chat request; its validation errors as a 400 in the Responses request's terms."""
         try:
-            return ChatCompletionRequest.model_validate(
-                request.chat_fields(chat_messages(conversation))
-            )
+            return ChatCompletionRequest.model_validate(request.chat_fields(conversation.messages))
         except pydantic.ValidationError as exc:
             raise ServingError(conversation.relocate(validation_message(exc))) from exc
 
     async def _generate(
         self,
         request: ResponsesRequest,
+        chat_request: ChatCompletionRequest,
         conversation: Conversation,
         response_id: str,
         lora: LoRARequest | None,
     ) -> tuple[OutputStream, bool, ChatCompletionRequest]:
         """Start the generation; with ``truncation: "auto"`` drop the oldest turns until the
-        conversation fits."""
+        conversation fits (the chat request: the one that was started)."""
         while True:
-            chat_request = self._chat_request(request, conversation)
             try:
                 generator, thinking = await self.chat.generate(chat_request, response_id, lora)
                 return generator, thinking, chat_request
             except ServingError as exc:
-                if (
+                if not (
                     request.truncation == "auto"
                     and exc.code == "context_length_exceeded"
                     and conversation.drop_oldest_turn()
                 ):
-                    continue
-                raise _relocated(exc, conversation) from exc
+                    raise _relocated(exc, conversation) from exc
+            chat_request = self._chat_request(request, conversation)
 
     def _finish(
         self,
@@ -427,7 +426,7 @@ class OpenAIServingResponses:
             total_tokens=usage.total_tokens,
         )
         if response.store:
-            turn = [*chat_messages(conversation)[conversation.fixed :], builder.assistant_turn()]
+            turn = [*conversation.messages[conversation.fixed :], builder.assistant_turn()]
             self.store.put(StoredResponse(response, turn, inputs))
 
     def _reasoning_tokens(self, token_ids: list[int], reasoning: str) -> int:
@@ -525,6 +524,7 @@ class OpenAIServingResponses:
     async def _run_in_background(
         self,
         request: ResponsesRequest,
+        chat_request: ChatCompletionRequest,
         conversation: Conversation,
         inputs: list[dict[str, Any]],
         response: ResponseObject,
@@ -534,7 +534,7 @@ class OpenAIServingResponses:
         end (completed, incomplete, failed with the error, or cancelled)."""
         try:
             generator, thinking, chat_request = await self._generate(
-                request, conversation, response.id, lora
+                request, chat_request, conversation, response.id, lora
             )
             response.status = "in_progress"
             await self._full(chat_request, conversation, inputs, response, generator, thinking)
