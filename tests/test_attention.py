@@ -16,6 +16,7 @@ from omniserve.attention import (
     get_attention_layers,
     torch_backend,
 )
+from omniserve.attention.layer import copy_kv_blocks
 from omniserve.attention.torch_backend import (
     TorchAttentionBackend,
     causal_attention,
@@ -250,6 +251,16 @@ def test_unwritten_slots_never_reach_the_output() -> None:
     batch = make_batch([(3, 1), (29, 1), (0, 5), (14, 1)], num_heads=4, num_kv_heads=2,
                        unwritten=float("nan"))  # fmt: skip
     run_and_compare(batch)
+
+
+def test_copy_kv_blocks_copies_whole_blocks_in_every_layer() -> None:
+    caches = [torch.randn(2, 6, 4, 2, 8) for _ in range(3)]  # [k/v, blocks, slots, heads, dim]
+    before = [cache.clone() for cache in caches]
+    copy_kv_blocks(caches, [(1, 4), (3, 0)])
+    copy_kv_blocks(caches, [])
+    for cache, old in zip(caches, before, strict=True):
+        assert torch.equal(cache[:, 4], old[:, 1]) and torch.equal(cache[:, 0], old[:, 3])
+        assert torch.equal(cache[:, [1, 2, 3, 5]], old[:, [1, 2, 3, 5]])
 
 
 def test_causal_attention_without_cache() -> None:

@@ -19,8 +19,11 @@ from tests.utils import MM_PLACEHOLDER_TOKEN_ID, make_request
 BLOCK_SIZE = 4
 
 
-def _request(req_id: str, prompt: list[int], **kwargs: object) -> Request:
+def _request(
+    req_id: str, prompt: list[int], cache_salt: str | None = None, **kwargs: object
+) -> Request:
     request = make_request(req_id, prompt, **kwargs)  # type: ignore[arg-type]
+    request.cache_salt = cache_salt
     update_block_hashes(request, BLOCK_SIZE)
     return request
 
@@ -139,7 +142,7 @@ def test_revived_hits_count_against_free_blocks() -> None:
     kv.free(a)
     assert kv.block_pool.num_free_blocks == 3
     hog = _request("hog", [1, 2, 3])
-    # The evicted-first block is a's uncached tail; a's two cached blocks survive.
+    # The evicted-first block is a's tail (freed first); a's two full blocks survive.
     assert kv.allocate_slots(hog, 3).get_block_ids() == [2]
     b = _request("b", prompt)
     hit_blocks, num_hit = kv.get_computed_blocks(b)
@@ -173,6 +176,68 @@ def test_blocks_cached_but_never_computed_are_uncached_on_free() -> None:
     b = _request("b", list(range(100, 112)))
     _, num_hit = kv.get_computed_blocks(b)
     assert num_hit == 4
+
+
+def test_a_freed_requests_partial_block_is_copied_by_a_request_continuing_it() -> None:
+    """A beam search step or the next chat turn continues a finished request's tokens: the KV
+    of its partial last block is copied into a block of the new request, not recomputed."""
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    a = _request("a", list(range(100, 110)))  # 2 full blocks + 2 tokens
+    _admit(kv, a)
+    a_blocks = kv.get_block_ids("a")
+    kv.free(a)
+    b = _request("b", list(range(100, 111)))  # a's tokens and one more
+    hit_blocks, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 10 and hit_blocks.get_block_ids() == a_blocks[:2]
+    assert hit_blocks.tail is not None and hit_blocks.tail.block_id == a_blocks[2]
+    new = kv.allocate_slots(b, 1, num_hit, hit_blocks)
+    assert new is not None and len(new.blocks) == 1
+    (dst,) = new.get_block_ids()
+    assert kv.get_block_ids("b") == [*a_blocks[:2], dst] and dst != a_blocks[2]
+    assert hit_blocks.tail.ref_cnt == 1  # held until the step that copies it is scheduled
+    assert kv.take_block_copies() == {"b": (a_blocks[2], dst)}
+    assert hit_blocks.tail.ref_cnt == 0 and kv.take_block_copies() == {}
+    assert kv.prefix_cache_hits == 10
+    # The tail stays cached for the next continuation (b's siblings in a beam search).
+    assert kv.get_computed_blocks(_request("c", [*range(100, 110), 7, 8]))[1] == 10
+
+
+def test_a_tail_hit_needs_its_exact_tokens_and_keys() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    a = _request("a", [1, 2, 3, 4, 5, 6, 7], cache_salt="s")  # 1 full block + 3 tokens
+    _admit(kv, a)
+    kv.free(a)
+    longer = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert kv.get_computed_blocks(_request("b", longer, cache_salt="s"))[1] == 7
+    # The same tokens under another salt, a diverging token in the tail, or the tail cut short
+    # (the last token is always computed) find the full block at most.
+    assert kv.get_computed_blocks(_request("c", longer, cache_salt="t"))[1] == 0
+    assert kv.get_computed_blocks(_request("d", [1, 2, 3, 4, 5, 0, 7, 8], cache_salt="s"))[1] == 4
+    assert kv.get_computed_blocks(_request("e", [1, 2, 3, 4, 5, 6, 7], cache_salt="s"))[1] == 4
+    # A request with an item in the tail's range keys it by the item.
+    kv2 = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    img = _request("img", [1, 2, 3, 4, 5, 6, 7], mm_positions=[(5, 2)], mm_hashes=["x"])
+    _admit(kv2, img)
+    kv2.free(img)
+    for item, num_hit in (("x", 7), ("y", 4)):
+        later = _request(item, [1, 2, 3, 4, 5, 6, 7, 8], mm_positions=[(5, 2)], mm_hashes=[item])
+        assert kv2.get_computed_blocks(later)[1] == num_hit
+
+
+def test_a_tail_covers_written_tokens_only() -> None:
+    """A request preempted (or failed) before its step ran caches its tail over the tokens
+    written before it; a resumed request finds its own tail."""
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    a = _request("a", list(range(100, 111)))
+    kv.allocate_slots(a, 6)
+    a.num_computed_tokens = 6  # step 1 ran
+    kv.allocate_slots(a, 5)  # step 2 scheduled but never run
+    kv.free(a)
+    assert kv.get_computed_blocks(a)[1] == 6
+    no_caching = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, enable_caching=False)
+    _admit(no_caching, b := _request("b", [1, 2, 3]))
+    no_caching.free(b)
+    assert no_caching.get_computed_blocks(_request("c", [1, 2, 3, 4]))[1] == 0
 
 
 def test_reset_prefix_cache_refuses_while_in_use() -> None:

@@ -4,8 +4,10 @@ import random
 
 import pytest
 
+from omniserve.core.kv_cache_manager import hash_block_tokens
 from omniserve.core.request import Request, RequestStatus
 from omniserve.core.scheduler import Scheduler
+from omniserve.core.step_failure import fail_step
 from omniserve.messages import EngineCoreOutput, FinishReason
 from tests.utils import (
     EOS_TOKEN_ID,
@@ -194,6 +196,30 @@ def test_second_identical_prompt_hits_the_prefix_cache() -> None:
     stats = scheduler.make_stats()
     assert stats["prefix_cache_queries"] == 80 and stats["prefix_cache_hits"] == 32
     assert scheduler.reset_prefix_cache() is False  # second still holds blocks
+
+
+def test_a_continuation_copies_the_finished_requests_tail_unless_the_step_fails() -> None:
+    scheduler = make_scheduler(block_size=4)
+    a = make_request("a", list(range(10, 20)), max_tokens=1)  # writes 10 tokens: 2 blocks + 2
+    scheduler.add_request(a)
+    run_to_completion(scheduler)
+    tail = scheduler.kv_cache_manager.block_pool.get_cached_block(
+        hash_block_tokens(a.block_hashes[1], [18, 19], ())
+    )
+    assert tail is not None and tail.ref_cnt == 0
+    for attempt in ("b", "c"):
+        scheduler.add_request(make_request(attempt, [*range(10, 20), 1]))  # a's tokens + 1
+        so = scheduler.schedule()
+        (new,) = so.scheduled_new_reqs
+        assert new.num_computed_tokens == 10 and so.num_scheduled_tokens == {attempt: 1}
+        assert so.kv_block_copies == {attempt: (tail.block_id, new.block_ids[2])}
+        if attempt == "b":  # the step raises: b fails, and leaves no tail it may not have copied
+            b = scheduler.requests["b"]
+            (error,) = fail_step(scheduler, [so]).outputs
+            assert error.finish_reason == FinishReason.ERROR and b.num_computed_tokens == 8
+    scheduler.update_from_output(so, make_runner_output(scheduler, so))
+    run_to_completion(scheduler)
+    assert_all_free(scheduler)
 
 
 def test_identical_prompts_admitted_together_share_blocks() -> None:

@@ -211,6 +211,8 @@ class FakeWorker:
         ):
             self.block_tables[req_id].extend(block_ids)
             num_computed[req_id] = computed
+        for src, dst in so.kv_block_copies.values():
+            self.slots[dst] = list(self.slots[src])
         self._run_encoder(so)
         bs = self.block_size
         for req_id, num_tokens in so.num_scheduled_tokens.items():

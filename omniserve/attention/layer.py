@@ -7,6 +7,8 @@ the selected backend. Head counts here are per tensor-parallel rank.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import nn
 
@@ -124,3 +126,13 @@ def allocate_kv_caches(
         layer.kv_cache = cache
         caches.append(cache)
     return caches
+
+
+def copy_kv_blocks(caches: list[torch.Tensor], pairs: Collection[tuple[int, int]]) -> None:
+    """Copy each (source, destination) block's K and V in every cache: a request whose prefix
+    hit ends in another's partial block continues it in its own block."""
+    if not pairs or not caches:
+        return
+    src, dst = (torch.tensor(ids, device=caches[0].device) for ids in zip(*pairs, strict=True))
+    for cache in caches:
+        cache[:, dst] = cache[:, src]

@@ -2,6 +2,11 @@
 
 The scheduler speaks tokens (how many to compute, how many were found cached); this module turns
 them into blocks and hides the ``BlockPool`` behind ``KVCacheBlocks``.
+
+Full blocks are shared. A request's last, partial block (its *tail*) is cached too when the
+request is freed, under the hash of the tokens written in it: a later request continuing those
+tokens (a beam search step, the next turn of a chat, a preempted request resuming) copies the
+tail into a block of its own instead of recomputing up to ``block_size - 1`` tokens.
 """
 
 from __future__ import annotations
@@ -82,11 +87,22 @@ def update_block_hashes(request: Request, block_size: int) -> None:
         hashes.append(parent)
 
 
+def _tail_hash(request: Request, index: int, start: int, end: int) -> int:
+    """The key of block ``index`` (starting at token ``start``) holding tokens [start, end)
+    only. It never equals a full block's: the hashed token lists differ in length."""
+    parent = request.block_hashes[index - 1] if index else ROOT_BLOCK_HASH
+    return hash_block_tokens(
+        parent, request.all_token_ids[start:end], block_extra_keys(request, start, end)
+    )
+
+
 @dataclass
 class KVCacheBlocks:
     """Blocks handed between the manager and the scheduler; the scheduler only reads their ids."""
 
     blocks: list[KVCacheBlock] = field(default_factory=list)
+    tail: KVCacheBlock | None = None
+    """A prefix hit's cached partial block after ``blocks``, copied into the request's own."""
 
     def get_block_ids(self) -> list[int]:
         return [block.block_id for block in self.blocks]
@@ -110,6 +126,8 @@ class KVCacheManager:
         self.req_to_num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # req_id -> (cached tail, the request's block it is copied into) for the next step
+        self.pending_copies: dict[str, tuple[KVCacheBlock, KVCacheBlock]] = {}
 
     @property
     def usage(self) -> float:
@@ -124,8 +142,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest cached prefix of a request with no blocks yet: (blocks, number of tokens).
 
-        Capped at ``num_tokens - 1`` so the last token is always computed and yields logits.
-        Requests asking for prompt logprobs need every position's logits, so they never hit.
+        Full blocks first, then the longest cached tail continuing them. Capped at
+        ``num_tokens - 1`` so the last token is always computed and yields logits. Requests
+        asking for prompt logprobs need every position's logits, so they never hit.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return KVCacheBlocks(), 0
@@ -136,7 +155,13 @@ class KVCacheManager:
             if block is None:
                 break
             hit_blocks.append(block)
-        return KVCacheBlocks(hit_blocks), len(hit_blocks) * self.block_size
+        index = len(hit_blocks)
+        start = index * self.block_size
+        for end in range(min(start + self.block_size, request.num_tokens) - 1, start, -1):
+            tail = self.block_pool.get_cached_block(_tail_hash(request, index, start, end))
+            if tail is not None:
+                return KVCacheBlocks(hit_blocks, tail), end
+        return KVCacheBlocks(hit_blocks), start
 
     def allocate_slots(
         self,
@@ -156,13 +181,14 @@ class KVCacheManager:
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}.")
         hit_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else []
+        tail = new_computed_blocks.tail if new_computed_blocks is not None else None
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id, [])
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_blocks_needed = blocks_for(num_tokens_after, self.block_size)
         num_new_blocks = max(num_blocks_needed - len(req_blocks) - len(hit_blocks), 0)
         # Hits sitting in the free queue stop being free when revived.
-        num_revived = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        num_revived = sum(1 for block in [*hit_blocks, tail] if block and block.ref_cnt == 0)
         if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
             return None
 
@@ -175,6 +201,10 @@ class KVCacheManager:
         self.block_pool.touch(hit_blocks)
         req_blocks.extend(hit_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        if tail is not None:  # held until the step that copies it is scheduled
+            assert len(req_blocks) == len(hit_blocks), "a tail comes with a first allocation"
+            self.block_pool.touch([tail])
+            self.pending_copies[req_id] = (tail, new_blocks[0])
         req_blocks.extend(new_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, num_tokens_after)
@@ -189,12 +219,23 @@ class KVCacheManager:
             self.block_pool.cache_block(req_blocks[i], request.block_hashes[i])
         self.req_to_num_cached_blocks[request.request_id] = max(num_cached, num_full)
 
+    def take_block_copies(self) -> dict[str, tuple[int, int]]:
+        """The step's tail copies (req_id -> (source, destination) block id), releasing the
+        sources: the workers run steps in order and copy before the step writes, so a source
+        reused by a later step is still intact when it is copied."""
+        copies = {req_id: (src.block_id, dst.block_id)
+                  for req_id, (src, dst) in self.pending_copies.items()}  # fmt: skip
+        self.block_pool.free_blocks(src for src, _ in self.pending_copies.values())
+        self.pending_copies.clear()
+        return copies
+
     def free(self, request: BlockOwner) -> None:
         """Release the request's blocks, tail first so its tail is evicted first.
 
         ``request.num_computed_tokens`` must still count the tokens whose KV was written: a
         request preempted in the step that allocated its blocks never computed them, so blocks
-        cached optimistically past that point are uncached before they could serve a hit.
+        cached optimistically past that point are uncached before they could serve a hit, and
+        the partial block is cached as a tail over the written tokens only.
         """
         req_blocks = self.req_to_blocks.pop(request.request_id, None)
         num_cached = self.req_to_num_cached_blocks.pop(request.request_id, 0)
@@ -203,7 +244,17 @@ class KVCacheManager:
         num_written = request.num_computed_tokens // self.block_size
         for block in req_blocks[num_written:num_cached]:
             self.block_pool.uncache_block(block)
+        if self.enable_caching and isinstance(request, Request):
+            self._cache_tail(request, req_blocks)
         self.block_pool.free_blocks(reversed(req_blocks))
+
+    def _cache_tail(self, request: Request, req_blocks: list[KVCacheBlock]) -> None:
+        # Tokens sampled but not yet in all_token_ids (a step in flight) have no key yet.
+        end = min(request.num_computed_tokens, request.num_tokens)
+        index, start = end // self.block_size, end // self.block_size * self.block_size
+        if end > start and index < len(req_blocks):
+            update_block_hashes(request, self.block_size)
+            self.block_pool.cache_block(req_blocks[index], _tail_hash(request, index, start, end))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]

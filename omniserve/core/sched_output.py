@@ -94,6 +94,9 @@ class SchedulerOutput:
     """req_id -> indices of the multimodal items to encode this step."""
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
     """Encoder outputs (by item hash) the workers may drop."""
+    kv_block_copies: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """req_id -> (source, destination) KV block copied before the step runs: the request's
+    prefix hit ends in a cached partial block, which it continues in a block of its own."""
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     """req_id -> draft tokens fed after its last token (speculative decoding); the step samples
     each of those positions too."""

@@ -33,6 +33,11 @@ def fail_step(scheduler: Scheduler, scheduler_outputs: list[SchedulerOutput]) ->
             if req_id in scheduler.requests:
                 # The optimistic advance did not happen: that KV was never (all) written.
                 scheduler.requests[req_id].num_computed_tokens -= num_tokens
+    for so in scheduler_outputs:
+        for req_id in so.kv_block_copies.keys() & scheduler.requests.keys():
+            # Nor perhaps the prefix hit's partial block the step was to copy first.
+            request = scheduler.requests[req_id]
+            request.num_computed_tokens -= request.num_computed_tokens % scheduler.block_size
     for request in requests:
         request.num_output_placeholders = 0
     outputs: list[EngineCoreOutput] = []

@@ -16,6 +16,7 @@ from torch import nn
 
 from omniserve.attention.layer import (
     allocate_kv_caches,
+    copy_kv_blocks,
     get_attention_layers,
     kv_cache_bytes_per_block,
 )
@@ -221,6 +222,7 @@ class ModelRunner:
         bitmask of a request whose last token is still in flight can be made once that token
         is back, while this forward runs (async scheduling)."""
         self._update_states(scheduler_output)
+        copy_kv_blocks(self.kv_caches, scheduler_output.kv_block_copies.values())
         self._launched = None
         if scheduler_output.total_num_scheduled_tokens == 0:
             return
