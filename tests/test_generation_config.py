@@ -3,6 +3,7 @@ request omits (as vLLM does), ``vllm`` turns them off, and a directory brings it
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import pytest
 
 from omniserve import LLM, SamplingParams
 from omniserve.config import ModelConfig
+from omniserve.engine.arg_utils import EngineArgs
 from tests.server_utils import API_KEY, MODEL, Server, launch_server
 
 pytestmark = pytest.mark.slow  # servers with and without the checkpoint defaults
@@ -59,6 +61,32 @@ def test_defaults_come_from_the_checkpoint_unless_turned_off(
     ).default_sampling_params() == {"temperature": 0.1}
     with pytest.raises(ValueError, match="no generation_config.json there"):
         ModelConfig.from_path(str(checkpoint), generation_config=str(tmp_path / "nowhere"))
+
+
+def test_overrides_set_over_the_file_or_alone(checkpoint: Path) -> None:
+    """vLLM's --override-generation-config: merged over the file's settings ("auto" or a
+    directory), the only defaults under "vllm"; unknown keys and unusable values fail at start."""
+    override = {"temperature": 0.2, "max_new_tokens": 9}
+    merged = ModelConfig.from_path(str(checkpoint), override_generation_config=override)
+    assert merged.default_sampling_params() == {
+        "temperature": 0.2, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 9
+    }  # fmt: skip
+    alone = ModelConfig.from_path(
+        str(checkpoint), generation_config="vllm", override_generation_config=override
+    )
+    assert alone.default_sampling_params() == {"temperature": 0.2, "max_tokens": 9}
+    with pytest.raises(ValueError, match=r"\['do_sample'\] are not among the settings"):
+        ModelConfig.from_path(str(checkpoint), override_generation_config={"do_sample": True})
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    for flag, message in (('{"top_p": 7}', "top_p"), ("[1]", "must be a JSON object"),
+                          ("{temperature", "must be JSON")):  # fmt: skip
+        flags = parser.parse_args(["--override-generation-config", flag])
+        engine_args = EngineArgs(
+            str(checkpoint), override_generation_config=flags.override_generation_config
+        )
+        with pytest.raises(ValueError, match=message) as error:
+            engine_args.create_config()
+        assert "--override-generation-config" in str(error.value)
 
 
 def test_offline_defaults(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -103,6 +103,9 @@ class ModelConfig:
     """Where the default sampling settings come from, as vLLM's ``--generation-config``:
     "auto" the checkpoint's generation_config.json, "vllm" none (OpenAI's defaults), or a
     directory holding a generation_config.json."""
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
+    """generation_config.json keys set over the file's (with "vllm": the only ones), as vLLM's
+    ``--override-generation-config``."""
     disable_audio_output: bool = False
     """Load a full omni checkpoint's thinker alone (no talker, no vocoder): text output only."""
     speech: SpeechConfig | None = None
@@ -189,6 +192,12 @@ class ModelConfig:
                 f"quantization must be one of {sorted(QUANTIZATION_METHODS)}, got "
                 f"{self.quantization!r}."
             )
+        unknown = self.override_generation_config.keys() - GENERATION_SETTINGS.keys()
+        if unknown:
+            raise ValueError(
+                f"--override-generation-config: {sorted(unknown)} are not among the settings "
+                f"taken from a generation config: {sorted(GENERATION_SETTINGS)}."
+            )
         if self.generation_config not in ("auto", "vllm"):
             file = Path(self.generation_config).expanduser() / GENERATION_CONFIG_FILE
             if not file.is_file():
@@ -199,21 +208,21 @@ class ModelConfig:
 
     def default_sampling_params(self) -> dict[str, Any]:
         """The sampling settings the model's creator recommends, for fields a request omits:
-        the ``SamplingParams`` names of what generation_config.json sets among temperature,
-        top_p, top_k, min_p, repetition_penalty and max_new_tokens (as ``max_tokens``)."""
-        if self.generation_config == "vllm":
-            return {}
+        the ``SamplingParams`` names of what generation_config.json (and the overrides) set
+        among temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as
+        ``max_tokens``)."""
+        settings: dict[str, Any] = {}
         folder = self.model if self.generation_config == "auto" else self.generation_config
         file = Path(folder).expanduser() / GENERATION_CONFIG_FILE
-        if not file.is_file():
-            return {}
-        try:
-            settings = json.loads(file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{file} is not valid JSON: {exc}") from exc
+        if self.generation_config != "vllm" and file.is_file():
+            try:
+                settings = json.loads(file.read_text())
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{file} is not valid JSON: {exc}") from exc
+        settings.update(self.override_generation_config)
         return {
             name: settings[key]
-            for key, name in _GENERATION_DEFAULTS.items()
+            for key, name in GENERATION_SETTINGS.items()
             if settings.get(key) is not None
         }
 
@@ -223,7 +232,7 @@ class ModelConfig:
 
 
 GENERATION_CONFIG_FILE = "generation_config.json"
-_GENERATION_DEFAULTS = {  # generation_config.json key -> SamplingParams field (vLLM's set)
+GENERATION_SETTINGS = {  # generation_config.json key -> SamplingParams field (vLLM's set)
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",

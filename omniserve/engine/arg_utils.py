@@ -12,6 +12,7 @@ from typing import Any
 from omniserve import envs
 from omniserve.config import (
     ATTENTION_BACKENDS,
+    GENERATION_SETTINGS,
     MM_ENCODER_ATTN_BACKENDS,
     QUANTIZATION_METHODS,
     CacheConfig,
@@ -53,6 +54,17 @@ def _json_arg(name: str, value: dict | str | None) -> dict:
     return parsed
 
 
+def _check_sampling_defaults(model_config: ModelConfig) -> None:
+    """Overridden defaults that no request could run with fail at start, not in every request."""
+    from omniserve.sampling_params import SamplingParams
+
+    overrides = model_config.override_generation_config
+    try:
+        SamplingParams(**{GENERATION_SETTINGS[key]: value for key, value in overrides.items()})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--override-generation-config: {exc}") from exc
+
+
 def parse_bytes(value: str | int | None) -> int | None:
     """ "4GiB", "512MiB", "1e9" or an int -> bytes."""
     if value is None or isinstance(value, int):
@@ -76,6 +88,7 @@ class EngineArgs:
     max_model_len: int | None = None
     served_model_name: str | None = None
     generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | str | None = None
     block_size: int = 16
     kv_cache_memory: str | int | None = None
     talker_kv_cache_memory: str | int | None = None
@@ -124,6 +137,9 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self.served_model_name or "",
             generation_config=self.generation_config,
+            override_generation_config=_json_arg(
+                "override_generation_config", self.override_generation_config
+            ),
             max_logprobs=self.max_logprobs,
             disable_audio_output=self.disable_audio_output,
         )
@@ -185,6 +201,7 @@ class EngineArgs:
         from omniserve.multimodal.media import media_config  # numpy, PIL, av: only here
 
         media_config(config.multimodal_config)  # a bad --media-io-kwargs fails here, at start
+        _check_sampling_defaults(model_config)
         return config
 
     @staticmethod
@@ -229,6 +246,14 @@ class EngineArgs:
             help="Default sampling settings for fields a request omits: 'auto' the "
             "checkpoint's generation_config.json, 'vllm' none (OpenAI's defaults), or a "
             "directory holding a generation_config.json.",
+        )
+        add(
+            "--override-generation-config",
+            default=None,
+            help="JSON object of generation config settings (temperature, top_p, top_k, min_p, "
+            "repetition_penalty, max_new_tokens) over those of --generation-config, e.g. "
+            '\'{"temperature": 0.5, "max_new_tokens": 256}\'; with --generation-config vllm the '
+            "only defaults.",
         )
         add(
             "--disable-audio-output",
