@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from omniserve import LLM, SamplingParams
+from omniserve.engine import llm_engine
 from tests.hf_reference import make_prompts
 
 ARCH = "Qwen3ForCausalLM"
@@ -170,6 +171,17 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(llm):
         llm.generate(["fine", {"prompt_token_ids": [5] * 600}], params, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     assert len(llm.generate(["still works"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_a_calls_prompts_start_in_the_same_step(llm, model_dir, monkeypatch):
+    """A call's requests reach the engine core (in its own process) together, so its first step
+    takes them all; sent one by one, it would start on the first alone (a beam search step,
+    whose requests each compute one token, would then take two forwards)."""
+    monkeypatch.setattr(llm_engine, "ADD_BATCH_WINDOW_S", 60.0)  # however slow the machine
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(model_dir, [9] * 8, seed=5)]
+    llm.llm_engine.start_step_timing()
+    llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.llm_engine.get_step_timings()["steps"] == {"prefill": 1.0, "decode": 0.0}
 
 
 @pytest.mark.slow

@@ -117,7 +117,7 @@ class AsyncLLM:
         self.output_processor.add_processed_request(request_id, processed, params, collector)
         for stat_logger in self.stat_loggers:
             stat_logger.record_new_requests(processed.engine_requests)
-        await self.engine_core.add_requests_async(processed.engine_requests)
+        await self.engine_core.add_requests_async([processed.engine_requests])
         return collector
 
     async def generate(

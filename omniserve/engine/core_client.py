@@ -23,10 +23,12 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
-    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        """Add a group (the ``n`` samples of one prompt); with data parallelism, to one engine."""
-        for request in requests:
-            self.add_request(request)
+    def add_requests(self, groups: list[list[EngineCoreRequest]]) -> None:
+        """Add groups (each the ``n`` samples of one prompt) together, so that an engine core
+        takes them into the same step; with data parallelism each group goes to one engine."""
+        for group in groups:
+            for request in group:
+                self.add_request(request)
 
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...

@@ -39,6 +39,7 @@ class EngineCoreRequestType(bytes, enum.Enum):
     """First frame of every client -> engine message."""
 
     ADD = b"\x00"
+    """A list of requests, added before the next step."""
     ABORT = b"\x01"
     UTILITY = b"\x02"
     SHUTDOWN = b"\x03"
@@ -190,28 +191,8 @@ class EngineCoreProc(EngineCore):
 
     def _handle_input(self, request_type: EngineCoreRequestType | str | None, payload: Any) -> None:
         if request_type is EngineCoreRequestType.ADD:
-            try:
-                self.add_request(payload)
-            except Exception as exc:
-                # The front end validates requests; one that still fails here ends at once
-                # instead of leaving its caller waiting.
-                logger.error("Rejected request %s: %s", payload.request_id, exc)
-                self.output_queue.put(
-                    (
-                        EngineCoreOutputType.OUTPUTS,
-                        EngineCoreOutputs(
-                            outputs=[
-                                EngineCoreOutput(
-                                    request_id=payload.request_id,
-                                    new_token_ids=[],
-                                    finish_reason=FinishReason.ERROR,
-                                )
-                            ],
-                            timestamp=time.time(),
-                            engine_index=self.engine_index,
-                        ),
-                    )
-                )
+            for request in payload:  # taken together: the next step sees them all
+                self._add_or_reject(request)
         elif request_type is EngineCoreRequestType.ABORT:
             self.abort_requests(payload)
         elif request_type is EngineCoreRequestType.UTILITY:
@@ -222,6 +203,19 @@ class EngineCoreProc(EngineCore):
             raise payload
         else:
             raise RuntimeError("An engine core I/O thread failed.") from payload
+
+    def _add_or_reject(self, request: EngineCoreRequest) -> None:
+        try:
+            self.add_request(request)
+        except Exception as exc:
+            # The front end validates requests; one that still fails here ends at once
+            # instead of leaving its caller waiting.
+            logger.error("Rejected request %s: %s", request.request_id, exc)
+            rejected = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR)
+            outputs = EngineCoreOutputs(
+                [rejected], timestamp=time.time(), engine_index=self.engine_index
+            )
+            self.output_queue.put((EngineCoreOutputType.OUTPUTS, outputs))
 
     def _run_utility(self, request: UtilityRequest) -> None:
         try:
@@ -239,7 +233,7 @@ class EngineCoreProc(EngineCore):
 
     def _process_input_socket(self, socket: zmq.Socket) -> None:
         decoders = {
-            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+            EngineCoreRequestType.ADD: MsgpackDecoder(list[EngineCoreRequest]),
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
         }

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from omniserve import envs
@@ -14,8 +16,12 @@ from omniserve.engine.output_processor import OutputProcessor
 from omniserve.engine.processor import start_with_engine
 from omniserve.inputs.data import PromptType
 from omniserve.lora.request import AddedAdapters, LoRARequest
+from omniserve.messages import EngineCoreRequest
 from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import SamplingParams
+
+ADD_BATCH_WINDOW_S = 0.05
+"""Longest a batch of added requests is held before it is sent (``LLMEngine.batched_adds``)."""
 
 
 class LLMEngine:
@@ -31,6 +37,9 @@ class LLMEngine:
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.adapters = AddedAdapters()
+        self._batch: list[list[EngineCoreRequest]] | None = None
+        """Request groups processed inside ``batched_adds`` and not yet sent."""
+        self._batch_since = 0.0
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -56,7 +65,30 @@ class LLMEngine:
             request_id, prompt, params, arrival_time, priority, lora_request
         )
         self.output_processor.add_processed_request(request_id, processed, params)
-        self.engine_core.add_requests(processed.engine_requests)
+        if self._batch is None:
+            self.engine_core.add_requests([processed.engine_requests])
+            return
+        self._batch.append(processed.engine_requests)
+        if time.monotonic() - self._batch_since >= ADD_BATCH_WINDOW_S:
+            self._send_batch()
+
+    @contextlib.contextmanager
+    def batched_adds(self) -> Iterator[None]:
+        """Requests added inside reach the engine core together, so its next step takes them
+        all (sent one by one, a core in another process starts a step with the first alone
+        while the rest are being processed); a long batch is sent every
+        ``ADD_BATCH_WINDOW_S`` of processing, so the engine starts on it meanwhile."""
+        self._batch, self._batch_since = [], time.monotonic()
+        try:
+            yield
+        finally:
+            self._send_batch()
+            self._batch = None
+
+    def _send_batch(self) -> None:
+        if self._batch:
+            self.engine_core.add_requests(self._batch)
+        self._batch, self._batch_since = [], time.monotonic()
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -237,9 +237,16 @@ class MPClient:
     def _encode_request(self, request_type: EngineCoreRequestType, payload: Any) -> list[Any]:
         return [request_type.value, *self.encoder.encode(payload)]
 
-    def _route(self, requests: list[EngineCoreRequest]) -> int:
+    def _by_engine(
+        self, groups: list[list[EngineCoreRequest]]
+    ) -> dict[int, list[EngineCoreRequest]]:
+        """Engine rank -> the requests of the groups routed to it (one ADD message each)."""
         self.state.check_alive()  # a dead client routes nothing, so its counts stay right
-        return self.balancer.route([request.request_id for request in requests])
+        by_engine: dict[int, list[EngineCoreRequest]] = {}
+        for group in groups:
+            engine = self.balancer.route([request.request_id for request in group])
+            by_engine.setdefault(engine, []).extend(group)
+        return by_engine
 
     def _release_finished(self, outputs: EngineCoreOutputs) -> None:
         self.balancer.release(o.request_id for o in outputs.outputs if o.finished)
@@ -300,12 +307,11 @@ class SyncMPClient(MPClient, EngineCoreClient):
             self.resources.input_sockets[engine].send_multipart(frames, copy=False)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.add_requests([request])
+        self.add_requests([[request]])
 
-    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        engine = self._route(requests)
-        for request in requests:
-            self._send(engine, EngineCoreRequestType.ADD, request)
+    def add_requests(self, groups: list[list[EngineCoreRequest]]) -> None:
+        for engine, requests in self._by_engine(groups).items():
+            self._send(engine, EngineCoreRequestType.ADD, requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for engine, owned in self._owners(request_ids).items():
@@ -370,13 +376,12 @@ class AsyncMPClient(MPClient):
         await _async_socket(self.resources.input_sockets[engine]).send_multipart(frames, copy=False)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        await self.add_requests_async([request])
+        await self.add_requests_async([[request]])
 
-    async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
-        """Add a group (the ``n`` samples of one prompt) to one engine."""
-        engine = self._route(requests)
-        for request in requests:
-            await self._send_async(engine, EngineCoreRequestType.ADD, request)
+    async def add_requests_async(self, groups: list[list[EngineCoreRequest]]) -> None:
+        """``add_requests``, from the event loop."""
+        for engine, requests in self._by_engine(groups).items():
+            await self._send_async(engine, EngineCoreRequestType.ADD, requests)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         for engine, owned in self._owners(request_ids).items():

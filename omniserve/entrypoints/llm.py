@@ -173,20 +173,21 @@ class LLM:
         # output would hold only its last piece.
         final_only: dict[int, SamplingParams] = {}
         try:
-            for prompt, param, priority, lora in zip(
-                prompts, params, priorities, loras, strict=True
-            ):
-                if param.output_kind != RequestOutputKind.FINAL_ONLY:
-                    if id(param) not in final_only:
-                        final_only[id(param)] = param.clone(
-                            output_kind=RequestOutputKind.FINAL_ONLY
-                        )
-                    param = final_only[id(param)]
-                request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(
-                    request_id, prompt, param, priority=priority, lora_request=lora
-                )
-                request_ids.append(request_id)
+            with self.llm_engine.batched_adds():
+                for prompt, param, priority, lora in zip(
+                    prompts, params, priorities, loras, strict=True
+                ):
+                    if param.output_kind != RequestOutputKind.FINAL_ONLY:
+                        if id(param) not in final_only:
+                            final_only[id(param)] = param.clone(
+                                output_kind=RequestOutputKind.FINAL_ONLY
+                            )
+                        param = final_only[id(param)]
+                    request_id = str(next(self._request_counter))
+                    self.llm_engine.add_request(
+                        request_id, prompt, param, priority=priority, lora_request=lora
+                    )
+                    request_ids.append(request_id)
         except Exception:
             # One bad prompt rejects the call; leave the engine clean for the next one.
             self.llm_engine.abort_request(request_ids)
