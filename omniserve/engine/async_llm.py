@@ -8,8 +8,9 @@ outputs are pulled by one background task (``_run_output_handler``) that detoken
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -96,31 +97,61 @@ class AsyncLLM:
     ) -> RequestOutputCollector:
         """Validate and submit; raises ValueError/TypeError for bad input (also an adapter that
         does not load), EngineDeadError."""
+        collectors = await self.add_requests(
+            [request_id], [prompt], params, arrival_time, priority, lora_request
+        )
+        return collectors[0]
+
+    async def add_requests(
+        self,
+        request_ids: list[str],
+        prompts: list[PromptType],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> list[RequestOutputCollector]:
+        """``add_request`` for several prompts, processed side by side and sent together, so
+        the engine core's next step takes them all; if one fails, none is added."""
         if self.dead_error is not None:
             raise EngineDeadError("The engine core is dead.") from self.dead_error
         self._check_not_stopping()
         self._ensure_output_handler()
         if lora_request is not None and self.adapters.is_new(lora_request):
             await self.add_lora(lora_request)
-        processed = await self.run_input_work(
-            self.processor.process_inputs,
-            request_id,
-            prompt,
-            params,
-            arrival_time,
-            priority,
-            lora_request,
-            media=isinstance(prompt, dict) and bool(prompt.get("multi_modal_data")),
+        results = await asyncio.gather(
+            *(
+                self.run_input_work(
+                    self.processor.process_inputs,
+                    request_id,
+                    prompt,
+                    params,
+                    arrival_time,
+                    priority,
+                    lora_request,
+                    media=isinstance(prompt, dict) and bool(prompt.get("multi_modal_data")),
+                )
+                for request_id, prompt in zip(request_ids, prompts, strict=True)
+            ),
+            return_exceptions=True,
         )
+        processed_requests = []
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+            processed_requests.append(result)
         self._check_not_stopping()  # it may have begun while the input was processed
-        collector = RequestOutputCollector()
-        self.output_processor.add_processed_request(request_id, processed, params, collector)
-        for stat_logger in self.stat_loggers:
-            stat_logger.record_new_requests(processed.engine_requests)
-        await self.engine_core.add_requests_async([processed.engine_requests])
-        return collector
+        collectors = []
+        for request_id, processed in zip(request_ids, processed_requests, strict=True):
+            collector = RequestOutputCollector()
+            self.output_processor.add_processed_request(request_id, processed, params, collector)
+            for stat_logger in self.stat_loggers:
+                stat_logger.record_new_requests(processed.engine_requests)
+            collectors.append(collector)
+        await self.engine_core.add_requests_async([p.engine_requests for p in processed_requests])
+        return collectors
 
-    async def generate(
+    def generate(
         self,
         prompt: PromptType,
         sampling_params: SamplingParams,
@@ -128,11 +159,51 @@ class AsyncLLM:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's outputs until it finishes; aborts it if the consumer leaves.
-        ``priority``: lower runs first under ``--scheduling-policy priority``."""
-        collector = await self.add_request(
-            request_id, prompt, sampling_params, priority=priority, lora_request=lora_request
+        """The request's outputs until it finishes (it is added on the first ``anext``); aborts
+        it if the consumer leaves. ``priority``: lower runs first under
+        ``--scheduling-policy priority``."""
+        return self._outputs(
+            request_id,
+            lambda: self.add_request(
+                request_id, prompt, sampling_params, priority=priority, lora_request=lora_request
+            ),
         )
+
+    def generate_many(
+        self,
+        prompts: list[PromptType],
+        sampling_params: SamplingParams,
+        request_ids: list[str],
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> list[AsyncGenerator[RequestOutput, None]]:
+        """``generate`` for several prompts whose requests are added together (``add_requests``)
+        on the first ``anext`` of any; if one fails, each generator raises its error."""
+        adding: list[asyncio.Task[list[RequestOutputCollector]]] = []
+
+        async def added(index: int) -> RequestOutputCollector:
+            if not adding:
+                add = self.add_requests(request_ids, prompts, sampling_params, None, priority,
+                                        lora_request)  # fmt: skip
+                adding.append(asyncio.ensure_future(add))
+            try:
+                return (await asyncio.shield(adding[0]))[index]
+            except BaseException:
+                # Left (or failed) while they were being added: abort it once they are.
+                abort = functools.partial(self._abort_added, request_ids[index])
+                adding[0].add_done_callback(abort)
+                raise
+
+        return [self._outputs(r, functools.partial(added, i)) for i, r in enumerate(request_ids)]
+
+    def _abort_added(self, request_id: str, adding: asyncio.Task) -> None:
+        if not adding.cancelled() and adding.exception() is None:
+            asyncio.ensure_future(self.abort(request_id))
+
+    async def _outputs(
+        self, request_id: str, add: Callable[[], Awaitable[RequestOutputCollector]]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        collector = await add()
         finished = False
         try:
             while not finished:

@@ -479,10 +479,9 @@ class OpenAIServing:
         ids = [
             request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))
         ]
-        generators = [
-            self.engine.generate(p.to_engine_input(), params, rid, priority, lora_request)
-            for rid, p in zip(ids, prompts, strict=True)
-        ]
+        generators = self.engine.generate_many(
+            [p.to_engine_input() for p in prompts], params, ids, priority, lora_request
+        )
         if self.request_logger is not None:
             for rid, p in zip(ids, prompts, strict=True):
                 media = sum(len(items) for items in (p.mm_data or {}).values())
