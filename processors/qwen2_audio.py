@@ -42,6 +42,10 @@ class Qwen2AudioProcessingInfo(BaseProcessingInfo):
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"audio": None}
 
+    def get_audio_window_seconds(self) -> float | None:
+        extractor = self.get_feature_extractor()
+        return extractor.n_samples / extractor.sampling_rate
+
     def get_mm_max_tokens_per_item(
         self, seq_len: int, mm_counts: Mapping[str, int]
     ) -> Mapping[str, int]:

@@ -55,6 +55,9 @@ def get_audio_in_video_order(data: Mapping[str, Any]) -> torch.Tensor:
 class Qwen3OmniMoeThinkerProcessingInfo(Qwen2_5OmniThinkerProcessingInfo):
     """Audio without a length cap: a clip's bound is what the prompt has room for."""
 
+    def get_audio_window_seconds(self) -> float | None:
+        return None
+
     def get_n_window(self, mm_kwargs: Mapping[str, object] | None = None) -> int:
         return int(self.merge_hf_kwargs(mm_kwargs)["n_window"])
 

@@ -5,13 +5,18 @@ events; and what cannot be honoured is a 400 naming the form field."""
 
 from __future__ import annotations
 
+import base64
+from typing import Any
+
 import httpx
+import numpy as np
 import openai
 import pytest
 
+from omniserve.entrypoints.openai.serving_transcription import _join, split_audio
 from omniserve.entrypoints.openai.transcription_protocol import TranscriptionRequest
-from tests.server_utils import API_KEY, MODEL, Server, assert_error
-from tests.test_api_multimodal import WAV
+from tests.server_utils import API_KEY, MODEL, Server, assert_error, launch_server
+from tests.test_api_multimodal import WAV, _wav
 
 FILE = ("beeps.wav", WAV, "audio/wav")
 
@@ -113,3 +118,71 @@ def test_the_instruction_names_the_language_and_carries_the_prompt() -> None:
     assert TranscriptionRequest().instruction("translate") == (
         "Translate the audio into English text."
     )
+
+
+def test_long_audio_is_split_at_quiet_points_into_equal_pieces() -> None:
+    rate = 100  # samples per second: a 0.1 s frame is 10 samples
+    rng = np.random.default_rng(0)
+    loud = rng.uniform(0.5, 1.0, 7_000).astype(np.float32)  # 70 s of "speech"
+    for quiet in (2_290, 4_600):  # 0.2 s pauses, in the second before each equal share ends
+        loud[quiet : quiet + 20] = 0.0
+    pieces = split_audio(loud, rate, 30.0)
+    assert [len(p) for p in pieces] == [2_294, 2_313, 2_393]  # three pieces, cut in the pauses
+    assert np.array_equal(np.concatenate(pieces), loud)
+    assert pieces[1][0] == pieces[2][0] == 0.0
+    assert len(split_audio(loud[:3_000], rate, 30.0)) == 1
+    # No pause: cut near each equal share; never a sliver at the end.
+    flat = np.ones(6_005, np.float32)
+    assert [len(p) for p in split_audio(flat, rate, 30.0)] == [1_992, 1_997, 2_016]
+
+
+@pytest.fixture(scope="module")
+def qwen2_audio_server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Qwen2-Audio: its processor keeps 30 s of a clip."""
+    with launch_server(
+        tiny_checkpoint("Qwen2AudioForConditionalGeneration"),
+        tmp_path_factory.mktemp("qwen2-audio"),
+        "--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--dtype", "float32",
+    ) as server:  # fmt: skip
+        yield server
+
+
+@pytest.mark.slow
+def test_audio_longer_than_the_model_hears_is_transcribed_in_pieces(
+    qwen2_audio_server: Server,
+) -> None:
+    """A 34 s file on a model that hears 30 s: two pieces, whose transcripts (each the chat
+    answer to that piece) are joined, their usage summed; streamed the same."""
+    rate = 16_000
+    seconds = np.arange(34 * rate) / rate
+    waveform = (0.4 * np.sin(2 * np.pi * 220 * seconds) * (seconds % 2 < 1.5)).astype(np.float32)
+    client = qwen2_audio_server.client()
+    params = {"max_completion_tokens": 8, "ignore_eos": True}
+    whole = client.audio.transcriptions.create(
+        model=MODEL, file=("long.wav", _wav(waveform, rate), "audio/wav"), language="en",
+        extra_body=params,
+    )  # fmt: skip
+    pieces = split_audio(waveform, rate, 30.0)
+    assert len(pieces) == 2
+    chats = []
+    for piece in pieces:
+        audio = "data:audio/wav;base64," + base64.b64encode(_wav(piece, rate)).decode()
+        chats.append(client.chat.completions.create(
+            model=MODEL, temperature=0.0, max_completion_tokens=8,
+            extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": [
+                {"type": "audio_url", "audio_url": {"url": audio}},
+                {"type": "text", "text": "Transcribe the English audio into text."}]}],
+        ))  # fmt: skip
+    texts = [chat.choices[0].message.content for chat in chats]
+    assert whole.text == _join(texts) and all(texts)
+    assert whole.usage.input_tokens == sum(chat.usage.prompt_tokens for chat in chats)
+    assert whole.usage.output_tokens == 16
+    events = list(client.audio.transcriptions.create(
+        model=MODEL, file=("long.wav", _wav(waveform, rate), "audio/wav"), language="en",
+        stream=True, extra_body=params,
+    ))  # fmt: skip
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    assert "".join(deltas) == whole.text
+    (done,) = [e for e in events if e.type == "transcript.text.done"]
+    assert done.text == whole.text

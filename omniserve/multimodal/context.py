@@ -133,6 +133,11 @@ class BaseProcessingInfo(ABC):
     def max_audio_seconds(self) -> float:
         return self.ctx.max_audio_seconds
 
+    def get_audio_window_seconds(self) -> float | None:
+        """The longest audio clip the model hears whole, where its processor cuts longer ones
+        (None: no cut); speech to text splits longer files into pieces of this length."""
+        return None
+
     @abstractmethod
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         """Items per prompt for each modality the model takes (None: unlimited)."""

@@ -4,17 +4,22 @@ served audio model, through the chat path.
 The uploaded file becomes an audio part of one user turn, followed by the instruction
 (``TranscriptionRequest.instruction``), rendered by the model's own chat template; so the model
 transcribes with the same media checks, limits and caches as any chat request, and a thinking
-model's reasoning (``--reasoning-parser``) is not part of the text.
+model's reasoning (``--reasoning-parser``) is not part of the text. A file longer than the model
+hears whole (its processor would cut it: Qwen2-Audio's 30 s) is split into pieces at quiet
+points, each transcribed by its own request, side by side, and the texts joined.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import io
 import json
 import time
 from pathlib import PurePath
 from typing import Any, Literal
 
+import numpy as np
 import pydantic
 from starlette.datastructures import FormData, UploadFile
 
@@ -39,6 +44,7 @@ from omniserve.entrypoints.openai.transcription_protocol import (
     TranscriptionResponse,
     TranscriptionUsage,
 )
+from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.outputs import CompletionOutput, RequestOutput
 
 Task = Literal["transcribe", "translate"]
@@ -53,7 +59,7 @@ class OpenAIServingTranscription:
     async def create(self, form: FormData, task: Task) -> TranscriptionResponse | str | EventStream:
         """The transcript as JSON, as plain text (``response_format: text``) or as SSE events
         (``stream``). Raises ``ServingError`` for anything wrong with the request."""
-        request, audio = self._read(form)
+        request, data, suffix = self._read(form)
         lora = self.chat.check_model(request.model)
         self.chat.check_engine()
         processor = self.chat.engine.processor.mm_processor
@@ -63,26 +69,52 @@ class OpenAIServingTranscription:
                 "it cannot transcribe.",
                 param="model",
             )
+        clips = await self._clips(data, suffix, processor.info.get_audio_window_seconds())
         try:
-            chat_request = ChatCompletionRequest.model_validate(
-                self._chat_fields(form, request, audio, task)
-            )
+            chat_requests = [
+                ChatCompletionRequest.model_validate(self._chat_fields(form, request, clip, task))
+                for clip in clips
+            ]
         except pydantic.ValidationError as exc:
             raise ServingError(validation_message(exc)) from exc
         except ValueError as exc:  # the language
             raise ServingError(str(exc), param="language") from exc
         request_id = self.chat.new_request_id("trsc", request.request_id)
+        generators: list[OutputStream] = []
         try:
-            generator, thinking = await self.chat.generate(chat_request, request_id, lora)
-        except ServingError as exc:
-            raise _on_file(exc) from exc
+            for i, chat_request in enumerate(chat_requests):
+                piece_id = request_id if len(clips) == 1 else f"{request_id}-{i}"
+                generator, thinking = await self.chat.generate(chat_request, piece_id, lora)
+                generators.append(generator)
+        except BaseException as exc:
+            await asyncio.gather(*(g.aclose() for g in generators))  # aborts them
+            if isinstance(exc, ServingError):
+                raise _on_file(exc) from exc
+            raise
         if request.stream:
-            return self._stream(request, chat_request, request_id, generator, thinking)
-        return await self._full(request, chat_request, generator, thinking)
+            return self._stream(request, chat_requests[0], request_id, generators, thinking)
+        return await self._full(request, chat_requests[0], generators, thinking)
+
+    async def _clips(self, data: bytes, suffix: str, window: float | None) -> list[str]:
+        """The file as data URLs: itself, or the pieces of a file longer than ``window``
+        seconds (``split_audio``), as WAV."""
+        url = f"data:audio/{suffix};base64,{base64.b64encode(data).decode()}"
+        if window is None:
+            return [url]
+        connector = self.chat.renderer.connector
+        try:
+            waveform, rate = await self.chat.engine.run_input_work(
+                connector.load_audio_bytes, data, media=True
+            )
+        except MultiModalInputError as exc:
+            raise ServingError(f"file: {exc}", param="file") from exc
+        if len(waveform) <= window * rate:
+            return [url]
+        return [_wav_url(piece, rate) for piece in split_audio(waveform, rate, window)]
 
     @staticmethod
-    def _read(form: FormData) -> tuple[TranscriptionRequest, str]:
-        """The form's fields, and the file as a data URL."""
+    def _read(form: FormData) -> tuple[TranscriptionRequest, bytes, str]:
+        """The form's fields, the file and its suffix."""
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
             raise ServingError(
@@ -110,8 +142,7 @@ class OpenAIServingTranscription:
             request = TranscriptionRequest.model_validate(fields)
         except pydantic.ValidationError as exc:
             raise ServingError(validation_message(exc)) from exc
-        suffix = PurePath(upload.filename or "").suffix.lstrip(".").lower() or "wav"
-        return request, f"data:audio/{suffix};base64,{base64.b64encode(data).decode()}"
+        return request, data, PurePath(upload.filename or "").suffix.lstrip(".").lower() or "wav"
 
     def _chat_fields(
         self, form: FormData, request: TranscriptionRequest, audio: str, task: Task
@@ -136,8 +167,8 @@ class OpenAIServingTranscription:
             "priority": request.priority,
         }
 
-    def _usage(self, final: RequestOutput, num_tokens: int) -> TranscriptionUsage:
-        usage = self.chat.usage([final], num_tokens)
+    def _usage(self, finals: list[RequestOutput], num_tokens: int) -> TranscriptionUsage:
+        usage = self.chat.usage(finals, num_tokens)
         audio = usage.prompt_tokens_details.audio_tokens if usage.prompt_tokens_details else 0
         return TranscriptionUsage(
             input_tokens=usage.prompt_tokens,
@@ -162,23 +193,26 @@ class OpenAIServingTranscription:
         self,
         request: TranscriptionRequest,
         chat_request: ChatCompletionRequest,
-        generator: OutputStream,
+        generators: list[OutputStream],
         thinking: bool,
     ) -> TranscriptionResponse | str:
         try:
-            final = await final_output(generator)
+            finals = await asyncio.gather(*map(final_output, generators))
         except ServingError as exc:
             raise _on_file(exc) from exc
-        out = final.outputs[0]
-        text = (
+        outs = [final.outputs[0] for final in finals]
+        texts = [
             self.chat.answer(chat_request, thinking).feed(out.text, final=True).get("content", "")
-        )
+            for out in outs
+        ]
+        text = _join(texts)
         if request.response_format == "text":
             return text
+        logprobs = [self._logprobs(chat_request, out) for out in outs]
         return TranscriptionResponse(
             text=text,
-            usage=self._usage(final, len(out.token_ids)),
-            logprobs=self._logprobs(chat_request, out),
+            usage=self._usage(finals, sum(len(out.token_ids) for out in outs)),
+            logprobs=None if logprobs[0] is None else [lp for lps in logprobs for lp in lps or []],
         )
 
     async def _stream(
@@ -186,16 +220,15 @@ class OpenAIServingTranscription:
         request: TranscriptionRequest,
         chat_request: ChatCompletionRequest,
         request_id: str,
-        generator: OutputStream,
+        generators: list[OutputStream],
         thinking: bool,
     ) -> EventStream:
         """OpenAI's events, ``transcript.text.delta`` then ``transcript.text.done`` (with the
         usage), each also in vLLM's chunk shape (``choices[0].delta.content``), so clients of
-        either read them; then ``[DONE]``."""
+        either read them; then ``[DONE]``. The pieces of a split file follow one another."""
         created = int(time.time())
         model = self.chat.models.response_name(request.model)
-        answer = self.chat.answer(chat_request, thinking)
-        text, num_tokens = "", 0
+        text, num_tokens, finals = "", 0, []
 
         def event(kind: str, content: dict[str, Any], finish: str | None, **fields: Any) -> str:
             choice = {"index": 0, "delta": content, "finish_reason": finish}
@@ -204,28 +237,69 @@ class OpenAIServingTranscription:
             return f"data: {json.dumps(chunk)}\n\n"
 
         try:
-            final: RequestOutput | None = None
-            async for output in generator:
-                final = output
-                out = output.outputs[0]
-                num_tokens += len(out.token_ids)
-                piece = answer.feed(out.text, out.finish_reason is not None).get("content", "")
-                logprobs = self._logprobs(chat_request, out) if out.token_ids else None
-                if piece:
-                    text += piece
-                    extra = {"logprobs": [lp.model_dump() for lp in logprobs or []]}
-                    yield event("transcript.text.delta", {"content": piece}, None, delta=piece,
-                                **(extra if logprobs is not None else {}))  # fmt: skip
-                if out.finish_reason is not None:
-                    assert final is not None
-                    usage = self._usage(final, num_tokens).model_dump()
-                    yield event("transcript.text.done", {}, out.finish_reason, text=text,
-                                usage=usage)  # fmt: skip
+            for generator in generators:
+                answer, piece_text = self.chat.answer(chat_request, thinking), ""
+                async for output in generator:
+                    out = output.outputs[0]
+                    num_tokens += len(out.token_ids)
+                    piece = answer.feed(out.text, out.finish_reason is not None).get("content", "")
+                    if not piece_text:  # the separator before a piece, as _join puts it
+                        piece = _join([text, piece])[len(text) :]
+                    logprobs = self._logprobs(chat_request, out) if out.token_ids else None
+                    if piece:
+                        text, piece_text = text + piece, piece_text + piece
+                        extra = {"logprobs": [lp.model_dump() for lp in logprobs or []]}
+                        fields = extra if logprobs is not None else {}
+                        yield event("transcript.text.delta", {"content": piece}, None,
+                                    delta=piece, **fields)  # fmt: skip
+                    if out.finish_reason is not None:
+                        finals.append(output)
+            usage = self._usage(finals, num_tokens).model_dump()
+            yield event("transcript.text.done", {}, finals[-1].outputs[0].finish_reason,
+                        text=text, usage=usage)  # fmt: skip
         except Exception as exc:  # e.g. the engine died mid-stream: tell the client in-band
             yield f"data: {_on_file(to_serving_error(exc)).to_response().model_dump_json()}\n\n"
         finally:
-            await generator.aclose()  # aborts it if unfinished
+            await asyncio.gather(*(g.aclose() for g in generators))  # aborts the unfinished
         yield SSE_DONE
+
+
+def split_audio(waveform: np.ndarray, rate: int, max_seconds: float) -> list[np.ndarray]:
+    """``waveform`` in consecutive pieces of at most ``max_seconds``, about equal, each cut at
+    the quietest tenth of a second of the second before its end, so a cut rarely splits a word."""
+    window = int(max_seconds * rate)
+    frame = max(rate // 10, 1)
+    pieces, start = [], 0
+    while len(waveform) - start > window:
+        left = len(waveform) - start
+        end = start + -(-left // -(-left // window))  # an equal share of what is left
+        low = max(start + 1, end - rate)
+        region = waveform[low:end]
+        num_frames = max(len(region) // frame, 1)
+        energy = np.square(region[: num_frames * frame].reshape(num_frames, -1)).mean(axis=1)
+        cut = low + (num_frames - 1 - int(np.argmin(energy[::-1]))) * frame  # the latest
+        pieces.append(waveform[start:cut])
+        start = cut
+    pieces.append(waveform[start:])
+    return pieces
+
+
+def _wav_url(waveform: np.ndarray, rate: int) -> str:
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, waveform, rate, format="WAV", subtype="FLOAT")
+    return f"data:audio/wav;base64,{base64.b64encode(buffer.getvalue()).decode()}"
+
+
+def _join(texts: list[str]) -> str:
+    """The pieces' texts, with a space between two that would otherwise touch."""
+    joined = ""
+    for text in texts:
+        if joined and text and not joined[-1].isspace() and not text[0].isspace():
+            joined += " "
+        joined += text
+    return joined
 
 
 def _on_file(error: ServingError) -> ServingError:
