@@ -12,12 +12,13 @@ import json
 import time
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
 from omniserve.entrypoints.openai.responses_protocol import ResponsesRequest, conversation_of
-from tests.server_utils import MODEL, Server, assert_error
+from tests.server_utils import API_KEY, MODEL, Server, assert_error
 from tests.test_reasoning import THOUGHT_THEN_ANSWER
 from tests.test_tool_calls import HERMES_CALL, TIGHT, TOOLS, WEATHER
 
@@ -232,6 +233,38 @@ def test_background_store_cancel_and_delete(qwen3_server: Server) -> None:
         client.responses.retrieve(unstored.id)
     plain = client.responses.create(input="Hi", max_output_tokens=2)
     assert_error(qwen3_server.post(f"/v1/responses/{plain.id}/cancel", {}), 400)
+
+
+def test_a_background_stream_is_resumed_from_any_event(qwen3_server: Server) -> None:
+    """background + stream: the events a stream sends, numbered; ``GET ...?stream=true&
+    starting_after=N`` sends the rest again, after the run or in its middle."""
+    client = qwen3_server.client()
+    greedy = {"input": "Hi", **GREEDY, "extra_body": {"ignore_eos": True}}
+    events = list(client.responses.create(background=True, stream=True, max_output_tokens=6,
+                                          **greedy))  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    stored = _wait(client, events[0].response.id)
+    assert stored.background and stored.status == "incomplete"
+    assert stored.output_text == client.responses.create(max_output_tokens=6, **greedy).output_text
+    again = client.responses.retrieve(stored.id, stream=True, starting_after=3)
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events[4:]]
+    # A client that leaves after five events picks the run up where it left it.
+    stream = client.responses.create(background=True, stream=True, max_output_tokens=200,
+                                     **greedy)  # fmt: skip
+    events_left = iter(stream)
+    first = [next(events_left) for _ in range(5)]
+    stream.close()
+    rest = list(client.responses.retrieve(first[0].response.id, stream=True, starting_after=4))
+    numbers = [e.sequence_number for e in first + rest]
+    assert numbers == list(range(len(numbers))) and rest[-1].type == "response.incomplete"
+    assert rest[-1].response.usage.output_tokens == 200
+    # Only a background run created with stream has events to stream again.
+    quiet = client.responses.create(background=True, max_output_tokens=2, **greedy)
+    for query, param in (("stream=true", "stream"), ("starting_after=2", "starting_after")):
+        response = httpx.get(f"{qwen3_server.url}/v1/responses/{quiet.id}?{query}",
+                             headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+        assert assert_error(response, 400)["param"] == param
 
 
 def test_truncation_auto_drops_the_oldest_turns(qwen3_server: Server) -> None:

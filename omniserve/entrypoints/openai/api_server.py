@@ -462,11 +462,19 @@ def _api_router(
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
         return respond(await responses.create_response(request))
 
-    @router.get("/v1/responses/{response_id}", responses=documented())
-    async def retrieve_response(response_id: str, stream: bool = False) -> ResponseObject:
+    @router.get(
+        "/v1/responses/{response_id}", responses=documented(ResponseObject, ResponseStreamEvent)
+    )
+    async def retrieve_response(
+        response_id: str,
+        stream: bool = False,
+        starting_after: Annotated[int | None, Query(ge=0)] = None,
+    ) -> Response:
         if stream:
-            raise ServingError("Stored responses are not streamed again here.", param="stream")
-        return responses.retrieve(response_id)
+            return respond(responses.stream_stored(response_id, starting_after))
+        if starting_after is not None:
+            raise ServingError("starting_after goes with stream=true.", param="starting_after")
+        return respond(responses.retrieve(response_id))
 
     @router.get("/v1/responses/{response_id}/input_items", responses=documented())
     async def list_input_items(

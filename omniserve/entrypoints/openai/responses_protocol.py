@@ -166,8 +166,6 @@ class ResponsesRequest(RequestModel):
                 )
         if self.background and not self.store:
             raise ValueError("background needs store=true (its result is fetched later).")
-        if self.background and self.stream:
-            raise ValueError("background and stream cannot be combined here.")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream=true.")
         if self.metadata is not None and (
