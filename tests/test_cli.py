@@ -218,3 +218,50 @@ def test_max_logprobs_and_memory_utilization(tiny_checkpoint, monkeypatch):
         )
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_run_batch_answers_each_line_as_the_server_would(tiny_checkpoint, tmp_path):
+    """vLLM's run-batch: each line's answer is what its route answers (a refusal a 400 with the
+    route's error body), lines that reach no route carry an error, in input order."""
+    from omniserve import LLM, SamplingParams
+
+    model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = {"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0}
+    lines = [
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+        {"custom_id": "completion", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": "Once upon", "max_tokens": 4}},
+        {"custom_id": "response", "method": "POST", "url": "/v1/responses",
+         "body": {"model": "tiny", "input": "Hi", "max_output_tokens": 4}},
+        {"custom_id": "empty", "method": "POST", "url": "/v1/chat/completions",
+         "body": {**chat, "messages": []}},
+        {"custom_id": "stream", "method": "POST", "url": "/v1/chat/completions",
+         "body": {**chat, "stream": True}},
+        {"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {}},
+    ]  # fmt: skip
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("\n".join([*map(json.dumps, lines), "{not json"]) + "\n")
+    out = tmp_path / "out.jsonl"
+    run = _run("run-batch", "-i", str(batch), "-o", str(out), "--model", model_dir,
+               "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
+               "--kv-cache-memory", "16MiB")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [a["custom_id"] for a in answers] == [*(line["custom_id"] for line in lines), None]
+    statuses = [a["response"] and a["response"]["status_code"] for a in answers]
+    assert statuses == [200, 200, 200, 400, None, None, None]
+    body = answers[0]["response"]["body"]
+    assert (
+        answers[0]["response"]["request_id"] == body["id"] and body["object"] == "chat.completion"
+    )
+    assert answers[1]["response"]["body"]["object"] == "text_completion"
+    assert answers[2]["response"]["body"]["status"] == "incomplete"
+    assert answers[3]["response"]["body"]["error"]["param"] == "messages"
+    errors = [a["error"] and a["error"]["code"] for a in answers]
+    assert errors == [None, None, None, None, "invalid_request", "invalid_url", "invalid_request"]
+    assert "stream" in answers[4]["error"]["message"] and "line 7" in answers[6]["error"]["message"]
+    offline = LLM(model_dir, dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
+    greedy = offline.chat(messages, SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
+    assert body["choices"][0]["message"]["content"] == greedy[0].outputs[0].text

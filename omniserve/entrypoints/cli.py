@@ -1,4 +1,5 @@
-"""The ``omniserve`` command: serve, generate, make-tiny, and the model registry's commands."""
+"""The ``omniserve`` command: serve, run-batch, generate, make-tiny, and the model registry's
+commands."""
 
 from __future__ import annotations
 
@@ -131,15 +132,30 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
             logger.info("%s has no effect here: %s.", flag, why)
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from omniserve.entrypoints.openai.api_server import run_server
-
+def _default_model(args: argparse.Namespace) -> None:
+    """No model given: the built-in one, under its served name."""
     if args.model is None:
         from omniserve.demo_model import SERVED_NAME
 
         args.model = default_model()
         args.served_model_name = args.served_model_name or [SERVED_NAME]
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from omniserve.entrypoints.openai.api_server import run_server
+
+    _default_model(args)
     run_server(args)
+    return 0
+
+
+def _cmd_run_batch(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from omniserve.entrypoints.openai.run_batch import run_batch
+
+    _default_model(args)
+    asyncio.run(run_batch(args))
     return 0
 
 
@@ -307,6 +323,81 @@ def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
     unreg.set_defaults(func=_cmd_unregister_model)
 
 
+def _add_serving_args(group: argparse._ArgumentGroup) -> None:
+    """The flags of how requests are served, shared by ``serve`` and ``run-batch``."""
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="Names clients may use for the model; the first is reported. None: the model path.",
+    )
+    group.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="Log each request's parameters (INFO) and prompt (DEBUG) as it is submitted.",
+    )
+    group.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="With --enable-log-requests: log each finished choice's text and token ids too.",
+    )
+    group.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="Most prompt/output characters and token ids a log line shows (default: all).",
+    )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help='LoRA adapters to serve, as name=path or JSON {"name": ..., "path": ..., '
+        '"base_model_name": ...}; a request picks one with its model field.',
+    )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="A chat template file (or inline Jinja) replacing the checkpoint's.",
+    )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Let requests bring their own chat_template (rendered in jinja's "
+        "sandbox); without it such a request is a 400.",
+    )
+    group.add_argument(
+        "--input-processing-threads",
+        type=int,
+        default=1,
+        help="Threads that run the HF processing of prompts with media, off "
+        "the event loop (text is tokenized on a thread of its own).",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="Split <think>...</think> off chat answers into reasoning_content.",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Let the model decide when to call tools (tool_choice "auto", the '
+        "default with tools); needs --tool-call-parser.",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="The format the model writes tool calls in (hermes: the Qwen "
+        "family's <tool_call> blocks).",
+    )
+    group.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='With tool_choice "none", do not list the tools in the prompt.',
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniserve",
@@ -331,35 +422,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument("--port", type=int, default=8000, help="TCP port to listen on.")
     server.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="Names clients may use for the model; the first is reported. None: the model path.",
-    )
-    server.add_argument(
-        "--enable-log-requests",
-        action="store_true",
-        help="Log each request's parameters (INFO) and prompt (DEBUG) as it is submitted.",
-    )
-    server.add_argument(
-        "--enable-log-outputs",
-        action="store_true",
-        help="With --enable-log-requests: log each finished choice's text and token ids too.",
-    )
-    server.add_argument(
-        "--max-log-len",
-        type=int,
-        default=None,
-        help="Most prompt/output characters and token ids a log line shows (default: all).",
-    )
-    server.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=None,
-        help='LoRA adapters to serve, as name=path or JSON {"name": ..., "path": ..., '
-        '"base_model_name": ...}; a request picks one with its model field.',
-    )
-    server.add_argument(
         "--api-key", default=None, help="Require 'Authorization: Bearer KEY' on the API routes."
     )
     server.add_argument(
@@ -368,52 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Do not serve the web playground (a chat page at /).",
     )
     server.add_argument(
-        "--chat-template",
-        default=None,
-        help="A chat template file (or inline Jinja) replacing the checkpoint's.",
-    )
-    server.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="Let requests bring their own chat_template (rendered in jinja's "
-        "sandbox); without it such a request is a 400.",
-    )
-    server.add_argument(
         "--max-request-body-mb",
         type=float,
         default=100.0,
         help="Largest request body accepted (413 above it), media included.",
-    )
-    server.add_argument(
-        "--input-processing-threads",
-        type=int,
-        default=1,
-        help="Threads that run the HF processing of prompts with media, off "
-        "the event loop (text is tokenized on a thread of its own).",
-    )
-    server.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=sorted(REASONING_PARSERS),
-        help="Split <think>...</think> off chat answers into reasoning_content.",
-    )
-    server.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='Let the model decide when to call tools (tool_choice "auto", the '
-        "default with tools); needs --tool-call-parser.",
-    )
-    server.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=sorted(TOOL_CALL_PARSERS),
-        help="The format the model writes tool calls in (hermes: the Qwen "
-        "family's <tool_call> blocks).",
-    )
-    server.add_argument(
-        "--exclude-tools-when-tool-choice-none",
-        action="store_true",
-        help='With tool_choice "none", do not list the tools in the prompt.',
     )
     server.add_argument(
         "--shutdown-timeout",
@@ -448,6 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's log level (info logs every request).",
     )
+    _add_serving_args(serve.add_argument_group("serving"))
     EngineArgs.add_cli_args(serve)
     compat = serve.add_argument_group(
         "vLLM compatibility",
@@ -457,6 +478,19 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (kwargs, why) in {**NO_EFFECT_FLAGS, **MISSING_FEATURE_FLAGS}.items():
         compat.add_argument(flag, default=None, help=why, **kwargs)
     serve.set_defaults(func=_cmd_serve, check_flags=_check_serve_flags)
+
+    batch = sub.add_parser(
+        "run-batch",
+        formatter_class=fmt,
+        help="Answer an OpenAI batch file (JSONL: custom_id, method, url, body a line) with "
+        "the server's routes, in this process, into a JSONL file of batch output lines.",
+    )
+    batch.add_argument("-i", "--input-file", required=True, help="The batch file to answer.")
+    batch.add_argument("-o", "--output-file", required=True, help="Where the answers go.")
+    batch.add_argument("--model", default=None, help="Checkpoint dir. None: a tiny built-in model.")
+    _add_serving_args(batch.add_argument_group("serving"))
+    EngineArgs.add_cli_args(batch)
+    batch.set_defaults(func=_cmd_run_batch)
 
     tiny = sub.add_parser(
         "make-tiny", formatter_class=fmt, help="Build a tiny Hugging Face checkpoint offline."

@@ -1,0 +1,144 @@
+"""``omniserve run-batch``: vLLM's ``run-batch``. An OpenAI batch file (JSONL, one request a line:
+``custom_id``, ``method``, ``url``, ``body``) is answered by the server's own routes, run in this
+process without a socket, into a JSONL file of OpenAI's batch output lines, in input order: the
+same validation, defaults, media handling, errors and answers as ``omniserve serve`` gives. All
+lines are submitted at once (the engine batches them, up to ``--max-num-seqs`` at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import pydantic
+from tqdm import tqdm
+
+from omniserve.engine.arg_utils import EngineArgs
+from omniserve.engine.async_llm import AsyncLLM
+from omniserve.entrypoints.openai.api_server import build_app
+from omniserve.entrypoints.openai.protocol import validation_message
+from omniserve.lora.request import parse_lora_modules
+
+logger = logging.getLogger(__name__)
+
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+"""The routes a batch line may name (OpenAI's Batch API has these, and embeddings)."""
+
+
+class BatchRequestInput(pydantic.BaseModel):
+    custom_id: str
+    method: Literal["POST"]
+    url: str
+    body: dict[str, Any]
+
+
+class BatchResponseData(pydantic.BaseModel):
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+    """The route's JSON answer: its response, or its error (``{"error": {...}}``)."""
+
+
+class BatchError(pydantic.BaseModel):
+    code: str
+    message: str
+
+
+class BatchRequestOutput(pydantic.BaseModel):
+    id: str
+    custom_id: str | None
+    response: BatchResponseData | None
+    """The HTTP answer (a 400 included); None when the line never reached a route."""
+    error: BatchError | None
+
+
+async def run_batch(args: argparse.Namespace) -> None:
+    """Answer ``args.input_file`` into ``args.output_file``."""
+    lines = [line for line in Path(args.input_file).read_text().splitlines() if line.strip()]
+    engine_args = EngineArgs.from_cli_args(args)
+    names = args.served_model_name
+    engine_args.served_model_name = names[0] if names else None
+    engine = AsyncLLM.from_engine_args(engine_args, input_threads=args.input_processing_threads)
+    try:
+        args.no_playground = True
+        app = build_app(engine, args)
+        for name, path, base in parse_lora_modules(args.lora_modules):
+            await app.state.models.load(name, path, base)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://batch") as client:
+            repeated = _repeated_ids(lines)
+            with tqdm(total=len(lines), unit="req", desc="Running batch") as bar:
+                outputs = await asyncio.gather(
+                    *(_answer(client, i + 1, line, repeated, bar) for i, line in enumerate(lines))
+                )
+    finally:
+        engine.shutdown()
+    with open(args.output_file, "w") as out:
+        out.writelines(output.model_dump_json() + "\n" for output in outputs)
+    failed = sum(o.response is None or o.response.status_code != 200 for o in outputs)
+    logger.info("Wrote %d answers to %s (%d failed).", len(outputs), args.output_file, failed)
+
+
+async def _answer(
+    client: httpx.AsyncClient, number: int, line: str, repeated: set[str], bar: tqdm
+) -> BatchRequestOutput:
+    output_id = f"batch_req_{uuid.uuid4().hex}"
+    try:
+        request = BatchRequestInput.model_validate_json(line)
+    except pydantic.ValidationError as exc:
+        custom_id = _custom_id(line)
+        return _failed(output_id, custom_id, f"line {number}: {validation_message(exc)}", bar)
+    if request.custom_id in repeated:
+        message = f"line {number}: custom_id {request.custom_id!r} is not unique in the file."
+        return _failed(output_id, request.custom_id, message, bar)
+    if request.url not in BATCH_URLS:
+        message = f"line {number}: url {request.url!r} is not one of {list(BATCH_URLS)}."
+        return _failed(output_id, request.custom_id, message, bar, code="invalid_url")
+    if request.body.get("stream"):
+        message = f"line {number}: body.stream: a batch answers whole, not streamed."
+        return _failed(output_id, request.custom_id, message, bar)
+    response = await client.post(request.url, json=request.body, timeout=None)
+    body = response.json()
+    bar.update()
+    request_id = body.get("id") if isinstance(body.get("id"), str) else output_id
+    return BatchRequestOutput(
+        id=output_id,
+        custom_id=request.custom_id,
+        response=BatchResponseData(
+            status_code=response.status_code, request_id=request_id, body=body
+        ),
+        error=None,
+    )
+
+
+def _failed(
+    output_id: str, custom_id: str | None, message: str, bar: tqdm, code: str = "invalid_request"
+) -> BatchRequestOutput:
+    bar.update()
+    return BatchRequestOutput(
+        id=output_id,
+        custom_id=custom_id,
+        response=None,
+        error=BatchError(code=code, message=message),
+    )
+
+
+def _custom_id(line: str) -> str | None:
+    """A malformed line's custom_id, when it has a readable one."""
+    try:
+        custom_id = json.loads(line).get("custom_id")
+    except (ValueError, AttributeError):
+        return None
+    return custom_id if isinstance(custom_id, str) else None
+
+
+def _repeated_ids(lines: list[str]) -> set[str]:
+    counts = Counter(_custom_id(line) for line in lines)
+    return {custom_id for custom_id, n in counts.items() if custom_id is not None and n > 1}
