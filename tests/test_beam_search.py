@@ -107,6 +107,9 @@ def test_the_api_returns_the_best_beams_as_choices(qwen3_server: Server) -> None
     assert chat.usage.completion_tokens == sum(len(c.token_ids) for c in again.choices)
     completion = client.completions.create(prompt=["Hello", "Good"], **ask)
     assert [c.index for c in completion.choices] == list(range(6))
+    # The two prompts' searches step together; each answers as it would alone.
+    alone = [client.completions.create(prompt=p, **ask).choices for p in ("Hello", "Good")]
+    assert [c.text for c in completion.choices] == [c.text for c in alone[0] + alone[1]]
     for body, param in [
         ({"stream": True}, "use_beam_search"),
         ({"temperature": 0.8}, "use_beam_search"),

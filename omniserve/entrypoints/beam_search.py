@@ -133,3 +133,43 @@ class BeamSearch:
         for beam in beams[: self.params.beam_width]:
             beam.text = decode(beam.tokens)
         return beams[: self.params.beam_width]
+
+
+class BeamSearchBatch:
+    """Several prompts' searches stepping together: a step's live beams of every prompt are
+    one batch of engine requests (``step_beams``, in order), whose outputs ``take_step`` hands
+    back to each search."""
+
+    def __init__(
+        self,
+        num_prompts: int,
+        params: BeamSearchParams,
+        eos_token_ids: Collection[int],
+        max_model_len: int,
+    ) -> None:
+        self.searches = [
+            BeamSearch(params, eos_token_ids, max_model_len) for _ in range(num_prompts)
+        ]
+        self.firsts: list[RequestOutput] = []
+        """Each prompt's output of the first step (its prompt as the engine saw it)."""
+
+    @property
+    def done(self) -> bool:
+        return all(search.done for search in self.searches)
+
+    def step_beams(self) -> list[tuple[int, BeamSequence]]:
+        """(prompt index, beam) of each request of the next step."""
+        return [(i, beam) for i, search in enumerate(self.searches) if not search.done
+                for beam in search.live]  # fmt: skip
+
+    def take_step(self, outputs: list[RequestOutput]) -> None:
+        """The step's outputs, one per ``step_beams`` entry, in order."""
+        remaining = iter(outputs)
+        for search in [search for search in self.searches if not search.done]:
+            mine = [next(remaining) for _ in search.live]
+            search.take_step(mine)
+            if len(self.firsts) < len(self.searches):
+                self.firsts.append(mine[0])
+
+    def results(self, decode: Callable[[list[int]], str]) -> list[list[BeamSequence]]:
+        return [search.result(decode) for search in self.searches]

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.llm_engine import LLMEngine
-from omniserve.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from omniserve.entrypoints.beam_search import BeamSearchBatch, BeamSearchOutput, BeamSearchParams
 from omniserve.entrypoints.chat_utils import ChatRenderer
 from omniserve.inputs.data import PromptType
 from omniserve.lora.request import LoRARequest
@@ -143,22 +143,21 @@ class LLM:
         params.check_width(self.llm_engine.config.model_config.max_logprobs)
         tokenizer = self.get_tokenizer()
         bases = [_token_prompt(prompt, tokenizer) for prompt in prompts]
-        eos = self.llm_engine.processor.eos_token_ids
-        max_len = self.llm_engine.config.model_config.max_model_len
-        searches = [BeamSearch(params, eos, max_len) for _ in bases]
-        step = params.step_params()
-        while live := [(s, base) for s, base in zip(searches, bases, strict=True) if not s.done]:
+        batch = BeamSearchBatch(
+            len(bases),
+            params,
+            self.llm_engine.processor.eos_token_ids,
+            self.llm_engine.config.model_config.max_model_len,
+        )
+        while not batch.done:
             step_prompts: list[Any] = [
-                {**base, "prompt_token_ids": base["prompt_token_ids"] + beam.tokens}
-                for search, base in live
-                for beam in search.live
+                {**bases[i], "prompt_token_ids": bases[i]["prompt_token_ids"] + beam.tokens}
+                for i, beam in batch.step_beams()
             ]
-            outputs = iter(self.generate(step_prompts, step, use_tqdm=False,
-                                         lora_request=lora_request))  # fmt: skip
-            for search, _ in live:
-                search.take_step([next(outputs) for _ in search.live])
+            batch.take_step(self.generate(step_prompts, params.step_params(), use_tqdm=False,
+                                          lora_request=lora_request))  # fmt: skip
         decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
-        return [BeamSearchOutput(search.result(decode)) for search in searches]
+        return [BeamSearchOutput(beams) for beams in batch.results(decode)]
 
     def _add_requests(
         self,

@@ -156,8 +156,8 @@ class OpenAIServingChat(OpenAIServing):
             ignore_eos=request.ignore_eos,
             length_penalty=request.length_penalty,
         )
-        beams, first = await self.beam_search(
-            prompt, beam_params, request_id, request.priority, lora
+        ((beams, first),) = await self.beam_search(
+            [prompt], beam_params, request_id, request.priority, lora
         )
         choices = []
         for index, beam in enumerate(beams):

@@ -6,7 +6,6 @@ comes back in one response (or one stream) with every choice addressable.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from omniserve.entrypoints.beam_search import BeamSearchParams
@@ -84,10 +83,7 @@ class OpenAIServingCompletion(OpenAIServing):
             ignore_eos=request.ignore_eos,
             length_penalty=request.length_penalty,
         )
-        searches = await asyncio.gather(*(
-            self.beam_search(prompt, params, f"{request_id}-{i}", request.priority, lora)
-            for i, prompt in enumerate(prompts)
-        ))  # fmt: skip
+        searches = await self.beam_search(prompts, params, request_id, request.priority, lora)
         choices = [
             CompletionResponseChoice(
                 index=i * request.n + j,

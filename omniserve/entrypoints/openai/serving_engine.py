@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import re
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
 from omniserve.engine.processor import ContextLengthError
-from omniserve.entrypoints.beam_search import BeamSearch, BeamSearchParams, BeamSequence
+from omniserve.entrypoints.beam_search import BeamSearchBatch, BeamSearchParams, BeamSequence
 from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
 from omniserve.entrypoints.logger import RequestLogger
 from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
@@ -510,35 +511,37 @@ class OpenAIServing:
 
     async def beam_search(
         self,
-        prompt: EnginePrompt,
+        prompts: list[EnginePrompt],
         params: BeamSearchParams,
         request_id: str,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
-    ) -> tuple[list[BeamSequence], RequestOutput]:
-        """The prompt's best beams (``entrypoints.beam_search``), with the first step's output
-        (its prompt as the engine saw it, for usage)."""
+    ) -> list[tuple[list[BeamSequence], RequestOutput]]:
+        """Each prompt's best beams (``entrypoints.beam_search``), with its first step's output
+        (its prompt as the engine saw it, for usage). The prompts' searches step together: each
+        step's beams of every prompt are one batch of requests."""
         try:
             params.check_width(self.engine.model_config.max_logprobs)
         except ValueError as exc:
             raise ServingError(str(exc), param="n") from exc
-        search = BeamSearch(params, self.engine.processor.eos_token_ids, self.max_model_len)
-        step = params.step_params()
-        first: RequestOutput | None = None
-        while not search.done:
-            prompts = [
-                dataclasses.replace(prompt, text=None, token_ids=prompt.token_ids + beam.tokens)
-                for beam in search.live
+        batch = BeamSearchBatch(
+            len(prompts), params, self.engine.processor.eos_token_ids, self.max_model_len
+        )
+        for number in itertools.count():
+            if batch.done:
+                break
+            step_prompts = [
+                dataclasses.replace(
+                    prompts[i], text=None, token_ids=prompts[i].token_ids + beam.tokens
+                )
+                for i, beam in batch.step_beams()
             ]
             generators = await self.start_generation(
-                prompts, step, f"{request_id}-{search.steps}", priority, lora_request
+                step_prompts, params.step_params(), f"{request_id}-{number}", priority, lora_request
             )
-            finals = await asyncio.gather(*(final_output(g) for g in generators))
-            first = first or finals[0]
-            search.take_step(finals)
-        assert first is not None, "a search runs at least one step"
+            batch.take_step(await asyncio.gather(*(final_output(g) for g in generators)))
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
-        return search.result(decode), first
+        return list(zip(batch.results(decode), batch.firsts, strict=True))
 
 
 async def final_output(generator: OutputStream) -> RequestOutput:
