@@ -117,6 +117,19 @@ def max_audio_clip_filesize_mb() -> float:
     return megabytes
 
 
+def log_stats_interval() -> float:
+    """``VLLM_LOG_STATS_INTERVAL`` (vLLM's name, default 10): seconds between the server's
+    periodic stats lines."""
+    value = os.environ.get("VLLM_LOG_STATS_INTERVAL", "10")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"VLLM_LOG_STATS_INTERVAL must be a number, not {value!r}.") from None
+    if seconds <= 0:
+        raise ValueError(f"VLLM_LOG_STATS_INTERVAL must be > 0, not {value!r}.")
+    return seconds
+
+
 def responses_store_mb() -> float:
     """``OMNISERVE_RESPONSES_STORE_MB``: memory for stored Responses API responses (their
     conversations, media included); the least recently used go first; 0 stores none."""

@@ -1,4 +1,5 @@
-"""Prometheus metrics of an ``AsyncLLM`` (served at ``/metrics``), named like vLLM's.
+"""Prometheus metrics of an ``AsyncLLM`` (served at ``/metrics``), named like vLLM's, and vLLM's
+periodic stats line in the log (``LoggingStatLogger``).
 
 ``PrometheusStatLogger`` is passed to ``AsyncLLM(stat_loggers=[...])``, which calls it at three
 points: ``record_new_requests`` when engine requests are submitted (arrival time, prompt length),
@@ -14,8 +15,9 @@ latencies, finished requests) cover all engines.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,7 @@ from prometheus_client import (
 from omniserve.lora.request import RUNNING_KEY, WAITING_KEY
 from omniserve.messages import ACCEPTED_AT_KEY, EngineCoreOutputs, EngineCoreRequest
 
+logger = logging.getLogger(__name__)
 PREFIX = "omniserve:"
 # Seconds; fine at the low end (a step of a small model) and up to long CPU generations.
 LATENCY_BUCKETS = (
@@ -253,3 +256,71 @@ class PrometheusStatLogger:
             self.tpot.observe(
                 (times.last_token_time - times.first_token_time) / (times.num_generated - 1)
             )
+
+
+class LoggingStatLogger:
+    """vLLM's stats line, logged at most every ``interval`` seconds while the engine works (an
+    idle engine sends no steps, so it logs nothing): prompt and generation throughput since the
+    last line, running and waiting requests, KV cache usage and the prefix cache hit rate over
+    the interval. Same three calls as ``PrometheusStatLogger``."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = interval
+        self._clock = clock
+        self._last_log = self._last_step = clock()
+        # engine request id -> its prompt's tokens, until its first token
+        self._prompt_lens: dict[str, int] = {}
+        self._prompt_tokens = self._generation_tokens = 0
+        self._stats: dict[int, dict[str, float]] = {}  # engine rank -> its last stats
+        self._logged_cache = (0.0, 0.0)  # prefix cache (queries, hits) at the last line
+        self._hit_rate = 0.0
+
+    def record_new_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
+        for request in requests:
+            self._prompt_lens[request.request_id] = len(request.prompt_token_ids)
+
+    def record(self, outputs: EngineCoreOutputs, processed: Any) -> None:
+        now = self._clock()
+        if now - self._last_step > self.interval:  # the engine was idle: a new window
+            self._last_log, self._prompt_tokens, self._generation_tokens = now, 0, 0
+        self._last_step = now
+        if outputs.scheduler_stats:
+            self._stats[outputs.engine_index] = outputs.scheduler_stats
+        for output in outputs.outputs:
+            if output.new_token_ids:
+                self._prompt_tokens += self._prompt_lens.pop(output.request_id, 0)
+                self._generation_tokens += len(output.new_token_ids)
+            if output.finish_reason is not None:
+                self._prompt_lens.pop(output.request_id, None)
+        self.log(now)
+
+    def record_aborted(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._prompt_lens.pop(request_id, None)
+
+    def log(self, now: float) -> None:
+        elapsed = now - self._last_log
+        if elapsed < self.interval:
+            return
+        total = {key: sum(stats.get(key, 0.0) for stats in self._stats.values())
+                 for key in ("num_running", "num_waiting", "prefix_cache_queries",
+                             "prefix_cache_hits")}  # fmt: skip
+        usage = max((stats.get("kv_cache_usage", 0.0) for stats in self._stats.values()),
+                    default=0.0)  # fmt: skip
+        queries = total["prefix_cache_queries"] - self._logged_cache[0]
+        if queries > 0:
+            self._hit_rate = (total["prefix_cache_hits"] - self._logged_cache[1]) / queries
+        self._logged_cache = (total["prefix_cache_queries"], total["prefix_cache_hits"])
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit "
+            "rate: %.1f%%",
+            self._prompt_tokens / elapsed,
+            self._generation_tokens / elapsed,
+            total["num_running"],
+            total["num_waiting"],
+            100 * usage,
+            100 * self._hit_rate,
+        )
+        self._last_log = now
+        self._prompt_tokens = self._generation_tokens = 0

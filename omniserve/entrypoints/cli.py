@@ -79,7 +79,6 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
         {"action": "store_true"},
         "requests are logged only with --enable-log-requests",
     ),
-    "--disable-log-stats": ({"action": "store_true"}, "there are no periodic stats logs"),
     "--swap-space": ({"type": float}, "preempted requests are recomputed, never swapped"),
     "--disable-custom-all-reduce": (
         {"action": "store_true"},
@@ -325,6 +324,12 @@ def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
 
 def _add_serving_args(group: argparse._ArgumentGroup) -> None:
     """The flags of how requests are served, shared by ``serve`` and ``run-batch``."""
+    group.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="Do not log the stats line (throughput, requests, KV cache usage, prefix cache hit "
+        "rate) every VLLM_LOG_STATS_INTERVAL seconds (10) while the engine works.",
+    )
     group.add_argument(
         "--served-model-name",
         nargs="+",

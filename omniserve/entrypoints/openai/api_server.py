@@ -94,7 +94,7 @@ from omniserve.entrypoints.openai.tokenize_protocol import (
 )
 from omniserve.entrypoints.openai.transcription_protocol import TranscriptionResponse, form_schema
 from omniserve.lora.request import parse_lora_modules
-from omniserve.metrics import PrometheusStatLogger
+from omniserve.metrics import LoggingStatLogger, PrometheusStatLogger
 from omniserve.multimodal.errors import MultiModalInputError
 
 logger = logging.getLogger(__name__)
@@ -544,7 +544,9 @@ async def serve(args: argparse.Namespace) -> None:
         max_loras=engine_args.max_loras if engine_args.enable_lora else 0,
     )
     engine = AsyncLLM.from_engine_args(
-        engine_args, stat_loggers=[stat_logger], input_threads=args.input_processing_threads
+        engine_args,
+        stat_loggers=[stat_logger, *log_stats(args)],
+        input_threads=args.input_processing_threads,
     )
     try:
         app = build_app(engine, args)
@@ -561,6 +563,11 @@ async def serve(args: argparse.Namespace) -> None:
         await DrainingServer(config, engine, app.state.lifecycle, args.shutdown_timeout).serve()
     finally:
         engine.shutdown()
+
+
+def log_stats(args: argparse.Namespace) -> list[LoggingStatLogger]:
+    """The periodic stats line, unless ``--disable-log-stats``."""
+    return [] if args.disable_log_stats else [LoggingStatLogger(envs.log_stats_interval())]
 
 
 def run_server(args: argparse.Namespace) -> None:

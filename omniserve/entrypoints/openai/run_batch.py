@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.async_llm import AsyncLLM
-from omniserve.entrypoints.openai.api_server import build_app
+from omniserve.entrypoints.openai.api_server import build_app, log_stats
 from omniserve.entrypoints.openai.protocol import validation_message
 from omniserve.lora.request import parse_lora_modules
 
@@ -65,7 +65,9 @@ async def run_batch(args: argparse.Namespace) -> None:
     engine_args = EngineArgs.from_cli_args(args)
     names = args.served_model_name
     engine_args.served_model_name = names[0] if names else None
-    engine = AsyncLLM.from_engine_args(engine_args, input_threads=args.input_processing_threads)
+    engine = AsyncLLM.from_engine_args(
+        engine_args, stat_loggers=log_stats(args), input_threads=args.input_processing_threads
+    )
     try:
         args.no_playground = True
         app = build_app(engine, args)
