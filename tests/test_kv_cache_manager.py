@@ -226,7 +226,8 @@ def test_a_tail_hit_needs_its_exact_tokens_and_keys() -> None:
 
 def test_a_tail_covers_written_tokens_only() -> None:
     """A request preempted (or failed) before its step ran caches its tail over the tokens
-    written before it; a resumed request finds its own tail."""
+    written before it, one freed with a step in flight over those written before that step;
+    a resumed request finds its own tail."""
     kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
     a = _request("a", list(range(100, 111)))
     kv.allocate_slots(a, 6)
@@ -234,6 +235,11 @@ def test_a_tail_covers_written_tokens_only() -> None:
     kv.allocate_slots(a, 5)  # step 2 scheduled but never run
     kv.free(a)
     assert kv.get_computed_blocks(a)[1] == 6
+    b = _request("b", list(range(200, 210)))
+    _admit(kv, b)
+    b.num_output_placeholders = 1  # a step in flight computes its last position
+    kv.free(b)
+    assert kv.get_computed_blocks(_request("c", list(range(200, 212))))[1] == 9
     no_caching = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, enable_caching=False)
     _admit(no_caching, b := _request("b", [1, 2, 3]))
     no_caching.free(b)

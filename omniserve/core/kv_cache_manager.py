@@ -249,8 +249,10 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(req_blocks))
 
     def _cache_tail(self, request: Request, req_blocks: list[KVCacheBlock]) -> None:
-        # Tokens sampled but not yet in all_token_ids (a step in flight) have no key yet.
-        end = min(request.num_computed_tokens, request.num_tokens)
+        # Positions of steps still in flight (async scheduling) are left out: such a step may
+        # yet fail, and their tokens may not be known here.
+        written = request.num_computed_tokens - request.num_output_placeholders
+        end = min(written, request.num_tokens)
         index, start = end // self.block_size, end // self.block_size * self.block_size
         if end > start and index < len(req_blocks):
             update_block_hashes(request, self.block_size)
