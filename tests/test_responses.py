@@ -17,7 +17,13 @@ import jsonschema
 import openai
 import pytest
 
-from omniserve.entrypoints.openai.responses_protocol import ResponsesRequest, conversation_of
+from omniserve.entrypoints.openai.responses_protocol import (
+    ResponseObject,
+    ResponsesRequest,
+    conversation_of,
+)
+from omniserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
+from omniserve.entrypoints.openai.serving_engine import ServingError
 from tests.server_utils import API_KEY, MODEL, Server, assert_error
 from tests.test_reasoning import THOUGHT_THEN_ANSWER
 from tests.test_tool_calls import HERMES_CALL, TIGHT, TOOLS, WEATHER
@@ -366,3 +372,31 @@ def test_conversation_origins_follow_dropped_turns() -> None:
     assert conversation.drop_oldest_turn()  # the call and its result go with their turn
     assert conversation.relocate("messages[1].content[0]") == "input[3].content[0]"
     assert not conversation.drop_oldest_turn()  # the last turn stays
+
+
+def test_a_chain_stores_each_turn_once() -> None:
+    """Each stored response holds its own turn and names the one it continued: a long chat
+    with an image in its first turn stores the image once, not once per turn."""
+    image = "data:image/png;base64," + "A" * 100_000
+    store = ResponseStore(10**7)
+
+    def put(response_id: str, turn: list[dict[str, Any]], parent: str | None) -> None:
+        request = ResponsesRequest(model="m", input="x", previous_response_id=parent)
+        response = ResponseObject.of(request, response_id, "m", {"temperature": 1, "top_p": 1})
+        store.put(StoredResponse(response, turn, [], parent=parent))
+
+    first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]},
+             {"role": "assistant", "content": "A cat."}]  # fmt: skip
+    put("resp_1", first, None)
+    for i in range(2, 21):
+        turn = [{"role": "user", "content": f"Q{i}"}, {"role": "assistant", "content": f"A{i}"}]
+        put(f"resp_{i}", turn, f"resp_{i - 1}")
+    conversation = store.conversation("resp_20")
+    assert len(conversation) == 40 and conversation[:2] == first
+    assert conversation[-2:] == [{"role": "user", "content": "Q20"},
+                                 {"role": "assistant", "content": "A20"}]  # fmt: skip
+    assert store.size < 2 * len(image)
+    store.pop("resp_10")
+    with pytest.raises(ServingError, match="'resp_10', an earlier turn of 'resp_20'"):
+        store.conversation("resp_20")
+    assert len(store.conversation("resp_9")) == 18

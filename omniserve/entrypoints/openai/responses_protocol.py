@@ -232,6 +232,8 @@ class Conversation:
     """Leading messages ``truncation: "auto"`` keeps (the instructions)."""
     input_start: int = 0
     """The first message of the request's own input (a call never joins an earlier turn)."""
+    truncated: bool = False
+    """``drop_oldest_turn`` dropped messages (``input_start`` no longer counts)."""
 
     def add(self, message: dict[str, Any], origin: str, content: str | None = None) -> None:
         i = len(self.messages)
@@ -259,6 +261,7 @@ class Conversation:
         if cut is None:
             return False
         self.messages[self.fixed :] = rest[cut:]
+        self.truncated = True
         shifted: dict[str, str] = {}
         for key, origin in self.origins.items():
             index = int(key[9 : key.index("]")])

@@ -1,6 +1,7 @@
 """The Responses API's memory: stored responses (``store: true``), kept for ``GET``,
-``previous_response_id`` and background runs, and a background streamed response's events, which
-``GET /v1/responses/{id}?stream=true&starting_after=N`` replays and follows."""
+``previous_response_id`` (each holds its own turn and names the one it continued) and background
+runs, and a background streamed response's events, which ``GET
+/v1/responses/{id}?stream=true&starting_after=N`` replays and follows."""
 
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ from omniserve.entrypoints.openai.serving_engine import ServingError
 @dataclass
 class StoredResponse:
     response: ResponseObject
-    conversation: list[dict[str, Any]] | None
-    """The chat messages a next turn continues (its output included); None while it runs."""
+    turn: list[dict[str, Any]] | None
+    """Its own chat messages (its input and its output); None while it runs. The conversation
+    a next turn continues is the turns of its chain (``ResponseStore.conversation``)."""
     inputs: list[dict[str, Any]]
     """The request's input items, as ``GET .../input_items`` lists them."""
     task: asyncio.Task | None = None
     """A background run's task."""
+    parent: str | None = None
+    """The response whose conversation this one continued (None: it holds it all)."""
     events: list[str] | None = None
     """A background run created with ``stream``: its SSE events so far (the list index is the
     event's sequence number); None for the others."""
@@ -81,7 +85,7 @@ class ResponseStore:
         self.pop(entry.response.id)
         entry.size = (
             len(entry.response.model_dump_json())
-            + len(json.dumps(entry.conversation, default=str))
+            + len(json.dumps(entry.turn, default=str))
             + sum(map(len, entry.events or ()))
         )
         self.entries[entry.response.id] = entry
@@ -104,6 +108,29 @@ class ResponseStore:
             )
         self.entries.move_to_end(response_id)
         return entry
+
+    def conversation(self, response_id: str) -> list[dict[str, Any]]:
+        """The chat messages a response's next turn continues: the turns of its chain, each
+        stored once (so a chain of n turns takes O(n), media included). Reading a chain keeps
+        its earlier responses as recently used as itself."""
+        entry = self.get(response_id)
+        turns = []
+        while True:
+            if entry.turn is None:  # running, or ended without an answer
+                raise ServingError(
+                    f"Response {entry.response.id!r} is {entry.response.status}: it has no "
+                    "answer to continue from."
+                )
+            turns.append(entry.turn)
+            if entry.parent is None:
+                return [message for turn in reversed(turns) for message in turn]
+            if entry.parent not in self.entries:
+                raise ServingError(
+                    f"Response {entry.parent!r}, an earlier turn of {response_id!r}'s "
+                    "conversation, is no longer stored (deleted, or dropped beyond "
+                    "OMNISERVE_RESPONSES_STORE_MB): the conversation cannot be continued."
+                )
+            entry = self.get(entry.parent)
 
     def pop(self, response_id: str) -> StoredResponse | None:
         entry = self.entries.pop(response_id, None)

@@ -210,17 +210,10 @@ class OpenAIServingResponses:
         history = None
         if request.previous_response_id is not None:
             try:
-                history = self.store.get(request.previous_response_id).conversation
+                history = self.store.conversation(request.previous_response_id)
             except ServingError as exc:
                 exc.param = "previous_response_id"
                 raise
-            if history is None:  # a background response, running or ended without output
-                status = self.store.get(request.previous_response_id).response.status
-                raise ServingError(
-                    f"Response {request.previous_response_id!r} is {status}: it has no "
-                    "answer to continue from.",
-                    param="previous_response_id",
-                )
         if request.background and not self.store.enabled:
             raise ServingError(
                 "background needs the response store, which this server has off "
@@ -377,11 +370,15 @@ class OpenAIServingResponses:
             total_tokens=usage.total_tokens,
         )
         if response.store:
-            turn = [*conversation.messages[conversation.fixed :], builder.assistant_turn()]
+            # Its own messages after the previous turn's; all of them when truncation cut the
+            # conversation (a new root).
+            parent = None if conversation.truncated else response.previous_response_id
+            start = conversation.input_start if parent is not None else conversation.fixed
+            turn = [*conversation.messages[start:], builder.assistant_turn()]
             entry = self.store.entries.get(response.id)  # a background run's
             if entry is None:
                 entry = StoredResponse(response, turn, inputs)
-            entry.conversation = turn
+            entry.turn, entry.parent = turn, parent
             self.store.put(entry)
 
     def _reasoning_tokens(self, token_ids: list[int], reasoning: str) -> int:
