@@ -265,3 +265,28 @@ def test_run_batch_answers_each_line_as_the_server_would(tiny_checkpoint, tmp_pa
     offline = LLM(model_dir, dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
     greedy = offline.chat(messages, SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
     assert body["choices"][0]["message"]["content"] == greedy[0].outputs[0].text
+
+
+def test_chat_and_complete_talk_to_a_running_server(qwen3_server):
+    """vLLM's `vllm chat` / `vllm complete`: one --quick message, or a conversation on stdin
+    (each turn sent with the ones before), answers streamed; a refusal is said, not raised."""
+    import io
+
+    from omniserve.entrypoints.cli import build_parser
+    from tests.server_utils import API_KEY
+
+    def run(*argv: str, stdin: str = "") -> tuple[int, str]:
+        args = build_parser().parse_args([*argv, "--url", f"{qwen3_server.url}/v1",
+                                          "--api-key", API_KEY, "--max-tokens", "4"])  # fmt: skip
+        out = io.StringIO()
+        return args.func(args, io.StringIO(stdin), out), out.getvalue()
+
+    status, text = run("chat", "-q", "Hello")
+    assert status == 0 and text.strip()
+    status, text = run("chat", "--system-prompt", "Be brief.", stdin="Hi\n\nAnd then?\n")
+    assert status == 0 and text.startswith("Please enter a message for the chat model:\n> ")
+    assert text.count("> ") == 4  # two turns, a blank line (asked again), the end of input
+    status, text = run("complete", "-q", "Once upon a time")
+    assert status == 0 and text.strip()
+    status, text = run("chat", "--model-name", "nope", "-q", "Hi")
+    assert status == 1 and "Error:" in text and "nope" in text

@@ -1,5 +1,5 @@
-"""The ``omniserve`` command: serve, run-batch, generate, make-tiny, and the model registry's
-commands."""
+"""The ``omniserve`` command: serve, chat, complete, run-batch, generate, make-tiny, and the
+model registry's commands."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 
 from omniserve.config import SpeculativeConfig
 from omniserve.engine.arg_utils import EngineArgs
+from omniserve.entrypoints.cli_clients import add_client_args, chat, complete
 from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from omniserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from omniserve.lora.request import parse_lora_modules
@@ -483,6 +484,16 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (kwargs, why) in {**NO_EFFECT_FLAGS, **MISSING_FEATURE_FLAGS}.items():
         compat.add_argument(flag, default=None, help=why, **kwargs)
     serve.set_defaults(func=_cmd_serve, check_flags=_check_serve_flags)
+
+    for name, help_text in (
+        ("chat", "Chat with a running server (vLLM's `vllm chat`): --quick, or lines of stdin."),
+        ("complete", "Complete prompts on a running server (vLLM's `vllm complete`)."),
+    ):
+        client = sub.add_parser(name, formatter_class=fmt, help=help_text)
+        add_client_args(client)
+        if name == "chat":
+            client.add_argument("--system-prompt", default=None, help="A system message first.")
+        client.set_defaults(func=chat if name == "chat" else complete)
 
     batch = sub.add_parser(
         "run-batch",
