@@ -222,6 +222,21 @@ def test_a_continuation_copies_the_finished_requests_tail_unless_the_step_fails(
     assert_all_free(scheduler)
 
 
+def test_a_failed_step_uncaches_the_blocks_it_was_to_write() -> None:
+    """With steps in flight (async scheduling) a request can be freed before the step that
+    writes its blocks fails: those blocks, offered to the prefix cache when the step was
+    scheduled, must serve no hit."""
+    scheduler = make_scheduler(block_size=4)
+    scheduler.add_request(make_request("a", list(range(10, 19)), max_tokens=1))  # 2 full blocks
+    so = scheduler.schedule()
+    assert len(so.newly_cached_block_ids) == 2
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)  # while the step runs
+    fail_step(scheduler, [so])
+    scheduler.add_request(make_request("b", list(range(10, 19))))
+    (new,) = scheduler.schedule().scheduled_new_reqs
+    assert new.num_computed_tokens == 0
+
+
 def test_identical_prompts_admitted_together_share_blocks() -> None:
     scheduler = make_scheduler(block_size=16)
     first, second = make_requests(2, 33, same_prompt=True)

@@ -119,13 +119,16 @@ class BlockPool:
                 else:
                     self.free_block_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
-        """Register a full block under its hash, unless that content is already cached."""
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> bool:
+        """Register a full block under its hash, unless that content is already cached;
+        whether it was registered."""
         if not self.enable_caching or block.block_hash is not None:
-            return
-        if block_hash not in self.hash_to_block:
-            self.hash_to_block[block_hash] = block
-            block.block_hash = block_hash
+            return False
+        if block_hash in self.hash_to_block:
+            return False
+        self.hash_to_block[block_hash] = block
+        block.block_hash = block_hash
+        return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         """Forget the block's content (it is about to be overwritten or was never written)."""

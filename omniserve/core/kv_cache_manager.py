@@ -128,6 +128,7 @@ class KVCacheManager:
         self.prefix_cache_hits = 0
         # req_id -> (cached tail, the request's block it is copied into) for the next step
         self.pending_copies: dict[str, tuple[KVCacheBlock, KVCacheBlock]] = {}
+        self.newly_cached: list[int] = []  # block ids, for the step being scheduled
 
     @property
     def usage(self) -> float:
@@ -216,8 +217,21 @@ class KVCacheManager:
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         num_cached = self.req_to_num_cached_blocks[request.request_id]
         for i in range(num_cached, num_full):
-            self.block_pool.cache_block(req_blocks[i], request.block_hashes[i])
+            if self.block_pool.cache_block(req_blocks[i], request.block_hashes[i]):
+                self.newly_cached.append(req_blocks[i].block_id)
         self.req_to_num_cached_blocks[request.request_id] = max(num_cached, num_full)
+
+    def take_newly_cached(self) -> list[int]:
+        """Blocks offered to the prefix cache since the last call (the step being scheduled
+        completes them)."""
+        block_ids, self.newly_cached = self.newly_cached, []
+        return block_ids
+
+    def uncache(self, block_ids: list[int]) -> None:
+        """Forget these blocks' content: the step that was to write it failed. (A request
+        freed while that step was in flight left them cached.)"""
+        for block_id in block_ids:
+            self.block_pool.uncache_block(self.block_pool.blocks[block_id])
 
     def take_block_copies(self) -> dict[str, tuple[int, int]]:
         """The step's tail copies (req_id -> (source, destination) block id), releasing the

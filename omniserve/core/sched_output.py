@@ -94,6 +94,9 @@ class SchedulerOutput:
     """req_id -> indices of the multimodal items to encode this step."""
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
     """Encoder outputs (by item hash) the workers may drop."""
+    newly_cached_block_ids: list[int] = field(default_factory=list)
+    """KV blocks this step completes, offered to the prefix cache before it runs (uncached
+    again if it fails)."""
     kv_block_copies: dict[str, tuple[int, int]] = field(default_factory=dict)
     """req_id -> (source, destination) KV block copied before the step runs: the request's
     prefix hit ends in a cached partial block, which it continues in a block of its own."""

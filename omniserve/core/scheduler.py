@@ -512,6 +512,7 @@ class Scheduler:
             },
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
             kv_block_copies=self.kv_cache_manager.take_block_copies(),
+            newly_cached_block_ids=self.kv_cache_manager.take_newly_cached(),
             scheduled_spec_decode_tokens={
                 req_id: r.spec_token_ids for req_id, r in scheduled.items() if r.spec_token_ids
             },

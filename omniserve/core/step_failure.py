@@ -34,6 +34,7 @@ def fail_step(scheduler: Scheduler, scheduler_outputs: list[SchedulerOutput]) ->
                 # The optimistic advance did not happen: that KV was never (all) written.
                 scheduler.requests[req_id].num_computed_tokens -= num_tokens
     for so in scheduler_outputs:
+        scheduler.kv_cache_manager.uncache(so.newly_cached_block_ids)
         for req_id in so.kv_block_copies.keys() & scheduler.requests.keys():
             # Nor perhaps the prefix hit's partial block the step was to copy first.
             request = scheduler.requests[req_id]
