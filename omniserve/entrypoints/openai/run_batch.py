@@ -1,8 +1,8 @@
 """``omniserve run-batch``: vLLM's ``run-batch``. An OpenAI batch file (JSONL, one request a line:
 ``custom_id``, ``method``, ``url``, ``body``) is answered by the server's own routes, run in this
 process without a socket, into a JSONL file of OpenAI's batch output lines, in input order: the
-same validation, defaults, media handling, errors and answers as ``omniserve serve`` gives. All
-lines are submitted at once (the engine batches them, up to ``--max-num-seqs`` at a time).
+same validation, defaults, media handling, errors and answers as ``omniserve serve`` gives.
+Twice ``--max-num-seqs`` lines are in flight at a time, and answers are written as they complete.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from omniserve.lora.request import parse_lora_modules
 
 logger = logging.getLogger(__name__)
 
+IN_FLIGHT_PER_SEAT = 2
+"""Lines in flight per ``--max-num-seqs`` seat: enough to keep the engine full, few enough that
+a large file's lines are not all being processed (their media decoded) at once."""
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 """The routes a batch line may name (OpenAI's Batch API has these, and embeddings)."""
 
@@ -74,18 +77,32 @@ async def run_batch(args: argparse.Namespace) -> None:
         for name, path, base in parse_lora_modules(args.lora_modules):
             await app.state.models.load(name, path, base)
         transport = httpx.ASGITransport(app=app)
+        window = asyncio.Semaphore(IN_FLIGHT_PER_SEAT * engine.config.scheduler_config.max_num_seqs)
+        repeated = _repeated_ids(lines)
+        failed = 0
         async with httpx.AsyncClient(transport=transport, base_url="http://batch") as client:
-            repeated = _repeated_ids(lines)
-            with tqdm(total=len(lines), unit="req", desc="Running batch") as bar:
-                outputs = await asyncio.gather(
-                    *(_answer(client, i + 1, line, repeated, bar) for i, line in enumerate(lines))
-                )
+
+            async def answer(number: int, line: str) -> BatchRequestOutput:
+                async with window:
+                    return await _answer(client, number, line, repeated, bar)
+
+            with (
+                open(args.output_file, "w") as out,
+                tqdm(total=len(lines), unit="req", desc="Running batch") as bar,
+            ):
+                tasks = [asyncio.ensure_future(answer(i + 1, line)) for i, line in enumerate(lines)]
+                try:
+                    for task in tasks:  # written in input order as they complete
+                        output = await task
+                        out.write(output.model_dump_json() + "\n")
+                        failed += output.response is None or output.response.status_code != 200
+                finally:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         engine.shutdown()
-    with open(args.output_file, "w") as out:
-        out.writelines(output.model_dump_json() + "\n" for output in outputs)
-    failed = sum(o.response is None or o.response.status_code != 200 for o in outputs)
-    logger.info("Wrote %d answers to %s (%d failed).", len(outputs), args.output_file, failed)
+    logger.info("Wrote %d answers to %s (%d failed).", len(lines), args.output_file, failed)
 
 
 async def _answer(
