@@ -17,6 +17,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pydantic
@@ -247,13 +248,10 @@ class OpenAIServingResponses:
             )
             self.store.put(entry)
             return entry.follow(None) if request.stream else response.model_copy(deep=True)
-        generator, thinking, chat_request = await self._generate(
-            request, chat_request, conversation, response.id, lora
+        run = await self._generate(
+            request, chat_request, conversation, response, input_items(request), lora
         )
-        made = (chat_request, conversation, input_items(request), response, generator, thinking)
-        if request.stream:
-            return self._stream(*made)
-        return await self._full(*made)
+        return self._stream(run) if request.stream else await self._full(run)
 
     def retrieve(self, response_id: str) -> ResponseObject:
         return self.store.get(response_id).response
@@ -321,15 +319,16 @@ class OpenAIServingResponses:
         request: ResponsesRequest,
         chat_request: ChatCompletionRequest,
         conversation: Conversation,
-        response_id: str,
+        response: ResponseObject,
+        inputs: list[dict[str, Any]],
         lora: LoRARequest | None,
-    ) -> tuple[OutputStream, bool, ChatCompletionRequest]:
+    ) -> _Run:
         """Start the generation; with ``truncation: "auto"`` drop the oldest turns until the
-        conversation fits (the chat request: the one that was started)."""
+        conversation fits (the run's chat request: the one that was started)."""
         while True:
             try:
-                generator, thinking = await self.chat.generate(chat_request, response_id, lora)
-                return generator, thinking, chat_request
+                generator, thinking = await self.chat.generate(chat_request, response.id, lora)
+                return _Run(chat_request, conversation, inputs, response, generator, thinking)
             except ServingError as exc:
                 if not (
                     request.truncation == "auto"
@@ -342,14 +341,13 @@ class OpenAIServingResponses:
     def _finish(
         self,
         builder: OutputBuilder,
-        response: ResponseObject,
-        conversation: Conversation,
-        inputs: list[dict[str, Any]],
+        run: _Run,
         final: RequestOutput,
         token_ids: list[int],
         finish_reason: str | None,
     ) -> None:
         """Close the output, fill in status and usage, and store the response."""
+        response, conversation = run.response, run.conversation
         incomplete = finish_reason == "length"
         builder.finish("incomplete" if incomplete else "completed")
         usage = self.chat.usage([final], len(token_ids))
@@ -377,7 +375,7 @@ class OpenAIServingResponses:
             turn = [*conversation.messages[start:], builder.assistant_turn()]
             entry = self.store.entries.get(response.id)  # a background run's
             if entry is None:
-                entry = StoredResponse(response, turn, inputs)
+                entry = StoredResponse(response, turn, run.inputs)
             entry.turn, entry.parent = turn, parent
             self.store.put(entry)
 
@@ -400,37 +398,19 @@ class OpenAIServingResponses:
             return None
         return self.chat.logprobs(chat_request, out).content
 
-    async def _full(
-        self,
-        chat_request: ChatCompletionRequest,
-        conversation: Conversation,
-        inputs: list[dict[str, Any]],
-        response: ResponseObject,
-        generator: OutputStream,
-        thinking: bool,
-    ) -> ResponseObject:
+    async def _full(self, run: _Run) -> ResponseObject:
         try:
-            final = await final_output(generator)
+            final = await final_output(run.generator)
         except ServingError as exc:
-            raise _relocated(exc, conversation) from exc
+            raise _relocated(exc, run.conversation) from exc
         out = final.outputs[0]
-        builder = OutputBuilder(chat_request.logprobs)
-        answer = self.chat.answer(chat_request, thinking)
-        builder.feed(answer.feed(out.text, final=True), self._logprobs(chat_request, out))
-        self._finish(builder, response, conversation, inputs, final, list(out.token_ids),
-                     out.finish_reason)  # fmt: skip
-        return response
+        builder = OutputBuilder(run.chat_request.logprobs)
+        answer = self.chat.answer(run.chat_request, run.thinking)
+        builder.feed(answer.feed(out.text, final=True), self._logprobs(run.chat_request, out))
+        self._finish(builder, run, final, list(out.token_ids), out.finish_reason)
+        return run.response
 
-    async def _stream(
-        self,
-        chat_request: ChatCompletionRequest,
-        conversation: Conversation,
-        inputs: list[dict[str, Any]],
-        response: ResponseObject,
-        generator: OutputStream,
-        thinking: bool,
-        numbers: Iterator[int] | None = None,
-    ) -> EventStream:
+    async def _stream(self, run: _Run, numbers: Iterator[int] | None = None) -> EventStream:
         """OpenAI's event sequence: response.created, response.in_progress, each item's added /
         content part / delta / done events, then response.completed (or .incomplete, or
         .failed with the error); ``numbers`` gives the sequence numbers."""
@@ -440,10 +420,11 @@ class OpenAIServingResponses:
             return _sse(payload, next(numbers))
 
         def lifecycle(kind: str) -> str:
-            return _lifecycle(kind, response, next(numbers))
+            return _lifecycle(kind, run.response, next(numbers))
 
+        chat_request, generator = run.chat_request, run.generator
         builder = OutputBuilder(chat_request.logprobs)
-        answer = self.chat.answer(chat_request, thinking)
+        answer = self.chat.answer(chat_request, run.thinking)
         token_ids: list[int] = []
         try:
             yield lifecycle("response.created")
@@ -460,15 +441,12 @@ class OpenAIServingResponses:
                     for payload in builder.take_events():
                         yield event(payload)
             assert final is not None
-            self._finish(builder, response, conversation, inputs, final, token_ids,
-                         finish_reason)  # fmt: skip
+            self._finish(builder, run, final, token_ids, finish_reason)
             for payload in builder.take_events():
                 yield event(payload)
-            yield lifecycle(f"response.{response.status}")
+            yield lifecycle(f"response.{run.response.status}")
         except Exception as exc:  # e.g. the engine died mid-stream: tell the client in-band
-            error = _relocated(to_serving_error(exc), conversation)
-            response.status = "failed"
-            response.error = ResponseError(code=error.code or "server_error", message=error.message)
+            _fail(run.response, run.conversation, exc)
             yield lifecycle("response.failed")
         finally:
             await generator.aclose()  # aborts it if unfinished
@@ -486,29 +464,46 @@ class OpenAIServingResponses:
         records its events in the entry."""
         response, numbers = entry.response, itertools.count()
         try:
-            generator, thinking, chat_request = await self._generate(
-                request, chat_request, conversation, response.id, lora
+            run = await self._generate(
+                request, chat_request, conversation, response, entry.inputs, lora
             )
             response.status = "in_progress"
-            made = (chat_request, conversation, entry.inputs, response, generator, thinking)
             if entry.events is None:
-                await self._full(*made)
+                await self._full(run)
                 return
-            async with contextlib.aclosing(self._stream(*made, numbers=numbers)) as events:
+            async with contextlib.aclosing(self._stream(run, numbers)) as events:
                 async for event in events:
                     entry.add_event(event)
         except asyncio.CancelledError:
             response.status = "cancelled"
         except Exception as exc:
-            error = _relocated(to_serving_error(exc), conversation)
-            response.status = "failed"
-            response.error = ResponseError(code=error.code or "server_error", message=error.message)
+            _fail(response, conversation, exc)
             if entry.events is not None:
                 entry.add_event(_lifecycle("response.failed", response, next(numbers)))
         finally:
             entry.wake()  # followers see the end
             if self.store.entries.get(response.id) is entry:
                 self.store.put(entry)  # its size with its events and answer
+
+
+@dataclass
+class _Run:
+    """A response's generation, started: what ``_full`` and ``_stream`` read it with."""
+
+    chat_request: ChatCompletionRequest
+    """The one that was started (after any turns ``truncation`` dropped)."""
+    conversation: Conversation
+    inputs: list[dict[str, Any]]
+    response: ResponseObject
+    generator: OutputStream
+    thinking: bool
+
+
+def _fail(response: ResponseObject, conversation: Conversation, exc: Exception) -> None:
+    """The response failed with ``exc`` (in the Responses request's terms)."""
+    error = _relocated(to_serving_error(exc), conversation)
+    response.status = "failed"
+    response.error = ResponseError(code=error.code or "server_error", message=error.message)
 
 
 def _sse(payload: dict[str, Any], number: int) -> str:
