@@ -30,22 +30,24 @@ Both run on *tempered* copies of the tiny checkpoints (``tempered_checkpoint``: 
 residual branches scaled by 0.1 and its attention logits by 0.09, the regime trained models are
 in: small branch outputs on a large residual stream; there transformers' bf16 agrees with its
 fp32 on ~80% of prompts) and share one transformers run per family. In the second test the
-served configuration must be at least as close to transformers' bf16 run as that
-  run is to transformers' own fp32 run on the same prompts, less one prompt, with the bars never
-  stricter than 90% identical greedy tokens over the first ``NUM_TOKENS`` and a mean |Δlogprob|
-  of the chosen tokens (up to the first difference) of 2e-2. The one prompt of slack: on a Xeon
-  with AMX, where transformers' bf16 GEMMs run on AMX tiles, the served kernels matched its bf16
-  run on 5 and 6 of 8 prompts for the two Qwen2.5 vision families against its own bf16-fp32
-  agreement of 6 and 7, while their mean |Δlogprob| from transformers' fp32 run equalled that of
-  its bf16 run (0.0286 and 0.0279 against 0.0282 and 0.0262, measured); on an EPYC without AMX
-  they agreed on as many prompts. With the model's torch ops the same served batches matched
-  its bf16 run on 8 and 7 of 8. Logits are bf16 in both engines and a logit of
-  8-16 is rounded in steps of 0.0625, so rounding alone moves a logprob by ~1e-2; a real bug (a
-  wrong rounding point, a dropped bias, a mis-scaled norm) moves logprobs by 0.1-1. What parts
-  the runs: batching changes oneDNN's summation order, and the decode-attention kernel, as
-  accurate as torch's SDPA (both 2.1e-4 mean error against fp64, measured) but rounding
-  differently at the ulp level, so after a near-tie the runs may part, as transformers' two
-  precisions do.
+served configuration must be at least as close to transformers' bf16 run as that run is to
+transformers' own fp32 run on the same prompts, less one prompt, with the bars never stricter
+than 90% of prompts agreeing over the first ``NUM_TOKENS`` greedy tokens and a mean |Δlogprob| of
+the chosen tokens (up to the first difference) of 2e-2. A prompt agrees when its tokens are the
+reference's or part from them at a near tie: where the reference's logprob of its own token
+exceeds its logprob of ours by at most ``NEAR_TIE``. Logits are bf16 in both engines and a logit
+of 8-16 is rounded in steps of 0.0625, so which of two tokens that close wins is rounding's
+choice, and which way each rounding goes follows the CPU's GEMM path: on a Xeon without
+AVX512-BF16 (bf16 widened to fp32) the served kernels matched transformers' bf16 run on 5 of 8
+Qwen2.5-Omni prompts against its own bf16-fp32 agreement of 7, all three partings at margins of
+0 or 0.0625 (measured; the EPYC with AVX512-BF16 had at least 6); on a Xeon with AMX 5 and 6
+of 8 for the two Qwen2.5 vision families against 6 and 7. An MoE's routing flip parts at a wide
+margin (transformers' own bf16 and fp32 runs of the tiny Qwen3-MoE part at 11.5 and 2.4), which the
+one prompt of slack and the bars from transformers' own agreement absorb. A real bug (a wrong
+rounding point, a dropped bias, a mis-scaled norm) moves logprobs by 0.1-1, on every prompt,
+which the mean |Δlogprob| bar catches. What parts the runs: batching changes oneDNN's summation
+order, and the decode-attention kernel, as accurate as torch's SDPA (both 2.1e-4 mean error
+against fp64, measured) but rounding differently at the ulp level.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ from tests.test_fidelity_omni import THINKERS, _engine_prompt, _hf_inputs, _medi
 
 NUM_TOKENS = 16
 MAX_MEAN_LOGPROB_DIFF = 2e-2
+NEAR_TIE = 0.125
+"""Two rounding steps of a bf16 logit between 8 and 16 (one above 16): where transformers' bf16
+run prefers its token by no more, which token wins is rounding's choice."""
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, logprobs=1)
 TEXT_FAMILIES = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM"]
 MM_FAMILIES = {
@@ -204,10 +209,13 @@ def _case(architecture: str, model_dir: str) -> Case:
     return _omni_case(architecture, model_dir)
 
 
-def _compare(outputs: list, reference: list[ReferenceOutput]) -> tuple[float, list[float], str]:
+def _compare(
+    outputs: list, reference: list[ReferenceOutput]
+) -> tuple[float, list[float], list[float], str]:
     """(share of prompts with identical tokens, |Δlogprob| of each chosen token up to the first
-    difference, a per-prompt account for failure messages)."""
-    identical, deltas, lines = 0, [], []
+    difference, the reference's margin at each first difference: its logprob of its own token
+    less its logprob of ours, a per-prompt account for failure messages)."""
+    identical, deltas, margins, lines = 0, [], [], []
     for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
         ours, theirs = out.outputs[0].token_ids[:NUM_TOKENS], ref.token_ids[:NUM_TOKENS]
         identical += ours == theirs
@@ -215,9 +223,14 @@ def _compare(outputs: list, reference: list[ReferenceOutput]) -> tuple[float, li
             ours_lp = out.outputs[0].logprobs[pos][token].logprob
             deltas.append(abs(ours_lp - ref.logprobs[pos][token].item()))
             if token != theirs[pos]:
-                lines.append(f"prompt {i}: first difference at {pos}: {ours} vs {theirs}")
+                margin = (ref.logprobs[pos][theirs[pos]] - ref.logprobs[pos][token]).item()
+                margins.append(margin)
+                lines.append(
+                    f"prompt {i}: first difference at {pos} (reference margin {margin:.4g}): "
+                    f"{ours} vs {theirs}"
+                )
                 break
-    return identical / len(outputs), deltas, "\n".join(lines)
+    return identical / len(outputs), deltas, margins, "\n".join(lines)
 
 
 @dataclass
@@ -244,7 +257,7 @@ def test_bf16_arithmetic_is_transformers_own(family: Family, monkeypatch) -> Non
     llm = LLM(family.model_dir, dtype="bfloat16", max_num_seqs=1, device="cpu")
     assert llm.llm_engine.engine_core.call_utility("get_model_info")["dtype"] == "bfloat16"
     outputs = llm.generate(family.case.engine_prompts, GREEDY, use_tqdm=False)
-    share, deltas, detail = _compare(outputs, family.bf16)
+    share, deltas, _, detail = _compare(outputs, family.bf16)
     assert share >= 1 - 1 / len(outputs), detail
     assert mean(deltas) <= 5e-3, f"mean |Δlogprob| {mean(deltas):.3g}, largest {max(deltas):.3g}"
 
@@ -256,16 +269,20 @@ def test_bf16_served_close_to_transformers(family: Family) -> None:
     if info["device"] == "cpu":
         assert any("bfloat16" in kind for kind in info["layer_kernels"]), info["layer_kernels"]
     outputs = llm.generate(family.case.engine_prompts, GREEDY, use_tqdm=False)
-    share, deltas, detail = _compare(outputs, family.bf16)
-    own_share, own_deltas, _ = _compare(_as_outputs(family.bf16), family.fp32)
+    share, deltas, margins, detail = _compare(outputs, family.bf16)
+    own_share, own_deltas, own_margins, _ = _compare(_as_outputs(family.bf16), family.fp32)
     bar = max(MAX_MEAN_LOGPROB_DIFF, mean(own_deltas))
     assert mean(deltas) <= bar, (
         f"mean |Δlogprob| {mean(deltas):.3g}; transformers' bf16 vs fp32 "
         f"{mean(own_deltas):.3g}\n{detail}"
     )
-    # One prompt of slack: whether a near-tie parts two bf16 runs follows the CPU's GEMM path.
-    assert share >= min(0.9, own_share) - 1 / len(outputs), (
-        f"{share:.0%} identical; transformers' bf16 vs fp32 {own_share:.0%}\n{detail}"
+    # A prompt agrees when its tokens are transformers' or part from them at a near tie, which
+    # bf16 chaos decides (see the docstring); one prompt of slack besides.
+    agreeing = share + sum(m <= NEAR_TIE for m in margins) / len(outputs)
+    own_agreeing = own_share + sum(m <= NEAR_TIE for m in own_margins) / len(outputs)
+    assert agreeing >= min(0.9, own_agreeing) - 1 / len(outputs), (
+        f"{agreeing:.0%} identical or parted at a near tie; transformers' bf16 vs fp32 "
+        f"{own_agreeing:.0%}\n{detail}"
     )
 
 
