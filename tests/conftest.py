@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,12 @@ os.environ.setdefault(
 # The suite's processes (two pytest workers, servers, engine cores, workers) share two cores:
 # OpenMP threads that spin while they wait (GNU OpenMP's default) burn the cores the others need.
 # Measured over the whole suite on 2 cores: 28 min of CPU in 15:52 spinning, 15 min in 9:09
-# sleeping (the kernels still run on two threads; with one thread, 14 min in 8:23). Set here,
-# before anything loads OpenMP; every process the suite starts inherits it.
+# sleeping. Each process also computes on one thread: two workers already keep both cores busy,
+# and a second thread per process only oversubscribes them (14 min in 8:23 with one). Set here,
+# before anything loads OpenMP; every process the suite starts inherits both. The kernels' own
+# tests run theirs on two threads (``kernel_threads``), so their threaded paths stay covered.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The user's model registry file must never leak into (or be written by) the suite.
 os.environ["OMNISERVE_CONFIG_DIR"] = tempfile.mkdtemp(prefix="omniserve-test-config-")
 
@@ -44,6 +47,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel_threads() -> Iterator[None]:
+    """The test on two torch threads (the suite's processes default to one): the CPU kernels
+    split their work over ``torch.get_num_threads()`` threads."""
+    from omniserve.engine.processor import torch_threads
+
+    with torch_threads(2):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -30,8 +30,11 @@ BACKEND: type[TorchAttentionBackend] = TorchAttentionBackend
 
 
 @pytest.fixture(autouse=True, params=["kernel", "torch"])
-def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs with CPU decodes on the C kernel and on the torch gather + SDPA path."""
+def decode_path(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, kernel_threads: None
+) -> str:
+    """Every test runs with CPU decodes on the C kernel (on two threads) and on the torch
+    gather + SDPA path."""
     if request.param == "kernel":
         assert kernel_available(torch.float32), "the C kernel must build on this machine"
         assert kernel_available(torch.bfloat16), "the C kernel must build on this machine"

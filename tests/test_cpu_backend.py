@@ -41,7 +41,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(autouse=True)
-def _kernels_built() -> None:
+def _kernels_built(kernel_threads: None) -> None:
     for source in ("moe.c", "linear_rows.c", "linear_int4.c", "paged_decode.c", "norm_rope.c"):
         assert load_library(source) is not None, f"{source} must build on this machine"
 
