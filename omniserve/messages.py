@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import msgspec
 
 from omniserve.lora.request import LoRARequest
-from omniserve.multimodal.inputs import MultiModalFeatureSpec
+from omniserve.multimodal.inputs import MultiModalFeatureSpec, PromptEmbeds
 from omniserve.sampling_params import SamplingParams
 
 
@@ -156,6 +156,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     """Audio output: the talker stage's part of the request (None: text only)."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter it runs with (the engine core has added it: ``add_lora``)."""
+    prompt_embeds: PromptEmbeds | None = None
+    """The prompt as embeddings (``prompt_token_ids`` are then placeholders, one per row)."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -52,7 +52,8 @@ class RequestOutput:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
+    """None when the prompt was given as embeddings (``num_prompt_embeds`` rows)."""
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None
@@ -60,3 +61,11 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     num_mm_tokens: dict[str, int] = field(default_factory=dict)
     """Prompt tokens that stand for each modality's items (image, audio, video)."""
+    num_prompt_embeds: int = 0
+    """Rows of a prompt given as embeddings (0 for a prompt of tokens)."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt's length in positions, however it was given."""
+        ids = self.prompt_token_ids
+        return len(ids) if ids is not None else self.num_prompt_embeds

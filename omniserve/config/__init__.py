@@ -99,6 +99,8 @@ class ModelConfig:
     """The name clients use; defaults to ``model``."""
     max_logprobs: int = 20
     """Most logprobs a request may ask for per token (vLLM's --max-logprobs)."""
+    enable_prompt_embeds: bool = False
+    """Accept prompts given as embeddings (vLLM's --enable-prompt-embeds)."""
     generation_config: str = "auto"
     """Where the default sampling settings come from, as vLLM's ``--generation-config``:
     "auto" the checkpoint's generation_config.json, "vllm" none (OpenAI's defaults), or a

@@ -8,7 +8,7 @@ from typing import Any
 
 from omniserve.lora.request import LoRARequest
 from omniserve.messages import SpeechRequest
-from omniserve.multimodal.inputs import MultiModalFeatureSpec
+from omniserve.multimodal.inputs import MultiModalFeatureSpec, PromptEmbeds
 from omniserve.sampling_params import SamplingParams
 
 
@@ -56,6 +56,8 @@ class Request:
     """Audio output: what the talker stage needs (None: text only)."""
     lora_request: LoRARequest | None = None
     """The adapter it runs with (its id is mixed into the prefix-cache hashes)."""
+    prompt_embeds: PromptEmbeds | None = None
+    """The prompt as embeddings, for the workers (its identifier is mixed into the hashes)."""
     text_stop: Any = None
     """A speaking request's stop-string matcher (made by the scheduler's ``make_text_stop``):
     the engine ends its text at a stop string before the talker could speak past it."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from omniserve.lora.request import LoRARequest
 from omniserve.messages import SpeechRequest
-from omniserve.multimodal.inputs import MultiModalFeatureSpec
+from omniserve.multimodal.inputs import MultiModalFeatureSpec, PromptEmbeds
 from omniserve.sampling_params import SamplingParams
 
 
@@ -31,6 +31,8 @@ class NewRequestData:
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     """The request's multimodal items (the worker needs their encoder inputs and positions)."""
     lora_request: LoRARequest | None = None
+    prompt_embeds: PromptEmbeds | None = None
+    """The prompt as embeddings: the rows the workers feed for its prompt positions."""
 
 
 @dataclass

@@ -492,6 +492,7 @@ class Scheduler:
                         eos_token_id=request.eos_token_id,
                         mm_features=request.mm_features,
                         lora_request=request.lora_request,
+                        prompt_embeds=request.prompt_embeds,
                     )
                 )
             else:

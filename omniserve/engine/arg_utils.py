@@ -95,6 +95,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float | None = None
     max_logprobs: int = 20
+    enable_prompt_embeds: bool = False
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -141,6 +142,7 @@ class EngineArgs:
                 "override_generation_config", self.override_generation_config
             ),
             max_logprobs=self.max_logprobs,
+            enable_prompt_embeds=self.enable_prompt_embeds,
             disable_audio_output=self.disable_audio_output,
         )
         max_len = model_config.max_model_len
@@ -299,6 +301,12 @@ class EngineArgs:
             type=int,
             default=20,
             help="Most logprobs (and prompt_logprobs) a request may ask for per token.",
+        )
+        add(
+            "--enable-prompt-embeds",
+            action="store_true",
+            help="Accept prompts given as embeddings (prompt_embeds: [num_tokens, hidden_size] "
+            "rows the decoder reads in place of token embeddings).",
         )
         add(
             "--enable-prefix-caching",

@@ -106,7 +106,8 @@ class _ParentState:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
+    """None: the prompt was given as embeddings, ``num_prompt_embeds`` rows."""
     params: SamplingParams
     queue: OutputSink | None
     arrival_time: float
@@ -116,6 +117,7 @@ class _ParentState:
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
     num_mm_tokens: dict[str, int] = field(default_factory=dict)
+    num_prompt_embeds: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -153,6 +155,7 @@ class _ParentState:
             num_cached_tokens=self.num_cached_tokens,
             metrics=metrics,
             num_mm_tokens=self.num_mm_tokens,
+            num_prompt_embeds=self.num_prompt_embeds,
         )
 
 
@@ -169,33 +172,36 @@ class OutputProcessor:
         self,
         request_id: str,
         prompt: str | None,
-        prompt_token_ids: list[int],
+        prompt_token_ids: list[int] | None,
         sampling_params: SamplingParams,
         child_request_ids: list[str] | None = None,
         queue: OutputSink | None = None,
         arrival_time: float | None = None,
         num_mm_tokens: dict[str, int] | None = None,
+        num_prompt_embeds: int = 0,
     ) -> None:
         """Register a request. ``child_request_ids``: the engine ids of its n children (n > 1);
-        ``queue``: where its outputs go (else ``process_outputs`` returns them)."""
+        ``queue``: where its outputs go (else ``process_outputs`` returns them);
+        ``prompt_token_ids`` None with ``num_prompt_embeds`` rows: a prompt of embeddings."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is in use by a running request.")
         child_ids = child_request_ids or [request_id]
         parent = _ParentState(
             request_id,
             prompt,
-            list(prompt_token_ids),
+            None if prompt_token_ids is None else list(prompt_token_ids),
             sampling_params,
             queue,
             arrival_time if arrival_time is not None else time.time(),
             num_mm_tokens=dict(num_mm_tokens or {}),
+            num_prompt_embeds=num_prompt_embeds,
         )
         if sampling_params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]  # the first prompt token has no context
         detokenize = self.tokenizer is not None and sampling_params.detokenize
         for index, child_id in enumerate(child_ids):
             detokenizer = (
-                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params)
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids or [], sampling_params)
                 if detokenize
                 else None
             )
@@ -225,6 +231,7 @@ class OutputProcessor:
             children if params.n > 1 else None,
             queue=queue,
             num_mm_tokens=processed.num_mm_tokens,
+            num_prompt_embeds=0 if processed.prompt_token_ids else processed.num_prompt_tokens,
         )
 
     def process_outputs(

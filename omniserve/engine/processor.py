@@ -42,11 +42,16 @@ T = TypeVar("T", bound=_EngineClient)
 @dataclass
 class ProcessedRequest:
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
+    """None: the prompt was given as embeddings (the engine requests hold placeholder ids)."""
     engine_requests: list[EngineCoreRequest]
     """One per sequence: a single request for n == 1, else the children."""
     num_mm_tokens: dict[str, int]
     """Placeholder tokens per modality in the prompt."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.engine_requests[0].prompt_token_ids)
 
 
 def start_with_engine(
@@ -138,7 +143,8 @@ class Processor:
             model_config.default_sampling_params().get("max_tokens") if serving else None
         )
         self.tokenizer: Any = get_tokenizer(model_config.tokenizer)
-        self.vocab_size = model_config.hf_config.get_text_config().vocab_size
+        text_config = model_config.hf_config.get_text_config()
+        self.vocab_size = text_config.vocab_size
         self.eos_token_ids = get_eos_token_ids(model_config.model, self.tokenizer)
         sched = config.scheduler_config
         self.scheduling_policy = sched.policy
@@ -148,7 +154,12 @@ class Processor:
         self.talker_capacity = 0
         """Talker positions the engine's speech KV pool holds (set once the engine started)."""
         self.input_preprocessor = InputPreprocessor(
-            self.tokenizer, self.mm_processor, config.multimodal_config.mm_processor_kwargs
+            self.tokenizer,
+            self.mm_processor,
+            config.multimodal_config.mm_processor_kwargs,
+            prompt_embeds_width=text_config.hidden_size
+            if model_config.enable_prompt_embeds
+            else None,
         )
 
     def process_inputs(
@@ -173,6 +184,8 @@ class Processor:
         with torch_threads(self.featurize_threads):
             inputs = self.input_preprocessor.preprocess(prompt)
         token_ids = inputs.prompt_token_ids
+        if inputs.prompt_embeds is not None:
+            _check_embeds_params(params)
         self._validate_prompt(token_ids)
         self._validate_mm_budget(inputs)
         self._validate_length(inputs)
@@ -211,10 +224,12 @@ class Processor:
                 if p.wants_audio
                 else None,
                 lora_request,
+                inputs.prompt_embeds,
             )
             for rid, p in children
         ]
-        return ProcessedRequest(inputs.prompt, token_ids, requests, inputs.num_mm_tokens)
+        given_ids = None if inputs.prompt_embeds is not None else token_ids
+        return ProcessedRequest(inputs.prompt, given_ids, requests, inputs.num_mm_tokens)
 
     def _validate_mm_budget(self, inputs: ProcessedInputs) -> None:
         for feature in inputs.mm_features:
@@ -392,6 +407,21 @@ class Processor:
 
 
 _TALKER_SETTINGS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_tokens")
+
+
+def _check_embeds_params(params: SamplingParams) -> None:
+    """What a prompt given as embeddings cannot have: whatever reads its token ids."""
+    reads_ids = {
+        "prompt_logprobs": params.prompt_logprobs is not None,
+        "repetition_penalty": params.repetition_penalty != 1.0,
+        "audio output": params.wants_audio,
+    }
+    for name, asked in reads_ids.items():
+        if asked:
+            raise ValueError(
+                f"{name} reads the prompt's token ids, which a prompt given as prompt_embeds "
+                "does not have."
+            )
 
 
 def _cache_salt(prompt: PromptType) -> str | None:

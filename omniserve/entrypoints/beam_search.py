@@ -121,7 +121,7 @@ class BeamSearch:
         order; their prompts are the beams' whole texts)."""
         self.advance(
             [output.outputs[0].logprobs[0] for output in outputs],  # type: ignore[index]
-            len(outputs[0].prompt_token_ids) - len(self.live[0].tokens),
+            outputs[0].num_prompt_tokens - len(self.live[0].tokens),
         )
 
     def result(self, decode: Callable[[list[int]], str]) -> list[BeamSequence]:

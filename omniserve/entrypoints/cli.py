@@ -92,7 +92,6 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
 }
 """vLLM's flags that mean nothing here: accepted, each logged once with why."""
 MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
-    "--enable-prompt-embeds": ({"action": "store_true"}, "prompt embeddings"),
     "--cpu-offload-gb": ({"type": float}, "weight offloading"),
     "--enable-sleep-mode": ({"action": "store_true"}, "sleep mode"),
     "--kv-transfer-config": ({}, "KV transfer between instances"),

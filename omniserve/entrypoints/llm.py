@@ -246,9 +246,12 @@ def _token_prompt(prompt: PromptType, tokenizer: Any) -> dict[str, Any]:
         prompt = {"prompt": prompt}
     if not isinstance(prompt, dict):
         raise TypeError(f"A prompt must be a str or a dict, got {type(prompt).__name__}.")
+    if "prompt_embeds" in prompt:
+        raise ValueError("Beam search extends token ids; a prompt given as prompt_embeds has none.")
     base = {k: v for k, v in prompt.items() if k != "prompt"}
     if base.get("prompt_token_ids") is None:
-        if not isinstance(prompt.get("prompt"), str):
+        text = prompt.get("prompt")
+        if not isinstance(text, str):
             raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
-        base["prompt_token_ids"] = list(tokenizer(prompt["prompt"]).input_ids)
+        base["prompt_token_ids"] = list(tokenizer(text).input_ids)
     return base

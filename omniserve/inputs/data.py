@@ -23,4 +23,11 @@ class TokensPrompt(_PromptExtras):
     """The text the ids were tokenized from, returned with the outputs."""
 
 
-PromptType = str | TextPrompt | TokensPrompt
+class EmbedsPrompt(TypedDict):
+    prompt_embeds: Any
+    """A ``[num_tokens, hidden_size]`` floating-point tensor the decoder reads in place of the
+    prompt's token embeddings (needs ``enable_prompt_embeds``)."""
+    cache_salt: NotRequired[str]
+
+
+PromptType = str | TextPrompt | TokensPrompt | EmbedsPrompt

@@ -2,17 +2,21 @@
 
 Text and token-id prompts take one path: with ``multi_modal_data`` both go through the model's
 multimodal processor, which runs the HF processor on the media only and expands each placeholder
-into the item's tokens itself.
+into the item's tokens itself. A prompt given as embeddings (``prompt_embeds``) has no tokens:
+it gets placeholder ids, one per row, which only count positions (the runner feeds the rows).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from omniserve.inputs.data import PromptType
 from omniserve.multimodal.errors import MultiModalInputError
-from omniserve.multimodal.inputs import MultiModalFeatureSpec
+from omniserve.multimodal.inputs import MultiModalFeatureSpec, PromptEmbeds
 
 
 @dataclass
@@ -22,6 +26,13 @@ class ProcessedInputs:
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     num_mm_tokens: dict[str, int] = field(default_factory=dict)
     """Placeholder tokens per modality (for usage.prompt_tokens_details)."""
+    prompt_embeds: PromptEmbeds | None = None
+    """The prompt as embeddings (its ``prompt_token_ids`` are then placeholders)."""
+
+
+PROMPT_EMBEDS_PLACEHOLDER_ID = 0
+"""The token id standing for each row of a prompt given as embeddings: never embedded, never
+shown; it only gives the row a position (and the scheduler a token to count)."""
 
 
 class InputPreprocessor:
@@ -30,9 +41,13 @@ class InputPreprocessor:
         tokenizer: Any,
         mm_processor: Any | None = None,
         default_mm_kwargs: dict[str, object] | None = None,
+        *,
+        prompt_embeds_width: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.mm_processor = mm_processor
+        self.prompt_embeds_width = prompt_embeds_width
+        """The hidden size prompt embeddings must have; None: they are not accepted."""
         self.default_mm_kwargs = dict(default_mm_kwargs or {})
         if self.default_mm_kwargs:
             if mm_processor is None:
@@ -46,6 +61,8 @@ class InputPreprocessor:
             return ProcessedInputs(prompt, self._tokenize(prompt))
         if not isinstance(prompt, dict):
             raise TypeError(f"A prompt must be a str or a dict, got {type(prompt).__name__}.")
+        if "prompt_embeds" in prompt:
+            return self._embeds_prompt(dict(prompt))
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
             raise TypeError("'prompt' must be a str.")
@@ -75,6 +92,50 @@ class InputPreprocessor:
         if token_ids is None:
             token_ids = self._tokenize(text)  # type: ignore[arg-type]
         return ProcessedInputs(text, list(token_ids))
+
+    def _embeds_prompt(self, prompt: dict[str, Any]) -> ProcessedInputs:
+        """A prompt given as embeddings alone: checked to be rows the decoder can read."""
+        if self.prompt_embeds_width is None:
+            raise ValueError(
+                "prompt_embeds needs the engine started with enable_prompt_embeds "
+                "(--enable-prompt-embeds)."
+            )
+        others = sorted(set(prompt) - {"prompt_embeds", "cache_salt"})
+        if others:
+            raise ValueError(
+                f"A prompt given as prompt_embeds takes no {', '.join(others)}: the embeddings "
+                "are the whole prompt."
+            )
+        embeds = prompt["prompt_embeds"]
+        if isinstance(embeds, torch.Tensor) and embeds.ndim == 3 and embeds.shape[0] == 1:
+            embeds = embeds[0]  # a batch of one, as an embedding layer returns it
+        width = self.prompt_embeds_width
+        if not (
+            isinstance(embeds, torch.Tensor)
+            and embeds.is_floating_point()
+            and embeds.ndim == 2
+            and embeds.shape[0] > 0
+            and embeds.shape[1] == width
+        ):
+            got = (
+                f"{tuple(embeds.shape)} {str(embeds.dtype).removeprefix('torch.')}"
+                if isinstance(embeds, torch.Tensor)
+                else type(embeds).__name__
+            )
+            raise ValueError(
+                f"prompt_embeds must be a floating-point [num_tokens, {width}] tensor (the "
+                f"model's hidden size), got {got}."
+            )
+        embeds = embeds.detach().to("cpu").contiguous()
+        if not bool(torch.isfinite(embeds).all()):
+            raise ValueError("prompt_embeds holds NaN or infinite values.")
+        digest = hashlib.sha256(f"{embeds.dtype}{tuple(embeds.shape)}".encode())
+        digest.update(embeds.view(torch.uint8).numpy().data)
+        return ProcessedInputs(
+            None,
+            [PROMPT_EMBEDS_PLACEHOLDER_ID] * embeds.shape[0],
+            prompt_embeds=PromptEmbeds(embeds, digest.hexdigest()),
+        )
 
     def _process_multimodal(
         self,

@@ -56,6 +56,17 @@ class MultiModalFeatureSpec(msgspec.Struct, array_like=True, omit_defaults=True)
     """The encoder's inputs for this item alone (tensors, e.g. pixel_values + image_grid_thw)."""
 
 
+class PromptEmbeds(msgspec.Struct, array_like=True):
+    """A prompt given as embeddings (vLLM's ``prompt_embeds``): rows the decoder reads in place
+    of its tokens' embeddings, as it reads an item's encoder output in place of its
+    placeholders'."""
+
+    embeds: Any
+    """``[num_tokens, hidden_size]`` floating-point tensor on the CPU, as the client sent it."""
+    identifier: str
+    """Content hash (dtype, shape, values): what the prefix cache keys the prompt's blocks by."""
+
+
 class EncoderItem(dict[str, Any]):
     """An item's data as the model's encoder gets it: its tensors on the model's device, and
     ``host``, the same data where the processor made it. Encoders read their metadata (grids,

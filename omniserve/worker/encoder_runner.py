@@ -126,6 +126,24 @@ class EncoderRunner:
         return torch.cat(pieces), host_to_device(is_mm, self.device)
 
 
+def prompt_embeds_rows(
+    starts: np.ndarray, query_lens: np.ndarray, given: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor, np.ndarray]:
+    """The rows of prompts given as embeddings (``given``: each request's, or None) that each
+    request's window of ``query_lens`` positions from ``starts`` reads, and their indices in
+    the step's flattened tokens."""
+    pieces: list[torch.Tensor] = []
+    indices: list[np.ndarray] = []
+    flat_starts = np.cumsum(query_lens) - query_lens
+    for start, count, flat, rows in zip(starts.tolist(), query_lens.tolist(),
+                                        flat_starts.tolist(), given, strict=True):  # fmt: skip
+        if rows is not None and start < rows.shape[0]:
+            stop = min(start + count, rows.shape[0])
+            pieces.append(rows[start:stop])
+            indices.append(np.arange(flat, flat + stop - start))
+    return torch.cat(pieces), np.concatenate(indices)
+
+
 def mrope_positions(
     positions: np.ndarray,
     query_lens: np.ndarray,

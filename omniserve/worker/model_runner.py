@@ -37,7 +37,12 @@ from omniserve.spec_decode.ngram_proposer import NgramProposer
 from omniserve.structured_output import allowed_by_bitmask
 from omniserve.transfers import host_to_device, upload
 from omniserve.worker.cuda_graph import PAD_SLOT, DecodeGraphs, graph_batch_sizes
-from omniserve.worker.encoder_runner import EncoderRunner, mrope_positions, to_device
+from omniserve.worker.encoder_runner import (
+    EncoderRunner,
+    mrope_positions,
+    prompt_embeds_rows,
+    to_device,
+)
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
 from omniserve.worker.lora_manager import LoRAManager
 from omniserve.worker.sampled_step import SampledStep
@@ -242,6 +247,10 @@ class ModelRunner:
                 with timer.part("encoders"):
                     inputs_embeds = self._embed_with_mm(scheduler_output, step)
                 input_ids = None
+            starts = self.input_batch.num_computed_tokens[step.rows]
+            if (starts < self.input_batch.num_prompt_embeds[step.rows]).any():
+                inputs_embeds = self._with_prompt_embeds(step, starts, inputs_embeds)
+                input_ids = None
             lora_mapping = None
             if self.lora_manager is not None:
                 states = self.input_batch.states
@@ -333,6 +342,19 @@ class ModelRunner:
         mm_embeds, is_mm = self.encoder_runner.gather(windows, features, len(step.positions))
         return self.model.get_input_embeddings(step.input_ids, mm_embeds, is_mm)
 
+    def _with_prompt_embeds(
+        self, step: StepInputs, starts: np.ndarray, embeds: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The step's input embeddings (``embeds``, or its tokens') with the rows of prompts
+        given as embeddings in their positions (``starts``: each window's first position)."""
+        if embeds is None:
+            embeds = self.model.get_input_embeddings(step.input_ids)
+        states = [self.input_batch.states[int(r)] for r in step.rows]
+        given = [s.prompt_embeds if s is not None else None for s in states]
+        rows, indices = prompt_embeds_rows(starts, step.query_lens, given)
+        moved, where = upload(self.device, [rows, indices])
+        return embeds.index_copy(0, where, moved.to(embeds.dtype))
+
     def _model_positions(
         self, rows: np.ndarray, positions: np.ndarray, query_lens: np.ndarray
     ) -> np.ndarray | torch.Tensor:
@@ -371,6 +393,9 @@ class ModelRunner:
                 new.eos_token_id,
                 list(new.mm_features),
                 lora_request=new.lora_request,
+                prompt_embeds=None
+                if new.prompt_embeds is None
+                else new.prompt_embeds.embeds.to(next(self.model.parameters()).dtype),
             )
             if self.uses_mrope:
                 state.mrope_positions, state.mrope_delta = self.model.get_mrope_input_positions(

@@ -19,10 +19,7 @@ from omniserve.entrypoints.openai.protocol import (
 
 class CompletionRequest(SamplingRequest):
     logprobs_field: ClassVar[str] = "logprobs"
-    unsupported: ClassVar[dict[str, tuple[Any, str]]] = {
-        **SAMPLING_UNSUPPORTED,
-        "prompt_embeds": (None, "prompts are text or token ids"),
-    }
+    unsupported: ClassVar[dict[str, tuple[Any, str]]] = SAMPLING_UNSUPPORTED
     model_config = ConfigDict(
         json_schema_extra={
             "examples": [
@@ -38,7 +35,8 @@ class CompletionRequest(SamplingRequest):
         }
     )
 
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] | None = None
+    """Text or token ids; may be omitted when ``prompt_embeds`` is given."""
     max_tokens: StrictInt | None = Field(16, ge=1)
     """16 when omitted, as in OpenAI's and vLLM's completions API (null: up to the context)."""
     echo: StrictBool = False
@@ -47,11 +45,15 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: StrictBool = True
     """Whether text prompts get the tokenizer's special tokens (e.g. BOS), as in vLLM."""
     prompt_embeds: str | list[str] | None = None
+    """vLLM's: prompts as embeddings, each a base64 ``torch.save`` of a ``[num_tokens,
+    hidden_size]`` tensor (needs --enable-prompt-embeds); they come before ``prompt``'s."""
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty.")
+        if self.prompt is None and not self.prompt_embeds:
+            raise ValueError("Give prompt, prompt_embeds, or both.")
         if self.suffix:
             raise ValueError("suffix is not supported.")
         return self

@@ -21,6 +21,7 @@ from omniserve.entrypoints.openai.chat_protocol import (
     ChatLogprobsContent,
     ChatMessage,
 )
+from omniserve.entrypoints.openai.engine_prompt import EnginePrompt
 from omniserve.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCall,
@@ -29,7 +30,6 @@ from omniserve.entrypoints.openai.protocol import (
 from omniserve.entrypoints.openai.reasoning import ReasoningParser, StreamingSplit
 from omniserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
-    EnginePrompt,
     EventStream,
     OpenAIServing,
     OutputStream,

@@ -6,7 +6,11 @@ comes back in one response (or one stream) with every choice addressable.
 
 from __future__ import annotations
 
+import base64
+import io
 import time
+
+import torch
 
 from omniserve.entrypoints.beam_search import BeamSearchParams
 from omniserve.entrypoints.openai.completion_protocol import (
@@ -16,10 +20,10 @@ from omniserve.entrypoints.openai.completion_protocol import (
     CompletionResponseChoice,
     CompletionStreamResponse,
 )
+from omniserve.entrypoints.openai.engine_prompt import EnginePrompt
 from omniserve.entrypoints.openai.protocol import UsageInfo
 from omniserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
-    EnginePrompt,
     EventStream,
     OpenAIServing,
     OutputStream,
@@ -29,6 +33,7 @@ from omniserve.entrypoints.openai.serving_engine import (
     sse_event,
     to_serving_error,
 )
+from omniserve.inputs.preprocess import PROMPT_EMBEDS_PLACEHOLDER_ID
 from omniserve.lora.request import LoRARequest
 from omniserve.outputs import Logprob, RequestOutput
 
@@ -43,12 +48,11 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         lora = self.check_model(request.model)
         self.check_engine()
-        prompts = [
-            self.apply_prompt_options(
-                await self._to_engine_prompt(p, request.add_special_tokens), request
-            )
-            for p in _split_prompts(request.prompt)
-        ]
+        given = [*self._embeds_prompts(request)]
+        if request.prompt is not None:
+            given += [await self._to_engine_prompt(p, request.add_special_tokens)
+                      for p in _split_prompts(request.prompt)]  # fmt: skip
+        prompts = [self.apply_prompt_options(p, request) for p in given]
         # Every prompt gets the same params (the processor fits max_tokens to each); echo with
         # logprobs reports the prompt's logprobs too (as OpenAI does).
         params = self.sampling_params(
@@ -103,6 +107,42 @@ class OpenAIServingCompletion(OpenAIServing):
                 sum(len(beam.tokens) for beams, _ in searches for beam in beams),
             ),
         )
+
+    def _embeds_prompts(self, request: CompletionRequest) -> list[EnginePrompt]:
+        """``prompt_embeds``, each decoded to a tensor (base64 of ``torch.save``; loaded with
+        ``weights_only``, so nothing in it runs); the engine checks its shape and values."""
+        encoded = request.prompt_embeds
+        if not encoded:
+            return []
+        if not self.engine.model_config.enable_prompt_embeds:
+            raise ServingError(
+                "prompt_embeds needs the server started with --enable-prompt-embeds.",
+                param="prompt_embeds",
+            )
+        if request.echo:
+            raise ServingError(
+                "echo returns the prompt's text and tokens, which prompt_embeds does not have.",
+                param="echo",
+            )
+        prompts = []
+        for i, item in enumerate([encoded] if isinstance(encoded, str) else encoded):
+            where = "prompt_embeds" if isinstance(encoded, str) else f"prompt_embeds[{i}]"
+            try:
+                tensor = torch.load(io.BytesIO(base64.b64decode(item, validate=True)),
+                                    map_location="cpu", weights_only=True)  # fmt: skip
+            except Exception as exc:  # binascii, pickle and torch errors alike
+                raise ServingError(
+                    f"{where} is not a base64-encoded torch.save of a tensor ({exc}).",
+                    param="prompt_embeds",
+                ) from exc
+            if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+                raise ServingError(
+                    f"{where} must hold one dense tensor, not {type(tensor).__name__}.",
+                    param="prompt_embeds",
+                )
+            rows = tensor.shape[-2] if tensor.ndim >= 2 else 0
+            prompts.append(EnginePrompt(None, [PROMPT_EMBEDS_PLACEHOLDER_ID] * rows, tensor))
+        return prompts
 
     async def _to_engine_prompt(
         self, prompt: str | list[int], add_special_tokens: bool
@@ -260,8 +300,9 @@ class OpenAIServingCompletion(OpenAIServing):
         k, as_ids = request.logprobs or 0, request.return_tokens_as_token_ids
         positions: list[tuple[int, dict[int, Logprob] | None]] = []
         if echo:
-            prompt_logprobs = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-            positions += zip(output.prompt_token_ids, prompt_logprobs, strict=False)
+            prompt_ids = output.prompt_token_ids or []  # (echo is refused for embeddings)
+            prompt_logprobs = output.prompt_logprobs or [None] * len(prompt_ids)
+            positions += zip(prompt_ids, prompt_logprobs, strict=False)
         positions += zip(token_ids, logprobs, strict=False)
         result = CompletionLogprobs()
         for token_id, position in positions:

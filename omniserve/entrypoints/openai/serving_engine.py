@@ -16,7 +16,6 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -28,6 +27,7 @@ from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
 from omniserve.entrypoints.logger import RequestLogger
 from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from omniserve.entrypoints.openai.completion_protocol import CompletionRequest
+from omniserve.entrypoints.openai.engine_prompt import EnginePrompt
 from omniserve.entrypoints.openai.protocol import (
     CompletionTokensDetails,
     ErrorInfo,
@@ -45,7 +45,6 @@ from omniserve.entrypoints.openai.tokenize_protocol import (
     TokenizeCompletionRequest,
 )
 from omniserve.entrypoints.openai.transcription_protocol import TranscriptionRequest
-from omniserve.inputs.data import TokensPrompt
 from omniserve.lora.request import LoRARequest
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.outputs import Logprob, RequestOutput
@@ -185,34 +184,6 @@ async def merge_async_iterators(
             await iterator.aclose()
 
 
-@dataclass
-class EnginePrompt:
-    """A prompt as the server validated it: the text (if any) and its token ids."""
-
-    text: str | None
-    token_ids: list[int]
-    mm_data: dict[str, list[Any]] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
-    mm_locations: dict[str, list[str]] | None = None
-    """modality -> the chat part of each item, to name it in the engine's errors."""
-    cache_salt: str | None = None
-    mm_uuids: dict[str, list[str | None]] | None = None
-
-    def to_engine_input(self) -> TokensPrompt:
-        prompt = TokensPrompt(prompt_token_ids=self.token_ids)
-        if self.text is not None:
-            prompt["prompt"] = self.text
-        if self.cache_salt is not None:
-            prompt["cache_salt"] = self.cache_salt
-        if self.mm_data:
-            prompt["multi_modal_data"] = self.mm_data
-        if self.mm_uuids:
-            prompt["multi_modal_uuids"] = self.mm_uuids
-        if self.mm_processor_kwargs:
-            prompt["mm_processor_kwargs"] = self.mm_processor_kwargs
-        return prompt
-
-
 class OpenAIServing:
     """Base of the endpoint handlers: model names, tokenization, limits and sampling params."""
 
@@ -331,7 +302,10 @@ class OpenAIServing:
                 )
             keep = self.max_model_len if keep == -1 else keep
             if len(prompt.token_ids) > keep:
-                prompt = dataclasses.replace(prompt, text=None, token_ids=prompt.token_ids[-keep:])
+                embeds = prompt.embeds[-keep:] if prompt.embeds is not None else None
+                prompt = dataclasses.replace(
+                    prompt, text=None, token_ids=prompt.token_ids[-keep:], embeds=embeds
+                )
         return dataclasses.replace(prompt, cache_salt=request.cache_salt)
 
     def check_token_ids(self, token_ids: list[int]) -> EnginePrompt:
@@ -421,9 +395,10 @@ class OpenAIServing:
         k = request.prompt_logprobs
         if k is None:
             return None
-        positions = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        prompt_ids = output.prompt_token_ids or []  # (refused for prompts of embeddings)
+        positions = output.prompt_logprobs or [None] * len(prompt_ids)
         result: list[dict[str, PromptLogprob] | None] = []
-        for token_id, position in zip(output.prompt_token_ids, positions, strict=False):
+        for token_id, position in zip(prompt_ids, positions, strict=False):
             if position is None:
                 result.append(None)
                 continue
@@ -445,7 +420,7 @@ class OpenAIServing:
         prefix-cache hits and the tokens that stand for images, audio and video; spoken
         answers' codec frames count as completion tokens too (completion_tokens_details, set
         whenever audio was asked for: ``audio_tokens`` not None, 0 when nothing was spoken)."""
-        prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        prompt_tokens = sum(o.num_prompt_tokens for o in outputs)
         details = PromptTokensDetails(
             cached_tokens=sum(o.num_cached_tokens for o in outputs),
             **{

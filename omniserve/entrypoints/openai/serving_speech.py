@@ -13,8 +13,8 @@ import numpy as np
 from omniserve.config import SpeechConfig
 from omniserve.entrypoints.openai.audio_encoding import encode_audio, pcm16
 from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from omniserve.entrypoints.openai.engine_prompt import EnginePrompt
 from omniserve.entrypoints.openai.serving_engine import (
-    EnginePrompt,
     OpenAIServing,
     ServingError,
     sse_event,

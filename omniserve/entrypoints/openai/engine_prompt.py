@@ -1,0 +1,45 @@
+"""A prompt as the server validated it, and its form for the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omniserve.inputs.data import EmbedsPrompt, TokensPrompt
+
+
+@dataclass
+class EnginePrompt:
+    """A prompt as the server validated it: the text (if any) and its token ids (placeholders,
+    one per row, for a prompt given as ``embeds``)."""
+
+    text: str | None
+    token_ids: list[int]
+    embeds: torch.Tensor | None = None
+    mm_data: dict[str, list[Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    mm_locations: dict[str, list[str]] | None = None
+    """modality -> the chat part of each item, to name it in the engine's errors."""
+    cache_salt: str | None = None
+    mm_uuids: dict[str, list[str | None]] | None = None
+
+    def to_engine_input(self) -> TokensPrompt | EmbedsPrompt:
+        if self.embeds is not None:
+            embeds = EmbedsPrompt(prompt_embeds=self.embeds)
+            if self.cache_salt is not None:
+                embeds["cache_salt"] = self.cache_salt
+            return embeds
+        prompt = TokensPrompt(prompt_token_ids=self.token_ids)
+        if self.text is not None:
+            prompt["prompt"] = self.text
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
+        if self.mm_data:
+            prompt["multi_modal_data"] = self.mm_data
+        if self.mm_uuids:
+            prompt["multi_modal_uuids"] = self.mm_uuids
+        if self.mm_processor_kwargs:
+            prompt["mm_processor_kwargs"] = self.mm_processor_kwargs
+        return prompt
