@@ -317,6 +317,17 @@ def test_audio_formats_soundfile_and_pyav() -> None:
             connector.load_audio_bytes(_sf_bytes(samples, 16000, "WAV", "FLOAT"))
 
 
+def test_audio_seconds_from_the_header_alone() -> None:
+    """What speech to text reads to skip decoding a file within the model's window: libsndfile's
+    header, else PyAV's container (m4a); None for what neither opens."""
+    tone = _tone(2.5, 16000)
+    assert media_io.audio_seconds(_sf_bytes(tone, 16000, "WAV", "PCM_16")) == pytest.approx(2.5)
+    assert media_io.audio_seconds(_sf_bytes(tone, 16000, "FLAC", "PCM_16")) == pytest.approx(2.5)
+    m4a = _encode_audio("ipod", "aac", tone, 16000)
+    assert media_io.audio_seconds(m4a) == pytest.approx(2.5, abs=0.1)
+    assert media_io.audio_seconds(b"RIFF garbage" * 50) is None
+
+
 @pytest.mark.skipif("libmp3lame" not in av.codecs_available, reason="no mp3 encoder")
 def test_audio_mp3() -> None:
     mp3 = _encode_audio("mp3", "libmp3lame", _tone(1.0, 22050), 22050)

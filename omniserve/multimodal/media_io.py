@@ -162,6 +162,25 @@ def decode_audio(data: bytes, *, max_seconds: float) -> tuple[np.ndarray, int]:
     return waveform, int(rate)
 
 
+def audio_seconds(data: bytes) -> float | None:
+    """The clip's length as its header declares it, decoding no sample (None: undeclared, or
+    not audio this module can open)."""
+    import av
+    import soundfile
+
+    try:
+        info = soundfile.info(io.BytesIO(data))
+        return info.frames / info.samplerate if info.samplerate > 0 else None
+    except Exception:  # not a libsndfile format: ask PyAV's demuxer
+        pass
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            streams = container.streams.audio
+            return _stream_seconds(streams[0], container) if streams else None
+    except Exception:
+        return None
+
+
 def _check_finite(waveform: np.ndarray, modality: str, what: str) -> np.ndarray:
     """Float formats can carry NaN or infinite samples; the encoder would turn them into NaN
     scores (a meaningless answer), so they are refused here, naming the part."""

@@ -45,11 +45,15 @@ from omniserve.entrypoints.openai.transcription_protocol import (
     TranscriptionUsage,
 )
 from omniserve.multimodal.errors import MultiModalInputError
+from omniserve.multimodal.media_io import audio_seconds
 from omniserve.outputs import CompletionOutput, RequestOutput
 
 Task = Literal["transcribe", "translate"]
 _AUDIO_PART = "messages[0].content[0]"
 """Where the chat request holds the file (its errors name ``file`` instead)."""
+HEADER_SLACK_S = 1.0
+"""How far within the window a header's declared length must be to be trusted without decoding:
+compressed formats' headers may estimate it (an mp3's from its bitrate)."""
 
 
 class OpenAIServingTranscription:
@@ -97,13 +101,18 @@ class OpenAIServingTranscription:
 
     async def _clips(self, data: bytes, suffix: str, window: float | None) -> list[str]:
         """The file as data URLs: itself, or the pieces of a file longer than ``window``
-        seconds (``split_audio``), as WAV."""
+        seconds (``split_audio``), as WAV. A file whose header declares it well within the
+        window is not decoded here (the chat path decodes it once)."""
         url = f"data:audio/{suffix};base64,{base64.b64encode(data).decode()}"
         if window is None:
             return [url]
+        engine = self.chat.engine
+        declared = await engine.run_input_work(audio_seconds, data, media=True)
+        if declared is not None and declared <= window - HEADER_SLACK_S:
+            return [url]
         connector = self.chat.renderer.connector
         try:
-            waveform, rate = await self.chat.engine.run_input_work(
+            waveform, rate = await engine.run_input_work(
                 connector.load_audio_bytes, data, media=True
             )
         except MultiModalInputError as exc:
