@@ -17,13 +17,14 @@ class EnginePrompt:
 
     text: str | None
     token_ids: list[int]
-    embeds: torch.Tensor | None = None
     mm_data: dict[str, list[Any]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     mm_locations: dict[str, list[str]] | None = None
     """modality -> the chat part of each item, to name it in the engine's errors."""
     cache_salt: str | None = None
     mm_uuids: dict[str, list[str | None]] | None = None
+    embeds: torch.Tensor | None = None
+    """The prompt's rows when it was given as embeddings (``prompt_embeds``)."""
 
     def to_engine_input(self) -> TokensPrompt | EmbedsPrompt:
         if self.embeds is not None:

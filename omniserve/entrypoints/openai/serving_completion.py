@@ -141,7 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     param="prompt_embeds",
                 )
             rows = tensor.shape[-2] if tensor.ndim >= 2 else 0
-            prompts.append(EnginePrompt(None, [PROMPT_EMBEDS_PLACEHOLDER_ID] * rows, tensor))
+            prompts.append(EnginePrompt(None, [PROMPT_EMBEDS_PLACEHOLDER_ID] * rows, embeds=tensor))
         return prompts
 
     async def _to_engine_prompt(
