@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -220,10 +225,54 @@ def test_max_logprobs_and_memory_utilization(tiny_checkpoint, monkeypatch):
         llm.llm_engine.shutdown()
 
 
+@contextlib.contextmanager
+def _file_host(files: dict[str, bytes]) -> Iterator[str]:
+    """A local http server of ``files`` (GET a name; PUT stores one there; else a 404)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            body = files.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.end_headers()
+            self.wfile.write(body if body is not None else b"no such file")
+
+        def do_PUT(self) -> None:  # noqa: N802
+            files[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(201)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def test_run_batch_reads_and_uploads_by_url(tmp_path):
+    """vLLM's: an http(s) input is fetched, an http(s) output is PUT; a failing status says
+    which URL answered what."""
+    from omniserve.entrypoints.openai.run_batch import read_input, upload_output
+
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text('{"id": 1}\n')
+    with _file_host({"/in.jsonl": b'{"custom_id": "a"}\n'}) as host:
+        assert asyncio.run(read_input(f"{host}/in.jsonl")) == '{"custom_id": "a"}\n'
+        with pytest.raises(RuntimeError, match=f"GET {host}/missing answered 404"):
+            asyncio.run(read_input(f"{host}/missing"))
+        asyncio.run(upload_output(answers, f"{host}/out.jsonl"))
+        assert asyncio.run(read_input(f"{host}/out.jsonl")) == '{"id": 1}\n'
+
+
 @pytest.mark.slow
 def test_run_batch_answers_each_line_as_the_server_would(tiny_checkpoint, tmp_path):
     """vLLM's run-batch: each line's answer is what its route answers (a refusal a 400 with the
-    route's error body), lines that reach no route carry an error, in input order."""
+    route's error body), lines that reach no route carry an error, in input order; the batch
+    is fetched from a URL and the answers PUT to one."""
     from omniserve import LLM, SamplingParams
 
     model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))
@@ -241,14 +290,15 @@ def test_run_batch_answers_each_line_as_the_server_would(tiny_checkpoint, tmp_pa
          "body": {**chat, "stream": True}},
         {"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {}},
     ]  # fmt: skip
-    batch = tmp_path / "batch.jsonl"
-    batch.write_text("\n".join([*map(json.dumps, lines), "{not json"]) + "\n")
-    out = tmp_path / "out.jsonl"
-    run = _run("run-batch", "-i", str(batch), "-o", str(out), "--model", model_dir,
-               "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
-               "--kv-cache-memory", "16MiB", "--max-num-seqs", "1")  # fmt: skip
+    files = {"/batch.jsonl": ("\n".join([*map(json.dumps, lines), "{not json"]) + "\n").encode()}
+    with _file_host(files) as host:
+        run = _run("run-batch", "-i", f"{host}/batch.jsonl", "-o", f"{host}/out.jsonl",
+                   "--output-tmp-dir", str(tmp_path), "--model", model_dir,
+                   "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
+                   "--kv-cache-memory", "16MiB", "--max-num-seqs", "1")  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]  # (2 lines in flight at a time)
-    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    assert list(tmp_path.iterdir()) == []  # the staged upload is gone
+    answers = [json.loads(line) for line in files["/out.jsonl"].decode().splitlines()]
     assert [a["custom_id"] for a in answers] == [*(line["custom_id"] for line in lines), None]
     statuses = [a["response"] and a["response"]["status_code"] for a in answers]
     assert statuses == [200, 200, 200, 400, None, None, None]

@@ -161,9 +161,10 @@ def test_completions_api(text_model, tmp_path, default_server) -> None:
     the choices, counted in usage; refusals are 400s naming the field."""
     _, embeds, _ = _soft_prompts(text_model)
     offline = LLM(text_model, dtype="float32", enable_prompt_embeds=True, max_model_len=256)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
     expected = offline.generate([{"prompt_embeds": e} for e in embeds[:2]] + ["Hello there"],
-                                SamplingParams(temperature=0.0, max_tokens=6),
-                                use_tqdm=False)  # fmt: skip
+                                greedy, use_tqdm=False)  # fmt: skip
+    last_ten = offline.generate({"prompt_embeds": embeds[1][-10:]}, greedy, use_tqdm=False)[0]
     offline.llm_engine.shutdown()
     with launch_server(text_model, tmp_path, "--dtype", "float32", "--max-model-len", "256",
                        "--enable-prompt-embeds") as server:  # fmt: skip
@@ -176,6 +177,13 @@ def test_completions_api(text_model, tmp_path, default_server) -> None:
             e.outputs[0].text for e in expected
         ]
         assert reply.usage.prompt_tokens == sum(e.num_prompt_tokens for e in expected)
+        # truncate_prompt_tokens keeps the last rows, as it keeps a prompt's last tokens.
+        cut = client.completions.create(
+            model="tiny", prompt=None, max_tokens=6, temperature=0.0, n=2,
+            extra_body={"prompt_embeds": _b64(embeds[1]), "truncate_prompt_tokens": 10},
+        )  # fmt: skip
+        assert cut.usage.prompt_tokens == 10
+        assert [c.text for c in cut.choices] == [last_ten.outputs[0].text] * 2
         # Alone (no prompt), streamed, in bf16.
         stream = client.completions.create(
             model="tiny", prompt=None, max_tokens=6, temperature=0.0, stream=True,

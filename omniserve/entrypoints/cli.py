@@ -500,8 +500,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Answer an OpenAI batch file (JSONL: custom_id, method, url, body a line) with "
         "the server's routes, in this process, into a JSONL file of batch output lines.",
     )
-    batch.add_argument("-i", "--input-file", required=True, help="The batch file to answer.")
-    batch.add_argument("-o", "--output-file", required=True, help="Where the answers go.")
+    batch.add_argument(
+        "-i", "--input-file", required=True, help="The batch file to answer (path or http(s) URL)."
+    )
+    batch.add_argument(
+        "-o", "--output-file", required=True, help="Where the answers go (path, or URL to PUT)."
+    )
+    batch.add_argument("--output-tmp-dir", default=None, help="Where an upload is staged.")
     batch.add_argument("--model", default=None, help="Checkpoint dir. None: a tiny built-in model.")
     _add_serving_args(batch.add_argument_group("serving"))
     EngineArgs.add_cli_args(batch)

@@ -3,16 +3,21 @@
 process without a socket, into a JSONL file of OpenAI's batch output lines, in input order: the
 same validation, defaults, media handling, errors and answers as ``omniserve serve`` gives.
 Twice ``--max-num-seqs`` lines are in flight at a time, and answers are written as they complete.
+As in vLLM, the input may be an http(s) URL (fetched) and the output one too (the file is written
+locally, under ``--output-tmp-dir``, then sent with PUT, as a presigned upload URL takes it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import tempfile
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,8 +68,52 @@ class BatchRequestOutput(pydantic.BaseModel):
 
 
 async def run_batch(args: argparse.Namespace) -> None:
-    """Answer ``args.input_file`` into ``args.output_file``."""
-    lines = [line for line in Path(args.input_file).read_text().splitlines() if line.strip()]
+    """Answer ``args.input_file`` into ``args.output_file`` (either may be an http(s) URL)."""
+    text = await read_input(args.input_file)
+    lines = [line for line in text.splitlines() if line.strip()]
+    with _output_path(args.output_file, args.output_tmp_dir) as path:
+        await _run(args, lines, path)
+        if _is_url(args.output_file):
+            await upload_output(path, args.output_file)
+
+
+def _is_url(location: str) -> bool:
+    return location.startswith(("http://", "https://"))
+
+
+async def read_input(location: str) -> str:
+    """The batch file's text: a local file, or what an http(s) URL answers (an error status is
+    an error naming it)."""
+    if not _is_url(location):
+        return Path(location).read_text()
+    async with httpx.AsyncClient(follow_redirects=True, timeout=60) as client:
+        response = await client.get(location)
+    if response.status_code != 200:
+        raise RuntimeError(f"GET {location} answered {response.status_code}: {response.text[:200]}")
+    return response.text
+
+
+@contextlib.contextmanager
+def _output_path(location: str, tmp_dir: str | None) -> Iterator[Path]:
+    """Where answers are written: the output file itself, or a temporary file for a URL."""
+    if not _is_url(location):
+        yield Path(location)
+        return
+    with tempfile.TemporaryDirectory(dir=tmp_dir, prefix="omniserve-batch-") as folder:
+        yield Path(folder) / "output.jsonl"
+
+
+async def upload_output(path: Path, location: str) -> None:
+    """PUT the answers to ``location`` (a presigned URL takes a plain PUT of the bytes)."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        response = await client.put(location, content=path.read_bytes(),
+                                    headers={"Content-Type": "application/jsonl"})  # fmt: skip
+    if response.status_code >= 300:
+        raise RuntimeError(f"PUT {location} answered {response.status_code}: {response.text[:200]}")
+    logger.info("Uploaded the answers to %s.", location)
+
+
+async def _run(args: argparse.Namespace, lines: list[str], output_path: Path) -> None:
     engine_args = EngineArgs.from_cli_args(args)
     names = args.served_model_name
     engine_args.served_model_name = names[0] if names else None
@@ -87,7 +136,7 @@ async def run_batch(args: argparse.Namespace) -> None:
                     return await _answer(client, number, line, repeated, bar)
 
             with (
-                open(args.output_file, "w") as out,
+                open(output_path, "w") as out,
                 tqdm(total=len(lines), unit="req", desc="Running batch") as bar,
             ):
                 tasks = [asyncio.ensure_future(answer(i + 1, line)) for i, line in enumerate(lines)]
@@ -102,7 +151,7 @@ async def run_batch(args: argparse.Namespace) -> None:
                     await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         engine.shutdown()
-    logger.info("Wrote %d answers to %s (%d failed).", len(lines), args.output_file, failed)
+    logger.info("Wrote %d answers to %s (%d failed).", len(lines), output_path, failed)
 
 
 async def _answer(
