@@ -16,7 +16,7 @@ from omniserve import LLM, SamplingParams
 from tests.hf_reference import ReferenceOutput, assert_matches_reference, make_prompts
 from tests.server_utils import assert_error, launch_server
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
 LENGTHS = [5, 23, 40]
 
 
@@ -52,12 +52,18 @@ def text_model(tiny_checkpoint) -> str:
     return str(tiny_checkpoint("Qwen2ForCausalLM"))
 
 
+@pytest.fixture(scope="module")
+def soft(text_model) -> tuple[list[list[int]], list[torch.Tensor], list[ReferenceOutput]]:
+    """Token prompts, their soft embeddings, and transformers' greedy run of the embeddings."""
+    prompts, embeds, model = _soft_prompts(text_model)
+    return prompts, embeds, _hf_greedy_embeds(model, embeds)
+
+
 @pytest.mark.slow
-def test_matches_transformers_batched_with_token_prompts_and_chunked(text_model) -> None:
+def test_matches_transformers_batched_with_token_prompts_and_chunked(text_model, soft) -> None:
     """Embedding prompts beside token prompts in one batch, the longest prefilled in chunks of
     16: transformers' greedy tokens on the same embeddings (``generate(inputs_embeds=...)``)."""
-    prompts, embeds, model = _soft_prompts(text_model)
-    reference = _hf_greedy_embeds(model, embeds)
+    prompts, embeds, reference = soft
     llm = LLM(text_model, dtype="float32", enable_prompt_embeds=True, max_num_batched_tokens=16,
               max_model_len=256)  # fmt: skip
     mixed: list[Any] = [{"prompt_embeds": e} for e in embeds]
@@ -72,6 +78,20 @@ def test_matches_transformers_batched_with_token_prompts_and_chunked(text_model)
     alone = llm.generate([{"prompt_token_ids": ids} for ids in prompts], GREEDY, use_tqdm=False)
     for ours, theirs in zip(outputs[len(embeds) :], alone, strict=True):
         assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_matches_transformers_preempted_under_async_scheduling(text_model, soft) -> None:
+    """Four blocks of 16 do not hold the prompts' growth (5, 23, 40 rows and 24 tokens each):
+    requests are preempted and resumed (the workers get their rows again), with async
+    scheduling's steps in flight."""
+    _, embeds, reference = soft
+    llm = LLM(text_model, dtype="float32", enable_prompt_embeds=True, max_model_len=64,
+              num_gpu_blocks_override=4, enable_prefix_caching=False,
+              async_scheduling=True)  # fmt: skip
+    outputs = llm.generate([{"prompt_embeds": e} for e in embeds], GREEDY, use_tqdm=False)
+    assert llm.llm_engine.engine_core.call_utility("get_stats")["num_preemptions"] > 0
+    assert_matches_reference(outputs, reference)
 
 
 @pytest.mark.slow
@@ -156,10 +176,10 @@ def _b64(tensor: torch.Tensor) -> str:
 
 
 @pytest.mark.slow
-def test_completions_api(text_model, tmp_path, default_server) -> None:
+def test_completions_api(text_model, soft, tmp_path, default_server) -> None:
     """vLLM's completions field: base64 ``torch.save`` tensors, before ``prompt``'s prompts in
     the choices, counted in usage; refusals are 400s naming the field."""
-    _, embeds, _ = _soft_prompts(text_model)
+    _, embeds, _ = soft
     offline = LLM(text_model, dtype="float32", enable_prompt_embeds=True, max_model_len=256)
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
     expected = offline.generate([{"prompt_embeds": e} for e in embeds[:2]] + ["Hello there"],
