@@ -35,8 +35,10 @@ RULES_FIRST = ("tests/test_code_rules.py", "tests/test_layering.py")
 """The code rules (lint, format, types, layering, size) run first: they fail in seconds."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in RULES_FIRST)  # stable
+    _group_by_module(items)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return  # keep torch-free test runs free of the torch import
@@ -47,6 +49,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def _group_by_module(items: list[pytest.Item]) -> None:
+    """A module's tests that share a module-scoped fixture (a server, an engine, a reference
+    run) go to one xdist worker (``--dist loadgroup``, in pyproject's addopts): spread over both
+    workers, each would set it up once."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d.scope == "module" for chain in defs for d in chain):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture
