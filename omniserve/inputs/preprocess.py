@@ -17,6 +17,7 @@ import torch
 from omniserve.inputs.data import PromptType
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.multimodal.inputs import MultiModalFeatureSpec, PromptEmbeds
+from omniserve.multimodal.parse import embeds_fault
 
 
 @dataclass
@@ -109,26 +110,10 @@ class InputPreprocessor:
         embeds = prompt["prompt_embeds"]
         if isinstance(embeds, torch.Tensor) and embeds.ndim == 3 and embeds.shape[0] == 1:
             embeds = embeds[0]  # a batch of one, as an embedding layer returns it
-        width = self.prompt_embeds_width
-        if not (
-            isinstance(embeds, torch.Tensor)
-            and embeds.is_floating_point()
-            and embeds.ndim == 2
-            and embeds.shape[0] > 0
-            and embeds.shape[1] == width
-        ):
-            got = (
-                f"{tuple(embeds.shape)} {str(embeds.dtype).removeprefix('torch.')}"
-                if isinstance(embeds, torch.Tensor)
-                else type(embeds).__name__
-            )
-            raise ValueError(
-                f"prompt_embeds must be a floating-point [num_tokens, {width}] tensor (the "
-                f"model's hidden size), got {got}."
-            )
+        fault = embeds_fault(embeds, self.prompt_embeds_width, "prompt_embeds", "num_tokens")
+        if fault is not None:
+            raise ValueError(f"{fault}.")
         embeds = embeds.detach().to("cpu").contiguous()
-        if not bool(torch.isfinite(embeds).all()):
-            raise ValueError("prompt_embeds holds NaN or infinite values.")
         digest = hashlib.sha256(f"{embeds.dtype}{tuple(embeds.shape)}".encode())
         digest.update(embeds.view(torch.uint8).numpy().data)
         return ProcessedInputs(

@@ -241,6 +241,30 @@ def embeds_of(modality: str, item: Any) -> dict[str, Any] | None:
     return None
 
 
+def embeds_fault(value: Any, width: int, name: str, rows: str) -> str | None:
+    """Why ``value`` cannot stand in for token embeddings of a decoder ``width`` wide (it must
+    be a floating-point ``[rows, width]`` tensor, rows > 0, finite); None: it can."""
+    if not (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.ndim == 2
+        and value.shape[0] > 0
+        and value.shape[1] == width
+    ):
+        got = (
+            f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        return (
+            f"{name} must be a floating-point [{rows}, {width}] tensor (the model's hidden "
+            f"size), got {got}"
+        )
+    if not bool(torch.isfinite(value).all()):
+        return f"{name} holds NaN or infinite values"
+    return None
+
+
 def _is_array(value: Any) -> bool:
     return isinstance(value, np.ndarray | torch.Tensor)
 

@@ -31,7 +31,12 @@ from omniserve.multimodal.context import (
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.multimodal.hasher import MultiModalHasher
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
-from omniserve.multimodal.parse import MultiModalDataItems, MultiModalDataParser, embeds_of
+from omniserve.multimodal.parse import (
+    MultiModalDataItems,
+    MultiModalDataParser,
+    embeds_fault,
+    embeds_of,
+)
 from omniserve.multimodal.prompt_update import (
     PromptInsertion,
     PromptReplacement,
@@ -285,24 +290,9 @@ class BaseMultiModalProcessor(ABC):
             raise fail("precomputed embeddings need the server started with --enable-mm-embeds")
         tensor = embeds[f"{modality}_embeds"]
         hidden = self.info.ctx.hf_config.get_text_config().hidden_size
-        if not (
-            isinstance(tensor, torch.Tensor)
-            and tensor.is_floating_point()
-            and tensor.ndim == 2
-            and tensor.shape[0] > 0
-            and tensor.shape[1] == hidden
-        ):
-            got = (
-                f"{tuple(tensor.shape)} {tensor.dtype}"
-                if isinstance(tensor, torch.Tensor)
-                else type(tensor).__name__
-            )
-            raise fail(
-                f"{modality}_embeds must be a floating-point [num_embeds, {hidden}] "
-                f"tensor (the model's hidden size), got {got}"
-            )
-        if not bool(torch.isfinite(tensor).all()):
-            raise fail(f"{modality}_embeds holds NaN or infinite values")
+        fault = embeds_fault(tensor, hidden, f"{modality}_embeds", "num_embeds")
+        if fault is not None:
+            raise fail(fault)
         return self._embeds_fields(modality, {**embeds, f"{modality}_embeds": tensor.detach()})
 
     def _embeds_fields(self, modality: str, embeds: dict[str, Any]) -> dict[str, Any]:
