@@ -156,8 +156,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     """Audio output: the talker stage's part of the request (None: text only)."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter it runs with (the engine core has added it: ``add_lora``)."""
-    prompt_embeds: PromptEmbeds | None = None
-    """The prompt as embeddings (``prompt_token_ids`` are then placeholders, one per row)."""
+    prompt_embeds: list[PromptEmbeds] = []
+    """Runs of the prompt given as embeddings, in prompt order (their ids are placeholders)."""
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

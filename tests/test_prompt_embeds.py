@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from omniserve import LLM, SamplingParams
+from omniserve.inputs.data import EMBEDS_SLOT
 from tests.hf_reference import ReferenceOutput, assert_matches_reference, make_prompts
 from tests.server_utils import assert_error, launch_server
 
@@ -113,9 +114,11 @@ def test_prefix_cache_keys_blocks_by_the_embeddings(text_model) -> None:
 
 
 @pytest.mark.slow
-def test_omni_thinker_takes_embeddings_beside_a_media_prompt(tiny_checkpoint) -> None:
-    """Qwen3-Omni's thinker (M-RoPE, DeepStack on its media rows) in one batch with an image
-    prompt: the embeddings of a prompt's tokens give that prompt's tokens."""
+def test_omni_thinker_takes_embeddings_beside_and_between_media(tiny_checkpoint) -> None:
+    """Qwen3-Omni's thinker (M-RoPE, DeepStack on its media rows): the embeddings of tokens
+    give those tokens' answer as a whole prompt beside an image prompt, as a run inside a token
+    prompt, and as a chat's ``prompt_embeds`` part between two images (the second image's
+    placeholders move by the run's rows)."""
     from PIL import Image
     from safetensors.torch import load_file
 
@@ -123,17 +126,32 @@ def test_omni_thinker_takes_embeddings_beside_a_media_prompt(tiny_checkpoint) ->
     table = load_file(f"{model_dir}/model.safetensors")["model.embed_tokens.weight"]
     llm = LLM(model_dir, dtype="float32", enable_prompt_embeds=True, max_model_len=512)
     ids = list(range(100, 137))
+    image = Image.new("RGB", (56, 84), "red")
     media = {
         "prompt": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?"
         "<|im_end|>\n<|im_start|>assistant\n",
-        "multi_modal_data": {"image": Image.new("RGB", (56, 84), "red")},
+        "multi_modal_data": {"image": image},
     }
-    by_ids, by_embeds, image = llm.generate(
-        [{"prompt_token_ids": ids}, {"prompt_embeds": table[ids]}, media], GREEDY, use_tqdm=False
-    )
+    head, tail = [5, 6, 7], [8, 9]
+    by_ids, by_embeds, with_media, by_run = llm.generate(
+        [{"prompt_token_ids": ids}, {"prompt_embeds": table[ids]}, media,
+         {"prompt_token_ids": [*head, EMBEDS_SLOT, *tail], "prompt_embeds": [table[ids]]}],
+        GREEDY, use_tqdm=False,
+    )  # fmt: skip
     assert by_embeds.outputs[0].token_ids == by_ids.outputs[0].token_ids
-    alone = llm.generate(media, GREEDY, use_tqdm=False)[0]
-    assert image.outputs[0].token_ids == alone.outputs[0].token_ids
+    alone = llm.generate([media, {"prompt_token_ids": [*head, *ids, *tail]}], GREEDY,
+                         use_tqdm=False)  # fmt: skip
+    assert with_media.outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert by_run.outputs[0].token_ids == alone[1].outputs[0].token_ids
+    assert by_run.prompt_token_ids == [*head, *[0] * len(ids), *tail]  # placeholders shown
+    words = llm.get_tokenizer()("Hello world, how", add_special_tokens=False).input_ids
+    picture = {"type": "image_pil", "image_pil": image}
+    said = [picture, {"type": "text", "text": "Hello world, how"}, picture, "are you?"]
+    given = [picture, {"type": "prompt_embeds", "data": table[words]}, picture, "are you?"]
+    text, embedded = (llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0]
+                      for parts in (said, given))  # fmt: skip
+    assert embedded.outputs[0].token_ids == text.outputs[0].token_ids
+    assert embedded.num_mm_tokens == text.num_mm_tokens and embedded.num_mm_tokens["image"] > 0
 
 
 def test_refusals(text_model) -> None:
@@ -153,8 +171,17 @@ def test_refusals(text_model) -> None:
     for match, value in bad.items():
         with pytest.raises(ValueError, match=match):
             llm.generate({"prompt_embeds": value}, use_tqdm=False)
-    with pytest.raises(ValueError, match="takes no prompt_token_ids"):
+    with pytest.raises(ValueError, match="takes no prompt"):
+        llm.generate({"prompt_embeds": rows, "prompt": "Hello"}, use_tqdm=False)
+    with pytest.raises(TypeError, match="must be a list of tensors"):
         llm.generate({"prompt_embeds": rows, "prompt_token_ids": [1, 2]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="hold 1 places \\(-1\\) for prompt_embeds, but 2"):
+        llm.generate({"prompt_embeds": [rows, rows], "prompt_token_ids": [1, -1]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_embeds\\[1\\] must be a floating-point"):
+        llm.generate({"prompt_embeds": [rows, rows[:, :3]], "prompt_token_ids": [-1, 1, -1]},
+                     use_tqdm=False)  # fmt: skip
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # a place with no tensor
+        llm.generate({"prompt_token_ids": [1, -1]}, use_tqdm=False)
     for name, value in (("prompt_logprobs", 1), ("repetition_penalty", 1.2)):
         with pytest.raises(ValueError, match=f"{name} reads the prompt's token ids"):
             llm.generate({"prompt_embeds": rows}, SamplingParams(**{name: value}), use_tqdm=False)
@@ -176,10 +203,14 @@ def _b64(tensor: torch.Tensor) -> str:
 
 
 @pytest.mark.slow
-def test_completions_api(text_model, soft, tmp_path, default_server) -> None:
+def test_the_api(text_model, soft, tmp_path, default_server) -> None:
     """vLLM's completions field: base64 ``torch.save`` tensors, before ``prompt``'s prompts in
-    the choices, counted in usage; refusals are 400s naming the field."""
+    the choices, counted in usage; its chat part ``{"type": "prompt_embeds", "data": ...}``;
+    refusals are 400s naming the field."""
+    from safetensors.torch import load_file
+
     _, embeds, _ = soft
+    table = load_file(f"{text_model}/model.safetensors")["model.embed_tokens.weight"]
     offline = LLM(text_model, dtype="float32", enable_prompt_embeds=True, max_model_len=256)
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
     expected = offline.generate([{"prompt_embeds": e} for e in embeds[:2]] + ["Hello there"],
@@ -224,6 +255,32 @@ def test_completions_api(text_model, soft, tmp_path, default_server) -> None:
             error = assert_error(server.post("/v1/completions", {**body, **extra}), 400)
             assert words in error["message"] and (field is None or error["param"] == field)
         assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
+        # The chat part: the embeddings of the words answer as the words do.
+        tokenized = {"model": "tiny", "prompt": "Hi you", "add_special_tokens": False}
+        words = server.post("/tokenize", tokenized).json()
+        said = [{"type": "text", "text": "Hi you"}, {"type": "text", "text": "Go on."}]
+        given = [{"type": "prompt_embeds", "data": _b64(table[words["tokens"]])}, said[1]]
+        text, embedded = (client.chat.completions.create(
+            model="tiny", max_tokens=6, temperature=0.0,
+            messages=[{"role": "user", "content": parts}]) for parts in (said, given))  # fmt: skip
+        assert embedded.choices[0].message.content == text.choices[0].message.content
+        assert embedded.usage.prompt_tokens == text.usage.prompt_tokens
+        chat = {"model": "tiny", "max_tokens": 2}
+        for part, words_in in (({"type": "prompt_embeds"}, "has no data"),
+                               ({"type": "prompt_embeds", "data": "%%"}, "not base64"),
+                               ({"type": "prompt_embeds", "data": _b64(table[:3, :5])},
+                                "prompt_embeds[0] must be a floating-point")):  # fmt: skip
+            messages = [{"role": "user", "content": [part]}]
+            error = assert_error(
+                server.post("/v1/chat/completions", {**chat, "messages": messages}), 400
+            )
+            assert words_in in error["message"], error
     refused = default_server.post("/v1/completions", {**body, "prompt_embeds": _b64(embeds[0])})
     error = assert_error(refused, 400)
     assert error["param"] == "prompt_embeds" and "--enable-prompt-embeds" in error["message"]
+    part = {"type": "prompt_embeds", "data": _b64(torch.zeros(2, 8))}
+    refused = default_server.post(
+        "/v1/chat/completions",
+        {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [part]}]},
+    )
+    assert "--enable-prompt-embeds" in assert_error(refused, 400)["message"]

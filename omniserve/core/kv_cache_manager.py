@@ -49,18 +49,19 @@ def block_extra_keys(request: Request, start: int, end: int) -> tuple[tuple[str,
     Multimodal placeholders share one token id per modality, so a block covering part of an
     item also mixes in ``(identifier, offset - start)`` of every item overlapping it: two images
     with identical placeholder tokens never share blocks, nor does one image placed at another
-    offset. Identifiers are content hashes, so these keys are process-independent. The first
-    block also mixes in the request's cache salt, LoRA adapter and, for a prompt given as
-    embeddings (its token ids are placeholders), their identifier (every later hash chains from
-    it): such prompts share blocks only with the same embeddings.
+    offset; so do runs of the prompt given as embeddings (their ids are placeholders), with
+    theirs. Identifiers are content hashes, so these keys are process-independent. The first
+    block also mixes in the request's cache salt and LoRA adapter (every later hash chains from
+    it).
     """
     keys: list[tuple[str, int | str]] = []
     if start == 0 and request.cache_salt is not None:
         keys.append(("cache_salt", request.cache_salt))
     if start == 0 and request.lora_request is not None:
         keys.append(("lora", request.lora_request.lora_int_id))
-    if start == 0 and request.prompt_embeds is not None:
-        keys.append(("prompt_embeds", request.prompt_embeds.identifier))
+    for run in request.prompt_embeds:
+        if run.offset < end and run.offset + len(run.embeds) > start:
+            keys.append((run.identifier, run.offset - start))
     for feature in request.mm_features:  # in prompt order
         pos = feature.mm_position
         if pos.offset >= end:

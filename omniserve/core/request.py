@@ -56,8 +56,9 @@ class Request:
     """Audio output: what the talker stage needs (None: text only)."""
     lora_request: LoRARequest | None = None
     """The adapter it runs with (its id is mixed into the prefix-cache hashes)."""
-    prompt_embeds: PromptEmbeds | None = None
-    """The prompt as embeddings, for the workers (its identifier is mixed into the hashes)."""
+    prompt_embeds: list[PromptEmbeds] = field(default_factory=list)
+    """Runs of the prompt given as embeddings, for the workers (their identifiers are mixed
+    into the hashes of the blocks they cover)."""
     text_stop: Any = None
     """A speaking request's stop-string matcher (made by the scheduler's ``make_text_stop``):
     the engine ends its text at a stop string before the talker could speak past it."""

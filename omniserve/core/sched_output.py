@@ -31,8 +31,8 @@ class NewRequestData:
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     """The request's multimodal items (the worker needs their encoder inputs and positions)."""
     lora_request: LoRARequest | None = None
-    prompt_embeds: PromptEmbeds | None = None
-    """The prompt as embeddings: the rows the workers feed for its prompt positions."""
+    prompt_embeds: list[PromptEmbeds] = field(default_factory=list)
+    """Runs of the prompt given as embeddings: the rows the workers feed at their positions."""
 
 
 @dataclass

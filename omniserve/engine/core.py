@@ -140,7 +140,7 @@ class EngineCore:
             priority=request.priority,
             speech=request.speech,
             lora_request=request.lora_request,
-            prompt_embeds=request.prompt_embeds,
+            prompt_embeds=list(request.prompt_embeds),
         )
         constraint = request.sampling_params.structured_outputs
         if constraint is None:

@@ -184,7 +184,7 @@ class Processor:
         with torch_threads(self.featurize_threads):
             inputs = self.input_preprocessor.preprocess(prompt)
         token_ids = inputs.prompt_token_ids
-        if inputs.prompt_embeds is not None:
+        if inputs.prompt_embeds:
             _check_embeds_params(params)
         self._validate_prompt(token_ids)
         self._validate_mm_budget(inputs)
@@ -228,7 +228,7 @@ class Processor:
             )
             for rid, p in children
         ]
-        given_ids = None if inputs.prompt_embeds is not None else token_ids
+        given_ids = None if inputs.given_as_embeds else token_ids
         return ProcessedRequest(inputs.prompt, given_ids, requests, inputs.num_mm_tokens)
 
     def _validate_mm_budget(self, inputs: ProcessedInputs) -> None:

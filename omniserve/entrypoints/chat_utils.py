@@ -5,7 +5,9 @@ Content parts: text (``text``, ``input_text``, ``output_text``, ``refusal``), ``
 (``{"data": base64, "format"}``), ``audio_url``, ``video_url``, the shorthand forms
 ``{"image_url": ...}`` / ``{"audio_url": ...}`` / ``{"video_url": ...}``, and for offline use
 ``image_pil`` (a PIL image) and ``audio_array`` ((waveform, rate)); with ``--enable-mm-embeds``,
-``image_embeds`` / ``audio_embeds`` (base64 of ``torch.save``d tensors). A media part may carry a
+``image_embeds`` / ``audio_embeds`` (base64 of ``torch.save``d tensors); with
+``--enable-prompt-embeds``, vLLM's ``{"type": "prompt_embeds", "data": base64}`` (a tensor offline):
+rows the decoder reads where the part sits, in place of token embeddings. A media part may carry a
 ``uuid`` (vLLM's): the item is known by it; a part with a uuid and no data reuses the item last
 sent under it (the processor keeps it; an unknown uuid is an error naming the part).
 
@@ -28,7 +30,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from omniserve.inputs.data import TokensPrompt
+from omniserve.inputs.data import EMBEDS_SLOT, TokensPrompt
 from omniserve.multimodal.errors import MultiModalInputError
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
@@ -43,6 +45,9 @@ MEDIA_PART_TYPES = {
     "audio_embeds": "audio",
 }
 EMBEDS_PART_TYPES = ("image_embeds", "audio_embeds")
+PROMPT_EMBEDS_MARK = "\U000f0000prompt_embeds\U000f0000"
+"""Where a ``prompt_embeds`` part sits in the rendered text (a private-use character no tokenizer
+sees: the text is cut at each mark and the pieces tokenized on their own)."""
 # A template that reads content parts itself ("openai" content format).
 _PARTS_TEMPLATE = re.compile(
     r"""\[\s*['"]type['"]\s*\]|\.type\b|for\s+\w+\s+in\s+message\s*(\[\s*['"]content['"]\s*\]"""
@@ -70,6 +75,8 @@ class ChatInputs:
 
     conversation: list[dict[str, Any]]
     pending: list[_PendingMedia] = field(default_factory=list)
+    prompt_embeds: list[tuple[str, Any]] = field(default_factory=list)
+    """(the part's location, its data) of each ``prompt_embeds`` part, in prompt order."""
 
     @property
     def has_media(self) -> bool:
@@ -187,6 +194,11 @@ def _parse_part(
         if not isinstance(text, str):
             raise ChatTemplateError(f"{location} ({kind}) has no text.")
         return text
+    if kind == "prompt_embeds":
+        if part.get("data") is None:
+            raise ChatTemplateError(f"{location} (prompt_embeds) has no data.")
+        inputs.prompt_embeds.append((location, part["data"]))
+        return PROMPT_EMBEDS_MARK
     modality = MEDIA_PART_TYPES.get(kind)
     if modality is None:
         raise ChatTemplateError(f"{location}: content part type {kind!r} is not supported.")
@@ -293,6 +305,22 @@ def _decode_embeds(item: _PendingMedia) -> dict[str, Any]:
             ) from None
         decoded[name] = value
     return decoded
+
+
+def _decode_prompt_embeds(location: str, data: Any) -> Any:
+    """A ``prompt_embeds`` part's tensor: base64 of ``torch.save(tensor)`` (loaded with
+    ``weights_only=True``, so no code runs), or the tensor itself (offline)."""
+    import torch
+
+    if isinstance(data, torch.Tensor):
+        return data
+    try:
+        return torch.load(io.BytesIO(base64.b64decode(data, validate=True)),
+                          weights_only=True, map_location="cpu")  # fmt: skip
+    except Exception as exc:  # binascii, pickle and torch errors all mean "not a tensor"
+        raise ChatTemplateError(
+            f"{location}: prompt_embeds data is not base64 of a torch.save()d tensor ({exc})"
+        ) from None
 
 
 def _local_value(item: _PendingMedia) -> tuple[bool, Any]:
@@ -489,10 +517,21 @@ class ChatRenderer:
             self.tokenizer, inputs.conversation, chat_template=self.chat_template, **template_kwargs
         )
         # The template already holds any BOS: the tokenizer adds its specials only on request.
-        prompt = TokensPrompt(
-            prompt=text,
-            prompt_token_ids=self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids,
-        )
+        pieces = text.split(PROMPT_EMBEDS_MARK)
+        if len(pieces) != len(inputs.prompt_embeds) + 1:
+            raise ChatTemplateError(
+                f"The chat template rendered {len(pieces) - 1} of the "
+                f"{len(inputs.prompt_embeds)} prompt_embeds parts, or a text holds the "
+                "private-use character U+F0000."
+            )
+        token_ids = self.tokenizer(pieces[0], add_special_tokens=add_special_tokens).input_ids
+        for piece in pieces[1:]:  # each run of embeddings, then the text after it
+            token_ids += [EMBEDS_SLOT, *self.tokenizer(piece, add_special_tokens=False).input_ids]
+        prompt = TokensPrompt(prompt="".join(pieces), prompt_token_ids=token_ids)
+        if inputs.prompt_embeds:
+            prompt["prompt_embeds"] = [
+                _decode_prompt_embeds(*part) for part in inputs.prompt_embeds
+            ]
         if mm_data:
             prompt["multi_modal_data"] = mm_data
         if inputs.item_uuids():

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
+EMBEDS_SLOT = -1
+"""In ``prompt_token_ids`` given with a list of ``prompt_embeds`` tensors: where each tensor's rows
+go, in order (the chat renderer writes one per ``prompt_embeds`` part)."""
+
 
 class _PromptExtras(TypedDict, total=False):
     multi_modal_data: dict[str, Any]
@@ -21,6 +25,10 @@ class TokensPrompt(_PromptExtras):
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
     """The text the ids were tokenized from, returned with the outputs."""
+    prompt_embeds: NotRequired[list[Any]]
+    """Tensors (``[n, hidden_size]``) whose rows go where ``prompt_token_ids`` hold
+    ``EMBEDS_SLOT``, one tensor per slot, in order (needs ``enable_prompt_embeds``): a chat's
+    ``prompt_embeds`` parts."""
 
 
 class EmbedsPrompt(TypedDict):

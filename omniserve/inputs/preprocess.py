@@ -2,19 +2,22 @@
 
 Text and token-id prompts take one path: with ``multi_modal_data`` both go through the model's
 multimodal processor, which runs the HF processor on the media only and expands each placeholder
-into the item's tokens itself. A prompt given as embeddings (``prompt_embeds``) has no tokens:
-it gets placeholder ids, one per row, which only count positions (the runner feeds the rows).
+into the item's tokens itself. Embeddings (``prompt_embeds``: a whole prompt, or runs inside a
+token prompt, e.g. a chat's ``prompt_embeds`` parts) get placeholder ids, one per row, which only
+count positions (the runner feeds the rows).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
-from omniserve.inputs.data import PromptType
+from omniserve.inputs.data import EMBEDS_SLOT, PromptType
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.multimodal.inputs import MultiModalFeatureSpec, PromptEmbeds
 from omniserve.multimodal.parse import embeds_fault
@@ -27,8 +30,14 @@ class ProcessedInputs:
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     num_mm_tokens: dict[str, int] = field(default_factory=dict)
     """Placeholder tokens per modality (for usage.prompt_tokens_details)."""
-    prompt_embeds: PromptEmbeds | None = None
-    """The prompt as embeddings (its ``prompt_token_ids`` are then placeholders)."""
+    prompt_embeds: list[PromptEmbeds] = field(default_factory=list)
+    """Runs of the prompt given as embeddings (their ``prompt_token_ids`` are placeholders)."""
+
+    @property
+    def given_as_embeds(self) -> bool:
+        """The whole prompt was given as embeddings: it has no token ids of its own."""
+        runs = self.prompt_embeds
+        return len(runs) == 1 and len(runs[0].embeds) == len(self.prompt_token_ids)
 
 
 PROMPT_EMBEDS_PLACEHOLDER_ID = 0
@@ -63,6 +72,8 @@ class InputPreprocessor:
         if not isinstance(prompt, dict):
             raise TypeError(f"A prompt must be a str or a dict, got {type(prompt).__name__}.")
         if "prompt_embeds" in prompt:
+            if "prompt_token_ids" in prompt:
+                return self._with_embeds_runs(dict(prompt))
             return self._embeds_prompt(dict(prompt))
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
@@ -96,31 +107,71 @@ class InputPreprocessor:
 
     def _embeds_prompt(self, prompt: dict[str, Any]) -> ProcessedInputs:
         """A prompt given as embeddings alone: checked to be rows the decoder can read."""
-        if self.prompt_embeds_width is None:
-            raise ValueError(
-                "prompt_embeds needs the engine started with enable_prompt_embeds "
-                "(--enable-prompt-embeds)."
-            )
         others = sorted(set(prompt) - {"prompt_embeds", "cache_salt"})
         if others:
             raise ValueError(
                 f"A prompt given as prompt_embeds takes no {', '.join(others)}: the embeddings "
                 "are the whole prompt."
             )
-        embeds = prompt["prompt_embeds"]
+        run = self._checked_run(prompt["prompt_embeds"], "prompt_embeds")
+        return ProcessedInputs(
+            None, [PROMPT_EMBEDS_PLACEHOLDER_ID] * len(run.embeds), prompt_embeds=[run]
+        )
+
+    def _checked_run(self, embeds: Any, name: str) -> PromptEmbeds:
+        """Rows the decoder can read (floating, [n, hidden], finite), hashed, at offset 0."""
+        if self.prompt_embeds_width is None:
+            raise ValueError(
+                "prompt_embeds needs the engine started with enable_prompt_embeds "
+                "(--enable-prompt-embeds)."
+            )
         if isinstance(embeds, torch.Tensor) and embeds.ndim == 3 and embeds.shape[0] == 1:
             embeds = embeds[0]  # a batch of one, as an embedding layer returns it
-        fault = embeds_fault(embeds, self.prompt_embeds_width, "prompt_embeds", "num_tokens")
+        fault = embeds_fault(embeds, self.prompt_embeds_width, name, "num_tokens")
         if fault is not None:
             raise ValueError(f"{fault}.")
         embeds = embeds.detach().to("cpu").contiguous()
         digest = hashlib.sha256(f"{embeds.dtype}{tuple(embeds.shape)}".encode())
         digest.update(embeds.view(torch.uint8).numpy().data)
-        return ProcessedInputs(
-            None,
-            [PROMPT_EMBEDS_PLACEHOLDER_ID] * embeds.shape[0],
-            prompt_embeds=PromptEmbeds(embeds, digest.hexdigest()),
-        )
+        return PromptEmbeds(embeds, digest.hexdigest())
+
+    def _with_embeds_runs(self, prompt: dict[str, Any]) -> ProcessedInputs:
+        """A token prompt (with media, if any) whose ids hold ``EMBEDS_SLOT`` where each of
+        ``prompt_embeds``' tensors goes: processed as usual (the slots pass through the media
+        placeholders' expansion), then each slot becomes its tensor's run of placeholders."""
+        tensors = prompt.pop("prompt_embeds")
+        if not isinstance(tensors, list):
+            raise TypeError(
+                "prompt_embeds beside prompt_token_ids must be a list of tensors (one per "
+                f"{EMBEDS_SLOT} in the ids)."
+            )
+        runs = [self._checked_run(t, f"prompt_embeds[{i}]") for i, t in enumerate(tensors)]
+        slots = sum(t == EMBEDS_SLOT for t in prompt.get("prompt_token_ids") or [])
+        if slots != len(runs):
+            raise ValueError(
+                f"prompt_token_ids hold {slots} places ({EMBEDS_SLOT}) for prompt_embeds, but "
+                f"{len(runs)} tensors were given."
+            )
+        inputs = self.preprocess(prompt)  # type: ignore[arg-type]
+        ids: list[int] = []
+        placed: list[PromptEmbeds] = []
+        slots_at: list[tuple[int, int]] = []  # (index in the processed ids, positions added)
+        for index, token in enumerate(inputs.prompt_token_ids):
+            if token != EMBEDS_SLOT:
+                ids.append(token)
+                continue
+            run = runs[len(placed)]
+            placed.append(msgspec.structs.replace(run, offset=len(ids)))
+            slots_at.append((index, len(run.embeds) - 1))
+            ids += [PROMPT_EMBEDS_PLACEHOLDER_ID] * len(run.embeds)
+        features = []
+        for feature in inputs.mm_features:  # an item after a run moves by the run's positions
+            pos = feature.mm_position
+            moved = pos.offset + sum(n for index, n in slots_at if index < pos.offset)
+            moved_pos = msgspec.structs.replace(pos, offset=moved)
+            features.append(msgspec.structs.replace(feature, mm_position=moved_pos))
+        return dataclasses.replace(inputs, prompt_token_ids=ids, mm_features=features,
+                                   prompt_embeds=placed)  # fmt: skip
 
     def _process_multimodal(
         self,

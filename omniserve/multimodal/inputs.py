@@ -56,15 +56,18 @@ class MultiModalFeatureSpec(msgspec.Struct, array_like=True, omit_defaults=True)
     """The encoder's inputs for this item alone (tensors, e.g. pixel_values + image_grid_thw)."""
 
 
-class PromptEmbeds(msgspec.Struct, array_like=True):
-    """A prompt given as embeddings (vLLM's ``prompt_embeds``): rows the decoder reads in place
-    of its tokens' embeddings, as it reads an item's encoder output in place of its
-    placeholders'."""
+class PromptEmbeds(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Embeddings given for a run of prompt positions (vLLM's ``prompt_embeds``: a whole
+    prompt, or a chat's ``prompt_embeds`` part): rows the decoder reads in place of those
+    positions' (placeholder) token embeddings, as it reads an item's encoder output in place of
+    its placeholders'."""
 
     embeds: Any
     """``[num_tokens, hidden_size]`` floating-point tensor on the CPU, as the client sent it."""
     identifier: str
-    """Content hash (dtype, shape, values): what the prefix cache keys the prompt's blocks by."""
+    """Content hash (dtype, shape, values): what the prefix cache keys their blocks by."""
+    offset: int = 0
+    """The prompt position of the first row."""
 
 
 class EncoderItem(dict[str, Any]):

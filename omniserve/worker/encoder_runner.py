@@ -127,20 +127,25 @@ class EncoderRunner:
 
 
 def prompt_embeds_rows(
-    starts: np.ndarray, query_lens: np.ndarray, given: Sequence[torch.Tensor | None]
-) -> tuple[torch.Tensor, np.ndarray]:
-    """The rows of prompts given as embeddings (``given``: each request's, or None) that each
-    request's window of ``query_lens`` positions from ``starts`` reads, and their indices in
-    the step's flattened tokens."""
+    starts: np.ndarray,
+    query_lens: np.ndarray,
+    given: Sequence[list[tuple[int, torch.Tensor]]],
+) -> tuple[torch.Tensor | None, np.ndarray]:
+    """The given embedding rows (``given``: each request's runs, as (first position, rows))
+    that each request's window of ``query_lens`` positions from ``starts`` reads, and their
+    indices in the step's flattened tokens; (None, empty) when no window reaches a run."""
     pieces: list[torch.Tensor] = []
     indices: list[np.ndarray] = []
     flat_starts = np.cumsum(query_lens) - query_lens
-    for start, count, flat, rows in zip(starts.tolist(), query_lens.tolist(),
+    for start, count, flat, runs in zip(starts.tolist(), query_lens.tolist(),
                                         flat_starts.tolist(), given, strict=True):  # fmt: skip
-        if rows is not None and start < rows.shape[0]:
-            stop = min(start + count, rows.shape[0])
-            pieces.append(rows[start:stop])
-            indices.append(np.arange(flat, flat + stop - start))
+        for at, rows in runs:
+            lo, hi = max(start, at), min(start + count, at + len(rows))
+            if lo < hi:
+                pieces.append(rows[lo - at : hi - at])
+                indices.append(np.arange(flat + lo - start, flat + hi - start))
+    if not pieces:
+        return None, np.zeros(0, np.int64)
     return torch.cat(pieces), np.concatenate(indices)
 
 

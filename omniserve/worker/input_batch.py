@@ -30,9 +30,10 @@ class CachedRequestState:
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] for M-RoPE models
     mrope_delta: int = 0  # a generated token at position p sits at p + delta on all axes
     lora_request: LoRARequest | None = None
-    prompt_embeds: torch.Tensor | None = None
-    """``[num_prompt_tokens, hidden]`` rows fed in place of the prompt's (placeholder) tokens'
-    embeddings, in the model's dtype on the host."""
+    prompt_embeds: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """(first position, ``[n, hidden]`` rows) of each run of the prompt given as embeddings,
+    fed in place of its placeholder ids' embeddings; the rows in the model's dtype, on the
+    host."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -48,8 +49,8 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        # Prompt positions fed from given embeddings (the state's prompt_embeds; 0: none).
-        self.num_prompt_embeds = np.zeros(max_num_reqs, dtype=np.int64)
+        # The end of the last prompt run given as embeddings (the state's prompt_embeds; 0: none).
+        self.prompt_embeds_end = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         # Tokens sampled by launched steps and not yet read back (appended): at most one, the
         # input of the row's next step, which then comes from the device (async scheduling).
@@ -80,8 +81,8 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = state.num_prompt_tokens
-        embeds = state.prompt_embeds
-        self.num_prompt_embeds[row] = 0 if embeds is None else embeds.shape[0]
+        runs = state.prompt_embeds
+        self.prompt_embeds_end[row] = max((at + len(rows) for at, rows in runs), default=0)
         self.num_computed_tokens[row] = num_computed_tokens
         self.num_in_flight[row] = 0
         self.num_blocks[row] = 0

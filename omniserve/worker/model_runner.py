@@ -248,7 +248,7 @@ class ModelRunner:
                     inputs_embeds = self._embed_with_mm(scheduler_output, step)
                 input_ids = None
             starts = self.input_batch.num_computed_tokens[step.rows]
-            if (starts < self.input_batch.num_prompt_embeds[step.rows]).any():
+            if (starts < self.input_batch.prompt_embeds_end[step.rows]).any():
                 inputs_embeds = self._with_prompt_embeds(step, starts, inputs_embeds)
                 input_ids = None
             lora_mapping = None
@@ -350,8 +350,10 @@ class ModelRunner:
         if embeds is None:
             embeds = self.model.get_input_embeddings(step.input_ids)
         states = [self.input_batch.states[int(r)] for r in step.rows]
-        given = [s.prompt_embeds if s is not None else None for s in states]
+        given = [s.prompt_embeds if s is not None else [] for s in states]
         rows, indices = prompt_embeds_rows(starts, step.query_lens, given)
+        if rows is None:  # no window reaches a run
+            return embeds
         moved, where = upload(self.device, [rows, indices])
         return embeds.index_copy(0, where, moved.to(embeds.dtype))
 
@@ -393,9 +395,10 @@ class ModelRunner:
                 new.eos_token_id,
                 list(new.mm_features),
                 lora_request=new.lora_request,
-                prompt_embeds=None
-                if new.prompt_embeds is None
-                else new.prompt_embeds.embeds.to(next(self.model.parameters()).dtype),
+                prompt_embeds=[
+                    (run.offset, run.embeds.to(next(self.model.parameters()).dtype))
+                    for run in new.prompt_embeds
+                ],
             )
             if self.uses_mrope:
                 state.mrope_positions, state.mrope_delta = self.model.get_mrope_input_positions(

@@ -23,11 +23,12 @@ class EnginePrompt:
     """modality -> the chat part of each item, to name it in the engine's errors."""
     cache_salt: str | None = None
     mm_uuids: dict[str, list[str | None]] | None = None
-    embeds: torch.Tensor | None = None
-    """The prompt's rows when it was given as embeddings (``prompt_embeds``)."""
+    embeds: torch.Tensor | list[torch.Tensor] | None = None
+    """The prompt's rows when it was given as embeddings (``prompt_embeds``), or the tensors of
+    a chat's ``prompt_embeds`` parts (``token_ids`` then hold ``EMBEDS_SLOT`` where each goes)."""
 
     def to_engine_input(self) -> TokensPrompt | EmbedsPrompt:
-        if self.embeds is not None:
+        if isinstance(self.embeds, torch.Tensor):
             embeds = EmbedsPrompt(prompt_embeds=self.embeds)
             if self.cache_salt is not None:
                 embeds["cache_salt"] = self.cache_salt
@@ -43,4 +44,6 @@ class EnginePrompt:
             prompt["multi_modal_uuids"] = self.mm_uuids
         if self.mm_processor_kwargs:
             prompt["mm_processor_kwargs"] = self.mm_processor_kwargs
+        if self.embeds is not None:
+            prompt["prompt_embeds"] = self.embeds
         return prompt

@@ -287,6 +287,7 @@ class OpenAIServing:
             prompt.get("mm_processor_kwargs"),
             locations,
             mm_uuids=prompt.get("multi_modal_uuids"),
+            embeds=prompt.get("prompt_embeds"),
         )
 
     def apply_prompt_options(self, prompt: EnginePrompt, request: SamplingRequest) -> EnginePrompt:
@@ -294,10 +295,10 @@ class OpenAIServing:
         ``cache_salt``, as vLLM applies them to the tokenized prompt."""
         keep = request.truncate_prompt_tokens
         if keep is not None:
-            if prompt.mm_data:
+            if prompt.mm_data or isinstance(prompt.embeds, list):
                 raise ServingError(
-                    "truncate_prompt_tokens cannot cut a prompt with media (it "
-                    "would cut their placeholders).",
+                    "truncate_prompt_tokens cannot cut a prompt with media or prompt_embeds "
+                    "parts (it would cut their placeholders).",
                     param="truncate_prompt_tokens",
                 )
             keep = self.max_model_len if keep == -1 else keep
