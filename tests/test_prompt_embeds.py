@@ -36,13 +36,15 @@ def _soft_prompts(model_dir: str) -> tuple[list[list[int]], list[torch.Tensor], 
     return prompts, embeds, model
 
 
-def _hf_greedy_embeds(model: Any, embeds: list[torch.Tensor]) -> list[ReferenceOutput]:
+def _hf_greedy_embeds(
+    model: Any, embeds: list[torch.Tensor], **kwargs: Any
+) -> list[ReferenceOutput]:
     results = []
     with torch.no_grad():
         for rows in embeds:
             out = model.generate(inputs_embeds=rows[None], max_new_tokens=GREEDY.max_tokens,
                                  do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)  # fmt: skip
+                                 return_dict_in_generate=True, **kwargs)  # fmt: skip
             logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
             results.append(ReferenceOutput(out.sequences[0].tolist(), logprobs))
     return results
@@ -58,6 +60,21 @@ def soft(text_model) -> tuple[list[list[int]], list[torch.Tensor], list[Referenc
     """Token prompts, their soft embeddings, and transformers' greedy run of the embeddings."""
     prompts, embeds, model = _soft_prompts(text_model)
     return prompts, embeds, _hf_greedy_embeds(model, embeds)
+
+
+@pytest.mark.slow
+def test_repetition_penalty_counts_the_generated_tokens(text_model) -> None:
+    """Positions given as embeddings hold no token: a repetition penalty counts the output (and
+    a prompt's own tokens), as transformers' does after ``generate(inputs_embeds=...)``; the
+    checkpoint's generation_config may set one (Qwen2.5's 1.05), so it is not refused."""
+    _, embeds, model = _soft_prompts(text_model)
+    reference = _hf_greedy_embeds(model, embeds, repetition_penalty=1.5)
+    llm = LLM(text_model, dtype="float32", enable_prompt_embeds=True, max_model_len=256)
+    penalized = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, repetition_penalty=1.5)
+    outputs = llm.generate([{"prompt_embeds": e} for e in embeds], penalized, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [r.token_ids for r in reference]
+    plain = llm.generate([{"prompt_embeds": e} for e in embeds], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in plain] != [r.token_ids for r in reference]
 
 
 @pytest.mark.slow
@@ -182,9 +199,8 @@ def test_refusals(text_model) -> None:
                      use_tqdm=False)  # fmt: skip
     with pytest.raises(ValueError, match="outside the vocabulary"):  # a place with no tensor
         llm.generate({"prompt_token_ids": [1, -1]}, use_tqdm=False)
-    for name, value in (("prompt_logprobs", 1), ("repetition_penalty", 1.2)):
-        with pytest.raises(ValueError, match=f"{name} reads the prompt's token ids"):
-            llm.generate({"prompt_embeds": rows}, SamplingParams(**{name: value}), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs reads the prompt's token ids"):
+        llm.generate({"prompt_embeds": rows}, SamplingParams(prompt_logprobs=1), use_tqdm=False)
     with pytest.raises(ValueError, match="maximum context length"):
         llm.generate({"prompt_embeds": torch.randn(128, 64)}, use_tqdm=False)
     from omniserve.entrypoints.beam_search import BeamSearchParams

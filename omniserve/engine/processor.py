@@ -413,7 +413,6 @@ def _check_embeds_params(params: SamplingParams) -> None:
     """What a prompt given as embeddings cannot have: whatever reads its token ids."""
     reads_ids = {
         "prompt_logprobs": params.prompt_logprobs is not None,
-        "repetition_penalty": params.repetition_penalty != 1.0,
         "audio output": params.wants_audio,
     }
     for name, asked in reads_ids.items():

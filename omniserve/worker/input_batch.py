@@ -118,6 +118,29 @@ class InputBatch:
         self.num_tokens[row] += 1
         state.output_token_ids.append(token_id)
 
+    def seen_tokens(
+        self, rows: np.ndarray, drafts_before: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt and output token ids of ``rows`` (with the drafts before each row's
+        position, which follow the row's tokens in ``token_ids``), each padded with -1: what
+        penalties count. Positions given as embeddings count as padding: they hold no token."""
+        num_prompt = self.num_prompt_tokens[rows]
+        num_tokens = self.num_tokens[rows] + drafts_before
+
+        def window(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+            index = start[:, None] + np.arange(int((end - start).max(initial=0)))
+            inside = index < end[:, None]
+            ids = self.token_ids[rows[:, None], np.where(inside, index, 0)]
+            return np.where(inside, ids, -1)
+
+        prompt = window(np.zeros_like(num_prompt), num_prompt)
+        for i in np.flatnonzero(self.prompt_embeds_end[rows]).tolist():
+            state = self.states[int(rows[i])]
+            assert state is not None
+            for at, given in state.prompt_embeds:
+                prompt[i, at : at + len(given)] = -1
+        return prompt, window(num_prompt, num_tokens)
+
     @property
     def num_reqs(self) -> int:
         return len(self.req_id_to_row)

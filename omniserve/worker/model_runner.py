@@ -542,7 +542,7 @@ class ModelRunner:
             repetition=batch.repetition_penalty[rows],
             frequency=batch.frequency_penalty[rows],
             presence=batch.presence_penalty[rows],
-            seen_tokens=lambda penalized: self._seen_tokens(
+            seen_tokens=lambda penalized: batch.seen_tokens(
                 rows[penalized], drafts_before[penalized]
             ),
             allowed=allowed,
@@ -550,23 +550,6 @@ class ModelRunner:
             bias=bias,
             grammar=grammar,
         )
-
-    def _seen_tokens(
-        self, rows: np.ndarray, drafts_before: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The prompt and output token ids of batch ``rows`` (with the drafts before each row's
-        position, which follow the row's tokens in ``token_ids``), each padded with -1."""
-        batch = self.input_batch
-        num_prompt = batch.num_prompt_tokens[rows]
-        num_tokens = batch.num_tokens[rows] + drafts_before
-
-        def window(start: np.ndarray, end: np.ndarray) -> np.ndarray:
-            index = start[:, None] + np.arange(int((end - start).max(initial=0)))
-            inside = index < end[:, None]
-            ids = batch.token_ids[rows[:, None], np.where(inside, index, 0)]
-            return np.where(inside, ids, -1)
-
-        return window(np.zeros_like(num_prompt), num_prompt), window(num_prompt, num_tokens)
 
     def _prompt_logprobs(
         self, step: StepInputs, hidden_states: torch.Tensor
