@@ -212,7 +212,10 @@ def test_refusals(text_model) -> None:
     assert len(out[0].outputs[0].token_ids) == 2 and out[0].num_prompt_tokens == 6
 
 
-def _b64(tensor: torch.Tensor) -> str:
+NOT_SAVED = "not base64 of a torch.save()d tensor"
+
+
+def _b64(tensor: Any) -> str:
     buffer = io.BytesIO()
     torch.save(tensor, buffer)
     return base64.b64encode(buffer.getvalue()).decode()
@@ -259,9 +262,10 @@ def test_the_api(text_model, soft, tmp_path, default_server) -> None:
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         body = {"model": "tiny", "max_tokens": 2}
         for extra, field, words in (
-            ({"prompt_embeds": "not base64!"}, "prompt_embeds", "not a base64-encoded"),
-            ({"prompt_embeds": base64.b64encode(b"junk").decode()}, "prompt_embeds",
-             "not a base64-encoded"),
+            ({"prompt_embeds": "not base64!"}, "prompt_embeds", NOT_SAVED),
+            ({"prompt_embeds": base64.b64encode(b"junk").decode()}, "prompt_embeds", NOT_SAVED),
+            ({"prompt_embeds": _b64({"rows": embeds[0]})}, "prompt_embeds",
+             "holds dict, not one dense tensor"),
             ({"prompt_embeds": _b64(torch.randn(3, 7))}, None, "[num_tokens, 64]"),
             ({"prompt_embeds": [_b64(embeds[0]), _b64(torch.tensor([1.0]))]}, None,
              "[num_tokens, 64]"),

@@ -285,42 +285,47 @@ def _decode_embeds(item: _PendingMedia) -> dict[str, Any]:
     """An ``image_embeds`` / ``audio_embeds`` part: base64 of ``torch.save(tensor)`` (the
     embeddings), or a dict of such (the embeddings and the fields the model needs, e.g.
     ``image_grid_thw``); loaded with ``weights_only=True``, so no code runs."""
-    import torch
 
     fields = item.payload if isinstance(item.payload, dict) else {item.kind: item.payload}
     decoded = {}
     for name, text in fields.items():
         try:
-            value = torch.load(
-                io.BytesIO(base64.b64decode(text, validate=True)),
-                weights_only=True,
-                map_location="cpu",
-            )
-        except Exception as exc:  # binascii, pickle and torch errors all mean "not a tensor"
+            decoded[name] = load_tensor(text)
+        except ValueError as exc:
             raise MultiModalInputError(
-                f"{item.kind}.{name} is not base64 of a torch.save()d tensor ({exc})",
+                f"{item.kind}.{name} {exc}",
                 stage="decode",
                 modality=item.modality,
                 location=item.location,
             ) from None
-        decoded[name] = value
     return decoded
 
 
+def load_tensor(text: Any) -> Any:
+    """The tensor that ``text`` holds as base64 of ``torch.save(tensor)``, on the CPU, loaded
+    with ``weights_only=True`` (so no code runs); a ``ValueError`` saying what it is instead."""
+    import torch
+
+    try:
+        value = torch.load(io.BytesIO(base64.b64decode(text, validate=True)),
+                           weights_only=True, map_location="cpu")  # fmt: skip
+    except Exception as exc:  # binascii, pickle and torch errors all mean "not a tensor"
+        raise ValueError(f"is not base64 of a torch.save()d tensor ({exc})") from None
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        raise ValueError(f"holds {type(value).__name__}, not one dense tensor")
+    return value
+
+
 def _decode_prompt_embeds(location: str, data: Any) -> Any:
-    """A ``prompt_embeds`` part's tensor: base64 of ``torch.save(tensor)`` (loaded with
-    ``weights_only=True``, so no code runs), or the tensor itself (offline)."""
+    """A ``prompt_embeds`` part's tensor (``load_tensor``), or the tensor itself (offline)."""
     import torch
 
     if isinstance(data, torch.Tensor):
         return data
     try:
-        return torch.load(io.BytesIO(base64.b64decode(data, validate=True)),
-                          weights_only=True, map_location="cpu")  # fmt: skip
-    except Exception as exc:  # binascii, pickle and torch errors all mean "not a tensor"
-        raise ChatTemplateError(
-            f"{location}: prompt_embeds data is not base64 of a torch.save()d tensor ({exc})"
-        ) from None
+        return load_tensor(data)
+    except ValueError as exc:
+        raise ChatTemplateError(f"{location}: prompt_embeds data {exc}") from None
 
 
 def _local_value(item: _PendingMedia) -> tuple[bool, Any]:

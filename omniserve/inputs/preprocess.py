@@ -114,9 +114,7 @@ class InputPreprocessor:
                 "are the whole prompt."
             )
         run = self._checked_run(prompt["prompt_embeds"], "prompt_embeds")
-        return ProcessedInputs(
-            None, [PROMPT_EMBEDS_PLACEHOLDER_ID] * len(run.embeds), prompt_embeds=[run]
-        )
+        return self._place_runs({"prompt_token_ids": [EMBEDS_SLOT]}, [run])
 
     def _checked_run(self, embeds: Any, name: str) -> PromptEmbeds:
         """Rows the decoder can read (floating, [n, hidden], finite), hashed, at offset 0."""
@@ -137,8 +135,7 @@ class InputPreprocessor:
 
     def _with_embeds_runs(self, prompt: dict[str, Any]) -> ProcessedInputs:
         """A token prompt (with media, if any) whose ids hold ``EMBEDS_SLOT`` where each of
-        ``prompt_embeds``' tensors goes: processed as usual (the slots pass through the media
-        placeholders' expansion), then each slot becomes its tensor's run of placeholders."""
+        ``prompt_embeds``' tensors goes."""
         tensors = prompt.pop("prompt_embeds")
         if not isinstance(tensors, list):
             raise TypeError(
@@ -152,6 +149,12 @@ class InputPreprocessor:
                 f"prompt_token_ids hold {slots} places ({EMBEDS_SLOT}) for prompt_embeds, but "
                 f"{len(runs)} tensors were given."
             )
+        return self._place_runs(prompt, runs)
+
+    def _place_runs(self, prompt: dict[str, Any], runs: list[PromptEmbeds]) -> ProcessedInputs:
+        """``prompt`` processed as usual (its ``EMBEDS_SLOT`` ids pass through the media
+        placeholders' expansion), then each slot replaced by its run's placeholders, and the
+        media after a run moved by the positions it adds."""
         inputs = self.preprocess(prompt)  # type: ignore[arg-type]
         ids: list[int] = []
         placed: list[PromptEmbeds] = []

@@ -243,11 +243,11 @@ class ModelRunner:
             hidden_states = self._replay_decode(scheduler_output, step)  # [num_tokens, hidden]
         if hidden_states is None:
             input_ids, inputs_embeds = step.input_ids, None
+            starts = self.input_batch.num_computed_tokens[step.rows]  # each window's first
             if self.encoder_runner is not None:
                 with timer.part("encoders"):
-                    inputs_embeds = self._embed_with_mm(scheduler_output, step)
+                    inputs_embeds = self._embed_with_mm(scheduler_output, step, starts)
                 input_ids = None
-            starts = self.input_batch.num_computed_tokens[step.rows]
             if (starts < self.input_batch.prompt_embeds_end[step.rows]).any():
                 inputs_embeds = self._with_prompt_embeds(step, starts, inputs_embeds)
                 input_ids = None
@@ -331,13 +331,15 @@ class ModelRunner:
                 talker.keep_hidden(req_id, positions, tapped[start : start + count])
             start += count
 
-    def _embed_with_mm(self, so: SchedulerOutput, step: StepInputs) -> torch.Tensor:
-        """Run this step's encoder inputs, then merge the slices each window needs."""
+    def _embed_with_mm(
+        self, so: SchedulerOutput, step: StepInputs, starts: np.ndarray
+    ) -> torch.Tensor:
+        """Run this step's encoder inputs, then merge the slices each window (from ``starts``)
+        needs."""
         assert self.encoder_runner is not None
         states = [self.input_batch.states[int(r)] for r in step.rows]
         features = [s.mm_features for s in states]  # type: ignore[union-attr]
         self.encoder_runner.execute(so, dict(zip(step.req_ids, features, strict=True)))
-        starts = self.input_batch.num_computed_tokens[step.rows]
         windows = list(zip(starts.tolist(), (starts + step.query_lens).tolist(), strict=True))
         mm_embeds, is_mm = self.encoder_runner.gather(windows, features, len(step.positions))
         return self.model.get_input_embeddings(step.input_ids, mm_embeds, is_mm)

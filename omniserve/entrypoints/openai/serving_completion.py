@@ -6,13 +6,10 @@ comes back in one response (or one stream) with every choice addressable.
 
 from __future__ import annotations
 
-import base64
-import io
 import time
 
-import torch
-
 from omniserve.entrypoints.beam_search import BeamSearchParams
+from omniserve.entrypoints.chat_utils import load_tensor
 from omniserve.entrypoints.openai.completion_protocol import (
     CompletionLogprobs,
     CompletionRequest,
@@ -128,18 +125,9 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, item in enumerate([encoded] if isinstance(encoded, str) else encoded):
             where = "prompt_embeds" if isinstance(encoded, str) else f"prompt_embeds[{i}]"
             try:
-                tensor = torch.load(io.BytesIO(base64.b64decode(item, validate=True)),
-                                    map_location="cpu", weights_only=True)  # fmt: skip
-            except Exception as exc:  # binascii, pickle and torch errors alike
-                raise ServingError(
-                    f"{where} is not a base64-encoded torch.save of a tensor ({exc}).",
-                    param="prompt_embeds",
-                ) from exc
-            if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
-                raise ServingError(
-                    f"{where} must hold one dense tensor, not {type(tensor).__name__}.",
-                    param="prompt_embeds",
-                )
+                tensor = load_tensor(item)
+            except ValueError as exc:
+                raise ServingError(f"{where} {exc}.", param="prompt_embeds") from None
             rows = tensor.shape[-2] if tensor.ndim >= 2 else 0
             prompts.append(EnginePrompt(None, [PROMPT_EMBEDS_PLACEHOLDER_ID] * rows, embeds=tensor))
         return prompts
