@@ -52,14 +52,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _group_by_module(items: list[pytest.Item]) -> None:
-    """A module's tests that share a module-scoped fixture (a server, an engine, a reference
-    run) go to one xdist worker (``--dist loadgroup``, in pyproject's addopts): spread over both
-    workers, each would set it up once."""
+    """A module whose tests share a module-scoped fixture (a server, an engine, a reference run)
+    runs on one xdist worker (``--dist loadgroup``, in pyproject's addopts), all of its tests in
+    file order: spread over both workers, each would set the fixture up, and a test that reads
+    what the module's earlier tests recorded (the fuzzing's tally) would see none of it."""
+    shared = set()
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         defs = info.name2fixturedefs.values() if info is not None else ()
         if any(d.scope == "module" for chain in defs for d in chain):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+            shared.add(item.nodeid.split("::")[0])
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if module in shared:
+            item.add_marker(pytest.mark.xdist_group(module))
 
 
 @pytest.fixture
