@@ -27,6 +27,11 @@ os.environ.setdefault(
 # tests run theirs on two threads (``kernel_threads``), so their threaded paths stay covered.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Offline engines (``LLM``) run their core in the test's process: a core process of its own costs
+# each of the suite's hundreds of engines ~4 s of start-up (a Python with torch and transformers).
+# The process path keeps its own tests (test_engine_core_proc and the ones that set this to 1),
+# and every server the suite starts runs its engine in a process of its own, as always.
+os.environ.setdefault("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
 # The user's model registry file must never leak into (or be written by) the suite.
 os.environ["OMNISERVE_CONFIG_DIR"] = tempfile.mkdtemp(prefix="omniserve-test-config-")
 

@@ -168,8 +168,9 @@ def test_in_process_engine_rejects_data_parallel(
 
 @pytest.mark.slow
 def test_offline_dp2_matches_one_engine_and_uses_both(
-    model_dir: Path, expected: dict[str, list[str]]
+    model_dir: Path, expected: dict[str, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "1")  # the suite's default is 0
     llm = LLM(
         str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB", data_parallel_size=2
     )

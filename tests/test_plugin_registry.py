@@ -367,10 +367,12 @@ def test_make_tiny_as_architecture(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_registered_plugin_runs_inside_the_engine_process(tmp_path, capsys):
+def test_registered_plugin_runs_inside_the_engine_process(tmp_path, capsys, monkeypatch):
     """The engine core is a spawned process: it finds the plugin only by reading the registry
     file (and its recorded --path) itself; the forced token proves the plugin's code ran."""
     from omniserve import LLM, SamplingParams
+
+    monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "1")  # the suite's default is 0
 
     module, src = _plugin(tmp_path, TEXT_PLUGIN)
     assert (
