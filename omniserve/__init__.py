@@ -18,9 +18,11 @@ configure_logging()
 _LAZY = {
     "LLM": "omniserve.entrypoints.llm",
     "SamplingParams": "omniserve.sampling_params",
+    "PoolingParams": "omniserve.sampling_params",
     "BeamSearchParams": "omniserve.entrypoints.beam_search",
     "RequestOutput": "omniserve.outputs",
     "CompletionOutput": "omniserve.outputs",
+    "EmbeddingRequestOutput": "omniserve.outputs",
     "EngineArgs": "omniserve.engine.arg_utils",
     "LLMEngine": "omniserve.engine.llm_engine",
 }
@@ -29,9 +31,11 @@ __all__ = [
     "__version__",
     "LLM",
     "SamplingParams",
+    "PoolingParams",
     "BeamSearchParams",
     "RequestOutput",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "LLMEngine",
 ]
@@ -41,8 +45,8 @@ if TYPE_CHECKING:
     from omniserve.engine.llm_engine import LLMEngine
     from omniserve.entrypoints.beam_search import BeamSearchParams
     from omniserve.entrypoints.llm import LLM
-    from omniserve.outputs import CompletionOutput, RequestOutput
-    from omniserve.sampling_params import SamplingParams
+    from omniserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from omniserve.sampling_params import PoolingParams, SamplingParams
 
 
 def __getattr__(name: str) -> Any:

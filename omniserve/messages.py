@@ -83,6 +83,9 @@ class ModelRunnerOutput:
     """req_id -> logprobs of the sampled tokens (only requests that asked)."""
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     """req_id -> logprobs of the prompt positions computed this step (only requests that asked)."""
+    pooled: dict[str, Any] = field(default_factory=dict)
+    """req_id -> the embedding (a float32 numpy array) of an embedding request whose prompt this
+    step ended."""
     speech: dict[str, SpeechStepOutput] = field(default_factory=dict)
     """req_id -> the talker's progress, for talker requests scheduled this step."""
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -167,6 +170,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_token_ids: list[int]
     new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs: LogprobsLists | None = None
+    pooled: Any = None
+    """An embedding request's embedding (a float32 numpy array), with its one output."""
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

@@ -63,9 +63,51 @@ class RequestOutput:
     """Prompt tokens that stand for each modality's items (image, audio, video)."""
     num_prompt_embeds: int = 0
     """Rows of a prompt given as embeddings (0 for a prompt of tokens)."""
+    pooled: np.ndarray | None = None
+    """An embedding request's embedding (float32; ``SamplingParams.pooling``), once finished."""
 
     @property
     def num_prompt_tokens(self) -> int:
         """The prompt's length in positions, however it was given."""
         ids = self.prompt_token_ids
         return len(ids) if ids is not None else self.num_prompt_embeds
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (``LLM.embed``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt, shaped like vLLM's."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int] | None
+    finished: bool = True
+    num_cached_tokens: int = 0
+    num_prompt_embeds: int = 0
+
+    @classmethod
+    def from_output(cls, output: RequestOutput) -> EmbeddingRequestOutput:
+        """The embedding request's finished output; an engine failure on it raises."""
+        if output.pooled is None:
+            reason = output.outputs[0].finish_reason if output.outputs else None
+            raise RuntimeError(
+                f"Request {output.request_id} ended without an embedding ({reason})."
+            )
+        return cls(
+            output.request_id,
+            EmbeddingOutput(output.pooled.tolist()),
+            output.prompt_token_ids,
+            output.finished,
+            output.num_cached_tokens,
+            output.num_prompt_embeds,
+        )

@@ -108,6 +108,26 @@ class SpeechParams:
 
 
 @dataclass
+class PoolingParams:
+    """The prompt's last position's final hidden state (last-token pooling, what decoder-based
+    embedding models are trained for), cut to ``dimensions`` and L2-normalised when asked.
+    Invalid values raise ``ValueError`` naming the field."""
+
+    normalize: bool = True
+    """Scale the embedding to unit L2 norm (vLLM's default for embeddings)."""
+    dimensions: int | None = None
+    """Keep the first ``dimensions`` values (before normalising): only for a model whose config
+    declares Matryoshka training (``is_matryoshka`` / ``matryoshka_dimensions``); None: all."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be a boolean, got {self.normalize!r}.")
+        dims = self.dimensions
+        if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
+            raise ValueError(f"dimensions must be None or a positive integer, got {dims!r}.")
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request. Invalid values raise ``ValueError`` naming the field."""
 
@@ -148,6 +168,11 @@ class SamplingParams:
     full omni checkpoint); the text is generated either way (it is what is spoken)."""
     speech: SpeechParams | None = None
     """The voice and talker settings of audio output (None: the defaults)."""
+    pooling: PoolingParams | None = None
+    """An embedding request (``LLM.embed``, ``/v1/embeddings``; ``embedding_params``): its
+    output carries the prompt's pooled hidden state (``RequestOutput.pooled``) beside the one
+    greedy token it samples (the step that computes the prompt's last position), which
+    ``LLM.embed`` and the API drop. Its prompt must leave that token room, as any prompt."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -166,6 +191,8 @@ class SamplingParams:
             if unknown := sorted(set(self.speech) - known):
                 raise ValueError(f"speech.{unknown[0]} is not a speech setting ({sorted(known)}).")
             self.speech = SpeechParams(**self.speech)
+        if isinstance(self.pooling, dict):
+            self.pooling = PoolingParams(**self.pooling)
         if self.speech is not None and not isinstance(self.speech, SpeechParams):
             raise ValueError(f"speech must be a SpeechParams or a dict, got {self.speech!r}.")
         self.output_modalities = list(self.output_modalities)
@@ -292,3 +319,15 @@ class SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def embedding_params(pooling: PoolingParams | None = None) -> SamplingParams:
+    """The params of an embedding request: it runs its prompt and samples one greedy token
+    (the step that computes the prompt's last position), which is not reported."""
+    return SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        pooling=pooling or PoolingParams(),
+    )

@@ -570,6 +570,7 @@ class Scheduler:
                         # only the tokens kept (a stop or a missing token cuts the step's)
                         new_logprobs=logprobs and logprobs.head(len(new_token_ids)),
                         new_prompt_logprobs=prompt_logprobs,
+                        pooled=runner.pooled.get(req_id),
                         finish_reason=FINISH_REASONS.get(request.status),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=request.num_cached_tokens,

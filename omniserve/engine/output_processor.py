@@ -118,6 +118,7 @@ class _ParentState:
     num_cached_tokens: int = 0
     num_mm_tokens: dict[str, int] = field(default_factory=dict)
     num_prompt_embeds: int = 0
+    pooled: np.ndarray | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -156,6 +157,7 @@ class _ParentState:
             metrics=metrics,
             num_mm_tokens=self.num_mm_tokens,
             num_prompt_embeds=self.num_prompt_embeds,
+            pooled=self.pooled,
         )
 
 
@@ -327,6 +329,8 @@ class OutputProcessor:
         if child.index == 0:  # every child computes the same prompt; report the first's
             self._add_prompt_logprobs(parent, output.new_prompt_logprobs)
             parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
+            if output.pooled is not None:
+                parent.pooled = output.pooled
             parent.prompt_logprobs_ready = parent.prompt_logprobs_ready or bool(
                 new_ids or output.finished
             )

@@ -259,12 +259,36 @@ class Processor:
                     f"Requested {name}={value}, but at most {self.model_config.max_logprobs} "
                     "logprobs per token are supported."
                 )
+        if params.pooling is not None:
+            self._validate_pooling(params)
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias or {}),
             ("allowed_token_ids", params.allowed_token_ids or []),
         ):
             self.check_token_ids(name, list(ids))
+
+    def _validate_pooling(self, params: SamplingParams) -> None:
+        """An embedding request generates one token it does not report, and pools its prompt
+        once: one sequence, no audio; ``dimensions`` only where the model was trained for it."""
+        if params.n != 1 or params.wants_audio:
+            raise ValueError("An embedding request takes n=1 and no audio output.")
+        dims = params.pooling.dimensions if params.pooling is not None else None
+        if dims is None:
+            return
+        text = self.model_config.hf_config.get_text_config()
+        allowed = getattr(text, "matryoshka_dimensions", None)
+        if not (getattr(text, "is_matryoshka", False) or allowed):
+            raise ValueError(
+                f"dimensions: {self.model_config.architecture} does not support "
+                "Matryoshka embeddings (its config declares neither is_matryoshka nor "
+                "matryoshka_dimensions); omit dimensions."
+            )
+        if dims > text.hidden_size or (allowed and dims not in allowed):
+            raise ValueError(
+                f"dimensions: {dims} is not one of this model's Matryoshka dimensions "
+                f"({allowed or f'1 to {text.hidden_size}'})."
+            )
 
     def _speech_request(
         self, params: SamplingParams, token_ids: list[int], has_media: bool

@@ -15,8 +15,13 @@ from omniserve.entrypoints.beam_search import BeamSearchBatch, BeamSearchOutput,
 from omniserve.entrypoints.chat_utils import ChatRenderer
 from omniserve.inputs.data import PromptType
 from omniserve.lora.request import LoRARequest
-from omniserve.outputs import RequestOutput
-from omniserve.sampling_params import RequestOutputKind, SamplingParams
+from omniserve.outputs import EmbeddingRequestOutput, RequestOutput
+from omniserve.sampling_params import (
+    PoolingParams,
+    RequestOutputKind,
+    SamplingParams,
+    embedding_params,
+)
 
 Conversation = list[dict[str, Any]]
 
@@ -131,6 +136,25 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, in prompt order: the final hidden state at its last position
+        (last-token pooling, as decoder-based embedding models are trained), L2-normalised
+        unless ``pooling_params.normalize`` is False. Prompts are those of ``generate``: text,
+        token ids, with media (``multi_modal_data``) or prompt embeddings."""
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(
+                f"pooling_params must be a PoolingParams, not {type(pooling_params).__name__}."
+            )
+        params = embedding_params(pooling_params)
+        outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
+        return [EmbeddingRequestOutput.from_output(output) for output in outputs]
 
     def beam_search(
         self,

@@ -52,6 +52,8 @@ class InputBatch:
         # The end of the last prompt run given as embeddings (the state's prompt_embeds; 0: none).
         self.prompt_embeds_end = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # Embedding requests: their step that samples also returns the prompt's pooled state.
+        self.pools = np.zeros(max_num_reqs, dtype=bool)
         # Tokens sampled by launched steps and not yet read back (appended): at most one, the
         # input of the row's next step, which then comes from the device (async scheduling).
         self.num_in_flight = np.zeros(max_num_reqs, dtype=np.int64)
@@ -84,6 +86,7 @@ class InputBatch:
         runs = state.prompt_embeds
         self.prompt_embeds_end[row] = max((at + len(rows) for at, rows in runs), default=0)
         self.num_computed_tokens[row] = num_computed_tokens
+        self.pools[row] = state.sampling_params.pooling is not None
         self.num_in_flight[row] = 0
         self.num_blocks[row] = 0
         self.append_block_ids(row, block_ids)

@@ -45,6 +45,7 @@ from omniserve.worker.encoder_runner import (
 )
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
 from omniserve.worker.lora_manager import LoRAManager
+from omniserve.worker.pooler import pool_prompts
 from omniserve.worker.sampled_step import SampledStep
 from omniserve.worker.sampling_inputs import banned_ids, build_sampling_metadata
 from omniserve.worker.step_timing import StepTimer
@@ -287,6 +288,8 @@ class ModelRunner:
             metadata = self._sampling_metadata(np.repeat(step.rows[sampling], counts), grammar,
                                                _ranges(np.zeros_like(counts), counts))  # fmt: skip
             sampler_output = self.sampler(logits, metadata)
+        pooled = pool_prompts(hidden_states, step.logits_indices, self.input_batch, step.req_ids,
+                              step.rows, sampling, counts)  # fmt: skip
         self.input_batch.num_in_flight[step.rows[sampling]] += 1
         self._last_step = SampledStep(
             self.input_batch,
@@ -298,6 +301,7 @@ class ModelRunner:
             sampler_output.reported_ids(),
             sampler_output.logprobs,
             self._prompt_logprobs(step, hidden_states),
+            pooled,
             self.proposer,
         )
         return self._last_step

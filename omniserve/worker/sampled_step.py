@@ -38,6 +38,8 @@ class SampledStep:
     logprobs: LogprobsTensors | None
     prompt_logprobs: dict[str, tuple[LogprobsTensors, int]]
     """req id -> logprobs of its prompt positions in this step, and how many it asked for."""
+    pooled: dict[str, torch.Tensor]
+    """req id -> its embedding (embedding requests whose prompt this step completed)."""
     proposer: NgramProposer | None = None
 
     def __post_init__(self) -> None:
@@ -45,6 +47,7 @@ class SampledStep:
         for logprobs in (self.logprobs, *(lp for lp, _ in self.prompt_logprobs.values())):
             if logprobs is not None:
                 tensors += logprobs.tensors()
+        tensors += self.pooled.values()
         self._copy: HostCopy | None = HostCopy(tensors)
         self._host: list[torch.Tensor] = []
         self.starts = np.cumsum([0, *(1 + len(d) for d in self.drafts)])[:-1].tolist()
@@ -97,6 +100,8 @@ class SampledStep:
             output.prompt_logprobs[req_id] = LogprobsTensors(
                 *itertools.islice(host, 3)
             ).to_lists_all(k)
+        for req_id in self.pooled:
+            output.pooled[req_id] = next(host).numpy()
         if self.proposer is not None:
             with self.timer.part("drafts"):
                 self._propose(self.proposer)

@@ -45,6 +45,7 @@ from omniserve.entrypoints.openai.completion_protocol import (
     CompletionResponse,
     CompletionStreamResponse,
 )
+from omniserve.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
 from omniserve.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
@@ -75,6 +76,7 @@ from omniserve.entrypoints.openai.routing import (
 )
 from omniserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from omniserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from omniserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from omniserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     ServingError,
@@ -227,6 +229,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         engine, models, chat_template, trust_request_chat_template=trust,
         request_logger=request_logger,
     )  # fmt: skip
+    embedding = OpenAIServingEmbedding(
+        engine, models, chat_template, trust_request_chat_template=trust,
+        request_logger=request_logger,
+    )  # fmt: skip
     speech = OpenAIServingSpeech(engine, models, chat_template, request_logger=request_logger)
     if chat.default_sampling:
         logger.info(
@@ -295,7 +301,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     responses = OpenAIServingResponses(chat, int(envs.responses_store_mb() * 2**20))
     transcription = OpenAIServingTranscription(chat)
     app.include_router(
-        _api_router(engine, chat, completion, speech, responses, transcription, models)
+        _api_router(engine, chat, completion, embedding, speech, responses, transcription, models)
     )
     if not getattr(args, "no_playground", False):
         app.include_router(
@@ -350,6 +356,7 @@ def _api_router(
     engine: AsyncLLM,
     chat: OpenAIServingChat,
     completion: OpenAIServingCompletion,
+    embedding: OpenAIServingEmbedding,
     speech: OpenAIServingSpeech,
     responses: OpenAIServingResponses,
     transcription: OpenAIServingTranscription,
@@ -397,6 +404,11 @@ def _api_router(
     @with_cancellation
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return respond(await completion.create_completion(request))
+
+    @router.post("/v1/embeddings", responses=documented(EmbeddingResponse))
+    @with_cancellation
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return respond(await embedding.create_embedding(request))
 
     @router.post(
         "/v1/audio/speech",

@@ -27,6 +27,7 @@ from omniserve.entrypoints.openai.serving_engine import (
     ServingError,
     clamp_logprob,
     merge_async_iterators,
+    split_prompts,
     sse_event,
     to_serving_error,
 )
@@ -47,8 +48,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_engine()
         given = [*self._embeds_prompts(request)]
         if request.prompt is not None:
-            given += [await self._to_engine_prompt(p, request.add_special_tokens)
-                      for p in _split_prompts(request.prompt)]  # fmt: skip
+            given += [await self.prompt_of(p, request.add_special_tokens)
+                      for p in split_prompts(request.prompt)]  # fmt: skip
         prompts = [self.apply_prompt_options(p, request) for p in given]
         # Every prompt gets the same params (the processor fits max_tokens to each); echo with
         # logprobs reports the prompt's logprobs too (as OpenAI does).
@@ -131,16 +132,6 @@ class OpenAIServingCompletion(OpenAIServing):
             rows = tensor.shape[-2] if tensor.ndim >= 2 else 0
             prompts.append(EnginePrompt(None, [PROMPT_EMBEDS_PLACEHOLDER_ID] * rows, embeds=tensor))
         return prompts
-
-    async def _to_engine_prompt(
-        self, prompt: str | list[int], add_special_tokens: bool
-    ) -> EnginePrompt:
-        if isinstance(prompt, str):
-            engine_prompt = await self.tokenize_text(prompt, add_special_tokens)
-            if not engine_prompt.token_ids:
-                raise to_serving_error(ValueError("The prompt is empty."))
-            return engine_prompt
-        return self.check_token_ids(prompt)
 
     async def _full(
         self,
@@ -318,15 +309,6 @@ def _end_offset(logprobs: CompletionLogprobs, start: int) -> int:
     if not logprobs.tokens:
         return start
     return logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-
-
-def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """OpenAI's four prompt forms -> a list of single prompts (text or token ids)."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if all(isinstance(p, int) for p in prompt):
-        return [prompt]  # type: ignore[list-item]
-    return list(prompt)  # type: ignore[arg-type]
 
 
 def _token_ids(

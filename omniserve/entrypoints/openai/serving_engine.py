@@ -27,6 +27,11 @@ from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
 from omniserve.entrypoints.logger import RequestLogger
 from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from omniserve.entrypoints.openai.completion_protocol import CompletionRequest
+from omniserve.entrypoints.openai.embedding_protocol import (
+    EmbeddingChatRequest,
+    EmbeddingCompletionRequest,
+    EmbeddingRequest,
+)
 from omniserve.entrypoints.openai.engine_prompt import EnginePrompt
 from omniserve.entrypoints.openai.protocol import (
     CompletionTokensDetails,
@@ -96,7 +101,8 @@ _FIELD_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\[\d+\]|\[\*\]|\.[a-z_][a-z0-9_]*)
 def _request_fields() -> frozenset[str]:
     models = (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
               TokenizeCompletionRequest, DetokenizeRequest, CreateSpeechRequest,
-              ResponsesRequest, TranscriptionRequest)  # fmt: skip
+              ResponsesRequest, TranscriptionRequest, EmbeddingChatRequest,
+              EmbeddingCompletionRequest)  # fmt: skip
     return frozenset(name for model in models for name in model.model_fields)
 
 
@@ -252,7 +258,7 @@ class OpenAIServing:
 
     async def render_chat(
         self,
-        request: ChatCompletionRequest | TokenizeChatRequest,
+        request: ChatCompletionRequest | TokenizeChatRequest | EmbeddingChatRequest,
         tools: list[dict[str, Any]] | None = None,
     ) -> EnginePrompt:
         """A chat request's messages -> the templated prompt and its media, fetched
@@ -290,7 +296,9 @@ class OpenAIServing:
             embeds=prompt.get("prompt_embeds"),
         )
 
-    def apply_prompt_options(self, prompt: EnginePrompt, request: SamplingRequest) -> EnginePrompt:
+    def apply_prompt_options(
+        self, prompt: EnginePrompt, request: SamplingRequest | EmbeddingRequest
+    ) -> EnginePrompt:
         """``truncate_prompt_tokens`` (keep the last k tokens; -1: max_model_len) and
         ``cache_salt``, as vLLM applies them to the tokenized prompt."""
         keep = request.truncate_prompt_tokens
@@ -311,8 +319,17 @@ class OpenAIServing:
 
     def check_token_ids(self, token_ids: list[int]) -> EnginePrompt:
         if not token_ids:
-            raise ServingError("The prompt is empty.", param="prompt")
+            raise ServingError("The prompt is empty.", param=self.prompt_field)
         return EnginePrompt(None, token_ids)
+
+    async def prompt_of(self, prompt: str | list[int], add_special_tokens: bool) -> EnginePrompt:
+        """One prompt of OpenAI's forms (text, or token ids), tokenized and checked."""
+        if isinstance(prompt, str):
+            engine_prompt = await self.tokenize_text(prompt, add_special_tokens, self.prompt_field)
+            if not engine_prompt.token_ids:
+                raise to_serving_error(ValueError("The prompt is empty."))
+            return engine_prompt
+        return self.check_token_ids(prompt)
 
     def sampling_params(
         self,
@@ -518,6 +535,15 @@ class OpenAIServing:
             batch.take_step(await asyncio.gather(*(final_output(g) for g in generators)))
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
         return list(zip(batch.results(decode), batch.firsts, strict=True))
+
+
+def split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's four prompt forms -> a list of single prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
 
 
 async def final_output(generator: OutputStream) -> RequestOutput:

@@ -1,0 +1,112 @@
+"""Bodies of ``POST /v1/embeddings``: OpenAI's (``input``: text or token ids, one or many) and
+vLLM's chat form (``messages``, whose media and text are embedded together)."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    Tag,
+    field_validator,
+    model_validator,
+)
+
+from omniserve.entrypoints.openai.protocol import OpenAIBaseModel, RequestModel, UsageInfo
+
+
+class _EmbeddingFields(RequestModel):
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    """base64: each embedding's little-endian float32 bytes, base64-encoded (OpenAI's)."""
+    dimensions: StrictInt | None = Field(None, ge=1)
+    """Matryoshka models only: keep the first ``dimensions`` values."""
+    user: str | None = None
+    # vLLM's extra fields
+    normalize: StrictBool | None = None
+    """L2-normalise the embedding (default: yes)."""
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
+    """Keep only the prompt's last k tokens (-1: max_model_len)."""
+    cache_salt: str | None = Field(None, min_length=1)
+    request_id: str | None = None
+    priority: StrictInt = Field(0, ge=-(2**31), lt=2**31)
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_truncation(self) -> _EmbeddingFields:
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or >= 1.")
+        return self
+
+
+class EmbeddingCompletionRequest(_EmbeddingFields):
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"input": ["a red square", "a blue circle"]}]}
+    )
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    add_special_tokens: StrictBool = True
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("must not be an empty list (nothing to embed)")
+        return value
+
+    @model_validator(mode="after")
+    def _check_media_options(self) -> EmbeddingCompletionRequest:
+        if self.mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs needs media: send messages instead of input.")
+        return self
+
+
+class EmbeddingChatRequest(_EmbeddingFields):
+    """A conversation rendered by the chat template (without a generation prompt, by default)
+    and embedded whole, media included."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    add_generation_prompt: StrictBool = False
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return self.chat_template_kwargs
+
+
+def _form(body: Any) -> str:
+    """Which of the two forms a body is: a body with ``messages`` is the chat form, so its errors
+    name its own fields and not the other form's (the tags are no identifiers, so an error's
+    ``param`` skips them)."""
+    has_messages = "messages" in body if isinstance(body, dict) else hasattr(body, "messages")
+    return "embedding-chat" if has_messages else "embedding-input"
+
+
+EmbeddingRequest = Annotated[
+    Annotated[EmbeddingChatRequest, Tag("embedding-chat")]
+    | Annotated[EmbeddingCompletionRequest, Tag("embedding-input")],
+    Discriminator(_form),
+]
+
+
+class EmbeddingData(OpenAIBaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo

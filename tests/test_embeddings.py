@@ -1,0 +1,164 @@
+"""Embeddings (vLLM's ``LLM.embed`` and ``/v1/embeddings``): the final hidden state at a prompt's
+last position, L2-normalised unless asked otherwise, against transformers' last hidden state on
+the same weights for text and image prompts; over the API in OpenAI's shapes and vLLM's chat
+form, with refusals as 400s naming the field."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+
+from omniserve import LLM, PoolingParams, SamplingParams
+from omniserve.entrypoints.cli import default_model
+from tests.hf_reference import make_prompts
+from tests.server_utils import MODEL, assert_error
+from tests.test_api_multimodal import _png
+from tests.test_fidelity_mm import _hf_inputs, _image
+
+LENGTHS = [3, 17, 40, 100]
+ATOL = 1e-4  # fp32 on both sides: only the order of the sums differs
+BROKEN_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+def _last_hidden(model, **inputs) -> torch.Tensor:
+    """transformers' final (normed) hidden state at the last position."""
+    with torch.inference_mode():
+        return model.model(**inputs).last_hidden_state[0, -1]
+
+
+def test_text_embeddings_match_transformers(tiny_checkpoint) -> None:
+    """Prefilled in chunks of 32 tokens, batched; the second call hits the prefix cache (the last
+    position is computed all the same) and gives the same vectors."""
+    model_dir = str(tiny_checkpoint("Qwen2ForCausalLM"))
+    prompts = make_prompts(model_dir, LENGTHS)
+    llm = LLM(model_dir, dtype="float32", max_model_len=256, max_num_batched_tokens=32)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    unit = llm.embed(inputs, use_tqdm=False)
+    raw = llm.embed(inputs, PoolingParams(normalize=False), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for ids, got, got_raw in zip(prompts, unit, raw, strict=True):
+        expected = _last_hidden(hf, input_ids=torch.tensor([ids]))
+        assert got.prompt_token_ids == ids and got.finished
+        assert got.outputs.hidden_size == hf.config.hidden_size
+        torch.testing.assert_close(torch.tensor(got_raw.outputs.embedding), expected,
+                                   atol=ATOL, rtol=0)  # fmt: skip
+        torch.testing.assert_close(torch.tensor(got.outputs.embedding),
+                                   F.normalize(expected, dim=0), atol=ATOL, rtol=0)  # fmt: skip
+    assert [o.num_cached_tokens for o in raw] == [0, 16, 32, 96]  # whole blocks of 16 reused
+    # Text is tokenized as generate tokenizes it; a generation after the embeddings is untouched.
+    text = llm.embed("Hello there", use_tqdm=False)[0]
+    ids = llm.get_tokenizer()("Hello there").input_ids
+    assert text.prompt_token_ids == ids
+    torch.testing.assert_close(torch.tensor(text.outputs.embedding),
+                               F.normalize(_last_hidden(hf, input_ids=torch.tensor([ids])), dim=0),
+                               atol=ATOL, rtol=0)  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    after = llm.generate(inputs[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    with torch.inference_mode():
+        reference = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False,
+                                min_new_tokens=8)[0, len(prompts[0]):].tolist()  # fmt: skip
+    assert after == reference
+
+
+def test_matryoshka_dimensions_and_refusals(tiny_checkpoint) -> None:
+    """``dimensions`` cuts before normalising, only on a model whose config declares Matryoshka
+    training; bad params raise naming the field."""
+    plain = LLM(str(tiny_checkpoint("Qwen2ForCausalLM")), dtype="float32", max_model_len=64)
+    with pytest.raises(ValueError, match="dimensions: Qwen2ForCausalLM does not support Matr"):
+        plain.embed("Hello", PoolingParams(dimensions=8), use_tqdm=False)
+    with pytest.raises(ValueError, match="dimensions must be None or a positive integer"):
+        PoolingParams(dimensions=0)
+    with pytest.raises(ValueError, match="normalize must be a boolean"):
+        PoolingParams(normalize="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="pooling_params must be a PoolingParams"):
+        plain.embed("Hello", {"normalize": False}, use_tqdm=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="An embedding request takes n=1"):
+        plain.generate("Hello", SamplingParams(n=2, max_tokens=1, pooling=PoolingParams()))
+
+    model_dir = str(
+        tiny_checkpoint("Qwen2ForCausalLM", overrides={"matryoshka_dimensions": [16, 32]})
+    )
+    llm = LLM(model_dir, dtype="float32", max_model_len=64)
+    full = llm.embed("Hello", PoolingParams(normalize=False), use_tqdm=False)[0]
+    cut = llm.embed("Hello", PoolingParams(dimensions=16), use_tqdm=False)[0]
+    expected = F.normalize(torch.tensor(full.outputs.embedding[:16]), dim=0)
+    torch.testing.assert_close(torch.tensor(cut.outputs.embedding), expected)
+    with pytest.raises(ValueError, match=r"dimensions: 8 is not one of this model's Matryoshka"):
+        llm.embed("Hello", PoolingParams(dimensions=8), use_tqdm=False)
+
+
+def test_image_prompt_embeddings_match_transformers(tiny_checkpoint) -> None:
+    """Media merged into the prompt as for generation (a 16-token budget cuts the image's
+    placeholders across steps): two images give two vectors, each transformers'."""
+    model_dir = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
+    processor = AutoProcessor.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    images = [_image(1, 112, 140), _image(2, 56, 84)]
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=16, max_num_seqs=2)
+    got = llm.embed([{"prompt": text, "multi_modal_data": {"image": [im]}} for im in images],
+                    use_tqdm=False)  # fmt: skip
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vectors = []
+    for image, output in zip(images, got, strict=True):
+        inputs = _hf_inputs(processor, text, {"image": [image]})
+        expected = F.normalize(_last_hidden(hf, **inputs), dim=0)
+        vector = torch.tensor(output.outputs.embedding)
+        torch.testing.assert_close(vector, expected, atol=ATOL, rtol=0)
+        vectors.append(vector)
+    assert not torch.allclose(vectors[0], vectors[1], atol=1e-3)  # the image is in the vector
+
+
+def test_the_api(default_server) -> None:
+    """OpenAI's form (the SDK unmodified) and vLLM's chat form, equal to ``LLM.embed`` on the
+    same checkpoint; base64 carries the same floats; refusals are 400s naming the field."""
+    image_url = "data:image/png;base64," + base64.b64encode(_png(_image(3, 64, 48))).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
+                                             {"type": "text", "text": "A shape."}]}]  # fmt: skip
+    client = default_server.client()
+    texts = ["a red square", "a beep"]
+    reply = client.embeddings.create(model=MODEL, input=texts)
+    assert [d.index for d in reply.data] == [0, 1] and reply.model == MODEL
+    packed = client.embeddings.create(model=MODEL, input=texts, encoding_format="base64")
+    ids = default_server.post("/tokenize", {"model": MODEL, "prompt": texts[0]}).json()["tokens"]
+    by_ids = default_server.post("/v1/embeddings", {"model": MODEL, "input": ids}).json()
+    chat = default_server.post("/v1/embeddings", {"model": MODEL, "messages": messages})
+    assert chat.status_code == 200, chat.text
+    unnormalized = {"model": MODEL, "input": texts[0], "normalize": False}
+    raw = default_server.post("/v1/embeddings", unnormalized).json()
+
+    offline = LLM(default_model(), dtype="float32", max_model_len=1024)
+    expected = offline.embed(texts, use_tqdm=False)
+    rendered = offline.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False,
+                            add_generation_prompt=False)[0]  # fmt: skip
+    offline.llm_engine.shutdown()
+    for data, want in zip(reply.data, expected, strict=True):
+        np.testing.assert_allclose(data.embedding, want.outputs.embedding, atol=1e-5)
+        assert abs(np.linalg.norm(data.embedding) - 1) < 1e-5
+    for data, plain in zip(packed.data, reply.data, strict=True):
+        decoded = np.frombuffer(base64.b64decode(data.embedding), dtype="<f4")
+        np.testing.assert_array_equal(decoded, np.float32(plain.embedding))
+    np.testing.assert_allclose(by_ids["data"][0]["embedding"], reply.data[0].embedding, atol=1e-6)
+    assert reply.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens
+    assert chat.json()["usage"]["prompt_tokens"] == len(rendered.prompt_token_ids)
+    assert np.linalg.norm(raw["data"][0]["embedding"]) > 1.5  # a hidden state, not unit
+
+    for body, field, words in (
+        ({"input": "x", "dimensions": 8}, "dimensions", "does not support Matryoshka"),
+        ({"input": []}, "input", "must not be an empty list"),
+        ({"input": "x", "encoding_format": "hex"}, "encoding_format", ""),
+        ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be -1"),
+        ({"input": "x" * 10**6}, "input", "maximum context length"),
+        ({"messages": [{"role": "user", "content": [BROKEN_IMAGE]}]}, "messages[0].content[0]",
+         "image"),
+    ):  # fmt: skip
+        error = assert_error(default_server.post("/v1/embeddings", {"model": MODEL, **body}), 400)
+        assert error["param"] == field and words in error["message"], error
+    missing = default_server.post("/v1/embeddings", {"model": "nope", "input": "x"})
+    assert assert_error(missing, 404)["param"] == "model"
