@@ -195,6 +195,16 @@ def test_structured_benchmark_runs_on_a_tiny_checkpoint(monkeypatch, capsys):
     assert "compile of a 5-field schema" in out
 
 
+def test_embeddings_benchmark_runs_on_the_tiny_checkpoint(monkeypatch, capsys):
+    bench = _load_script("bench_embeddings")
+    monkeypatch.setattr(sys, "argv", ["bench_embeddings.py", "--model", "tiny", "--prompts", "5"])
+    bench.main()
+    out = capsys.readouterr().out
+    assert "tiny, float32, 5 prompts of 64-128 tokens" in out
+    cosine = float(out.rsplit("smallest cosine between the two engines' vectors: ", 1)[1])
+    assert cosine > 0.9999  # the same fp32 vectors
+
+
 def test_serving_ablation_runs_a_b_b_a_and_merges_each_level(monkeypatch):
     """Near-equal systems run twice, A B B A, so neither always meets the colder machine; each
     level's two runs become one (rates over the summed wall time, percentiles over all)."""
