@@ -18,6 +18,7 @@ and ``shutdown`` stops them: a shutdown message, then SIGTERM, then SIGKILL.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -76,6 +77,9 @@ class MultiprocExecutor(Executor):
         self._failure: str | None = None
         self._closing = False
         self.workers: list[multiprocessing.process.BaseProcess] = []
+        # At interpreter exit, before multiprocessing's own hook (registered earlier, so run
+        # later) terminates the workers, which the monitor would report as deaths.
+        atexit.register(self.shutdown)
         try:
             self._start_workers()
             self._collect(_STARTUP_CALL_ID, set(range(self.world_size)), "start-up")
@@ -203,6 +207,7 @@ class MultiprocExecutor(Executor):
         if self._closing:
             return
         self._closing = True
+        atexit.unregister(self.shutdown)
         with contextlib.suppress(zmq.ZMQError):
             self._broadcast.send((None, None, (), REPLY_ALL))  # method None: leave the loop
         for proc in self.workers:
