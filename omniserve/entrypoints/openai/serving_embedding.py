@@ -39,10 +39,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                      for p in split_prompts(request.input)]  # fmt: skip
         prompts = [self.apply_prompt_options(p, request) for p in given]
         normalize = True if request.normalize is None else request.normalize
-        try:
-            params = embedding_params(PoolingParams(normalize, request.dimensions))
-        except ValueError as exc:
-            raise ServingError(str(exc), param="dimensions") from exc
+        params = embedding_params(PoolingParams(normalize, request.dimensions))  # both validated
         request_id = self.new_request_id("embd", request.request_id)
         generators = await self.start_generation(
             prompts, params, request_id, request.priority, lora
