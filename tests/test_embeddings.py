@@ -162,3 +162,36 @@ def test_the_api(default_server) -> None:
         assert error["param"] == field and words in error["message"], error
     missing = default_server.post("/v1/embeddings", {"model": "nope", "input": "x"})
     assert assert_error(missing, 404)["param"] == "model"
+
+
+def test_pooling_runner_serves_embeddings_only(tiny_checkpoint, tmp_path) -> None:
+    """vLLM's ``--runner pooling`` (or ``--convert embed``) and ``--pooler-config``: generation
+    is refused, embeddings answer with the configured default normalisation."""
+    from omniserve.engine.arg_utils import EngineArgs
+    from tests.server_utils import launch_server
+
+    model_dir = str(tiny_checkpoint("Qwen2ForCausalLM"))
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, convert="embed",
+              pooler_config='{"normalize": false}')  # fmt: skip
+    raw = llm.embed("Hello", use_tqdm=False)[0].outputs.embedding
+    assert np.linalg.norm(raw) > 1.5
+    with pytest.raises(ValueError, match=r"embedding model \(--runner pooling\)"):
+        llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.llm_engine.shutdown()
+    for kwargs, words in (
+        ({"runner": "score"}, "--runner must be auto, generate or pooling"),
+        ({"runner": "generate", "convert": "embed"}, "use --runner pooling"),
+        ({"pooler_config": {"pooling_type": "MEAN"}}, "pooling_type 'MEAN' is not supported"),
+        ({"pooler_config": {"normalise": True}}, "unknown key 'normalise'"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            EngineArgs(model_dir, **kwargs).create_config()
+
+    flags = ("--dtype", "float32", "--max-model-len", "64", "--runner", "pooling",
+             "--pooler-config", '{"normalize": false}')  # fmt: skip
+    with launch_server(model_dir, tmp_path, *flags) as server:
+        body = server.post("/v1/embeddings", {"model": MODEL, "input": "Hello"}).json()
+        np.testing.assert_allclose(body["data"][0]["embedding"], raw, atol=1e-5)
+        chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+        refused = server.post("/v1/chat/completions", chat)
+        assert "--runner pooling" in assert_error(refused, 400)["message"]

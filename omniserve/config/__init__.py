@@ -74,6 +74,35 @@ class SpeechConfig:
 
 
 @dataclass(frozen=True)
+class PoolerConfig:
+    """How embedding requests pool (vLLM's ``--pooler-config``): the last position's final
+    hidden state, L2-normalised unless ``normalize`` is false (a request's own ``normalize``
+    wins)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> PoolerConfig:
+        values = dict(values or {})
+        if unknown := sorted(set(values) - {"pooling_type", "normalize"}):
+            raise ValueError(f"--pooler-config: unknown key {unknown[0]!r} (pooling_type, "
+                             "normalize).")  # fmt: skip
+        kind = str(values.get("pooling_type", "LAST")).upper()
+        if kind != "LAST":
+            raise ValueError(
+                f"--pooler-config: pooling_type {kind!r} is not supported; only LAST (the "
+                "last position's hidden state, what decoder-based embedding models use)."
+            )
+        normalize = values.get("normalize", True)
+        if not isinstance(normalize, bool):
+            raise ValueError(
+                f"--pooler-config: normalize must be true or false, not {normalize!r}."
+            )
+        return cls(kind, normalize)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model: str
     """Local directory of a Hugging Face checkpoint (config.json, safetensors, tokenizer)."""
@@ -101,6 +130,9 @@ class ModelConfig:
     """Most logprobs a request may ask for per token (vLLM's --max-logprobs)."""
     enable_prompt_embeds: bool = False
     """Accept prompts given as embeddings (vLLM's --enable-prompt-embeds)."""
+    runner: str = "generate"
+    """"generate", or "pooling": the model answers embedding requests only (vLLM's --runner)."""
+    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
     generation_config: str = "auto"
     """Where the default sampling settings come from, as vLLM's ``--generation-config``:
     "auto" the checkpoint's generation_config.json, "vllm" none (OpenAI's defaults), or a

@@ -21,6 +21,7 @@ from omniserve.config import (
     MultiModalConfig,
     OmniConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -96,6 +97,9 @@ class EngineArgs:
     gpu_memory_utilization: float | None = None
     max_logprobs: int = 20
     enable_prompt_embeds: bool = False
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: dict[str, Any] | str | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -143,6 +147,8 @@ class EngineArgs:
             ),
             max_logprobs=self.max_logprobs,
             enable_prompt_embeds=self.enable_prompt_embeds,
+            runner=self._runner(),
+            pooler_config=PoolerConfig.from_dict(_json_arg("pooler_config", self.pooler_config)),
             disable_audio_output=self.disable_audio_output,
         )
         max_len = model_config.max_model_len
@@ -205,6 +211,17 @@ class EngineArgs:
         media_config(config.multimodal_config)  # a bad --media-io-kwargs fails here, at start
         _check_sampling_defaults(model_config)
         return config
+
+    def _runner(self) -> str:
+        """vLLM's --runner and --convert: any model here pools (its last hidden state), so
+        ``--convert embed`` is what ``--runner pooling`` is."""
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"--runner must be auto, generate or pooling, not {self.runner!r}.")
+        if self.convert not in ("auto", "none", "embed"):
+            raise ValueError(f"--convert must be auto, none or embed, not {self.convert!r}.")
+        if self.convert == "embed" and self.runner == "generate":
+            raise ValueError("--convert embed makes an embedding model: use --runner pooling.")
+        return "pooling" if self.runner == "pooling" or self.convert == "embed" else "generate"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -307,6 +324,25 @@ class EngineArgs:
             action="store_true",
             help="Accept prompts given as embeddings (prompt_embeds: [num_tokens, hidden_size] "
             "rows the decoder reads in place of token embeddings).",
+        )
+        add(
+            "--runner",
+            choices=["auto", "generate", "pooling"],
+            default="auto",
+            help="pooling: serve the model as an embedding model (embeddings only; generation "
+            "requests are refused). auto: generate (embeddings are answered either way).",
+        )
+        add(
+            "--convert",
+            choices=["auto", "none", "embed"],
+            default="auto",
+            help="embed: as --runner pooling (any model pools its last hidden state).",
+        )
+        add(
+            "--pooler-config",
+            default=None,
+            help='JSON: how embeddings pool, {"pooling_type": "LAST", "normalize": true} '
+            "(LAST only; normalize: the default of requests that omit it).",
         )
         add(
             "--enable-prefix-caching",

@@ -261,6 +261,11 @@ class Processor:
                 )
         if params.pooling is not None:
             self._validate_pooling(params)
+        elif self.model_config.runner == "pooling":
+            raise ValueError(
+                "This model is served as an embedding model (--runner pooling): it answers "
+                "embeddings (LLM.embed, /v1/embeddings), not generation requests."
+            )
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias or {}),

@@ -146,12 +146,16 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding, in prompt order: the final hidden state at its last position
         (last-token pooling, as decoder-based embedding models are trained), L2-normalised
-        unless ``pooling_params.normalize`` is False. Prompts are those of ``generate``: text,
-        token ids, with media (``multi_modal_data``) or prompt embeddings."""
+        unless ``pooling_params.normalize`` is False (default: ``pooler_config``'s). Prompts
+        are those of ``generate``: text, token ids, with media (``multi_modal_data``) or
+        prompt embeddings."""
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(
                 f"pooling_params must be a PoolingParams, not {type(pooling_params).__name__}."
             )
+        if pooling_params is None:
+            normalize = self.llm_engine.config.model_config.pooler_config.normalize
+            pooling_params = PoolingParams(normalize=normalize)
         params = embedding_params(pooling_params)
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput.from_output(output) for output in outputs]
