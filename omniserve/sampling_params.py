@@ -321,13 +321,16 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
-def embedding_params(pooling: PoolingParams | None = None) -> SamplingParams:
-    """The params of an embedding request: it runs its prompt and samples one greedy token
-    (the step that computes the prompt's last position), which is not reported."""
+def embedding_params(
+    pooling: PoolingParams | None = None, normalize: bool = True
+) -> SamplingParams:
+    """The params of an embedding request (``pooling``, else ``normalize``d last-token pooling):
+    it runs its prompt and samples one greedy token (the step that computes the prompt's last
+    position), which is not reported."""
     return SamplingParams(
         max_tokens=1,
         temperature=0.0,
         detokenize=False,
         output_kind=RequestOutputKind.FINAL_ONLY,
-        pooling=pooling or PoolingParams(),
+        pooling=pooling or PoolingParams(normalize=normalize),
     )

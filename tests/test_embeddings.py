@@ -195,3 +195,35 @@ def test_pooling_runner_serves_embeddings_only(tiny_checkpoint, tmp_path) -> Non
         chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
         refused = server.post("/v1/chat/completions", chat)
         assert "--runner pooling" in assert_error(refused, 400)["message"]
+
+
+def test_async_encode(tiny_checkpoint) -> None:
+    """vLLM's ``AsyncLLM.encode``: one finished output with ``LLM.embed``'s vector (its engine
+    core in a process of its own)."""
+    import asyncio
+
+    from omniserve.engine.arg_utils import EngineArgs
+    from omniserve.engine.async_llm import AsyncLLM
+
+    model_dir = str(tiny_checkpoint("Qwen2ForCausalLM"))
+    ids = make_prompts(model_dir, [21])[0]
+
+    async def run() -> tuple[list, list]:
+        args = EngineArgs(model_dir, dtype="float32", max_model_len=64, kv_cache_memory="16MiB")
+        engine = AsyncLLM.from_engine_args(args)
+        try:
+            prompt = {"prompt_token_ids": ids}
+            unit = [o async for o in engine.encode(prompt, None, "unit")]
+            raw = [o async for o in engine.encode(prompt, PoolingParams(normalize=False), "raw")]
+        finally:
+            engine.shutdown()
+        return unit, raw
+
+    unit, raw = asyncio.run(run())
+    assert [(o.request_id, o.finished) for o in unit + raw] == [("unit", True), ("raw", True)]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = _last_hidden(hf, input_ids=torch.tensor([ids]))
+    got_raw = torch.tensor(raw[0].outputs.embedding)
+    torch.testing.assert_close(got_raw, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.tensor(unit[0].outputs.embedding),
+                               F.normalize(expected, dim=0), atol=ATOL, rtol=0)  # fmt: skip

@@ -22,8 +22,8 @@ from omniserve.engine.output_processor import OutputProcessor
 from omniserve.engine.processor import start_with_engine
 from omniserve.inputs.data import PromptType
 from omniserve.lora.request import AddedAdapters, LoRARequest
-from omniserve.outputs import RequestOutput
-from omniserve.sampling_params import SamplingParams
+from omniserve.outputs import EmbeddingRequestOutput, RequestOutput
+from omniserve.sampling_params import PoolingParams, SamplingParams, embedding_params
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -195,6 +195,21 @@ class AsyncLLM:
                 raise
 
         return [self._outputs(r, functools.partial(added, i)) for i, r in enumerate(request_ids)]
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None,
+        request_id: str,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
+        """vLLM's ``AsyncLLM.encode``: the prompt's embedding (``LLM.embed``'s), one output when
+        it is done; ``pooling_params`` None: the ``--pooler-config`` defaults."""
+        params = embedding_params(pooling_params, self.model_config.pooler_config.normalize)
+        async for output in self.generate(prompt, params, request_id, priority, lora_request):
+            if output.finished:
+                yield EmbeddingRequestOutput.from_output(output)
 
     def _abort_added(self, request_id: str, adding: asyncio.Task) -> None:
         if not adding.cancelled() and adding.exception() is None:

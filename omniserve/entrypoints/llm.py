@@ -153,10 +153,8 @@ class LLM:
             raise TypeError(
                 f"pooling_params must be a PoolingParams, not {type(pooling_params).__name__}."
             )
-        if pooling_params is None:
-            normalize = self.llm_engine.config.model_config.pooler_config.normalize
-            pooling_params = PoolingParams(normalize=normalize)
-        params = embedding_params(pooling_params)
+        normalize = self.llm_engine.config.model_config.pooler_config.normalize
+        params = embedding_params(pooling_params, normalize)
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput.from_output(output) for output in outputs]
 
