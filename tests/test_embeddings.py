@@ -155,6 +155,7 @@ def test_the_api(default_server) -> None:
         ({"input": "x", "encoding_format": "hex"}, "encoding_format", ""),
         ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be -1"),
         ({"input": "x" * 10**6}, "input", "maximum context length"),
+        ({"input": [[1, 2], [3, 10**9]]}, "input", "outside the vocabulary"),
         ({"messages": [{"role": "user", "content": [BROKEN_IMAGE]}]}, "messages[0].content[0]",
          "image"),
     ):  # fmt: skip

@@ -318,8 +318,14 @@ class OpenAIServing:
         return dataclasses.replace(prompt, cache_salt=request.cache_salt)
 
     def check_token_ids(self, token_ids: list[int]) -> EnginePrompt:
+        """A prompt given as token ids: not empty, and each id in the vocabulary (the error
+        names this route's prompt field)."""
         if not token_ids:
             raise ServingError("The prompt is empty.", param=self.prompt_field)
+        try:
+            self.engine.processor.check_token_ids(self.prompt_field, token_ids)
+        except ValueError as exc:
+            raise ServingError(str(exc), param=self.prompt_field) from exc
         return EnginePrompt(None, token_ids)
 
     async def prompt_of(self, prompt: str | list[int], add_special_tokens: bool) -> EnginePrompt:
