@@ -23,7 +23,7 @@ from omniserve.inputs.preprocess import InputPreprocessor, ProcessedInputs
 from omniserve.lora.request import LoRARequest
 from omniserve.messages import EngineCoreRequest, SpeechRequest
 from omniserve.multimodal.errors import MultiModalInputError
-from omniserve.sampling_params import SamplingParams, SpeechParams
+from omniserve.sampling_params import PoolingParams, SamplingParams, SpeechParams
 from omniserve.structured_output import validate_structured_outputs
 from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
 
@@ -260,7 +260,7 @@ class Processor:
                     "logprobs per token are supported."
                 )
         if params.pooling is not None:
-            self._validate_pooling(params)
+            self._validate_pooling(params, params.pooling)
         elif self.model_config.runner == "pooling":
             raise ValueError(
                 "This model is served as an embedding model (--runner pooling): it answers "
@@ -273,12 +273,12 @@ class Processor:
         ):
             self.check_token_ids(name, list(ids))
 
-    def _validate_pooling(self, params: SamplingParams) -> None:
+    def _validate_pooling(self, params: SamplingParams, pooling: PoolingParams) -> None:
         """An embedding request generates one token it does not report, and pools its prompt
         once: one sequence, no audio; ``dimensions`` only where the model was trained for it."""
         if params.n != 1 or params.wants_audio:
             raise ValueError("An embedding request takes n=1 and no audio output.")
-        dims = params.pooling.dimensions if params.pooling is not None else None
+        dims = pooling.dimensions
         if dims is None:
             return
         text = self.model_config.hf_config.get_text_config()

@@ -277,9 +277,9 @@ class ModelRunner:
         self._launched = None
         sampling = np.flatnonzero(step.sample_mask)
         counts = 1 + step.num_drafts[sampling]  # positions each sampling request samples
+        firsts = np.cumsum(counts) - counts  # each one's first row of the logits
         grammar = None
         if grammar_bitmask:  # (a request under a grammar takes no drafts: one position)
-            firsts = np.cumsum(counts) - counts
             sampling_ids = [step.req_ids[i] for i in sampling]
             rows = [j for j, req_id in enumerate(sampling_ids) if req_id in grammar_bitmask]
             masks = [grammar_bitmask[sampling_ids[j]] for j in rows]
@@ -289,7 +289,7 @@ class ModelRunner:
                                                _ranges(np.zeros_like(counts), counts))  # fmt: skip
             sampler_output = self.sampler(logits, metadata)
         pooled = pool_prompts(hidden_states, step.logits_indices, self.input_batch, step.req_ids,
-                              step.rows, sampling, counts)  # fmt: skip
+                              step.rows, sampling, firsts)  # fmt: skip
         self.input_batch.num_in_flight[step.rows[sampling]] += 1
         self._last_step = SampledStep(
             self.input_batch,

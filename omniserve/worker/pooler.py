@@ -18,15 +18,14 @@ def pool_prompts(
     req_ids: list[str],
     rows: np.ndarray,
     sampling: np.ndarray,
-    counts: np.ndarray,
+    firsts: np.ndarray,
 ) -> dict[str, torch.Tensor]:
     """req id -> fp32 embedding (on the device), for each embedding request among the step's
-    ``sampling`` requests (indices into ``req_ids``), each sampling ``counts`` positions (its
-    first one is in ``logits_indices`` at the running sum of the counts before it)."""
+    ``sampling`` requests (indices into ``req_ids``), whose first sampled position is at
+    ``firsts`` in ``logits_indices``."""
     pooling = batch.pools[rows[sampling]]
     if not pooling.any():
         return {}
-    firsts = np.cumsum(counts) - counts
     pooled = {}
     for j in np.flatnonzero(pooling).tolist():
         i = int(sampling[j])

@@ -18,31 +18,20 @@ from pydantic import (
     model_validator,
 )
 
-from omniserve.entrypoints.openai.protocol import OpenAIBaseModel, RequestModel, UsageInfo
+from omniserve.entrypoints.openai.protocol import OpenAIBaseModel, PromptOptions, UsageInfo
 
 
-class _EmbeddingFields(RequestModel):
+class _EmbeddingFields(PromptOptions):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     """base64: each embedding's little-endian float32 bytes, base64-encoded (OpenAI's)."""
     dimensions: StrictInt | None = Field(None, ge=1)
     """Matryoshka models only: keep the first ``dimensions`` values."""
     user: str | None = None
-    # vLLM's extra fields
+    # vLLM's extra fields (and PromptOptions')
     normalize: StrictBool | None = None
-    """L2-normalise the embedding (default: yes)."""
-    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
-    """Keep only the prompt's last k tokens (-1: max_model_len)."""
-    cache_salt: str | None = Field(None, min_length=1)
-    request_id: str | None = None
-    priority: StrictInt = Field(0, ge=-(2**31), lt=2**31)
+    """L2-normalise the embedding (default: --pooler-config's, else yes)."""
     mm_processor_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _check_truncation(self) -> _EmbeddingFields:
-        if self.truncate_prompt_tokens == 0:
-            raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or >= 1.")
-        return self
 
 
 class EmbeddingCompletionRequest(_EmbeddingFields):

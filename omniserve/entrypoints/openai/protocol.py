@@ -20,6 +20,7 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    field_validator,
     model_validator,
 )
 
@@ -248,7 +249,28 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     """An option, not a constraint: may go with response_format or a guided_* field."""
 
 
-class SamplingRequest(RequestModel):
+class PromptOptions(RequestModel):
+    """vLLM's fields about a request's prompt and its place in the queue, which every route
+    that runs prompts takes (``OpenAIServing.apply_prompt_options`` applies the first two)."""
+
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
+    """Keep only the prompt's last k tokens (-1: max_model_len); text prompts only."""
+    cache_salt: str | None = Field(None, min_length=1)
+    """Only requests with the same salt share prefix-cache blocks."""
+    request_id: str | None = None
+    """vLLM's: the response id is built from it (a random one when absent)."""
+    priority: StrictInt = Field(0, ge=-(2**31), lt=2**31)
+    """Lower runs first (the server needs --scheduling-policy priority for any other than 0)."""
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep_some(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be -1 (max_model_len) or >= 1")
+        return value
+
+
+class SamplingRequest(PromptOptions):
     """The sampling fields chat and completions share (OpenAI's, then vLLM's extras)."""
 
     unsupported: ClassVar[dict[str, tuple[Any, str]]] = SAMPLING_UNSUPPORTED
@@ -286,14 +308,8 @@ class SamplingRequest(RequestModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     """vLLM's older spellings of ``structured_outputs`` fields."""
-    request_id: str | None = None
-    """vLLM's: the response id is built from it (a random one when absent)."""
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] = Field(default_factory=list)
-    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
-    """Keep only the prompt's last k tokens (-1: max_model_len); text prompts only."""
-    cache_salt: str | None = Field(None, min_length=1)
-    """Only requests with the same salt share prefix-cache blocks."""
     return_token_ids: StrictBool = False
     """Also return the prompt's and the answer's token ids."""
     return_tokens_as_token_ids: StrictBool = False
@@ -301,8 +317,6 @@ class SamplingRequest(RequestModel):
     prompt_logprobs: StrictInt | None = Field(None, ge=0)
     """vLLM's: each prompt token's logprob and the top k at its position, returned as
     ``prompt_logprobs`` (not with stream, as in vLLM)."""
-    priority: StrictInt = Field(0, ge=-(2**31), lt=2**31)
-    """Lower runs first (the server needs --scheduling-policy priority for any other than 0)."""
     # vLLM's fields refused unless left at their no-op value (`unsupported`)
     best_of: StrictInt | None = None
     # vLLM's beam search: n is the beam width, the n best beams are the choices
@@ -390,8 +404,6 @@ class SamplingRequest(RequestModel):
             raise ValueError("stream_options can only be set when stream=true.")
         self.constraint  # noqa: B018  (raises for conflicting constraints)
         self.token_logit_bias  # noqa: B018  (raises for keys that are not token ids)
-        if self.truncate_prompt_tokens == 0:
-            raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or >= 1.")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs is not available with stream=true (as in vLLM).")
         self._check_beam_search()

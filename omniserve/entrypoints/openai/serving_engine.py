@@ -30,7 +30,6 @@ from omniserve.entrypoints.openai.completion_protocol import CompletionRequest
 from omniserve.entrypoints.openai.embedding_protocol import (
     EmbeddingChatRequest,
     EmbeddingCompletionRequest,
-    EmbeddingRequest,
 )
 from omniserve.entrypoints.openai.engine_prompt import EnginePrompt
 from omniserve.entrypoints.openai.protocol import (
@@ -38,6 +37,7 @@ from omniserve.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
     PromptLogprob,
+    PromptOptions,
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
@@ -296,9 +296,7 @@ class OpenAIServing:
             embeds=prompt.get("prompt_embeds"),
         )
 
-    def apply_prompt_options(
-        self, prompt: EnginePrompt, request: SamplingRequest | EmbeddingRequest
-    ) -> EnginePrompt:
+    def apply_prompt_options(self, prompt: EnginePrompt, request: PromptOptions) -> EnginePrompt:
         """``truncate_prompt_tokens`` (keep the last k tokens; -1: max_model_len) and
         ``cache_salt``, as vLLM applies them to the tokenized prompt."""
         keep = request.truncate_prompt_tokens
