@@ -69,6 +69,17 @@ def cpu_malloc_tuning() -> bool:
     return value == "1"
 
 
+def cpu_bf16_weights() -> bool:
+    """Whether a bf16 checkpoint computed in fp32 on CPU keeps its linear layers' weights in bf16,
+    widened in the kernel's registers (``OMNISERVE_CPU_BF16_WEIGHTS``, default on; "0" widens
+    them to fp32 at load, for oneDNN's packed fp32 products: twice the memory, faster from about
+    64 rows a step, slower below; see ``cpu/linear.py``)."""
+    value = os.environ.get("OMNISERVE_CPU_BF16_WEIGHTS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"OMNISERVE_CPU_BF16_WEIGHTS must be '0' or '1', not {value!r}.")
+    return value == "1"
+
+
 def layer_kernels(device_type: str) -> str:
     """A device backend's switch (``OMNISERVE_CPU_KERNELS`` / ``OMNISERVE_CUDA_KERNELS``): "auto"
     applies it (on CPU oneDNN linears and C kernels for MoE, decode attention, norms and RoPE; on

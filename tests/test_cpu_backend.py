@@ -14,7 +14,7 @@ from omniserve.attention import Attention
 from omniserve.cpu import activation as cpu_activation
 from omniserve.cpu import linear as cpu_linear
 from omniserve.cpu import moe as cpu_moe
-from omniserve.cpu.backend import apply_cpu_backend
+from omniserve.cpu.backend import apply_cpu_backend, keep_bf16_weights
 from omniserve.cpu.build import load_library
 from omniserve.cpu.linear import (
     AMX_INT4_KERNEL_MAX_ROWS,
@@ -23,6 +23,7 @@ from omniserve.cpu.linear import (
     ROWS_KERNEL_MAX_ROWS,
     Int4Linear,
     RowsLinear,
+    WidenedLinear,
     int4_kernel_max_rows,
     onednn_packs,
     rows_kernel_max_rows,
@@ -121,6 +122,80 @@ def test_rows_linear_matches_torch(rows: int, dtype: torch.dtype) -> None:
         expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
         _close(kernel(x, layer.bias), expected, dtype)
     assert not RowsLinear.supports(torch.zeros(8, 40))  # K not a multiple of 32
+
+
+needs_widened = pytest.mark.skipif(
+    not WidenedLinear.available(), reason="the bf16-weight kernel needs AVX-512"
+)
+
+
+@needs_widened
+@pytest.mark.parametrize("rows", [1, 2, 13, 14, 15, 64, 197, 600])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (70, 1030), (33, 5)])
+def test_widened_linear_is_fp32_on_the_bf16_weight(rows, out_features, in_features) -> None:
+    """fp32 activations on a bf16 weight: the fp32 product of the widened weight, to fp32's
+    summation-order tolerance, for row counts around the kernel's tiles (14) and row blocks
+    (196), K across its 512-long slices and not a multiple of 16, a last panel of 1-31 output
+    features, a strided input and a bias."""
+    layer = _linear(out_features, in_features, True, torch.float32, rows)
+    weight = layer.weight.detach().bfloat16()
+    kernel = WidenedLinear(weight)
+    x = torch.randn(rows, in_features + 9)[:, 4 : 4 + in_features]
+    with torch.inference_mode():
+        expected = F.linear(x, weight.float(), layer.bias)
+        _close(kernel(x, layer.bias), expected, torch.float32)
+        _close(kernel(x, None), F.linear(x, weight.float()), torch.float32)
+        x3 = x.unsqueeze(0)
+        _close(kernel(x3, None), F.linear(x3, weight.float()), torch.float32)
+        assert kernel(torch.empty(0, in_features), None).shape == (0, out_features)
+        with pytest.raises(TypeError, match="input dtype torch.bfloat16 does not match"):
+            kernel(x.bfloat16(), None)
+
+
+@needs_widened
+def test_bf16_weights_are_kept_for_an_fp32_model_of_a_bf16_checkpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before loading, the linear layers of an fp32 model of a bf16 checkpoint take bf16
+    weights (keeping their loaders), but not a weight an embedding shares, not when any matrix
+    of the checkpoint is stored in another dtype, not for a bf16 model, and not when
+    OMNISERVE_CPU_BF16_WEIGHTS=0; the backend then widens them in its kernel."""
+
+    def model():
+        model = torch.nn.Module()
+        model.qkv = QKVParallelLinear(64, 16, 4, 2, bias=True)
+        model.embed = VocabParallelEmbedding(100, 64)
+        model.head = ParallelLMHead(100, 64)
+        model.head.weight = model.embed.weight
+        return model
+
+    bf16 = {torch.bfloat16}
+    assert keep_bf16_weights(model(), torch.float32, {torch.bfloat16, torch.float32}) == 0
+    assert keep_bf16_weights(model(), torch.bfloat16, bf16) == 0
+    monkeypatch.setenv("OMNISERVE_CPU_BF16_WEIGHTS", "0")
+    assert keep_bf16_weights(model(), torch.float32, bf16) == 0
+    monkeypatch.setenv("OMNISERVE_CPU_BF16_WEIGHTS", "1")
+    kept = model()
+    loader = kept.qkv.weight.weight_loader
+    assert keep_bf16_weights(kept, torch.float32, bf16) == 1
+    assert kept.qkv.weight.dtype == torch.bfloat16 and kept.qkv.weight.weight_loader == loader
+    assert kept.qkv.weight.shard_ids == {("q",), ("k",), ("v",)}
+    assert kept.head.weight.dtype == torch.float32 and kept.head.weight is kept.embed.weight
+    with torch.no_grad():
+        for param in kept.parameters():
+            param.copy_(torch.randn(param.shape))
+    weight, bias = kept.qkv.weight.detach().float().clone(), kept.qkv.bias.detach().clone()
+    assert apply_cpu_backend(kept, torch.float32).placements == {
+        "linear: C bf16 weights, fp32 activations": 1,
+        "linear: C plain-layout float32 (shared weight)": 1,
+    }
+    assert kept.qkv.weight.device.type == "meta"
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        _close(kept.qkv(x), F.linear(x, weight, bias), torch.float32)
+    with pytest.raises(ValueError, match="OMNISERVE_CPU_BF16_WEIGHTS must be"):
+        monkeypatch.setenv("OMNISERVE_CPU_BF16_WEIGHTS", "yes")
+        keep_bf16_weights(model(), torch.float32, bf16)
 
 
 def test_rows_kernel_hands_bf16_to_onednn_where_the_cpu_has_amx(

@@ -7,9 +7,15 @@ a tiny KV cache.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from omniserve import LLM, SamplingParams
+from omniserve.cpu.linear import WidenedLinear
 from tests.hf_reference import assert_matches_reference, hf_greedy, make_prompts
 
 ARCHITECTURES = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM"]
@@ -84,3 +90,47 @@ def test_batch_invariance(tiny_checkpoint):
     for i in (0, 7, 15):
         alone = llm.generate({"prompt_token_ids": prompts[i]}, params, use_tqdm=False)[0]
         assert alone.outputs[0].token_ids == batched[i].outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """``bf16_checkpoint(arch)``: the tiny checkpoint stored in bf16, made once per module."""
+    made: dict[str, str] = {}
+
+    def make(architecture: str) -> str:
+        if architecture not in made:
+            target = tmp_path_factory.mktemp(architecture)
+            shutil.copytree(tiny_checkpoint(architecture), target, dirs_exist_ok=True)
+            for path in target.glob("*.safetensors"):
+                tensors = {k: v.bfloat16() if v.is_floating_point() else v
+                           for k, v in load_file(path).items()}  # fmt: skip
+                save_file(tensors, path, metadata={"format": "pt"})
+            config = json.loads((target / "config.json").read_text())
+            config["dtype"] = "bfloat16"
+            (target / "config.json").write_text(json.dumps(config))
+            made[architecture] = str(target)
+        return made[architecture]
+
+    return make
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_bf16_checkpoint_in_fp32_matches_hf(architecture, bf16_checkpoint):
+    """A bf16 checkpoint computed in fp32 (what dtype "auto" does on a CPU without native bf16):
+    the linear layers keep their bf16 weights, widened in the CPU kernel's registers, and the
+    answers are transformers' fp32 ones on the same checkpoint (which widens at load), through
+    chunked prefill's and decode's row counts, in half the linear weights' memory."""
+    model_dir = bf16_checkpoint(architecture)
+    prompts = make_prompts(model_dir, PROMPT_LENGTHS)
+    reference = hf_greedy(model_dir, prompts, MAX_TOKENS, dtype=torch.float32)
+    llm, outputs = _generate(model_dir, prompts, max_num_batched_tokens=48, max_num_seqs=4)
+    assert_matches_reference(outputs, reference)
+    info = llm.llm_engine.engine_core.call_utility("get_model_info")
+    if not WidenedLinear.available():
+        pytest.skip("the bf16-weight kernel needs AVX-512: the weights were widened at load")
+    linears = {kind: n for kind, n in info["layer_kernels"].items() if kind.startswith("linear")}
+    assert info["dtype"] == "float32" and set(linears) <= {
+        "linear: C bf16 weights, fp32 activations",
+        "linear: C plain-layout float32 (shared weight)",  # a tied LM head: the embedding's
+    }, linears

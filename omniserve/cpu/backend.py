@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -21,7 +22,13 @@ from omniserve import envs
 from omniserve.attention.layer import Attention
 from omniserve.cpu.activation import cpu_silu_and_mul, cpu_silu_and_mul_available
 from omniserve.cpu.attention import CpuAttentionBackend
-from omniserve.cpu.linear import Int4Linear, OneDnnLinear, RowsLinear, release_weight
+from omniserve.cpu.linear import (
+    Int4Linear,
+    OneDnnLinear,
+    RowsLinear,
+    WidenedLinear,
+    release_weight,
+)
 from omniserve.cpu.moe import CpuMoE
 from omniserve.cpu.norm_rope import CpuRMSNorm, qk_norm_rope
 from omniserve.layers.activation import SiluAndMul
@@ -52,6 +59,35 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return counts.most_common(1)[0][0] if counts else torch.float32
 
 
+def keep_bf16_weights(model: nn.Module, dtype: torch.dtype, stored: Iterable[torch.dtype]) -> int:
+    """Before loading, where the model computes in fp32 and the checkpoint's matrices are all
+    bf16 (``stored``: their dtypes): make the linear layers' weights bf16, for ``WidenedLinear``
+    to widen in registers as loading would have (so the products stay fp32's) at half the
+    memory. Layers sharing a weight keep fp32 (an embedding reads it too). Returns how many."""
+    if not (
+        dtype == torch.float32
+        and set(stored) == {torch.bfloat16}
+        and envs.cpu_bf16_weights()
+        and WidenedLinear.available()
+    ):
+        return 0
+    shared = _shared_parameters(model)
+    count = 0
+    for layer in model.modules():
+        if isinstance(layer, LinearBase) and layer.quantization is None:
+            old = layer.weight
+            if id(old) in shared or old.dtype != torch.float32:
+                continue
+            new = nn.Parameter(
+                torch.empty(old.shape, dtype=torch.bfloat16, device=old.device),
+                requires_grad=old.requires_grad,
+            )
+            new.__dict__.update(old.__dict__)  # the weight loader and its shard ids
+            layer.weight = new
+            count += 1
+    return count
+
+
 def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> str:
     if layer.quantization is not None:
         parts = (layer.qweight, layer.qzeros, layer.scales)
@@ -60,21 +96,26 @@ def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> st
         layer.kernel = Int4Linear(*parts, dtype)
         return f"C 4-bit, {str(dtype).removeprefix('torch.')} activations"
     weight = layer.weight
-    dtype = str(weight.dtype).removeprefix("torch.")
+    if (weight.dtype, dtype) == (torch.bfloat16, torch.float32):  # kept by keep_bf16_weights
+        layer.kernel = WidenedLinear(weight)
+        release_weight(layer)
+        return "C bf16 weights, fp32 activations"
+    name = str(weight.dtype).removeprefix("torch.")
     if id(weight) in shared:
         if RowsLinear.supports(weight):
             layer.kernel = RowsLinear(weight)
-            return f"C plain-layout {dtype} (shared weight)"
+            return f"C plain-layout {name} (shared weight)"
         return "torch (shared weight)"
     if OneDnnLinear.supports(weight):
         layer.kernel = OneDnnLinear(weight)
         release_weight(layer)
-        return f"oneDNN packed {dtype}"
+        return f"oneDNN packed {name}"
     return "torch"
 
 
-def apply_cpu_backend(model: nn.Module) -> KernelPlacement:
-    """Give every layer of a loaded CPU model the fastest kernel that covers it."""
+def apply_cpu_backend(model: nn.Module, dtype: torch.dtype | None = None) -> KernelPlacement:
+    """Give every layer of a loaded CPU model the fastest kernel that covers it; ``dtype`` is
+    the activations' (default: the dtype most of the weights are in)."""
     report = KernelPlacement("CPU")
     if envs.layer_kernels("cpu") == "torch":
         return report
@@ -82,7 +123,7 @@ def apply_cpu_backend(model: nn.Module) -> KernelPlacement:
     attention_backend = CpuAttentionBackend()
     # The activations' dtype (a 4-bit layer's, and an activation's, which has no weight to tell;
     # fp32 activations stay on torch).
-    dtype = _model_dtype(model)
+    dtype = _model_dtype(model) if dtype is None else dtype
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, LinearBase):

@@ -19,7 +19,7 @@ from omniserve.attention.layer import get_attention_layers
 from omniserve.attention.selector import apply_attention_backend
 from omniserve.config import OmniConfig
 from omniserve.core.sched_output import SchedulerOutput
-from omniserve.cpu.backend import apply_cpu_backend
+from omniserve.cpu.backend import apply_cpu_backend, keep_bf16_weights
 from omniserve.cpu.build import has_native_bf16
 from omniserve.layers.quantization import quantize_layers
 from omniserve.layers.tp import get_tp_size
@@ -126,16 +126,27 @@ class Worker:
         start = time.perf_counter()
         # Parameters are created uninitialised (every one is then read from the checkpoint), so
         # building touches no memory and the fit check below comes before any real allocation.
+        stored = checkpoint_tensor_shapes(model_config.model)
         with torch.device(self.device), default_dtype(self.dtype), skip_weight_init():
             model = model_cls(self.hf_config)
             if (quantization := model_config.quantization_config) is not None:
-                count = quantize_layers(
-                    model, quantization, checkpoint_tensor_shapes(model_config.model)
-                )
+                count = quantize_layers(model, quantization, stored)
                 logger.info(
                     "%s checkpoint: %d linear layers hold 4-bit weights (groups of %d).",
                     quantization.method.upper(), count, quantization.group_size,
                 )  # fmt: skip
+            if self.device.type == "cpu":
+                matrices = {
+                    dtype
+                    for shape, dtype in stored.values()
+                    if len(shape) > 1 and dtype.is_floating_point
+                }
+                if count := keep_bf16_weights(model, self.dtype, matrices):
+                    logger.info(
+                        "%d linear layers keep the checkpoint's bf16 weights, widened to fp32 "
+                        "in the kernel (OMNISERVE_CPU_BF16_WEIGHTS=0 widens them at load).",
+                        count,
+                    )
         self.weight_bytes = sum(
             t.numel() * t.element_size() for t in {*model.parameters(), *model.buffers()}
         )
@@ -149,7 +160,7 @@ class Worker:
         load_model_weights(model, model_config.model)
         model.eval()
         if self.device.type == "cpu":
-            self.backend_report = apply_cpu_backend(model)
+            self.backend_report = apply_cpu_backend(model, self.dtype)
             release_freed_memory()  # the weights the backend replaced
         else:  # triton, which the CUDA kernels need, is a dependency only on Linux x86_64
             from omniserve.cuda.backend import apply_cuda_backend
