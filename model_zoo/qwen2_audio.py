@@ -79,7 +79,7 @@ class Qwen2AudioForConditionalGeneration(MultiModalDecoderBase):
         max_conv_length = (num_frames - 2) // 2 + 1
         frame_ids = torch.arange(max_conv_length)
         valid = (frame_ids[None, :] < conv_lengths[:, None]).long()  # [num_items, max_conv_len]
-        dtype = self.model.embed_tokens.weight.dtype
+        dtype = self.model.embed_tokens.activation_dtype
         attention_mask = create_bidirectional_mask(  # on the host too (it tests the mask's values)
             config=tower.config,
             inputs_embeds=torch.zeros(len(items), max_conv_length, 1, dtype=dtype),

@@ -100,6 +100,35 @@ def tiny_checkpoint() -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
+def bf16_checkpoint(
+    tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], str]:
+    """Factory ``bf16_checkpoint(arch)``: the tiny checkpoint with every floating-point tensor
+    and the config's dtype in bf16, memoized."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    made: dict[str, str] = {}
+
+    def make(architecture: str) -> str:
+        if architecture not in made:
+            target = tmp_path_factory.mktemp(f"{architecture}-bf16")
+            shutil.copytree(tiny_checkpoint(architecture), target, dirs_exist_ok=True)
+            for path in target.glob("*.safetensors"):
+                tensors = {k: v.bfloat16() if v.is_floating_point() else v
+                           for k, v in load_file(path).items()}  # fmt: skip
+                save_file(tensors, path, metadata={"format": "pt"})
+            config = json.loads((target / "config.json").read_text())
+            config["dtype"] = "bfloat16"
+            (target / "config.json").write_text(json.dumps(config))
+            made[architecture] = str(target)
+        return made[architecture]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def default_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """`omniserve serve` with no model (the built-in tiny omni thinker), started once for the
     modules that drive it: fp32 (exact against offline runs), a 16 MiB processor cache (the soak

@@ -282,3 +282,21 @@ def test_spec_decode_benchmark_measures_drafts_of_known_quality(tiny_checkpoint)
         assert all(line.endswith(f"| {batch}/{batch} |") for name, line in rows.items()
                    if name.startswith("omniserve +"))  # fmt: skip
     assert "| transformers + prompt lookup |" in out.split("## batch 2")[0]
+
+
+def test_bench_cpu_linear_runs():
+    """The bf16-weight kernel's benchmark on a small shape: one line per row count, its ratios
+    against fp32 and bf16 oneDNN printed."""
+    from omniserve.cpu.linear import WidenedLinear
+
+    if not WidenedLinear.available():
+        pytest.skip("the bf16-weight kernel needs AVX-512")
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_cpu_linear.py"), "--shapes", "64x96",
+         "--rows", "1", "3", "--repeats", "1", "--flush-mb", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line.split() for line in result.stdout.splitlines() if "64x96" in line]
+    assert [line[1] for line in lines] == ["1", "3"]
+    assert all(line[-1].endswith("x") and line[-2].endswith("x") for line in lines)

@@ -156,10 +156,11 @@ def test_widened_linear_is_fp32_on_the_bf16_weight(rows, out_features, in_featur
 def test_bf16_weights_are_kept_for_an_fp32_model_of_a_bf16_checkpoint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Before loading, the linear layers of an fp32 model of a bf16 checkpoint take bf16
-    weights (keeping their loaders), but not a weight an embedding shares, not when any matrix
-    of the checkpoint is stored in another dtype, not for a bf16 model, and not when
-    OMNISERVE_CPU_BF16_WEIGHTS=0; the backend then widens them in its kernel."""
+    """Before loading, the linear layers and token embeddings of an fp32 model of a bf16
+    checkpoint take bf16 weights (keeping their loaders; a tied head keeps sharing its
+    embedding's), but not when any matrix of the checkpoint is stored in another dtype, not for
+    a bf16 model, and not when OMNISERVE_CPU_BF16_WEIGHTS=0. The backend then widens them in its
+    kernels, and the embedding returns fp32 rows: the fp32 model's results."""
 
     def model():
         model = torch.nn.Module()
@@ -177,25 +178,51 @@ def test_bf16_weights_are_kept_for_an_fp32_model_of_a_bf16_checkpoint(
     monkeypatch.setenv("OMNISERVE_CPU_BF16_WEIGHTS", "1")
     kept = model()
     loader = kept.qkv.weight.weight_loader
-    assert keep_bf16_weights(kept, torch.float32, bf16) == 1
+    assert keep_bf16_weights(kept, torch.float32, bf16) == 2
     assert kept.qkv.weight.dtype == torch.bfloat16 and kept.qkv.weight.weight_loader == loader
     assert kept.qkv.weight.shard_ids == {("q",), ("k",), ("v",)}
-    assert kept.head.weight.dtype == torch.float32 and kept.head.weight is kept.embed.weight
+    assert kept.head.weight.dtype == torch.bfloat16 and kept.head.weight is kept.embed.weight
+    assert kept.qkv.bias.dtype == torch.float32 and kept.embed.activation_dtype == torch.float32
     with torch.no_grad():
         for param in kept.parameters():
             param.copy_(torch.randn(param.shape))
-    weight, bias = kept.qkv.weight.detach().float().clone(), kept.qkv.bias.detach().clone()
+    qkv = kept.qkv.weight.detach().float().clone(), kept.qkv.bias.detach().clone()
+    table = kept.embed.weight.detach().float().clone()
     assert apply_cpu_backend(kept, torch.float32).placements == {
         "linear: C bf16 weights, fp32 activations": 1,
-        "linear: C plain-layout float32 (shared weight)": 1,
+        "linear: C plain-layout bf16 weights, fp32 activations (shared weight)": 1,
     }
     assert kept.qkv.weight.device.type == "meta"
-    x = torch.randn(5, 64)
+    ids = torch.tensor([3, 99, 0])
     with torch.inference_mode():
-        _close(kept.qkv(x), F.linear(x, weight, bias), torch.float32)
+        assert torch.equal(kept.embed(ids), table[ids])
+        for rows in (5, ROWS_KERNEL_MAX_ROWS + 1):  # the head: its kernel, then F.linear
+            x = torch.randn(rows, 64)
+            _close(kept.qkv(x), F.linear(x, *qkv), torch.float32)
+            _close(kept.head(x), F.linear(x, table), torch.float32)
     with pytest.raises(ValueError, match="OMNISERVE_CPU_BF16_WEIGHTS must be"):
         monkeypatch.setenv("OMNISERVE_CPU_BF16_WEIGHTS", "yes")
         keep_bf16_weights(model(), torch.float32, bf16)
+
+
+@needs_widened
+@pytest.mark.parametrize("rows", [1, 7, ROWS_KERNEL_MAX_ROWS, ROWS_KERNEL_MAX_ROWS + 3])
+def test_rows_linear_takes_fp32_rows_on_a_bf16_weight(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tied head kept bf16 under fp32 activations: the kernel widens the weight up to its row
+    limit; past it, F.linear runs on the weight widened piece by piece (pieces forced small)."""
+    monkeypatch.setattr(cpu_linear, "DEQUANTIZE_SCRATCH_BYTES", 40 * 96 * 4)
+    weight = (torch.randn(131, 96) * 0.1).bfloat16()
+    bias = torch.randn(131)
+    kernel = RowsLinear(weight, torch.float32)
+    assert RowsLinear.supports(weight, torch.float32)
+    assert not RowsLinear.supports(weight, torch.float16)
+    x = torch.randn(rows, 200)[:, 50:146]
+    with torch.inference_mode():
+        _close(kernel(x, bias), F.linear(x, weight.float(), bias), torch.float32)
+        with pytest.raises(TypeError, match="input dtype torch.bfloat16 does not match"):
+            kernel(x.bfloat16(), None)
 
 
 def test_rows_kernel_hands_bf16_to_onednn_where_the_cpu_has_amx(

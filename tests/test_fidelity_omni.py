@@ -16,6 +16,7 @@ from transformers import Qwen2_5OmniThinkerForConditionalGeneration as HFQwen25T
 from transformers import Qwen3OmniMoeThinkerForConditionalGeneration as HFQwen3Thinker
 
 from omniserve import LLM, SamplingParams
+from omniserve.cpu.linear import WidenedLinear
 from tests.hf_reference import ReferenceOutput, assert_matches_reference
 
 MAX_TOKENS = 10
@@ -105,15 +106,15 @@ def _engine_prompt(text: str, items: list[tuple[str, Any]]) -> dict[str, Any]:
     return prompt
 
 
-@pytest.fixture(scope="module", params=list(THINKERS))
-def omni_case(request, tiny_checkpoint):
-    arch = request.param
-    model_dir = str(tiny_checkpoint(arch))
+def _reference(
+    arch: str, model_dir: str, kinds_of_prompts: list[list[str]]
+) -> tuple[list[dict[str, Any]], list[ReferenceOutput]]:
+    """The engine's prompts and transformers' fp32 greedy run of them."""
     processor = AutoProcessor.from_pretrained(model_dir)
     model = THINKERS[arch].from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts, reference = [], []
     with torch.inference_mode():
-        for seed, kinds in enumerate(PROMPTS):
+        for seed, kinds in enumerate(kinds_of_prompts):
             items, text = _media(kinds, seed), _text(processor, kinds)
             inputs = _hf_inputs(processor, text, items)
             out = model.generate(
@@ -127,7 +128,13 @@ def omni_case(request, tiny_checkpoint):
             logprobs = [torch.log_softmax(s[0].float(), dim=-1) for s in out.logits]
             reference.append(ReferenceOutput(generated, logprobs[: len(generated)]))
             prompts.append(_engine_prompt(text, items))
-    return model_dir, prompts, reference
+    return prompts, reference
+
+
+@pytest.fixture(scope="module", params=list(THINKERS))
+def omni_case(request, tiny_checkpoint):
+    model_dir = str(tiny_checkpoint(request.param))
+    return model_dir, *_reference(request.param, model_dir, PROMPTS)
 
 
 @pytest.mark.parametrize("shape", ["plain", "chunked"])
@@ -156,3 +163,18 @@ def test_thinker_matches_hf(omni_case, shape):
         assert after["encoder_cache_hits"] > before["encoder_cache_hits"]
         cache = llm.llm_engine.processor.mm_processor.cache
         assert cache.stats().hits >= 3  # image, audio and the video with its track
+
+
+@pytest.mark.slow
+def test_bf16_checkpoint_thinker_in_fp32_matches_hf(bf16_checkpoint):
+    """A bf16 omni checkpoint computed in fp32 keeps its decoder's linear and embedding weights
+    bf16 (widened in the kernels: ``cpu.backend.keep_bf16_weights``) while its towers widen at
+    load: transformers' fp32 answers on the same checkpoint, media prompts chunked."""
+    arch = "Qwen2_5OmniThinkerForConditionalGeneration"
+    model_dir = bf16_checkpoint(arch)
+    prompts, reference = _reference(arch, model_dir, [["image"], ["audio"], ["av"]])
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=16, max_num_seqs=3)
+    assert_matches_reference(llm.generate(prompts, GREEDY, use_tqdm=False), reference, atol=5e-4)
+    info = llm.llm_engine.engine_core.call_utility("get_model_info")
+    if WidenedLinear.available():
+        assert "linear: C bf16 weights, fp32 activations" in info["layer_kernels"]

@@ -37,6 +37,7 @@ from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import LinearBase
 from omniserve.layers.placement import KernelPlacement
 from omniserve.layers.rotary_embedding import QKRotary
+from omniserve.layers.vocab_embedding import VocabParallelEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,10 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 def keep_bf16_weights(model: nn.Module, dtype: torch.dtype, stored: Iterable[torch.dtype]) -> int:
     """Before loading, where the model computes in fp32 and the checkpoint's matrices are all
-    bf16 (``stored``: their dtypes): make the linear layers' weights bf16, for ``WidenedLinear``
-    to widen in registers as loading would have (so the products stay fp32's) at half the
-    memory. Layers sharing a weight keep fp32 (an embedding reads it too). Returns how many."""
+    bf16 (``stored``: their dtypes): make the weights of the linear layers and the token
+    embeddings bf16 (a tied head's with its embedding's), at half the memory. The kernels then
+    widen them in registers and the embeddings cast the rows they look up, as loading would
+    have widened them, so the products stay fp32's. Returns how many weights."""
     if not (
         dtype == torch.float32
         and set(stored) == {torch.bfloat16}
@@ -71,21 +73,26 @@ def keep_bf16_weights(model: nn.Module, dtype: torch.dtype, stored: Iterable[tor
         and WidenedLinear.available()
     ):
         return 0
-    shared = _shared_parameters(model)
-    count = 0
+    kept: dict[int, nn.Parameter] = {}
     for layer in model.modules():
-        if isinstance(layer, LinearBase) and layer.quantization is None:
-            old = layer.weight
-            if id(old) in shared or old.dtype != torch.float32:
-                continue
+        if isinstance(layer, LinearBase) and layer.quantization is not None:
+            continue
+        if not isinstance(layer, (LinearBase, VocabParallelEmbedding)):
+            continue
+        old = layer.weight
+        if old.dtype != torch.float32:
+            continue
+        if id(old) not in kept:
             new = nn.Parameter(
                 torch.empty(old.shape, dtype=torch.bfloat16, device=old.device),
                 requires_grad=old.requires_grad,
             )
             new.__dict__.update(old.__dict__)  # the weight loader and its shard ids
-            layer.weight = new
-            count += 1
-    return count
+            kept[id(old)] = new
+        layer.weight = kept[id(old)]
+        if isinstance(layer, VocabParallelEmbedding):
+            layer.output_dtype = dtype
+    return len(kept)
 
 
 def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> str:
@@ -96,16 +103,20 @@ def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> st
         layer.kernel = Int4Linear(*parts, dtype)
         return f"C 4-bit, {str(dtype).removeprefix('torch.')} activations"
     weight = layer.weight
-    if (weight.dtype, dtype) == (torch.bfloat16, torch.float32):  # kept by keep_bf16_weights
+    widened = (weight.dtype, dtype) == (torch.bfloat16, torch.float32)  # keep_bf16_weights'
+    name = "bf16 weights, fp32 activations" if widened else str(weight.dtype)[len("torch.") :]
+    if id(weight) in shared:
+        if RowsLinear.supports(weight, dtype):
+            layer.kernel = RowsLinear(weight, dtype)
+            return f"C plain-layout {name} (shared weight)"
+        if widened:  # F.linear on the weight widened piece by piece
+            layer.kernel = RowsLinear(weight, dtype, max_rows=0)
+            return f"torch, {name} (shared weight)"
+        return "torch (shared weight)"
+    if widened:
         layer.kernel = WidenedLinear(weight)
         release_weight(layer)
-        return "C bf16 weights, fp32 activations"
-    name = str(weight.dtype).removeprefix("torch.")
-    if id(weight) in shared:
-        if RowsLinear.supports(weight):
-            layer.kernel = RowsLinear(weight)
-            return f"C plain-layout {name} (shared weight)"
-        return "torch (shared weight)"
+        return f"C {name}"
     if OneDnnLinear.supports(weight):
         layer.kernel = OneDnnLinear(weight)
         release_weight(layer)

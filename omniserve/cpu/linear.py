@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -161,37 +162,53 @@ class OneDnnLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
-class RowsLinear:
-    """``x @ weight.T + bias`` on the weight as it is (shared with another layer)."""
+def _rows_kernel(weight_dtype: torch.dtype, dtype: torch.dtype) -> Any:
+    """``csrc/linear_rows.c``'s function for ``dtype`` rows on a ``weight_dtype`` weight (None
+    when there is none or it cannot be built)."""
+    if (dtype, weight_dtype) == (torch.float32, torch.bfloat16):
+        return load_function("linear_rows.c", "omniserve_linear_rows_f32_bf16w", _ROWS_SIGNATURE,
+                             None)  # fmt: skip
+    if dtype != weight_dtype:
+        return None
+    return load_typed("linear_rows.c", "omniserve_linear_rows", dtype, _ROWS_SIGNATURE, None)
 
-    def __init__(self, weight: torch.Tensor, max_rows: int | None = None) -> None:
+
+class RowsLinear:
+    """``x @ weight.T + bias`` on the weight as it is (shared with another layer); ``x`` is in
+    ``dtype``, the weight's, or fp32 on a bf16 weight (widened in the kernel, or piece by piece
+    for ``F.linear`` past ``max_rows``)."""
+
+    def __init__(
+        self, weight: torch.Tensor, dtype: torch.dtype | None = None, max_rows: int | None = None
+    ) -> None:
         self.weight = weight  # a reference: the layer that shares it keeps it alive
-        self.max_rows = rows_kernel_max_rows(weight.dtype) if max_rows is None else max_rows
-        self.kernel = load_typed(
-            "linear_rows.c", "omniserve_linear_rows", weight.dtype, _ROWS_SIGNATURE, None
-        )
+        self.dtype = weight.dtype if dtype is None else dtype
+        self.max_rows = rows_kernel_max_rows(self.dtype) if max_rows is None else max_rows
+        self.kernel = _rows_kernel(weight.dtype, self.dtype)
 
     @staticmethod
-    def supports(weight: torch.Tensor) -> bool:
+    def supports(weight: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
         return (
             weight.device.type == "cpu"
             and weight.dim() == 2
             and weight.shape[1] % 32 == 0
             and weight.is_contiguous()
-            and load_typed("linear_rows.c", "omniserve_linear_rows", weight.dtype,
-                           _ROWS_SIGNATURE, None) is not None
-        )  # fmt: skip
+            and _rows_kernel(weight.dtype, weight.dtype if dtype is None else dtype) is not None
+        )
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = self.weight.detach()
-        _check_input(x, weight.dtype, "RowsLinear")
+        _check_input(x, self.dtype, "RowsLinear")
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] > self.max_rows or rows.shape[0] == 0:
-            return F.linear(x, weight, bias)
+            if weight.dtype == self.dtype:
+                return F.linear(x, weight, bias)
+            widen = lambda start, end, out: out.copy_(weight[start:end])  # noqa: E731
+            return product_in_pieces(x, bias, *weight.shape, widen)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         if bias is not None:
-            bias = bias.detach().to(weight.dtype).contiguous()
+            bias = bias.detach().to(self.dtype).contiguous()
         out = x.new_empty(rows.shape[0], weight.shape[0])
         self.kernel(
             rows.data_ptr(), rows.shape[0], rows.stride(0), weight.data_ptr(), weight.shape[0],
@@ -345,7 +362,8 @@ class Int4Linear:
             bias = bias.detach().to(self.dtype).contiguous()
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] > self.max_rows:
-            return self._dequantized_product(x, bias)
+            return product_in_pieces(x, bias, self.out_features, self.in_features,
+                                     self.dequantize)  # fmt: skip
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = x.new_empty(rows.shape[0], self.out_features)
@@ -359,20 +377,32 @@ class Int4Linear:
             raise MemoryError("The CPU 4-bit linear kernel could not allocate its scratch.")
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _dequantized_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear`` on the weight decoded piece by piece into this thread's scratch."""
-        n, k = self.out_features, self.in_features
-        pieces = -(-n * k * self.dtype.itemsize // DEQUANTIZE_SCRATCH_BYTES)
-        rows = -(-n // pieces)
-        scratch = _dequantize_scratch(rows * k, self.dtype).view(rows, k)
-        if pieces == 1:
-            return F.linear(x, self.dequantize(out=scratch), bias)
-        out = x.new_empty(*x.shape[:-1], n)
-        for start in range(0, n, rows):
-            end = min(n, start + rows)
-            weight = self.dequantize(start, end, scratch[: end - start])
-            out[..., start:end] = F.linear(x, weight, None if bias is None else bias[start:end])
-        return out
+
+def product_in_pieces(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    in_features: int,
+    fill: Callable[[int, int, torch.Tensor], object],
+) -> torch.Tensor:
+    """``F.linear`` of ``x`` on a weight that ``fill(start, end, out)`` writes rows
+    ``start:end`` of in ``x``'s dtype (decoded or widened), piece by piece into this thread's
+    scratch."""
+    n, k, dtype = out_features, in_features, x.dtype
+    pieces = -(-n * k * dtype.itemsize // DEQUANTIZE_SCRATCH_BYTES)
+    rows = -(-n // pieces)
+    scratch = _dequantize_scratch(rows * k, dtype).view(rows, k)
+    if pieces == 1:
+        fill(0, n, scratch[:n])
+        return F.linear(x, scratch[:n], bias)
+    out = x.new_empty(*x.shape[:-1], n)
+    for start in range(0, n, rows):
+        end = min(n, start + rows)
+        fill(start, end, scratch[: end - start])
+        out[..., start:end] = F.linear(
+            x, scratch[: end - start], None if bias is None else bias[start:end]
+        )
+    return out
 
 
 class _Scratch(threading.local):

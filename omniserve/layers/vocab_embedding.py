@@ -19,6 +19,10 @@ from omniserve.layers.weight_utils import LoadedWeight, copy_weight, set_weight_
 class VocabParallelEmbedding(nn.Module):
     """``embed_tokens``: each rank looks up its own rows; other ranks contribute zeros."""
 
+    output_dtype: torch.dtype | None = None
+    """The activations' dtype where the weight is kept in another (a bf16 checkpoint computed
+    in fp32 keeps its bf16 weights: ``cpu.backend.keep_bf16_weights``): rows are cast to it."""
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -40,13 +44,22 @@ class VocabParallelEmbedding(nn.Module):
         copy_weight(param.data[:num_rows], loaded, 0, self.vocab_start)
         param.data[num_rows:].zero_()
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the rows it returns."""
+        return self.weight.dtype if self.output_dtype is None else self.output_dtype
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        embeds = F.embedding(ids, self.weight)
+        return embeds if self.output_dtype is None else embeds.to(self.output_dtype)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)  # [num_tokens, embedding_dim]
+            return self._lookup(input_ids)  # [num_tokens, embedding_dim]
         owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(owned, input_ids - self.vocab_start, 0)
-        embeds = F.embedding(local_ids, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
-        return tp_all_reduce(embeds)
+        embeds = self._lookup(local_ids)
+        return tp_all_reduce(embeds * owned.unsqueeze(-1).to(embeds.dtype))
 
 
 class ParallelLMHead(VocabParallelEmbedding, LinearBase):

@@ -54,7 +54,7 @@ class Qwen3OmniTalkerRunner(TalkerRunner):
         user_ids = [ids[p] for p in speech.prompt_positions]
         is_mm = torch.tensor([t in config.mm_token_ids for t in user_ids], dtype=torch.bool)
         hidden_size = self.talker.config.text_config.hidden_size
-        dtype = self.model.model.embed_tokens.weight.dtype  # the activations' (not a linear's)
+        dtype = self.model.model.embed_tokens.activation_dtype
         user = torch.empty(len(user_ids), hidden_size, dtype=dtype, device=self.device)
         if (~is_mm).any():
             user[~is_mm] = self._project_text(

@@ -56,30 +56,35 @@ static inline __attribute__((always_inline)) void reduce_tile(vec acc[MR][NR], c
     }
 }
 
-static inline __attribute__((always_inline)) void
-tile_f32(const float *x, int64_t ldx, const float *const w[NR], int64_t K, float y[MR][NR],
-         const int mr) {
-    vec acc[MR][NR];
-    for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < NR; ++j) acc[i][j] = (vec){0};
-    for (int64_t k = 0; k < K; k += LANES) {
-        vec wv[NR];
-        for (int j = 0; j < NR; ++j) wv[j] = load(w[j] + k);
-        for (int i = 0; i < mr; ++i) {
-            const vec xv = load(x + i * ldx + k);
-            for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
-        }
+/* A tile multiplied in fp32: x and w rows loaded (widened where bf16) into fp32 vectors. */
+#define DEFINE_TILE_FP32(NAME, TX, LOAD_X, TW, LOAD_W)                                             \
+    static inline __attribute__((always_inline)) void NAME(const TX *x, int64_t ldx,              \
+                                                           const TW *const w[NR], int64_t K,      \
+                                                           float y[MR][NR], const int mr) {       \
+        vec acc[MR][NR];                                                                          \
+        for (int i = 0; i < mr; ++i)                                                              \
+            for (int j = 0; j < NR; ++j) acc[i][j] = (vec){0};                                    \
+        for (int64_t k = 0; k < K; k += LANES) {                                                  \
+            vec wv[NR];                                                                           \
+            for (int j = 0; j < NR; ++j) wv[j] = LOAD_W(w[j] + k);                                \
+            for (int i = 0; i < mr; ++i) {                                                        \
+                const vec xv = LOAD_X(x + i * ldx + k);                                           \
+                for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];                             \
+            }                                                                                     \
+        }                                                                                         \
+        reduce_tile(acc, mr, y);                                                                  \
     }
-    reduce_tile(acc, mr, y);
-}
+DEFINE_TILE_FP32(tile_f32, float, load, float, load)
+/* fp32 activations on bf16 weights (a bf16 checkpoint computed in fp32): exact widening. */
+DEFINE_TILE_FP32(tile_f32_bf16w, float, load, bf16, load_bf16)
 
+#ifdef __AVX512BF16__
 static inline __attribute__((always_inline)) void
 tile_bf16(const bf16 *x, int64_t ldx, const bf16 *const w[NR], int64_t K, float y[MR][NR],
           const int mr) {
     vec acc[MR][NR];
     for (int i = 0; i < mr; ++i)
         for (int j = 0; j < NR; ++j) acc[i][j] = (vec){0};
-#ifdef __AVX512BF16__
     for (int64_t k = 0; k < K; k += KSTEP) {
         __m512i wv[NR];
         for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512(w[j] + k);
@@ -89,22 +94,15 @@ tile_bf16(const bf16 *x, int64_t ldx, const bf16 *const w[NR], int64_t K, float 
                 acc[i][j] = (vec)_mm512_dpbf16_ps((__m512)acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
         }
     }
-#else
-    for (int64_t k = 0; k < K; k += LANES) {
-        vec wv[NR];
-        for (int j = 0; j < NR; ++j) wv[j] = load_bf16(w[j] + k);
-        for (int i = 0; i < mr; ++i) {
-            const vec xv = load_bf16(x + i * ldx + k);
-            for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
-        }
-    }
-#endif
     reduce_tile(acc, mr, y);
 }
+#else
+DEFINE_TILE_FP32(tile_bf16, bf16, load_bf16, bf16, load_bf16)
+#endif
 
 /* The tiles with the row count a compile-time constant, so the accumulators stay in registers. */
-#define DEFINE_TILE_ROWS(NAME, TILE, T)                                                           \
-    static void NAME(const T *x, int64_t ldx, int mr, const T *const w[NR], int64_t K,            \
+#define DEFINE_TILE_ROWS(NAME, TILE, TX, TW)                                                      \
+    static void NAME(const TX *x, int64_t ldx, int mr, const TW *const w[NR], int64_t K,          \
                      float y[MR][NR]) {                                                           \
         switch (mr) {                                                                             \
         case 1: TILE(x, ldx, w, K, y, 1); break;                                                  \
@@ -113,22 +111,23 @@ tile_bf16(const bf16 *x, int64_t ldx, const bf16 *const w[NR], int64_t K, float 
         default: TILE(x, ldx, w, K, y, 4); break;                                                 \
         }                                                                                         \
     }
-DEFINE_TILE_ROWS(tile_rows_f32, tile_f32, float)
-DEFINE_TILE_ROWS(tile_rows_bf16, tile_bf16, bf16)
+DEFINE_TILE_ROWS(tile_rows_f32, tile_f32, float, float)
+DEFINE_TILE_ROWS(tile_rows_f32_bf16w, tile_f32_bf16w, float, bf16)
+DEFINE_TILE_ROWS(tile_rows_bf16, tile_bf16, bf16, bf16)
 
 /* y[i][c] = x_i . w_c (+ bias[c]) for every row i < M of x and the rows c < rows of a block of w
  * (ldw elements apart): each row tile of x passes over the whole block, which stays in cache
- * between them. bias (or NULL) and y start at the block's first row; y (of type Y: T, or fp32 for
- * partial sums) is rounded once. With accumulate, the products add to y: a K-slice of a longer
- * product. */
-#define DEFINE_GEMM_BLOCK(NAME, T, Y, TILE_ROWS, TO_Y, FROM_Y, FROM_T)                             \
+ * between them. bias (or NULL, of x's type T) and y start at the block's first row; y (of type Y:
+ * T, or fp32 for partial sums) is rounded once. w is of type TW (T, or bf16 under fp32 x). With
+ * accumulate, the products add to y: a K-slice of a longer product. */
+#define DEFINE_GEMM_BLOCK(NAME, T, TW, Y, TILE_ROWS, TO_Y, FROM_Y, FROM_T)                         \
     static inline __attribute__((always_inline)) void NAME(                                       \
-        const T *x, int64_t M, int64_t ldx, const T *w, int64_t ldw, int64_t rows, int64_t K,     \
+        const T *x, int64_t M, int64_t ldx, const TW *w, int64_t ldw, int64_t rows, int64_t K,    \
         const T *bias, Y *y, int64_t ldy, int accumulate) {                                       \
         for (int64_t m = 0; m < M; m += MR) {                                                     \
             const int mr = (int)(M - m < MR ? M - m : MR);                                        \
             for (int64_t n = 0; n < rows; n += NR) {                                              \
-                const T *tile[NR];                                                                \
+                const TW *tile[NR];                                                               \
                 for (int c = 0; c < NR; ++c)                                                      \
                     tile[c] = w + (n + c < rows ? n + c : rows - 1) * ldw;                        \
                 float out[MR][NR];                                                                \
@@ -144,10 +143,13 @@ DEFINE_TILE_ROWS(tile_rows_bf16, tile_bf16, bf16)
         }                                                                                         \
     }
 #define GEMM_NT_SAME(v) (v)
-DEFINE_GEMM_BLOCK(gemm_block_f32, float, float, tile_rows_f32, GEMM_NT_SAME, GEMM_NT_SAME,
+DEFINE_GEMM_BLOCK(gemm_block_f32, float, float, float, tile_rows_f32, GEMM_NT_SAME, GEMM_NT_SAME,
                   GEMM_NT_SAME)
-DEFINE_GEMM_BLOCK(gemm_block_bf16, bf16, bf16, tile_rows_bf16, to_bf16, from_bf16, from_bf16)
-DEFINE_GEMM_BLOCK(gemm_block_bf16_f32, bf16, float, tile_rows_bf16, GEMM_NT_SAME, GEMM_NT_SAME,
+DEFINE_GEMM_BLOCK(gemm_block_f32_bf16w, float, bf16, float, tile_rows_f32_bf16w, GEMM_NT_SAME,
+                  GEMM_NT_SAME, GEMM_NT_SAME)
+DEFINE_GEMM_BLOCK(gemm_block_bf16, bf16, bf16, bf16, tile_rows_bf16, to_bf16, from_bf16,
                   from_bf16)
+DEFINE_GEMM_BLOCK(gemm_block_bf16_f32, bf16, bf16, float, tile_rows_bf16, GEMM_NT_SAME,
+                  GEMM_NT_SAME, from_bf16)
 
 #endif
