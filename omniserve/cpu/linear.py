@@ -15,11 +15,11 @@ once for a few rows (``rows_kernel_max_rows``); more rows go to ``F.linear``.
 **C, bf16 weights with fp32 activations** (``WidenedLinear``): where a bf16 checkpoint runs in
 fp32 (a CPU without native bf16), the weights stay bf16, packed into panels that
 ``csrc/linear_bf16w.c`` widens in registers: half the memory of fp32 weights and half the bytes a
-decode step streams, with fp32's products. Measured against ``OneDnnLinear`` on the fp32 weight
-(2-core Xeon without AVX512-BF16, 2 threads, Qwen2.5-1.5B's gate/up 17,920 x 1,536 and down
-1,536 x 8,960, ms): 1 row 1.9 / 4.8 and 0.7 / 1.3; 4 rows 2.9 / 5.8 and 0.9 / 1.4; 16 rows
-5.7 / 7.8 and 2.3 / 2.7; 64 rows 18.2 / 16.9 and 8.4 / 8.2; 256 rows 68 / 56 and 34 / 28;
-1,024 rows 239 / 249 and 125 / 94 (``scripts/bench_cpu_linear.py``).
+decode step streams, with fp32's products. Against ``OneDnnLinear`` on the weight widened at load
+(``scripts/bench_cpu_linear.py``: 2-core Xeon without AVX512-BF16, 2 threads, weights out of
+cache; Qwen2.5-1.5B's qkv, gate/up and down and a 7B's gate/up): 1.7-1.9x as fast at 1 row,
+1.8-2.3x at 4, 1.5-1.6x at 16, 1.0-1.1x at 64, 0.8-0.9x at 256 and 0.85-0.95x at 1,024 (prefill
+chunks), and 3.7-4.2x as fast as bf16 throughout (``--dtype bfloat16``, emulated) from 4 rows.
 
 **C, 4-bit weights** (``Int4Linear``): for AWQ / GPTQ layers, on ``layers/quantization.py``'s
 layout as loaded. For a few rows (``int4_kernel_max_rows``) ``csrc/linear_int4.c`` decodes a
