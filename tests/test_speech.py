@@ -22,6 +22,7 @@ from transformers import Qwen3OmniMoeForConditionalGeneration as HFQwen3Omni
 
 from model_zoo.qwen3_omni_moe_speech import Code2WavStream
 from omniserve import LLM, SamplingParams
+from omniserve.cpu.linear import WidenedLinear
 from omniserve.sampling_params import RequestOutputKind
 from tests.test_fidelity_omni import _engine_prompt, _hf_inputs, _media, _text
 
@@ -63,16 +64,17 @@ def _with_system(text: str) -> str:
     )
 
 
-@pytest.fixture(scope="module")
-def speech_case(tiny_checkpoint):
-    model_dir = str(tiny_checkpoint(ARCH))
+def _reference(
+    model_dir: str, cases: list[tuple[list[str], str, bool]]
+) -> tuple[list[dict[str, Any]], list[tuple[list[int], np.ndarray]]]:
+    """The engine's prompts for ``cases`` and transformers' fp32 answers (tokens, wave)."""
     processor = AutoProcessor.from_pretrained(model_dir)
     model = HFQwen3Omni.from_pretrained(model_dir, dtype=torch.float32).eval()
     # transformers 5.2x: the talker's position code reads an audio config it was not given.
     model.talker.config.audio_config = model.config.thinker_config.audio_config
     prompts, reference = [], []
     with torch.inference_mode():
-        for seed, (kinds, voice, system) in enumerate(CASES):
+        for seed, (kinds, voice, system) in enumerate(cases):
             items, text = _media(kinds, seed), _text(processor, kinds)
             if system:
                 text = _with_system(text)
@@ -89,6 +91,13 @@ def speech_case(tiny_checkpoint):
             generated = sequences[0, inputs["input_ids"].shape[1] :].tolist()
             reference.append((generated, wave.reshape(-1).numpy()))
             prompts.append(_engine_prompt(text, items))
+    return prompts, reference
+
+
+@pytest.fixture(scope="module")
+def speech_case(tiny_checkpoint):
+    model_dir = str(tiny_checkpoint(ARCH))
+    prompts, reference = _reference(model_dir, CASES)
     llm = LLM(model_dir, dtype="float32", max_model_len=2048, kv_cache_memory=32 << 20)
     return llm, prompts, reference
 
@@ -115,6 +124,21 @@ def test_speech_matches_transformers_alone_and_batched(speech_case):
         _assert_speaks_like(output, ref)
     assert batch[-1].outputs[0].audio is None
     assert batch[-1].outputs[0].token_ids == reference[0][0]
+
+
+def test_bf16_checkpoint_speaks_like_transformers_in_fp32(bf16_checkpoint):
+    """A bf16 checkpoint computed in fp32: the thinker's and talker's linear and embedding
+    weights stay bf16, widened in the kernels (``cpu.backend.keep_bf16_weights``), and the text
+    and the wave are transformers' fp32 ones on the same checkpoint."""
+    model_dir = bf16_checkpoint(ARCH)
+    prompts, reference = _reference(model_dir, [CASES[0], CASES[2]])
+    llm = LLM(model_dir, dtype="float32", max_model_len=2048, kv_cache_memory=32 << 20)
+    outputs = llm.generate(prompts, [_speech_params("ethan")] * 2, use_tqdm=False)
+    for output, expected in zip(outputs, reference, strict=True):
+        _assert_speaks_like(output, expected)
+    kernels = llm.llm_engine.engine_core.call_utility("get_model_info")["layer_kernels"]
+    if WidenedLinear.available():
+        assert "linear: C bf16 weights, fp32 activations" in kernels
 
 
 def test_voices_speak_differently(speech_case):

@@ -76,7 +76,8 @@ def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype | None) 
     """``dtype`` as asked, or for "auto" the checkpoint's own, as vLLM resolves it: on a GPU a
     bf16/fp16 checkpoint keeps its dtype and an fp32 one runs in bf16; on a CPU a bf16/fp16
     checkpoint runs in bf16 where the CPU has native bf16 (AVX512-BF16, AMX) and in fp32 where
-    bf16 would be emulated, and an fp32 checkpoint stays fp32."""
+    bf16 would be emulated (a bf16 checkpoint's weights then stay bf16, widened in the kernels:
+    ``cpu.backend.keep_bf16_weights``), and an fp32 checkpoint stays fp32."""
     if dtype != "auto":
         return getattr(torch, dtype)
     half = stored in (torch.bfloat16, torch.float16)
