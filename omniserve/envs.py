@@ -70,10 +70,10 @@ def cpu_malloc_tuning() -> bool:
 
 
 def cpu_bf16_weights() -> bool:
-    """Whether a bf16 checkpoint computed in fp32 on CPU keeps its linear layers' weights in bf16,
-    widened in the kernel's registers (``OMNISERVE_CPU_BF16_WEIGHTS``, default on; "0" widens
-    them to fp32 at load, for oneDNN's packed fp32 products: twice the memory, faster from about
-    64 rows a step, slower below; see ``cpu/linear.py``)."""
+    """Whether a bf16 checkpoint computed in fp32 on CPU keeps its weights in bf16, widened in the
+    kernels (``OMNISERVE_CPU_BF16_WEIGHTS``, default on; "0" widens them to fp32 at load, for
+    oneDNN's packed fp32 products: twice the memory, faster from about 64 rows a step, slower
+    below; see ``cpu/backend.py:keep_bf16_weights`` and ``cpu/linear.py``)."""
     value = os.environ.get("OMNISERVE_CPU_BF16_WEIGHTS", "1")
     if value not in ("0", "1"):
         raise ValueError(f"OMNISERVE_CPU_BF16_WEIGHTS must be '0' or '1', not {value!r}.")

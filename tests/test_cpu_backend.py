@@ -156,8 +156,8 @@ def test_widened_linear_is_fp32_on_the_bf16_weight(rows, out_features, in_featur
 def test_bf16_weights_are_kept_for_an_fp32_model_of_a_bf16_checkpoint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Before loading, the linear layers and token embeddings of an fp32 model of a bf16
-    checkpoint take bf16 weights (keeping their loaders; a tied head keeps sharing its
+    """Before loading, the linear layers, MoE experts and token embeddings of an fp32 model of a
+    bf16 checkpoint take bf16 weights (keeping their loaders; a tied head keeps sharing its
     embedding's), but not when any matrix of the checkpoint is stored in another dtype, not for
     a bf16 model, and not when OMNISERVE_CPU_BF16_WEIGHTS=0. The backend then widens them in its
     kernels, and the embedding returns fp32 rows: the fp32 model's results."""
@@ -168,6 +168,7 @@ def test_bf16_weights_are_kept_for_an_fp32_model_of_a_bf16_checkpoint(
         model.embed = VocabParallelEmbedding(100, 64)
         model.head = ParallelLMHead(100, 64)
         model.head.weight = model.embed.weight
+        model.experts = FusedMoE(4, 2, 64, 32)
         return model
 
     bf16 = {torch.bfloat16}
@@ -178,7 +179,10 @@ def test_bf16_weights_are_kept_for_an_fp32_model_of_a_bf16_checkpoint(
     monkeypatch.setenv("OMNISERVE_CPU_BF16_WEIGHTS", "1")
     kept = model()
     loader = kept.qkv.weight.weight_loader
-    assert keep_bf16_weights(kept, torch.float32, bf16) == 2
+    assert keep_bf16_weights(kept, torch.float32, bf16) == 4  # qkv, embedding, both experts
+    assert kept.experts.down_proj.dtype == torch.bfloat16
+    assert kept.experts.gate_up_proj.shard_ids == {(e, s) for e in range(4)
+                                                   for s in ("gate_proj", "up_proj")}  # fmt: skip
     assert kept.qkv.weight.dtype == torch.bfloat16 and kept.qkv.weight.weight_loader == loader
     assert kept.qkv.weight.shard_ids == {("q",), ("k",), ("v",)}
     assert kept.head.weight.dtype == torch.bfloat16 and kept.head.weight is kept.embed.weight
@@ -191,6 +195,7 @@ def test_bf16_weights_are_kept_for_an_fp32_model_of_a_bf16_checkpoint(
     assert apply_cpu_backend(kept, torch.float32).placements == {
         "linear: C bf16 weights, fp32 activations": 1,
         "linear: C plain-layout bf16 weights, fp32 activations (shared weight)": 1,
+        "MoE: C bf16 weights, fp32 activations": 1,
     }
     assert kept.qkv.weight.device.type == "meta"
     ids = torch.tensor([3, 99, 0])
@@ -388,6 +393,27 @@ def test_moe_matches_the_reference(
     assert CpuMoE.supports(layer)
     with torch.inference_mode():
         _close(CpuMoE(layer)(x, weights, ids), _moe_reference(x, layer, weights, ids), dtype)
+
+
+@needs_widened
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_moe_takes_fp32_rows_on_bf16_experts(tokens: int) -> None:
+    """Experts kept bf16 under fp32 activations (``keep_bf16_weights``): the kernel at decode
+    sizes and torch's per-expert products past them (each expert widened) both give the fp32
+    products of the widened experts; the backend places and names the kernel."""
+    x, layer, weights, ids = _moe_case(tokens, torch.float32, hidden=96)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            setattr(layer, name, torch.nn.Parameter(getattr(layer, name).bfloat16()))
+    expected = _moe_reference(x, layer, weights, ids)
+    assert apply_cpu_backend(layer, torch.float32).placements == {
+        "MoE: C bf16 weights, fp32 activations": 1
+    }
+    with torch.inference_mode():
+        _close(layer.kernel(x, weights, ids), expected, torch.float32)
+        _close(torch_fused_experts(x, layer.gate_up_proj, layer.down_proj, weights, ids),
+               expected, torch.float32)  # fmt: skip
+    assert not CpuMoE.supports(layer, torch.float16)
 
 
 @pytest.fixture(scope="module")

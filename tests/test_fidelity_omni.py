@@ -166,11 +166,11 @@ def test_thinker_matches_hf(omni_case, shape):
 
 
 @pytest.mark.slow
-def test_bf16_checkpoint_thinker_in_fp32_matches_hf(bf16_checkpoint):
-    """A bf16 omni checkpoint computed in fp32 keeps its decoder's linear and embedding weights
-    bf16 (widened in the kernels: ``cpu.backend.keep_bf16_weights``) while its towers widen at
-    load: transformers' fp32 answers on the same checkpoint, media prompts chunked."""
-    arch = "Qwen2_5OmniThinkerForConditionalGeneration"
+@pytest.mark.parametrize("arch", list(THINKERS))
+def test_bf16_checkpoint_thinker_in_fp32_matches_hf(arch, bf16_checkpoint):
+    """A bf16 omni checkpoint computed in fp32 keeps its decoder's linear, expert and embedding
+    weights bf16 (widened in the kernels: ``cpu.backend.keep_bf16_weights``) while its towers
+    widen at load: transformers' fp32 answers on the same checkpoint, media prompts chunked."""
     model_dir = bf16_checkpoint(arch)
     prompts, reference = _reference(arch, model_dir, [["image"], ["audio"], ["av"]])
     llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=16, max_num_seqs=3)

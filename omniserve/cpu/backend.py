@@ -62,10 +62,11 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 def keep_bf16_weights(model: nn.Module, dtype: torch.dtype, stored: Iterable[torch.dtype]) -> int:
     """Before loading, where the model computes in fp32 and the checkpoint's matrices are all
-    bf16 (``stored``: their dtypes): make the weights of the linear layers and the token
-    embeddings bf16 (a tied head's with its embedding's), at half the memory. The kernels then
-    widen them in registers and the embeddings cast the rows they look up, as loading would
-    have widened them, so the products stay fp32's. Returns how many weights."""
+    bf16 (``stored``: their dtypes): make the weights of the linear layers, the MoE experts and
+    the token embeddings bf16 (a tied head's with its embedding's), at half the memory. The
+    kernels then widen them in registers (torch's per-expert products of a prefill, one expert at
+    a time) and the embeddings cast the rows they look up, as loading would have widened them,
+    so the products stay fp32's. Returns how many weights."""
     if not (
         dtype == torch.float32
         and set(stored) == {torch.bfloat16}
@@ -75,21 +76,24 @@ def keep_bf16_weights(model: nn.Module, dtype: torch.dtype, stored: Iterable[tor
         return 0
     kept: dict[int, nn.Parameter] = {}
     for layer in model.modules():
-        if isinstance(layer, LinearBase) and layer.quantization is not None:
+        if isinstance(layer, FusedMoE):
+            names = ["gate_up_proj", "down_proj"]
+        elif isinstance(layer, (LinearBase, VocabParallelEmbedding)):
+            names = ["weight"] if getattr(layer, "quantization", None) is None else []
+        else:
             continue
-        if not isinstance(layer, (LinearBase, VocabParallelEmbedding)):
-            continue
-        old = layer.weight
-        if old.dtype != torch.float32:
-            continue
-        if id(old) not in kept:
-            new = nn.Parameter(
-                torch.empty(old.shape, dtype=torch.bfloat16, device=old.device),
-                requires_grad=old.requires_grad,
-            )
-            new.__dict__.update(old.__dict__)  # the weight loader and its shard ids
-            kept[id(old)] = new
-        layer.weight = kept[id(old)]
+        for name in names:
+            old = getattr(layer, name)
+            if old.dtype != torch.float32:
+                continue
+            if id(old) not in kept:
+                new = nn.Parameter(
+                    torch.empty(old.shape, dtype=torch.bfloat16, device=old.device),
+                    requires_grad=old.requires_grad,
+                )
+                new.__dict__.update(old.__dict__)  # the weight loader and its shard ids
+                kept[id(old)] = new
+            setattr(layer, name, kept[id(old)])
         if isinstance(layer, VocabParallelEmbedding):
             layer.output_dtype = dtype
     return len(kept)
@@ -140,9 +144,14 @@ def apply_cpu_backend(model: nn.Module, dtype: torch.dtype | None = None) -> Ker
             if isinstance(module, LinearBase):
                 kind = f"linear: {_place_linear(module, shared, dtype)}"
             elif isinstance(module, FusedMoE):
-                if CpuMoE.supports(module):
-                    module.kernel = CpuMoE(module)
-                    kind = f"MoE: C {str(module.gate_up_proj.dtype).removeprefix('torch.')}"
+                experts = module.gate_up_proj.dtype
+                if CpuMoE.supports(module, dtype):
+                    module.kernel = CpuMoE(module, dtype)
+                    kind = (
+                        "MoE: C bf16 weights, fp32 activations"
+                        if (experts, dtype) == (torch.bfloat16, torch.float32)
+                        else f"MoE: C {str(experts).removeprefix('torch.')}"
+                    )
                 else:
                     kind = "MoE: torch"
             elif isinstance(module, Attention):

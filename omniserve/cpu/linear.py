@@ -254,15 +254,6 @@ class WidenedLinear:
     def available() -> bool:
         return _widened_kernels() is not None
 
-    @staticmethod
-    def supports(weight: torch.Tensor) -> bool:
-        return (
-            weight.device.type == "cpu"
-            and weight.dtype == torch.bfloat16
-            and weight.dim() == 2
-            and WidenedLinear.available()
-        )
-
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         _check_input(x, torch.float32, "WidenedLinear")
         rows = x.reshape(-1, x.shape[-1])

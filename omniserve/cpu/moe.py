@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from omniserve.cpu.build import KERNEL_DTYPES, inference_tensors, load_typed
+from omniserve.cpu.build import KERNEL_DTYPES, inference_tensors, load_function, load_typed
 from omniserve.layers.fused_moe import FusedMoE, fused_experts
 
 TOKENS_PER_CALL = 1024
@@ -31,26 +31,34 @@ _SIGNATURE = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, 
 _STATUS = {-1: None, -2: "the CPU MoE kernel could not allocate its scratch buffers"}
 
 
-def _kernel(dtype: torch.dtype) -> object:
+def _kernel(dtype: torch.dtype, weight_dtype: torch.dtype) -> object:
+    """The kernel for ``dtype`` activations on ``weight_dtype`` experts (None if there is none)."""
+    if (dtype, weight_dtype) == (torch.float32, torch.bfloat16):  # keep_bf16_weights' experts
+        return load_function("moe.c", "omniserve_moe_f32_bf16w", _SIGNATURE, ctypes.c_int)
+    if dtype != weight_dtype:
+        return None
     return load_typed("moe.c", "omniserve_moe", dtype, _SIGNATURE, ctypes.c_int)
 
 
 class CpuMoE:
-    """``fused_experts`` for one ``FusedMoE`` layer, in C."""
+    """``fused_experts`` for one ``FusedMoE`` layer, in C; the activations are in ``dtype`` (the
+    experts', or fp32 on bf16 experts)."""
 
-    def __init__(self, layer: FusedMoE) -> None:
+    def __init__(self, layer: FusedMoE, dtype: torch.dtype | None = None) -> None:
         self.layer = layer
-        self.kernel = _kernel(layer.gate_up_proj.dtype)
+        self.dtype = layer.gate_up_proj.dtype if dtype is None else dtype
+        self.kernel = _kernel(self.dtype, layer.gate_up_proj.dtype)
 
     @staticmethod
-    def supports(layer: FusedMoE) -> bool:
+    def supports(layer: FusedMoE, dtype: torch.dtype | None = None) -> bool:
         weights = (layer.gate_up_proj, layer.down_proj)
+        weight_dtype = layer.gate_up_proj.dtype
         return (
-            layer.gate_up_proj.dtype in KERNEL_DTYPES
+            weight_dtype in KERNEL_DTYPES
             and all(w.device.type == "cpu" and w.is_contiguous() for w in weights)
             and layer.hidden_size % 32 == 0
             and layer.intermediate_size_per_partition % 32 == 0
-            and _kernel(layer.gate_up_proj.dtype) is not None
+            and _kernel(weight_dtype if dtype is None else dtype, weight_dtype) is not None
         )
 
     def __call__(
@@ -60,7 +68,7 @@ class CpuMoE:
         gate_up, down = layer.gate_up_proj.detach(), layer.down_proj.detach()
         num_experts, top_k = gate_up.shape[0], topk_ids.shape[1]
         if (
-            x.dtype != gate_up.dtype
+            x.dtype != self.dtype
             or not inference_tensors(x)
             or x.shape[0] * top_k > MAX_ROUTED_PER_EXPERT * num_experts
         ):

@@ -83,8 +83,10 @@ def torch_fused_experts(
         if count == 0:
             continue
         tokens = token_of_pair[start : start + count]
-        gate, up = F.linear(x[tokens], gate_up_proj[expert_id]).chunk(2, dim=-1)  # [n, I] each
-        expert_out = F.linear(F.silu(gate) * up, down_proj[expert_id])  # [n, H]
+        # (experts kept in bf16 under fp32 activations are widened here, one at a time)
+        gate_up, down = gate_up_proj[expert_id].to(x.dtype), down_proj[expert_id].to(x.dtype)
+        gate, up = F.linear(x[tokens], gate_up).chunk(2, dim=-1)  # [n, I] each
+        expert_out = F.linear(F.silu(gate) * up, down)  # [n, H]
         out.index_add_(0, tokens, expert_out * weight_of_pair[start : start + count, None])
         start += count
     return out

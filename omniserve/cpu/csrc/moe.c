@@ -7,8 +7,8 @@
  * packed copy: at decode sizes each selected expert's weights are streamed from memory once, and
  * at prefill sizes a block of weight rows stays in L2 while all of its expert's tokens pass.
  *
- * fp32 and bf16: fp32 accumulation in each projection, results rounded where transformers'
- * expert loop rounds them (moe_impl.h). H and I must be multiples of 32 (the caller checks).
+ * fp32, bf16, and fp32 on bf16 experts: fp32 accumulation in each projection, results rounded
+ * where transformers' expert loop rounds them (moe_impl.h). H and I must be multiples of 32 (the caller checks).
  * Built by omniserve/cpu/build.py.
  */
 #include <math.h>
@@ -21,22 +21,33 @@
 #define MOE_BLOCK 48 /* weight rows per work item, 8 tiles (gate and up rows count as two) */
 
 #define T float
-#define FN(name) name##_f32
-#define TILE_ROWS tile_rows_f32
 #define STOREV(p, v) store((p), (v))
 #define TO_T(f) (f)
 #define ROUND(f) (f)
 #define ROUNDV(v) (v)
+#define TW float
+#define FN(name) name##_f32
+#define TILE_ROWS tile_rows_f32
 #include "moe_impl.h"
-#undef T
+#undef TW
 #undef FN
 #undef TILE_ROWS
+/* fp32 activations on bf16 experts (a bf16 checkpoint computed in fp32) */
+#define TW bf16
+#define FN(name) name##_f32_bf16w
+#define TILE_ROWS tile_rows_f32_bf16w
+#include "moe_impl.h"
+#undef TW
+#undef FN
+#undef TILE_ROWS
+#undef T
 #undef STOREV
 #undef TO_T
 #undef ROUND
 #undef ROUNDV
 
 #define T bf16
+#define TW bf16
 #define FN(name) name##_bf16
 #define TILE_ROWS tile_rows_bf16
 #define STOREV(p, v) store_bf16((p), (v))

@@ -1,8 +1,9 @@
 /*
  * Body of one MoE kernel, included by moe.c once per element type with these defined:
- *   T          the element type of x, the weights and out (float or bf16)
+ *   T          the element type of x and out (float or bf16)
+ *   TW         the element type of the weights (T, or bf16 under float x: widened exactly)
  *   FN(name)   the exported name for this type
- *   TILE_ROWS  the gemm_nt.h tile for T
+ *   TILE_ROWS  the gemm_nt.h tile for T rows on TW weights
  *   STOREV(p, v) vec -> 16 T at p (rounded)
  *   TO_T(f)    float -> T (rounded)
  *   ROUND(f), ROUNDV(v)  a float / vec rounded to T's precision (identity for float)
@@ -16,7 +17,7 @@
 /* out[t] = sum over t's experts e, in increasing e, of weight * down_e(silu(gate_e x) * up_e x).
  * x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; topk [T, k]; out [T, H].
  * Returns 0, -1 on an expert id outside [0, E), -2 on an allocation failure. */
-int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const T *gate_up, const T *down,
+int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const TW *gate_up, const TW *down,
                       int64_t E, int64_t I, const float *topk_weights, const int64_t *topk_ids,
                       int64_t top_k, T *out, int num_threads) {
     const int64_t pairs = num_tokens * top_k;
@@ -56,11 +57,11 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const T *gate_u
             if (rows == 0) continue;
             const int64_t j0 = item % up_blocks * (MOE_BLOCK / 2);
             const int64_t j1 = j0 + MOE_BLOCK / 2 < I ? j0 + MOE_BLOCK / 2 : I;
-            const T *gate = gate_up + e * 2 * I * H, *up = gate + I * H;
+            const TW *gate = gate_up + e * 2 * I * H, *up = gate + I * H;
             for (int64_t r = start[e]; r < start[e + 1]; r += MR) {
                 const int mr = (int)(start[e + 1] - r < MR ? start[e + 1] - r : MR);
                 for (int64_t j = j0; j < j1; j += NR / 2) {
-                    const T *w[NR];
+                    const TW *w[NR];
                     for (int c = 0; c < NR / 2; ++c) { /* a short tail repeats its last row */
                         const int64_t row = j + c < j1 ? j + c : j1 - 1;
                         w[c] = gate + row * H;
@@ -83,11 +84,11 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const T *gate_u
             if (start[e + 1] == start[e]) continue;
             const int64_t h0 = item % down_blocks * MOE_BLOCK;
             const int64_t h1 = h0 + MOE_BLOCK < H ? h0 + MOE_BLOCK : H;
-            const T *w_e = down + e * H * I;
+            const TW *w_e = down + e * H * I;
             for (int64_t r = start[e]; r < start[e + 1]; r += MR) {
                 const int mr = (int)(start[e + 1] - r < MR ? start[e + 1] - r : MR);
                 for (int64_t h = h0; h < h1; h += NR) {
-                    const T *w[NR];
+                    const TW *w[NR];
                     for (int c = 0; c < NR; ++c) w[c] = w_e + (h + c < h1 ? h + c : h1 - 1) * I;
                     float y[MR][NR];
                     TILE_ROWS(act + r * I, I, mr, w, I, y);
