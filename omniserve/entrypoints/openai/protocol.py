@@ -24,7 +24,13 @@ from pydantic import (
     model_validator,
 )
 
-from omniserve.sampling_params import SEED_MAX, SEED_MIN
+from omniserve.sampling_params import (
+    SEED_MAX,
+    SEED_MIN,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -397,6 +403,62 @@ class SamplingRequest(PromptOptions):
             return {int(token): bias for token, bias in self.logit_bias.items()}
         except ValueError:
             raise ValueError("logit_bias keys must be token ids (integers as strings).") from None
+
+    def to_sampling_params(
+        self,
+        defaults: dict[str, float],
+        max_logprobs: int,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """The one mapping from request fields to SamplingParams: a field the request omits
+        takes ``defaults`` (the checkpoint's recommended values, ``--generation-config``), else
+        OpenAI's. ``max_tokens``/``logprobs``: the route's reading of its own fields;
+        ``prompt_logprobs``: what the route itself needs of the prompt (echo), beside what the
+        request asks for. A ``ValueError`` names the field it refuses first."""
+        for name, value in ((self.logprobs_field, logprobs),
+                            ("prompt_logprobs", self.prompt_logprobs)):  # fmt: skip
+            if value is not None and value > max_logprobs:
+                raise ValueError(
+                    f"{name} may be at most {max_logprobs} (--max-logprobs), got {value}."
+                )
+        wanted = [k for k in (prompt_logprobs, self.prompt_logprobs) if k is not None]
+
+        def field(name: str, openai_default: float) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, openai_default) if value is None else value
+
+        constraint = self.constraint
+        return SamplingParams(
+            n=self.n,
+            temperature=field("temperature", 1.0),
+            top_p=field("top_p", 1.0),
+            top_k=field("top_k", 0),
+            min_p=field("min_p", 0.0),
+            seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
+            stop_token_ids=self.stop_token_ids or [],
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=field("repetition_penalty", 1.0),
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,  # the engine's processor resolves it against the prompt
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=max(wanted) if wanted else None,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=None
+            if constraint is None
+            else StructuredOutputsParams(**constraint, origin=self.constraint_field),
+            logit_bias=self.token_logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+        )
 
     @model_validator(mode="after")
     def _check_supported(self) -> SamplingRequest:

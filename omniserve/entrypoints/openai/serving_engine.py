@@ -53,7 +53,7 @@ from omniserve.entrypoints.openai.transcription_protocol import TranscriptionReq
 from omniserve.lora.request import LoRARequest
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.outputs import Logprob, RequestOutput
-from omniserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from omniserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from omniserve.entrypoints.openai.serving_models import OpenAIServingModels
@@ -343,58 +343,15 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """The one mapping from request fields to SamplingParams: a field the request omits
-        takes the checkpoint's recommended value (``--generation-config``), else OpenAI's.
-        ``prompt_logprobs``: what the route itself needs of the prompt (echo), beside what the
-        request asks for."""
-        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        limit = self.engine.model_config.max_logprobs
-        for name, value in ((request.logprobs_field, logprobs),
-                            ("prompt_logprobs", request.prompt_logprobs)):  # fmt: skip
-            if value is not None and value > limit:
-                raise ServingError(
-                    f"{name} may be at most {limit} (--max-logprobs), got {value}.", param=name
-                )
-        wanted = [k for k in (prompt_logprobs, request.prompt_logprobs) if k is not None]
-        prompt_logprobs = max(wanted) if wanted else None
-
-        def field(name: str, openai_default: float) -> Any:
-            value = getattr(request, name)
-            return self.default_sampling.get(name, openai_default) if value is None else value
-
+        """``request.to_sampling_params`` with this server's defaults and limits; what it
+        refuses is a 400 naming the field its message begins with."""
         try:
-            return SamplingParams(
-                n=request.n,
-                temperature=field("temperature", 1.0),
-                top_p=field("top_p", 1.0),
-                top_k=field("top_k", 0),
-                min_p=field("min_p", 0.0),
-                seed=request.seed,
-                stop=[request.stop] if isinstance(request.stop, str) else request.stop or [],
-                stop_token_ids=request.stop_token_ids or [],
-                presence_penalty=request.presence_penalty or 0.0,
-                frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=field("repetition_penalty", 1.0),
-                ignore_eos=request.ignore_eos,
-                max_tokens=max_tokens,  # the engine's processor resolves it against the prompt
-                min_tokens=request.min_tokens,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=request.skip_special_tokens,
-                spaces_between_special_tokens=request.spaces_between_special_tokens,
-                include_stop_str_in_output=request.include_stop_str_in_output,
-                output_kind=kind,
-                structured_outputs=StructuredOutputsParams(
-                    **constraint, origin=request.constraint_field
-                )
-                if (constraint := request.constraint)
-                else None,
-                logit_bias=request.token_logit_bias,
-                allowed_token_ids=request.allowed_token_ids,
-                bad_words=request.bad_words,
-            )
+            return request.to_sampling_params(
+                self.default_sampling, self.engine.model_config.max_logprobs,
+                max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            )  # fmt: skip
         except ValueError as exc:
-            raise ServingError(str(exc)) from exc  # param: the field the message begins with
+            raise ServingError(str(exc)) from exc
 
     def token_text(self, token_id: int, logprob: Logprob | None = None, as_id: bool = False) -> str:
         """A logprobs entry's token: its text, or "token_id:<id>" (return_tokens_as_token_ids)."""
