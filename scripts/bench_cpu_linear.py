@@ -19,12 +19,9 @@ import argparse
 import functools
 
 import torch
-from bench_int4_linear import SHAPES, Kernel, median_ms
+from bench_int4_linear import SHAPES, SMALL_K, Kernel, add_timing_args, median_ms
 
 from omniserve.cpu.linear import OneDnnLinear, WidenedLinear
-
-SMALL_K = 256
-"""Input features of the small weight that warms each product's code path."""
 
 
 def kernels(shape: tuple[int, int]) -> list[Kernel]:
@@ -63,12 +60,10 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=SHAPES, help="K x N (input x output)")
     parser.add_argument("--rows", type=int, nargs="+",
                         default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024])  # fmt: skip
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--flush-mb", type=int, default=1024)
+    add_timing_args(parser)
     args = parser.parse_args()
     if not WidenedLinear.available():
-        raise SystemExit("WidenedLinear needs AVX-512 and a C compiler; neither is here.")
+        raise SystemExit("WidenedLinear needs AVX-512 and a C compiler, which this machine lacks.")
     torch.set_num_threads(args.threads)
     print(f"fp32 activations (bf16 for bf16 oneDNN), {args.threads} threads; "
           f"median of {args.repeats} calls (ms)")  # fmt: skip

@@ -106,14 +106,19 @@ def run(args: argparse.Namespace) -> None:
         del big
 
 
+def add_timing_args(parser: argparse.ArgumentParser) -> None:
+    """The threads, repeats and cache flush of ``median_ms``'s timing."""
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--flush-mb", type=int, default=1024)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=SHAPES, help="K x N (input x output)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128])
     parser.add_argument("--group-size", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--flush-mb", type=int, default=1024)
+    add_timing_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"bf16 activations, groups of {args.group_size}, {args.threads} threads; "

@@ -141,6 +141,14 @@ REALSIZE_MODELS: Mapping[str, RealSizeSpec] = frozen_mapping({
             tie_word_embeddings=True,
         )),
     ),
+    "qwen2.5-7b": RealSizeSpec(
+        "Qwen/Qwen2.5-7B-Instruct", "Qwen2ForCausalLM",
+        frozen_mapping(dict(
+            _DENSE_TEXT, vocab_size=152_064, hidden_size=3584, intermediate_size=18944,
+            num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+            max_position_embeddings=32768, tie_word_embeddings=False,
+        )),
+    ),
     "qwen3-1.7b": RealSizeSpec(
         "Qwen/Qwen3-1.7B", "Qwen3ForCausalLM",
         frozen_mapping(dict(
