@@ -271,11 +271,12 @@ def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
 
     adapter = workload.get("lora_path")
     lora_kwargs = {"enable_lora": True, "max_lora_rank": workload["lora_rank"]} if adapter else {}
-    llm_kwargs = {**lora_kwargs, **workload.get("llm_kwargs", {})}
+    # --llm-kwargs may override the KV cache's size (a model that fills the machine)
+    llm_kwargs = {"kv_cache_memory": KV_CACHE_GIB << 30, "enable_prefix_caching": False,
+                  **lora_kwargs, **workload.get("llm_kwargs", {})}  # fmt: skip
     lora = LoRARequest("bench", 1, adapter) if llm_kwargs.get("enable_lora") else None
     start = time.perf_counter()
     llm = LLM(model_dir, max_model_len=workload["max_model_len"], device=workload["device"],
-              kv_cache_memory=KV_CACHE_GIB << 30, enable_prefix_caching=False,
               **llm_kwargs)  # fmt: skip
     load_s = time.perf_counter() - start
     info = llm.llm_engine.engine_core.call_utility("get_model_info")
