@@ -19,7 +19,8 @@ decode step streams, with fp32's products. Against ``OneDnnLinear`` on the weigh
 (``scripts/bench_cpu_linear.py``: 2-core Xeon without AVX512-BF16, 2 threads, weights out of
 cache; Qwen2.5-1.5B's qkv, gate/up and down and a 7B's gate/up): 1.7-1.9x as fast at 1 row,
 1.8-2.3x at 4, 1.5-1.6x at 16, 1.0-1.1x at 64, 0.8-0.9x at 256 and 0.85-0.95x at 1,024 (prefill
-chunks), and 3.7-4.2x as fast as bf16 throughout (``--dtype bfloat16``, emulated) from 4 rows.
+chunks); against bf16 throughout (``--dtype bfloat16``, emulated here), 2.9-3.5x as fast at 4 rows
+and 3.7-4.2x from 16.
 
 **C, 4-bit weights** (``Int4Linear``): for AWQ / GPTQ layers, on ``layers/quantization.py``'s
 layout as loaded. For a few rows (``int4_kernel_max_rows``) ``csrc/linear_int4.c`` decodes a
