@@ -78,9 +78,11 @@ def test_onednn_linear_matches_torch(rows, out_features, in_features, bias, dtyp
     layer = _linear(out_features, in_features, bias, dtype, rows)
     weight, bias_t = layer.weight.detach().float().clone(), layer.bias
     if not onednn_packs(dtype):  # bf16 on a CPU without AVX-512 BW/VL/DQ: torch computes it
-        assert apply_cpu_backend(layer).placements == {"linear: torch": 1}
+        assert apply_cpu_backend(layer, dtype).placements == {"linear: torch": 1}
     else:
-        assert apply_cpu_backend(layer).placements == {f"linear: oneDNN packed {str(dtype)[6:]}": 1}
+        assert apply_cpu_backend(layer, dtype).placements == {
+            f"linear: oneDNN packed {str(dtype)[6:]}": 1
+        }
         assert layer.weight.device.type == "meta" and layer.weight.shape == weight.shape
     x = torch.randn(rows, in_features).to(dtype)
     with torch.inference_mode():
@@ -94,7 +96,7 @@ def test_onednn_linear_inputs_and_errors() -> None:
     layer = _linear(64, 128, True, torch.float32, 0)
     reference = functools.partial(F.linear, weight=layer.weight.detach().clone(),
                                   bias=layer.bias)  # fmt: skip
-    apply_cpu_backend(layer)
+    apply_cpu_backend(layer, torch.float32)
     with torch.inference_mode():
         view = torch.randn(6, 400)[:, 100:228]
         _close(layer(view), reference(view), torch.float32)
@@ -171,8 +173,9 @@ def test_bf16_weights_are_kept_for_an_fp32_model_of_a_bf16_checkpoint(
         model.experts = FusedMoE(4, 2, 64, 32)
         return model
 
-    bf16 = {torch.bfloat16}
-    assert keep_bf16_weights(model(), torch.float32, {torch.bfloat16, torch.float32}) == 0
+    matrix, norm = torch.Size([8, 8]), torch.Size([8])
+    bf16 = {"a": (matrix, torch.bfloat16), "norm": (norm, torch.float32)}  # 1-D: not a matrix
+    assert keep_bf16_weights(model(), torch.float32, {**bf16, "b": (matrix, torch.float32)}) == 0
     assert keep_bf16_weights(model(), torch.bfloat16, bf16) == 0
     monkeypatch.setenv("OMNISERVE_CPU_BF16_WEIGHTS", "0")
     assert keep_bf16_weights(model(), torch.float32, bf16) == 0
@@ -347,7 +350,7 @@ def test_tied_lm_head_keeps_the_shared_embedding(dtype: torch.dtype) -> None:
                                  RowParallelLinear(64, 64).to(dtype)])  # fmt: skip
     name = str(dtype)[6:]
     packed = f"linear: oneDNN packed {name}" if onednn_packs(dtype) else "linear: torch"
-    assert apply_cpu_backend(model).placements == {
+    assert apply_cpu_backend(model, dtype).placements == {
         f"linear: C plain-layout {name} (shared weight)": 1,
         packed: 2,
     }
@@ -486,7 +489,8 @@ def test_moe_shapes_off_the_kernel_stay_on_torch() -> None:
     assert not CpuMoE.supports(FusedMoE(8, 2, 128, 48))  # I not a multiple of 32
     assert not CpuMoE.supports(FusedMoE(8, 2, 128, 64).double())
     layer = FusedMoE(8, 2, 100, 64)
-    assert apply_cpu_backend(layer).placements == {"MoE: torch": 1} and layer.kernel is None
+    assert apply_cpu_backend(layer, torch.float32).placements == {"MoE: torch": 1}
+    assert layer.kernel is None
 
 
 def _rarely_a_step_apart(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -506,7 +510,7 @@ def test_bf16_rms_norm_kernel_matches_transformers_rounding(cols: int) -> None:
     layer = layer.bfloat16()
     x = (torch.randn(3, 37, cols + 8, generator=gen) * 5).bfloat16()[..., 4 : cols + 4]
     expected = layer(x)  # the torch reference (no kernel yet)
-    assert apply_cpu_backend(layer).placements == {"RMSNorm: C bfloat16": 1}
+    assert apply_cpu_backend(layer, torch.bfloat16).placements == {"RMSNorm: C bfloat16": 1}
     with torch.inference_mode():
         got = layer(x)
     assert got.shape == expected.shape and got.dtype == torch.bfloat16
@@ -526,9 +530,9 @@ def test_bf16_silu_and_mul_kernel_matches_torch_rounding(
     layer = SiluAndMul()
     expected = layer(x)  # the torch reference (no kernel yet)
     fp32 = torch.nn.Sequential(ReplicatedLinear(4, 4), SiluAndMul())
-    assert apply_cpu_backend(fp32).placements == {"linear: oneDNN packed float32": 1}
+    assert apply_cpu_backend(fp32, torch.float32).placements == {"linear: oneDNN packed float32": 1}
     model = torch.nn.Sequential(ReplicatedLinear(4, 4).bfloat16(), layer)
-    assert apply_cpu_backend(model).placements["SiLU-and-mul: C bfloat16"] == 1
+    assert apply_cpu_backend(model, torch.bfloat16).placements["SiLU-and-mul: C bfloat16"] == 1
     with torch.inference_mode():
         got = layer(x)
         assert torch.equal(layer(x.float()), silu_and_mul(x.float()))  # fp32: torch's
@@ -584,11 +588,11 @@ def test_backend_places_each_layer_kind_and_can_be_turned_off(monkeypatch) -> No
     model = torch.nn.ModuleList([ReplicatedLinear(64, 32), FusedMoE(4, 2, 64, 32), QKRotary(),
                                  Attention(4, 16, 0.25, num_kv_heads=2)])  # fmt: skip
     monkeypatch.setenv("OMNISERVE_CPU_KERNELS", "torch")
-    report = apply_cpu_backend(model)
+    report = apply_cpu_backend(model, torch.float32)
     assert not report.placements and "off" in report.summary()
     assert model[0].kernel is None and model[0].weight.device.type == "cpu"
     monkeypatch.delenv("OMNISERVE_CPU_KERNELS")
-    report = apply_cpu_backend(model)
+    report = apply_cpu_backend(model, torch.float32)
     assert report.placements == {
         "linear: oneDNN packed float32": 1, "MoE: C float32": 1, "q/k norm + RoPE: C": 1,
         "attention: C decode + SDPA prefill": 1,

@@ -439,5 +439,5 @@ def test_qwen2_5_vision_norms_are_ours(arch: str, tiny_checkpoint: Callable[...,
     assert len(norms) == 2 * model.config.vision_config.depth + 1  # two per block, the merger's
     assert not [m for m in model.visual.modules() if type(m).__name__.endswith("RMSNorm")
                 and not isinstance(m, RMSNorm)]  # fmt: skip
-    apply_cpu_backend(model)
+    apply_cpu_backend(model, torch.bfloat16)
     assert all(norm.kernel is not None for norm in norms) == CpuRMSNorm.supports(norms[0])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -51,25 +51,29 @@ def _shared_parameters(model: nn.Module) -> set[int]:
     return {param_id for param_id, count in owners.items() if count > 1}
 
 
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype most of the model's floating-point weights are in."""
-    counts: Counter[torch.dtype] = Counter()
-    for param in model.parameters():
-        if param.is_floating_point():
-            counts[param.dtype] += param.numel()
-    return counts.most_common(1)[0][0] if counts else torch.float32
+def _weights_name(weight_dtype: torch.dtype, dtype: torch.dtype) -> str:
+    """How the report names a kernel's element types: the weights' dtype, or, for weights kept
+    bf16 under fp32 activations (``keep_bf16_weights``), both."""
+    if (weight_dtype, dtype) == (torch.bfloat16, torch.float32):
+        return "bf16 weights, fp32 activations"
+    return str(weight_dtype).removeprefix("torch.")
 
 
-def keep_bf16_weights(model: nn.Module, dtype: torch.dtype, stored: Iterable[torch.dtype]) -> int:
-    """Before loading, where the model computes in fp32 and the checkpoint's matrices are all
-    bf16 (``stored``: their dtypes): make the weights of the linear layers, the MoE experts and
-    the token embeddings bf16 (a tied head's with its embedding's), at half the memory. The
-    kernels then widen them in registers (torch's per-expert products of a prefill, one expert at
-    a time) and the embeddings cast the rows they look up, as loading would have widened them,
-    so the products stay fp32's. Returns how many weights."""
+def keep_bf16_weights(
+    model: nn.Module,
+    dtype: torch.dtype,
+    stored: Mapping[str, tuple[torch.Size, torch.dtype]],
+) -> int:
+    """Before loading, where the model computes in fp32 and every matrix of the checkpoint
+    (``stored``: each tensor's shape and dtype) is bf16: make the weights of the linear layers,
+    the MoE experts and the token embeddings bf16 (a tied head's with its embedding's), at half
+    the memory. The kernels then widen them in registers (torch's per-expert products of a
+    prefill, one expert at a time) and the embeddings cast the rows they look up, as loading
+    would have widened them, so the products stay fp32's. Returns how many weights."""
+    matrices = {d for shape, d in stored.values() if len(shape) > 1 and d.is_floating_point}
     if not (
         dtype == torch.float32
-        and set(stored) == {torch.bfloat16}
+        and matrices == {torch.bfloat16}
         and envs.cpu_bf16_weights()
         and WidenedLinear.available()
     ):
@@ -108,7 +112,7 @@ def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> st
         return f"C 4-bit, {str(dtype).removeprefix('torch.')} activations"
     weight = layer.weight
     widened = (weight.dtype, dtype) == (torch.bfloat16, torch.float32)  # keep_bf16_weights'
-    name = "bf16 weights, fp32 activations" if widened else str(weight.dtype)[len("torch.") :]
+    name = _weights_name(weight.dtype, dtype)
     if id(weight) in shared:
         if RowsLinear.supports(weight, dtype):
             layer.kernel = RowsLinear(weight, dtype)
@@ -128,30 +132,23 @@ def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> st
     return "torch"
 
 
-def apply_cpu_backend(model: nn.Module, dtype: torch.dtype | None = None) -> KernelPlacement:
+def apply_cpu_backend(model: nn.Module, dtype: torch.dtype) -> KernelPlacement:
     """Give every layer of a loaded CPU model the fastest kernel that covers it; ``dtype`` is
-    the activations' (default: the dtype most of the weights are in)."""
+    the activations' (the model's: a 4-bit layer's, an activation's, which have no weight of
+    that dtype to tell, and a kept bf16 weight's)."""
     report = KernelPlacement("CPU")
     if envs.layer_kernels("cpu") == "torch":
         return report
     shared = _shared_parameters(model)
     attention_backend = CpuAttentionBackend()
-    # The activations' dtype (a 4-bit layer's, and an activation's, which has no weight to tell;
-    # fp32 activations stay on torch).
-    dtype = _model_dtype(model) if dtype is None else dtype
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, LinearBase):
                 kind = f"linear: {_place_linear(module, shared, dtype)}"
             elif isinstance(module, FusedMoE):
-                experts = module.gate_up_proj.dtype
                 if CpuMoE.supports(module, dtype):
                     module.kernel = CpuMoE(module, dtype)
-                    kind = (
-                        "MoE: C bf16 weights, fp32 activations"
-                        if (experts, dtype) == (torch.bfloat16, torch.float32)
-                        else f"MoE: C {str(experts).removeprefix('torch.')}"
-                    )
+                    kind = f"MoE: C {_weights_name(module.gate_up_proj.dtype, dtype)}"
                 else:
                     kind = "MoE: torch"
             elif isinstance(module, Attention):

@@ -137,12 +137,7 @@ class Worker:
                     quantization.method.upper(), count, quantization.group_size,
                 )  # fmt: skip
             if self.device.type == "cpu":
-                matrices = {
-                    dtype
-                    for shape, dtype in stored.values()
-                    if len(shape) > 1 and dtype.is_floating_point
-                }
-                if count := keep_bf16_weights(model, self.dtype, matrices):
+                if count := keep_bf16_weights(model, self.dtype, stored):
                     logger.info(
                         "%d linear layers keep the checkpoint's bf16 weights, widened to fp32 "
                         "in the kernel (OMNISERVE_CPU_BF16_WEIGHTS=0 widens them at load).",
