@@ -109,22 +109,36 @@ class SpeechParams:
 
 @dataclass
 class PoolingParams:
-    """The prompt's last position's final hidden state (last-token pooling, what decoder-based
-    embedding models are trained for), cut to ``dimensions`` and L2-normalised when asked.
-    Invalid values raise ``ValueError`` naming the field."""
+    """How an embedding request pools its prompt's final hidden states, cut to ``dimensions``
+    and L2-normalised when asked; a field left None takes the model's default (``--pooler-config``,
+    else the checkpoint's sentence-transformers settings, else LAST with normalisation). Invalid
+    values raise ``ValueError`` naming the field."""
 
-    normalize: bool = True
-    """Scale the embedding to unit L2 norm (vLLM's default for embeddings)."""
+    normalize: bool | None = None
+    """Scale the embedding to unit L2 norm."""
     dimensions: int | None = None
     """Keep the first ``dimensions`` values (before normalising): only for a model whose config
     declares Matryoshka training (``is_matryoshka`` / ``matryoshka_dimensions``); None: all."""
+    pooling_type: str | None = None
+    """"LAST" (the prompt's last position), "MEAN" (the mean over its positions) or "CLS" (its
+    first position)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.normalize, bool):
+        if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a boolean, got {self.normalize!r}.")
         dims = self.dimensions
         if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
             raise ValueError(f"dimensions must be None or a positive integer, got {dims!r}.")
+        if self.pooling_type is not None:
+            if not isinstance(self.pooling_type, str):
+                raise ValueError(f"pooling_type must be a string, got {self.pooling_type!r}.")
+            self.pooling_type = self.pooling_type.upper()
+
+    @property
+    def reads_every_position(self) -> bool:
+        """Whether pooling reads prompt positions before the last (which a prefix-cache hit
+        would leave uncomputed)."""
+        return self.pooling_type not in (None, "LAST")
 
 
 @dataclass
@@ -294,6 +308,14 @@ class SamplingParams:
         return "audio" in self.output_modalities
 
     @property
+    def reads_prompt_states(self) -> bool:
+        """Whether the request reads the final states of prompt positions before the last
+        (prompt logprobs, MEAN or CLS pooling), so it must compute them: no prefix-cache hit."""
+        return self.prompt_logprobs is not None or (
+            self.pooling is not None and self.pooling.reads_every_position
+        )
+
+    @property
     def reads_output_tokens(self) -> bool:
         """Whether sampling a token reads the values of the tokens before it (penalties, bad
         words): with async scheduling, the worker waits for the last step's token before it
@@ -321,16 +343,14 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
-def embedding_params(
-    pooling: PoolingParams | None = None, normalize: bool = True
-) -> SamplingParams:
-    """The params of an embedding request (``pooling``, else ``normalize``d last-token pooling):
-    it runs its prompt and samples one greedy token (the step that computes the prompt's last
-    position), which is not reported."""
+def embedding_params(pooling: PoolingParams | None = None) -> SamplingParams:
+    """The params of an embedding request (``pooling``; None: the model's defaults): it runs its
+    prompt and samples one greedy token (the step that computes the prompt's last position),
+    which is not reported."""
     return SamplingParams(
         max_tokens=1,
         temperature=0.0,
         detokenize=False,
         output_kind=RequestOutputKind.FINAL_ONLY,
-        pooling=pooling or PoolingParams(normalize=normalize),
+        pooling=pooling or PoolingParams(),
     )

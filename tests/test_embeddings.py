@@ -1,11 +1,14 @@
-"""Embeddings (vLLM's ``LLM.embed`` and ``/v1/embeddings``): the final hidden state at a prompt's
-last position, L2-normalised unless asked otherwise, against transformers' last hidden state on
-the same weights for text and image prompts; over the API in OpenAI's shapes and vLLM's chat
-form, with refusals as 400s naming the field."""
+"""Embeddings (vLLM's ``LLM.embed`` and ``/v1/embeddings``): the final hidden states pooled at a
+prompt's last position (or their mean, or the first position's), L2-normalised unless asked
+otherwise, against transformers' last hidden state on the same weights for text and image
+prompts; the pooling a checkpoint's sentence-transformers config asks for; over the API in
+OpenAI's shapes and vLLM's chat form, with refusals as 400s naming the field."""
 
 from __future__ import annotations
 
 import base64
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +17,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 from omniserve import LLM, PoolingParams, SamplingParams
+from omniserve.config import PoolerConfig
 from omniserve.entrypoints.cli import default_model
+from omniserve.sampling_params import embedding_params
 from tests.hf_reference import make_prompts
 from tests.server_utils import MODEL, assert_error
 from tests.test_api_multimodal import _png
@@ -90,6 +95,99 @@ def test_matryoshka_dimensions_and_refusals(tiny_checkpoint) -> None:
     torch.testing.assert_close(torch.tensor(cut.outputs.embedding), expected)
     with pytest.raises(ValueError, match=r"dimensions: 8 is not one of this model's Matryoshka"):
         llm.embed("Hello", PoolingParams(dimensions=8), use_tqdm=False)
+
+
+def test_mean_and_cls_pooling_match_transformers(tiny_checkpoint) -> None:
+    """MEAN and CLS read every chunk of a prompt prefilled 32 tokens at a time, beside LAST
+    requests in the same batches; they never take a prefix-cache hit (their earlier positions
+    must be computed), so a second call gives the same vectors from scratch."""
+    model_dir = str(tiny_checkpoint("Qwen2ForCausalLM"))
+    prompts = make_prompts(model_dir, LENGTHS)
+    llm = LLM(model_dir, dtype="float32", max_model_len=256, max_num_batched_tokens=32)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        states = [hf.model(input_ids=torch.tensor([ids])).last_hidden_state[0] for ids in prompts]
+    expected = {"MEAN": [s.mean(0) for s in states], "CLS": [s[0] for s in states],
+                "LAST": [s[-1] for s in states]}  # fmt: skip
+    kinds = ["MEAN", "CLS", "LAST"]
+    params = [embedding_params(PoolingParams(normalize=False, pooling_type=kind.lower()))
+              for kind in kinds for _ in prompts]  # fmt: skip
+    inputs = [{"prompt_token_ids": p} for _ in kinds for p in prompts]
+    for _ in range(2):
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        for n, output in enumerate(outputs):
+            kind, i = kinds[n // len(prompts)], n % len(prompts)
+            torch.testing.assert_close(torch.tensor(output.pooled), expected[kind][i],
+                                       atol=ATOL, rtol=0)  # fmt: skip
+            if kind != "LAST":
+                assert output.num_cached_tokens == 0
+    unit = llm.embed(inputs[:1], PoolingParams(pooling_type="MEAN"), use_tqdm=False)[0]
+    unit_mean = F.normalize(expected["MEAN"][0], dim=0)
+    torch.testing.assert_close(torch.tensor(unit.outputs.embedding), unit_mean, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="pooling_type: 'MAX' is not one of LAST, MEAN, CLS"):
+        llm.embed("Hello", PoolingParams(pooling_type="max"), use_tqdm=False)
+    with pytest.raises(ValueError, match="pooling_type must be a string"):
+        PoolingParams(pooling_type=1)  # type: ignore[arg-type]
+
+
+def _with_sentence_transformers(model_dir: Path, target: Path, modules: list[str],
+                                flags: dict[str, bool]) -> str:  # fmt: skip
+    """``model_dir``'s files (linked) with a sentence-transformers pipeline of ``modules``
+    (short names) whose Pooling module sets ``flags``."""
+    target.mkdir()
+    for item in model_dir.iterdir():
+        (target / item.name).symlink_to(item)
+    paths = {"Transformer": "", "Pooling": "1_Pooling", "Normalize": "2_Normalize"}
+    listed = [
+        {"idx": i, "name": str(i), "path": paths[m], "type": f"sentence_transformers.models.{m}"}
+        for i, m in enumerate(modules)
+    ]
+    (target / "modules.json").write_text(json.dumps(listed))
+    (target / "1_Pooling").mkdir()
+    (target / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+         "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": False, **flags}
+    ))  # fmt: skip
+    return str(target)
+
+
+def test_checkpoint_pooling_config(tiny_checkpoint, tmp_path) -> None:
+    """A checkpoint's sentence-transformers ``modules.json`` sets the default pooling as vLLM
+    reads it (its Pooling mode; normalised only with a Normalize module), ``--pooler-config``
+    wins key by key, and a mode omniserve does not run is refused at start-up unless the type
+    is given."""
+    from omniserve.engine.arg_utils import EngineArgs
+
+    base = tiny_checkpoint("Qwen2ForCausalLM")
+    mean = _with_sentence_transformers(base, tmp_path / "mean", ["Transformer", "Pooling"],
+                                       {"pooling_mode_mean_tokens": True})  # fmt: skip
+    ids = make_prompts(str(base), [21])[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        states = hf.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    llm = LLM(mean, dtype="float32", max_model_len=64)
+    assert llm.llm_engine.config.model_config.pooler_config == PoolerConfig("MEAN", False)
+    got = llm.embed({"prompt_token_ids": ids}, use_tqdm=False)[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(got), states.mean(0), atol=ATOL, rtol=0)
+    llm.llm_engine.shutdown()
+
+    cls_unit = _with_sentence_transformers(
+        base, tmp_path / "cls", ["Transformer", "Pooling", "Normalize"],
+        {"pooling_mode_cls_token": True},
+    )  # fmt: skip
+    maxed = _with_sentence_transformers(base, tmp_path / "max", ["Transformer", "Pooling"],
+                                        {"pooling_mode_max_tokens": True})  # fmt: skip
+    for model, given, want in (
+        (cls_unit, None, PoolerConfig("CLS", True)),
+        (cls_unit, {"normalize": False}, PoolerConfig("CLS", False)),
+        (mean, {"pooling_type": "LAST"}, PoolerConfig("LAST", False)),
+        (maxed, {"pooling_type": "MEAN"}, PoolerConfig("MEAN", False)),
+        (str(base), None, PoolerConfig("LAST", True)),
+    ):
+        config = EngineArgs(model, pooler_config=given).create_config().model_config
+        assert config.pooler_config == want, (model, given)
+    with pytest.raises(ValueError, match=r"1_Pooling/config.json pools by pooling_mode_max_tok"):
+        EngineArgs(maxed).create_config()
 
 
 def test_image_prompt_embeddings_match_transformers(tiny_checkpoint) -> None:
@@ -182,7 +280,7 @@ def test_pooling_runner_serves_embeddings_only(tiny_checkpoint, tmp_path) -> Non
     for kwargs, words in (
         ({"runner": "score"}, "--runner must be auto, generate or pooling"),
         ({"runner": "generate", "convert": "embed"}, "use --runner pooling"),
-        ({"pooler_config": {"pooling_type": "MEAN"}}, "pooling_type 'MEAN' is not supported"),
+        ({"pooler_config": {"pooling_type": "max"}}, "pooling_type 'MAX' is not supported"),
         ({"pooler_config": {"normalise": True}}, "unknown key 'normalise'"),
     ):
         with pytest.raises(ValueError, match=words):

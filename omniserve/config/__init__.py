@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from omniserve.config.pooler import PoolerConfig
 from omniserve.config.quantization import QUANTIZATION_METHODS, QuantizationConfig
 from omniserve.config.speculative import SpeculativeConfig
 
@@ -71,35 +72,6 @@ class SpeechConfig:
         raise ValueError(
             f"Unknown voice {voice!r}; this model's voices are {', '.join(self.voices)}."
         )
-
-
-@dataclass(frozen=True)
-class PoolerConfig:
-    """How embedding requests pool (vLLM's ``--pooler-config``): the last position's final
-    hidden state, L2-normalised unless ``normalize`` is false (a request's own ``normalize``
-    wins)."""
-
-    pooling_type: str = "LAST"
-    normalize: bool = True
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> PoolerConfig:
-        values = dict(values or {})
-        if unknown := sorted(set(values) - {"pooling_type", "normalize"}):
-            raise ValueError(f"--pooler-config: unknown key {unknown[0]!r} (pooling_type, "
-                             "normalize).")  # fmt: skip
-        kind = str(values.get("pooling_type", "LAST")).upper()
-        if kind != "LAST":
-            raise ValueError(
-                f"--pooler-config: pooling_type {kind!r} is not supported; only LAST (the "
-                "last position's hidden state, what decoder-based embedding models use)."
-            )
-        normalize = values.get("normalize", True)
-        if not isinstance(normalize, bool):
-            raise ValueError(
-                f"--pooler-config: normalize must be true or false, not {normalize!r}."
-            )
-        return cls(kind, normalize)
 
 
 @dataclass(frozen=True)

@@ -149,9 +149,10 @@ class KVCacheManager:
 
         Full blocks first, then the longest cached tail continuing them. Capped at
         ``num_tokens - 1`` so the last token is always computed and yields logits. Requests
-        asking for prompt logprobs need every position's logits, so they never hit.
+        that read every prompt position's state (prompt logprobs, MEAN or CLS pooling) never
+        hit.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.sampling_params.reads_prompt_states:
             return KVCacheBlocks(), 0
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         hit_blocks = []

@@ -148,7 +148,9 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             enable_prompt_embeds=self.enable_prompt_embeds,
             runner=self._runner(),
-            pooler_config=PoolerConfig.from_dict(_json_arg("pooler_config", self.pooler_config)),
+            pooler_config=PoolerConfig.resolve(
+                self.model, _json_arg("pooler_config", self.pooler_config)
+            ),
             disable_audio_output=self.disable_audio_output,
         )
         max_len = model_config.max_model_len
@@ -341,8 +343,10 @@ class EngineArgs:
         add(
             "--pooler-config",
             default=None,
-            help='JSON: how embeddings pool, {"pooling_type": "LAST", "normalize": true} '
-            "(LAST only; normalize: the default of requests that omit it).",
+            help='JSON: how embeddings pool, {"pooling_type": "MEAN", "normalize": true}: '
+            "LAST, MEAN or CLS, and whether to L2-normalise (defaults of requests that omit "
+            "them; keys not given come from the checkpoint's sentence-transformers modules.json, "
+            "else LAST, normalised).",
         )
         add(
             "--enable-prefix-caching",

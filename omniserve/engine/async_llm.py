@@ -206,7 +206,7 @@ class AsyncLLM:
     ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
         """vLLM's ``AsyncLLM.encode``: the prompt's embedding (``LLM.embed``'s), one output when
         it is done; ``pooling_params`` None: the ``--pooler-config`` defaults."""
-        params = embedding_params(pooling_params, self.model_config.pooler_config.normalize)
+        params = embedding_params(pooling_params)
         async for output in self.generate(prompt, params, request_id, priority, lora_request):
             if output.finished:
                 yield EmbeddingRequestOutput.from_output(output)

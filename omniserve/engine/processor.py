@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from omniserve.config import OmniConfig
+from omniserve.config.pooler import POOLING_TYPES
 from omniserve.core.talker_scheduler import plan_talker_prompt
 from omniserve.inputs.data import PromptType
 from omniserve.inputs.preprocess import InputPreprocessor, ProcessedInputs
@@ -181,6 +182,8 @@ class Processor:
                 "engine serves first come, first served)."
             )
         self._validate_params(params)
+        if params.pooling is not None:
+            params = params.clone(pooling=self._resolve_pooling(params, params.pooling))
         with torch_threads(self.featurize_threads):
             inputs = self.input_preprocessor.preprocess(prompt)
         token_ids = inputs.prompt_token_ids
@@ -259,9 +262,7 @@ class Processor:
                     f"Requested {name}={value}, but at most {self.model_config.max_logprobs} "
                     "logprobs per token are supported."
                 )
-        if params.pooling is not None:
-            self._validate_pooling(params, params.pooling)
-        elif self.model_config.runner == "pooling":
+        if params.pooling is None and self.model_config.runner == "pooling":
             raise ValueError(
                 "This model is served as an embedding model (--runner pooling): it answers "
                 "embeddings (LLM.embed, /v1/embeddings), not generation requests."
@@ -273,14 +274,25 @@ class Processor:
         ):
             self.check_token_ids(name, list(ids))
 
-    def _validate_pooling(self, params: SamplingParams, pooling: PoolingParams) -> None:
-        """An embedding request generates one token it does not report, and pools its prompt
-        once: one sequence, no audio; ``dimensions`` only where the model was trained for it."""
+    def _resolve_pooling(self, params: SamplingParams, pooling: PoolingParams) -> PoolingParams:
+        """``pooling`` with the model's defaults for what it leaves None, checked: an embedding
+        request generates one token it does not report, and pools its prompt once: one
+        sequence, no audio; ``dimensions`` only where the model was trained for it."""
         if params.n != 1 or params.wants_audio:
             raise ValueError("An embedding request takes n=1 and no audio output.")
+        defaults = self.model_config.pooler_config
+        if pooling.pooling_type is not None and pooling.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"pooling_type: {pooling.pooling_type!r} is not one of {', '.join(POOLING_TYPES)}."
+            )
+        resolved = PoolingParams(
+            defaults.normalize if pooling.normalize is None else pooling.normalize,
+            pooling.dimensions,
+            pooling.pooling_type or defaults.pooling_type,
+        )
         dims = pooling.dimensions
         if dims is None:
-            return
+            return resolved
         text = self.model_config.hf_config.get_text_config()
         allowed = getattr(text, "matryoshka_dimensions", None)
         if not (getattr(text, "is_matryoshka", False) or allowed):
@@ -294,6 +306,7 @@ class Processor:
                 f"dimensions: {dims} is not one of this model's Matryoshka dimensions "
                 f"({allowed or f'1 to {text.hidden_size}'})."
             )
+        return resolved
 
     def _speech_request(
         self, params: SamplingParams, token_ids: list[int], has_media: bool

@@ -144,17 +144,15 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
-        """Each prompt's embedding, in prompt order: the final hidden state at its last position
-        (last-token pooling, as decoder-based embedding models are trained), L2-normalised
-        unless ``pooling_params.normalize`` is False (default: ``pooler_config``'s). Prompts
-        are those of ``generate``: text, token ids, with media (``multi_modal_data``) or
-        prompt embeddings."""
+        """Each prompt's embedding, in prompt order: its final hidden states pooled as
+        ``pooling_params`` says (fields left None: the model's ``pooler_config``, by default
+        the last position's, L2-normalised). Prompts are those of ``generate``: text, token
+        ids, with media (``multi_modal_data``) or prompt embeddings."""
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(
                 f"pooling_params must be a PoolingParams, not {type(pooling_params).__name__}."
             )
-        normalize = self.llm_engine.config.model_config.pooler_config.normalize
-        params = embedding_params(pooling_params, normalize)
+        params = embedding_params(pooling_params)
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput.from_output(output) for output in outputs]
 

@@ -34,6 +34,9 @@ class CachedRequestState:
     """(first position, ``[n, hidden]`` rows) of each run of the prompt given as embeddings,
     fed in place of its placeholder ids' embeddings; the rows in the model's dtype, on the
     host."""
+    pool_state: torch.Tensor | None = None
+    """An embedding request's pooling so far (``worker/pooler.py``), fp32 on the device: MEAN's
+    sum of the final states of the prompt positions computed, CLS's first position's."""
 
     @property
     def num_prompt_tokens(self) -> int:

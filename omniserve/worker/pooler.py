@@ -1,6 +1,8 @@
-"""Embeddings of embedding requests (``SamplingParams.pooling``): the final hidden state at the
-prompt's last position, which the step that samples a request's first token computes (so
-chunked prefill and prefix-cache hits need nothing more: that position is always computed)."""
+"""Embeddings of embedding requests (``SamplingParams.pooling``) from the prompt's final hidden
+states. LAST reads the prompt's last position, which the step that samples a request's first
+token computes (so chunked prefill and prefix-cache hits need nothing more); MEAN and CLS read
+earlier positions too, so each prefill chunk folds its own into the request's state (such
+requests take no prefix-cache hit: ``SamplingParams.reads_prompt_states``)."""
 
 from __future__ import annotations
 
@@ -17,24 +19,66 @@ def pool_prompts(
     batch: InputBatch,
     req_ids: list[str],
     rows: np.ndarray,
+    query_lens: np.ndarray,
+    positions: np.ndarray,
     sampling: np.ndarray,
     firsts: np.ndarray,
 ) -> dict[str, torch.Tensor]:
     """req id -> fp32 embedding (on the device), for each embedding request among the step's
     ``sampling`` requests (indices into ``req_ids``), whose first sampled position is at
-    ``firsts`` in ``logits_indices``."""
-    pooling = batch.pools[rows[sampling]]
-    if not pooling.any():
+    ``firsts`` in ``logits_indices``; before that, every embedding request's chunk of prompt
+    positions in this step is folded into its state."""
+    if not batch.pools[rows].any():
         return {}
+    _fold_chunks(hidden_states, batch, rows, query_lens, positions)
     pooled = {}
-    for j in np.flatnonzero(pooling).tolist():
+    for j in np.flatnonzero(batch.pools[rows[sampling]]).tolist():
         i = int(sampling[j])
         state = batch.states[int(rows[i])]
         assert state is not None and state.sampling_params.pooling is not None
         params = state.sampling_params.pooling
-        index = logits_indices[int(firsts[j]) : int(firsts[j]) + 1]
-        vector = hidden_states.index_select(0, index)[0].float()
+        if params.pooling_type == "MEAN":
+            assert state.pool_state is not None
+            vector = state.pool_state / state.num_prompt_tokens
+        elif params.pooling_type == "CLS":
+            assert state.pool_state is not None
+            vector = state.pool_state
+        else:
+            index = logits_indices[int(firsts[j]) : int(firsts[j]) + 1]
+            vector = hidden_states.index_select(0, index)[0].float()
+        state.pool_state = None
         if params.dimensions is not None:
             vector = vector[: params.dimensions]
         pooled[req_ids[i]] = F.normalize(vector, dim=0) if params.normalize else vector
     return pooled
+
+
+def _fold_chunks(
+    hidden_states: torch.Tensor,
+    batch: InputBatch,
+    rows: np.ndarray,
+    query_lens: np.ndarray,
+    positions: np.ndarray,
+) -> None:
+    """Fold each MEAN or CLS request's prompt positions of this step into its ``pool_state``
+    (a chunk from position 0 starts afresh, as a preempted request's recomputation does)."""
+    starts = np.cumsum(query_lens) - query_lens
+    for i in np.flatnonzero(batch.pools[rows]).tolist():
+        state = batch.states[int(rows[i])]
+        assert state is not None and state.sampling_params.pooling is not None
+        kind = state.sampling_params.pooling.pooling_type
+        start = int(starts[i])
+        first = int(positions[start]) if query_lens[i] else state.num_prompt_tokens
+        count = min(int(query_lens[i]), state.num_prompt_tokens - first)
+        if kind == "LAST" or count <= 0:
+            continue
+        if kind == "CLS":
+            if first == 0:
+                state.pool_state = hidden_states[start].float()
+            continue
+        chunk = hidden_states[start : start + count].sum(0, dtype=torch.float32)
+        if first == 0:
+            state.pool_state = chunk
+        else:
+            assert state.pool_state is not None, "a MEAN request's chunk without its first"
+            state.pool_state = state.pool_state + chunk

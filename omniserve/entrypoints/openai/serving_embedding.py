@@ -38,10 +38,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             given = [await self.prompt_of(p, request.add_special_tokens)
                      for p in split_prompts(request.input)]  # fmt: skip
         prompts = [self.apply_prompt_options(p, request) for p in given]
-        normalize = request.normalize
-        if normalize is None:
-            normalize = self.engine.model_config.pooler_config.normalize
-        params = embedding_params(PoolingParams(normalize, request.dimensions))  # both validated
+        params = embedding_params(PoolingParams(request.normalize, request.dimensions))
         request_id = self.new_request_id("embd", request.request_id)
         generators = await self.start_generation(
             prompts, params, request_id, request.priority, lora
