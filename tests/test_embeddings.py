@@ -30,10 +30,10 @@ ATOL = 1e-4  # fp32 on both sides: only the order of the sums differs
 BROKEN_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 
 
-def _last_hidden(model, **inputs) -> torch.Tensor:
-    """transformers' final (normed) hidden state at the last position."""
+def _hidden_states(model, **inputs) -> torch.Tensor:
+    """transformers' final (normed) hidden states of one prompt: ``[positions, hidden]``."""
     with torch.inference_mode():
-        return model.model(**inputs).last_hidden_state[0, -1]
+        return model.model(**inputs).last_hidden_state[0]
 
 
 def test_text_embeddings_match_transformers(tiny_checkpoint) -> None:
@@ -47,7 +47,7 @@ def test_text_embeddings_match_transformers(tiny_checkpoint) -> None:
     raw = llm.embed(inputs, PoolingParams(normalize=False), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for ids, got, got_raw in zip(prompts, unit, raw, strict=True):
-        expected = _last_hidden(hf, input_ids=torch.tensor([ids]))
+        expected = _hidden_states(hf, input_ids=torch.tensor([ids]))[-1]
         assert got.prompt_token_ids == ids and got.finished
         assert got.outputs.hidden_size == hf.config.hidden_size
         torch.testing.assert_close(torch.tensor(got_raw.outputs.embedding), expected,
@@ -59,8 +59,8 @@ def test_text_embeddings_match_transformers(tiny_checkpoint) -> None:
     text = llm.embed("Hello there", use_tqdm=False)[0]
     ids = llm.get_tokenizer()("Hello there").input_ids
     assert text.prompt_token_ids == ids
-    torch.testing.assert_close(torch.tensor(text.outputs.embedding),
-                               F.normalize(_last_hidden(hf, input_ids=torch.tensor([ids])), dim=0),
+    last = _hidden_states(hf, input_ids=torch.tensor([ids]))[-1]
+    torch.testing.assert_close(torch.tensor(text.outputs.embedding), F.normalize(last, dim=0),
                                atol=ATOL, rtol=0)  # fmt: skip
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     after = llm.generate(inputs[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids
@@ -105,8 +105,7 @@ def test_mean_and_cls_pooling_match_transformers(tiny_checkpoint) -> None:
     prompts = make_prompts(model_dir, LENGTHS)
     llm = LLM(model_dir, dtype="float32", max_model_len=256, max_num_batched_tokens=32)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        states = [hf.model(input_ids=torch.tensor([ids])).last_hidden_state[0] for ids in prompts]
+    states = [_hidden_states(hf, input_ids=torch.tensor([ids])) for ids in prompts]
     expected = {"MEAN": [s.mean(0) for s in states], "CLS": [s[0] for s in states],
                 "LAST": [s[-1] for s in states]}  # fmt: skip
     kinds = ["MEAN", "CLS", "LAST"]
@@ -163,8 +162,7 @@ def test_checkpoint_pooling_config(tiny_checkpoint, tmp_path) -> None:
                                        {"pooling_mode_mean_tokens": True})  # fmt: skip
     ids = make_prompts(str(base), [21])[0]
     hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        states = hf.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    states = _hidden_states(hf, input_ids=torch.tensor([ids]))
     llm = LLM(mean, dtype="float32", max_model_len=64)
     assert llm.llm_engine.config.model_config.pooler_config == PoolerConfig("MEAN", False)
     got = llm.embed({"prompt_token_ids": ids}, use_tqdm=False)[0].outputs.embedding
@@ -192,22 +190,27 @@ def test_checkpoint_pooling_config(tiny_checkpoint, tmp_path) -> None:
 
 def test_image_prompt_embeddings_match_transformers(tiny_checkpoint) -> None:
     """Media merged into the prompt as for generation (a 16-token budget cuts the image's
-    placeholders across steps): two images give two vectors, each transformers'."""
+    placeholders across steps): two images give two vectors, each transformers', by LAST and
+    by MEAN pooling (which averages the image's positions too)."""
     model_dir = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
     processor = AutoProcessor.from_pretrained(model_dir)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     images = [_image(1, 112, 140), _image(2, 56, 84)]
     llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=16, max_num_seqs=2)
-    got = llm.embed([{"prompt": text, "multi_modal_data": {"image": [im]}} for im in images],
-                    use_tqdm=False)  # fmt: skip
+    prompts = [{"prompt": text, "multi_modal_data": {"image": [im]}} for im in images]
+    got = llm.embed(prompts, use_tqdm=False)
+    means = llm.embed(prompts, PoolingParams(pooling_type="MEAN"), use_tqdm=False)
     hf = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     vectors = []
-    for image, output in zip(images, got, strict=True):
+    for image, output, mean in zip(images, got, means, strict=True):
         inputs = _hf_inputs(processor, text, {"image": [image]})
-        expected = F.normalize(_last_hidden(hf, **inputs), dim=0)
+        states = _hidden_states(hf, **inputs)
         vector = torch.tensor(output.outputs.embedding)
-        torch.testing.assert_close(vector, expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(vector, F.normalize(states[-1], dim=0), atol=ATOL, rtol=0)
+        expected_mean = F.normalize(states.mean(0), dim=0)
+        torch.testing.assert_close(torch.tensor(mean.outputs.embedding), expected_mean,
+                                   atol=ATOL, rtol=0)  # fmt: skip
         vectors.append(vector)
     assert not torch.allclose(vectors[0], vectors[1], atol=1e-3)  # the image is in the vector
 
@@ -321,7 +324,7 @@ def test_async_encode(tiny_checkpoint) -> None:
     unit, raw = asyncio.run(run())
     assert [(o.request_id, o.finished) for o in unit + raw] == [("unit", True), ("raw", True)]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    expected = _last_hidden(hf, input_ids=torch.tensor([ids]))
+    expected = _hidden_states(hf, input_ids=torch.tensor([ids]))[-1]
     got_raw = torch.tensor(raw[0].outputs.embedding)
     torch.testing.assert_close(got_raw, expected, atol=ATOL, rtol=0)
     torch.testing.assert_close(torch.tensor(unit[0].outputs.embedding),
