@@ -23,6 +23,7 @@ _LAZY = {
     "RequestOutput": "omniserve.outputs",
     "CompletionOutput": "omniserve.outputs",
     "EmbeddingRequestOutput": "omniserve.outputs",
+    "ScoringRequestOutput": "omniserve.outputs",
     "EngineArgs": "omniserve.engine.arg_utils",
     "LLMEngine": "omniserve.engine.llm_engine",
 }
@@ -36,6 +37,7 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "EmbeddingRequestOutput",
+    "ScoringRequestOutput",
     "EngineArgs",
     "LLMEngine",
 ]
@@ -45,7 +47,12 @@ if TYPE_CHECKING:
     from omniserve.engine.llm_engine import LLMEngine
     from omniserve.entrypoints.beam_search import BeamSearchParams
     from omniserve.entrypoints.llm import LLM
-    from omniserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from omniserve.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
     from omniserve.sampling_params import PoolingParams, SamplingParams
 
 

@@ -111,3 +111,51 @@ class EmbeddingRequestOutput:
             output.num_cached_tokens,
             output.num_prompt_embeds,
         )
+
+
+@dataclass
+class ScoringOutput:
+    """A pair's score (``LLM.score``): the cosine similarity of the two prompts' embeddings."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair, shaped like vLLM's: the two prompts' token ids end
+    to end, and a request id joining the two embedding requests'."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int] | None
+    finished: bool = True
+
+    @classmethod
+    def from_embeddings(
+        cls, first: EmbeddingRequestOutput, second: EmbeddingRequestOutput
+    ) -> ScoringRequestOutput:
+        a = np.asarray(first.outputs.embedding, dtype=np.float64)
+        b = np.asarray(second.outputs.embedding, dtype=np.float64)
+        score = float(a @ b) / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-8)
+        ids = (
+            first.prompt_token_ids + second.prompt_token_ids
+            if first.prompt_token_ids is not None and second.prompt_token_ids is not None
+            else None
+        )
+        return cls(f"{first.request_id}_{second.request_id}", ScoringOutput(score), ids)
+
+
+def score_pairs(
+    num_1: int, num_2: int, names: tuple[str, str] = ("data_1", "data_2")
+) -> list[tuple[int, int]]:
+    """Which inputs each score pairs, as vLLM pairs them: one first input with each second one
+    (1:1, 1:N) or the i-th with the i-th (N:N). Other counts raise ``ValueError`` naming the
+    field (``names``: the two fields as the caller calls them)."""
+    if num_1 == 0 or num_2 == 0:
+        raise ValueError(f"{names[0] if num_1 == 0 else names[1]} must not be empty.")
+    if num_1 > 1 and num_1 != num_2:
+        raise ValueError(
+            f"{names[1]}: {num_1} {names[0]} and {num_2} {names[1]} do not pair; give 1:1, "
+            "1:N or N:N inputs."
+        )
+    return [(0 if num_1 == 1 else i, i) for i in range(num_2)]

@@ -107,6 +107,7 @@ def parse_chat_messages(
     content_format: str = "string",
     placeholder: Callable[[str, int], str] | None = None,
     check_counts: Callable[[Mapping[str, int]], None] | None = None,
+    where: str | None = None,
 ) -> ChatInputs:
     """Normalise messages; collect media parts (not loaded yet) in prompt order.
 
@@ -114,7 +115,8 @@ def parse_chat_messages(
     takes no media, so a media part is an error naming the part. ``check_counts({modality: n})``
     raises ``MultiModalInputError`` when n items of a modality are not allowed (a modality the
     model lacks, ``--limit-mm-per-prompt``): checked per part, so the error names the first part
-    too many, and before any media is fetched.
+    too many, and before any media is fetched. ``where``: the request field holding the one
+    message's content parts (errors name ``{where}.content[j]``), when it is not ``messages``.
     """
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages must be a non-empty list.")
@@ -136,7 +138,9 @@ def parse_chat_messages(
         if not isinstance(content, list):
             raise ChatTemplateError(f"messages[{i}].content must be a string or a list of parts.")
         parts = [
-            _parse_part(i, j, part, inputs, counts, placeholder, check_counts)
+            _parse_part(
+                where or f"messages[{i}]", j, part, inputs, counts, placeholder, check_counts
+            )  # fmt: skip
             for j, part in enumerate(content)
         ]
         if content_format == "openai":
@@ -173,7 +177,7 @@ def _template_tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
 
 
 def _parse_part(
-    i: int,
+    message: str,
     j: int,
     part: Any,
     inputs: ChatInputs,
@@ -181,7 +185,7 @@ def _parse_part(
     placeholder: Callable[[str, int], str] | None,
     check_counts: Callable[[Mapping[str, int]], None] | None,
 ) -> str | dict[str, Any]:
-    location = f"messages[{i}].content[{j}]"
+    location = f"{message}.content[{j}]"
     if isinstance(part, str):
         return part
     if not isinstance(part, dict):
@@ -493,12 +497,13 @@ class ChatRenderer:
             check_counts=info.validate_num_items,
         )
 
-    def _parse(self, messages: list[dict[str, Any]]) -> ChatInputs:
+    def _parse(self, messages: list[dict[str, Any]], where: str | None = None) -> ChatInputs:
         return parse_chat_messages(
             messages,
-            content_format=self.content_format,
+            content_format=self.content_format if where is None else "string",
             placeholder=self.placeholder,
             check_counts=self.check_counts,
+            where=where,
         )
 
     def for_template(self, chat_template: str | None) -> ChatRenderer:
@@ -516,10 +521,18 @@ class ChatRenderer:
         mm_data: dict[str, list[Any]],
         mm_processor_kwargs: dict[str, Any] | None,
         add_special_tokens: bool = False,
+        template: bool = True,
         **template_kwargs: Any,
     ) -> TokensPrompt:
-        text = apply_chat_template(
-            self.tokenizer, inputs.conversation, chat_template=self.chat_template, **template_kwargs
+        """The prompt of the conversation, templated (else its messages' texts, one per line, as
+        vLLM's score inputs are: with media placeholder strings and the tokenizer's specials)."""
+        conversation = inputs.conversation
+        text = (
+            apply_chat_template(
+                self.tokenizer, conversation, chat_template=self.chat_template, **template_kwargs
+            )
+            if template
+            else "\n".join(message["content"] for message in conversation)
         )
         # The template already holds any BOS: the tokenizer adds its specials only on request.
         pieces = text.split(PROMPT_EMBEDS_MARK)
@@ -562,13 +575,15 @@ class ChatRenderer:
         *,
         mm_processor_kwargs: dict[str, Any] | None = None,
         executor: Executor | None = None,
+        where: str | None = None,
         **template_kwargs: Any,
     ) -> tuple[TokensPrompt, dict[str, list[str]]]:
         """``render`` with the fetches concurrent and the templating and tokenization on
         ``executor`` (the loop's default one if None), never on the event loop; also each item's
         chat part (by modality), to locate errors the engine raises about an item later
-        (``locate_mm_error``)."""
-        inputs = self._parse(messages)
+        (``locate_mm_error``). ``where``: the request field holding the one message's parts,
+        when it is not ``messages`` (``parse_chat_messages``)."""
+        inputs = self._parse(messages, where)
         mm_data = await load_media_async(inputs, self.connector, mm_processor_kwargs)
         prompt = await asyncio.get_running_loop().run_in_executor(
             executor,

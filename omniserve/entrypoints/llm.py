@@ -15,7 +15,12 @@ from omniserve.entrypoints.beam_search import BeamSearchBatch, BeamSearchOutput,
 from omniserve.entrypoints.chat_utils import ChatRenderer
 from omniserve.inputs.data import PromptType
 from omniserve.lora.request import LoRARequest
-from omniserve.outputs import EmbeddingRequestOutput, RequestOutput
+from omniserve.outputs import (
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+    score_pairs,
+)
 from omniserve.sampling_params import (
     PoolingParams,
     RequestOutputKind,
@@ -59,20 +64,7 @@ class LLM:
         """One finished RequestOutput per prompt, in prompt order; ``priority`` (one per prompt,
         lower first) needs ``scheduling_policy="priority"``; ``lora_request``: the LoRA adapter
         of every prompt, or one per prompt (needs ``enable_lora=True``)."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        if not isinstance(prompts, Sequence):
-            raise TypeError(
-                "prompts must be a prompt (text, or a dict with prompt or prompt_token_ids) or "
-                f"a list of them, not {type(prompts).__name__}."
-            )
-        prompts = list(prompts)
-        for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, (str, dict)):
-                raise TypeError(
-                    f"prompts[{i}] must be text or a dict with prompt or prompt_token_ids, "
-                    f"not {type(prompt).__name__}."
-                )
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = (
@@ -155,6 +147,27 @@ class LLM:
         params = embedding_params(pooling_params)
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput.from_output(output) for output in outputs]
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's bi-encoder scoring: the cosine similarity of each pair's embeddings
+        (``embed``'s, with ``pooling_params``), pairing one ``data_1`` prompt with each of
+        ``data_2`` (1:1, 1:N) or the i-th with the i-th (N:N); one output per pair."""
+        firsts, seconds = _prompt_list(data_1, "data_1"), _prompt_list(data_2, "data_2")
+        pairs = score_pairs(len(firsts), len(seconds))
+        embedded = self.embed(firsts + seconds, pooling_params, use_tqdm, lora_request)
+        return [
+            ScoringRequestOutput.from_embeddings(embedded[i], embedded[len(firsts) + j])
+            for i, j in pairs
+        ]
 
     def beam_search(
         self,
@@ -279,3 +292,24 @@ def _token_prompt(prompt: PromptType, tokenizer: Any) -> dict[str, Any]:
             raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
         base["prompt_token_ids"] = list(tokenizer(text).input_ids)
     return base
+
+
+def _prompt_list(
+    prompts: PromptType | Sequence[PromptType], name: str = "prompts"
+) -> list[PromptType]:
+    """One prompt (text, or a prompt dict) or several, as a list; ``TypeError`` naming
+    ``name`` for anything else."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(
+            f"{name} must be a prompt (text, or a dict with prompt or prompt_token_ids) or "
+            f"a list of them, not {type(prompts).__name__}."
+        )
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, (str, dict)):
+            raise TypeError(
+                f"{name}[{i}] must be text or a dict with prompt or prompt_token_ids, "
+                f"not {type(prompt).__name__}."
+            )
+    return list(prompts)

@@ -45,7 +45,6 @@ from omniserve.entrypoints.openai.completion_protocol import (
     CompletionResponse,
     CompletionStreamResponse,
 )
-from omniserve.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
 from omniserve.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
@@ -55,6 +54,7 @@ from omniserve.entrypoints.openai.middleware import (
     error_json,
 )
 from omniserve.entrypoints.openai.playground import playground_router
+from omniserve.entrypoints.openai.pooling_routes import pooling_router
 from omniserve.entrypoints.openai.protocol import (
     ErrorResponse,
     LoadLoRAAdapterRequest,
@@ -76,7 +76,6 @@ from omniserve.entrypoints.openai.routing import (
 )
 from omniserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from omniserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from omniserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from omniserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     ServingError,
@@ -84,6 +83,7 @@ from omniserve.entrypoints.openai.serving_engine import (
 )
 from omniserve.entrypoints.openai.serving_models import OpenAIServingModels
 from omniserve.entrypoints.openai.serving_responses import OpenAIServingResponses
+from omniserve.entrypoints.openai.serving_score import OpenAIServingScores
 from omniserve.entrypoints.openai.serving_speech import OpenAIServingSpeech
 from omniserve.entrypoints.openai.serving_transcription import OpenAIServingTranscription, Task
 from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest, VoiceList
@@ -229,7 +229,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         engine, models, chat_template, trust_request_chat_template=trust,
         request_logger=request_logger,
     )  # fmt: skip
-    embedding = OpenAIServingEmbedding(
+    pooling = OpenAIServingScores(
         engine, models, chat_template, trust_request_chat_template=trust,
         request_logger=request_logger,
     )  # fmt: skip
@@ -301,8 +301,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     responses = OpenAIServingResponses(chat, int(envs.responses_store_mb() * 2**20))
     transcription = OpenAIServingTranscription(chat)
     app.include_router(
-        _api_router(engine, chat, completion, embedding, speech, responses, transcription, models)
+        _api_router(engine, chat, completion, speech, responses, transcription, models)
     )
+    app.include_router(pooling_router(pooling))
     if not getattr(args, "no_playground", False):
         app.include_router(
             playground_router(_playground_info(engine, names), getattr(args, "api_key", None))
@@ -356,7 +357,6 @@ def _api_router(
     engine: AsyncLLM,
     chat: OpenAIServingChat,
     completion: OpenAIServingCompletion,
-    embedding: OpenAIServingEmbedding,
     speech: OpenAIServingSpeech,
     responses: OpenAIServingResponses,
     transcription: OpenAIServingTranscription,
@@ -404,11 +404,6 @@ def _api_router(
     @with_cancellation
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return respond(await completion.create_completion(request))
-
-    @router.post("/v1/embeddings", responses=documented(EmbeddingResponse))
-    @with_cancellation
-    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
-        return respond(await embedding.create_embedding(request))
 
     @router.post(
         "/v1/audio/speech",

@@ -27,6 +27,19 @@ class EnginePrompt:
     """The prompt's rows when it was given as embeddings (``prompt_embeds``), or the tensors of
     a chat's ``prompt_embeds`` parts (``token_ids`` then hold ``EMBEDS_SLOT`` where each goes)."""
 
+    @classmethod
+    def from_rendered(cls, prompt: TokensPrompt, locations: dict[str, list[str]]) -> EnginePrompt:
+        """A prompt ``ChatRenderer`` rendered, with the chat part of each media item."""
+        return cls(
+            prompt["prompt"],
+            prompt["prompt_token_ids"],
+            prompt.get("multi_modal_data"),
+            prompt.get("mm_processor_kwargs"),
+            locations,
+            mm_uuids=prompt.get("multi_modal_uuids"),
+            embeds=prompt.get("prompt_embeds"),
+        )
+
     def to_engine_input(self) -> TokensPrompt | EmbedsPrompt:
         if isinstance(self.embeds, torch.Tensor):
             embeds = EmbedsPrompt(prompt_embeds=self.embeds)

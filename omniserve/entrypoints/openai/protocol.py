@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 
 import pydantic
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -76,6 +77,17 @@ def validation_message(exc: pydantic.ValidationError) -> str:
     return "; ".join(problems)
 
 
+def accepted_names(model: type[BaseModel]) -> set[str]:
+    """The body keys a request model reads: its fields, their aliases and alias choices."""
+    names = set(model.model_fields)
+    for info in model.model_fields.values():
+        if info.alias:
+            names.add(info.alias)
+        if isinstance(info.validation_alias, AliasChoices):
+            names.update(c for c in info.validation_alias.choices if isinstance(c, str))
+    return names
+
+
 class RequestModel(OpenAIBaseModel):
     """A request body that refuses vLLM's fields it cannot honour (``unsupported``) and text
     that is not valid Unicode."""
@@ -93,11 +105,7 @@ class RequestModel(OpenAIBaseModel):
         """Fields this server does not know are ignored with one warning naming them, as in
         vLLM (clients send fields of other servers)."""
         if isinstance(data, dict):
-            known = (
-                set(cls.model_fields)
-                | cls.passed_on
-                | {info.alias for info in cls.model_fields.values() if info.alias}
-            )
+            known = accepted_names(cls) | cls.passed_on
             unknown = sorted(str(key) for key in data if key not in known)
             if unknown:
                 logger.warning(

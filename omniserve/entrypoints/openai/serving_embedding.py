@@ -1,5 +1,5 @@
-"""POST /v1/embeddings: each input's (or the rendered conversation's) embedding, the final
-hidden state at its last position (``LLM.embed``'s), as OpenAI's embeddings response."""
+"""POST /v1/embeddings: each input's (or the rendered conversation's) embedding, its final
+hidden states pooled (``LLM.embed``'s), as OpenAI's embeddings response."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from omniserve.entrypoints.openai.embedding_protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
 )
+from omniserve.entrypoints.openai.engine_prompt import EnginePrompt
 from omniserve.entrypoints.openai.protocol import UsageInfo
 from omniserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
@@ -22,6 +23,8 @@ from omniserve.entrypoints.openai.serving_engine import (
     final_output,
     split_prompts,
 )
+from omniserve.lora.request import LoRARequest
+from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import PoolingParams, embedding_params
 
 
@@ -38,19 +41,14 @@ class OpenAIServingEmbedding(OpenAIServing):
             given = [await self.prompt_of(p, request.add_special_tokens)
                      for p in split_prompts(request.input)]  # fmt: skip
         prompts = [self.apply_prompt_options(p, request) for p in given]
-        params = embedding_params(PoolingParams(request.normalize, request.dimensions))
         request_id = self.new_request_id("embd", request.request_id)
-        generators = await self.start_generation(
-            prompts, params, request_id, request.priority, lora
-        )
-        outputs = await asyncio.gather(*(final_output(g) for g in generators))
+        outputs = await self.embed(
+            prompts, PoolingParams(request.normalize, request.dimensions), request_id,
+            request.priority, lora,
+        )  # fmt: skip
         data = []
         for index, output in enumerate(outputs):
-            if output.pooled is None:
-                raise ServingError(
-                    f"The engine returned no embedding for input {index}.",
-                    HTTPStatus.INTERNAL_SERVER_ERROR,
-                )
+            assert output.pooled is not None  # embed() checked
             vector = output.pooled.astype("<f4", copy=False)
             embedding: list[float] | str = (
                 base64.b64encode(vector.tobytes()).decode()
@@ -65,3 +63,23 @@ class OpenAIServingEmbedding(OpenAIServing):
             data=data,
             usage=UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
         )
+
+    async def embed(
+        self,
+        prompts: list[EnginePrompt],
+        pooling: PoolingParams,
+        request_id: str,
+        priority: int,
+        lora: LoRARequest | None,
+    ) -> list[RequestOutput]:
+        """Each prompt's finished embedding request (its ``pooled`` vector set)."""
+        params = embedding_params(pooling)
+        generators = await self.start_generation(prompts, params, request_id, priority, lora)
+        outputs = await asyncio.gather(*(final_output(g) for g in generators))
+        for index, output in enumerate(outputs):
+            if output.pooled is None:
+                raise ServingError(
+                    f"The engine returned no embedding for input {index}.",
+                    HTTPStatus.INTERNAL_SERVER_ERROR,
+                )
+        return outputs

@@ -41,8 +41,10 @@ from omniserve.entrypoints.openai.protocol import (
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
+    accepted_names,
 )
 from omniserve.entrypoints.openai.responses_protocol import ResponsesRequest
+from omniserve.entrypoints.openai.score_protocol import RerankRequest, ScoreRequest
 from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest
 from omniserve.entrypoints.openai.tokenize_protocol import (
     DetokenizeRequest,
@@ -102,8 +104,8 @@ def _request_fields() -> frozenset[str]:
     models = (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
               TokenizeCompletionRequest, DetokenizeRequest, CreateSpeechRequest,
               ResponsesRequest, TranscriptionRequest, EmbeddingChatRequest,
-              EmbeddingCompletionRequest)  # fmt: skip
-    return frozenset(name for model in models for name in model.model_fields)
+              EmbeddingCompletionRequest, ScoreRequest, RerankRequest)  # fmt: skip
+    return frozenset(name for model in models for name in accepted_names(model))
 
 
 def leading_param(message: str) -> str | None:
@@ -286,15 +288,23 @@ class OpenAIServing:
             chat_template_kwargs=request.template_kwargs,
             tools=tools,
         )
-        return EnginePrompt(
-            prompt["prompt"],
-            prompt["prompt_token_ids"],
-            prompt.get("multi_modal_data"),
-            prompt.get("mm_processor_kwargs"),
-            locations,
-            mm_uuids=prompt.get("multi_modal_uuids"),
-            embeds=prompt.get("prompt_embeds"),
+        return EnginePrompt.from_rendered(prompt, locations)
+
+    async def render_parts(
+        self, parts: list[Any], where: str, mm_processor_kwargs: dict[str, Any] | None
+    ) -> EnginePrompt:
+        """Content parts (field ``where``) as one prompt without a chat template: vLLM's score
+        inputs (``ChatRenderer._prompt``)."""
+        self.check_text_length(_text_chars([{"content": parts}]), where)
+        prompt, locations = await self.renderer.render_async(
+            [{"role": "user", "content": parts}],
+            mm_processor_kwargs=mm_processor_kwargs,
+            executor=self.engine.input_pool,
+            where=where,
+            template=False,
+            add_special_tokens=True,
         )
+        return EnginePrompt.from_rendered(prompt, locations)
 
     def apply_prompt_options(self, prompt: EnginePrompt, request: PromptOptions) -> EnginePrompt:
         """``truncate_prompt_tokens`` (keep the last k tokens; -1: max_model_len) and

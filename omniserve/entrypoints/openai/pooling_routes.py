@@ -1,0 +1,45 @@
+"""The routes of embedding requests: OpenAI's ``/v1/embeddings`` and vLLM's scoring routes
+(``/score``, ``/rerank``, and the paths vLLM also answers them on)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from omniserve.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
+from omniserve.entrypoints.openai.routing import documented, with_cancellation
+from omniserve.entrypoints.openai.score_protocol import (
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
+from omniserve.entrypoints.openai.serving_score import OpenAIServingScores
+
+
+def pooling_router(serving: OpenAIServingScores) -> APIRouter:
+    router = APIRouter()
+
+    def respond(body: BaseModel) -> Response:
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    @router.post("/v1/embeddings", responses=documented(EmbeddingResponse))
+    @with_cancellation
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return respond(await serving.create_embedding(request))
+
+    @router.post("/score", responses=documented(ScoreResponse))
+    @router.post("/v1/score", responses=documented(ScoreResponse))
+    @with_cancellation
+    async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+        return respond(await serving.create_score(request))
+
+    @router.post("/rerank", responses=documented(RerankResponse))
+    @router.post("/v1/rerank", responses=documented(RerankResponse))
+    @router.post("/v2/rerank", responses=documented(RerankResponse))
+    @with_cancellation
+    async def do_rerank(request: RerankRequest, raw_request: Request) -> Response:
+        return respond(await serving.do_rerank(request))
+
+    return router
