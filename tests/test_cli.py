@@ -290,7 +290,9 @@ def test_run_batch_answers_each_line_as_the_server_would(tiny_checkpoint, tmp_pa
          "body": {**chat, "stream": True}},
         {"custom_id": "embed", "method": "POST", "url": "/v1/embeddings",
          "body": {"model": "tiny", "input": ["Hello", "Hi"]}},
-        {"custom_id": "rerank", "method": "POST", "url": "/v1/rerank", "body": {}},
+        {"custom_id": "moderation", "method": "POST", "url": "/v1/moderations", "body": {}},
+        {"custom_id": "rerank", "method": "POST", "url": "/v1/rerank",
+         "body": {"model": "tiny", "query": "Hello", "documents": ["Hi", "Bye"], "top_n": 1}},
     ]  # fmt: skip
     files = {"/batch.jsonl": ("\n".join([*map(json.dumps, lines), "{not json"]) + "\n").encode()}
     with _file_host(files) as host:
@@ -303,7 +305,7 @@ def test_run_batch_answers_each_line_as_the_server_would(tiny_checkpoint, tmp_pa
     answers = [json.loads(line) for line in files["/out.jsonl"].decode().splitlines()]
     assert [a["custom_id"] for a in answers] == [*(line["custom_id"] for line in lines), None]
     statuses = [a["response"] and a["response"]["status_code"] for a in answers]
-    assert statuses == [200, 200, 200, 400, None, 200, None, None]
+    assert statuses == [200, 200, 200, 400, None, 200, None, 200, None]
     body = answers[0]["response"]["body"]
     assert (
         answers[0]["response"]["request_id"] == body["id"] and body["object"] == "chat.completion"
@@ -313,10 +315,11 @@ def test_run_batch_answers_each_line_as_the_server_would(tiny_checkpoint, tmp_pa
     assert answers[3]["response"]["body"]["error"]["param"] == "messages"
     embedded = answers[5]["response"]["body"]
     assert embedded["object"] == "list" and [d["index"] for d in embedded["data"]] == [0, 1]
+    assert len(answers[7]["response"]["body"]["results"]) == 1
     errors = [a["error"] and a["error"]["code"] for a in answers]
-    assert errors == [None, None, None, None, "invalid_request", None, "invalid_url",
+    assert errors == [None, None, None, None, "invalid_request", None, "invalid_url", None,
                       "invalid_request"]  # fmt: skip
-    assert "stream" in answers[4]["error"]["message"] and "line 8" in answers[7]["error"]["message"]
+    assert "stream" in answers[4]["error"]["message"] and "line 9" in answers[8]["error"]["message"]
     offline = LLM(model_dir, dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
     greedy = offline.chat(messages, SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
     assert body["choices"][0]["message"]["content"] == greedy[0].outputs[0].text
