@@ -1,4 +1,5 @@
-"""Embeddings (``LLM.embed``) against transformers' batched forward with last-token pooling, on
+"""Embeddings (``LLM.embed``) against transformers' batched forward, pooled the same way (the
+last position's state, the mean over the prompt, or the first position's: ``--pooling``), on
 the same weights, prompts and dtype, in one run: a real-size random-weight checkpoint by default
 (the dtype omniserve picks on this machine: bf16 where the CPU has native bf16, else fp32), or
 the tiny Qwen2 of the tests. Prompts have ragged lengths (transformers pads them to the longest,
@@ -6,7 +7,7 @@ as a batched forward must); omniserve's prefix cache is off, so both compute eve
 Prints the time of each, the ratio, and how close the vectors are (the smallest cosine).
 
     python scripts/bench_embeddings.py                      # qwen2.5-1.5b, 16 prompts of 64-128
-    python scripts/bench_embeddings.py --model tiny --prompts 64
+    python scripts/bench_embeddings.py --model tiny --prompts 64 --pooling MEAN
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ def main() -> None:
     parser.add_argument("--model", default="qwen2.5-1.5b", help="a real-size name, or tiny")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=128, help="lengths in [max/2, max]")
+    parser.add_argument("--pooling", choices=["LAST", "MEAN", "CLS"], default="LAST")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
 
-    from omniserve import LLM
+    from omniserve import LLM, PoolingParams
     from omniserve.checkpoint_builder import build_realsize_checkpoint, build_tiny_checkpoint
     from omniserve.worker.worker import resolve_dtype
 
@@ -44,9 +46,10 @@ def main() -> None:
     llm = LLM(model_dir, dtype=str(dtype).removeprefix("torch."), max_model_len=args.max_len + 16,
               kv_cache_memory="2GiB", enable_prefix_caching=False)  # fmt: skip
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    llm.embed(inputs[:2], use_tqdm=False)  # warm-up
+    pooling = PoolingParams(pooling_type=args.pooling)
+    llm.embed(inputs[:2], pooling, use_tqdm=False)  # warm-up
     start = time.perf_counter()
-    ours = llm.embed(inputs, use_tqdm=False)
+    ours = llm.embed(inputs, pooling, use_tqdm=False)
     omniserve_s = time.perf_counter() - start
     llm.shutdown()
     del llm
@@ -59,14 +62,18 @@ def main() -> None:
     with torch.inference_mode():
         model.model(input_ids=ids[:2], attention_mask=mask[:2])  # warm-up
         start = time.perf_counter()
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-        theirs = F.normalize(hidden[torch.arange(len(prompts)), lengths - 1].float(), dim=-1)
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        if args.pooling == "MEAN":
+            pooled = (hidden * mask[..., None]).sum(1) / lengths[:, None]
+        else:
+            pooled = hidden[torch.arange(len(prompts)), 0 if args.pooling == "CLS" else lengths - 1]
+        theirs = F.normalize(pooled, dim=-1)
         hf_s = time.perf_counter() - start
 
     cosine = F.cosine_similarity(torch.tensor([o.outputs.embedding for o in ours]), theirs)
     tokens = int(lengths.sum())
     print(f"{args.model}, {str(dtype).removeprefix('torch.')}, {len(prompts)} prompts of "
-          f"{args.max_len // 2}-{args.max_len} tokens ({tokens} in all), "
+          f"{args.max_len // 2}-{args.max_len} tokens ({tokens} in all), {args.pooling} pooling, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     for name, seconds in (("omniserve LLM.embed", omniserve_s), ("transformers forward", hf_s)):
         print(f"{name:<22} {seconds:8.2f} s  ({tokens / seconds:8.1f} tok/s)")
