@@ -186,7 +186,8 @@ class SamplingParams:
     """An embedding request (``LLM.embed``, ``/v1/embeddings``; ``embedding_params``): its
     output carries the prompt's pooled hidden state (``RequestOutput.pooled``) beside the one
     greedy token it samples (the step that computes the prompt's last position), which
-    ``LLM.embed`` and the API drop. Its prompt must leave that token room, as any prompt."""
+    ``LLM.embed`` and the API drop. The request finishes on that token, which is never fed
+    back, so the prompt may take all of max_model_len."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -129,6 +129,31 @@ def test_mean_and_cls_pooling_match_transformers(tiny_checkpoint) -> None:
         PoolingParams(pooling_type=1)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_of_max_model_len(tiny_checkpoint, async_scheduling) -> None:
+    """An embedding request's prompt may take all of max_model_len (its one sampled token is
+    never fed back), chunked, beside generation; one token more is refused, as is a generation
+    prompt of max_model_len."""
+    model_dir = str(tiny_checkpoint("Qwen2ForCausalLM"))
+    full, longer = make_prompts(model_dir, [64, 65])
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, max_num_batched_tokens=24,
+              async_scheduling=async_scheduling)  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    states = _hidden_states(hf, input_ids=torch.tensor([full]))
+    params = [embedding_params(PoolingParams(normalize=False, pooling_type=kind))
+              for kind in ("LAST", "MEAN")]  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    outputs = llm.generate([{"prompt_token_ids": full}] * 2 + [{"prompt_token_ids": full[:40]}],
+                           [*params, greedy], use_tqdm=False)  # fmt: skip
+    torch.testing.assert_close(torch.tensor(outputs[0].pooled), states[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.tensor(outputs[1].pooled), states.mean(0), atol=ATOL, rtol=0)
+    assert len(outputs[2].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="has 65 input tokens, which is more than it"):
+        llm.embed({"prompt_token_ids": longer}, use_tqdm=False)
+    with pytest.raises(ValueError, match="has 64 input tokens, which leaves no room to generate"):
+        llm.generate({"prompt_token_ids": full}, greedy, use_tqdm=False)
+
+
 def _with_sentence_transformers(model_dir: Path, target: Path, modules: list[str],
                                 flags: dict[str, bool]) -> str:  # fmt: skip
     """``model_dir``'s files (linked) with a sentence-transformers pipeline of ``modules``

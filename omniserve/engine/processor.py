@@ -191,8 +191,13 @@ class Processor:
             _check_embeds_params(params)
         self._validate_prompt(token_ids)
         self._validate_mm_budget(inputs)
-        self._validate_length(inputs)
-        max_tokens = self._resolve_max_tokens(len(token_ids), params.max_tokens)
+        embeds_only = params.pooling is not None
+        self._validate_length(inputs, embeds_only)
+        # An embedding request samples one token it finishes on (never fed back, so it needs no
+        # position: its prompt may take all of max_model_len).
+        max_tokens = (
+            1 if embeds_only else self._resolve_max_tokens(len(token_ids), params.max_tokens)
+        )
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         if not params.ignore_eos and len(self.eos_token_ids) > 1:
             # Checkpoints often list several eos ids (e.g. <|im_end|> and <|endoftext|>);
@@ -422,22 +427,21 @@ class Processor:
             )
         return min(requested, room)
 
-    def _validate_length(self, inputs: ProcessedInputs) -> None:
-        """The prompt must leave room to generate; when its media made it too long, the error
-        names the modality (the server adds the chat part), each one's share, and the stage."""
+    def _validate_length(self, inputs: ProcessedInputs, embeds_only: bool) -> None:
+        """The prompt must leave room to generate (an embedding request's need only fit); when
+        its media made it too long, the error names the modality (the server adds the chat
+        part), each one's share, and the stage."""
         num_tokens, max_len = len(inputs.prompt_token_ids), self.model_config.max_model_len
-        if num_tokens < max_len:
+        if num_tokens < max_len or embeds_only and num_tokens == max_len:
             return
+        problem = "is more than" if embeds_only else "leaves no room to generate within"
         if not inputs.num_mm_tokens:
             raise ContextLengthError(
                 f"This model's maximum context length is {max_len} tokens (max_model_len). "
-                f"However, your request has {num_tokens} input tokens, which leaves no room to "
-                "generate. Please reduce the length of the input."
+                f"However, your request has {num_tokens} input tokens, which {problem} it. "
+                "Please reduce the length of the input."
             )
-        message = (
-            f"the prompt is {num_tokens} tokens long, which leaves no room to generate "
-            f"within max_model_len={max_len}"
-        )
+        message = f"the prompt is {num_tokens} tokens long, which {problem} max_model_len={max_len}"
         shares = ", ".join(f"{n} for {m}" for m, n in inputs.num_mm_tokens.items())
         num_text = num_tokens - sum(inputs.num_mm_tokens.values())
         raise MultiModalInputError(

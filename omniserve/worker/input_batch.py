@@ -120,6 +120,8 @@ class InputBatch:
     def append_token(self, row: int, token_id: int) -> None:
         state = self.states[row]
         assert state is not None
+        if self.num_tokens[row] == self.token_ids.shape[1]:
+            return  # an embedding request's one token past max_model_len: it finishes on it
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1
         state.output_token_ids.append(token_id)
