@@ -29,6 +29,18 @@ _MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "Qwen3ForCausalLM": ("model_zoo.qwen3:Qwen3ForCausalLM", ()),
     "Qwen3MoeForCausalLM": ("model_zoo.qwen3_moe:Qwen3MoeForCausalLM", ()),
+    "Qwen2ForSequenceClassification": (
+        "model_zoo.classification:Qwen2ForSequenceClassification",
+        (),
+    ),
+    "Qwen3ForSequenceClassification": (
+        "model_zoo.classification:Qwen3ForSequenceClassification",
+        (),
+    ),
+    "LlamaForSequenceClassification": (
+        "model_zoo.classification:LlamaForSequenceClassification",
+        (),
+    ),
     "Qwen2_5OmniThinkerForConditionalGeneration": (
         "model_zoo.qwen2_5_omni_thinker:Qwen2_5OmniThinkerForConditionalGeneration",
         _OMNI,

@@ -195,11 +195,15 @@ class LanguageModel(nn.Module):
         *,
         tie_word_embeddings: bool,
         rotary: nn.Module | None = None,
+        lm_head: bool = True,
     ) -> None:
-        """Build the decoder of text family ``family`` for ``config``, and its head."""
+        """Build the decoder of text family ``family`` for ``config``, and its LM head unless
+        the model has another head."""
         spec = family.decoder_spec(config)
         mlps = [family.make_mlp(config, spec, i) for i in range(config.num_hidden_layers)]
         self.model = DecoderModel(config, spec, mlps, rotary)
+        if not lm_head:
+            return
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

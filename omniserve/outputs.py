@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Self
 
 import numpy as np
 
@@ -85,32 +86,65 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """What ``LLM.embed`` returns per prompt, shaped like vLLM's."""
+class ClassificationOutput:
+    """One prompt's label scores (``LLM.classify``): probabilities unless the request asked for
+    raw scores."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What ``LLM.embed`` and ``LLM.classify`` return per prompt, shaped like vLLM's."""
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: Any
     prompt_token_ids: list[int] | None
     finished: bool = True
     num_cached_tokens: int = 0
     num_prompt_embeds: int = 0
 
     @classmethod
-    def from_output(cls, output: RequestOutput) -> EmbeddingRequestOutput:
-        """The embedding request's finished output; an engine failure on it raises."""
+    def from_output(cls, output: RequestOutput) -> Self:
+        """The pooling request's finished output; an engine failure on it raises."""
         if output.pooled is None:
             reason = output.outputs[0].finish_reason if output.outputs else None
-            raise RuntimeError(
-                f"Request {output.request_id} ended without an embedding ({reason})."
-            )
+            raise RuntimeError(f"Request {output.request_id} ended without its result ({reason}).")
         return cls(
             output.request_id,
-            EmbeddingOutput(output.pooled.tolist()),
+            cls.wrap(output.pooled.tolist()),
             output.prompt_token_ids,
             output.finished,
             output.num_cached_tokens,
             output.num_prompt_embeds,
         )
+
+    @staticmethod
+    def wrap(values: list[float]) -> Any:
+        """The ``outputs`` of the pooled values."""
+        raise NotImplementedError
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    outputs: EmbeddingOutput
+
+    @staticmethod
+    def wrap(values: list[float]) -> EmbeddingOutput:
+        return EmbeddingOutput(values)
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    outputs: ClassificationOutput
+
+    @staticmethod
+    def wrap(values: list[float]) -> ClassificationOutput:
+        return ClassificationOutput(values)
 
 
 @dataclass

@@ -109,10 +109,11 @@ class SpeechParams:
 
 @dataclass
 class PoolingParams:
-    """How an embedding request pools its prompt's final hidden states, cut to ``dimensions``
-    and L2-normalised when asked; a field left None takes the model's default (``--pooler-config``,
-    else the checkpoint's sentence-transformers settings, else LAST with normalisation). Invalid
-    values raise ``ValueError`` naming the field."""
+    """How an embedding (or classification) request pools its prompt's final hidden states,
+    cut to ``dimensions`` and L2-normalised when asked (or classified); a field left None takes
+    the model's default (``--pooler-config``, else the checkpoint's sentence-transformers
+    settings, else LAST with normalisation). Invalid values raise ``ValueError`` naming the
+    field."""
 
     normalize: bool | None = None
     """Scale the embedding to unit L2 norm."""
@@ -122,6 +123,12 @@ class PoolingParams:
     pooling_type: str | None = None
     """"LAST" (the prompt's last position), "MEAN" (the mean over its positions) or "CLS" (its
     first position)."""
+    task: str | None = None
+    """"embed" (the pooled state) or "classify" (a sequence classifier's label scores of it);
+    None: classify on a sequence classifier, else embed."""
+    use_activation: bool | None = None
+    """classify: the labels' probabilities (softmax; a one-label model's sigmoid) rather than
+    their raw scores; None: yes."""
 
     def __post_init__(self) -> None:
         if self.normalize is not None and not isinstance(self.normalize, bool):
@@ -133,6 +140,10 @@ class PoolingParams:
             if not isinstance(self.pooling_type, str):
                 raise ValueError(f"pooling_type must be a string, got {self.pooling_type!r}.")
             self.pooling_type = self.pooling_type.upper()
+        if self.task not in (None, "embed", "classify"):
+            raise ValueError(f"task must be None, 'embed' or 'classify', got {self.task!r}.")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation must be a boolean, got {self.use_activation!r}.")
 
     @property
     def reads_every_position(self) -> bool:

@@ -74,10 +74,7 @@ class StructuredOutputManager:
     @functools.cached_property
     def vocab_size(self) -> int:
         """The logits' width (the model's vocabulary, padding included)."""
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(self.model_config.model, local_files_only=True)
-        return hf_config.get_text_config().vocab_size
+        return self.model_config.hf_config.get_text_config().vocab_size
 
     @functools.cached_property
     def _compiler(self) -> Any:

@@ -9,7 +9,6 @@ import json
 import random
 import re
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any, Literal
 
 import jsonschema
@@ -18,6 +17,7 @@ import pydantic
 import pytest
 
 from omniserve import LLM, SamplingParams
+from omniserve.config import ModelConfig
 from omniserve.sampling_params import StructuredOutputsParams
 from omniserve.structured_output import StructuredOutputManager
 from omniserve.tokenizer import get_tokenizer
@@ -330,7 +330,7 @@ def test_every_tokenizer_family_writes_valid_json(tiny_checkpoint: Any, architec
     added specials): a writer that takes random allowed tokens always ends with JSON that
     validates, so the grammar engine reads each vocabulary right."""
     path = str(tiny_checkpoint(architecture))
-    manager = StructuredOutputManager(SimpleNamespace(model=path, tokenizer=path))
+    manager = StructuredOutputManager(ModelConfig.from_path(path))
     params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     tokenizer, rng = get_tokenizer(path), random.Random(0)
     for sample in range(3):

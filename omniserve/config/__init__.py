@@ -15,6 +15,7 @@ from typing import Any
 from omniserve.config.pooler import PoolerConfig
 from omniserve.config.quantization import QUANTIZATION_METHODS, QuantizationConfig
 from omniserve.config.speculative import SpeculativeConfig
+from omniserve.config.speech import SpeechConfig, speech_of
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -33,45 +34,6 @@ _DTYPE_ALIASES = {
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """KV blocks of ``block_size`` tokens that hold ``num_tokens`` tokens."""
     return -(-num_tokens // block_size)
-
-
-@dataclass(frozen=True)
-class SpeechConfig:
-    """What a model that speaks (a full omni checkpoint with its talker and vocoder) offers, read
-    from its config.json; the front end validates requests against it."""
-
-    voices: tuple[str, ...]
-    """The checkpoint's speakers, as its config names them; requests match them
-    case-insensitively."""
-    default_voice: str
-    sample_rate: int
-    talker_defaults: dict[str, float | int] = field(default_factory=dict)
-    """The reference's talker sampling defaults (``SpeechParams`` field names)."""
-    im_start_token_id: int = -1
-    user_token_id: int = -1
-    assistant_token_id: int = -1
-    """The ChatML ids the talker's prompt is cut by (user turns, the assistant's reply)."""
-    user_turns_only: bool = True
-    """The talker's prompt keeps the user turns (Qwen3-Omni, cut by the ids above), or the
-    whole prompt before the reply (Qwen2.5-Omni: the reply is what is generated)."""
-    assistant_prompt_len: int = 0
-    """Talker prompt positions after those taken from the thinker's prompt."""
-    reads_hidden: str = "multimodal"
-    """Where the talker reads the thinker's hidden states: "multimodal" (prompt positions of
-    media, Qwen3-Omni) or "all" (every prompt and reply position, Qwen2.5-Omni)."""
-    talker_max_len: int = 0
-    """The talker's longest sequence (prompt + frames)."""
-
-    def resolve_voice(self, voice: str | None) -> str:
-        """The checkpoint's name of ``voice`` (None: the default); ValueError listing the voices."""
-        if voice is None:
-            return self.default_voice
-        for name in self.voices:
-            if name.lower() == voice.lower():
-                return name
-        raise ValueError(
-            f"Unknown voice {voice!r}; this model's voices are {', '.join(self.voices)}."
-        )
 
 
 @dataclass(frozen=True)
@@ -103,8 +65,12 @@ class ModelConfig:
     enable_prompt_embeds: bool = False
     """Accept prompts given as embeddings (vLLM's --enable-prompt-embeds)."""
     runner: str = "generate"
-    """"generate", or "pooling": the model answers embedding requests only (vLLM's --runner)."""
+    """"generate", or "pooling": the model answers embedding (or, a sequence classifier,
+    classification) requests only (vLLM's --runner; ``from_path`` resolves "auto")."""
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    """vLLM's ``--hf-overrides``: config.json keys set over the checkpoint's (a nested config,
+    ``text_config`` and the like, merged key by key), e.g. ``architectures``."""
     generation_config: str = "auto"
     """Where the default sampling settings come from, as vLLM's ``--generation-config``:
     "auto" the checkpoint's generation_config.json, "vllm" none (OpenAI's defaults), or a
@@ -143,7 +109,7 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file} is missing: not a Hugging Face checkpoint dir.")
-        hf_config = json.loads(config_file.read_text())
+        hf_config = _merged(json.loads(config_file.read_text()), kwargs.get("hf_overrides") or {})
         architectures = hf_config.get("architectures") or []
         if not architectures:
             raise ValueError(f"{config_file} names no 'architectures'; cannot pick a model class.")
@@ -157,7 +123,8 @@ class ModelConfig:
             )
         if max_model_len is None:
             raise ValueError(f"{config_file} gives no max_position_embeddings; pass max_model_len.")
-        speech, no_speech_reason = _speech_of(
+        kwargs["runner"] = _runner_of(architectures[0], kwargs.get("runner", "auto"))
+        speech, no_speech_reason = speech_of(
             hf_config, architectures[0], bool(kwargs.get("disable_audio_output")), str(path)
         )
         return ModelConfig(
@@ -177,7 +144,14 @@ class ModelConfig:
         shared by the processor, the multimodal context and the worker."""
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.model, local_files_only=True)
+        config = AutoConfig.from_pretrained(self.model, local_files_only=True)
+        _override(config, self.hf_overrides)
+        return config
+
+    @property
+    def num_labels(self) -> int | None:
+        """A sequence classifier's number of labels (None: the model is no classifier)."""
+        return self.hf_config.num_labels if is_classifier(self.architecture) else None
 
     def __post_init__(self) -> None:
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -248,90 +222,6 @@ GENERATION_SETTINGS = {  # generation_config.json key -> SamplingParams field (v
 }
 
 
-# Architectures whose speech stages (talker + vocoder) omniserve runs -> how to read their voices
-# (each reader takes config.json and the checkpoint's directory).
-def _qwen3_omni_speech(hf_config: dict, model_dir: str) -> SpeechConfig:
-    del model_dir  # its voices are in config.json
-    talker = hf_config.get("talker_config") or {}
-    voices = tuple(talker.get("speaker_id") or {})
-    if not voices:
-        raise ValueError("config.json: talker_config.speaker_id names no voices.")
-    return SpeechConfig(
-        voices=voices,
-        default_voice="ethan" if "ethan" in voices else voices[0],  # the reference's default
-        sample_rate=24000,
-        # Qwen3OmniMoeForConditionalGeneration.generate's talker defaults.
-        talker_defaults={
-            "temperature": 0.9,
-            "top_k": 50,
-            "top_p": 1.0,
-            "repetition_penalty": 1.05,
-            "max_tokens": 4096,
-        },
-        im_start_token_id=hf_config["im_start_token_id"],
-        user_token_id=hf_config["user_token_id"],
-        assistant_token_id=hf_config["assistant_token_id"],
-        assistant_prompt_len=9,
-        talker_max_len=int((talker.get("text_config") or {}).get("max_position_embeddings", 32768)),
-    )
-
-
-def _qwen2_5_omni_speech(hf_config: dict, model_dir: str) -> SpeechConfig:
-    """Qwen2.5-Omni keeps its voices in ``spk_dict.pt`` (name -> text bos id, DiT conditioning,
-    reference mel), as transformers' ``from_pretrained`` reads them."""
-    import torch
-
-    path = Path(model_dir) / "spk_dict.pt"
-    if not path.is_file():
-        raise ValueError(f"{path} is missing: a Qwen2.5-Omni checkpoint keeps its voices there.")
-    voices = tuple(torch.load(path, weights_only=True))
-    if not voices:
-        raise ValueError(f"{path} names no voices.")
-    talker = hf_config.get("talker_config") or {}
-    return SpeechConfig(
-        voices=voices,
-        default_voice="Chelsie" if "Chelsie" in voices else voices[0],  # the reference's default
-        sample_rate=24000,
-        # Qwen2_5OmniForConditionalGeneration.generate's talker defaults.
-        talker_defaults={
-            "temperature": 0.9,
-            "top_k": 40,
-            "top_p": 0.8,
-            "repetition_penalty": 1.05,
-            "max_tokens": 4096,
-        },
-        user_turns_only=False,
-        assistant_prompt_len=2,  # the voice's text bos, then the first reply token
-        reads_hidden="all",
-        talker_max_len=int(talker.get("max_position_embeddings", 32768)),
-    )
-
-
-_SPEAKING_ARCHITECTURES = {
-    "Qwen3OmniMoeForConditionalGeneration": _qwen3_omni_speech,
-    "Qwen2_5OmniForConditionalGeneration": _qwen2_5_omni_speech,
-}
-
-
-def _speech_of(
-    hf_config: dict, architecture: str, disabled: bool, model_dir: str
-) -> tuple[SpeechConfig | None, str]:
-    """``(speech, why not)``: what the checkpoint can say, or why it says nothing."""
-    has_speech_half = "talker_config" in hf_config and hf_config.get("enable_audio_output", True)
-    if not has_speech_half:
-        return None, (
-            f"this model ({architecture}) has no talker and vocoder (a text or "
-            "thinker-only checkpoint), so it cannot speak; serve a full omni checkpoint "
-            "for audio output"
-        )
-    if disabled:
-        return None, "audio output is disabled on this server (--disable-audio-output)"
-    reader = _SPEAKING_ARCHITECTURES.get(architecture)
-    if reader is None:
-        return None, f"speech output of {architecture} is not served yet (text only)"
-    return reader(hf_config, model_dir), ""
-
-
 def _quantization_of(
     hf_config: dict, requested: str | None, path: Path
 ) -> QuantizationConfig | None:
@@ -345,6 +235,46 @@ def _quantization_of(
             )
         return None
     return QuantizationConfig.from_hf(stored, requested)
+
+
+def is_classifier(architecture: str) -> bool:
+    """A ``*ForSequenceClassification`` architecture: it scores labels, and writes no text."""
+    return architecture.endswith("ForSequenceClassification")
+
+
+def _runner_of(architecture: str, runner: str) -> str:
+    """vLLM's --runner auto: a sequence classifier pools, any other model generates."""
+    if not is_classifier(architecture):
+        return "generate" if runner == "auto" else runner
+    if runner == "generate":
+        raise ValueError(
+            f"--runner generate: {architecture} is a sequence classifier; it answers "
+            "classification and scoring requests only (--runner pooling)."
+        )
+    return "pooling"
+
+
+def _merged(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with ``overrides`` set over them; a nested config (``*_config``) is merged key
+    by key."""
+    merged = dict(values)
+    for key, value in overrides.items():
+        current = merged.get(key)
+        nested = key.endswith("_config") and isinstance(value, dict) and isinstance(current, dict)
+        merged[key] = _merged(current, value) if nested else value  # type: ignore[arg-type]
+    return merged
+
+
+def _override(config: Any, overrides: dict[str, Any]) -> None:
+    """``_merged`` on a transformers config (its nested configs are config objects)."""
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):
+            _override(current, value)
+        elif key == "id2label":  # transformers keys labels by int; JSON keys are strings
+            config.id2label = {int(k): v for k, v in value.items()}
+        else:
+            setattr(config, key, value)
 
 
 def _derive_max_model_len(hf_config: dict) -> int | None:

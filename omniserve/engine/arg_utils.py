@@ -90,6 +90,7 @@ class EngineArgs:
     served_model_name: str | None = None
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | str | None = None
+    hf_overrides: dict[str, Any] | str | None = None
     block_size: int = 16
     kv_cache_memory: str | int | None = None
     talker_kv_cache_memory: str | int | None = None
@@ -142,6 +143,7 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self.served_model_name or "",
             generation_config=self.generation_config,
+            hf_overrides=_json_arg("hf_overrides", self.hf_overrides),
             override_generation_config=_json_arg(
                 "override_generation_config", self.override_generation_config
             ),
@@ -223,7 +225,7 @@ class EngineArgs:
             raise ValueError(f"--convert must be auto, none or embed, not {self.convert!r}.")
         if self.convert == "embed" and self.runner == "generate":
             raise ValueError("--convert embed makes an embedding model: use --runner pooling.")
-        return "pooling" if self.runner == "pooling" or self.convert == "embed" else "generate"
+        return "pooling" if self.convert == "embed" else self.runner  # auto: ModelConfig's
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -267,6 +269,12 @@ class EngineArgs:
             help="Default sampling settings for fields a request omits: 'auto' the "
             "checkpoint's generation_config.json, 'vllm' none (OpenAI's defaults), or a "
             "directory holding a generation_config.json.",
+        )
+        add(
+            "--hf-overrides",
+            default=None,
+            help="JSON object of config.json keys set over the checkpoint's (nested objects "
+            'merged), e.g. \'{"architectures": ["Qwen3ForSequenceClassification"]}\'.',
         )
         add(
             "--override-generation-config",

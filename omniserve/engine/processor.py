@@ -268,9 +268,14 @@ class Processor:
                     "logprobs per token are supported."
                 )
         if params.pooling is None and self.model_config.runner == "pooling":
+            answers = (
+                "classification and scoring (LLM.classify, /classify, /score, /rerank)"
+                if self.model_config.num_labels
+                else "embeddings (LLM.embed, /v1/embeddings)"
+            )
             raise ValueError(
                 "This model is served as an embedding model (--runner pooling): it answers "
-                "embeddings (LLM.embed, /v1/embeddings), not generation requests."
+                f"{answers}, not generation requests."
             )
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
@@ -290,14 +295,25 @@ class Processor:
             raise ValueError(
                 f"pooling_type: {pooling.pooling_type!r} is not one of {', '.join(POOLING_TYPES)}."
             )
+        labels = self.model_config.num_labels
+        task = pooling.task or ("classify" if labels else "embed")
+        if task == "classify" and not labels:
+            raise ValueError(
+                f"{self.model_config.architecture} is no sequence classifier "
+                "(*ForSequenceClassification): it answers embeddings, not classification."
+            )
         resolved = PoolingParams(
             defaults.normalize if pooling.normalize is None else pooling.normalize,
             pooling.dimensions,
             pooling.pooling_type or defaults.pooling_type,
+            task,
+            pooling.use_activation is not False,
         )
         dims = pooling.dimensions
         if dims is None:
             return resolved
+        if task == "classify":
+            raise ValueError("dimensions: a classification has one score per label; omit it.")
         text = self.model_config.hf_config.get_text_config()
         allowed = getattr(text, "matryoshka_dimensions", None)
         if not (getattr(text, "is_matryoshka", False) or allowed):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence
@@ -13,11 +14,13 @@ from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.llm_engine import LLMEngine
 from omniserve.entrypoints.beam_search import BeamSearchBatch, BeamSearchOutput, BeamSearchParams
 from omniserve.entrypoints.chat_utils import ChatRenderer
-from omniserve.inputs.data import PromptType
+from omniserve.inputs.data import PromptType, TokensPrompt
 from omniserve.lora.request import LoRARequest
 from omniserve.outputs import (
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringOutput,
     ScoringRequestOutput,
     score_pairs,
 )
@@ -140,13 +143,24 @@ class LLM:
         ``pooling_params`` says (fields left None: the model's ``pooler_config``, by default
         the last position's, L2-normalised). Prompts are those of ``generate``: text, token
         ids, with media (``multi_modal_data``) or prompt embeddings."""
-        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
-            raise TypeError(
-                f"pooling_params must be a PoolingParams, not {type(pooling_params).__name__}."
-            )
-        params = embedding_params(pooling_params)
+        params = embedding_params(_with_task(pooling_params, "embed"))
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput.from_output(output) for output in outputs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities by a sequence classifier
+        (``*ForSequenceClassification``), in prompt order: its head on the prompt's pooled
+        final state (softmax; sigmoid for one label; raw scores with ``use_activation=False``).
+        """
+        params = embedding_params(_with_task(pooling_params, "classify"))
+        outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
+        return [ClassificationRequestOutput.from_output(output) for output in outputs]
 
     def score(
         self,
@@ -160,9 +174,21 @@ class LLM:
     ) -> list[ScoringRequestOutput]:
         """vLLM's bi-encoder scoring: the cosine similarity of each pair's embeddings
         (``embed``'s, with ``pooling_params``), pairing one ``data_1`` prompt with each of
-        ``data_2`` (1:1, 1:N) or the i-th with the i-th (N:N); one output per pair."""
+        ``data_2`` (1:1, 1:N) or the i-th with the i-th (N:N); one output per pair. A one-label
+        sequence classifier (a cross-encoder reranker) instead classifies each pair's prompts
+        joined end to end (texts, or token ids), its probability the score."""
         firsts, seconds = _prompt_list(data_1, "data_1"), _prompt_list(data_2, "data_2")
         pairs = score_pairs(len(firsts), len(seconds))
+        labels = self.llm_engine.config.model_config.num_labels
+        if labels is not None:
+            if labels != 1:
+                raise ValueError(
+                    f"score: this classifier has {labels} labels; a cross-encoder has one."
+                )
+            joined = [_joined_prompt(firsts[i], seconds[j]) for i, j in pairs]
+            classified = self.classify(joined, pooling_params, use_tqdm, lora_request)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]),
+                                         o.prompt_token_ids) for o in classified]  # fmt: skip
         embedded = self.embed(firsts + seconds, pooling_params, use_tqdm, lora_request)
         return [
             ScoringRequestOutput.from_embeddings(embedded[i], embedded[len(firsts) + j])
@@ -313,3 +339,34 @@ def _prompt_list(
                 f"not {type(prompt).__name__}."
             )
     return list(prompts)
+
+
+def _with_task(pooling_params: PoolingParams | None, task: str) -> PoolingParams:
+    """``pooling_params`` (None: the model's defaults) for ``task``, which it may not contradict."""
+    if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+        raise TypeError(
+            f"pooling_params must be a PoolingParams, not {type(pooling_params).__name__}."
+        )
+    if pooling_params is not None and pooling_params.task not in (None, task):
+        raise ValueError(
+            f"pooling_params.task is {pooling_params.task!r}; this call runs {task!r}."
+        )
+    return dataclasses.replace(pooling_params or PoolingParams(), task=task)
+
+
+def _joined_prompt(first: PromptType, second: PromptType) -> PromptType:
+    """A cross-encoder's prompt of a pair: two texts or two token prompts end to end (as vLLM
+    joins them for a decoder-based reranker, with no separator)."""
+    if isinstance(first, str) and isinstance(second, str):
+        return first + second
+    if (
+        isinstance(first, dict)
+        and isinstance(second, dict)
+        and {"prompt_token_ids"} == set(first) == set(second)
+    ):
+        ids = [*first["prompt_token_ids"], *second["prompt_token_ids"]]  # type: ignore[typeddict-item]
+        return TokensPrompt(prompt_token_ids=ids)
+    raise TypeError(
+        "A cross-encoder scores pairs of texts or of token prompts ({'prompt_token_ids': ...}); "
+        "media and prompt embeddings are not joined."
+    )

@@ -25,14 +25,12 @@ _MM_SUFFIX = " Describe it."
 
 def build_and_load(report: CheckReport, model_config: Any) -> torch.nn.Module | None:
     """The registered class built from the checkpoint's config, with its weights (a row)."""
-    from transformers import AutoConfig
-
     from omniserve.registry import ModelRegistry
     from omniserve.worker.model_loader import checkpoint_files, load_model_weights
 
     name = "weights load"
     try:
-        hf_config = AutoConfig.from_pretrained(model_config.model, local_files_only=True)
+        hf_config = model_config.hf_config
         model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
         with torch.device("cpu"), default_dtype(torch.float32):
             model = model_cls(hf_config)

@@ -289,8 +289,8 @@ class ModelRunner:
                                                _ranges(np.zeros_like(counts), counts))  # fmt: skip
             sampler_output = self.sampler(logits, metadata)
         pooled = pool_prompts(hidden_states, step.logits_indices, self.input_batch, step.req_ids,
-                              step.rows, step.query_lens, step.positions, sampling,
-                              firsts)  # fmt: skip
+                              step.rows, step.query_lens, step.positions, sampling, firsts,
+                              self.model.compute_logits)  # fmt: skip
         self.input_batch.num_in_flight[step.rows[sampling]] += 1
         self._last_step = SampledStep(
             self.input_batch,

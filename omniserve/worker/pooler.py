@@ -1,15 +1,19 @@
 """Embeddings of embedding requests (``SamplingParams.pooling``) from the prompt's final hidden
-states. LAST reads the prompt's last position, which the step that samples a request's first
-token computes (so chunked prefill and prefix-cache hits need nothing more); MEAN and CLS read
-earlier positions too, so each prefill chunk folds its own into the request's state (such
-requests take no prefix-cache hit: ``SamplingParams.reads_prompt_states``)."""
+states, or a sequence classifier's label scores of them (task "classify"). LAST reads the
+prompt's last position, which the step that samples a request's first token computes (so
+chunked prefill and prefix-cache hits need nothing more); MEAN and CLS read earlier positions
+too, so each prefill chunk folds its own into the request's state (such requests take no
+prefix-cache hit: ``SamplingParams.reads_prompt_states``)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from omniserve.sampling_params import PoolingParams
 from omniserve.worker.input_batch import InputBatch
 
 
@@ -23,8 +27,10 @@ def pool_prompts(
     positions: np.ndarray,
     sampling: np.ndarray,
     firsts: np.ndarray,
+    head: Callable[[torch.Tensor], torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """req id -> fp32 embedding (on the device), for each embedding request among the step's
+    """req id -> fp32 embedding (or label scores by the model's ``head``: its
+    ``compute_logits``), on the device, for each embedding request among the step's
     ``sampling`` requests (indices into ``req_ids``), whose first sampled position is at
     ``firsts`` in ``logits_indices``; before that, every embedding request's chunk of prompt
     positions in this step is folded into its state."""
@@ -47,10 +53,24 @@ def pool_prompts(
             index = logits_indices[int(firsts[j]) : int(firsts[j]) + 1]
             vector = hidden_states.index_select(0, index)[0].float()
         state.pool_state = None
+        if params.task == "classify":
+            pooled[req_ids[i]] = _classify(head, vector.to(hidden_states.dtype), params)
+            continue
         if params.dimensions is not None:
             vector = vector[: params.dimensions]
         pooled[req_ids[i]] = F.normalize(vector, dim=0) if params.normalize else vector
     return pooled
+
+
+def _classify(
+    head: Callable[[torch.Tensor], torch.Tensor], state: torch.Tensor, params: PoolingParams
+) -> torch.Tensor:
+    """The labels' scores of a pooled state: probabilities (softmax; sigmoid for one label, as
+    transformers' pipelines and vLLM take them) unless ``use_activation`` is False."""
+    scores = head(state[None])[0].float()
+    if not params.use_activation:
+        return scores
+    return scores.sigmoid() if scores.numel() == 1 else scores.softmax(0)
 
 
 def _fold_chunks(

@@ -180,7 +180,8 @@ class Worker:
             if config.lora_config is not None
             else None
         )
-        vocab_size = self.hf_config.get_text_config().vocab_size
+        # The logits' width: a sequence classifier's are its labels' scores.
+        vocab_size = model_config.num_labels or self.hf_config.get_text_config().vocab_size
         self.model_runner = ModelRunner(
             model, config.scheduler_config, config.cache_config, vocab_size, self.device,
             self.lora_manager, config.speculative_config,

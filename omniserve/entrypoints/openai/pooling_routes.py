@@ -1,5 +1,5 @@
-"""The routes of embedding requests: OpenAI's ``/v1/embeddings`` and vLLM's scoring routes
-(``/score``, ``/rerank``, and the paths vLLM also answers them on)."""
+"""The routes of pooling requests: OpenAI's ``/v1/embeddings``, vLLM's scoring routes
+(``/score``, ``/rerank``, and the paths vLLM also answers them on) and ``/classify``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pydantic import BaseModel
 from omniserve.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
 from omniserve.entrypoints.openai.routing import documented, with_cancellation
 from omniserve.entrypoints.openai.score_protocol import (
+    ClassificationRequest,
+    ClassificationResponse,
     RerankRequest,
     RerankResponse,
     ScoreRequest,
@@ -41,5 +43,12 @@ def pooling_router(serving: OpenAIServingScores) -> APIRouter:
     @with_cancellation
     async def do_rerank(request: RerankRequest, raw_request: Request) -> Response:
         return respond(await serving.do_rerank(request))
+
+    @router.post("/classify", responses=documented(ClassificationResponse))
+    @with_cancellation
+    async def create_classification(
+        request: ClassificationRequest, raw_request: Request
+    ) -> Response:
+        return respond(await serving.create_classification(request))
 
     return router

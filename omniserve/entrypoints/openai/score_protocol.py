@@ -1,7 +1,9 @@
-"""Bodies of vLLM's scoring routes: ``POST /score`` pairs queries with documents and answers each
-pair's score; ``POST /rerank`` (also ``/v1/rerank`` and ``/v2/rerank``, Jina's and Cohere's
-shape) orders documents by their relevance to one query. Each input is text, or vLLM's
-``{"content": [parts]}`` holding media (embedded as one prompt, without a chat template)."""
+"""Bodies of vLLM's scoring and classification routes: ``POST /score`` pairs queries with
+documents and answers each pair's score; ``POST /rerank`` (also ``/v1/rerank`` and
+``/v2/rerank``, Jina's and Cohere's shape) orders documents by their relevance to one query
+(each input text, or vLLM's ``{"content": [parts]}`` holding media, embedded as one prompt
+without a chat template); ``POST /classify`` answers a sequence classifier's label
+probabilities."""
 
 from __future__ import annotations
 
@@ -117,3 +119,36 @@ class RerankResponse(OpenAIBaseModel):
     model: str
     usage: RerankUsage
     results: list[RerankResult]
+
+
+class ClassificationRequest(PromptOptions):
+    model: str | None = None
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    """A text, texts, token ids or lists of them (as ``/v1/embeddings``' input)."""
+    add_special_tokens: StrictBool = True
+    use_activation: StrictBool | None = None
+    """Probabilities (softmax; sigmoid for one label) unless false: the raw scores."""
+
+    @field_validator("input")
+    @classmethod
+    def _some(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("must not be an empty list (nothing to classify)")
+        return value
+
+
+class ClassificationData(OpenAIBaseModel):
+    index: int
+    label: str | None
+    """The most probable label's name (the config's ``id2label``)."""
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
+    usage: UsageInfo

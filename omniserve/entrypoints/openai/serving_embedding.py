@@ -43,7 +43,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         prompts = [self.apply_prompt_options(p, request) for p in given]
         request_id = self.new_request_id("embd", request.request_id)
         outputs = await self.embed(
-            prompts, PoolingParams(request.normalize, request.dimensions), request_id,
+            prompts, PoolingParams(request.normalize, request.dimensions, task="embed"), request_id,
             request.priority, lora,
         )  # fmt: skip
         data = []

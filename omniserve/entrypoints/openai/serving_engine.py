@@ -44,7 +44,11 @@ from omniserve.entrypoints.openai.protocol import (
     accepted_names,
 )
 from omniserve.entrypoints.openai.responses_protocol import ResponsesRequest
-from omniserve.entrypoints.openai.score_protocol import RerankRequest, ScoreRequest
+from omniserve.entrypoints.openai.score_protocol import (
+    ClassificationRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest
 from omniserve.entrypoints.openai.tokenize_protocol import (
     DetokenizeRequest,
@@ -104,7 +108,8 @@ def _request_fields() -> frozenset[str]:
     models = (ChatCompletionRequest, CompletionRequest, TokenizeChatRequest,
               TokenizeCompletionRequest, DetokenizeRequest, CreateSpeechRequest,
               ResponsesRequest, TranscriptionRequest, EmbeddingChatRequest,
-              EmbeddingCompletionRequest, ScoreRequest, RerankRequest)  # fmt: skip
+              EmbeddingCompletionRequest, ScoreRequest, RerankRequest,
+              ClassificationRequest)  # fmt: skip
     return frozenset(name for model in models for name in accepted_names(model))
 
 

@@ -1,11 +1,16 @@
-"""POST /score and /rerank: vLLM's bi-encoder scoring, the cosine similarity of two inputs'
-embeddings (``LLM.score``'s), pairing inputs as vLLM does; rerank orders the documents by it."""
+"""POST /score and /rerank: vLLM's scoring (``LLM.score``'s), pairing inputs as vLLM does: the
+cosine similarity of two inputs' embeddings, or a one-label classifier's (a cross-encoder's)
+probability of the pair; rerank orders the documents by it. POST /classify: a sequence
+classifier's label probabilities (``LLM.classify``'s)."""
 
 from __future__ import annotations
 
 from omniserve.entrypoints.openai.engine_prompt import EnginePrompt
 from omniserve.entrypoints.openai.protocol import UsageInfo
 from omniserve.entrypoints.openai.score_protocol import (
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
     RerankDocument,
     RerankRequest,
     RerankResponse,
@@ -18,12 +23,42 @@ from omniserve.entrypoints.openai.score_protocol import (
     ScoreResponseData,
 )
 from omniserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
-from omniserve.entrypoints.openai.serving_engine import ServingError, to_serving_error
+from omniserve.entrypoints.openai.serving_engine import (
+    ServingError,
+    split_prompts,
+    to_serving_error,
+)
+from omniserve.lora.request import LoRARequest
 from omniserve.outputs import EmbeddingRequestOutput, ScoringRequestOutput, score_pairs
 from omniserve.sampling_params import PoolingParams
 
 
 class OpenAIServingScores(OpenAIServingEmbedding):
+    async def create_classification(self, request: ClassificationRequest) -> ClassificationResponse:
+        """Raises ``ServingError`` for anything wrong with the request."""
+        lora = self.check_model(request.model)
+        self.check_engine()
+        given = [await self.prompt_of(p, request.add_special_tokens)
+                 for p in split_prompts(request.input)]  # fmt: skip
+        prompts = [self.apply_prompt_options(p, request) for p in given]
+        request_id = self.new_request_id("classify", request.request_id)
+        pooling = PoolingParams(task="classify", use_activation=request.use_activation)
+        outputs = await self.embed(prompts, pooling, request_id, request.priority, lora)
+        names = self.engine.model_config.hf_config.id2label
+        data = []
+        for index, output in enumerate(outputs):
+            probs = [float(p) for p in output.pooled]  # type: ignore[union-attr]
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append(ClassificationData(index=index, label=names.get(best), probs=probs,
+                                           num_classes=len(probs)))  # fmt: skip
+        prompt_tokens = sum(o.num_prompt_tokens for o in outputs)
+        return ClassificationResponse(
+            id=request_id,
+            model=self.models.response_name(request.model),
+            data=data,
+            usage=UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
+        )
+
     async def create_score(self, request: ScoreRequest) -> ScoreResponse:
         """Raises ``ServingError`` for anything wrong with the request."""
         (first, second), names = (request.queries, request.documents), request.names
@@ -76,23 +111,66 @@ class OpenAIServingScores(OpenAIServingEmbedding):
         pairs: list[tuple[int, int]],
     ) -> tuple[list[float], int]:
         """Each pair's score (``pairs`` index the two ``inputs``: (field, its item or items)),
-        and the prompt tokens embedded."""
+        and the prompt tokens run: the cosine similarity of the two embeddings, or a one-label
+        classifier's (a cross-encoder's) probability of the pair's texts joined."""
         lora = self.check_model(request.model)
         self.check_engine()
         self.engine.processor.check_mm_kwargs(request.mm_processor_kwargs or {})
+        labels = self.engine.model_config.num_labels
+        if labels is not None:
+            return await self._cross_encode(request, request_id, inputs, pairs, lora)
         prompts = []
         for name, given in inputs:
             for i, item in enumerate(_listed(given)):
-                where = f"{name}[{i}]" if isinstance(given, list) else name
-                prompts.append(self.apply_prompt_options(await self._prompt(item, where, request),
-                                                         request))  # fmt: skip
-        outputs = await self.embed(prompts, PoolingParams(), request_id, request.priority, lora)
+                prompt = await self._prompt(item, _where(name, given, i), request)
+                prompts.append(self.apply_prompt_options(prompt, request))
+        outputs = await self.embed(
+            prompts, PoolingParams(task="embed"), request_id, request.priority, lora
+        )
         embedded = [EmbeddingRequestOutput.from_output(output) for output in outputs]
         offset = len(_listed(inputs[0][1]))
         scores = [
             ScoringRequestOutput.from_embeddings(embedded[i], embedded[offset + j]).outputs.score
             for i, j in pairs
         ]
+        return scores, sum(output.num_prompt_tokens for output in outputs)
+
+    async def _cross_encode(
+        self,
+        request: ScoreRequest | RerankRequest,
+        request_id: str,
+        inputs: list[tuple[str, ScoreInput | list[ScoreInput]]],
+        pairs: list[tuple[int, int]],
+        lora: LoRARequest | None,
+    ) -> tuple[list[float], int]:
+        """``_score`` by a one-label sequence classifier: each pair's texts joined end to end
+        (vLLM's form for a decoder-based reranker), classified."""
+        labels = self.engine.model_config.num_labels
+        if labels != 1:
+            raise ServingError(
+                f"This model classifies into {labels} labels; scoring needs an embedding model "
+                "or a one-label classifier (a cross-encoder)."
+            )
+        texts = []
+        for name, given in inputs:
+            for i, item in enumerate(_listed(given)):
+                if isinstance(item, ScoreContent):
+                    where = _where(name, given, i)
+                    raise ServingError(
+                        f"{where}: this model is a cross-encoder of text pairs; send text.",
+                        param=where,
+                    )
+                texts.append(item)
+        offset = len(_listed(inputs[0][1]))
+        prompts = []
+        for i, j in pairs:
+            where = _where(inputs[1][0], inputs[1][1], j)
+            prompt = await self._prompt(texts[i] + texts[offset + j], where, request)
+            prompts.append(self.apply_prompt_options(prompt, request))
+        outputs = await self.embed(
+            prompts, PoolingParams(task="classify"), request_id, request.priority, lora
+        )
+        scores = [float(output.pooled[0]) for output in outputs]  # type: ignore[index]
         return scores, sum(output.num_prompt_tokens for output in outputs)
 
     async def _prompt(
@@ -108,6 +186,11 @@ class OpenAIServingScores(OpenAIServingEmbedding):
 
 def _listed(value: ScoreInput | list[ScoreInput]) -> list[ScoreInput]:
     return value if isinstance(value, list) else [value]
+
+
+def _where(name: str, given: ScoreInput | list[ScoreInput], index: int) -> str:
+    """The request field of item ``index`` of ``given`` (field ``name``)."""
+    return f"{name}[{index}]" if isinstance(given, list) else name
 
 
 def _echo(item: ScoreInput) -> RerankDocument:

@@ -1,0 +1,169 @@
+"""Sequence classifiers (transformers' ``*ForSequenceClassification``): ``LLM.classify`` and
+``/classify`` answer the labels' probabilities of the prompt's pooled final state, and a
+one-label classifier (a cross-encoder reranker) scores pairs for ``LLM.score``, ``/score`` and
+``/rerank``; against transformers' own classes on the same weights. ``--hf-overrides`` sets
+config.json keys over the checkpoint's."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from omniserve import LLM, PoolingParams, SamplingParams
+from omniserve.engine.arg_utils import EngineArgs
+from tests.hf_reference import make_prompts
+from tests.server_utils import MODEL, assert_error, launch_server
+
+ATOL = 1e-5  # fp32 on both sides: only the order of the sums differs
+
+
+@pytest.fixture(scope="module")
+def classifiers(tiny_checkpoint, tmp_path_factory) -> dict[str, str]:
+    """Random-weight classifiers saved by transformers from the tiny causal checkpoints'
+    configs (with their tokenizers): Qwen2 with three labels, Qwen3 with one."""
+    made = {}
+    for arch, labels in (("Qwen2", 3), ("Qwen3", 1)):
+        base = tiny_checkpoint(f"{arch}ForCausalLM")
+        config = transformers.AutoConfig.from_pretrained(base)
+        config.architectures = [f"{arch}ForSequenceClassification"]
+        config.num_labels = labels
+        config.id2label = {i: f"class_{i}" for i in range(labels)}
+        config.label2id = {name: i for i, name in config.id2label.items()}
+        config.pad_token_id = 0
+        torch.manual_seed(labels)
+        model = getattr(transformers, f"{arch}ForSequenceClassification")(config)
+        target = tmp_path_factory.mktemp(f"{arch}-classifier")
+        model.save_pretrained(target)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(Path(base) / name, target / name)
+        made[arch] = str(target)
+    return made
+
+
+def _hf(model_dir: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' label scores of ``ids`` (its last position) and its final states."""
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
+    with torch.inference_mode():
+        states = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        return model(input_ids=torch.tensor([ids])).logits[0], model.score(states.mean(0))
+
+
+def test_classify_matches_transformers(classifiers) -> None:
+    """Probabilities (softmax) and raw scores, prefilled in chunks; MEAN pooling puts the head on
+    the mean state; a classifier writes no text, and a causal LM classifies nothing."""
+    model_dir = classifiers["Qwen2"]
+    prompts = make_prompts(model_dir, [5, 40])
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, max_num_batched_tokens=16)
+    assert llm.llm_engine.config.model_config.runner == "pooling"
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    probs = llm.classify(inputs, use_tqdm=False)
+    raw = llm.classify(inputs, PoolingParams(use_activation=False), use_tqdm=False)
+    mean = llm.classify(inputs, PoolingParams(pooling_type="MEAN"), use_tqdm=False)
+    for ids, got, got_raw, got_mean in zip(prompts, probs, raw, mean, strict=True):
+        logits, mean_logits = _hf(model_dir, ids)
+        assert got.outputs.num_classes == 3 and got.prompt_token_ids == ids
+        torch.testing.assert_close(torch.tensor(got_raw.outputs.probs), logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(torch.tensor(got.outputs.probs), logits.softmax(0),
+                                   atol=ATOL, rtol=0)  # fmt: skip
+        torch.testing.assert_close(torch.tensor(got_mean.outputs.probs),
+                                   mean_logits.softmax(0), atol=ATOL, rtol=0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"answers classification and scoring \(LLM.classify"):
+        llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="score: this classifier has 3 labels"):
+        llm.score("a", "b", use_tqdm=False)
+    with pytest.raises(ValueError, match="dimensions: a classification has one score per"):
+        llm.classify("Hello", PoolingParams(dimensions=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="pooling_params.task is 'embed'; this call runs"):
+        llm.classify("Hello", PoolingParams(task="embed"), use_tqdm=False)
+    with pytest.raises(ValueError, match="--runner generate: Qwen2ForSequenceClassification is"):
+        EngineArgs(model_dir, runner="generate").create_config()
+    llm.llm_engine.shutdown()
+
+
+def test_cross_encoder_score_matches_transformers(classifiers, tiny_checkpoint) -> None:
+    """A one-label classifier scores each pair's prompts joined end to end: the sigmoid of its
+    score; a causal LM refuses classification."""
+    model_dir = classifiers["Qwen3"]
+    query, *docs = make_prompts(model_dir, [7, 11, 20])
+    llm = LLM(model_dir, dtype="float32", max_model_len=64)
+    got = llm.score({"prompt_token_ids": query}, [{"prompt_token_ids": d} for d in docs],
+                    use_tqdm=False)  # fmt: skip
+    for doc, output in zip(docs, got, strict=True):
+        logits, _ = _hf(model_dir, query + doc)
+        assert output.prompt_token_ids == query + doc
+        assert output.outputs.score == pytest.approx(logits.sigmoid().item(), abs=ATOL)
+    text = llm.score("Is it red?", ["Yes.", "No."], use_tqdm=False)
+    joined = llm.classify(["Is it red?Yes.", "Is it red?No."], use_tqdm=False)
+    assert [o.outputs.score for o in text] == [o.outputs.probs[0] for o in joined]
+    with pytest.raises(TypeError, match="A cross-encoder scores pairs of texts or of token"):
+        llm.score("a", {"prompt_token_ids": [1, 2]}, use_tqdm=False)
+    llm.llm_engine.shutdown()
+    causal = LLM(str(tiny_checkpoint("Qwen3ForCausalLM")), dtype="float32", max_model_len=64)
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM is no sequence classifier"):
+        causal.classify("Hello", use_tqdm=False)
+
+
+def test_hf_overrides(classifiers, tiny_checkpoint) -> None:
+    """config.json keys over the checkpoint's, a nested config merged key by key: the labels'
+    names, the context length, a vision tower's setting."""
+    overrides = {"id2label": {"0": "relevant"}, "max_position_embeddings": 48}
+    config = EngineArgs(classifiers["Qwen3"], hf_overrides=overrides).create_config()
+    assert config.model_config.max_model_len == 48
+    assert config.model_config.hf_config.id2label == {0: "relevant"}
+    vision = EngineArgs(str(tiny_checkpoint("Qwen2VLForConditionalGeneration")),
+                        hf_overrides={"vision_config": {"initializer_range": 0.5}})  # fmt: skip
+    hf_config = vision.create_config().model_config.hf_config
+    assert hf_config.vision_config.initializer_range == 0.5
+    assert (
+        hf_config.vision_config.depth
+        == transformers.AutoConfig.from_pretrained(vision.model).vision_config.depth
+    )
+    with pytest.raises(ValueError, match="--hf-overrides must be JSON"):
+        EngineArgs(classifiers["Qwen3"], hf_overrides="{nope").create_config()
+
+
+def test_classification_api(classifiers, tmp_path) -> None:
+    """``/classify``, and a cross-encoder's ``/score`` and ``/rerank``, equal to the offline
+    answers; text only; generation refused."""
+    model_dir = classifiers["Qwen3"]
+    offline = LLM(model_dir, dtype="float32", max_model_len=64)
+    texts = ["Is it red?", "A red square.", "A beep."]
+    classified = [o.outputs.probs for o in offline.classify(texts, use_tqdm=False)]
+    scored = [o.outputs.score for o in offline.score(texts[0], texts[1:], use_tqdm=False)]
+    offline.llm_engine.shutdown()
+    flags = ("--dtype", "float32", "--max-model-len", "64", "--kv-cache-memory", "16MiB",
+             "--hf-overrides", '{"id2label": {"0": "relevant"}}')  # fmt: skip
+    with launch_server(model_dir, tmp_path, *flags) as server:
+        body = server.post("/classify", {"model": MODEL, "input": texts}).json()
+        assert [d["index"] for d in body["data"]] == [0, 1, 2]
+        assert all(d["label"] == "relevant" and d["num_classes"] == 1 for d in body["data"])
+        np.testing.assert_allclose([d["probs"] for d in body["data"]], classified, atol=ATOL)
+        assert body["usage"]["prompt_tokens"] > 0
+        raw = server.post("/classify", {"model": MODEL, "input": texts[0],
+                                        "use_activation": False}).json()  # fmt: skip
+        assert raw["data"][0]["probs"][0] == pytest.approx(
+            np.log(classified[0][0] / (1 - classified[0][0])), abs=1e-4
+        )
+        score = server.post("/score", {"model": MODEL, "text_1": texts[0], "text_2": texts[1:]})
+        assert [d["score"] for d in score.json()["data"]] == pytest.approx(scored, abs=ATOL)
+        ranked = server.post("/rerank", {"model": MODEL, "query": texts[0],
+                                         "documents": texts[1:]}).json()  # fmt: skip
+        assert [r["relevance_score"] for r in ranked["results"]] == sorted(scored, reverse=True)
+        image = {"content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}
+        for path, body, field, words in (
+            ("/rerank", {"query": "a", "documents": ["b", image]}, "documents[1]", "text"),
+            ("/classify", {"input": []}, "input", "must not be an empty list"),
+            ("/classify", {"input": [[1, 10**9]]}, "input", "outside the vocabulary"),
+        ):
+            error = assert_error(server.post(path, {"model": MODEL, **body}), 400)
+            assert error["param"] == field and words in error["message"], error
+        chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+        refused = assert_error(server.post("/v1/chat/completions", chat), 400)
+        assert "/classify" in refused["message"]
