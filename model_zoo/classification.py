@@ -2,11 +2,18 @@
 ``score`` head of ``num_labels`` rows in place of the LM head. The engine pools the prompt's
 final states (at its last position, as transformers does, unless ``--pooler-config`` says
 otherwise) and classifies the pooled state with the head: ``LLM.classify``, ``/classify``, and
-with one label cross-encoder scoring (``/score``, ``/rerank``)."""
+with one label cross-encoder scoring (``/score``, ``/rerank``).
+
+A causal LM checkpoint loads as one with vLLM's ``classifier_from_token`` (through
+``--hf-overrides``): the head is made of its LM head's rows of those tokens, their difference
+for the 2-way softmax of an LLM reranker (Qwen3-Reranker's "no" / "yes": the score's sigmoid is
+the probability of "yes"), else one label per token (``ModelConfig.hf_config`` resolves the
+tokens' ids and the number of labels)."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -16,7 +23,7 @@ from model_zoo.decoder import DecoderForCausalLM
 from model_zoo.llama import LlamaForCausalLM
 from model_zoo.qwen2 import Qwen2ForCausalLM
 from model_zoo.qwen3 import Qwen3ForCausalLM
-from omniserve.layers.weight_utils import WeightRoute
+from omniserve.layers.weight_utils import LoadedWeight, WeightRoute
 
 
 class SequenceClassifier(DecoderForCausalLM):
@@ -37,6 +44,27 @@ class SequenceClassifier(DecoderForCausalLM):
         if name == "lm_head.weight":
             return None  # a causal LM's head, when the checkpoint still has one
         return super().route_weight(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        token_ids = getattr(self.config, "classifier_token_ids", None)
+        if token_ids is None:
+            return super().load_weights(weights)
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        rows: list[torch.Tensor] = []
+
+        def keep_rows(named: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, Any]]:
+            for name, tensor in named:
+                if name == head:
+                    rows.extend(tensor.narrow(0, i, 1)[0] for i in token_ids)
+                yield name, tensor
+
+        loaded = super().load_weights(keep_rows(weights))
+        if not rows:
+            raise ValueError(f"classifier_from_token: the checkpoint has no {head}.")
+        if self.config.method == "from_2_way_softmax":
+            rows = [rows[1] - rows[0]]
+        self.score.weight.copy_(torch.stack(rows))
+        return loaded | {"score.weight"}
 
 
 class Qwen2ForSequenceClassification(SequenceClassifier, Qwen2ForCausalLM):

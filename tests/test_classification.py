@@ -110,6 +110,49 @@ def test_cross_encoder_score_matches_transformers(classifiers, tiny_checkpoint) 
         causal.classify("Hello", use_tqdm=False)
 
 
+@pytest.mark.parametrize("arch", ["Qwen2", "Qwen3"])  # a tied and an untied LM head
+def test_causal_lm_as_reranker(tiny_checkpoint, arch) -> None:
+    """vLLM's ``classifier_from_token`` through ``--hf-overrides``: a causal LM checkpoint as an
+    LLM reranker (Qwen3-Reranker's form: the 2-way softmax of two tokens' logits, the second's
+    probability the score) or a classifier of one label per token; against the causal LM's own
+    logits of those tokens in transformers."""
+    model_dir = str(tiny_checkpoint(f"{arch}ForCausalLM"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    words = tokenizer.convert_ids_to_tokens([854, 1000, 1500])
+    ids = tokenizer.convert_tokens_to_ids(words)
+    classifier = {"architectures": [f"{arch}ForSequenceClassification"]}
+    reranker = LLM(model_dir, dtype="float32", max_model_len=64, hf_overrides={
+        **classifier, "classifier_from_token": words[:2], "is_original_qwen3_reranker": True,
+    })  # fmt: skip
+    query, *docs = make_prompts(model_dir, [7, 11, 20])
+    got = reranker.score({"prompt_token_ids": query}, [{"prompt_token_ids": d} for d in docs],
+                         use_tqdm=False)  # fmt: skip
+    reranker.llm_engine.shutdown()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for doc, output in zip(docs, got, strict=True):
+        with torch.inference_mode():
+            logits = hf(input_ids=torch.tensor([query + doc])).logits[0, -1]
+        expected = logits[ids[:2]].softmax(0)[1].item()
+        assert output.outputs.score == pytest.approx(expected, abs=ATOL)
+
+    three = LLM(model_dir, dtype="float32", max_model_len=64,
+                hf_overrides={**classifier, "classifier_from_token": words})  # fmt: skip
+    raw = three.classify({"prompt_token_ids": query}, PoolingParams(use_activation=False),
+                         use_tqdm=False)[0]  # fmt: skip
+    with torch.inference_mode():
+        logits = hf(input_ids=torch.tensor([query])).logits[0, -1]
+    torch.testing.assert_close(torch.tensor(raw.outputs.probs), logits[ids], atol=ATOL, rtol=0)
+    three.llm_engine.shutdown()
+    for overrides, words_ in (
+        ({"classifier_from_token": ["no-such-token"]}, "'no-such-token' is not a token"),
+        ({"classifier_from_token": words, "method": "from_2_way_softmax"}, "two for"),
+        ({"classifier_from_token": words, "method": "mean"}, "method: 'mean' is not one of"),
+    ):
+        config = EngineArgs(model_dir, hf_overrides={**classifier, **overrides}).create_config()
+        with pytest.raises(ValueError, match=words_):
+            config.model_config.hf_config  # noqa: B018
+
+
 def test_hf_overrides(classifiers, tiny_checkpoint) -> None:
     """config.json keys over the checkpoint's, a nested config merged key by key: the labels'
     names, the context length, a vision tower's setting."""

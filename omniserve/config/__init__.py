@@ -146,6 +146,8 @@ class ModelConfig:
 
         config = AutoConfig.from_pretrained(self.model, local_files_only=True)
         _override(config, self.hf_overrides)
+        if getattr(config, "classifier_from_token", None) is not None:
+            _labels_from_tokens(config, self.tokenizer)
         return config
 
     @property
@@ -252,6 +254,40 @@ def _runner_of(architecture: str, runner: str) -> str:
             "classification and scoring requests only (--runner pooling)."
         )
     return "pooling"
+
+
+SEQ_CLS_METHODS = ("from_2_way_softmax", "no_post_processing")
+"""vLLM's ways to make a classifier's head of a causal LM's rows of ``classifier_from_token``."""
+
+
+def _labels_from_tokens(config: Any, tokenizer_dir: str) -> None:
+    """vLLM's ``classifier_from_token`` (with ``method``, or ``is_original_qwen3_reranker``):
+    the tokens' ids (``classifier_token_ids``, for the model's loading) and the number of
+    labels, one for the 2-way softmax of two tokens, else one per token."""
+    from transformers import AutoTokenizer
+
+    tokens = config.classifier_from_token
+    method = getattr(config, "method", None) or (
+        "from_2_way_softmax"
+        if getattr(config, "is_original_qwen3_reranker", False)
+        else "no_post_processing"
+    )
+    if method not in SEQ_CLS_METHODS:
+        raise ValueError(f"method: {method!r} is not one of {', '.join(SEQ_CLS_METHODS)}.")
+    wanted = 2 if method == "from_2_way_softmax" else len(tokens or [])
+    if not isinstance(tokens, list) or not tokens or len(tokens) != wanted:
+        raise ValueError(
+            "classifier_from_token must list the tokens whose LM-head rows make the classifier "
+            f"(two for {method!r}), not {tokens!r}."
+        )
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in tokens]
+    for token, token_id in zip(tokens, ids, strict=True):
+        if token_id is None or tokenizer.convert_ids_to_tokens(token_id) != token:
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of the vocabulary.")
+    config.method = method
+    config.classifier_token_ids = ids
+    config.num_labels = 1 if method == "from_2_way_softmax" else len(tokens)
 
 
 def _merged(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
