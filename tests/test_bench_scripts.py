@@ -203,6 +203,12 @@ def test_embeddings_benchmark_runs_on_the_tiny_checkpoint(monkeypatch, capsys):
     assert "tiny, float32, 5 prompts of 64-128 tokens" in out
     cosine = float(out.rsplit("smallest cosine between the two engines' vectors: ", 1)[1])
     assert cosine > 0.9999  # the same fp32 vectors
+    monkeypatch.setattr(sys, "argv", ["bench_embeddings.py", "--model", "tiny", "--prompts", "5",
+                                      "--reranker"])  # fmt: skip
+    bench.main()
+    out = capsys.readouterr().out
+    assert "5 prompts of 64-128 tokens (" in out and "reranker (2-way softmax)" in out
+    assert float(out.rsplit("largest probability difference: ", 1)[1]) < 1e-4
 
 
 def test_serving_ablation_runs_a_b_b_a_and_merges_each_level(monkeypatch):

@@ -129,6 +129,7 @@ def test_score_and_rerank_api(default_server) -> None:
         ("/rerank", {"query": query, "documents": []}, "documents", "must not be an empty"),
         ("/rerank", {"query": query, "documents": texts, "top_n": -1}, "top_n", ""),
         ("/rerank", {"query": {"content": []}, "documents": texts}, "query", "content"),
+        ("/classify", {"input": query}, None, "is no sequence classifier"),
         ("/rerank", {"query": query, "documents": texts, "mm_processor_kwargs": {"fps": "x"}},
          "mm_processor_kwargs.fps", "must be a number"),
     ):  # fmt: skip

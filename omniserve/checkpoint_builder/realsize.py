@@ -149,6 +149,15 @@ REALSIZE_MODELS: Mapping[str, RealSizeSpec] = frozen_mapping({
             max_position_embeddings=32768, tie_word_embeddings=False,
         )),
     ),
+    "qwen3-0.6b": RealSizeSpec(
+        "Qwen/Qwen3-0.6B (Qwen3-Reranker-0.6B and Qwen3-Embedding-0.6B have its shapes)",
+        "Qwen3ForCausalLM",
+        frozen_mapping(dict(
+            _DENSE_TEXT, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+            max_position_embeddings=40960, tie_word_embeddings=True,
+        )),
+    ),
     "qwen3-1.7b": RealSizeSpec(
         "Qwen/Qwen3-1.7B", "Qwen3ForCausalLM",
         frozen_mapping(dict(
