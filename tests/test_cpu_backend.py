@@ -155,6 +155,25 @@ def test_widened_linear_is_fp32_on_the_bf16_weight(rows, out_features, in_featur
 
 
 @needs_widened
+def test_widened_linear_past_its_rows_widens_pieces_for_onednn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``max_rows`` the weight is widened back from its panels (exactly, any row range,
+    panels cut anywhere) piece by piece for ``F.linear``: fp32's product."""
+    weight = (torch.randn(70, 96) * 0.02).bfloat16()
+    kernel = WidenedLinear(weight, max_rows=4)
+    for start, end in ((0, 70), (3, 40), (31, 33), (64, 70), (5, 5)):
+        rows = torch.empty(end - start, 96)
+        kernel.widen(start, end, rows)
+        assert torch.equal(rows, weight[start:end].float()), (start, end)
+    monkeypatch.setattr(cpu_linear, "DEQUANTIZE_SCRATCH_BYTES", 25 * 96 * 4)  # 3 pieces
+    x, bias = torch.randn(2, 9, 96), torch.randn(70)
+    with torch.inference_mode():
+        _close(kernel(x, bias), F.linear(x, weight.float(), bias), torch.float32)
+        _close(kernel(x[0, :4], None), F.linear(x[0, :4], weight.float()), torch.float32)
+
+
+@needs_widened
 def test_bf16_weights_are_kept_for_an_fp32_model_of_a_bf16_checkpoint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

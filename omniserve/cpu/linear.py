@@ -18,9 +18,10 @@ fp32 (a CPU without native bf16), the weights stay bf16, packed into panels that
 decode step streams, with fp32's products. Against ``OneDnnLinear`` on the weight widened at load
 (``scripts/bench_cpu_linear.py``: 2-core Xeon without AVX512-BF16, 2 threads, weights out of
 cache; Qwen2.5-1.5B's qkv, gate/up and down and a 7B's gate/up): 1.7-1.9x as fast at 1 row,
-1.8-2.3x at 4, 1.5-1.6x at 16, 1.0-1.1x at 64, 0.8-0.9x at 256 and 0.85-0.95x at 1,024 (prefill
-chunks); against bf16 throughout (``--dtype bfloat16``, emulated here), 2.9-3.5x as fast at 4 rows
-and 3.7-4.2x from 16.
+1.8-2.3x at 4, 1.5-1.6x at 16, 1.0-1.1x at 64 and 0.8-0.95x at 256-1,023; from 1,024 rows
+(prefill chunks, ``WIDENED_KERNEL_MAX_ROWS``) the weight is widened back piece by piece for
+oneDNN: 0.9-1.05x there (Qwen3-0.6B's and Qwen2.5-1.5B's layers). Against bf16 throughout
+(``--dtype bfloat16``, emulated here), 2.9-3.5x as fast at 4 rows and 3.7-5.3x from 16.
 
 **C, 4-bit weights** (``Int4Linear``): for AWQ / GPTQ layers, on ``layers/quantization.py``'s
 layout as loaded. For a few rows (``int4_kernel_max_rows``) ``csrc/linear_int4.c`` decodes a
@@ -83,8 +84,19 @@ _INT4_SIGNATURE = (_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _
 _DEQUANTIZE_SIGNATURE = (_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, ctypes.c_int)
 _PACK_PANELS_SIGNATURE = (_PTR, _I64, _I64, _PTR, ctypes.c_int)
 _WIDENED_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, ctypes.c_int)
+_UNPACK_SIGNATURE = (_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int)
 PANEL = 32
 """Output features per panel of ``WidenedLinear``'s packed weight (``NP`` in its kernel)."""
+WIDENED_KERNEL_MAX_ROWS = 1023
+"""Up to this many rows ``WidenedLinear`` runs its kernel; more (prefill chunks) go to
+``F.linear`` (oneDNN) on the weight widened back from the panels piece by piece, whose blocking
+outruns the 14 x 32 tile there. Measured (``scripts/bench_cpu_linear.py``'s loop: 2-core Xeon
+without AVX512-BF16, 2 threads, weights out of cache; kernel against pieces, ms): Qwen3-0.6B's
+gate/up 1,024 x 6,144 at 512 rows 22.5 against 23.6, 1,024 rows 43.3 against 42.4, 2,048 rows
+103 against 94; its down projection 3,072 x 1,024 at 1,024 rows 23.4 against 21.0, 2,048 rows
+49.2 against 42.1; Qwen2.5-1.5B's gate/up 1,536 x 17,920 at 512 rows 104 against 116, 1,024 rows
+207 against 209; its down 8,960 x 1,536 at 1,024 rows 102 against 95, 2,048 rows 208 against
+178."""
 
 
 @functools.cache
@@ -220,28 +232,32 @@ class RowsLinear:
 
 
 @functools.cache
-def _widened_kernels() -> tuple[Any, Any] | None:
-    """The panel packing and the product of ``csrc/linear_bf16w.c``, or None where they are not
-    built or the CPU lacks AVX-512 (the kernel's tile needs its 32 vector registers)."""
+def _widened_kernels() -> tuple[Any, Any, Any] | None:
+    """The panel packing, the product and the unpacking of ``csrc/linear_bf16w.c``, or None
+    where they are not built or the CPU lacks AVX-512 (the kernel's tile needs its 32 vector
+    registers)."""
     if "avx512f" not in cpu_flags():
         return None
-    pack = load_function(
-        "linear_bf16w.c", "omniserve_pack_bf16_panels", _PACK_PANELS_SIGNATURE, None
-    )
-    product = load_function(
-        "linear_bf16w.c", "omniserve_linear_bf16w", _WIDENED_SIGNATURE, ctypes.c_int
-    )
-    return None if pack is None or product is None else (pack, product)
+    kernels = (
+        load_function("linear_bf16w.c", "omniserve_pack_bf16_panels", _PACK_PANELS_SIGNATURE,
+                      None),
+        load_function("linear_bf16w.c", "omniserve_linear_bf16w", _WIDENED_SIGNATURE,
+                      ctypes.c_int),
+        load_function("linear_bf16w.c", "omniserve_unpack_bf16_panels", _UNPACK_SIGNATURE,
+                      None),
+    )  # fmt: skip
+    return None if None in kernels else kernels
 
 
 class WidenedLinear:
     """``x @ weight.T + bias`` for fp32 ``x`` on a bf16 weight, packed into panels of ``PANEL``
     output features that replace the layer's weight."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, max_rows: int = WIDENED_KERNEL_MAX_ROWS) -> None:
         kernels = _widened_kernels()
         assert kernels is not None, "WidenedLinear.available() is False"
-        pack, self.kernel = kernels
+        pack, self.kernel, self.unpack = kernels
+        self.max_rows = max_rows
         self.out_features, self.in_features = weight.shape
         panels = -(-self.out_features // PANEL)
         self.packed = torch.empty(panels * self.in_features * PANEL // 2, dtype=torch.int32)
@@ -260,10 +276,12 @@ class WidenedLinear:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
         if bias is not None:
             bias = bias.detach().to(torch.float32).contiguous()
+        if rows.shape[0] > self.max_rows:
+            return product_in_pieces(x, bias, self.out_features, self.in_features, self.widen)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
         out = x.new_empty(rows.shape[0], self.out_features)
         status = self.kernel(
             rows.data_ptr(), rows.shape[0], rows.stride(0), self.packed.data_ptr(),
@@ -273,6 +291,11 @@ class WidenedLinear:
         if status:
             raise MemoryError("The CPU bf16-weight linear kernel could not allocate its scratch.")
         return out.view(*x.shape[:-1], self.out_features)
+
+    def widen(self, start: int, end: int, out: torch.Tensor) -> None:
+        """Rows ``start:end`` of the weight in fp32, into ``out`` (contiguous)."""
+        self.unpack(self.packed.data_ptr(), self.in_features, start, end, out.data_ptr(),
+                    torch.get_num_threads())  # fmt: skip
 
 
 def _int4_kernels(dtype: torch.dtype) -> tuple[Any, Any]:

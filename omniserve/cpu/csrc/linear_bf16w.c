@@ -53,6 +53,35 @@ void omniserve_pack_bf16_panels(const bf16 *w, int64_t N, int64_t K, uint32_t *p
     }
 }
 
+/* Rows [n0, n1) of w widened to fp32 into out [n1 - n0, K]: the weight for a oneDNN product of
+ * many rows (prefill chunks), where its blocking outruns the tile. Each thread takes whole
+ * panels and writes their 32 rows a cache line at a time. */
+void omniserve_unpack_bf16_panels(const uint32_t *packed, int64_t K, int64_t n0, int64_t n1,
+                                  float *out, int num_threads) {
+    const int64_t p_first = n0 / NP, p_last = (n1 + NP - 1) / NP;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = p_first; p < p_last; ++p) {
+        const uint32_t *src = packed + p * K * 16;
+        uint32_t *hi[16], *lo[16]; /* rows 32p + j and 32p + 16 + j (NULL: outside the range) */
+        for (int j = 0; j < 16; ++j) {
+            const int64_t h = p * NP + j, l = h + 16;
+            hi[j] = h >= n0 && h < n1 ? (uint32_t *)(out + (h - n0) * K) : NULL;
+            lo[j] = l >= n0 && l < n1 ? (uint32_t *)(out + (l - n0) * K) : NULL;
+        }
+        /* 16 k at a time: a row's 64-byte line is written whole (rows K floats apart, often a
+         * multiple of 4 KB, would share L1 sets if each k touched all 32). */
+        for (int64_t k0 = 0; k0 < K; k0 += 16) {
+            const int64_t k1 = K - k0 < 16 ? K : k0 + 16;
+            for (int j = 0; j < 16; ++j) {
+                if (hi[j])
+                    for (int64_t k = k0; k < k1; ++k) hi[j][k] = src[k * 16 + j] & 0xffff0000u;
+                if (lo[j])
+                    for (int64_t k = k0; k < k1; ++k) lo[j][k] = src[k * 16 + j] << 16;
+            }
+        }
+    }
+}
+
 /* acc (mr x 32) += x[0:mr, 0:kc] @ panel slice; x packed k-major (mr values per k). */
 static inline __attribute__((always_inline)) void tile(const float *x, const uvec *b, int64_t kc,
                                                        vec acc[][2], const int mr) {
