@@ -11,12 +11,14 @@ import numpy as np
 
 from omniserve.entrypoints.openai.embedding_protocol import (
     EmbeddingChatRequest,
+    EmbeddingCompletionRequest,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
 )
 from omniserve.entrypoints.openai.engine_prompt import EnginePrompt
 from omniserve.entrypoints.openai.protocol import UsageInfo
+from omniserve.entrypoints.openai.score_protocol import ClassificationRequest
 from omniserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     ServingError,
@@ -36,11 +38,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         lora = self.check_model(request.model)
         self.check_engine()
         if isinstance(request, EmbeddingChatRequest):
-            given = [await self.render_chat(request)]
+            prompts = [self.apply_prompt_options(await self.render_chat(request), request)]
         else:
-            given = [await self.prompt_of(p, request.add_special_tokens)
-                     for p in split_prompts(request.input)]  # fmt: skip
-        prompts = [self.apply_prompt_options(p, request) for p in given]
+            prompts = await self.input_prompts(request)
         request_id = self.new_request_id("embd", request.request_id)
         outputs = await self.embed(
             prompts, PoolingParams(request.normalize, request.dimensions, task="embed"), request_id,
@@ -56,13 +56,21 @@ class OpenAIServingEmbedding(OpenAIServing):
                 else np.asarray(vector, dtype=np.float64).tolist()
             )
             data.append(EmbeddingData(index=index, embedding=embedding))
-        prompt_tokens = sum(o.num_prompt_tokens for o in outputs)
         return EmbeddingResponse(
             id=request_id,
             model=self.models.response_name(request.model),
             data=data,
-            usage=UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
+            usage=prompt_usage(outputs),
         )
+
+    async def input_prompts(
+        self, request: EmbeddingCompletionRequest | ClassificationRequest
+    ) -> list[EnginePrompt]:
+        """OpenAI's ``input`` forms (text or token ids, one or many), tokenized, checked and
+        truncated as the request asks."""
+        given = [await self.prompt_of(p, request.add_special_tokens)
+                 for p in split_prompts(request.input)]  # fmt: skip
+        return [self.apply_prompt_options(p, request) for p in given]
 
     async def embed(
         self,
@@ -83,3 +91,9 @@ class OpenAIServingEmbedding(OpenAIServing):
                     HTTPStatus.INTERNAL_SERVER_ERROR,
                 )
         return outputs
+
+
+def prompt_usage(outputs: list[RequestOutput]) -> UsageInfo:
+    """A pooling request's usage: its prompts' tokens (it generates none)."""
+    prompt_tokens = sum(output.num_prompt_tokens for output in outputs)
+    return UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)

@@ -22,10 +22,9 @@ from omniserve.entrypoints.openai.score_protocol import (
     ScoreResponse,
     ScoreResponseData,
 )
-from omniserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from omniserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, prompt_usage
 from omniserve.entrypoints.openai.serving_engine import (
     ServingError,
-    split_prompts,
     to_serving_error,
 )
 from omniserve.lora.request import LoRARequest
@@ -38,9 +37,7 @@ class OpenAIServingScores(OpenAIServingEmbedding):
         """Raises ``ServingError`` for anything wrong with the request."""
         lora = self.check_model(request.model)
         self.check_engine()
-        given = [await self.prompt_of(p, request.add_special_tokens)
-                 for p in split_prompts(request.input)]  # fmt: skip
-        prompts = [self.apply_prompt_options(p, request) for p in given]
+        prompts = await self.input_prompts(request)
         request_id = self.new_request_id("classify", request.request_id)
         pooling = PoolingParams(task="classify", use_activation=request.use_activation)
         outputs = await self.embed(prompts, pooling, request_id, request.priority, lora)
@@ -51,12 +48,11 @@ class OpenAIServingScores(OpenAIServingEmbedding):
             best = max(range(len(probs)), key=probs.__getitem__)
             data.append(ClassificationData(index=index, label=names.get(best), probs=probs,
                                            num_classes=len(probs)))  # fmt: skip
-        prompt_tokens = sum(o.num_prompt_tokens for o in outputs)
         return ClassificationResponse(
             id=request_id,
             model=self.models.response_name(request.model),
             data=data,
-            usage=UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
+            usage=prompt_usage(outputs),
         )
 
     async def create_score(self, request: ScoreRequest) -> ScoreResponse:
@@ -67,21 +63,21 @@ class OpenAIServingScores(OpenAIServingEmbedding):
         except ValueError as exc:
             raise to_serving_error(exc) from exc
         request_id = self.new_request_id("score", request.request_id)
-        scores, prompt_tokens = await self._score(
+        scores, usage = await self._score(
             request, request_id, [(names[0], first), (names[1], second)], pairs
         )
         return ScoreResponse(
             id=request_id,
             model=self.models.response_name(request.model),
             data=[ScoreResponseData(index=i, score=score) for i, score in enumerate(scores)],
-            usage=UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
+            usage=usage,
         )
 
     async def do_rerank(self, request: RerankRequest) -> RerankResponse:
         """Raises ``ServingError`` for anything wrong with the request."""
         documents = _listed(request.documents)
         request_id = self.new_request_id("rerank", request.request_id)
-        scores, prompt_tokens = await self._score(
+        scores, usage = await self._score(
             request,
             request_id,
             [("query", request.query), ("documents", request.documents)],
@@ -99,7 +95,7 @@ class OpenAIServingScores(OpenAIServingEmbedding):
         return RerankResponse(
             id=request_id,
             model=self.models.response_name(request.model),
-            usage=RerankUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
+            usage=RerankUsage(prompt_tokens=usage.prompt_tokens, total_tokens=usage.total_tokens),
             results=results,
         )
 
@@ -109,10 +105,10 @@ class OpenAIServingScores(OpenAIServingEmbedding):
         request_id: str,
         inputs: list[tuple[str, ScoreInput | list[ScoreInput]]],
         pairs: list[tuple[int, int]],
-    ) -> tuple[list[float], int]:
-        """Each pair's score (``pairs`` index the two ``inputs``: (field, its item or items)),
-        and the prompt tokens run: the cosine similarity of the two embeddings, or a one-label
-        classifier's (a cross-encoder's) probability of the pair's texts joined."""
+    ) -> tuple[list[float], UsageInfo]:
+        """Each pair's score (``pairs`` index the two ``inputs``: (field, its item or items))
+        and the usage: the cosine similarity of the two embeddings, or a one-label classifier's
+        (a cross-encoder's) probability of the pair's texts joined."""
         lora = self.check_model(request.model)
         self.check_engine()
         self.engine.processor.check_mm_kwargs(request.mm_processor_kwargs or {})
@@ -133,7 +129,7 @@ class OpenAIServingScores(OpenAIServingEmbedding):
             ScoringRequestOutput.from_embeddings(embedded[i], embedded[offset + j]).outputs.score
             for i, j in pairs
         ]
-        return scores, sum(output.num_prompt_tokens for output in outputs)
+        return scores, prompt_usage(outputs)
 
     async def _cross_encode(
         self,
@@ -142,7 +138,7 @@ class OpenAIServingScores(OpenAIServingEmbedding):
         inputs: list[tuple[str, ScoreInput | list[ScoreInput]]],
         pairs: list[tuple[int, int]],
         lora: LoRARequest | None,
-    ) -> tuple[list[float], int]:
+    ) -> tuple[list[float], UsageInfo]:
         """``_score`` by a one-label sequence classifier: each pair's texts joined end to end
         (vLLM's form for a decoder-based reranker), classified."""
         labels = self.engine.model_config.num_labels
@@ -171,7 +167,7 @@ class OpenAIServingScores(OpenAIServingEmbedding):
             prompts, PoolingParams(task="classify"), request_id, request.priority, lora
         )
         scores = [float(output.pooled[0]) for output in outputs]  # type: ignore[index]
-        return scores, sum(output.num_prompt_tokens for output in outputs)
+        return scores, prompt_usage(outputs)
 
     async def _prompt(
         self, item: ScoreInput, where: str, request: ScoreRequest | RerankRequest
