@@ -191,12 +191,12 @@ class Processor:
             _check_embeds_params(params)
         self._validate_prompt(token_ids)
         self._validate_mm_budget(inputs)
-        embeds_only = params.pooling is not None
-        self._validate_length(inputs, embeds_only)
+        pooling_only = params.pooling is not None
+        self._validate_length(inputs, pooling_only)
         # An embedding request samples one token it finishes on (never fed back, so it needs no
         # position: its prompt may take all of max_model_len).
         max_tokens = (
-            1 if embeds_only else self._resolve_max_tokens(len(token_ids), params.max_tokens)
+            1 if pooling_only else self._resolve_max_tokens(len(token_ids), params.max_tokens)
         )
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         if not params.ignore_eos and len(self.eos_token_ids) > 1:
@@ -443,14 +443,14 @@ class Processor:
             )
         return min(requested, room)
 
-    def _validate_length(self, inputs: ProcessedInputs, embeds_only: bool) -> None:
+    def _validate_length(self, inputs: ProcessedInputs, pooling_only: bool) -> None:
         """The prompt must leave room to generate (an embedding request's need only fit); when
         its media made it too long, the error names the modality (the server adds the chat
         part), each one's share, and the stage."""
         num_tokens, max_len = len(inputs.prompt_token_ids), self.model_config.max_model_len
-        if num_tokens < max_len or embeds_only and num_tokens == max_len:
+        if num_tokens < max_len or pooling_only and num_tokens == max_len:
             return
-        problem = "is more than" if embeds_only else "leaves no room to generate within"
+        problem = "is more than" if pooling_only else "leaves no room to generate within"
         if not inputs.num_mm_tokens:
             raise ContextLengthError(
                 f"This model's maximum context length is {max_len} tokens (max_model_len). "
