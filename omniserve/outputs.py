@@ -177,19 +177,3 @@ class ScoringRequestOutput:
             else None
         )
         return cls(f"{first.request_id}_{second.request_id}", ScoringOutput(score), ids)
-
-
-def score_pairs(
-    num_1: int, num_2: int, names: tuple[str, str] = ("data_1", "data_2")
-) -> list[tuple[int, int]]:
-    """Which inputs each score pairs, as vLLM pairs them: one first input with each second one
-    (1:1, 1:N) or the i-th with the i-th (N:N). Other counts raise ``ValueError`` naming the
-    field (``names``: the two fields as the caller calls them)."""
-    if num_1 == 0 or num_2 == 0:
-        raise ValueError(f"{names[0] if num_1 == 0 else names[1]} must not be empty.")
-    if num_1 > 1 and num_1 != num_2:
-        raise ValueError(
-            f"{names[1]}: {num_1} {names[0]} and {num_2} {names[1]} do not pair; give 1:1, "
-            "1:N or N:N inputs."
-        )
-    return [(0 if num_1 == 1 else i, i) for i in range(num_2)]

@@ -20,6 +20,8 @@ from tests.hf_reference import make_prompts
 from tests.server_utils import MODEL, assert_error, launch_server
 
 ATOL = 1e-5  # fp32 on both sides: only the order of the sums differs
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+"""A score template (vLLM's ``--chat-template`` for cross-encoders): a query and a document."""
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +104,15 @@ def test_cross_encoder_score_matches_transformers(classifiers, tiny_checkpoint) 
     text = llm.score("Is it red?", ["Yes.", "No."], use_tqdm=False)
     joined = llm.classify(["Is it red?Yes.", "Is it red?No."], use_tqdm=False)
     assert [o.outputs.score for o in text] == [o.outputs.probs[0] for o in joined]
-    with pytest.raises(TypeError, match="A cross-encoder scores pairs of texts or of token"):
+    rendered = llm.score("Is it red?", ["Yes."], use_tqdm=False, chat_template=TEMPLATE)
+    by_template = llm.classify("<query>Is it red?</query><document>Yes.</document>",
+                               use_tqdm=False)  # fmt: skip
+    assert rendered[0].outputs.score == by_template[0].outputs.probs[0]
+    with pytest.raises(TypeError, match="A cross-encoder scores pairs of texts, or of token"):
         llm.score("a", {"prompt_token_ids": [1, 2]}, use_tqdm=False)
+    with pytest.raises(TypeError, match="without a score template"):
+        llm.score({"prompt_token_ids": [1]}, {"prompt_token_ids": [2]}, use_tqdm=False,
+                  chat_template=TEMPLATE)  # fmt: skip
     llm.llm_engine.shutdown()
     causal = LLM(str(tiny_checkpoint("Qwen3ForCausalLM")), dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM is no sequence classifier"):
@@ -173,16 +182,20 @@ def test_hf_overrides(classifiers, tiny_checkpoint) -> None:
 
 
 def test_classification_api(classifiers, tmp_path) -> None:
-    """``/classify``, and a cross-encoder's ``/score`` and ``/rerank``, equal to the offline
-    answers; text only; generation refused."""
+    """``/classify``, and a cross-encoder's ``/score`` and ``/rerank`` (their pairs rendered by
+    the ``--chat-template`` given, vLLM's score template), equal to the offline answers; text
+    only; generation refused."""
     model_dir = classifiers["Qwen3"]
     offline = LLM(model_dir, dtype="float32", max_model_len=64)
     texts = ["Is it red?", "A red square.", "A beep."]
     classified = [o.outputs.probs for o in offline.classify(texts, use_tqdm=False)]
-    scored = [o.outputs.score for o in offline.score(texts[0], texts[1:], use_tqdm=False)]
+    scored = [o.outputs.score for o in offline.score(texts[0], texts[1:], use_tqdm=False,
+                                                     chat_template=TEMPLATE)]  # fmt: skip
     offline.llm_engine.shutdown()
+    (tmp_path / "score.jinja").write_text(TEMPLATE)
     flags = ("--dtype", "float32", "--max-model-len", "64", "--kv-cache-memory", "16MiB",
-             "--hf-overrides", '{"id2label": {"0": "relevant"}}')  # fmt: skip
+             "--hf-overrides", '{"id2label": {"0": "relevant"}}',
+             "--chat-template", str(tmp_path / "score.jinja"))  # fmt: skip
     with launch_server(model_dir, tmp_path, *flags) as server:
         body = server.post("/classify", {"model": MODEL, "input": texts}).json()
         assert [d["index"] for d in body["data"]] == [0, 1, 2]
@@ -198,7 +211,9 @@ def test_classification_api(classifiers, tmp_path) -> None:
         assert [d["score"] for d in score.json()["data"]] == pytest.approx(scored, abs=ATOL)
         ranked = server.post("/rerank", {"model": MODEL, "query": texts[0],
                                          "documents": texts[1:]}).json()  # fmt: skip
-        assert [r["relevance_score"] for r in ranked["results"]] == sorted(scored, reverse=True)
+        assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx(
+            sorted(scored, reverse=True), abs=ATOL
+        )
         image = {"content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}
         for path, body, field, words in (
             ("/rerank", {"query": "a", "documents": ["b", image]}, "documents[1]", "text"),

@@ -14,6 +14,7 @@ from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.llm_engine import LLMEngine
 from omniserve.entrypoints.beam_search import BeamSearchBatch, BeamSearchOutput, BeamSearchParams
 from omniserve.entrypoints.chat_utils import ChatRenderer
+from omniserve.entrypoints.score_utils import score_pair_text, score_pairs
 from omniserve.inputs.data import PromptType, TokensPrompt
 from omniserve.lora.request import LoRARequest
 from omniserve.outputs import (
@@ -22,7 +23,6 @@ from omniserve.outputs import (
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
-    score_pairs,
 )
 from omniserve.sampling_params import (
     PoolingParams,
@@ -171,12 +171,15 @@ class LLM:
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        chat_template: str | None = None,
     ) -> list[ScoringRequestOutput]:
         """vLLM's bi-encoder scoring: the cosine similarity of each pair's embeddings
         (``embed``'s, with ``pooling_params``), pairing one ``data_1`` prompt with each of
         ``data_2`` (1:1, 1:N) or the i-th with the i-th (N:N); one output per pair. A one-label
         sequence classifier (a cross-encoder reranker) instead classifies each pair's prompts
-        joined end to end (texts, or token ids), its probability the score."""
+        joined end to end (texts, or token ids; with ``chat_template``, vLLM's score template,
+        the texts as it renders a "query" and a "document" message), its probability the
+        score."""
         firsts, seconds = _prompt_list(data_1, "data_1"), _prompt_list(data_2, "data_2")
         pairs = score_pairs(len(firsts), len(seconds))
         labels = self.llm_engine.config.model_config.num_labels
@@ -185,7 +188,7 @@ class LLM:
                 raise ValueError(
                     f"score: this classifier has {labels} labels; a cross-encoder has one."
                 )
-            joined = [_joined_prompt(firsts[i], seconds[j]) for i, j in pairs]
+            joined = [self._pair_prompt(firsts[i], seconds[j], chat_template) for i, j in pairs]
             classified = self.classify(joined, pooling_params, use_tqdm, lora_request)
             return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]),
                                          o.prompt_token_ids) for o in classified]  # fmt: skip
@@ -194,6 +197,26 @@ class LLM:
             ScoringRequestOutput.from_embeddings(embedded[i], embedded[len(firsts) + j])
             for i, j in pairs
         ]
+
+    def _pair_prompt(
+        self, first: PromptType, second: PromptType, chat_template: str | None
+    ) -> PromptType:
+        """A cross-encoder's prompt of a pair: two texts as ``score_pair_text`` makes it, or
+        two token prompts end to end (without a score template)."""
+        if isinstance(first, str) and isinstance(second, str):
+            return score_pair_text(self.get_tokenizer(), first, second, chat_template)
+        if (
+            chat_template is None
+            and isinstance(first, dict)
+            and isinstance(second, dict)
+            and {"prompt_token_ids"} == set(first) == set(second)
+        ):
+            ids = [*first["prompt_token_ids"], *second["prompt_token_ids"]]  # type: ignore[typeddict-item]
+            return TokensPrompt(prompt_token_ids=ids)
+        raise TypeError(
+            "A cross-encoder scores pairs of texts, or of token prompts ({'prompt_token_ids': "
+            "...}) without a score template; media and prompt embeddings are not joined."
+        )
 
     def beam_search(
         self,
@@ -352,21 +375,3 @@ def _with_task(pooling_params: PoolingParams | None, task: str) -> PoolingParams
             f"pooling_params.task is {pooling_params.task!r}; this call runs {task!r}."
         )
     return dataclasses.replace(pooling_params or PoolingParams(), task=task)
-
-
-def _joined_prompt(first: PromptType, second: PromptType) -> PromptType:
-    """A cross-encoder's prompt of a pair: two texts or two token prompts end to end (as vLLM
-    joins them for a decoder-based reranker, with no separator)."""
-    if isinstance(first, str) and isinstance(second, str):
-        return first + second
-    if (
-        isinstance(first, dict)
-        and isinstance(second, dict)
-        and {"prompt_token_ids"} == set(first) == set(second)
-    ):
-        ids = [*first["prompt_token_ids"], *second["prompt_token_ids"]]  # type: ignore[typeddict-item]
-        return TokensPrompt(prompt_token_ids=ids)
-    raise TypeError(
-        "A cross-encoder scores pairs of texts or of token prompts ({'prompt_token_ids': ...}); "
-        "media and prompt embeddings are not joined."
-    )

@@ -27,8 +27,9 @@ from omniserve.entrypoints.openai.serving_engine import (
     ServingError,
     to_serving_error,
 )
+from omniserve.entrypoints.score_utils import score_pair_text, score_pairs
 from omniserve.lora.request import LoRARequest
-from omniserve.outputs import EmbeddingRequestOutput, ScoringRequestOutput, score_pairs
+from omniserve.outputs import EmbeddingRequestOutput, ScoringRequestOutput
 from omniserve.sampling_params import PoolingParams
 
 
@@ -140,7 +141,8 @@ class OpenAIServingScores(OpenAIServingEmbedding):
         lora: LoRARequest | None,
     ) -> tuple[list[float], UsageInfo]:
         """``_score`` by a one-label sequence classifier: each pair's texts joined end to end
-        (vLLM's form for a decoder-based reranker), classified."""
+        (vLLM's form for a decoder-based reranker), or rendered by ``--chat-template`` as vLLM's
+        score template (a "query" and a "document" message), classified."""
         labels = self.engine.model_config.num_labels
         if labels != 1:
             raise ServingError(
@@ -158,10 +160,12 @@ class OpenAIServingScores(OpenAIServingEmbedding):
                     )
                 texts.append(item)
         offset = len(_listed(inputs[0][1]))
+        template = self.renderer.chat_template
         prompts = []
         for i, j in pairs:
             where = _where(inputs[1][0], inputs[1][1], j)
-            prompt = await self._prompt(texts[i] + texts[offset + j], where, request)
+            text = score_pair_text(self.tokenizer, texts[i], texts[offset + j], template)
+            prompt = await self._prompt(text, where, request)
             prompts.append(self.apply_prompt_options(prompt, request))
         outputs = await self.embed(
             prompts, PoolingParams(task="classify"), request_id, request.priority, lora
