@@ -89,6 +89,37 @@ def test_classify_matches_transformers(classifiers) -> None:
     llm.llm_engine.shutdown()
 
 
+def test_async_encode_classifies_on_a_classifier(classifiers) -> None:
+    """vLLM's ``AsyncLLM.encode`` on a classifier: its label probabilities (the model's default
+    task), or the pooled state when asked to embed."""
+    import asyncio
+
+    from omniserve.engine.async_llm import AsyncLLM
+    from omniserve.outputs import ClassificationRequestOutput, EmbeddingRequestOutput
+
+    model_dir = classifiers["Qwen2"]
+    ids = make_prompts(model_dir, [21])[0]
+
+    async def run() -> list:
+        args = EngineArgs(model_dir, dtype="float32", max_model_len=64, kv_cache_memory="16MiB")
+        engine = AsyncLLM.from_engine_args(args)
+        try:
+            prompt = {"prompt_token_ids": ids}
+            classified = [o async for o in engine.encode(prompt, None, "classify")]
+            embedded = [o async for o in engine.encode(prompt, PoolingParams(task="embed"), "e")]
+        finally:
+            engine.shutdown()
+        return classified + embedded
+
+    classified, embedded = asyncio.run(run())
+    logits, _ = _hf(model_dir, ids)
+    assert isinstance(classified, ClassificationRequestOutput)
+    torch.testing.assert_close(torch.tensor(classified.outputs.probs), logits.softmax(0),
+                               atol=ATOL, rtol=0)  # fmt: skip
+    assert isinstance(embedded, EmbeddingRequestOutput)
+    assert embedded.outputs.hidden_size == 64
+
+
 def test_cross_encoder_score_matches_transformers(classifiers, tiny_checkpoint) -> None:
     """A one-label classifier scores each pair's prompts joined end to end: the sigmoid of its
     score; a causal LM refuses classification."""
@@ -182,13 +213,14 @@ def test_hf_overrides(classifiers, tiny_checkpoint) -> None:
 
 
 def test_classification_api(classifiers, tmp_path) -> None:
-    """``/classify``, and a cross-encoder's ``/score`` and ``/rerank`` (their pairs rendered by
-    the ``--chat-template`` given, vLLM's score template), equal to the offline answers; text
-    only; generation refused."""
+    """``/classify`` (``input``, or vLLM's chat form), and a cross-encoder's ``/score`` and
+    ``/rerank`` (their pairs rendered by the ``--chat-template`` given, vLLM's score template),
+    equal to the offline answers; text only; generation refused."""
     model_dir = classifiers["Qwen3"]
     offline = LLM(model_dir, dtype="float32", max_model_len=64)
     texts = ["Is it red?", "A red square.", "A beep."]
     classified = [o.outputs.probs for o in offline.classify(texts, use_tqdm=False)]
+    as_chat = offline.classify("<user>Is it red?</user>", use_tqdm=False)[0].outputs.probs
     scored = [o.outputs.score for o in offline.score(texts[0], texts[1:], use_tqdm=False,
                                                      chat_template=TEMPLATE)]  # fmt: skip
     offline.llm_engine.shutdown()
@@ -202,6 +234,9 @@ def test_classification_api(classifiers, tmp_path) -> None:
         assert all(d["label"] == "relevant" and d["num_classes"] == 1 for d in body["data"])
         np.testing.assert_allclose([d["probs"] for d in body["data"]], classified, atol=ATOL)
         assert body["usage"]["prompt_tokens"] > 0
+        messages = [{"role": "user", "content": texts[0]}]  # rendered by --chat-template
+        chat = server.post("/classify", {"model": MODEL, "messages": messages}).json()
+        assert chat["data"][0]["probs"] == pytest.approx(as_chat, abs=ATOL)
         raw = server.post("/classify", {"model": MODEL, "input": texts[0],
                                         "use_activation": False}).json()  # fmt: skip
         assert raw["data"][0]["probs"][0] == pytest.approx(
@@ -218,6 +253,7 @@ def test_classification_api(classifiers, tmp_path) -> None:
         for path, body, field, words in (
             ("/rerank", {"query": "a", "documents": ["b", image]}, "documents[1]", "text"),
             ("/classify", {"input": []}, "input", "must not be an empty list"),
+            ("/classify", {"messages": []}, "messages", "at least 1 item"),
             ("/classify", {"input": [[1, 10**9]]}, "input", "outside the vocabulary"),
         ):
             error = assert_error(server.post(path, {"model": MODEL, **body}), 400)

@@ -22,7 +22,11 @@ from omniserve.engine.output_processor import OutputProcessor
 from omniserve.engine.processor import start_with_engine
 from omniserve.inputs.data import PromptType
 from omniserve.lora.request import AddedAdapters, LoRARequest
-from omniserve.outputs import EmbeddingRequestOutput, RequestOutput
+from omniserve.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 from omniserve.sampling_params import PoolingParams, SamplingParams, embedding_params
 
 logger = logging.getLogger(__name__)
@@ -203,13 +207,18 @@ class AsyncLLM:
         request_id: str,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
-    ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
-        """vLLM's ``AsyncLLM.encode``: the prompt's embedding (``LLM.embed``'s), one output when
-        it is done; ``pooling_params`` None: the ``--pooler-config`` defaults."""
+    ) -> AsyncGenerator[EmbeddingRequestOutput | ClassificationRequestOutput, None]:
+        """vLLM's ``AsyncLLM.encode``: the prompt's embedding (``LLM.embed``'s), or a sequence
+        classifier's label probabilities (``LLM.classify``'s; ``task`` "classify", a
+        classifier's default), one output when it is done; ``pooling_params`` None: the
+        model's defaults."""
+        task = pooling_params.task if pooling_params is not None else None
+        classifies = task == "classify" or task is None and self.model_config.num_labels
+        result = ClassificationRequestOutput if classifies else EmbeddingRequestOutput
         params = embedding_params(pooling_params)
         async for output in self.generate(prompt, params, request_id, priority, lora_request):
             if output.finished:
-                yield EmbeddingRequestOutput.from_output(output)
+                yield result.from_output(output)
 
     def _abort_added(self, request_id: str, adding: asyncio.Task) -> None:
         if not adding.cancelled() and adding.exception() is None:

@@ -4,6 +4,7 @@ vLLM's chat form (``messages``, whose media and text are embedded together)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -55,9 +56,9 @@ class EmbeddingCompletionRequest(_EmbeddingFields):
         return self
 
 
-class EmbeddingChatRequest(_EmbeddingFields):
+class ChatPromptFields(PromptOptions):
     """A conversation rendered by the chat template (without a generation prompt, by default)
-    and embedded whole, media included."""
+    and run whole, media included: the chat form of the pooling routes (vLLM's)."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
     add_generation_prompt: StrictBool = False
@@ -65,24 +66,33 @@ class EmbeddingChatRequest(_EmbeddingFields):
     add_special_tokens: StrictBool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
     def template_kwargs(self) -> dict[str, Any] | None:
         return self.chat_template_kwargs
 
 
-def _form(body: Any) -> str:
-    """Which of the two forms a body is: a body with ``messages`` is the chat form, so its errors
-    name its own fields and not the other form's (the tags are no identifiers, so an error's
-    ``param`` skips them)."""
-    has_messages = "messages" in body if isinstance(body, dict) else hasattr(body, "messages")
-    return "embedding-chat" if has_messages else "embedding-input"
+class EmbeddingChatRequest(ChatPromptFields, _EmbeddingFields):
+    """The conversation's embedding."""
+
+
+def form_of(route: str) -> Callable[[Any], str]:
+    """The discriminator of a route's two forms: a body with ``messages`` is the chat form, so
+    its errors name its own fields and not the other form's (the tags are no identifiers, so an
+    error's ``param`` skips them)."""
+
+    def form(body: Any) -> str:
+        has_messages = "messages" in body if isinstance(body, dict) else hasattr(body, "messages")
+        return f"{route}-chat" if has_messages else f"{route}-input"
+
+    return form
 
 
 EmbeddingRequest = Annotated[
     Annotated[EmbeddingChatRequest, Tag("embedding-chat")]
     | Annotated[EmbeddingCompletionRequest, Tag("embedding-input")],
-    Discriminator(_form),
+    Discriminator(form_of("embedding")),
 ]
 
 

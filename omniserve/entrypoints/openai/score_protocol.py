@@ -8,20 +8,23 @@ probabilities."""
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AliasChoices,
+    Discriminator,
     Field,
     PrivateAttr,
     StrictBool,
     StrictInt,
     StrictStr,
+    Tag,
     ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
 
+from omniserve.entrypoints.openai.embedding_protocol import ChatPromptFields, form_of
 from omniserve.entrypoints.openai.protocol import OpenAIBaseModel, PromptOptions, UsageInfo
 
 FIRST_NAMES = ("queries", "data_1", "text_1")
@@ -121,13 +124,17 @@ class RerankResponse(OpenAIBaseModel):
     results: list[RerankResult]
 
 
-class ClassificationRequest(PromptOptions):
+class _ClassificationFields(PromptOptions):
     model: str | None = None
+    user: str | None = None
+    use_activation: StrictBool | None = None
+    """Probabilities (softmax; sigmoid for one label) unless false: the raw scores."""
+
+
+class ClassificationCompletionRequest(_ClassificationFields):
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     """A text, texts, token ids or lists of them (as ``/v1/embeddings``' input)."""
     add_special_tokens: StrictBool = True
-    use_activation: StrictBool | None = None
-    """Probabilities (softmax; sigmoid for one label) unless false: the raw scores."""
 
     @field_validator("input")
     @classmethod
@@ -135,6 +142,17 @@ class ClassificationRequest(PromptOptions):
         if isinstance(value, list) and not value:
             raise ValueError("must not be an empty list (nothing to classify)")
         return value
+
+
+class ClassificationChatRequest(ChatPromptFields, _ClassificationFields):
+    """The conversation's classification."""
+
+
+ClassificationRequest = Annotated[
+    Annotated[ClassificationChatRequest, Tag("classify-chat")]
+    | Annotated[ClassificationCompletionRequest, Tag("classify-input")],
+    Discriminator(form_of("classify")),
+]
 
 
 class ClassificationData(OpenAIBaseModel):

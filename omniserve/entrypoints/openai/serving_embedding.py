@@ -18,7 +18,7 @@ from omniserve.entrypoints.openai.embedding_protocol import (
 )
 from omniserve.entrypoints.openai.engine_prompt import EnginePrompt
 from omniserve.entrypoints.openai.protocol import UsageInfo
-from omniserve.entrypoints.openai.score_protocol import ClassificationRequest
+from omniserve.entrypoints.openai.score_protocol import ClassificationCompletionRequest
 from omniserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     ServingError,
@@ -64,7 +64,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         )
 
     async def input_prompts(
-        self, request: EmbeddingCompletionRequest | ClassificationRequest
+        self, request: EmbeddingCompletionRequest | ClassificationCompletionRequest
     ) -> list[EnginePrompt]:
         """OpenAI's ``input`` forms (text or token ids, one or many), tokenized, checked and
         truncated as the request asks."""

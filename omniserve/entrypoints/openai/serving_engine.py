@@ -28,6 +28,7 @@ from omniserve.entrypoints.logger import RequestLogger
 from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from omniserve.entrypoints.openai.completion_protocol import CompletionRequest
 from omniserve.entrypoints.openai.embedding_protocol import (
+    ChatPromptFields,
     EmbeddingChatRequest,
     EmbeddingCompletionRequest,
 )
@@ -45,7 +46,8 @@ from omniserve.entrypoints.openai.protocol import (
 )
 from omniserve.entrypoints.openai.responses_protocol import ResponsesRequest
 from omniserve.entrypoints.openai.score_protocol import (
-    ClassificationRequest,
+    ClassificationChatRequest,
+    ClassificationCompletionRequest,
     RerankRequest,
     ScoreRequest,
 )
@@ -109,7 +111,7 @@ def _request_fields() -> frozenset[str]:
               TokenizeCompletionRequest, DetokenizeRequest, CreateSpeechRequest,
               ResponsesRequest, TranscriptionRequest, EmbeddingChatRequest,
               EmbeddingCompletionRequest, ScoreRequest, RerankRequest,
-              ClassificationRequest)  # fmt: skip
+              ClassificationChatRequest, ClassificationCompletionRequest)  # fmt: skip
     return frozenset(name for model in models for name in accepted_names(model))
 
 
@@ -265,7 +267,7 @@ class OpenAIServing:
 
     async def render_chat(
         self,
-        request: ChatCompletionRequest | TokenizeChatRequest | EmbeddingChatRequest,
+        request: ChatCompletionRequest | TokenizeChatRequest | ChatPromptFields,
         tools: list[dict[str, Any]] | None = None,
     ) -> EnginePrompt:
         """A chat request's messages -> the templated prompt and its media, fetched

@@ -8,6 +8,7 @@ from __future__ import annotations
 from omniserve.entrypoints.openai.engine_prompt import EnginePrompt
 from omniserve.entrypoints.openai.protocol import UsageInfo
 from omniserve.entrypoints.openai.score_protocol import (
+    ClassificationChatRequest,
     ClassificationData,
     ClassificationRequest,
     ClassificationResponse,
@@ -38,7 +39,10 @@ class OpenAIServingScores(OpenAIServingEmbedding):
         """Raises ``ServingError`` for anything wrong with the request."""
         lora = self.check_model(request.model)
         self.check_engine()
-        prompts = await self.input_prompts(request)
+        if isinstance(request, ClassificationChatRequest):
+            prompts = [self.apply_prompt_options(await self.render_chat(request), request)]
+        else:
+            prompts = await self.input_prompts(request)
         request_id = self.new_request_id("classify", request.request_id)
         pooling = PoolingParams(task="classify", use_activation=request.use_activation)
         outputs = await self.embed(prompts, pooling, request_id, request.priority, lora)
