@@ -55,7 +55,9 @@ class SequenceClassifier(DecoderForCausalLM):
         def keep_rows(named: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, Any]]:
             for name, tensor in named:
                 if name == head:
-                    rows.extend(tensor.narrow(0, i, 1)[0] for i in token_ids)
+                    # In the head's dtype before any difference (fp32 from bf16 is exact).
+                    dtype = self.score.weight.dtype
+                    rows.extend(tensor.narrow(0, i, 1)[0].to(dtype) for i in token_ids)
                 yield name, tensor
 
         loaded = super().load_weights(keep_rows(weights))

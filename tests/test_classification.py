@@ -193,6 +193,24 @@ def test_causal_lm_as_reranker(tiny_checkpoint, arch) -> None:
             config.model_config.hf_config  # noqa: B018
 
 
+def test_reranker_of_a_bf16_checkpoint_in_fp32(bf16_checkpoint) -> None:
+    """The head's row difference is taken in the compute dtype: a bf16 checkpoint run in fp32
+    gives the fp32 causal LM's softmax (a difference rounded to bf16 was 1e-3 off at real
+    size)."""
+    model_dir = bf16_checkpoint("Qwen3ForCausalLM")
+    words = transformers.AutoTokenizer.from_pretrained(model_dir).convert_ids_to_tokens([854, 1000])
+    llm = LLM(model_dir, dtype="float32", max_model_len=64, hf_overrides={
+        "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": words,
+        "is_original_qwen3_reranker": True,
+    })  # fmt: skip
+    ids = make_prompts(model_dir, [30])[0]
+    got = llm.classify({"prompt_token_ids": ids}, use_tqdm=False)[0].outputs.probs[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = hf(input_ids=torch.tensor([ids])).logits[0, -1]
+    assert got == pytest.approx(logits[[854, 1000]].softmax(0)[1].item(), abs=ATOL)
+
+
 def test_hf_overrides(classifiers, tiny_checkpoint) -> None:
     """config.json keys over the checkpoint's, a nested config merged key by key: the labels'
     names, the context length, a vision tower's setting."""
