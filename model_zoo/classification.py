@@ -13,7 +13,7 @@ tokens' ids and the number of labels)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,8 +28,6 @@ from omniserve.layers.weight_utils import LoadedWeight, WeightRoute
 
 class SequenceClassifier(DecoderForCausalLM):
     """The family's decoder and a ``score`` head; its "logits" are the labels' scores."""
-
-    is_classifier: ClassVar[bool] = True
 
     def __init__(self, config: PretrainedConfig) -> None:
         nn.Module.__init__(self)

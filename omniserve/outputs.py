@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import ClassVar, Generic, Self, TypeVar
 
 import numpy as np
+
+PooledT = TypeVar("PooledT")
 
 
 @dataclass
@@ -98,15 +100,17 @@ class ClassificationOutput:
 
 
 @dataclass
-class PoolingRequestOutput:
-    """What ``LLM.embed`` and ``LLM.classify`` return per prompt, shaped like vLLM's."""
+class PoolingRequestOutput(Generic[PooledT]):
+    """What ``LLM.embed`` and ``LLM.classify`` return per prompt, shaped like vLLM's; a subclass
+    names the type of its ``outputs`` (``result_type``), made of the pooled values."""
 
     request_id: str
-    outputs: Any
+    outputs: PooledT
     prompt_token_ids: list[int] | None
     finished: bool = True
     num_cached_tokens: int = 0
     num_prompt_embeds: int = 0
+    result_type: ClassVar[type]
 
     @classmethod
     def from_output(cls, output: RequestOutput) -> Self:
@@ -116,35 +120,20 @@ class PoolingRequestOutput:
             raise RuntimeError(f"Request {output.request_id} ended without its result ({reason}).")
         return cls(
             output.request_id,
-            cls.wrap(output.pooled.tolist()),
+            cls.result_type(output.pooled.tolist()),
             output.prompt_token_ids,
             output.finished,
             output.num_cached_tokens,
             output.num_prompt_embeds,
         )
 
-    @staticmethod
-    def wrap(values: list[float]) -> Any:
-        """The ``outputs`` of the pooled values."""
-        raise NotImplementedError
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    result_type = EmbeddingOutput
 
 
-@dataclass
-class EmbeddingRequestOutput(PoolingRequestOutput):
-    outputs: EmbeddingOutput
-
-    @staticmethod
-    def wrap(values: list[float]) -> EmbeddingOutput:
-        return EmbeddingOutput(values)
-
-
-@dataclass
-class ClassificationRequestOutput(PoolingRequestOutput):
-    outputs: ClassificationOutput
-
-    @staticmethod
-    def wrap(values: list[float]) -> ClassificationOutput:
-        return ClassificationOutput(values)
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    result_type = ClassificationOutput
 
 
 @dataclass

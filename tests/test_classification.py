@@ -78,7 +78,7 @@ def test_classify_matches_transformers(classifiers) -> None:
                                    mean_logits.softmax(0), atol=ATOL, rtol=0)  # fmt: skip
     with pytest.raises(ValueError, match=r"answers classification and scoring \(LLM.classify"):
         llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
-    with pytest.raises(ValueError, match="score: this classifier has 3 labels"):
+    with pytest.raises(ValueError, match="This model classifies into 3 labels; scoring needs"):
         llm.score("a", "b", use_tqdm=False)
     with pytest.raises(ValueError, match="dimensions: a classification has one score per"):
         llm.classify("Hello", PoolingParams(dimensions=2), use_tqdm=False)

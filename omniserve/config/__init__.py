@@ -155,6 +155,24 @@ class ModelConfig:
         """A sequence classifier's number of labels (None: the model is no classifier)."""
         return self.hf_config.num_labels if is_classifier(self.architecture) else None
 
+    @property
+    def pooling_task(self) -> str:
+        """A pooling request's task when it names none: "classify" on a sequence classifier,
+        else "embed"."""
+        return "classify" if is_classifier(self.architecture) else "embed"
+
+    def cross_encodes(self) -> bool:
+        """Whether scoring runs the model as a cross-encoder (a one-label classifier) rather than
+        comparing embeddings; ``ValueError`` for a classifier of more labels, which scores
+        neither way."""
+        labels = self.num_labels
+        if labels is not None and labels != 1:
+            raise ValueError(
+                f"This model classifies into {labels} labels; scoring needs an embedding model "
+                "or a one-label classifier (a cross-encoder)."
+            )
+        return labels is not None
+
     def __post_init__(self) -> None:
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         if dtype not in _DTYPES:

@@ -212,9 +212,8 @@ class AsyncLLM:
         classifier's label probabilities (``LLM.classify``'s; ``task`` "classify", a
         classifier's default), one output when it is done; ``pooling_params`` None: the
         model's defaults."""
-        task = pooling_params.task if pooling_params is not None else None
-        classifies = task == "classify" or task is None and self.model_config.num_labels
-        result = ClassificationRequestOutput if classifies else EmbeddingRequestOutput
+        task = (pooling_params and pooling_params.task) or self.model_config.pooling_task
+        result = ClassificationRequestOutput if task == "classify" else EmbeddingRequestOutput
         params = embedding_params(pooling_params)
         async for output in self.generate(prompt, params, request_id, priority, lora_request):
             if output.finished:

@@ -295,9 +295,8 @@ class Processor:
             raise ValueError(
                 f"pooling_type: {pooling.pooling_type!r} is not one of {', '.join(POOLING_TYPES)}."
             )
-        labels = self.model_config.num_labels
-        task = pooling.task or ("classify" if labels else "embed")
-        if task == "classify" and not labels:
+        task = pooling.task or self.model_config.pooling_task
+        if task == "classify" and not self.model_config.num_labels:
             raise ValueError(
                 f"{self.model_config.architecture} is no sequence classifier "
                 "(*ForSequenceClassification): it answers embeddings, not classification."

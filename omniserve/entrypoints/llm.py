@@ -182,12 +182,7 @@ class LLM:
         score."""
         firsts, seconds = _prompt_list(data_1, "data_1"), _prompt_list(data_2, "data_2")
         pairs = score_pairs(len(firsts), len(seconds))
-        labels = self.llm_engine.config.model_config.num_labels
-        if labels is not None:
-            if labels != 1:
-                raise ValueError(
-                    f"score: this classifier has {labels} labels; a cross-encoder has one."
-                )
+        if self.llm_engine.config.model_config.cross_encodes():
             joined = [self._pair_prompt(firsts[i], seconds[j], chat_template) for i, j in pairs]
             classified = self.classify(joined, pooling_params, use_tqdm, lora_request)
             return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]),

@@ -42,7 +42,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         else:
             prompts = await self.input_prompts(request)
         request_id = self.new_request_id("embd", request.request_id)
-        outputs = await self.embed(
+        outputs = await self.pool(
             prompts, PoolingParams(request.normalize, request.dimensions, task="embed"), request_id,
             request.priority, lora,
         )  # fmt: skip
@@ -72,7 +72,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                  for p in split_prompts(request.input)]  # fmt: skip
         return [self.apply_prompt_options(p, request) for p in given]
 
-    async def embed(
+    async def pool(
         self,
         prompts: list[EnginePrompt],
         pooling: PoolingParams,
@@ -80,7 +80,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         priority: int,
         lora: LoRARequest | None,
     ) -> list[RequestOutput]:
-        """Each prompt's finished embedding request (its ``pooled`` vector set)."""
+        """Each prompt's finished pooling request (embedding or classification, as ``pooling``
+        says; its ``pooled`` values set)."""
         params = embedding_params(pooling)
         generators = await self.start_generation(prompts, params, request_id, priority, lora)
         outputs = await asyncio.gather(*(final_output(g) for g in generators))

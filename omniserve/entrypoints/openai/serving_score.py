@@ -45,7 +45,7 @@ class OpenAIServingScores(OpenAIServingEmbedding):
             prompts = await self.input_prompts(request)
         request_id = self.new_request_id("classify", request.request_id)
         pooling = PoolingParams(task="classify", use_activation=request.use_activation)
-        outputs = await self.embed(prompts, pooling, request_id, request.priority, lora)
+        outputs = await self.pool(prompts, pooling, request_id, request.priority, lora)
         names = self.engine.model_config.hf_config.id2label
         data = []
         for index, output in enumerate(outputs):
@@ -117,15 +117,18 @@ class OpenAIServingScores(OpenAIServingEmbedding):
         lora = self.check_model(request.model)
         self.check_engine()
         self.engine.processor.check_mm_kwargs(request.mm_processor_kwargs or {})
-        labels = self.engine.model_config.num_labels
-        if labels is not None:
+        try:
+            cross_encodes = self.engine.model_config.cross_encodes()
+        except ValueError as exc:
+            raise to_serving_error(exc) from exc
+        if cross_encodes:
             return await self._cross_encode(request, request_id, inputs, pairs, lora)
         prompts = []
         for name, given in inputs:
             for i, item in enumerate(_listed(given)):
                 prompt = await self._prompt(item, _where(name, given, i), request)
                 prompts.append(self.apply_prompt_options(prompt, request))
-        outputs = await self.embed(
+        outputs = await self.pool(
             prompts, PoolingParams(task="embed"), request_id, request.priority, lora
         )
         embedded = [EmbeddingRequestOutput.from_output(output) for output in outputs]
@@ -147,12 +150,6 @@ class OpenAIServingScores(OpenAIServingEmbedding):
         """``_score`` by a one-label sequence classifier: each pair's texts joined end to end
         (vLLM's form for a decoder-based reranker), or rendered by ``--chat-template`` as vLLM's
         score template (a "query" and a "document" message), classified."""
-        labels = self.engine.model_config.num_labels
-        if labels != 1:
-            raise ServingError(
-                f"This model classifies into {labels} labels; scoring needs an embedding model "
-                "or a one-label classifier (a cross-encoder)."
-            )
         texts = []
         for name, given in inputs:
             for i, item in enumerate(_listed(given)):
@@ -171,7 +168,7 @@ class OpenAIServingScores(OpenAIServingEmbedding):
             text = score_pair_text(self.tokenizer, texts[i], texts[offset + j], template)
             prompt = await self._prompt(text, where, request)
             prompts.append(self.apply_prompt_options(prompt, request))
-        outputs = await self.embed(
+        outputs = await self.pool(
             prompts, PoolingParams(task="classify"), request_id, request.priority, lora
         )
         scores = [float(output.pooled[0]) for output in outputs]  # type: ignore[index]
