@@ -23,6 +23,10 @@ _MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
         "model_zoo.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
         _VISION,
     ),
+    "Qwen3VLForConditionalGeneration": (
+        "model_zoo.qwen3_vl:Qwen3VLForConditionalGeneration",
+        _VISION,
+    ),
     "Qwen2AudioForConditionalGeneration": (
         "model_zoo.qwen2_audio:Qwen2AudioForConditionalGeneration",
         ("audio",),

@@ -94,11 +94,13 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
         if grid_thw.shape[0] != len(items):
             raise ValueError(f"Each {modality} item must carry exactly one {grid_key} row.")
         pixel_values = torch.cat([item[pixels_key] for item in items])  # [num_patches, patch_dim]
-        pixel_values = pixel_values.to(self.visual.dtype)
-        # [num_embeds, hidden]
-        embeds = run_vision_tower(self.visual, pixel_values, grid_thw).pooler_output
+        embeds = self.vision_outputs(pixel_values.to(self.visual.dtype), grid_thw)
         sizes = (grid_thw.prod(-1) // self.merge_size**2).tolist()
         return list(embeds.split(sizes))
+
+    def vision_outputs(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        """``[num_merged_patches, width]`` rows the decoder takes for the patches of ``grid``."""
+        return run_vision_tower(self.visual, pixel_values, grid).pooler_output
 
     def time_interval(self, feature: MultiModalFeatureSpec) -> Any:
         """Temporal position step between consecutive frame groups of an item."""

@@ -1,15 +1,8 @@
 """Qwen3-Omni-MoE thinker: transformers' encoders, our Qwen3-MoE decoder with interleaved M-RoPE
 and DeepStack.
 
-DeepStack: the vision tower also returns one merged feature map per ``deepstack_visual_indexes``
-layer, and transformers adds level i to the hidden states after decoder layer i at the visual
-token positions. Here an image or video item's embeddings are ``[num_embeds, hidden * (1 +
-levels)]``, the main embedding followed by its DeepStack levels, so both travel as one tensor
-through the encoder cache and the runner's gather, and a chunked prefill gets exactly the rows of
-its own tokens. Audio rows carry zeros there (adding zero is exact). ``get_input_embeddings``
-splits the rows, merges the main part and keeps the DeepStack part, with the row indices, for the
-``forward`` that follows. This is a one-step handoff: the runner always calls
-``get_input_embeddings`` right before ``forward``, which consumes it and checks the token count.
+DeepStack is Qwen3-VL's (``model_zoo.qwen3_vl.DeepStackDecoder``); audio rows carry zeros in
+the DeepStack part.
 
 Audio: the tower cuts each clip into ``2 * n_window``-frame chunks padded to the widest chunk of
 the call, and its convolutions see that padding (transformers does not mask it). So a clip is
@@ -26,7 +19,6 @@ whenever they are all integral (every fps the processor defaults to) and float32
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -41,7 +33,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     get_valid_indices,
 )
 
-from model_zoo.multimodal import mm_rows, on_device, run_vision_tower
+from model_zoo.multimodal import on_device
 from model_zoo.qwen2_5_omni_thinker import (
     OmniThinkerBase,
     PositionPieces,
@@ -62,9 +54,10 @@ from model_zoo.qwen3_omni_moe_speech import (
     Qwen3OmniMoeSpeechConfig,
     Qwen3OmniMoeTalker,
 )
+from model_zoo.qwen3_vl import DeepStackDecoder
 from omniserve.attention.encoder import segment_bounds
 from omniserve.layers.fused_moe import FusedMoE
-from omniserve.layers.rotary_embedding import MRotaryEmbedding
+from omniserve.layers.rotary_embedding import InterleavedMRotaryEmbedding
 from omniserve.layers.weight_utils import WeightRoute
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
@@ -83,39 +76,9 @@ _PLACEHOLDERS = {
 }
 
 
-class InterleavedMRotaryEmbedding(MRotaryEmbedding):
-    """Qwen3-Omni's M-RoPE layout: frequency i rotates by the height position when
-    ``i % 3 == 1 and i < 3 * section[1]``, by the width position when ``i % 3 == 2 and
-    i < 3 * section[2]``, and by the temporal position otherwise."""
-
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions.ndim == 1:
-            return super().forward(positions, dtype)
-        freqs = positions[..., None].float() * self.inv_freq  # [3, num_tokens, rotary_dim // 2]
-        mixed = freqs[0].clone()  # [num_tokens, rotary_dim // 2]
-        for axis in (1, 2):
-            picked = slice(axis, 3 * self.mrope_section[axis], 3)
-            mixed[:, picked] = freqs[axis, :, picked]
-        emb = torch.cat((mixed, mixed), dim=-1)  # [num_tokens, rotary_dim]
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
-
-
 def qwen3_omni_rope(text_config: PretrainedConfig) -> InterleavedMRotaryEmbedding:
     """The thinker's and the talker's M-RoPE (transformers' default section 24/20/20)."""
     return thinker_rope(text_config, [24, 20, 20], InterleavedMRotaryEmbedding)
-
-
-@dataclass
-class DeepstackInput:
-    """DeepStack rows of one step, handed from ``get_input_embeddings`` to ``forward``."""
-
-    rows: torch.Tensor  # [num_mm_tokens] flattened-token index of each multimodal row
-    embeds: torch.Tensor  # [num_mm_tokens, num_levels, hidden_size]
-    num_tokens: int
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -123,18 +86,15 @@ class DeepstackInput:
     info=Qwen3OmniMoeThinkerProcessingInfo,
     dummy_inputs=Qwen3OmniMoeThinkerDummyInputsBuilder,
 )
-class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
+class Qwen3OmniMoeThinkerForConditionalGeneration(DeepStackDecoder, OmniThinkerBase):
     text_family = Qwen3MoeForCausalLM
     placeholders = _PLACEHOLDERS
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
-        text_config = config.text_config
         self.visual = Qwen3OmniMoeVisionEncoder(config.vision_config)
         self.audio_tower = Qwen3OmniMoeAudioEncoder(config.audio_config)
-        self.hidden_size: int = text_config.hidden_size
-        self.num_deepstack = len(config.vision_config.deepstack_visual_indexes)
-        self._deepstack: DeepstackInput | None = None
+        self.init_deepstack(config)
         self.tap_layer: int | None = None
         """Keep ``hidden_states[tap_layer]`` of each forward (transformers' numbering: 0 the
         embeddings, i the output of layer i) in ``tapped``: the talker reads it."""
@@ -145,11 +105,6 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
         return qwen3_omni_rope(text_config)
 
     # ---- encoders --------------------------------------------------------------------------------
-    def vision_outputs(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        out = run_vision_tower(self.visual, pixel_values, grid)
-        # [num_merged_patches, hidden * (1 + num_deepstack)]: main embedding, then each level
-        return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
-
     def audio_output_lengths(self, num_frames: torch.Tensor) -> torch.Tensor:
         return get_feat_extract_output_lengths(num_frames, self.config.audio_config.n_window)
 
@@ -189,30 +144,6 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
         return out
 
     # ---- decoder with DeepStack ------------------------------------------------------------------
-    def get_input_embeddings(
-        self,
-        input_ids: torch.Tensor,
-        mm_embeds: torch.Tensor | None = None,
-        is_mm: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Merged token embeddings; the DeepStack part of ``mm_embeds`` is kept for ``forward``."""
-        self._deepstack = None
-        if mm_embeds is None:
-            return super().get_input_embeddings(input_ids)
-        width = self.hidden_size * (1 + self.num_deepstack)
-        if mm_embeds.shape[-1] != width:
-            raise ValueError(f"Multimodal rows are {mm_embeds.shape[-1]} wide, expected {width}.")
-        main, levels = mm_embeds.split([self.hidden_size, width - self.hidden_size], dim=-1)
-        embeds = super().get_input_embeddings(input_ids, main, is_mm)
-        if self.num_deepstack:
-            assert is_mm is not None  # checked by the merge above
-            self._deepstack = DeepstackInput(
-                rows=mm_rows(is_mm, mm_embeds),
-                embeds=levels.reshape(-1, self.num_deepstack, self.hidden_size).to(embeds.dtype),
-                num_tokens=input_ids.shape[0],
-            )
-        return embeds
-
     def forward(
         self,
         input_ids: torch.Tensor | None,
@@ -220,13 +151,8 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decoder, adding DeepStack level i after layer i at this step's multimodal rows."""
-        deepstack, self._deepstack = self._deepstack, None
         inputs_embeds = self.model.embed(input_ids, inputs_embeds)
-        if deepstack is not None and deepstack.num_tokens != inputs_embeds.shape[0]:
-            raise RuntimeError(
-                f"DeepStack rows were prepared for {deepstack.num_tokens} tokens, but forward got "
-                f"{inputs_embeds.shape[0]}: call get_input_embeddings right before forward."
-            )
+        deepstack = self.take_deepstack(inputs_embeds)
         num_layers = len(self.model.layers)
         if self.tap_layer == 0:
             self.tapped = inputs_embeds
@@ -234,9 +160,7 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinkerBase):
         def after_layer(i: int, hidden_states: torch.Tensor) -> torch.Tensor:
             if self.tap_layer == i + 1 < num_layers:
                 self.tapped = hidden_states  # transformers taps a layer before DeepStack
-            if deepstack is not None and i < self.num_deepstack:
-                hidden_states = hidden_states.index_add(0, deepstack.rows, deepstack.embeds[:, i])
-            return hidden_states
+            return self.add_deepstack(deepstack, i, hidden_states)
 
         hidden_states = self.model(None, positions, inputs_embeds, after_layer)
         if self.tap_layer == num_layers:

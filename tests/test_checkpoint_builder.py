@@ -37,7 +37,8 @@ FAMILY_WEIGHTS = {
         "lm_head.weight",
     ],
 }  # fmt: skip
-# Real Qwen2-VL / Qwen2.5-VL / Qwen2-Audio checkpoint names (transformers 5 saves the hub layout).
+# Real Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen2-Audio checkpoint names (transformers 5 saves
+# the hub layout).
 MULTIMODAL_WEIGHTS = {
     "Qwen2VLForConditionalGeneration": [
         "model.embed_tokens.weight", "lm_head.weight", "visual.patch_embed.proj.weight",
@@ -46,6 +47,12 @@ MULTIMODAL_WEIGHTS = {
     "Qwen2_5_VLForConditionalGeneration": [
         "model.embed_tokens.weight", "lm_head.weight", "visual.blocks.1.mlp.gate_proj.weight",
         "visual.blocks.0.norm1.weight", "visual.merger.ln_q.weight",
+    ],
+    # Qwen3-VL's hub layout is transformers' module layout (tied: no lm_head).
+    "Qwen3VLForConditionalGeneration": [
+        "model.language_model.embed_tokens.weight", "model.visual.patch_embed.proj.weight",
+        "model.visual.pos_embed.weight", "model.visual.deepstack_merger_list.2.linear_fc2.weight",
+        "model.language_model.layers.1.self_attn.k_norm.weight",
     ],
     "Qwen2AudioForConditionalGeneration": [
         "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",

@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from omniserve import LLM, SamplingParams
+from omniserve.plugin_tools.reference import hf_processor_text
 from tests.hf_reference import ReferenceOutput, assert_matches_reference
 
 MAX_TOKENS = 12
@@ -83,6 +84,7 @@ AUDIO_CASES = [
 MODELS = {
     "Qwen2VLForConditionalGeneration": (AutoModelForImageTextToText, VL_CASES),
     "Qwen2_5_VLForConditionalGeneration": (AutoModelForImageTextToText, VL_CASES),
+    "Qwen3VLForConditionalGeneration": (AutoModelForImageTextToText, VL_CASES),
     "Qwen2AudioForConditionalGeneration": (Qwen2AudioForConditionalGeneration, AUDIO_CASES),
 }
 
@@ -96,7 +98,7 @@ def _hf_inputs(processor: Any, text: str, media: dict[str, list[Any]]) -> dict[s
     if "audio" in media:
         kwargs["audio"] = media["audio"]
         kwargs["sampling_rate"] = 16000
-    return processor(text=[text], return_tensors="pt", **kwargs)
+    return processor(text=[hf_processor_text(processor, text)], return_tensors="pt", **kwargs)
 
 
 def _hf_reference(

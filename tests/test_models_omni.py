@@ -333,7 +333,7 @@ def test_interleaved_mrope_matches_hf() -> None:
     )
 
     from model_zoo.qwen2_5_omni_thinker import thinker_rope
-    from model_zoo.qwen3_omni_moe_thinker import InterleavedMRotaryEmbedding
+    from omniserve.layers.rotary_embedding import InterleavedMRotaryEmbedding
 
     config = Qwen3OmniMoeTextConfig(
         hidden_size=256,

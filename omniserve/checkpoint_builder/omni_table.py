@@ -162,7 +162,9 @@ QWEN2_5_OMNI_FULL = dataclasses.replace(
 
 # --- Qwen3-Omni-MoE (30B-A3B shapes: Qwen3-VL vision with DeepStack, chunked audio, MoE text) ----
 
-_QWEN3_OMNI_VISION = TowerSpec(
+# Qwen3-VL's vision tower, which Qwen3-Omni shares (the Qwen3-VL rows in table.py use it too).
+
+QWEN3_VISION = TowerSpec(
     kwargs=dict(
         patch_size=16, spatial_merge_size=2, temporal_patch_size=2, hidden_act="gelu_pytorch_tanh",
     ),
@@ -219,7 +221,7 @@ QWEN3_OMNI_THINKER = ArchSpec(
         "bench": dict(head_dim=128, moe_intermediate_size=256),
     },
     multimodal=MultiModalSpec(
-        towers={"vision_config": _QWEN3_OMNI_VISION, "audio_config": _QWEN3_OMNI_AUDIO},
+        towers={"vision_config": QWEN3_VISION, "audio_config": _QWEN3_OMNI_AUDIO},
         token_ids=frozen_mapping({
             "image_token_id": "<|image_pad|>",
             "video_token_id": "<|video_pad|>",

@@ -96,6 +96,10 @@ QWEN2_5_OMNI_TOKENIZER = dataclasses.replace(
     ),
 )  # fmt: skip
 
+QWEN3_VL_TOKENIZER = dataclasses.replace(QWEN_TOKENIZER, chat_template=QWEN3_OMNI_TEMPLATE)
+"""Qwen3-VL-Instruct renders as Qwen3-Omni does: no default system turn, "Picture N: " on
+request, the pads inside <|vision_start|>..<|vision_end|>."""
+
 QWEN3_OMNI_TOKENIZER = dataclasses.replace(
     QWEN_TOKENIZER,
     # The text-to-speech markers the full model's talker reads, appended like Qwen2.5-Omni's.

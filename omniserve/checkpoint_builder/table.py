@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from omniserve.checkpoint_builder.omni_table import OMNI_ARCH_SPECS
+from omniserve.checkpoint_builder.omni_table import OMNI_ARCH_SPECS, QWEN3_VISION
 from omniserve.checkpoint_builder.specs import (
     LLAMA3_TOKENIZER,
     QWEN2_AUDIO_TOKENIZER,
     QWEN3_TOKENIZER,
+    QWEN3_VL_TOKENIZER,
     QWEN_TOKENIZER,
     ArchSpec,
     MultiModalSpec,
@@ -34,6 +35,19 @@ _QWEN_VL_PROCESSOR_COMPONENTS = frozen_mapping({
     "video_processor": ("Qwen2VLVideoProcessor", frozen_mapping(dict(
         min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, fps=2.0, min_frames=2, max_frames=16,
         do_sample_frames=False, cap_pixels_per_frame=False,
+    ))),
+})  # fmt: skip
+# Qwen3-VL's processors at the same small limits, in 32-pixel units (16-pixel patches, 2x2
+# merge). Its video processor bounds the whole video's pixels (all frames together), not a
+# frame's: 8..256 merged tokens per video.
+_QWEN3_VL_PROCESSOR_COMPONENTS = frozen_mapping({
+    "image_processor": ("Qwen2VLImageProcessor", frozen_mapping(dict(
+        min_pixels=4 * 32 * 32, max_pixels=64 * 32 * 32, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    ))),
+    "video_processor": ("Qwen3VLVideoProcessor", frozen_mapping(dict(
+        size={"shortest_edge": 16 * 32 * 32, "longest_edge": 512 * 32 * 32}, fps=2.0,
+        min_frames=2, max_frames=16, do_sample_frames=False, cap_pixels_per_frame=False,
+        image_mean=[0.5] * 3, image_std=[0.5] * 3,
     ))),
 })  # fmt: skip
 _QWEN_VL_TOKEN_IDS = frozen_mapping({
@@ -150,6 +164,21 @@ ARCH_SPECS: Mapping[str, ArchSpec] = frozen_mapping({
                 processor=ProcessorSpec("Qwen2_5_VLProcessor", _QWEN_VL_PROCESSOR_COMPONENTS),
                 outer_kwargs={"tie_word_embeddings": False},
                 mrope_section=(16, 24, 24),
+            ),
+        ),
+        ArchSpec(
+            "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", QWEN3_VL_TOKENIZER,
+            # Qwen3-VL-2B/4B/8B: a Qwen3 text part with interleaved M-RoPE, tied in the 2B/4B.
+            config_kwargs=dict(
+                rope_parameters={**_QWEN_ROPE, "mrope_interleaved": True}, attention_bias=False,
+            ),
+            size_kwargs={"tiny": dict(head_dim=32), "bench": dict(head_dim=128)},
+            multimodal=MultiModalSpec(
+                towers={"vision_config": QWEN3_VISION},
+                token_ids=_QWEN_VL_TOKEN_IDS,
+                processor=ProcessorSpec("Qwen3VLProcessor", _QWEN3_VL_PROCESSOR_COMPONENTS),
+                outer_kwargs={"tie_word_embeddings": True},
+                mrope_section=(24, 20, 20),
             ),
         ),
         ArchSpec(

@@ -96,6 +96,27 @@ class MRotaryEmbedding(RotaryEmbedding):
         return cos.to(dtype), sin.to(dtype)
 
 
+class InterleavedMRotaryEmbedding(MRotaryEmbedding):
+    """Qwen3-VL's and Qwen3-Omni's M-RoPE layout (``mrope_interleaved``): frequency i rotates by
+    the height position when ``i % 3 == 1 and i < 3 * section[1]``, by the width position when
+    ``i % 3 == 2 and i < 3 * section[2]``, and by the temporal position otherwise."""
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.ndim == 1:
+            return super().forward(positions, dtype)
+        freqs = positions[..., None].float() * self.inv_freq  # [3, num_tokens, rotary_dim // 2]
+        mixed = freqs[0].clone()  # [num_tokens, rotary_dim // 2]
+        for axis in (1, 2):
+            picked = slice(axis, 3 * self.mrope_section[axis], 3)
+            mixed[:, picked] = freqs[axis, :, picked]
+        emb = torch.cat((mixed, mixed), dim=-1)  # [num_tokens, rotary_dim]
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first ``rotary_dim`` features of each head of x ``[tokens, heads, head_size]``.
 
@@ -194,7 +215,6 @@ def get_rope(config: Any, head_size: int) -> RotaryEmbedding:
             f"{rotary_dim}; check head_dim / partial_rotary_factor in the config."
         )
     if "mrope_section" in params:
-        return MRotaryEmbedding(
-            head_size, rotary_dim, inv_freq, params["mrope_section"], attention_scaling
-        )
+        cls = InterleavedMRotaryEmbedding if params.get("mrope_interleaved") else MRotaryEmbedding
+        return cls(head_size, rotary_dim, inv_freq, params["mrope_section"], attention_scaling)
     return RotaryEmbedding(head_size, rotary_dim, inv_freq, attention_scaling)

@@ -17,6 +17,20 @@ import torch
 
 # omniserve's modality -> the keyword a Hugging Face processor takes it under
 _HF_MEDIA_KWARGS = {"image": "images", "video": "videos", "audio": "audio"}
+_BARE_VIDEO_PAD_PROCESSORS = ("Qwen3VLProcessor",)
+"""transformers 5.24's Qwen3-VL processor replaces only a video's pad, nesting its timestamped
+frame groups inside the chat template's ``<|vision_start|>..<|vision_end|>`` (Qwen's own
+processor and vLLM replace the whole span: the layout the model was trained on). Given the bare
+pad, the form its code keeps for vLLM, it lays the groups out as trained."""
+
+
+def hf_processor_text(processor: Any, text: str) -> str:
+    """``text`` as transformers' ``processor`` must take it to expand media as the model was
+    trained (see ``_BARE_VIDEO_PAD_PROCESSORS``)."""
+    if type(processor).__name__ not in _BARE_VIDEO_PAD_PROCESSORS:
+        return text
+    span = f"{processor.vision_start_token}{processor.video_token}{processor.vision_end_token}"
+    return text.replace(span, processor.video_token)
 
 
 @dataclass
@@ -81,7 +95,7 @@ def hf_greedy_mm(
     with torch.inference_mode():
         for request in requests:
             inputs = processor(
-                text=[request.text],
+                text=[hf_processor_text(processor, request.text)],
                 return_tensors="pt",
                 **_media_kwargs(request),
                 **request.mm_kwargs,

@@ -1,0 +1,143 @@
+"""Qwen3-VL on its tiny checkpoint against transformers: the builder's row, the processor's
+prompts (timestamped frame groups, HF's frame rate default and a video's own rate), M-RoPE
+positions against ``get_rope_index``, and what it refuses. Greedy generation against
+transformers runs in test_fidelity_mm.py (plain, chunked, tiny encoder cache)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from omniserve.config import ModelConfig
+from omniserve.multimodal.errors import MultiModalInputError
+from omniserve.multimodal.media_io import VideoItem
+from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
+from omniserve.plugin_tools.reference import hf_processor_text
+from omniserve.tokenizer import get_tokenizer
+from processors.qwen3_vl import frame_group_times
+
+ARCH = "Qwen3VLForConditionalGeneration"
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+PROMPT = f"<|im_start|>user\n{IMAGE}then{VIDEO}and{VIDEO}?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _image(seed: int, height: int, width: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _video(seed: int, frames: int, height: int = 64, width: int = 96) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoint: Callable[..., Path]) -> tuple[Any, Any, Any]:
+    """(our processor, transformers' processor, transformers' model)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = str(tiny_checkpoint(ARCH))
+    ours = MULTIMODAL_REGISTRY.create_processor(ModelConfig.from_path(path), get_tokenizer(path))
+    hf = AutoProcessor.from_pretrained(path, local_files_only=True)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    return ours, hf, model
+
+
+def _media() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The same media for us and for HF: an image, a bare 4-frame video (no rate: HF's 24 fps)
+    and a decoded 5-frame video at 3 fps (an odd count: the last group repeats a frame)."""
+    image, bare, decoded = _image(0, 140, 112), _video(1, 4), _video(2, 5)
+    item = VideoItem(decoded, fps=3.0, source_fps=3.0, frame_indices=list(range(5)), audio=None)
+    ours = {"image": [image], "video": [bare, item]}
+    metadata = [
+        {"total_num_frames": 4, "fps": None, "frames_indices": list(range(4))},
+        {"total_num_frames": 5, "fps": 3.0, "frames_indices": list(range(5))},
+    ]
+    hf = {"images": [image], "videos": [bare, decoded], "video_metadata": metadata}
+    return ours, hf
+
+
+def test_builder_row(setup: tuple) -> None:
+    _, hf, model = setup
+    config = model.config
+    assert config.text_config.rope_parameters["mrope_interleaved"] is True
+    assert sum(config.text_config.rope_parameters["mrope_section"]) == 16  # head_dim 32 / 2
+    assert config.tie_word_embeddings and len(config.vision_config.deepstack_visual_indexes) == 3
+    assert type(hf.video_processor).__name__ == "Qwen3VLVideoProcessor"
+    assert hf.image_processor.patch_size == config.vision_config.patch_size == 16
+
+
+def test_prompt_and_tensors_match_hf(setup: tuple) -> None:
+    ours, hf, _ = setup
+    media, hf_media = _media()
+    got = ours.apply(PROMPT, media)
+    want = hf(text=[hf_processor_text(hf, PROMPT)], return_tensors="pt", **hf_media)
+    assert got.prompt_token_ids == want["input_ids"][0].tolist()
+    videos = [f for f in got.mm_features if f.modality == "video"]
+    for key in ("pixel_values_videos", "video_grid_thw"):
+        assert torch.equal(torch.cat([f.data[key] for f in videos]), want[key])
+    decoded = hf.tokenizer.decode(got.prompt_token_ids)
+    # Bare frames: HF's 24 fps; frames 0-1 and 2-3 average to 1/48 and 5/48 s.
+    assert "<0.0 seconds><|vision_start|><|video_pad|>" in decoded
+    assert "<0.1 seconds><|vision_start|>" in decoded
+    # 3 fps, five frames: groups (0, 1), (2, 3), (4, 4) -> 0.17, 0.83, 1.33 s.
+    assert frame_group_times(range(5), 3.0, 2) == pytest.approx([1 / 6, 5 / 6, 4 / 3])
+    assert "<0.2 seconds>" in decoded and "<0.8 seconds>" in decoded and "<1.3 seconds>" in decoded
+    assert f"{VIDEO[:16]}<0." not in decoded  # no group nested inside the template's markers
+    for feature, want_grid in zip(videos, want["video_grid_thw"], strict=True):
+        t, h, w = want_grid.tolist()
+        assert feature.mm_position.num_embeds == t * h * w // 4
+        assert not feature.mm_position.is_embed[0]  # a timestamp comes first
+    assert got.num_tokens_by_modality["video"] == sum(f.mm_position.length for f in videos)
+
+
+def test_transformers_nests_frame_groups_in_the_template_markers(setup: tuple) -> None:
+    """Pins why the reference takes the bare pad: given the template's span, transformers 5.24
+    keeps its markers around the groups, two tokens per video more than the trained layout."""
+    ours, hf, _ = setup
+    media, hf_media = _media()
+    nested = hf(text=[PROMPT], return_tensors="pt", **hf_media)["input_ids"][0].tolist()
+    got = ours.apply(PROMPT, media).prompt_token_ids
+    assert len(nested) == len(got) + 4
+    assert "<|vision_start|><0.0 seconds>" in hf.tokenizer.decode(nested)
+
+
+def test_mrope_positions_match_hf_get_rope_index(setup: tuple) -> None:
+    from model_zoo.qwen3_vl import Qwen3VLForConditionalGeneration
+
+    ours, hf, model = setup
+    media, hf_media = _media()
+    got = ours.apply(PROMPT, media)
+    want = hf(text=[hf_processor_text(hf, PROMPT)], return_tensors="pt", **hf_media)
+    want_positions, want_delta = model.model.get_rope_index(
+        want["input_ids"],
+        want["mm_token_type_ids"],
+        image_grid_thw=want["image_grid_thw"],
+        video_grid_thw=want["video_grid_thw"],
+    )
+    positions, delta = Qwen3VLForConditionalGeneration(model.config).get_mrope_input_positions(
+        got.prompt_token_ids, got.mm_features
+    )
+    assert positions.dtype == torch.int64
+    torch.testing.assert_close(positions, want_positions[:, 0], atol=0, rtol=0)
+    assert delta == int(want_delta)
+
+
+def test_precomputed_embeddings_are_refused(setup: tuple, tiny_checkpoint: Callable) -> None:
+    _, _, model = setup
+    path = str(tiny_checkpoint(ARCH))
+    ours = MULTIMODAL_REGISTRY.create_processor(
+        ModelConfig.from_path(path), get_tokenizer(path), enable_mm_embeds=True
+    )
+    embeds = {
+        "image_embeds": torch.zeros(4, model.config.text_config.hidden_size),
+        "image_grid_thw": torch.tensor([[1, 4, 4]]),
+    }
+    with pytest.raises(MultiModalInputError, match="DeepStack"):
+        ours.apply(f"{IMAGE}hi", {"image": [embeds]})
