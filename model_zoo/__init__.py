@@ -27,6 +27,10 @@ _MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
         "model_zoo.qwen3_vl:Qwen3VLForConditionalGeneration",
         _VISION,
     ),
+    "Qwen3VLMoeForConditionalGeneration": (
+        "model_zoo.qwen3_vl:Qwen3VLMoeForConditionalGeneration",
+        _VISION,
+    ),
     "Qwen2AudioForConditionalGeneration": (
         "model_zoo.qwen2_audio:Qwen2AudioForConditionalGeneration",
         ("audio",),

@@ -16,7 +16,8 @@ from omniserve.layers.weight_utils import WeightRoute
 class Qwen3MoeSparseMoeBlock(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.norm_topk_prob = config.norm_topk_prob
+        # Qwen3-VL-MoE's config has no switch: its router always renormalises.
+        self.norm_topk_prob = getattr(config, "norm_topk_prob", True)
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedMoE(
             config.num_experts,

@@ -1,4 +1,5 @@
-"""Qwen3-VL: transformers' vision tower with DeepStack, our Qwen3 decoder with interleaved M-RoPE.
+"""Qwen3-VL: transformers' vision tower with DeepStack, our Qwen3 decoder with interleaved M-RoPE;
+Qwen3-VL-MoE: the same with the Qwen3-MoE decoder (its experts stored as one tensor per projection).
 
 DeepStack (shared with Qwen3-Omni, whose vision tower is this one): the tower also returns one
 merged feature map per ``deepstack_visual_indexes`` layer, and transformers adds level i to the
@@ -19,6 +20,7 @@ into its frame groups (one run of pads each, between a timestamp and markers), e
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,6 +32,9 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from model_zoo.multimodal import MultiModalDecoderBase, mm_rows, run_vision_tower
 from model_zoo.qwen2_vl import Qwen2VLForConditionalGeneration, vision_positions
 from model_zoo.qwen3 import Qwen3ForCausalLM
+from model_zoo.qwen3_moe import Qwen3MoeForCausalLM
+from omniserve.layers.fused_moe import FusedMoE
+from omniserve.layers.weight_utils import LoadedWeight, WeightRoute
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from processors.qwen3_vl import (
@@ -185,6 +190,26 @@ class Qwen3VLForConditionalGeneration(DeepStackDecoder, Qwen2VLForConditionalGen
         positions = torch.cat(parts, dim=1)  # [3, num_tokens]
         delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
         return positions, delta
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    Qwen3VLMultiModalProcessor,
+    info=Qwen3VLProcessingInfo,
+    dummy_inputs=Qwen3VLDummyInputsBuilder,
+)
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    text_family = Qwen3MoeForCausalLM
+
+    def route_weight(self, name: str) -> WeightRoute | None:
+        return FusedMoE.route_expert_weight(self.checkpoint_to_param_name(name)) or (
+            super().route_weight(name)
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        text = self.config.text_config
+        return super().load_weights(
+            FusedMoE.split_fused_experts(weights, text.hidden_size, text.moe_intermediate_size)
+        )
 
 
 def _runs(flags: list[bool]) -> list[tuple[bool, int]]:

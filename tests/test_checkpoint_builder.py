@@ -54,6 +54,12 @@ MULTIMODAL_WEIGHTS = {
         "model.visual.pos_embed.weight", "model.visual.deepstack_merger_list.2.linear_fc2.weight",
         "model.language_model.layers.1.self_attn.k_norm.weight",
     ],
+    # transformers saves the experts fused as it keeps them ([E, 2I, H]; the hub's are [E, H, 2I]).
+    "Qwen3VLMoeForConditionalGeneration": [
+        "model.language_model.layers.0.mlp.experts.gate_up_proj",
+        "model.language_model.layers.1.mlp.experts.down_proj",
+        "model.language_model.layers.0.mlp.gate.weight", "lm_head.weight",
+    ],
     "Qwen2AudioForConditionalGeneration": [
         "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
         "audio_tower.conv1.weight", "audio_tower.embed_positions.weight",

@@ -85,6 +85,7 @@ MODELS = {
     "Qwen2VLForConditionalGeneration": (AutoModelForImageTextToText, VL_CASES),
     "Qwen2_5_VLForConditionalGeneration": (AutoModelForImageTextToText, VL_CASES),
     "Qwen3VLForConditionalGeneration": (AutoModelForImageTextToText, VL_CASES),
+    "Qwen3VLMoeForConditionalGeneration": (AutoModelForImageTextToText, VL_CASES),
     "Qwen2AudioForConditionalGeneration": (Qwen2AudioForConditionalGeneration, AUDIO_CASES),
 }
 

@@ -5,6 +5,7 @@ transformers runs in test_fidelity_mm.py (plain, chunked, tiny encoder cache).""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -141,3 +142,32 @@ def test_precomputed_embeddings_are_refused(setup: tuple, tiny_checkpoint: Calla
     }
     with pytest.raises(MultiModalInputError, match="DeepStack"):
         ours.apply(f"{IMAGE}hi", {"image": [embeds]})
+
+
+def test_moe_loads_the_hubs_transposed_experts(
+    tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """transformers saves fused experts as it keeps them ([E, 2I, H], [E, H, I]); the hub's
+    Qwen3-VL-MoE checkpoints store them transposed. Both load to the same parameters, and a
+    tensor of neither shape is refused naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_models_mm import load_ours
+
+    model_dir = tiny_checkpoint("Qwen3VLMoeForConditionalGeneration")
+    state = load_file(str(model_dir / "model.safetensors"))
+    fused = [name for name in state if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert fused
+    hub = {k: v.transpose(1, 2).contiguous() if k in fused else v for k, v in state.items()}
+    save_file(hub, str(tmp_path / "model.safetensors"))
+    shutil.copy(model_dir / "config.json", tmp_path)
+    want = dict(load_ours(model_dir).named_parameters())
+    got = dict(load_ours(tmp_path).named_parameters())
+    assert got.keys() == want.keys()
+    for name, param in got.items():
+        assert torch.equal(param, want[name]), name
+
+    hub[fused[0]] = hub[fused[0]][:, :-1].contiguous()
+    save_file(hub, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=fused[0].replace(".", r"\.")):
+        load_ours(tmp_path)

@@ -182,6 +182,27 @@ ARCH_SPECS: Mapping[str, ArchSpec] = frozen_mapping({
             ),
         ),
         ArchSpec(
+            "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeConfig", QWEN3_VL_TOKENIZER,
+            # Qwen3-VL-30B-A3B's routing (renormalised top-k, every layer sparse); its experts
+            # are one fused tensor per projection. 2 * moe_intermediate_size != hidden_size, so
+            # a transposed layout cannot pass for the right one.
+            config_kwargs=dict(
+                rope_parameters={**_QWEN_ROPE, "mrope_interleaved": True}, attention_bias=False,
+                num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+            ),
+            size_kwargs={
+                "tiny": dict(head_dim=32, moe_intermediate_size=48),
+                "bench": dict(head_dim=128, moe_intermediate_size=256),
+            },
+            multimodal=MultiModalSpec(
+                towers={"vision_config": QWEN3_VISION},
+                token_ids=_QWEN_VL_TOKEN_IDS,
+                processor=ProcessorSpec("Qwen3VLProcessor", _QWEN3_VL_PROCESSOR_COMPONENTS),
+                outer_kwargs={"tie_word_embeddings": False},
+                mrope_section=(24, 20, 20),
+            ),
+        ),
+        ArchSpec(
             "Qwen2AudioForConditionalGeneration", "Qwen2AudioConfig", QWEN2_AUDIO_TOKENIZER,
             # The text part is a plain Qwen2 (1-D RoPE, theta 1e4) as in Qwen2-Audio-7B.
             config_kwargs=dict(

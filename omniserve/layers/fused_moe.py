@@ -16,6 +16,7 @@ nothing.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from typing import ClassVar, Protocol
 
 import torch
@@ -27,6 +28,7 @@ from omniserve.layers.weight_utils import (
     LoadedWeight,
     WeightRoute,
     copy_weight,
+    materialize,
     set_weight_loader,
 )
 
@@ -108,6 +110,9 @@ class FusedMoE(nn.Module):
     _EXPERT_KEY: ClassVar[re.Pattern[str]] = re.compile(
         r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
     )
+    _FUSED_KEY: ClassVar[re.Pattern[str]] = re.compile(
+        r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$"
+    )
 
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int
@@ -129,6 +134,44 @@ class FusedMoE(nn.Module):
             {(e, s) for e in experts for s in ("gate_proj", "up_proj")},
         )
         set_weight_loader(self.down_proj, self.weight_loader, {(e, "down_proj") for e in experts})
+
+    @classmethod
+    def split_fused_experts(
+        cls,
+        weights: Iterable[tuple[str, LoadedWeight]],
+        hidden_size: int,
+        intermediate_size: int,
+    ) -> Iterator[tuple[str, LoadedWeight]]:
+        """Per-expert keys (what ``route_expert_weight`` reads) for checkpoints that store each
+        projection of all experts as one tensor (Qwen3-VL-MoE): ``...experts.gate_up_proj``
+        ``[E, 2I, H]`` and ``...experts.down_proj`` ``[E, H, I]`` as transformers keeps them,
+        or transposed in the last two dims as the hub's checkpoints store them. As transformers
+        decides, a tensor is transposed exactly when its shape is not the first form."""
+        for name, loaded in weights:
+            match = cls._FUSED_KEY.match(name)
+            if match is None:
+                yield name, loaded
+                continue
+            gate_up = match["proj"] == "gate_up_proj"
+            expected = (2 * intermediate_size, hidden_size) if gate_up else (
+                hidden_size, intermediate_size
+            )  # fmt: skip
+            tensor = materialize(loaded)
+            if tensor.dim() == 3 and tuple(tensor.shape[1:]) != expected:
+                tensor = tensor.transpose(1, 2)
+            if tensor.dim() != 3 or tuple(tensor.shape[1:]) != expected:
+                raise ValueError(
+                    f"Cannot load checkpoint tensor {name!r}: shape {tuple(loaded.shape)}, "
+                    f"expected [num_experts, {expected[0]}, {expected[1]}] or its last two dims "
+                    "swapped."
+                )
+            prefix = match["prefix"]
+            for e, rows in enumerate(tensor):
+                if gate_up:
+                    yield f"{prefix}.{e}.gate_proj.weight", rows[:intermediate_size]
+                    yield f"{prefix}.{e}.up_proj.weight", rows[intermediate_size:]
+                else:
+                    yield f"{prefix}.{e}.down_proj.weight", rows
 
     @classmethod
     def route_expert_weight(cls, name: str) -> WeightRoute | None:
