@@ -171,3 +171,43 @@ def test_moe_loads_the_hubs_transposed_experts(
     save_file(hub, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=fused[0].replace(".", r"\.")):
         load_ours(tmp_path)
+
+
+def test_chat_video_file_frames_are_placed_in_time(
+    setup: tuple, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    """A video_url through LLM.chat: the decoded file's frames (8 at 10 fps, all kept) get the
+    timestamps transformers gives the same frames at that rate, and the same greedy answer."""
+    from omniserve import LLM, SamplingParams
+    from tests.test_api_multimodal import _data_url
+    from tests.test_media import _video as _mp4
+
+    _, hf, model = setup
+    data = _mp4(num_frames=8, audio_rate=None)
+    llm = LLM(str(tiny_checkpoint(ARCH)), dtype="float32", kv_cache_memory=64 << 20)
+    part = {"type": "video_url", "video_url": {"url": _data_url("video/mp4", data)}}
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    (out,) = llm.chat(messages, greedy, use_tqdm=False)
+    text = hf.apply_chat_template(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}],
+            }
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    frames = np.stack([np.full((48, 64, 3), 8 * i, np.uint8) for i in range(8)])
+    metadata = [{"total_num_frames": 8, "fps": 10.0, "frames_indices": list(range(8))}]
+    want = hf(
+        text=[hf_processor_text(hf, text)],
+        videos=[frames],
+        video_metadata=metadata,
+        return_tensors="pt",
+    )
+    assert out.prompt_token_ids == want["input_ids"][0].tolist()
+    assert "<0.1 seconds>" in hf.tokenizer.decode(out.prompt_token_ids)
+    reference = model.generate(**want, max_new_tokens=6, do_sample=False)
+    assert list(out.outputs[0].token_ids) == reference[0, want["input_ids"].shape[1] :].tolist()
