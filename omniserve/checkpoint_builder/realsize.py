@@ -19,6 +19,12 @@ so the table below is the list of published numbers used (dtype bfloat16, initia
   * qwen2.5-vl-3b: Qwen2.5-VL-3B-Instruct's config.json, quoted verbatim in a public model dump
     (vision: depth 32, 1280 wide, 3420 MLP, 16 heads, full attention in blocks 7/15/23/31,
     tokens_per_second 2; M-RoPE 16/24/24); 3,754,622,976 parameters (card: 3.75B).
+  * qwen3-vl-2b: Qwen3-VL-2B-Instruct's config.json as quoted in public parser tests and
+    configs (text: 28 layers of 2048, 16 Q / 8 KV heads of 128, 6144 MLP, rope_theta 5e6,
+    interleaved M-RoPE 24/20/20, tied; vision: 24 blocks of 1024, 4096 MLP, 16 heads, 16 px
+    patches, 2304 position embeddings, DeepStack from blocks 5/11/17); the processors' limits
+    (images 65536..16777216 pixels, videos 4096..25165824 pixels in all, 2 fps, 4..768 frames)
+    from its preprocessor configs.
   * qwen2.5-omni-3b-thinker: text numbers from a transcription of the 3B's config.json (Tyr's
     torch.qwen25omni); towers as published for Qwen2.5-Omni (vision = Qwen2.5-VL's, audio =
     Whisper-large-v3's 32 x 1280 encoder, n_window 100), outputs at the 2048 text width.
@@ -186,6 +192,31 @@ REALSIZE_MODELS: Mapping[str, RealSizeSpec] = frozen_mapping({
         frozen_mapping({
             "image_processor": _PUBLISHED_IMAGE_LIMITS,
             "video_processor": {**_PUBLISHED_IMAGE_LIMITS, **_FRAME_BOUNDS},
+        }),
+    ),
+    "qwen3-vl-2b": RealSizeSpec(
+        "Qwen/Qwen3-VL-2B-Instruct", "Qwen3VLForConditionalGeneration",
+        frozen_mapping(dict(
+            _DENSE_TEXT, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+            max_position_embeddings=262144, tie_word_embeddings=True, attention_bias=False,
+            rope_parameters={
+                "rope_type": "default", "rope_theta": 5_000_000.0, "mrope_interleaved": True,
+                "mrope_section": [24, 20, 20],
+            },
+            vision_config=dict(
+                depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, patch_size=16,
+                spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh",
+                initializer_range=0.02,
+            ),
+        )),
+        frozen_mapping({
+            "image_processor": {"min_pixels": 65536, "max_pixels": 16777216},
+            "video_processor": {
+                "size": {"shortest_edge": 4096, "longest_edge": 25165824}, "fps": 2.0,
+                "min_frames": 4, "max_frames": 768,
+            },
         }),
     ),
     "qwen2.5-omni-3b-thinker": RealSizeSpec(
