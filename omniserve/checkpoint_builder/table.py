@@ -6,6 +6,7 @@ vision/audio markers. The omni rows live in omni_table.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from omniserve.checkpoint_builder.omni_table import OMNI_ARCH_SPECS, QWEN3_VISION
@@ -56,6 +57,17 @@ _QWEN_VL_TOKEN_IDS = frozen_mapping({
     "vision_start_token_id": "<|vision_start|>",
     "vision_end_token_id": "<|vision_end|>",
 })  # fmt: skip
+_QWEN3_VL_TEXT = frozen_mapping(dict(
+    rope_parameters={**_QWEN_ROPE, "mrope_interleaved": True}, attention_bias=False,
+))  # fmt: skip
+# Qwen3-VL's multimodal part (the dense 2B/4B tie their embeddings; the MoE rows do not).
+_QWEN3_VL_MM = MultiModalSpec(
+    towers={"vision_config": QWEN3_VISION},
+    token_ids=_QWEN_VL_TOKEN_IDS,
+    processor=ProcessorSpec("Qwen3VLProcessor", _QWEN3_VL_PROCESSOR_COMPONENTS),
+    outer_kwargs=frozen_mapping({"tie_word_embeddings": True}),
+    mrope_section=(24, 20, 20),
+)
 # Media towers use a larger init than transformers' 0.02 (scaled by 1/sqrt(width) like the text
 # part's): with 0.02 the encoders are near-linear and every audio gives the same first tokens. With
 # these, six different images (or audios) gave six different 8-token greedy continuations.
@@ -169,17 +181,9 @@ ARCH_SPECS: Mapping[str, ArchSpec] = frozen_mapping({
         ArchSpec(
             "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", QWEN3_VL_TOKENIZER,
             # Qwen3-VL-2B/4B/8B: a Qwen3 text part with interleaved M-RoPE, tied in the 2B/4B.
-            config_kwargs=dict(
-                rope_parameters={**_QWEN_ROPE, "mrope_interleaved": True}, attention_bias=False,
-            ),
+            config_kwargs=_QWEN3_VL_TEXT,
             size_kwargs={"tiny": dict(head_dim=32), "bench": dict(head_dim=128)},
-            multimodal=MultiModalSpec(
-                towers={"vision_config": QWEN3_VISION},
-                token_ids=_QWEN_VL_TOKEN_IDS,
-                processor=ProcessorSpec("Qwen3VLProcessor", _QWEN3_VL_PROCESSOR_COMPONENTS),
-                outer_kwargs={"tie_word_embeddings": True},
-                mrope_section=(24, 20, 20),
-            ),
+            multimodal=_QWEN3_VL_MM,
         ),
         ArchSpec(
             "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeConfig", QWEN3_VL_TOKENIZER,
@@ -187,19 +191,15 @@ ARCH_SPECS: Mapping[str, ArchSpec] = frozen_mapping({
             # are one fused tensor per projection. 2 * moe_intermediate_size != hidden_size, so
             # a transposed layout cannot pass for the right one.
             config_kwargs=dict(
-                rope_parameters={**_QWEN_ROPE, "mrope_interleaved": True}, attention_bias=False,
-                num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                _QWEN3_VL_TEXT, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                mlp_only_layers=[],
             ),
             size_kwargs={
                 "tiny": dict(head_dim=32, moe_intermediate_size=48),
                 "bench": dict(head_dim=128, moe_intermediate_size=256),
             },
-            multimodal=MultiModalSpec(
-                towers={"vision_config": QWEN3_VISION},
-                token_ids=_QWEN_VL_TOKEN_IDS,
-                processor=ProcessorSpec("Qwen3VLProcessor", _QWEN3_VL_PROCESSOR_COMPONENTS),
-                outer_kwargs={"tie_word_embeddings": False},
-                mrope_section=(24, 20, 20),
+            multimodal=dataclasses.replace(
+                _QWEN3_VL_MM, outer_kwargs=frozen_mapping({"tie_word_embeddings": False})
             ),
         ),
         ArchSpec(
