@@ -136,6 +136,11 @@ class MultiModalDecoderBase(LanguageModel, ABC):
     ) -> list[torch.Tensor]:
         """One ``[num_embeds_of_item, hidden_size]`` tensor per item, in order."""
 
+    def vision_outputs(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        """``[num_merged_patches, width]`` rows the decoder takes for the patches of ``grid``,
+        from the model's ``visual`` tower (models with one)."""
+        return run_vision_tower(self.visual, pixel_values, grid).pooler_output
+
     def get_input_embeddings(
         self,
         input_ids: torch.Tensor,

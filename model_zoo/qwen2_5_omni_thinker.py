@@ -46,7 +46,6 @@ from model_zoo.multimodal import (
     MultiModalDecoderBase,
     adopt_vision_norms,
     on_device,
-    run_vision_tower,
 )
 from model_zoo.qwen2 import Qwen2ForCausalLM
 from model_zoo.qwen2_5_omni_speech import (
@@ -305,10 +304,6 @@ class OmniThinkerBase(MultiModalDecoderBase):
         rows = on_device(video.device, video=video_rows, audio=audio_rows)
         out = video.new_empty(len(is_video), video.shape[1])  # [num_embeds, width]
         return out.index_copy_(0, rows["video"], video).index_copy_(0, rows["audio"], audio)
-
-    def vision_outputs(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        """``[num_merged_patches, width]`` rows the decoder takes for the patches of ``grid``."""
-        return run_vision_tower(self.visual, pixel_values, grid).pooler_output
 
     def encode_vision(self, modality: str, items: list[dict[str, Any]]) -> list[torch.Tensor]:
         pixels_key, grid_key = VISION_KEYS[modality]

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from model_zoo.multimodal import MultiModalDecoderBase, adopt_vision_norms, run_vision_tower
+from model_zoo.multimodal import MultiModalDecoderBase, adopt_vision_norms
 from model_zoo.qwen2 import Qwen2ForCausalLM
 from omniserve.multimodal.inputs import MultiModalFeatureSpec, host_data
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
@@ -97,10 +97,6 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
         embeds = self.vision_outputs(pixel_values.to(self.visual.dtype), grid_thw)
         sizes = (grid_thw.prod(-1) // self.merge_size**2).tolist()
         return list(embeds.split(sizes))
-
-    def vision_outputs(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        """``[num_merged_patches, width]`` rows the decoder takes for the patches of ``grid``."""
-        return run_vision_tower(self.visual, pixel_values, grid).pooler_output
 
     def time_interval(self, feature: MultiModalFeatureSpec) -> Any:
         """Temporal position step between consecutive frame groups of an item."""

@@ -94,7 +94,6 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(DeepStackDecoder, OmniThinkerB
         super().__init__(config)
         self.visual = Qwen3OmniMoeVisionEncoder(config.vision_config)
         self.audio_tower = Qwen3OmniMoeAudioEncoder(config.audio_config)
-        self.init_deepstack(config)
         self.tap_layer: int | None = None
         """Keep ``hidden_states[tap_layer]`` of each forward (transformers' numbering: 0 the
         embeddings, i the output of layer i) in ``tapped``: the talker reads it."""

@@ -20,6 +20,7 @@ into its frame groups (one run of pads each, between a timestamp and markers), e
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -54,17 +55,13 @@ class DeepstackInput:
 
 
 class DeepStackDecoder(MultiModalDecoderBase):
-    """The DeepStack handoff (see the module doc); subclasses call ``init_deepstack``."""
+    """The DeepStack handoff (see the module doc) and the decoder's forward with it."""
 
-    visual: nn.Module
-    hidden_size: int
-    num_deepstack: int
-    _deepstack: DeepstackInput | None
-
-    def init_deepstack(self, config: PretrainedConfig) -> None:
-        self.hidden_size = config.get_text_config().hidden_size
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        self.hidden_size: int = config.get_text_config().hidden_size
         self.num_deepstack = len(config.vision_config.deepstack_visual_indexes)
-        self._deepstack = None
+        self._deepstack: DeepstackInput | None = None
 
     def vision_outputs(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         out = run_vision_tower(self.visual, pixel_values, grid)
@@ -113,20 +110,6 @@ class DeepStackDecoder(MultiModalDecoderBase):
             return hidden_states
         return hidden_states.index_add(0, deepstack.rows, deepstack.embeds[:, layer])
 
-
-@MULTIMODAL_REGISTRY.register_processor(
-    Qwen3VLMultiModalProcessor,
-    info=Qwen3VLProcessingInfo,
-    dummy_inputs=Qwen3VLDummyInputsBuilder,
-)
-class Qwen3VLForConditionalGeneration(DeepStackDecoder, Qwen2VLForConditionalGeneration):
-    text_family = Qwen3ForCausalLM
-    vision_tower_cls: ClassVar[type[nn.Module]] = Qwen3VLVisionModel
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__(config)
-        self.init_deepstack(config)
-
     def forward(
         self,
         input_ids: torch.Tensor | None,
@@ -141,6 +124,16 @@ class Qwen3VLForConditionalGeneration(DeepStackDecoder, Qwen2VLForConditionalGen
         return self.model(
             None, positions, inputs_embeds, lambda i, h: self.add_deepstack(deepstack, i, h)
         )
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    Qwen3VLMultiModalProcessor,
+    info=Qwen3VLProcessingInfo,
+    dummy_inputs=Qwen3VLDummyInputsBuilder,
+)
+class Qwen3VLForConditionalGeneration(DeepStackDecoder, Qwen2VLForConditionalGeneration):
+    text_family = Qwen3ForCausalLM
+    vision_tower_cls: ClassVar[type[nn.Module]] = Qwen3VLVisionModel
 
     def get_mrope_input_positions(
         self, prompt_token_ids: list[int], mm_features: list[MultiModalFeatureSpec]
@@ -177,7 +170,7 @@ class Qwen3VLForConditionalGeneration(DeepStackDecoder, Qwen2VLForConditionalGen
                 grid(t, h, w, placeholder.length, "An image")
             else:  # frame groups: runs of pads between timestamps and markers
                 is_embed = placeholder.is_embed or [True] * placeholder.length
-                runs = _runs(is_embed)
+                runs = [(embed, len(list(run))) for embed, run in itertools.groupby(is_embed)]
                 if sum(1 for embed, _ in runs if embed) != t:
                     raise ValueError(f"A video of {t} frame groups has placeholder {placeholder}.")
                 for embed, length in runs:
@@ -210,14 +203,3 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
         return super().load_weights(
             FusedMoE.split_fused_experts(weights, text.hidden_size, text.moe_intermediate_size)
         )
-
-
-def _runs(flags: list[bool]) -> list[tuple[bool, int]]:
-    """``flags`` as (value, run length) pairs, in order."""
-    runs: list[tuple[bool, int]] = []
-    for flag in flags:
-        if runs and runs[-1][0] == flag:
-            runs[-1] = (flag, runs[-1][1] + 1)
-        else:
-            runs.append((flag, 1))
-    return runs

@@ -134,7 +134,6 @@ class Qwen3VLMultiModalProcessor(Qwen2VLMultiModalProcessor):
         self, hf_inputs: Mapping[str, Any], hf_processor_mm_kwargs: Mapping[str, object]
     ) -> Mapping[str, MultiModalFieldConfig]:
         fields = dict(super()._get_mm_fields_config(hf_inputs, hf_processor_mm_kwargs))
-        del fields["second_per_grid_ts"]  # Qwen2.5-VL's
         if "video_grid_thw" in hf_inputs:
             groups = hf_inputs["video_grid_thw"][:, 0]
             fields["video_timestamps"] = MultiModalFieldConfig.flat_from_sizes("video", groups)
