@@ -202,7 +202,7 @@ def test_quantized_omni_thinker_with_image_and_audio_matches_transformers(tiny_c
 @pytest.mark.parametrize(
     ("config", "requested", "message"),
     [
-        ({"quant_method": "fp8"}, None, "quant_method 'fp8'"),
+        ({"quant_method": "bitsandbytes"}, None, "quant_method 'bitsandbytes'"),
         ({"quant_method": "awq", "bits": 8, "group_size": 128}, None, "bits=8"),
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, None, "gemv"),
         ({"quant_method": "gptq", "bits": 4, "group_size": -1}, None, "group_size=-1"),

@@ -1,19 +1,23 @@
-"""A 4-bit AWQ or GPTQ copy of a checkpoint, as AutoAWQ / GPTQModel save one, for tests and
-benchmarks, with its dequantized twin for transformers.
+"""A 4-bit AWQ or GPTQ copy of a checkpoint, as AutoAWQ / GPTQModel save one, or a block-scaled
+FP8 one, as Qwen publishes its ``-FP8`` models, for tests and benchmarks, with its dequantized
+twin for transformers.
 
 Every attention and dense MLP projection of the language model is quantized by round-to-nearest
 in groups of ``group_size`` input features (AWQ: asymmetric, a zero point per group; GPTQ:
-symmetric, zero point 8, stored minus one as ``checkpoint_format`` "gptq" does); the towers, the
-embeddings, the head and MoE experts keep their weights. What AWQ and GPTQ add over rounding
-(calibrated scaling, error feedback) changes the codes, not the format, so a rounded checkpoint
-exercises the same loading and arithmetic. The twin stores ``(code - zero) * scale`` in the
-source's dtype under the original names: what a model quantized this way computes, which
-transformers runs without any quantization library.
+symmetric, zero point 8, stored minus one as ``checkpoint_format`` "gptq" does); FP8 rounds to
+e4m3 in ``group_size x group_size`` blocks, each scaled so its largest weight is e4m3's largest
+(448), and quantizes the per-expert MoE projections too, as Qwen's FP8 checkpoints do. The
+towers, the embeddings, the head (and, for 4-bit, MoE experts) keep their weights. What AWQ and
+GPTQ add over rounding (calibrated scaling, error feedback) changes the codes, not the format, so
+a rounded checkpoint exercises the same loading and arithmetic. The twin stores the dequantized
+weights in the source's dtype under the original names: what a model quantized this way
+computes, which transformers runs without any quantization library.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -22,11 +26,21 @@ from safetensors.torch import save_file
 
 from omniserve.checkpoint_builder.builder import BUILD_INFO_FILE, build_key, build_once
 from omniserve.checkpoint_builder.lora import is_decoder_projection
-from omniserve.layers.quantization import dequantize, pack_int32, pack_nibbles
+from omniserve.layers.quantization import (
+    FP8_SCALE,
+    dequantize,
+    dequantize_fp8,
+    fp8_row_scales,
+    pack_int32,
+    pack_nibbles,
+)
 from omniserve.layers.weight_utils import SafetensorsFile
 from omniserve.worker.model_loader import INDEX_FILE, checkpoint_files
 
-METHODS = ("awq", "gptq")
+METHODS = ("awq", "gptq", "fp8")
+FP8_MAX = 448.0
+"""e4m3's largest finite value."""
+_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
 
 
 def build_quantized_checkpoint(
@@ -79,9 +93,31 @@ def quantize_rtn(
     return codes.reshape(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
 
 
+def quantize_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` -> e4m3 ``[N, K]`` and ``weight_scale_inv`` ``[ceil(N / block), ceil(K /
+    block)]`` (bf16 for a bf16 weight, as Qwen stores them, else fp32), each block scaled so its
+    largest magnitude is about ``FP8_MAX``."""
+    n, k = weight.shape
+    rows, cols = -(-n // block), -(-k // block)
+    padded = torch.zeros(rows * block, cols * block)
+    padded[:n, :k] = weight.float()
+    blocks = padded.reshape(rows, block, cols, block)
+    scale_dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
+    grid = (blocks.abs().amax((1, 3)) / FP8_MAX).clamp(min=1e-12).to(scale_dtype)
+    scaled = (blocks / grid.float()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    codes = scaled.reshape(rows * block, cols * block)[:n, :k].to(torch.float8_e4m3fn)
+    return codes.contiguous(), grid
+
+
 def _quantized_tensors(
     stem: str, weight: torch.Tensor, method: str, group_size: int, dequantized: bool
 ) -> dict[str, torch.Tensor]:
+    if method == "fp8":
+        codes8, grid = quantize_fp8(weight, group_size)
+        if dequantized:
+            scales8 = fp8_row_scales(grid, weight.shape[0], group_size)
+            return {f"{stem}.weight": dequantize_fp8(codes8, scales8, weight.dtype)}
+        return {f"{stem}.weight": codes8, f"{stem}.{FP8_SCALE}": grid}
     codes, zeros, scales = quantize_rtn(weight, group_size, symmetric=method == "gptq")
     if dequantized:
         w = dequantize(pack_nibbles(codes), zeros, scales.float(), weight.dtype)
@@ -113,7 +149,10 @@ def _write(source: Path, target: Path, method: str, group_size: int, dequantized
             for name in f.keys():
                 tensor = f.tensor(name).materialize()
                 stem = name.removesuffix(".weight")
-                if name.endswith(".weight") and is_decoder_projection(stem):
+                quantized = is_decoder_projection(stem) or (
+                    method == "fp8" and _EXPERT.search(stem) is not None
+                )
+                if name.endswith(".weight") and tensor.dim() == 2 and quantized:
                     tensors.update(
                         _quantized_tensors(stem, tensor, method, group_size, dequantized)
                     )
@@ -132,7 +171,10 @@ def _write(source: Path, target: Path, method: str, group_size: int, dequantized
 
 
 def _quantization_config(method: str, group_size: int) -> dict[str, object]:
-    """config.json's entry, as AutoAWQ (GEMM) / GPTQModel write it."""
+    """config.json's entry, as AutoAWQ (GEMM) / GPTQModel / Qwen's FP8 models write it."""
+    if method == "fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [group_size, group_size]}  # fmt: skip
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size,
                 "version": "gemm", "zero_point": True}  # fmt: skip

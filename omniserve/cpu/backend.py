@@ -23,6 +23,7 @@ from omniserve.attention.layer import Attention
 from omniserve.cpu.activation import cpu_silu_and_mul, cpu_silu_and_mul_available
 from omniserve.cpu.attention import CpuAttentionBackend
 from omniserve.cpu.linear import (
+    Fp8Linear,
     Int4Linear,
     OneDnnLinear,
     RowsLinear,
@@ -36,6 +37,7 @@ from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import LinearBase
 from omniserve.layers.placement import KernelPlacement
+from omniserve.layers.quantization import FP8_SCALE
 from omniserve.layers.rotary_embedding import QKRotary
 from omniserve.layers.vocab_embedding import VocabParallelEmbedding
 
@@ -70,7 +72,11 @@ def keep_bf16_weights(
     the memory. The kernels then widen them in registers (torch's per-expert products of a
     prefill, one expert at a time) and the embeddings cast the rows they look up, as loading
     would have widened them, so the products stay fp32's. Returns how many weights."""
-    matrices = {d for shape, d in stored.values() if len(shape) > 1 and d.is_floating_point}
+    matrices = {  # FP8 weights and their scales aside: the quantized layers hold them
+        d for name, (shape, d) in stored.items()
+        if len(shape) > 1 and d.is_floating_point and d != torch.float8_e4m3fn
+        and not name.endswith(FP8_SCALE)
+    }  # fmt: skip
     if not (
         dtype == torch.float32
         and matrices == {torch.bfloat16}
@@ -105,11 +111,18 @@ def keep_bf16_weights(
 
 def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> str:
     if layer.quantization is not None:
+        activations = f"{str(dtype).removeprefix('torch.')} activations"
+        if layer.quantization.method == "fp8":
+            fp8 = (layer.weight, layer.weight_scale_inv)
+            if not Fp8Linear.supports(*fp8, dtype):
+                return "torch FP8 (dequantized per call)"
+            layer.kernel = Fp8Linear(*fp8, dtype)
+            return f"C FP8, {activations}"
         parts = (layer.qweight, layer.qzeros, layer.scales)
         if not Int4Linear.supports(*parts, dtype):
             return "torch 4-bit (dequantized per call)"
         layer.kernel = Int4Linear(*parts, dtype)
-        return f"C 4-bit, {str(dtype).removeprefix('torch.')} activations"
+        return f"C 4-bit, {activations}"
     weight = layer.weight
     widened = (weight.dtype, dtype) == (torch.bfloat16, torch.float32)  # keep_bf16_weights'
     name = _weights_name(weight.dtype, dtype)

@@ -79,7 +79,7 @@ at 3,584 x 37,888, 16 to 32 rows took 23-25 ms in 32 MB pieces, 28 in 64 MB ones
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ROWS_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, ctypes.c_int)
-_INT4_SIGNATURE = (_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64,
+_DECODED_SIGNATURE = (_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64,
                    ctypes.c_int)  # fmt: skip
 _DEQUANTIZE_SIGNATURE = (_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, ctypes.c_int)
 _PACK_PANELS_SIGNATURE = (_PTR, _I64, _I64, _PTR, ctypes.c_int)
@@ -298,79 +298,84 @@ class WidenedLinear:
                     torch.get_num_threads())  # fmt: skip
 
 
-def _int4_kernels(dtype: torch.dtype) -> tuple[Any, Any]:
-    """The fused product's and the full dequantization's C functions for ``dtype`` (None each
+def _decoded_kernels(fmt: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    """``csrc/linear_<fmt>.c``'s fused product and full dequantization for ``dtype`` (None each
     when they cannot be built)."""
     return (
-        load_typed("linear_int4.c", "omniserve_linear_int4", dtype, _INT4_SIGNATURE, ctypes.c_int),
-        load_typed("linear_int4.c", "omniserve_dequantize_int4", dtype, _DEQUANTIZE_SIGNATURE,
-                   None),
+        load_typed(f"linear_{fmt}.c", f"omniserve_linear_{fmt}", dtype, _DECODED_SIGNATURE,
+                   ctypes.c_int),
+        load_typed(f"linear_{fmt}.c", f"omniserve_dequantize_{fmt}", dtype,
+                   _DEQUANTIZE_SIGNATURE, None),
     )  # fmt: skip
 
 
-class Int4Linear:
-    """``x @ W.T + bias`` with W kept as 4-bit codes, scales and zero points (``qweight`` uint8
-    ``[N, K / 2]``, ``qzeros`` uint8 and ``scales`` fp32 ``[N, K / g]``); the activations (and
-    the decoded weights) are in ``dtype``, the model's."""
+class DecodedLinear:
+    """``x @ W.T + bias`` with W kept as ``codes`` (``bits`` each) and fp32 ``scales`` ``[N, K /
+    g]`` (and 4-bit zero points) that ``csrc/linear_<fmt>.c`` decodes; the activations (and the
+    decoded weights) are in ``dtype``, the model's."""
+
+    fmt: str
+    bits: int
 
     def __init__(
         self,
-        qweight: torch.Tensor,
-        qzeros: torch.Tensor,
+        codes: torch.Tensor,
+        zeros: torch.Tensor | None,
         scales: torch.Tensor,
         dtype: torch.dtype,
         max_rows: int | None = None,
     ) -> None:
         # references: the layer keeps its parameters
-        self.qweight, self.qzeros, self.scales = qweight, qzeros, scales
+        self.codes, self.zeros, self.scales = codes, zeros, scales
         self.dtype = dtype
         self.max_rows = int4_kernel_max_rows(dtype) if max_rows is None else max_rows
-        self.out_features, self.in_features = qweight.shape[0], 2 * qweight.shape[1]
+        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 8 // self.bits
         self.group_size = self.in_features // scales.shape[1]
-        self.kernel, self.dequantize_kernel = _int4_kernels(dtype)
+        self.kernel, self.dequantize_kernel = _decoded_kernels(self.fmt, dtype)
 
-    @staticmethod
-    def supports(
-        qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
-    ) -> bool:
-        tensors = (qweight, qzeros, scales)
+    @classmethod
+    def _supports(cls, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> bool:
         if not (
-            all(t.device.type == "cpu" and t.dim() == 2 and t.is_contiguous() for t in tensors)
-            and (qweight.dtype, qzeros.dtype, scales.dtype)
-            == (torch.uint8, torch.uint8, torch.float32)
-            and qzeros.shape == scales.shape
-            and qzeros.shape[0] == qweight.shape[0]
-            and qzeros.shape[1] > 0
-        ):
+            all(t.device.type == "cpu" and t.dim() == 2 and t.is_contiguous()
+                for t in (codes, scales))
+            and scales.dtype == torch.float32
+            and scales.shape[0] == codes.shape[0]
+            and scales.shape[1] > 0
+        ):  # fmt: skip
             return False
-        in_features, groups = 2 * qweight.shape[1], qzeros.shape[1]
+        in_features, groups = codes.shape[1] * 8 // cls.bits, scales.shape[1]
         return (
             in_features % 32 == 0
             and in_features % groups == 0
             and in_features // groups % 32 == 0
-            and None not in _int4_kernels(dtype)
+            and None not in _decoded_kernels(cls.fmt, dtype)
+        )
+
+    def _pointers(self, start: int) -> tuple[int, int | None, int]:
+        """The codes', zero points' and scales' addresses at row ``start``."""
+        groups = self.scales.shape[1]
+        return (
+            self.codes.data_ptr() + start * self.codes.shape[1],
+            None if self.zeros is None else self.zeros.data_ptr() + start * groups,
+            self.scales.data_ptr() + start * groups * self.scales.element_size(),
         )
 
     def dequantize(
         self, start: int = 0, end: int | None = None, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Rows ``start:end`` of the weight in ``dtype`` (into ``out`` when given), as
-        ``layers.quantization.dequantize`` gives them."""
+        """Rows ``start:end`` of the weight in ``dtype`` (into ``out`` when given), as the torch
+        reference (``layers.quantization``) dequantizes them."""
         end = self.out_features if end is None else end
         if out is None:
             out = torch.empty(end - start, self.in_features, dtype=self.dtype)
-        groups = self.scales.shape[1]
         self.dequantize_kernel(
-            self.qweight.data_ptr() + start * self.qweight.shape[1],
-            self.qzeros.data_ptr() + start * groups,
-            self.scales.data_ptr() + start * groups * self.scales.element_size(),
-            end - start, self.in_features, self.group_size, out.data_ptr(),
-            torch.get_num_threads(),
+            *self._pointers(start), end - start, self.in_features, self.group_size,
+            out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        _check_input(x, self.dtype, "Int4Linear")
+        _check_input(x, self.dtype, type(self).__name__)
         if x.numel() == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
         if bias is not None:
@@ -383,14 +388,52 @@ class Int4Linear:
             rows = rows.contiguous()
         out = x.new_empty(rows.shape[0], self.out_features)
         status = self.kernel(
-            rows.data_ptr(), rows.shape[0], rows.stride(0), self.qweight.data_ptr(),
-            self.qzeros.data_ptr(), self.scales.data_ptr(), self.out_features, self.in_features,
-            self.group_size, None if bias is None else bias.data_ptr(), out.data_ptr(),
-            out.stride(0), torch.get_num_threads(),
+            rows.data_ptr(), rows.shape[0], rows.stride(0), *self._pointers(0),
+            self.out_features, self.in_features, self.group_size,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+            torch.get_num_threads(),
         )  # fmt: skip
         if status:
-            raise MemoryError("The CPU 4-bit linear kernel could not allocate its scratch.")
+            raise MemoryError(f"The CPU {self.fmt} linear kernel could not allocate its scratch.")
         return out.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(DecodedLinear):
+    """4-bit codes, zero points and scales (``qweight`` uint8 ``[N, K / 2]``, ``qzeros`` uint8
+    and ``scales`` fp32 ``[N, K / g]``)."""
+
+    fmt, bits = "int4", 4
+
+    @classmethod
+    def supports(
+        cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+    ) -> bool:
+        return (
+            (qweight.dtype, qzeros.dtype) == (torch.uint8, torch.uint8)
+            and qzeros.shape == scales.shape
+            and qzeros.is_contiguous()
+            and cls._supports(qweight, scales, dtype)
+        )
+
+
+class Fp8Linear(DecodedLinear):
+    """e4m3 weights and their row scales (``weight`` ``[N, K]``, ``weight_scale_inv`` fp32 ``[N,
+    K / g]``)."""
+
+    fmt, bits = "fp8", 8
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        dtype: torch.dtype,
+        max_rows: int | None = None,
+    ) -> None:
+        super().__init__(weight, None, scales, dtype, max_rows)
+
+    @classmethod
+    def supports(cls, weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> bool:
+        return weight.dtype == torch.float8_e4m3fn and cls._supports(weight, scales, dtype)
 
 
 def product_in_pieces(

@@ -245,7 +245,7 @@ class EngineArgs:
             "-q",
             default=None,
             choices=sorted(QUANTIZATION_METHODS),
-            help="The method the checkpoint is quantized with (4-bit AWQ or GPTQ; the Marlin "
+            help="The method the checkpoint is quantized with (4-bit AWQ or GPTQ, FP8; the Marlin "
             "names read the same checkpoints). Default: read from its config.json.",
         )
         add("--device", default="auto", help="auto (CUDA when present), cpu or cuda.")

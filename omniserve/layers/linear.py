@@ -50,8 +50,14 @@ class LinearBase(nn.Module):
     bias: nn.Parameter | None
     kernel: LinearKernel | None = None
     lora: LoRASlots | None = None
+    output_size: int
     quantization: QuantizationConfig | None = None
-    """Set when the weight is 4-bit (``qweight``, ``qzeros``, ``scales`` replace ``weight``)."""
+    """Set when the weight is quantized (``layers/quantization.py`` says which tensors hold it)."""
+
+    def checkpoint_rows(self, *shard: object) -> int:
+        """Output features of the checkpoint matrix that ``shard`` (a loader's shard id) names:
+        a quantized weight's per-block scales are widened to per-row ones with it."""
+        return self.output_size
 
     def apply_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = F.linear(x, self.weight, bias) if self.kernel is None else self.kernel(x, bias)
@@ -63,6 +69,7 @@ class ReplicatedLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
+        self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
@@ -105,6 +112,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def _shard_ids(self) -> set[tuple[object, ...]]:
         return {(i,) for i in range(len(self.output_sizes))}
+
+    def checkpoint_rows(self, *shard: object) -> int:
+        return self.output_sizes[shard[0]]  # type: ignore[call-overload]
 
     def weight_loader(  # type: ignore[override]
         self,
@@ -158,6 +168,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def _shard_ids(self) -> set[tuple[object, ...]]:
         return {("q",), ("k",), ("v",)}
+
+    def checkpoint_rows(self, *shard: object) -> int:
+        return self.total_sizes[shard[0]]  # type: ignore[index]
 
     def weight_loader(  # type: ignore[override]
         self,

@@ -1,6 +1,7 @@
-"""4-bit weight-only quantized checkpoints (AWQ and GPTQ, as AutoAWQ / GPTQModel save them).
+"""Weight-only quantized checkpoints: 4-bit AWQ and GPTQ (as AutoAWQ / GPTQModel save them) and
+block-scaled FP8 (as Qwen and DeepSeek publish it, ``Qwen3-*-FP8``).
 
-A quantized linear layer keeps its weight as 4-bit codes with one scale and one zero point per
+A 4-bit linear layer keeps its weight as 4-bit codes with one scale and one zero point per
 ``group_size`` input features: ``w[n, k] = (code[n, k] - zero[n, k // g]) * scale[n, k // g]``.
 The two checkpoint formats pack those numbers differently; on loading, each tensor is turned into
 one layout, oriented like a plain weight (output features first), so the layers' own weight
@@ -13,17 +14,24 @@ loaders shard it for tensor parallelism exactly as they shard a plain weight:
 - ``g_idx`` (GPTQ only): int32 ``[K]``, each feature's group, which must be ``k // g``: a
   checkpoint that reorders features (``desc_act`` with a permuted ``g_idx``) is refused.
 
-A layer becomes quantized when the checkpoint stores its matrices as ``qweight``
-(``quantize_linear``); the others (media towers, the LM head, ``modules_to_not_convert``) stay
-in the model's dtype. Its product runs through ``layer.kernel``: here a torch one that
-dequantizes the weight on each call (CUDA, and CPUs without the C kernels); the CPU backend
-swaps in ``cpu.linear.Int4Linear``.
+An FP8 layer keeps the checkpoint's e4m3 ``weight`` ``[N, K]`` (a byte per weight) and its
+``weight_scale_inv``, one scale per ``row_block x group_size`` block, widened to one fp32 scale per
+row and group, ``[N, K / g]``: the 4-bit layout's, so the same loaders shard it and the same
+kernels read it, ``w[n, k] = weight[n, k] * scale[n, k // g]``.
+
+A layer becomes quantized when the checkpoint stores its matrices as ``qweight`` or with a
+``weight_scale_inv`` (``quantize_linear``); the others (media towers, the LM head,
+``modules_to_not_convert``) stay in the model's dtype. FP8 matrices of anything other than
+omniserve's linear layers (MoE experts, transformers' media towers) are dequantized as they are
+read (``dequantize_at_load``): correct, at their unquantized size. A layer's product runs through
+``layer.kernel``: here a torch one that dequantizes the weight on each call (CUDA, and CPUs
+without the C kernels); the CPU backend swaps in ``cpu.linear.Int4Linear`` / ``Fp8Linear``.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,9 +40,17 @@ from torch import nn
 
 from omniserve.config import QuantizationConfig
 from omniserve.layers.linear import LinearBase
-from omniserve.layers.weight_utils import LoadedWeight, materialize, set_weight_loader
+from omniserve.layers.vocab_embedding import VocabParallelEmbedding
+from omniserve.layers.weight_utils import (
+    LoadedWeight,
+    copy_weight,
+    materialize,
+    set_weight_loader,
+)
 
 QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+FP8_SCALE = "weight_scale_inv"
+"""The tensor that marks an FP8 matrix (beside its ``weight``)."""
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """AutoAWQ's packing: nibble ``i`` of an int32 holds column ``_AWQ_ORDER[i]`` of its eight."""
 
@@ -103,6 +119,24 @@ def dequantize(
     return ((codes - zeros) * scales.repeat_interleave(group_size, dim=1)).to(dtype)
 
 
+def fp8_row_scales(grid: torch.Tensor, rows: int, row_block: int) -> torch.Tensor:
+    """A ``weight_scale_inv`` grid ``[ceil(N / row_block), groups]`` -> fp32 ``[N, groups]``."""
+    if grid.dim() != 2 or grid.shape[0] != -(-rows // row_block):
+        raise ValueError(
+            f"{FP8_SCALE} of shape {tuple(grid.shape)} does not give one row of scales per "
+            f"{row_block} of {rows} output features."
+        )
+    return grid.float().repeat_interleave(row_block, 0)[:rows].contiguous()
+
+
+def dequantize_fp8(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[N, K]`` weight in ``dtype``: e4m3 ``weight`` times its fp32 row scales ``[N,
+    ceil(K / g)]`` in fp32, rounded once (as transformers dequantizes)."""
+    k = weight.shape[1]
+    group_size = -(-k // scales.shape[1])
+    return (weight.float() * scales.repeat_interleave(group_size, 1)[:, :k]).to(dtype)
+
+
 class DequantizeLinear:
     """``x @ W.T + b`` with W dequantized on each call: torch only, so it runs anywhere."""
 
@@ -111,7 +145,11 @@ class DequantizeLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         layer = self.layer
-        return F.linear(x, dequantize(layer.qweight, layer.qzeros, layer.scales, x.dtype), bias)
+        if layer.quantization is not None and layer.quantization.method == "fp8":
+            weight = dequantize_fp8(layer.weight, layer.weight_scale_inv, x.dtype)
+        else:
+            weight = dequantize(layer.qweight, layer.qzeros, layer.scales, x.dtype)
+        return F.linear(x, weight, bias)
 
 
 def quantize_linear(layer: LinearBase, config: QuantizationConfig) -> None:
@@ -126,11 +164,18 @@ def quantize_linear(layer: LinearBase, config: QuantizationConfig) -> None:
             f"groups of {config.group_size} (tensor parallelism must split on group bounds)."
         )
     groups = in_features // config.group_size
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-        "qweight": ((out_features, in_features // 2), torch.uint8),
-        "qzeros": ((out_features, groups), torch.uint8),
-        "scales": ((out_features, groups), torch.float32),
-    }
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    if config.method == "fp8":
+        shapes = {
+            "weight": ((out_features, in_features), torch.float8_e4m3fn),
+            FP8_SCALE: ((out_features, groups), torch.float32),
+        }
+    else:
+        shapes = {
+            "qweight": ((out_features, in_features // 2), torch.uint8),
+            "qzeros": ((out_features, groups), torch.uint8),
+            "scales": ((out_features, groups), torch.float32),
+        }
     if config.method == "gptq":
         shapes["g_idx"] = ((in_features,), torch.int32)
     shard_loader = getattr(weight, "weight_loader", None)
@@ -148,7 +193,15 @@ def _quantized_loader(
     config: QuantizationConfig, suffix: str, shard_loader: Any, layer: LinearBase
 ) -> Any:
     def load(param: nn.Parameter, loaded: LoadedWeight, *shard: Any) -> None:
-        tensor = canonical(config, suffix, loaded)
+        if suffix == "weight":  # FP8: read as stored
+            if loaded.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"an FP8 layer's weight is stored as {loaded.dtype}, not e4m3.")
+            tensor: LoadedWeight = loaded
+        elif suffix == FP8_SCALE:
+            rows = layer.checkpoint_rows(*shard)
+            tensor = fp8_row_scales(materialize(loaded), rows, config.row_block)
+        else:
+            tensor = canonical(config, suffix, loaded)
         if suffix == "g_idx":  # checked whole, then each local feature's group
             expected = torch.arange(getattr(layer, "input_size", param.numel()))
             if not torch.equal(tensor, (expected // config.group_size).to(torch.int32)):
@@ -160,45 +213,88 @@ def _quantized_loader(
         elif shard_loader is None:
             if param.shape != tensor.shape:
                 raise ValueError(f"Shape mismatch: {tuple(param.shape)} vs {tuple(tensor.shape)}.")
-            param.data.copy_(tensor)
+            copy_weight(param.data, tensor)
         else:
             shard_loader(param, tensor, *shard)
 
     return load
 
 
-def quantize_layers(model: nn.Module, config: QuantizationConfig, keys: Iterable[str]) -> int:
-    """Make quantized every linear layer whose checkpoint matrices are stored as ``qweight``
-    (among ``keys``), before loading; return how many. The keys go through the model's own
-    ``load_weights`` routing (with ``find_quantized`` set, which loads nothing), so fused layers
-    and renamed prefixes map as they do when the weights are read."""
+def quantize_layers(
+    model: nn.Module, config: QuantizationConfig, keys: Iterable[str]
+) -> tuple[int, set[str]]:
+    """Before loading, make quantized every linear layer whose checkpoint matrices are stored
+    quantized (``qweight``, or FP8 with a ``weight_scale_inv``) among ``keys``; return how many,
+    and the checkpoint names (without ``.weight``) of the FP8 matrices that go elsewhere, which
+    ``dequantize_at_load`` must dequantize. The keys go through the model's own ``load_weights``
+    routing (with ``find_quantized`` set, which loads nothing), so fused layers and renamed
+    prefixes map as they do when the weights are read."""
+    fp8 = config.method == "fp8"
+    marker = FP8_SCALE if fp8 else "qweight"
+    marked = [key for key in keys if key.endswith(f".{marker}")]
     quantized: set[str] = set()
+    kept: set[str] = set()  # FP8 checkpoint names a quantized layer holds as they are
 
     def find_quantized(ckpt_name: str, param_name: str) -> None:
         path, _, suffix = param_name.rpartition(".")
-        if suffix != "qweight" or path in quantized:
+        if suffix != marker:
             return
         try:
             layer = model.get_submodule(path)
         except AttributeError:
             layer = None
-        if not isinstance(layer, LinearBase):
+        if not isinstance(layer, LinearBase) or isinstance(layer, VocabParallelEmbedding):
+            if fp8:
+                return  # dequantized at load
             raise ValueError(
                 f"Checkpoint tensor {ckpt_name!r} is a 4-bit weight, but omniserve runs 4-bit "
                 f"weights in its linear layers only and {path!r} is not one (quantized MoE "
                 "experts are not supported)."
             )
-        quantize_linear(layer, config)
-        quantized.add(path)
+        kept.add(ckpt_name.removesuffix(f".{marker}"))
+        if path not in quantized:
+            quantize_linear(layer, config)
+            quantized.add(path)
 
     model.find_quantized = find_quantized
     try:
-        model.load_weights((key, None) for key in keys if key.endswith(".qweight"))
+        model.load_weights((key, None) for key in marked)
     finally:
         del model.find_quantized
-    if not quantized:
+    if not marked:
+        raise ValueError(
+            f"The checkpoint's quantization_config says {config.method}, but it stores no "
+            f"{marker} tensor."
+        )
+    if not fp8 and not quantized:
         raise ValueError(
             f"The checkpoint's quantization_config says {config.method}, but it stores no "
             "qweight tensor that omniserve's model routes to a linear layer."
         )
-    return len(quantized)
+    return len(quantized), {key.removesuffix(f".{marker}") for key in marked} - kept
+
+
+def dequantize_at_load(
+    weights: Iterator[tuple[str, LoadedWeight]],
+    stems: set[str],
+    scales: Mapping[str, torch.Tensor],
+    config: QuantizationConfig,
+) -> Iterator[tuple[str, LoadedWeight]]:
+    """The checkpoint's tensors with each FP8 matrix ``stem.weight`` of ``stems`` dequantized (to
+    fp32: the parameter it fills rounds it once) by ``scales[stem]``, its ``weight_scale_inv``
+    grid, and those grids left out."""
+    for name, tensor in weights:
+        stem, _, suffix = name.rpartition(".")
+        if stem not in stems or suffix not in ("weight", FP8_SCALE):
+            yield name, tensor
+        elif suffix == "weight":
+            weight = materialize(tensor)
+            grid = scales[stem]
+            if weight.dim() != 2 or grid.shape[1] != -(-weight.shape[1] // config.group_size):
+                raise ValueError(
+                    f"Checkpoint tensor {name!r} of shape {tuple(weight.shape)} does not match "
+                    f"its {FP8_SCALE} grid {tuple(grid.shape)} in blocks of "
+                    f"{config.row_block} x {config.group_size}."
+                )
+            row_scales = fp8_row_scales(grid, weight.shape[0], config.row_block)
+            yield name, dequantize_fp8(weight, row_scales, torch.float32)

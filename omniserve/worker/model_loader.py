@@ -20,7 +20,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from omniserve.layers.weight_utils import LazyTensor, SafetensorsFile
+from omniserve.config import QuantizationConfig
+from omniserve.layers.quantization import FP8_SCALE, dequantize_at_load
+from omniserve.layers.weight_utils import LazyTensor, LoadedWeight, SafetensorsFile
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +78,41 @@ def iterate_checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, Laz
             )  # fmt: skip
 
 
-def load_model_weights(model: nn.Module, model_dir: str | Path) -> None:
+def read_checkpoint_tensors(model_dir: str | Path, names: set[str]) -> dict[str, torch.Tensor]:
+    """The named tensors, read whole (for small ones another tensor's loading needs)."""
+    found = {}
+    for path in checkpoint_files(model_dir):
+        with SafetensorsFile(path) as f:
+            for name in names.intersection(f.keys()):
+                found[name] = f.tensor(name).materialize()
+    if missing := names - found.keys():
+        raise ValueError(f"{model_dir} lacks checkpoint tensor(s) {sorted(missing)[:5]}.")
+    return found
+
+
+def load_model_weights(
+    model: nn.Module,
+    model_dir: str | Path,
+    quantization: QuantizationConfig | None = None,
+    dequantize: set[str] | None = None,
+) -> None:
     """Fill every parameter of ``model`` from the checkpoint; ValueError names what did not match.
+    ``dequantize``: the FP8 matrices (checkpoint names without ``.weight``) that no quantized
+    layer holds, dequantized as they are read (``layers.quantization.dequantize_at_load``).
 
     Tied embeddings need nothing here: a tied ``lm_head.weight`` is the embedding's parameter, so
     it is filled through ``embed_tokens`` and the model skips an ``lm_head`` key if one is stored.
     """
     if not hasattr(model, "load_weights"):
         raise TypeError(f"{type(model).__name__} has no load_weights(weights) method.")
+    weights: Iterator[tuple[str, LoadedWeight]] = iterate_checkpoint_weights(model_dir)
+    if dequantize:
+        assert quantization is not None
+        grids = read_checkpoint_tensors(model_dir, {f"{s}.{FP8_SCALE}" for s in dequantize})
+        scales = {name.removesuffix(f".{FP8_SCALE}"): grid for name, grid in grids.items()}
+        weights = dequantize_at_load(weights, dequantize, scales, quantization)
     with torch.no_grad():
-        loaded = model.load_weights(iterate_checkpoint_weights(model_dir))
+        loaded = model.load_weights(weights)
     missing = sorted({name for name, _ in model.named_parameters()} - loaded)
     if missing:
         shown = ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")

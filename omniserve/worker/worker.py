@@ -17,7 +17,7 @@ from omniserve import envs
 from omniserve.attention.encoder import set_encoder_attention
 from omniserve.attention.layer import get_attention_layers
 from omniserve.attention.selector import apply_attention_backend
-from omniserve.config import OmniConfig
+from omniserve.config import OmniConfig, QuantizationConfig
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.cpu.backend import apply_cpu_backend, keep_bf16_weights
 from omniserve.cpu.build import has_native_bf16
@@ -101,6 +101,27 @@ def skip_weight_init() -> Iterator[None]:
         yield
 
 
+def _log_quantization(
+    config: QuantizationConfig, count: int, dequantized: set[str], dtype: torch.dtype
+) -> None:
+    if config.method != "fp8":
+        logger.info(
+            "%s checkpoint: %d linear layers hold 4-bit weights (groups of %d).",
+            config.method.upper(), count, config.group_size,
+        )  # fmt: skip
+        return
+    logger.info(
+        "FP8 checkpoint: %d linear layers hold e4m3 weights (a scale per %d x %d block).",
+        count, config.row_block, config.group_size,
+    )  # fmt: skip
+    if dequantized:
+        logger.warning(
+            "%d FP8 matrices outside omniserve's linear layers (MoE experts, media towers; "
+            "e.g. %s) are dequantized to %s at load and take that dtype's memory.",
+            len(dequantized), min(dequantized), str(dtype).removeprefix("torch."),
+        )  # fmt: skip
+
+
 class Worker:
     def __init__(self, config: OmniConfig, rank: int = 0) -> None:
         self.config = config
@@ -130,12 +151,10 @@ class Worker:
         stored = checkpoint_tensor_shapes(model_config.model)
         with torch.device(self.device), default_dtype(self.dtype), skip_weight_init():
             model = model_cls(self.hf_config)
+            dequantized: set[str] = set()
             if (quantization := model_config.quantization_config) is not None:
-                count = quantize_layers(model, quantization, stored)
-                logger.info(
-                    "%s checkpoint: %d linear layers hold 4-bit weights (groups of %d).",
-                    quantization.method.upper(), count, quantization.group_size,
-                )  # fmt: skip
+                count, dequantized = quantize_layers(model, quantization, stored)
+                _log_quantization(quantization, count, dequantized, self.dtype)
             if self.device.type == "cpu":
                 if count := keep_bf16_weights(model, self.dtype, stored):
                     logger.info(
@@ -153,7 +172,7 @@ class Worker:
                 str(self.dtype).removeprefix("torch."),
                 config.scheduler_config.max_model_len,
             )
-        load_model_weights(model, model_config.model)
+        load_model_weights(model, model_config.model, quantization, dequantized)
         model.eval()
         if self.device.type == "cpu":
             self.backend_report = apply_cpu_backend(model, self.dtype)

@@ -1,0 +1,213 @@
+"""Block-scaled FP8 checkpoints (Qwen's ``-FP8`` format): the CPU kernel decodes every e4m3 code
+as torch does and multiplies as the dequantized weight does; the block scales widen to per-row
+ones that tensor parallelism shards as it shards weights, rows not filling their last block
+included; a checkpoint serves what transformers computes loading the same files (fp32 greedy:
+tokens identical, logprobs close), its MoE experts dequantized at load; what omniserve cannot
+run is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omniserve import LLM, SamplingParams
+from omniserve.checkpoint_builder.quantized import build_quantized_checkpoint, quantize_fp8
+from omniserve.config import QuantizationConfig
+from omniserve.cpu import linear as cpu_linear
+from omniserve.cpu.linear import Fp8Linear
+from omniserve.layers import linear
+from omniserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from omniserve.layers.quantization import (
+    FP8_SCALE,
+    DequantizeLinear,
+    dequantize_fp8,
+    fp8_row_scales,
+    quantize_linear,
+)
+from tests.hf_reference import assert_matches_reference, hf_greedy, make_prompts
+from tests.test_cpu_backend import DTYPES, _close
+from tests.test_layers import as_rank
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3)
+BLOCK = 32
+
+
+def _fp8_weights(out_features: int, in_features: int, group_size: int, seed: int):
+    """Every e4m3 code but the two NaNs, at random, and fp32 row scales ``[N, K / g]``."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (out_features, in_features), generator=gen, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0
+    scales = torch.rand(out_features, in_features // group_size, generator=gen) * 0.01
+    return codes.view(torch.float8_e4m3fn), scales
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_kernel_decodes_every_code_as_torch(dtype: torch.dtype) -> None:
+    """All 254 finite codes (subnormals, both zeros) under ordinary, tiny and huge scales decode
+    bit for bit as ``dequantize_fp8`` (torch's e4m3 cast times the scale, rounded once)."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(4, 1)
+    codes[codes & 0x7F == 0x7F] = 0
+    weight = codes.view(torch.float8_e4m3fn)
+    scales = torch.tensor([[0.01, 3.0], [1e-30, 1e-40], [1e30, 2.0**-126], [1.0, 0.0]])
+    kernel = Fp8Linear(weight, scales, dtype)
+    assert torch.equal(kernel.dequantize(), dequantize_fp8(weight, scales, dtype))
+    assert torch.equal(kernel.dequantize(1, 3), dequantize_fp8(weight, scales, dtype)[1:3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("rows", [1, 3, 5, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_matches_the_dequantized_weight(rows, group_size, bias, dtype) -> None:
+    """The fused kernel (up to 8 rows here) and the decode-then-``F.linear`` path above it, on
+    100 output rows and rows of a wider input, against the dequantized weight."""
+    weight, scales = _fp8_weights(100, 384, group_size, rows)
+    assert Fp8Linear.supports(weight, scales, dtype)
+    kernel = Fp8Linear(weight, scales, dtype, max_rows=8)
+    bias_t = torch.randn(100) if bias else None
+    x = torch.randn(rows, 400).to(dtype)[:, 8:392]
+    with torch.inference_mode():
+        got = kernel(x, bias_t)
+    reference = dequantize_fp8(weight, scales, dtype).float()
+    expected = F.linear(x.float(), reference, None if bias_t is None else bias_t.to(dtype).float())
+    assert got.dtype == dtype
+    _close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fp8_linear_long_rows_and_pieces(rows, dtype, monkeypatch) -> None:
+    """Rows of over 2,048 features in slices; past the scratch's size the weight is decoded in
+    pieces; leading dims; an empty batch; a wrong dtype refused."""
+    weight, scales = _fp8_weights(100, 2176, 128, rows)
+    bias = torch.randn(100).to(dtype)
+    x = torch.randn(2, rows, 2176).to(dtype)
+    monkeypatch.setattr(cpu_linear, "DEQUANTIZE_SCRATCH_BYTES", 100 * 2176 * 2 // 3)
+    expected = F.linear(x.float(), dequantize_fp8(weight, scales, dtype).float(), bias.float())
+    with torch.inference_mode():
+        for max_rows in (16, 0):  # the kernel, then decoded pieces
+            got = Fp8Linear(weight, scales, dtype, max_rows=max_rows)(x, bias)
+            assert got.shape == (2, rows, 100)
+            _close(got, expected, dtype)
+        kernel = Fp8Linear(weight, scales, dtype)
+        assert kernel(torch.empty(0, 2176).to(dtype), None).shape == (0, 100)
+        with pytest.raises(TypeError, match="does not match"):
+            kernel(torch.randn(2, 2176).to(torch.float16), None)
+
+
+def test_fp8_linear_refuses_shapes_off_the_kernel() -> None:
+    assert Fp8Linear.supports(*_fp8_weights(8, 64, 32, 0), torch.float32)
+    assert not Fp8Linear.supports(*_fp8_weights(8, 48, 48, 0), torch.float32)  # K % 32
+    assert not Fp8Linear.supports(*_fp8_weights(8, 64, 16, 0), torch.float32)  # groups of 16
+    assert not Fp8Linear.supports(*_fp8_weights(8, 64, 32, 0), torch.float16)
+    weight, scales = _fp8_weights(8, 64, 32, 0)
+    assert not Fp8Linear.supports(weight.view(torch.uint8), scales, torch.float32)
+    assert not Fp8Linear.supports(weight, scales.double(), torch.float32)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_fp8_block_scales_shard_as_weights(monkeypatch, tp_size) -> None:
+    """Blocks of 48 rows (k and v: 32 rows, one partial block; q: 128, two and a partial) and 32
+    features: every rank's product equals the same slice of the whole dequantized matrix's."""
+    gen = torch.Generator().manual_seed(1)
+    hidden, head, heads, kv_heads, inter, row_block = 128, 16, 8, 2, 256, 48
+    config = QuantizationConfig("fp8", BLOCK, row_block=row_block)
+
+    def fp8(out_features: int, in_features: int) -> tuple[dict, torch.Tensor]:
+        weight = torch.randn(out_features, in_features, generator=gen)
+        codes, _ = quantize_fp8(weight, BLOCK)
+        grid = torch.rand(-(-out_features // row_block), in_features // BLOCK, generator=gen)
+        grid = grid.bfloat16()  # as Qwen stores them
+        full = dequantize_fp8(codes, fp8_row_scales(grid, out_features, row_block), torch.float32)
+        return {"weight": codes, FP8_SCALE: grid}, full
+
+    q, k, v = fp8(heads * head, hidden), fp8(kv_heads * head, hidden), fp8(kv_heads * head, hidden)
+    gate, up, down = fp8(inter, hidden), fp8(inter, hidden), fp8(hidden, inter)
+    x, h = torch.randn(3, hidden, generator=gen), torch.randn(3, inter, generator=gen)
+    row_sum, gate_up_parts, kv_parts = torch.zeros(3, hidden), [], []
+    for rank in range(tp_size):
+        as_rank(monkeypatch, rank, tp_size, linear)
+        qkv = QKVParallelLinear(hidden, head, heads, kv_heads)
+        gate_up = MergedColumnParallelLinear(hidden, [inter, inter])
+        down_proj = RowParallelLinear(inter, hidden)
+        for layer, parts in ((qkv, {"q": q, "k": k, "v": v}), (gate_up, {0: gate, 1: up}),
+                             (down_proj, {None: down})):  # fmt: skip
+            quantize_linear(layer, config)
+            assert isinstance(layer.kernel, DequantizeLinear)
+            for shard, (tensors, _) in parts.items():
+                for suffix, tensor in tensors.items():
+                    param = getattr(layer, suffix)
+                    param.weight_loader(param, tensor, *(() if shard is None else (shard,)))
+        out = qkv(x)
+        torch.testing.assert_close(out[:, : qkv.q_size], F.linear(x, q[1].chunk(tp_size)[rank]))
+        kv_parts.append(out[:, qkv.q_size :])
+        gate_up_parts.append(gate_up(x))
+        row_sum += down_proj(h.chunk(tp_size, -1)[rank])
+    kv = torch.cat(kv_parts, -1).unflatten(-1, (tp_size, 2, -1))
+    torch.testing.assert_close(kv[:, :, 0].flatten(1), F.linear(x, k[1]))
+    torch.testing.assert_close(kv[:, :, 1].flatten(1), F.linear(x, v[1]))
+    both = torch.cat(gate_up_parts, -1).unflatten(-1, (tp_size, 2, -1))
+    torch.testing.assert_close(both[:, :, 0].flatten(1), F.linear(x, gate[1]))
+    torch.testing.assert_close(both[:, :, 1].flatten(1), F.linear(x, up[1]))
+    torch.testing.assert_close(row_sum, F.linear(h, down[1]), rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_scale_grids_must_cover_their_rows() -> None:
+    with pytest.raises(ValueError, match="one row of scales per 48 of 100"):
+        fp8_row_scales(torch.ones(2, 4), 100, 48)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_fp8_checkpoint_matches_transformers_loading_it(tiny_checkpoint, architecture):
+    """transformers reads the same FP8 files (it dequantizes them on a CPU); the dense
+    projections stay e4m3 in omniserve (a byte per weight plus fp32 row scales), the MoE
+    experts are dequantized at load."""
+    model_dir = str(tiny_checkpoint(architecture))
+    quantized, twin = build_quantized_checkpoint(model_dir, "fp8", BLOCK)
+    prompts = make_prompts(model_dir, [5, 19, 36])
+    reference = hf_greedy(str(quantized), prompts, MAX_TOKENS)
+    assert reference[0].token_ids == hf_greedy(str(twin), prompts[:1], MAX_TOKENS)[0].token_ids
+    llm = LLM(str(quantized), dtype="float32", quantization="fp8")
+    info = llm.llm_engine.engine_core.call_utility("get_model_info")
+    assert "C FP8, float32 activations" in str(info["layer_kernels"])
+    unquantized = LLM(str(twin), dtype="float32").llm_engine.engine_core.call_utility(
+        "get_model_info"
+    )["weight_bytes"]
+    assert info["weight_bytes"] < unquantized
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, reference)
+
+
+@pytest.mark.gpu
+def test_fp8_checkpoint_on_gpu_matches_transformers(tiny_checkpoint):
+    """On CUDA (the dequantize-per-call kernel), fp32 against transformers' fp32 on the CPU."""
+    model_dir = str(tiny_checkpoint("Qwen2ForCausalLM"))
+    quantized, twin = build_quantized_checkpoint(model_dir, "fp8", BLOCK)
+    prompts = make_prompts(model_dir, [5, 19, 36])
+    llm = LLM(str(quantized), dtype="float32", device="cuda")
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, hf_greedy(str(twin), prompts, MAX_TOKENS), atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"quant_method": "fp8"}, "without weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "e5m2"),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+            "static",
+        ),  # fmt: skip
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, "ue8m0"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, "rows, cols"),
+    ],
+)
+def test_unsupported_fp8_is_refused_by_name(config, message):
+    with pytest.raises(ValueError, match=message):
+        QuantizationConfig.from_hf(config)
+    assert QuantizationConfig.from_hf(
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+         "weight_block_size": [128, 64]}, "fp8"
+    ) == QuantizationConfig("fp8", 64, row_block=128)  # fmt: skip
