@@ -6,7 +6,7 @@ AVX512-BF16), at real checkpoints' shapes.
 
 Each figure is the median of ``--repeats`` calls in milliseconds, the kernels taking turns, with
 the weights evicted before each call and the code path warmed on a small weight, as in
-``bench_int4_linear.py`` (whose timing loop this uses). The ratios are the others' time over
+``bench_quantized_linear.py`` (whose timing loop this uses). The ratios are the others' time over
 ``WidenedLinear``'s.
 
     python scripts/bench_cpu_linear.py                      # Qwen2.5-1.5B / 7B-sized layers
@@ -19,7 +19,7 @@ import argparse
 import functools
 
 import torch
-from bench_int4_linear import SHAPES, SMALL_K, Kernel, add_timing_args, median_ms
+from bench_quantized_linear import SHAPES, SMALL_K, Kernel, add_timing_args, median_ms
 
 from omniserve.cpu.linear import OneDnnLinear, WidenedLinear
 

@@ -26,6 +26,8 @@ none); every engine gets a 4 GiB KV cache and max_model_len 4096.
     python scripts/bench_realsize.py --vllm-python /work/vllm-venv/bin/python --out r.json
     python scripts/bench_realsize.py --models qwen2.5-omni-3b-thinker --quantization awq \
         --engines omniserve,omniserve:dequantized,hf
+    python scripts/bench_realsize.py --models qwen3-vl-2b --quantization fp8 \
+        --engines omniserve,omniserve:dequantized,hf --workloads b1,b8,prefill
     python scripts/bench_realsize.py --models qwen2.5-1.5b --lora-rank 16 \
         --engines omniserve,omniserve:base,hf --variants '{"base": {"enable_lora": false}}'
 """
@@ -668,10 +670,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--quantization",
-        choices=["awq", "gptq"],
+        choices=["awq", "gptq", "fp8"],
         default=None,
-        help="Serve a 4-bit copy of each checkpoint (round-to-nearest, groups of 128, built "
-        "once); transformers, vLLM and omniserve:dequantized run its dequantized bf16 twin.",
+        help="Serve a quantized copy of each checkpoint (round-to-nearest: 4-bit in groups of "
+        "128, or FP8 in 128 x 128 blocks; built once); transformers, vLLM and "
+        "omniserve:dequantized run its dequantized bf16 twin.",
     )
     parser.add_argument("--worker", choices=["omniserve", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)

@@ -17,14 +17,14 @@ from omniserve.cpu import moe as cpu_moe
 from omniserve.cpu.backend import apply_cpu_backend, keep_bf16_weights
 from omniserve.cpu.build import load_library
 from omniserve.cpu.linear import (
-    AMX_INT4_KERNEL_MAX_ROWS,
+    AMX_DECODED_KERNEL_MAX_ROWS,
     AMX_ROWS_KERNEL_MAX_ROWS,
-    INT4_KERNEL_MAX_ROWS,
+    DECODED_KERNEL_MAX_ROWS,
     ROWS_KERNEL_MAX_ROWS,
     Int4Linear,
     RowsLinear,
     WidenedLinear,
-    int4_kernel_max_rows,
+    decoded_kernel_max_rows,
     onednn_packs,
     rows_kernel_max_rows,
 )
@@ -349,12 +349,12 @@ def test_int4_linear_refuses_shapes_off_the_kernel() -> None:
 def test_int4_kernel_hands_bf16_to_onednn_sooner_where_the_cpu_has_amx(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for amx, bf16_rows in ((True, AMX_INT4_KERNEL_MAX_ROWS), (False, INT4_KERNEL_MAX_ROWS)):
+    for amx, bf16_rows in ((True, AMX_DECODED_KERNEL_MAX_ROWS), (False, DECODED_KERNEL_MAX_ROWS)):
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda amx=amx: {"amx_bf16": amx})
-        int4_kernel_max_rows.cache_clear()
-        assert int4_kernel_max_rows(torch.bfloat16) == bf16_rows
-        assert int4_kernel_max_rows(torch.float32) == INT4_KERNEL_MAX_ROWS
-    int4_kernel_max_rows.cache_clear()
+        decoded_kernel_max_rows.cache_clear()
+        assert decoded_kernel_max_rows(torch.bfloat16) == bf16_rows
+        assert decoded_kernel_max_rows(torch.float32) == DECODED_KERNEL_MAX_ROWS
+    decoded_kernel_max_rows.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

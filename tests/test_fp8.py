@@ -58,15 +58,16 @@ def test_fp8_kernel_decodes_every_code_as_torch(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("rows", [1, 3, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_linear_matches_the_dequantized_weight(rows, group_size, bias, dtype) -> None:
-    """The fused kernel (up to 8 rows here) and the decode-then-``F.linear`` path above it, on
-    100 output rows and rows of a wider input, against the dequantized weight."""
-    weight, scales = _fp8_weights(100, 384, group_size, rows)
+    """The kernel without a scratch (up to 4 rows), the one with (up to 8 here) and the
+    decode-then-``F.linear`` path above them, on 103 output rows (tiles of 4, 2 and 6 with a
+    remainder) and rows of a wider input, against the dequantized weight."""
+    weight, scales = _fp8_weights(103, 384, group_size, rows)
     assert Fp8Linear.supports(weight, scales, dtype)
     kernel = Fp8Linear(weight, scales, dtype, max_rows=8)
-    bias_t = torch.randn(100) if bias else None
+    bias_t = torch.randn(103) if bias else None
     x = torch.randn(rows, 400).to(dtype)[:, 8:392]
     with torch.inference_mode():
         got = kernel(x, bias_t)

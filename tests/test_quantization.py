@@ -168,9 +168,10 @@ def _weight_bytes(model_dir: Path) -> tuple[int, int]:
     return sum(sizes.values()), sum(v for n, v in sizes.items() if n.endswith("_proj.weight"))
 
 
-def test_lora_adapters_apply_over_4bit_weights(text_case, tmp_path):
+@pytest.mark.parametrize("method", ["awq", "fp8"])
+def test_lora_adapters_apply_over_quantized_weights(text_case, tmp_path, method):
     model_dir, prompts = text_case
-    quantized, twin = build_quantized_checkpoint(model_dir, "awq", GROUP)
+    quantized, twin = build_quantized_checkpoint(model_dir, method, GROUP)
     adapter = save_adapter(AutoModelForCausalLM, str(twin), tmp_path / "a", 3, r=4, lora_alpha=8,
                            target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
     with_adapter = WithAdapter(AutoModelForCausalLM, adapter)

@@ -24,13 +24,25 @@ oneDNN: 0.9-1.05x there (Qwen3-0.6B's and Qwen2.5-1.5B's layers). Against bf16 t
 (``--dtype bfloat16``, emulated here), 2.9-3.5x as fast at 4 rows and 3.7-5.3x from 16.
 
 **C, 4-bit weights** (``Int4Linear``): for AWQ / GPTQ layers, on ``layers/quantization.py``'s
-layout as loaded. For a few rows (``int4_kernel_max_rows``) ``csrc/linear_int4.c`` decodes a
+layout as loaded. For a few rows (``decoded_kernel_max_rows``) ``csrc/linear_int4.c`` decodes a
 tile's weight rows at a time into a thread's scratch (a table lookup per 16 or 32 codes) and runs
 the plain-layout tiles over it, so a decode step streams a quarter of a bf16 weight's bytes: at
 one row about twice as fast as ``OneDnnLinear`` on the bf16 weight, and as fast as torch's own
-int4 kernel (``scripts/bench_int4_linear.py``). More rows, where the tiles' dot products cost
+int4 kernel (``scripts/bench_quantized_linear.py``). More rows, where the tiles' dot products cost
 more than the bytes saved, go to ``F.linear`` on the weight decoded piece by piece (oneDNN, on
 AMX where the CPU has it).
+
+**C, FP8 weights** (``Fp8Linear``): for block-scaled e4m3 layers, the same loop
+(``csrc/decoded_linear.h``) over ``csrc/linear_fp8.c``'s decoding (each byte's bits moved into an
+fp16, which the CPU widens exactly). Up to 4 rows a kernel without the scratch decodes straight
+into the dot products and scales each group's sums once: decoding into a scratch first made the
+decode step compute-bound at about 1.1x the bf16 layer's time. Measured (2-core Xeon without
+AVX512-BF16, 2 threads, weights out of cache; ``scripts/bench_quantized_linear.py --format fp8``,
+Qwen2.5-1.5B's gate/up and down and a 7B's gate/up): with fp32 activations against
+``WidenedLinear`` on the same weights in bf16, 1.43-1.70x as fast at 1 row, 1.32-1.46x at 2,
+0.84-1.0x at 4, 0.63-0.77x from 8 to 64 rows (decoding costs more than the bytes it saves) and
+0.87-0.97x at 256 (decoded pieces); with bf16 activations against ``OneDnnLinear``, 1.4-1.95x at
+1 row and 1.2-3.0x up to 64.
 """
 
 from __future__ import annotations
@@ -58,17 +70,21 @@ the kernel's AVX-512 dot products from 3 rows. Measured on a 2-core Xeon with AM
 151,936 x 1,536 tied head: 3 rows 24.5 ms against the kernel's 27.5, 8 rows 23.5 against 42.7,
 32 rows 27.0 against 97.3; 1 and 2 rows 22.7 and 24.3 against 20.0 and 23.4."""
 
-INT4_KERNEL_MAX_ROWS = 64
+DECODED_KERNEL_MAX_ROWS = 64
 """Up to this many rows ``Int4Linear`` runs its kernel, above it ``F.linear`` on the decoded
 weight. Measured in fp32 on the 2-core Xeon (2 threads, weights out of cache): at 1,536 x 17,920,
 64 rows 16.1 ms against 21.6, 128 rows 32.5 against 31.5; at 8,960 x 1,536, 10.6 against 10.2
 and 25.2 against 16.6. bf16 without AMX is assumed alike (oneDNN then multiplies with the
 kernel's AVX-512 dot products; no such CPU was measured)."""
-AMX_INT4_KERNEL_MAX_ROWS = 16
+AMX_DECODED_KERNEL_MAX_ROWS = 16
 """bf16 with AMX: ``F.linear`` on the decoded weight runs on the tile unit and wins from about 20
 rows. Measured as above: at 1,536 x 17,920, 16 rows 5.6 ms against 6.6, 24 rows 7.7 against 6.0;
 at 8,960 x 1,536, 3.2 against 3.6 and 4.2 against 3.7; at 3,584 x 37,888, 25.5 against 23.6 and
 36.9 against 23.1 (8 rows: 14.4 against 22.0)."""
+
+FP8_ROWS_KERNEL_MAX_ROWS = 4
+"""Up to this many rows ``Fp8Linear`` decodes straight into the dot products
+(``omniserve_linear_fp8_rows``); more share each decoded tile across rows through a scratch."""
 
 DEQUANTIZE_SCRATCH_BYTES = 32 << 20
 """Past ``max_rows`` a weight is decoded in pieces of at most this size, each multiplied by
@@ -108,11 +124,11 @@ def rows_kernel_max_rows(dtype: torch.dtype) -> int:
 
 
 @functools.cache
-def int4_kernel_max_rows(dtype: torch.dtype) -> int:
+def decoded_kernel_max_rows(dtype: torch.dtype) -> int:
     """Up to how many rows ``Int4Linear`` runs its kernel rather than ``F.linear`` on this CPU."""
     if dtype == torch.bfloat16 and torch.cpu.get_capabilities().get("amx_bf16"):
-        return AMX_INT4_KERNEL_MAX_ROWS
-    return INT4_KERNEL_MAX_ROWS
+        return AMX_DECODED_KERNEL_MAX_ROWS
+    return DECODED_KERNEL_MAX_ROWS
 
 
 def _check_input(x: torch.Tensor, weight_dtype: torch.dtype, name: str) -> None:
@@ -328,7 +344,7 @@ class DecodedLinear:
         # references: the layer keeps its parameters
         self.codes, self.zeros, self.scales = codes, zeros, scales
         self.dtype = dtype
-        self.max_rows = int4_kernel_max_rows(dtype) if max_rows is None else max_rows
+        self.max_rows = decoded_kernel_max_rows(dtype) if max_rows is None else max_rows
         self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 8 // self.bits
         self.group_size = self.in_features // scales.shape[1]
         self.kernel, self.dequantize_kernel = _decoded_kernels(self.fmt, dtype)
@@ -350,6 +366,10 @@ class DecodedLinear:
             and in_features // groups % 32 == 0
             and None not in _decoded_kernels(cls.fmt, dtype)
         )
+
+    def _kernel_for(self, rows: int) -> Any:
+        """The C product for this many rows of x (at most ``max_rows``)."""
+        return self.kernel
 
     def _pointers(self, start: int) -> tuple[int, int | None, int]:
         """The codes', zero points' and scales' addresses at row ``start``."""
@@ -387,7 +407,7 @@ class DecodedLinear:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = x.new_empty(rows.shape[0], self.out_features)
-        status = self.kernel(
+        status = self._kernel_for(rows.shape[0])(
             rows.data_ptr(), rows.shape[0], rows.stride(0), *self._pointers(0),
             self.out_features, self.in_features, self.group_size,
             None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
@@ -418,7 +438,8 @@ class Int4Linear(DecodedLinear):
 
 class Fp8Linear(DecodedLinear):
     """e4m3 weights and their row scales (``weight`` ``[N, K]``, ``weight_scale_inv`` fp32 ``[N,
-    K / g]``)."""
+    K / g]``). Up to ``FP8_ROWS_KERNEL_MAX_ROWS`` rows run a kernel that decodes straight into
+    the dot products (no scratch)."""
 
     fmt, bits = "fp8", 8
 
@@ -430,10 +451,23 @@ class Fp8Linear(DecodedLinear):
         max_rows: int | None = None,
     ) -> None:
         super().__init__(weight, None, scales, dtype, max_rows)
+        self.rows_kernel = _fp8_rows_kernel(dtype)
 
     @classmethod
     def supports(cls, weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> bool:
-        return weight.dtype == torch.float8_e4m3fn and cls._supports(weight, scales, dtype)
+        return (
+            weight.dtype == torch.float8_e4m3fn
+            and cls._supports(weight, scales, dtype)
+            and _fp8_rows_kernel(dtype) is not None
+        )
+
+    def _kernel_for(self, rows: int) -> Any:
+        return self.rows_kernel if rows <= FP8_ROWS_KERNEL_MAX_ROWS else self.kernel
+
+
+def _fp8_rows_kernel(dtype: torch.dtype) -> Any:
+    return load_typed("linear_fp8.c", "omniserve_linear_fp8_rows", dtype, _DECODED_SIGNATURE,
+                      ctypes.c_int)  # fmt: skip
 
 
 def product_in_pieces(
