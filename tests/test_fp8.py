@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
 from omniserve import LLM, SamplingParams
 from omniserve.checkpoint_builder.quantized import build_quantized_checkpoint, quantize_fp8
@@ -19,7 +20,6 @@ from omniserve.cpu.linear import Fp8Linear
 from omniserve.layers import linear
 from omniserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from omniserve.layers.quantization import (
-    FP8_SCALE,
     DequantizeLinear,
     dequantize_fp8,
     fp8_row_scales,
@@ -109,20 +109,30 @@ def test_fp8_linear_refuses_shapes_off_the_kernel() -> None:
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_fp8_block_scales_shard_as_weights(monkeypatch, tp_size) -> None:
+@pytest.mark.parametrize(
+    "config",
+    [QuantizationConfig("fp8", BLOCK, row_block=48),
+     QuantizationConfig("fp8", 0, row_block=1, scale_name="weight_scale"),
+     QuantizationConfig("fp8", 0, row_block=0, scale_name="weight_scale")],
+    ids=["blocks", "per-row", "per-tensor"],
+)  # fmt: skip
+def test_fp8_scales_shard_as_weights(monkeypatch, tp_size, config) -> None:
     """Blocks of 48 rows (k and v: 32 rows, one partial block; q: 128, two and a partial) and 32
-    features: every rank's product equals the same slice of the whole dequantized matrix's."""
+    features, a scale per row (``[N, 1]``) or one per matrix (a scalar), each spanning the
+    features of every rank: every rank's product equals the same slice of the whole dequantized
+    matrix's."""
     gen = torch.Generator().manual_seed(1)
-    hidden, head, heads, kv_heads, inter, row_block = 128, 16, 8, 2, 256, 48
-    config = QuantizationConfig("fp8", BLOCK, row_block=row_block)
+    hidden, head, heads, kv_heads, inter = 128, 16, 8, 2, 256
 
     def fp8(out_features: int, in_features: int) -> tuple[dict, torch.Tensor]:
         weight = torch.randn(out_features, in_features, generator=gen)
-        codes, _ = quantize_fp8(weight, BLOCK)
-        grid = torch.rand(-(-out_features // row_block), in_features // BLOCK, generator=gen)
+        codes, _ = quantize_fp8(weight, (BLOCK, BLOCK))
+        row_block, group_size = config.block(out_features, in_features)
+        grid = torch.rand(-(-out_features // row_block), in_features // group_size, generator=gen)
         grid = grid.bfloat16()  # as Qwen stores them
         full = dequantize_fp8(codes, fp8_row_scales(grid, out_features, row_block), torch.float32)
-        return {"weight": codes, FP8_SCALE: grid}, full
+        stored = grid if config.row_block else grid.reshape(1)  # one scale: stored as [1]
+        return {"weight": codes, config.scale_name: stored}, full
 
     q, k, v = fp8(heads * head, hidden), fp8(kv_heads * head, hidden), fp8(kv_heads * head, hidden)
     gate, up, down = fp8(inter, hidden), fp8(inter, hidden), fp8(hidden, inter)
@@ -160,17 +170,34 @@ def test_fp8_scale_grids_must_cover_their_rows() -> None:
         fp8_row_scales(torch.ones(2, 4), 100, 48)
 
 
-@pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3MoeForCausalLM"])
-def test_fp8_checkpoint_matches_transformers_loading_it(tiny_checkpoint, architecture):
-    """transformers reads the same FP8 files (it dequantizes them on a CPU); the dense
-    projections stay e4m3 in omniserve (a byte per weight plus fp32 row scales), the MoE
-    experts are dequantized at load."""
+class _Dequantized:
+    """transformers reading a compressed-tensors checkpoint into dense weights (without
+    ``dequantize`` it would also round the activations to FP8, as vLLM's GPU kernels do)."""
+
+    @staticmethod
+    def from_pretrained(path: str, **kwargs: object) -> object:
+        config = CompressedTensorsConfig(dequantize=True)
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "method"),
+    [("Qwen2ForCausalLM", "fp8"), ("Qwen3MoeForCausalLM", "fp8"),
+     ("Qwen2ForCausalLM", "fp8-dynamic"), ("Qwen3MoeForCausalLM", "fp8-dynamic")],
+)  # fmt: skip
+def test_fp8_checkpoint_matches_transformers_loading_it(tiny_checkpoint, architecture, method):
+    """transformers reads the same FP8 files (Qwen's format: it dequantizes them on a CPU;
+    compressed-tensors: through the compressed-tensors library); the dense projections stay
+    e4m3 in omniserve (a byte per weight plus fp32 row scales), the MoE experts are dequantized
+    at load."""
     model_dir = str(tiny_checkpoint(architecture))
-    quantized, twin = build_quantized_checkpoint(model_dir, "fp8", BLOCK)
+    quantized, twin = build_quantized_checkpoint(model_dir, method, BLOCK)
     prompts = make_prompts(model_dir, [5, 19, 36])
-    reference = hf_greedy(str(quantized), prompts, MAX_TOKENS)
+    reference_cls = None if method == "fp8" else _Dequantized
+    reference = hf_greedy(str(quantized), prompts, MAX_TOKENS, reference_cls)
     assert reference[0].token_ids == hf_greedy(str(twin), prompts[:1], MAX_TOKENS)[0].token_ids
-    llm = LLM(str(quantized), dtype="float32", quantization="fp8")
+    flag = "fp8" if method == "fp8" else "compressed-tensors"
+    llm = LLM(str(quantized), dtype="float32", quantization=flag)
     info = llm.llm_engine.engine_core.call_utility("get_model_info")
     assert "C FP8, float32 activations" in str(info["layer_kernels"])
     unquantized = LLM(str(twin), dtype="float32").llm_engine.engine_core.call_utility(
@@ -192,6 +219,15 @@ def test_fp8_checkpoint_on_gpu_matches_transformers(tiny_checkpoint):
     assert_matches_reference(outputs, hf_greedy(str(twin), prompts, MAX_TOKENS), atol=1e-3)
 
 
+def _ct(weights: dict, inputs: dict | None = None, **extra: object) -> dict:
+    """A compressed-tensors quantization_config with one group."""
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", **weights}}
+    if inputs is not None:
+        group["input_activations"] = {"num_bits": 8, "type": "float", **inputs}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": group}, **extra}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
@@ -203,12 +239,42 @@ def test_fp8_checkpoint_on_gpu_matches_transformers(tiny_checkpoint):
         ),  # fmt: skip
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, "ue8m0"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "rows, cols"),
+        (_ct({"strategy": "channel"}, {"dynamic": False, "strategy": "tensor"}), "static"),
+        (_ct({"strategy": "channel"}, kv_cache_scheme={"num_bits": 8}), "KV cache"),
+        (_ct({"strategy": "group", "group_size": 128}), "strategy 'group'"),
+        (_ct({"strategy": "block", "block_structure": [128]}), "rows, cols"),
+        ({**_ct({"strategy": "channel"}), "format": "pack-quantized"}, "pack-quantized"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}
+                },
+            },
+            "int 4-bit weights",
+        ),  # fmt: skip
+        ({"quant_method": "compressed-tensors", "config_groups": {}}, "without config_groups"),
     ],
 )
 def test_unsupported_fp8_is_refused_by_name(config, message):
     with pytest.raises(ValueError, match=message):
         QuantizationConfig.from_hf(config)
-    assert QuantizationConfig.from_hf(
-        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-         "weight_block_size": [128, 64]}, "fp8"
-    ) == QuantizationConfig("fp8", 64, row_block=128)  # fmt: skip
+
+
+def test_fp8_schemes_parse_to_their_blocks():
+    """Qwen's blocks; llm-compressor's FP8_DYNAMIC (a scale per row), FP8_BLOCK and per-tensor
+    weights (0: all of the features), with dynamic or no activation quantization."""
+    qwen = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 64]}  # fmt: skip
+    assert QuantizationConfig.from_hf(qwen, "fp8") == QuantizationConfig("fp8", 64, row_block=128)
+    dynamic = {"dynamic": True, "strategy": "token"}
+    cases = [
+        (_ct({"strategy": "channel"}, dynamic), (1, 0)),
+        (_ct({"strategy": "block", "block_structure": [128, 128]}, dynamic), (128, 128)),
+        (_ct({"strategy": "tensor"}), (0, 0)),
+    ]
+    for config, (row_block, group_size) in cases:
+        parsed = QuantizationConfig.from_hf(config, "compressed-tensors")
+        assert parsed == QuantizationConfig("fp8", group_size, row_block, "weight_scale")
+        assert parsed.block(96, 64) == (row_block or 96, group_size or 64)

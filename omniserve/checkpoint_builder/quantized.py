@@ -1,12 +1,14 @@
-"""A 4-bit AWQ or GPTQ copy of a checkpoint, as AutoAWQ / GPTQModel save one, or a block-scaled
-FP8 one, as Qwen publishes its ``-FP8`` models, for tests and benchmarks, with its dequantized
-twin for transformers.
+"""A 4-bit AWQ or GPTQ copy of a checkpoint, as AutoAWQ / GPTQModel save one, a block-scaled FP8
+one, as Qwen publishes its ``-FP8`` models, or an FP8 one with a scale per output feature in
+compressed-tensors (``fp8-dynamic``, llm-compressor's ``FP8_DYNAMIC``), for tests and benchmarks,
+with its dequantized twin for transformers.
 
 Every attention and dense MLP projection of the language model is quantized by round-to-nearest
 in groups of ``group_size`` input features (AWQ: asymmetric, a zero point per group; GPTQ:
 symmetric, zero point 8, stored minus one as ``checkpoint_format`` "gptq" does); FP8 rounds to
-e4m3 in ``group_size x group_size`` blocks, each scaled so its largest weight is e4m3's largest
-(448), and quantizes the per-expert MoE projections too, as Qwen's FP8 checkpoints do. The
+e4m3 in ``group_size x group_size`` blocks (``fp8-dynamic``: per output feature), each scaled so
+its largest weight is e4m3's largest (448), and quantizes the per-expert MoE projections too, as
+Qwen's FP8 checkpoints do. The
 towers, the embeddings, the head (and, for 4-bit, MoE experts) keep their weights. What AWQ and
 GPTQ add over rounding (calibrated scaling, error feedback) changes the codes, not the format, so
 a rounded checkpoint exercises the same loading and arithmetic. The twin stores the dequantized
@@ -27,7 +29,6 @@ from safetensors.torch import save_file
 from omniserve.checkpoint_builder.builder import BUILD_INFO_FILE, build_key, build_once
 from omniserve.checkpoint_builder.lora import is_decoder_projection
 from omniserve.layers.quantization import (
-    FP8_SCALE,
     dequantize,
     dequantize_fp8,
     fp8_row_scales,
@@ -37,7 +38,7 @@ from omniserve.layers.quantization import (
 from omniserve.layers.weight_utils import SafetensorsFile
 from omniserve.worker.model_loader import INDEX_FILE, checkpoint_files
 
-METHODS = ("awq", "gptq", "fp8")
+METHODS = ("awq", "gptq", "fp8", "fp8-dynamic")
 FP8_MAX = 448.0
 """e4m3's largest finite value."""
 _EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
@@ -93,31 +94,34 @@ def quantize_rtn(
     return codes.reshape(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
 
 
-def quantize_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, K]`` -> e4m3 ``[N, K]`` and ``weight_scale_inv`` ``[ceil(N / block), ceil(K /
-    block)]`` (bf16 for a bf16 weight, as Qwen stores them, else fp32), each block scaled so its
-    largest magnitude is about ``FP8_MAX``."""
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` -> e4m3 ``[N, K]`` and its scales ``[ceil(N / block[0]), ceil(K / block[1])]``
+    (bf16 for a bf16 weight, as Qwen stores them, else fp32), each block scaled so its largest
+    magnitude is about ``FP8_MAX``."""
     n, k = weight.shape
-    rows, cols = -(-n // block), -(-k // block)
-    padded = torch.zeros(rows * block, cols * block)
+    block_rows, block_cols = block
+    rows, cols = -(-n // block_rows), -(-k // block_cols)
+    padded = torch.zeros(rows * block_rows, cols * block_cols)
     padded[:n, :k] = weight.float()
-    blocks = padded.reshape(rows, block, cols, block)
+    blocks = padded.reshape(rows, block_rows, cols, block_cols)
     scale_dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
     grid = (blocks.abs().amax((1, 3)) / FP8_MAX).clamp(min=1e-12).to(scale_dtype)
     scaled = (blocks / grid.float()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
-    codes = scaled.reshape(rows * block, cols * block)[:n, :k].to(torch.float8_e4m3fn)
+    codes = scaled.reshape(rows * block_rows, cols * block_cols)[:n, :k].to(torch.float8_e4m3fn)
     return codes.contiguous(), grid
 
 
 def _quantized_tensors(
     stem: str, weight: torch.Tensor, method: str, group_size: int, dequantized: bool
 ) -> dict[str, torch.Tensor]:
-    if method == "fp8":
-        codes8, grid = quantize_fp8(weight, group_size)
+    if method.startswith("fp8"):
+        block = (group_size, group_size) if method == "fp8" else (1, weight.shape[1])
+        codes8, grid = quantize_fp8(weight, block)
         if dequantized:
-            scales8 = fp8_row_scales(grid, weight.shape[0], group_size)
+            scales8 = fp8_row_scales(grid, weight.shape[0], block[0])
             return {f"{stem}.weight": dequantize_fp8(codes8, scales8, weight.dtype)}
-        return {f"{stem}.weight": codes8, f"{stem}.{FP8_SCALE}": grid}
+        scale_name = "weight_scale_inv" if method == "fp8" else "weight_scale"
+        return {f"{stem}.weight": codes8, f"{stem}.{scale_name}": grid}
     codes, zeros, scales = quantize_rtn(weight, group_size, symmetric=method == "gptq")
     if dequantized:
         w = dequantize(pack_nibbles(codes), zeros, scales.float(), weight.dtype)
@@ -142,6 +146,7 @@ def _write(source: Path, target: Path, method: str, group_size: int, dequantized
         if item.is_file() and item not in files and item.name != INDEX_FILE:
             shutil.copy2(item, target / item.name)
     weight_map: dict[str, str] = {}
+    targets: list[str] = []
     total_size = 0
     for file in files:
         tensors: dict[str, torch.Tensor] = {}
@@ -150,9 +155,10 @@ def _write(source: Path, target: Path, method: str, group_size: int, dequantized
                 tensor = f.tensor(name).materialize()
                 stem = name.removesuffix(".weight")
                 quantized = is_decoder_projection(stem) or (
-                    method == "fp8" and _EXPERT.search(stem) is not None
+                    method.startswith("fp8") and _EXPERT.search(stem) is not None
                 )
                 if name.endswith(".weight") and tensor.dim() == 2 and quantized:
+                    targets.append(stem)
                     tensors.update(
                         _quantized_tensors(stem, tensor, method, group_size, dequantized)
                     )
@@ -166,12 +172,26 @@ def _write(source: Path, target: Path, method: str, group_size: int, dequantized
         (target / INDEX_FILE).write_text(json.dumps(index, indent=1))
     if not dequantized:
         config = json.loads((target / "config.json").read_text())
-        config["quantization_config"] = _quantization_config(method, group_size)
+        config["quantization_config"] = _quantization_config(method, group_size, targets)
         (target / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _quantization_config(method: str, group_size: int) -> dict[str, object]:
-    """config.json's entry, as AutoAWQ (GEMM) / GPTQModel / Qwen's FP8 models write it."""
+def _quantization_config(method: str, group_size: int, targets: list[str]) -> dict[str, object]:
+    """config.json's entry, as AutoAWQ (GEMM) / GPTQModel / Qwen's FP8 models / llm-compressor
+    write it (``targets``: the quantized modules, which compressed-tensors names)."""
+    if method == "fp8-dynamic":
+        return {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {
+                "targets": sorted(targets), "format": "float-quantized",
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                            "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                      "symmetric": True, "dynamic": True},
+            }},
+            "ignore": [], "kv_cache_scheme": None, "sparsity_config": {},
+        }  # fmt: skip
     if method == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [group_size, group_size]}  # fmt: skip

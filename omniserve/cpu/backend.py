@@ -37,7 +37,7 @@ from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import LinearBase
 from omniserve.layers.placement import KernelPlacement
-from omniserve.layers.quantization import FP8_SCALE
+from omniserve.layers.quantization import FP8_SCALE_NAMES
 from omniserve.layers.rotary_embedding import QKRotary
 from omniserve.layers.vocab_embedding import VocabParallelEmbedding
 
@@ -75,7 +75,7 @@ def keep_bf16_weights(
     matrices = {  # FP8 weights and their scales aside: the quantized layers hold them
         d for name, (shape, d) in stored.items()
         if len(shape) > 1 and d.is_floating_point and d != torch.float8_e4m3fn
-        and not name.endswith(FP8_SCALE)
+        and not name.endswith(FP8_SCALE_NAMES)
     }  # fmt: skip
     if not (
         dtype == torch.float32
@@ -113,7 +113,7 @@ def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> st
     if layer.quantization is not None:
         activations = f"{str(dtype).removeprefix('torch.')} activations"
         if layer.quantization.method == "fp8":
-            fp8 = (layer.weight, layer.weight_scale_inv)
+            fp8 = (layer.weight, getattr(layer, layer.quantization.scale_name))
             if not Fp8Linear.supports(*fp8, dtype):
                 return "torch FP8 (dequantized per call)"
             layer.kernel = Fp8Linear(*fp8, dtype)

@@ -50,6 +50,7 @@ class LinearBase(nn.Module):
     bias: nn.Parameter | None
     kernel: LinearKernel | None = None
     lora: LoRASlots | None = None
+    input_size: int
     output_size: int
     quantization: QuantizationConfig | None = None
     """Set when the weight is quantized (``layers/quantization.py`` says which tensors hold it)."""
@@ -69,7 +70,7 @@ class ReplicatedLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.output_size = output_size
+        self.input_size, self.output_size = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 

@@ -14,13 +14,14 @@ loaders shard it for tensor parallelism exactly as they shard a plain weight:
 - ``g_idx`` (GPTQ only): int32 ``[K]``, each feature's group, which must be ``k // g``: a
   checkpoint that reorders features (``desc_act`` with a permuted ``g_idx``) is refused.
 
-An FP8 layer keeps the checkpoint's e4m3 ``weight`` ``[N, K]`` (a byte per weight) and its
-``weight_scale_inv``, one scale per ``row_block x group_size`` block, widened to one fp32 scale per
-row and group, ``[N, K / g]``: the 4-bit layout's, so the same loaders shard it and the same
-kernels read it, ``w[n, k] = weight[n, k] * scale[n, k // g]``.
+An FP8 layer keeps the checkpoint's e4m3 ``weight`` ``[N, K]`` (a byte per weight) and its scales
+(``weight_scale_inv`` in Qwen's format, ``weight_scale`` in compressed-tensors), one per
+``row_block x group_size`` block (per block, per output feature, or one per matrix), widened to
+one fp32 scale per row and group, ``[N, K / g]``: the 4-bit layout's, so the same loaders shard
+it and the same kernels read it, ``w[n, k] = weight[n, k] * scale[n, k // g]``.
 
-A layer becomes quantized when the checkpoint stores its matrices as ``qweight`` or with a
-``weight_scale_inv`` (``quantize_linear``); the others (media towers, the LM head,
+A layer becomes quantized when the checkpoint stores its matrices as ``qweight`` or beside FP8
+scales (``quantize_linear``); the others (media towers, the LM head,
 ``modules_to_not_convert``) stay in the model's dtype. FP8 matrices of anything other than
 omniserve's linear layers (MoE experts, transformers' media towers) are dequantized as they are
 read (``dequantize_at_load``): correct, at their unquantized size. A layer's product runs through
@@ -49,8 +50,9 @@ from omniserve.layers.weight_utils import (
 )
 
 QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
-FP8_SCALE = "weight_scale_inv"
-"""The tensor that marks an FP8 matrix (beside its ``weight``)."""
+FP8_SCALE_NAMES = ("weight_scale_inv", "weight_scale")
+"""What an FP8 matrix's scales are called beside its ``weight`` (Qwen's block-scaled format,
+compressed-tensors); ``QuantizationConfig.scale_name`` says which a checkpoint uses."""
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """AutoAWQ's packing: nibble ``i`` of an int32 holds column ``_AWQ_ORDER[i]`` of its eight."""
 
@@ -120,10 +122,13 @@ def dequantize(
 
 
 def fp8_row_scales(grid: torch.Tensor, rows: int, row_block: int) -> torch.Tensor:
-    """A ``weight_scale_inv`` grid ``[ceil(N / row_block), groups]`` -> fp32 ``[N, groups]``."""
+    """An FP8 scale grid ``[ceil(N / row_block), groups]`` (one scale: any shape) -> fp32 ``[N,
+    groups]``."""
+    if grid.numel() == 1:
+        grid = grid.reshape(1, 1)
     if grid.dim() != 2 or grid.shape[0] != -(-rows // row_block):
         raise ValueError(
-            f"{FP8_SCALE} of shape {tuple(grid.shape)} does not give one row of scales per "
+            f"FP8 scales of shape {tuple(grid.shape)} do not give one row of scales per "
             f"{row_block} of {rows} output features."
         )
     return grid.float().repeat_interleave(row_block, 0)[:rows].contiguous()
@@ -146,29 +151,31 @@ class DequantizeLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         layer = self.layer
         if layer.quantization is not None and layer.quantization.method == "fp8":
-            weight = dequantize_fp8(layer.weight, layer.weight_scale_inv, x.dtype)
+            scales = getattr(layer, layer.quantization.scale_name)
+            weight = dequantize_fp8(layer.weight, scales, x.dtype)
         else:
             weight = dequantize(layer.qweight, layer.qzeros, layer.scales, x.dtype)
         return F.linear(x, weight, bias)
 
 
 def quantize_linear(layer: LinearBase, config: QuantizationConfig) -> None:
-    """Replace ``layer.weight`` by the parameters of a 4-bit weight (see the module docstring),
-    whose loaders turn checkpoint tensors into that layout and then shard them as the layer's
-    own ``weight_loader`` shards a weight."""
+    """Replace ``layer.weight`` by the parameters of a quantized weight (see the module
+    docstring), whose loaders turn checkpoint tensors into that layout and then shard them as
+    the layer's own ``weight_loader`` shards a weight."""
     weight = layer.weight
     out_features, in_features = weight.shape
-    if in_features % config.group_size:
+    group_size = config.group_size or in_features  # FP8 scales over all input features: per rank
+    if in_features % group_size:
         raise ValueError(
             f"{type(layer).__name__} with {in_features} input features per rank cannot hold "
-            f"groups of {config.group_size} (tensor parallelism must split on group bounds)."
+            f"groups of {group_size} (tensor parallelism must split on group bounds)."
         )
-    groups = in_features // config.group_size
+    groups = in_features // group_size
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
     if config.method == "fp8":
         shapes = {
             "weight": ((out_features, in_features), torch.float8_e4m3fn),
-            FP8_SCALE: ((out_features, groups), torch.float32),
+            config.scale_name: ((out_features, groups), torch.float32),
         }
     else:
         shapes = {
@@ -184,22 +191,25 @@ def quantize_linear(layer: LinearBase, config: QuantizationConfig) -> None:
     for suffix, (shape, dtype) in shapes.items():
         param = nn.Parameter(torch.empty(shape, dtype=dtype, device=weight.device), False)
         setattr(layer, suffix, param)
-        set_weight_loader(param, _quantized_loader(config, suffix, shard_loader, layer), shard_ids)
+        loader = _quantized_loader(config, suffix, shard_loader, layer, in_features)
+        set_weight_loader(param, loader, shard_ids)
     layer.kernel = DequantizeLinear(layer)
     layer.quantization = config
 
 
 def _quantized_loader(
-    config: QuantizationConfig, suffix: str, shard_loader: Any, layer: LinearBase
+    config: QuantizationConfig, suffix: str, shard_loader: Any, layer: LinearBase, in_features: int
 ) -> Any:
     def load(param: nn.Parameter, loaded: LoadedWeight, *shard: Any) -> None:
         if suffix == "weight":  # FP8: read as stored
             if loaded.dtype != torch.float8_e4m3fn:
                 raise ValueError(f"an FP8 layer's weight is stored as {loaded.dtype}, not e4m3.")
             tensor: LoadedWeight = loaded
-        elif suffix == FP8_SCALE:
+        elif suffix == config.scale_name:
             rows = layer.checkpoint_rows(*shard)
-            tensor = fp8_row_scales(materialize(loaded), rows, config.row_block)
+            tensor = fp8_row_scales(materialize(loaded), rows, config.row_block or rows)
+            if not config.group_size:  # one column for every rank's share of the input
+                tensor = tensor.repeat(1, layer.input_size // in_features)
         else:
             tensor = canonical(config, suffix, loaded)
         if suffix == "g_idx":  # checked whole, then each local feature's group
@@ -224,13 +234,13 @@ def quantize_layers(
     model: nn.Module, config: QuantizationConfig, keys: Iterable[str]
 ) -> tuple[int, set[str]]:
     """Before loading, make quantized every linear layer whose checkpoint matrices are stored
-    quantized (``qweight``, or FP8 with a ``weight_scale_inv``) among ``keys``; return how many,
+    quantized (``qweight``, or FP8 beside its scales) among ``keys``; return how many,
     and the checkpoint names (without ``.weight``) of the FP8 matrices that go elsewhere, which
     ``dequantize_at_load`` must dequantize. The keys go through the model's own ``load_weights``
     routing (with ``find_quantized`` set, which loads nothing), so fused layers and renamed
     prefixes map as they do when the weights are read."""
     fp8 = config.method == "fp8"
-    marker = FP8_SCALE if fp8 else "qweight"
+    marker = config.scale_name if fp8 else "qweight"
     marked = [key for key in keys if key.endswith(f".{marker}")]
     quantized: set[str] = set()
     kept: set[str] = set()  # FP8 checkpoint names a quantized layer holds as they are
@@ -281,20 +291,21 @@ def dequantize_at_load(
     config: QuantizationConfig,
 ) -> Iterator[tuple[str, LoadedWeight]]:
     """The checkpoint's tensors with each FP8 matrix ``stem.weight`` of ``stems`` dequantized (to
-    fp32: the parameter it fills rounds it once) by ``scales[stem]``, its ``weight_scale_inv``
-    grid, and those grids left out."""
+    fp32: the parameter it fills rounds it once) by ``scales[stem]``, its scale grid, and those
+    grids left out."""
     for name, tensor in weights:
         stem, _, suffix = name.rpartition(".")
-        if stem not in stems or suffix not in ("weight", FP8_SCALE):
+        if stem not in stems or suffix not in ("weight", config.scale_name):
             yield name, tensor
         elif suffix == "weight":
             weight = materialize(tensor)
             grid = scales[stem]
-            if weight.dim() != 2 or grid.shape[1] != -(-weight.shape[1] // config.group_size):
+            rows, cols = weight.shape if weight.dim() == 2 else (0, 0)
+            row_block, group_size = config.block(rows, cols)
+            if not rows or grid.numel() != -(-rows // row_block) * -(-cols // group_size):
                 raise ValueError(
                     f"Checkpoint tensor {name!r} of shape {tuple(weight.shape)} does not match "
-                    f"its {FP8_SCALE} grid {tuple(grid.shape)} in blocks of "
-                    f"{config.row_block} x {config.group_size}."
+                    f"its scales {tuple(grid.shape)} in blocks of {row_block} x {group_size}."
                 )
-            row_scales = fp8_row_scales(grid, weight.shape[0], config.row_block)
-            yield name, dequantize_fp8(weight, row_scales, torch.float32)
+            grid = grid.reshape(-(-rows // row_block), -1)
+            yield name, dequantize_fp8(weight, fp8_row_scales(grid, rows, row_block), torch.float32)

@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from omniserve.config import QuantizationConfig
-from omniserve.layers.quantization import FP8_SCALE, dequantize_at_load
+from omniserve.layers.quantization import dequantize_at_load
 from omniserve.layers.weight_utils import LazyTensor, LoadedWeight, SafetensorsFile
 
 logger = logging.getLogger(__name__)
@@ -108,8 +108,9 @@ def load_model_weights(
     weights: Iterator[tuple[str, LoadedWeight]] = iterate_checkpoint_weights(model_dir)
     if dequantize:
         assert quantization is not None
-        grids = read_checkpoint_tensors(model_dir, {f"{s}.{FP8_SCALE}" for s in dequantize})
-        scales = {name.removesuffix(f".{FP8_SCALE}"): grid for name, grid in grids.items()}
+        suffix = f".{quantization.scale_name}"
+        grids = read_checkpoint_tensors(model_dir, {stem + suffix for stem in dequantize})
+        scales = {name.removesuffix(suffix): grid for name, grid in grids.items()}
         weights = dequantize_at_load(weights, dequantize, scales, quantization)
     with torch.no_grad():
         loaded = model.load_weights(weights)

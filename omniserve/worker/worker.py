@@ -110,9 +110,14 @@ def _log_quantization(
             config.method.upper(), count, config.group_size,
         )  # fmt: skip
         return
+    scales = {(1, 0): "a scale per output feature", (0, 0): "one scale per matrix"}.get(
+        (config.row_block, config.group_size),
+        f"a scale per {config.row_block} x {config.group_size} block",
+    )
     logger.info(
-        "FP8 checkpoint: %d linear layers hold e4m3 weights (a scale per %d x %d block).",
-        count, config.row_block, config.group_size,
+        "FP8 checkpoint: %d linear layers hold e4m3 weights (%s), dequantized exactly in the "
+        "product; activations stay %s (GPU FP8 kernels would round them to FP8 on the fly).",
+        count, scales, str(dtype).removeprefix("torch."),
     )  # fmt: skip
     if dequantized:
         logger.warning(
