@@ -670,11 +670,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--quantization",
-        choices=["awq", "gptq", "fp8", "fp8-dynamic"],
+        choices=["awq", "gptq", "w4a16", "fp8", "fp8-dynamic"],
         default=None,
         help="Serve a quantized copy of each checkpoint (round-to-nearest: 4-bit in groups of "
-        "128, FP8 in 128 x 128 blocks, or FP8 per output feature in compressed-tensors; built "
-        "once); transformers, vLLM and omniserve:dequantized run its dequantized bf16 twin.",
+        "128, FP8 in 128 x 128 blocks, or, in compressed-tensors, W4A16 and FP8 per output "
+        "feature; built once); transformers, vLLM and omniserve:dequantized run its dequantized "
+        "bf16 twin.",
     )
     parser.add_argument("--worker", choices=["omniserve", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)

@@ -170,7 +170,7 @@ def test_fp8_scale_grids_must_cover_their_rows() -> None:
         fp8_row_scales(torch.ones(2, 4), 100, 48)
 
 
-class _Dequantized:
+class Dequantized:
     """transformers reading a compressed-tensors checkpoint into dense weights (without
     ``dequantize`` it would also round the activations to FP8, as vLLM's GPU kernels do)."""
 
@@ -193,7 +193,7 @@ def test_fp8_checkpoint_matches_transformers_loading_it(tiny_checkpoint, archite
     model_dir = str(tiny_checkpoint(architecture))
     quantized, twin = build_quantized_checkpoint(model_dir, method, BLOCK)
     prompts = make_prompts(model_dir, [5, 19, 36])
-    reference_cls = None if method == "fp8" else _Dequantized
+    reference_cls = None if method == "fp8" else Dequantized
     reference = hf_greedy(str(quantized), prompts, MAX_TOKENS, reference_cls)
     assert reference[0].token_ids == hf_greedy(str(twin), prompts[:1], MAX_TOKENS)[0].token_ids
     flag = "fp8" if method == "fp8" else "compressed-tensors"
@@ -247,12 +247,10 @@ def _ct(weights: dict, inputs: dict | None = None, **extra: object) -> dict:
         (
             {
                 "quant_method": "compressed-tensors",
-                "format": "pack-quantized",
-                "config_groups": {
-                    "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}
-                },
+                "format": "nvfp4-pack-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float"}}},
             },
-            "int 4-bit weights",
+            "float 4-bit weights",
         ),  # fmt: skip
         ({"quant_method": "compressed-tensors", "config_groups": {}}, "without config_groups"),
     ],

@@ -27,6 +27,7 @@ from omniserve.lora.request import LoRARequest
 from omniserve.plugin_tools.reference import ReferenceOutput
 from tests.hf_reference import assert_matches_reference, hf_greedy, make_prompts
 from tests.test_fidelity_omni import THINKERS, _engine_prompt, _hf_inputs, _media, _text
+from tests.test_fp8 import Dequantized
 from tests.test_layers import as_rank
 from tests.test_lora import WithAdapter, save_adapter
 
@@ -87,21 +88,46 @@ def test_rounding_to_sixteen_levels_bounds_the_error():
         assert error.max() <= 1.001 and error.mean() < 0.3
 
 
+def test_pack_quantized_tensors_unpack_as_compressed_tensors_packs_them():
+    """compressed-tensors' own packing (signed values offset by 8, eight to an int32 along K for
+    codes and along N for zero points, N padded to a multiple of 8)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    gen = torch.Generator().manual_seed(0)
+    n, k, groups = 20, 64, 2
+    config = QuantizationConfig("pack-quantized", GROUP)
+    codes = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    zeros = torch.randint(-8, 8, (n, groups), generator=gen, dtype=torch.int8)
+    packed = pack_to_int32(codes, 4)
+    assert torch.equal(canonical(config, "qweight", packed), pack_nibbles(codes + 8))
+    packed_zeros = pack_to_int32(zeros, 4, packed_dim=0)
+    assert packed_zeros.shape == (3, groups)
+    assert torch.equal(canonical(config, "qzeros", packed_zeros, rows=n), (zeros + 8).byte())
+
+
+@pytest.mark.parametrize("method", ["awq", "pack-quantized"])
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_tensor_parallel_shards_4bit_weights_as_plain_ones(monkeypatch, tp_size):
-    """Every rank's dequantized slice equals the same slice of the whole dequantized matrix."""
+def test_tensor_parallel_shards_4bit_weights_as_plain_ones(monkeypatch, tp_size, method):
+    """Every rank's dequantized slice equals the same slice of the whole dequantized matrix
+    (AWQ's packing, and compressed-tensors' with zero points packed along the rows)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
     gen = torch.Generator().manual_seed(1)
     hidden, head, heads, kv_heads, inter = 128, 16, 8, 2, 256
-    config = QuantizationConfig("awq", GROUP)
+    config = QuantizationConfig(method, GROUP)
 
     def awq(out_features: int, in_features: int) -> tuple[dict, torch.Tensor]:
         codes = torch.randint(0, 16, (in_features, out_features), generator=gen)
         zeros = torch.randint(0, 16, (in_features // GROUP, out_features), generator=gen)
         scales = torch.rand(in_features // GROUP, out_features, generator=gen).half()
-        tensors = {"qweight": _pack_like_autoawq(codes), "qzeros": _pack_like_autoawq(zeros),
-                   "scales": scales}  # fmt: skip
         full = dequantize(pack_nibbles(codes.t()), zeros.t().to(torch.uint8), scales.t().float(),
                           torch.float32)  # fmt: skip
+        if method == "pack-quantized":
+            signed = (codes.t() - 8).to(torch.int8), (zeros.t() - 8).to(torch.int8)
+            return {"qweight": pack_to_int32(signed[0], 4), "scales": scales.t().contiguous(),
+                    "qzeros": pack_to_int32(signed[1], 4, packed_dim=0)}, full  # fmt: skip
+        tensors = {"qweight": _pack_like_autoawq(codes), "qzeros": _pack_like_autoawq(zeros),
+                   "scales": scales}  # fmt: skip
         return tensors, full
 
     q, k, v = awq(heads * head, hidden), awq(kv_heads * head, hidden), awq(kv_heads * head, hidden)
@@ -145,6 +171,22 @@ def test_quantized_checkpoint_matches_transformers_on_its_dequantized_twin(text_
     llm = LLM(str(quantized), dtype="float32", quantization=f"{method}_marlin")
     info = llm.llm_engine.engine_core.call_utility("get_model_info")
     # fp32 projections become 4-bit codes with fp32 scales and uint8 zeros per 32: 16% left.
+    total, projections = _weight_bytes(twin)
+    assert total - info["weight_bytes"] > 0.8 * projections
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, reference)
+
+
+def test_w4a16_checkpoint_matches_transformers_loading_it(text_case):
+    """compressed-tensors' W4A16 (pack-quantized, symmetric groups): transformers reads the same
+    files through the compressed-tensors library."""
+    model_dir, prompts = text_case
+    quantized, twin = build_quantized_checkpoint(model_dir, "w4a16", GROUP)
+    reference = hf_greedy(str(quantized), prompts, MAX_TOKENS, Dequantized)
+    assert reference[0].token_ids == hf_greedy(str(twin), prompts[:1], MAX_TOKENS)[0].token_ids
+    llm = LLM(str(quantized), dtype="float32", quantization="compressed-tensors")
+    info = llm.llm_engine.engine_core.call_utility("get_model_info")
+    assert info["layer_kernels"]["linear: C 4-bit, float32 activations"] == 8
     total, projections = _weight_bytes(twin)
     assert total - info["weight_bytes"] > 0.8 * projections
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
@@ -204,6 +246,47 @@ def test_quantized_omni_thinker_with_image_and_audio_matches_transformers(tiny_c
     ("config", "requested", "message"),
     [
         ({"quant_method": "bitsandbytes"}, None, "quant_method 'bitsandbytes'"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}
+                },
+            },
+            None,
+            "strategy 'channel'",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "int-quantized",
+                "config_groups": {
+                    "g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}
+                },
+            },
+            None,
+            "int 8-bit weights",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "g": {
+                        "weights": {
+                            "num_bits": 4,
+                            "type": "int",
+                            "strategy": "group",
+                            "group_size": 128,
+                        },
+                        "input_activations": {"num_bits": 8, "type": "int", "dynamic": True},
+                    }
+                },
+            },
+            None,
+            "W4A8",
+        ),  # fmt: skip
         ({"quant_method": "awq", "bits": 8, "group_size": 128}, None, "bits=8"),
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, None, "gemv"),
         ({"quant_method": "gptq", "bits": 4, "group_size": -1}, None, "group_size=-1"),

@@ -1,11 +1,13 @@
 """A 4-bit AWQ or GPTQ copy of a checkpoint, as AutoAWQ / GPTQModel save one, a block-scaled FP8
-one, as Qwen publishes its ``-FP8`` models, or an FP8 one with a scale per output feature in
-compressed-tensors (``fp8-dynamic``, llm-compressor's ``FP8_DYNAMIC``), for tests and benchmarks,
-with its dequantized twin for transformers.
+one, as Qwen publishes its ``-FP8`` models, or, in llm-compressor's compressed-tensors, an FP8
+one with a scale per output feature (``fp8-dynamic``: its ``FP8_DYNAMIC``) or a 4-bit one
+(``w4a16``: its ``W4A16``, symmetric groups), for tests and benchmarks, with its dequantized twin
+for transformers.
 
 Every attention and dense MLP projection of the language model is quantized by round-to-nearest
-in groups of ``group_size`` input features (AWQ: asymmetric, a zero point per group; GPTQ:
-symmetric, zero point 8, stored minus one as ``checkpoint_format`` "gptq" does); FP8 rounds to
+in groups of ``group_size`` input features (AWQ: asymmetric, a zero point per group; GPTQ and
+W4A16: symmetric, zero point 8, which GPTQ stores minus one as ``checkpoint_format`` "gptq" does
+and W4A16 does not store); FP8 rounds to
 e4m3 in ``group_size x group_size`` blocks (``fp8-dynamic``: per output feature), each scaled so
 its largest weight is e4m3's largest (448), and quantizes the per-expert MoE projections too, as
 Qwen's FP8 checkpoints do. The
@@ -38,7 +40,7 @@ from omniserve.layers.quantization import (
 from omniserve.layers.weight_utils import SafetensorsFile
 from omniserve.worker.model_loader import INDEX_FILE, checkpoint_files
 
-METHODS = ("awq", "gptq", "fp8", "fp8-dynamic")
+METHODS = ("awq", "gptq", "fp8", "fp8-dynamic", "w4a16")
 FP8_MAX = 448.0
 """e4m3's largest finite value."""
 _EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
@@ -122,10 +124,18 @@ def _quantized_tensors(
             return {f"{stem}.weight": dequantize_fp8(codes8, scales8, weight.dtype)}
         scale_name = "weight_scale_inv" if method == "fp8" else "weight_scale"
         return {f"{stem}.weight": codes8, f"{stem}.{scale_name}": grid}
-    codes, zeros, scales = quantize_rtn(weight, group_size, symmetric=method == "gptq")
+    codes, zeros, scales = quantize_rtn(weight, group_size, symmetric=method != "awq")
+    if method == "w4a16":  # scales stored in the weight's dtype, as llm-compressor does
+        scales = scales.to(weight.dtype)
     if dequantized:
         w = dequantize(pack_nibbles(codes), zeros, scales.float(), weight.dtype)
         return {f"{stem}.weight": w}
+    if method == "w4a16":
+        return {
+            f"{stem}.weight_packed": pack_int32(codes, awq_order=False),
+            f"{stem}.weight_scale": scales.contiguous(),
+            f"{stem}.weight_shape": torch.tensor(weight.shape),
+        }
     if method == "awq":
         return {
             f"{stem}.qweight": pack_int32(codes.t(), awq_order=True),
@@ -179,19 +189,30 @@ def _write(source: Path, target: Path, method: str, group_size: int, dequantized
 def _quantization_config(method: str, group_size: int, targets: list[str]) -> dict[str, object]:
     """config.json's entry, as AutoAWQ (GEMM) / GPTQModel / Qwen's FP8 models / llm-compressor
     write it (``targets``: the quantized modules, which compressed-tensors names)."""
-    if method == "fp8-dynamic":
-        return {
-            "quant_method": "compressed-tensors", "format": "float-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {"group_0": {
-                "targets": sorted(targets), "format": "float-quantized",
-                "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
-                            "symmetric": True, "dynamic": False},
-                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                      "symmetric": True, "dynamic": True},
-            }},
-            "ignore": [], "kv_cache_scheme": None, "sparsity_config": {},
-        }  # fmt: skip
+    if method in ("fp8-dynamic", "w4a16"):
+        fp8 = method == "fp8-dynamic"
+        weights = (
+            {"num_bits": 8, "type": "float", "strategy": "channel"}
+            if fp8
+            else {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group_size}
+        )
+        fmt = "float-quantized" if fp8 else "pack-quantized"
+        group = {
+            "targets": sorted(targets),
+            "format": fmt,
+            "weights": {**weights, "symmetric": True, "dynamic": False},
+        }
+        if fp8:  # FP8_DYNAMIC: activations rounded to FP8 per token by vLLM's GPU kernels
+            group["input_activations"] = {
+                "num_bits": 8,
+                "type": "float",
+                "strategy": "token",
+                "symmetric": True,
+                "dynamic": True,
+            }
+        return {"quant_method": "compressed-tensors", "format": fmt,
+                "quantization_status": "compressed", "config_groups": {"group_0": group},
+                "ignore": [], "kv_cache_scheme": None, "sparsity_config": {}}  # fmt: skip
     if method == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [group_size, group_size]}  # fmt: skip

@@ -18,7 +18,8 @@ class QuantizationConfig:
     """A checkpoint's ``quantization_config`` (config.json), checked for what omniserve runs."""
 
     method: str
-    """"awq" or "gptq" (the checkpoint's 4-bit packing), or "fp8" (e4m3 weights)."""
+    """"awq", "gptq" or "pack-quantized" (compressed-tensors; the checkpoint's 4-bit packing), or
+    "fp8" (e4m3 weights, in Qwen's format or compressed-tensors')."""
     group_size: int
     """Input features per scale (FP8: 0 for all of them)."""
     row_block: int = 1
@@ -29,6 +30,8 @@ class QuantizationConfig:
     ``weight_scale``)."""
     gptq_v1_zeros: bool = True
     """GPTQ's original format stores each zero point minus one (``checkpoint_format`` "gptq")."""
+    symmetric: bool = False
+    """pack-quantized: no zero points are stored (every one is 8)."""
 
     @staticmethod
     def from_hf(config: dict[str, Any], requested: str | None = None) -> QuantizationConfig:
@@ -105,10 +108,12 @@ class QuantizationConfig:
 
     @staticmethod
     def _compressed_tensors(config: dict[str, Any]) -> QuantizationConfig:
-        """llm-compressor's format, for its FP8 weight schemes (``FP8_DYNAMIC``: a scale per
-        output feature; ``FP8_BLOCK``: per block; per tensor), whose activations are quantized
-        on the fly or not at all: e4m3 ``weight`` and its ``weight_scale``. Which layers are
-        quantized is read from the tensors, not from ``targets`` and ``ignore``."""
+        """llm-compressor's format, for its weight schemes omniserve runs: FP8 (``FP8_DYNAMIC``:
+        a scale per output feature; ``FP8_BLOCK``: per block; per tensor), whose activations are
+        quantized on the fly or not at all (e4m3 ``weight`` and its ``weight_scale``), and 4-bit
+        integers in groups (``W4A16``, ``pack-quantized``: ``weight_packed``, ``weight_scale``,
+        ``weight_zero_point`` when asymmetric). Which layers are quantized is read from the
+        tensors, not from ``targets`` and ``ignore``; every group must use one scheme."""
         for key, what in (("kv_cache_scheme", "a quantized KV cache"),
                           ("sparsity_config", "sparse weights"),
                           ("transform_config", "weight transforms")):  # fmt: skip
@@ -119,49 +124,16 @@ class QuantizationConfig:
         groups = config.get("config_groups") or {}
         if not groups:
             raise ValueError("compressed-tensors checkpoint without config_groups.")
-        blocks = set()
-        for name, group in groups.items():
-            fmt = str(group.get("format") or config.get("format") or "").lower()
-            weights = group.get("weights") or {}
-            kind = f"{weights.get('type')} {weights.get('num_bits')}-bit weights"
-            if weights.get("type") != "float" or weights.get("num_bits") != 8:
-                raise ValueError(
-                    f"compressed-tensors group {name!r} has {kind} ({fmt}): omniserve reads FP8 "
-                    "weights only (llm-compressor's FP8_DYNAMIC, FP8_BLOCK, FP8 schemes)."
-                )
-            if fmt not in ("float-quantized", "naive-quantized"):
-                raise ValueError(f"compressed-tensors group {name!r} in format {fmt!r}: "
-                                 "omniserve reads float-quantized FP8.")  # fmt: skip
-            inputs = group.get("input_activations")
-            if inputs and not inputs.get("dynamic"):
-                raise ValueError(
-                    f"compressed-tensors group {name!r} quantizes activations with static "
-                    "scales: not supported (dynamic ones are, as unquantized activations)."
-                )
-            if group.get("output_activations"):
-                raise ValueError(f"compressed-tensors group {name!r} quantizes outputs.")
-            if not weights.get("symmetric", True) or weights.get("actorder"):
-                raise ValueError(f"compressed-tensors group {name!r}: asymmetric or act-order "
-                                 "FP8 weights are not supported.")  # fmt: skip
-            strategy = str(weights.get("strategy")).lower()
-            if strategy == "block":
-                structure = weights.get("block_structure")
-                blocks.add(_block_size(structure, f"compressed-tensors group {name!r} with "
-                                                  "block_structure"))  # fmt: skip
-            elif strategy in ("channel", "tensor"):
-                blocks.add((1 if strategy == "channel" else 0, 0))
-            else:
-                raise ValueError(
-                    f"compressed-tensors group {name!r}: FP8 weights with strategy "
-                    f"{strategy!r} are not supported (channel, block, tensor are)."
-                )
-        if len(blocks) > 1:
+        schemes = {
+            _compressed_tensors_scheme(name, group, group.get("format") or config.get("format"))
+            for name, group in groups.items()
+        }
+        if len(schemes) > 1:
             raise ValueError(
-                f"compressed-tensors groups with different FP8 scales {sorted(blocks)}: "
+                f"compressed-tensors groups with different schemes {sorted(map(str, schemes))}: "
                 "omniserve reads one scheme per checkpoint."
             )
-        ((row_block, group_size),) = blocks
-        return QuantizationConfig("fp8", group_size, row_block, scale_name="weight_scale")
+        return schemes.pop()
 
 
 def _block_size(value: Any, what: str) -> tuple[int, int]:
@@ -172,3 +144,55 @@ def _block_size(value: Any, what: str) -> tuple[int, int]:
     ):
         raise ValueError(f"{what}={value!r}: need [rows, cols].")
     return value[0], value[1]
+
+
+def _compressed_tensors_scheme(name: str, group: dict[str, Any], fmt: Any) -> QuantizationConfig:
+    """One compressed-tensors config group's scheme (see ``_compressed_tensors``)."""
+    fmt = str(fmt or "").lower()
+    weights = group.get("weights") or {}
+    kind = (weights.get("type"), weights.get("num_bits"))
+    what = f"compressed-tensors group {name!r}"
+    if kind not in (("float", 8), ("int", 4)):
+        raise ValueError(
+            f"{what} has {kind[0]} {kind[1]}-bit weights ({fmt}): omniserve reads FP8 weights "
+            "(FP8_DYNAMIC, FP8_BLOCK, FP8) and 4-bit integer ones (W4A16) only."
+        )
+    if group.get("output_activations"):
+        raise ValueError(f"{what} quantizes outputs: not supported.")
+    if weights.get("actorder"):
+        raise ValueError(f"{what} has act-order weights (actorder): not supported.")
+    strategy = str(weights.get("strategy")).lower()
+    inputs = group.get("input_activations")
+    if kind == ("int", 4):
+        if fmt != "pack-quantized":
+            raise ValueError(f"{what}: 4-bit weights in format {fmt!r}, not pack-quantized.")
+        if inputs:
+            raise ValueError(f"{what} quantizes activations (W4A8): omniserve runs W4A16 only.")
+        group_size = weights.get("group_size")
+        if strategy != "group" or not isinstance(group_size, int) or group_size % 32:
+            raise ValueError(
+                f"{what}: 4-bit weights with strategy {strategy!r} and group_size "
+                f"{group_size!r}: omniserve runs groups of a multiple of 32 features."
+            )
+        return QuantizationConfig(
+            "pack-quantized", group_size, symmetric=bool(weights.get("symmetric", True))
+        )
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise ValueError(f"{what}: FP8 weights in format {fmt!r}, not float-quantized.")
+    if inputs and not inputs.get("dynamic"):
+        raise ValueError(
+            f"{what} quantizes activations with static scales: not supported (dynamic ones "
+            "are, as unquantized activations)."
+        )
+    if not weights.get("symmetric", True):
+        raise ValueError(f"{what}: asymmetric FP8 weights are not supported.")
+    if strategy == "block":
+        rows, cols = _block_size(weights.get("block_structure"), f"{what} with block_structure")
+        return QuantizationConfig("fp8", cols, rows, scale_name="weight_scale")
+    if strategy in ("channel", "tensor"):
+        row_block = 1 if strategy == "channel" else 0
+        return QuantizationConfig("fp8", 0, row_block, scale_name="weight_scale")
+    raise ValueError(
+        f"{what}: FP8 weights with strategy {strategy!r} are not supported (channel, block, "
+        "tensor are)."
+    )

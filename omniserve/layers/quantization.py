@@ -1,9 +1,11 @@
-"""Weight-only quantized checkpoints: 4-bit AWQ and GPTQ (as AutoAWQ / GPTQModel save them) and
-block-scaled FP8 (as Qwen and DeepSeek publish it, ``Qwen3-*-FP8``).
+"""Weight-only quantized checkpoints: 4-bit AWQ, GPTQ and compressed-tensors' pack-quantized (as
+AutoAWQ / GPTQModel / llm-compressor save them) and FP8 (block-scaled as Qwen and DeepSeek
+publish it, ``Qwen3-*-FP8``, or in compressed-tensors).
 
 A 4-bit linear layer keeps its weight as 4-bit codes with one scale and one zero point per
 ``group_size`` input features: ``w[n, k] = (code[n, k] - zero[n, k // g]) * scale[n, k // g]``.
-The two checkpoint formats pack those numbers differently; on loading, each tensor is turned into
+The three checkpoint formats pack those numbers differently (compressed-tensors' under other names,
+``PACKED_NAMES``, and without zero points when symmetric); on loading, each tensor is turned into
 one layout, oriented like a plain weight (output features first), so the layers' own weight
 loaders shard it for tensor parallelism exactly as they shard a plain weight:
 
@@ -57,9 +59,14 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """AutoAWQ's packing: nibble ``i`` of an int32 holds column ``_AWQ_ORDER[i]`` of its eight."""
 
 
-def canonical(config: QuantizationConfig, suffix: str, loaded: LoadedWeight) -> torch.Tensor:
-    """One checkpoint tensor of a quantized layer in the layout of the module docstring."""
+def canonical(
+    config: QuantizationConfig, suffix: str, loaded: LoadedWeight, rows: int = 0
+) -> torch.Tensor:
+    """One checkpoint tensor of a quantized layer in the layout of the module docstring (``rows``:
+    the matrix's output features, which pack-quantized zero points pad to a multiple of 8)."""
     tensor = materialize(loaded)
+    if config.method == "pack-quantized":
+        return _canonical_packed(config, suffix, tensor, rows)
     if suffix == "scales":
         return tensor.t().float().contiguous()  # [groups, N] -> [N, groups]
     if suffix == "g_idx":
@@ -74,6 +81,53 @@ def canonical(config: QuantizationConfig, suffix: str, loaded: LoadedWeight) -> 
     else:  # GPTQ packs eight input features per int32: [K / 8, N]
         codes = unpack_int32(tensor.t().contiguous(), awq_order=False)
     return pack_nibbles(codes)
+
+
+def _canonical_packed(
+    config: QuantizationConfig, suffix: str, tensor: torch.Tensor, rows: int
+) -> torch.Tensor:
+    """compressed-tensors' pack-quantized tensors (renamed by ``quantized_weights``): codes
+    offset by 8 packed eight to an int32 along K, ``[N, K / 8]``; scales ``[N, groups]``; zero
+    points (offset by 8) packed along N, ``[ceil(N / 8), groups]``, or 8 each when symmetric."""
+    if suffix == "scales":
+        return tensor.float().contiguous()
+    if suffix == "qzeros":
+        if tensor.dtype == torch.uint8:  # a symmetric checkpoint's, made by quantized_weights
+            return tensor
+        return unpack_int32(tensor.t().contiguous(), awq_order=False).t()[:rows].contiguous()
+    return pack_nibbles(unpack_int32(tensor, awq_order=False))
+
+
+PACKED_NAMES = {"weight_packed": "qweight", "weight_scale": "scales",
+                "weight_zero_point": "qzeros", "weight_shape": None}  # fmt: skip
+"""compressed-tensors' pack-quantized tensor names -> the 4-bit layout's (None: not kept, the
+matrix's shape is the layer's)."""
+
+
+def checkpoint_name(config: QuantizationConfig, name: str) -> str | None:
+    """The name a quantized checkpoint's tensor loads under (None: not loaded)."""
+    if config.method != "pack-quantized":
+        return name
+    stem, _, suffix = name.rpartition(".")
+    if suffix not in PACKED_NAMES:
+        return name
+    renamed = PACKED_NAMES[suffix]
+    return None if renamed is None else f"{stem}.{renamed}"
+
+
+def quantized_weights(
+    weights: Iterator[tuple[str, LoadedWeight]], config: QuantizationConfig
+) -> Iterator[tuple[str, LoadedWeight]]:
+    """A quantized checkpoint's tensors under the names they load as (``checkpoint_name``), with
+    a symmetric pack-quantized matrix's zero points (8 each) after its scales."""
+    for name, tensor in weights:
+        renamed = checkpoint_name(config, name)
+        if renamed is None:
+            continue
+        yield renamed, tensor
+        if config.symmetric and renamed.endswith(".scales"):
+            zeros = torch.full(tuple(tensor.shape), 8, dtype=torch.uint8)
+            yield f"{renamed.removesuffix('.scales')}.qzeros", zeros
 
 
 def unpack_int32(packed: torch.Tensor, awq_order: bool) -> torch.Tensor:
@@ -211,7 +265,8 @@ def _quantized_loader(
             if not config.group_size:  # one column for every rank's share of the input
                 tensor = tensor.repeat(1, layer.input_size // in_features)
         else:
-            tensor = canonical(config, suffix, loaded)
+            rows = layer.checkpoint_rows(*shard) if suffix == "qzeros" else 0
+            tensor = canonical(config, suffix, loaded, rows)
         if suffix == "g_idx":  # checked whole, then each local feature's group
             expected = torch.arange(getattr(layer, "input_size", param.numel()))
             if not torch.equal(tensor, (expected // config.group_size).to(torch.int32)):
@@ -241,7 +296,8 @@ def quantize_layers(
     prefixes map as they do when the weights are read."""
     fp8 = config.method == "fp8"
     marker = config.scale_name if fp8 else "qweight"
-    marked = [key for key in keys if key.endswith(f".{marker}")]
+    renamed = (checkpoint_name(config, key) for key in keys)
+    marked = [key for key in renamed if key is not None and key.endswith(f".{marker}")]
     quantized: set[str] = set()
     kept: set[str] = set()  # FP8 checkpoint names a quantized layer holds as they are
 

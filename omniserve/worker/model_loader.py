@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from omniserve.config import QuantizationConfig
-from omniserve.layers.quantization import dequantize_at_load
+from omniserve.layers.quantization import dequantize_at_load, quantized_weights
 from omniserve.layers.weight_utils import LazyTensor, LoadedWeight, SafetensorsFile
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,8 @@ def load_model_weights(
     if not hasattr(model, "load_weights"):
         raise TypeError(f"{type(model).__name__} has no load_weights(weights) method.")
     weights: Iterator[tuple[str, LoadedWeight]] = iterate_checkpoint_weights(model_dir)
+    if quantization is not None:
+        weights = quantized_weights(weights, quantization)
     if dequantize:
         assert quantization is not None
         suffix = f".{quantization.scale_name}"

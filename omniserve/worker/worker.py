@@ -105,9 +105,10 @@ def _log_quantization(
     config: QuantizationConfig, count: int, dequantized: set[str], dtype: torch.dtype
 ) -> None:
     if config.method != "fp8":
+        name = {"pack-quantized": "compressed-tensors W4A16"}.get(config.method)
         logger.info(
             "%s checkpoint: %d linear layers hold 4-bit weights (groups of %d).",
-            config.method.upper(), count, config.group_size,
+            name or config.method.upper(), count, config.group_size,
         )  # fmt: skip
         return
     scales = {(1, 0): "a scale per output feature", (0, 0): "one scale per matrix"}.get(
