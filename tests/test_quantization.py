@@ -22,7 +22,13 @@ from omniserve.config import QuantizationConfig
 from omniserve.entrypoints.cli import build_parser
 from omniserve.layers import linear
 from omniserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from omniserve.layers.quantization import canonical, dequantize, pack_nibbles, quantize_linear
+from omniserve.layers.quantization import (
+    canonical,
+    dequantize,
+    dequantize_at_load,
+    pack_nibbles,
+    quantize_linear,
+)
 from omniserve.lora.request import LoRARequest
 from omniserve.plugin_tools.reference import ReferenceOutput
 from tests.hf_reference import assert_matches_reference, hf_greedy, make_prompts
@@ -191,6 +197,44 @@ def test_w4a16_checkpoint_matches_transformers_loading_it(text_case):
     assert total - info["weight_bytes"] > 0.8 * projections
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert_matches_reference(outputs, reference)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "w4a16"])
+def test_4bit_moe_experts_are_dequantized_at_load(tiny_checkpoint, method):
+    """AutoAWQ / GPTQModel / llm-compressor quantize every expert's projections; omniserve's
+    fused experts take them dequantized (the dense projections stay 4-bit)."""
+    model_dir = str(tiny_checkpoint("Qwen3MoeForCausalLM"))
+    quantized, twin = build_quantized_checkpoint(model_dir, method, GROUP)
+    prompts = make_prompts(model_dir, [5, 19])
+    llm = LLM(str(quantized), dtype="float32")
+    info = llm.llm_engine.engine_core.call_utility("get_model_info")
+    assert info["layer_kernels"]["linear: C 4-bit, float32 activations"] == 4
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, hf_greedy(str(twin), prompts, MAX_TOKENS))
+
+
+def test_dequantizing_at_load_follows_g_idx_and_names_missing_parts():
+    """An act-order GPTQ matrix outside the linear layers dequantizes with its features'
+    groups; a matrix whose tensors never all arrive is named."""
+    gen = torch.Generator().manual_seed(2)
+    config = QuantizationConfig("gptq", GROUP)
+    codes = torch.randint(0, 16, (64, 16), generator=gen)  # [K, N]
+    zeros = torch.randint(0, 16, (2, 16), generator=gen)
+    scales = torch.rand(2, 16, generator=gen)
+    g_idx = torch.randperm(64, generator=gen).int() // GROUP
+    stored = {
+        "qweight": _pack_like_autogptq(codes),
+        "scales": scales,
+        "g_idx": g_idx,
+        "qzeros": _pack_like_autogptq((zeros - 1).t().contiguous() & 0xF).t().contiguous(),
+    }
+    weights = [(f"e.{suffix}", tensor) for suffix, tensor in stored.items()]
+    ((name, weight),) = dequantize_at_load(iter(weights), {"e": set(stored)}, config)
+    group = g_idx.long()
+    expected = (codes.t().float() - zeros.t().float()[:, group]) * scales.t()[:, group]
+    assert name == "e.weight" and torch.equal(weight, expected)
+    with pytest.raises(ValueError, match=r"lacks \['scales'\] of the quantized matrix 'e'"):
+        list(dequantize_at_load(iter(weights[:1] + weights[2:]), {"e": set(stored)}, config))
 
 
 @pytest.mark.gpu

@@ -4,14 +4,14 @@ one with a scale per output feature (``fp8-dynamic``: its ``FP8_DYNAMIC``) or a 
 (``w4a16``: its ``W4A16``, symmetric groups), for tests and benchmarks, with its dequantized twin
 for transformers.
 
-Every attention and dense MLP projection of the language model is quantized by round-to-nearest
+Every attention and dense MLP projection of the language model, and every per-expert MoE
+projection (as AutoAWQ and Qwen's FP8 checkpoints quantize them), is quantized by round-to-nearest
 in groups of ``group_size`` input features (AWQ: asymmetric, a zero point per group; GPTQ and
 W4A16: symmetric, zero point 8, which GPTQ stores minus one as ``checkpoint_format`` "gptq" does
-and W4A16 does not store); FP8 rounds to
-e4m3 in ``group_size x group_size`` blocks (``fp8-dynamic``: per output feature), each scaled so
-its largest weight is e4m3's largest (448), and quantizes the per-expert MoE projections too, as
-Qwen's FP8 checkpoints do. The
-towers, the embeddings, the head (and, for 4-bit, MoE experts) keep their weights. What AWQ and
+and W4A16 does not store); FP8 rounds to e4m3 in ``group_size x group_size`` blocks
+(``fp8-dynamic``: per output feature), each scaled so its largest weight is e4m3's largest
+(448). The towers, the embeddings, the head and fused (3-D) expert tensors keep their weights.
+What AWQ and
 GPTQ add over rounding (calibrated scaling, error feedback) changes the codes, not the format, so
 a rounded checkpoint exercises the same loading and arithmetic. The twin stores the dequantized
 weights in the source's dtype under the original names: what a model quantized this way
@@ -164,9 +164,7 @@ def _write(source: Path, target: Path, method: str, group_size: int, dequantized
             for name in f.keys():
                 tensor = f.tensor(name).materialize()
                 stem = name.removesuffix(".weight")
-                quantized = is_decoder_projection(stem) or (
-                    method.startswith("fp8") and _EXPERT.search(stem) is not None
-                )
+                quantized = is_decoder_projection(stem) or _EXPERT.search(stem) is not None
                 if name.endswith(".weight") and tensor.dim() == 2 and quantized:
                     targets.append(stem)
                     tensors.update(

@@ -287,19 +287,30 @@ def _quantized_loader(
 
 def quantize_layers(
     model: nn.Module, config: QuantizationConfig, keys: Iterable[str]
-) -> tuple[int, set[str]]:
+) -> tuple[int, dict[str, set[str]]]:
     """Before loading, make quantized every linear layer whose checkpoint matrices are stored
-    quantized (``qweight``, or FP8 beside its scales) among ``keys``; return how many,
-    and the checkpoint names (without ``.weight``) of the FP8 matrices that go elsewhere, which
-    ``dequantize_at_load`` must dequantize. The keys go through the model's own ``load_weights``
-    routing (with ``find_quantized`` set, which loads nothing), so fused layers and renamed
-    prefixes map as they do when the weights are read."""
+    quantized (``qweight``, or FP8 beside its scales) among ``keys`` (the checkpoint's names);
+    return how many, and the quantized matrices that go elsewhere (MoE experts, transformers'
+    media towers): their names (without the suffix, as ``quantized_weights`` yields them) and
+    the suffixes stored for each, which ``dequantize_at_load`` gathers and dequantizes. The
+    keys go through the model's own ``load_weights`` routing (with ``find_quantized`` set, which
+    loads nothing), so fused layers and renamed prefixes map as they do when the weights are
+    read."""
     fp8 = config.method == "fp8"
     marker = config.scale_name if fp8 else "qweight"
-    renamed = (checkpoint_name(config, key) for key in keys)
-    marked = [key for key in renamed if key is not None and key.endswith(f".{marker}")]
+    parts = (("weight", config.scale_name) if fp8 else
+             ("qweight", "qzeros", "scales", "g_idx"))  # fmt: skip
+    stored: dict[str, set[str]] = {}
+    for key in keys:
+        stem, _, suffix = (checkpoint_name(config, key) or "").rpartition(".")
+        if suffix in parts:
+            stored.setdefault(stem, set()).add(suffix)
+    if config.symmetric:  # made beside the scales as they are read
+        for suffixes in stored.values():
+            suffixes.add("qzeros")
+    marked = [f"{stem}.{marker}" for stem, suffixes in stored.items() if marker in suffixes]
     quantized: set[str] = set()
-    kept: set[str] = set()  # FP8 checkpoint names a quantized layer holds as they are
+    kept: set[str] = set()  # checkpoint names a quantized layer holds
 
     def find_quantized(ckpt_name: str, param_name: str) -> None:
         path, _, suffix = param_name.rpartition(".")
@@ -308,15 +319,9 @@ def quantize_layers(
         try:
             layer = model.get_submodule(path)
         except AttributeError:
-            layer = None
+            return  # not a layer of omniserve's: dequantized at load
         if not isinstance(layer, LinearBase) or isinstance(layer, VocabParallelEmbedding):
-            if fp8:
-                return  # dequantized at load
-            raise ValueError(
-                f"Checkpoint tensor {ckpt_name!r} is a 4-bit weight, but omniserve runs 4-bit "
-                f"weights in its linear layers only and {path!r} is not one (quantized MoE "
-                "experts are not supported)."
-            )
+            return
         kept.add(ckpt_name.removesuffix(f".{marker}"))
         if path not in quantized:
             quantize_linear(layer, config)
@@ -332,36 +337,59 @@ def quantize_layers(
             f"The checkpoint's quantization_config says {config.method}, but it stores no "
             f"{marker} tensor."
         )
-    if not fp8 and not quantized:
-        raise ValueError(
-            f"The checkpoint's quantization_config says {config.method}, but it stores no "
-            "qweight tensor that omniserve's model routes to a linear layer."
-        )
-    return len(quantized), {key.removesuffix(f".{marker}") for key in marked} - kept
+    elsewhere = {key.removesuffix(f".{marker}") for key in marked} - kept
+    return len(quantized), {stem: stored[stem] for stem in elsewhere}
 
 
 def dequantize_at_load(
     weights: Iterator[tuple[str, LoadedWeight]],
-    stems: set[str],
-    scales: Mapping[str, torch.Tensor],
+    matrices: Mapping[str, set[str]],
     config: QuantizationConfig,
 ) -> Iterator[tuple[str, LoadedWeight]]:
-    """The checkpoint's tensors with each FP8 matrix ``stem.weight`` of ``stems`` dequantized (to
-    fp32: the parameter it fills rounds it once) by ``scales[stem]``, its scale grid, and those
-    grids left out."""
+    """The checkpoint's tensors (as ``quantized_weights`` yields them) with each quantized
+    matrix of ``matrices`` (name -> its stored suffixes) replaced by ``name.weight``, dequantized
+    to fp32 (the parameter it fills rounds it once) when all its tensors have been read (they
+    are usually next to one another)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         stem, _, suffix = name.rpartition(".")
-        if stem not in stems or suffix not in ("weight", config.scale_name):
+        if suffix not in matrices.get(stem, ()):
             yield name, tensor
-        elif suffix == "weight":
-            weight = materialize(tensor)
-            grid = scales[stem]
-            rows, cols = weight.shape if weight.dim() == 2 else (0, 0)
-            row_block, group_size = config.block(rows, cols)
-            if not rows or grid.numel() != -(-rows // row_block) * -(-cols // group_size):
-                raise ValueError(
-                    f"Checkpoint tensor {name!r} of shape {tuple(weight.shape)} does not match "
-                    f"its scales {tuple(grid.shape)} in blocks of {row_block} x {group_size}."
-                )
-            grid = grid.reshape(-(-rows // row_block), -1)
-            yield name, dequantize_fp8(weight, fp8_row_scales(grid, rows, row_block), torch.float32)
+            continue
+        parts = pending.setdefault(stem, {})
+        parts[suffix] = materialize(tensor)
+        if len(parts) == len(matrices[stem]):
+            yield f"{stem}.weight", _dequantized(config, stem, pending.pop(stem))
+    if pending:
+        stem, parts = next(iter(pending.items()))
+        raise ValueError(f"The checkpoint lacks {sorted(matrices[stem] - parts.keys())} of the "
+                         f"quantized matrix {stem!r}.")  # fmt: skip
+
+
+def _dequantized(
+    config: QuantizationConfig, stem: str, parts: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """One quantized matrix's stored tensors -> its fp32 weight (``w[n, k] = (code - zero) *
+    scale`` of feature k's group, which GPTQ's ``g_idx`` may reorder; FP8: ``weight * scale``)."""
+    if config.method == "fp8":
+        weight, grid = parts["weight"], parts[config.scale_name]
+        rows, cols = weight.shape if weight.dim() == 2 else (0, 0)
+        row_block, group_size = config.block(rows, cols)
+        if not rows or grid.numel() != -(-rows // row_block) * -(-cols // group_size):
+            raise ValueError(
+                f"Checkpoint tensor {stem}.weight of shape {tuple(weight.shape)} does not match "
+                f"its scales {tuple(grid.shape)} in blocks of {row_block} x {group_size}."
+            )
+        grid = grid.reshape(-(-rows // row_block), -1)
+        return dequantize_fp8(weight, fp8_row_scales(grid, rows, row_block), torch.float32)
+    codes = unpack_nibbles(canonical(config, "qweight", parts["qweight"])).float()
+    rows, cols = codes.shape
+    zeros = canonical(config, "qzeros", parts["qzeros"], rows).float()
+    scales = canonical(config, "scales", parts["scales"])
+    if zeros.shape != scales.shape or scales.shape[0] != rows or cols % scales.shape[1]:
+        raise ValueError(f"The 4-bit tensors of {stem!r} do not match: codes {tuple(codes.shape)}, "
+                         f"zeros {tuple(zeros.shape)}, scales {tuple(scales.shape)}.")  # fmt: skip
+    group = torch.arange(cols) // (cols // scales.shape[1])
+    if "g_idx" in parts:
+        group = canonical(config, "g_idx", parts["g_idx"]).long()
+    return (codes - zeros[:, group]) * scales[:, group]

@@ -78,27 +78,15 @@ def iterate_checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, Laz
             )  # fmt: skip
 
 
-def read_checkpoint_tensors(model_dir: str | Path, names: set[str]) -> dict[str, torch.Tensor]:
-    """The named tensors, read whole (for small ones another tensor's loading needs)."""
-    found = {}
-    for path in checkpoint_files(model_dir):
-        with SafetensorsFile(path) as f:
-            for name in names.intersection(f.keys()):
-                found[name] = f.tensor(name).materialize()
-    if missing := names - found.keys():
-        raise ValueError(f"{model_dir} lacks checkpoint tensor(s) {sorted(missing)[:5]}.")
-    return found
-
-
 def load_model_weights(
     model: nn.Module,
     model_dir: str | Path,
     quantization: QuantizationConfig | None = None,
-    dequantize: set[str] | None = None,
+    dequantize: dict[str, set[str]] | None = None,
 ) -> None:
     """Fill every parameter of ``model`` from the checkpoint; ValueError names what did not match.
-    ``dequantize``: the FP8 matrices (checkpoint names without ``.weight``) that no quantized
-    layer holds, dequantized as they are read (``layers.quantization.dequantize_at_load``).
+    ``dequantize``: the quantized matrices no quantized layer holds (from
+    ``layers.quantization.quantize_layers``), dequantized as they are read.
 
     Tied embeddings need nothing here: a tied ``lm_head.weight`` is the embedding's parameter, so
     it is filled through ``embed_tokens`` and the model skips an ``lm_head`` key if one is stored.
@@ -108,12 +96,8 @@ def load_model_weights(
     weights: Iterator[tuple[str, LoadedWeight]] = iterate_checkpoint_weights(model_dir)
     if quantization is not None:
         weights = quantized_weights(weights, quantization)
-    if dequantize:
-        assert quantization is not None
-        suffix = f".{quantization.scale_name}"
-        grids = read_checkpoint_tensors(model_dir, {stem + suffix for stem in dequantize})
-        scales = {name.removesuffix(suffix): grid for name, grid in grids.items()}
-        weights = dequantize_at_load(weights, dequantize, scales, quantization)
+        if dequantize:
+            weights = dequantize_at_load(weights, dequantize, quantization)
     with torch.no_grad():
         loaded = model.load_weights(weights)
     missing = sorted({name for name, _ in model.named_parameters()} - loaded)

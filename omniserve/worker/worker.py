@@ -102,29 +102,30 @@ def skip_weight_init() -> Iterator[None]:
 
 
 def _log_quantization(
-    config: QuantizationConfig, count: int, dequantized: set[str], dtype: torch.dtype
+    config: QuantizationConfig, count: int, dequantized: dict[str, set[str]], dtype: torch.dtype
 ) -> None:
-    if config.method != "fp8":
+    dtype_name = str(dtype).removeprefix("torch.")
+    if config.method == "fp8":
+        scales = {(1, 0): "a scale per output feature", (0, 0): "one scale per matrix"}.get(
+            (config.row_block, config.group_size),
+            f"a scale per {config.row_block} x {config.group_size} block",
+        )
+        logger.info(
+            "FP8 checkpoint: %d linear layers hold e4m3 weights (%s), dequantized exactly in "
+            "the product; activations stay %s (GPU FP8 kernels would round them to FP8).",
+            count, scales, dtype_name,
+        )  # fmt: skip
+    else:
         name = {"pack-quantized": "compressed-tensors W4A16"}.get(config.method)
         logger.info(
             "%s checkpoint: %d linear layers hold 4-bit weights (groups of %d).",
             name or config.method.upper(), count, config.group_size,
         )  # fmt: skip
-        return
-    scales = {(1, 0): "a scale per output feature", (0, 0): "one scale per matrix"}.get(
-        (config.row_block, config.group_size),
-        f"a scale per {config.row_block} x {config.group_size} block",
-    )
-    logger.info(
-        "FP8 checkpoint: %d linear layers hold e4m3 weights (%s), dequantized exactly in the "
-        "product; activations stay %s (GPU FP8 kernels would round them to FP8 on the fly).",
-        count, scales, str(dtype).removeprefix("torch."),
-    )  # fmt: skip
     if dequantized:
         logger.warning(
-            "%d FP8 matrices outside omniserve's linear layers (MoE experts, media towers; "
-            "e.g. %s) are dequantized to %s at load and take that dtype's memory.",
-            len(dequantized), min(dequantized), str(dtype).removeprefix("torch."),
+            "%d quantized matrices outside omniserve's linear layers (MoE experts, media "
+            "towers; e.g. %s) are dequantized to %s at load and take that dtype's memory.",
+            len(dequantized), min(dequantized), dtype_name,
         )  # fmt: skip
 
 
@@ -157,7 +158,7 @@ class Worker:
         stored = checkpoint_tensor_shapes(model_config.model)
         with torch.device(self.device), default_dtype(self.dtype), skip_weight_init():
             model = model_cls(self.hf_config)
-            dequantized: set[str] = set()
+            dequantized: dict[str, set[str]] = {}
             if (quantization := model_config.quantization_config) is not None:
                 count, dequantized = quantize_layers(model, quantization, stored)
                 _log_quantization(quantization, count, dequantized, self.dtype)
