@@ -4,12 +4,29 @@ prompt factories and assertions; the runner itself is ``omniserve.plugin_tools.r
 from __future__ import annotations
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
 
 # The shared HF runner lives in the package (register-model --check uses it too).
 from omniserve.plugin_tools.reference import ReferenceOutput, hf_greedy
 
-__all__ = ["ReferenceOutput", "assert_matches_reference", "hf_greedy", "make_prompts"]
+__all__ = [
+    "CompressedTensorsDequantized",
+    "ReferenceOutput",
+    "assert_matches_reference",
+    "hf_greedy",
+    "make_prompts",
+]
+
+
+class CompressedTensorsDequantized:
+    """transformers reading a compressed-tensors checkpoint into dense weights, as ``hf_greedy``'s
+    model class (without ``dequantize`` it would also round activations to FP8, as vLLM's GPU
+    kernels do)."""
+
+    @staticmethod
+    def from_pretrained(path: str, **kwargs: object) -> object:
+        config = CompressedTensorsConfig(dequantize=True)
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, **kwargs)
 
 
 def make_prompts(model_dir: str, lengths: list[int], seed: int = 0) -> list[list[int]]:

@@ -10,27 +10,25 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-from omniserve import LLM, SamplingParams
+from omniserve import LLM
 from omniserve.checkpoint_builder.quantized import build_quantized_checkpoint, quantize_fp8
 from omniserve.config import QuantizationConfig
 from omniserve.cpu import linear as cpu_linear
 from omniserve.cpu.linear import Fp8Linear
-from omniserve.layers import linear
-from omniserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from omniserve.layers.quantization import (
-    DequantizeLinear,
     dequantize_fp8,
     fp8_row_scales,
-    quantize_linear,
 )
-from tests.hf_reference import assert_matches_reference, hf_greedy, make_prompts
+from tests.hf_reference import (
+    CompressedTensorsDequantized,
+    assert_matches_reference,
+    hf_greedy,
+    make_prompts,
+)
 from tests.test_cpu_backend import DTYPES, _close
-from tests.test_layers import as_rank
+from tests.test_quantization import GREEDY, MAX_TOKENS, Matrix, check_tensor_parallel_shards
 
-MAX_TOKENS = 10
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3)
 BLOCK = 32
 
 
@@ -122,9 +120,8 @@ def test_fp8_scales_shard_as_weights(monkeypatch, tp_size, config) -> None:
     features of every rank: every rank's product equals the same slice of the whole dequantized
     matrix's."""
     gen = torch.Generator().manual_seed(1)
-    hidden, head, heads, kv_heads, inter = 128, 16, 8, 2, 256
 
-    def fp8(out_features: int, in_features: int) -> tuple[dict, torch.Tensor]:
+    def fp8(out_features: int, in_features: int) -> Matrix:
         weight = torch.randn(out_features, in_features, generator=gen)
         codes, _ = quantize_fp8(weight, (BLOCK, BLOCK))
         row_block, group_size = config.block(out_features, in_features)
@@ -134,50 +131,12 @@ def test_fp8_scales_shard_as_weights(monkeypatch, tp_size, config) -> None:
         stored = grid if config.row_block else grid.reshape(1)  # one scale: stored as [1]
         return {"weight": codes, config.scale_name: stored}, full
 
-    q, k, v = fp8(heads * head, hidden), fp8(kv_heads * head, hidden), fp8(kv_heads * head, hidden)
-    gate, up, down = fp8(inter, hidden), fp8(inter, hidden), fp8(hidden, inter)
-    x, h = torch.randn(3, hidden, generator=gen), torch.randn(3, inter, generator=gen)
-    row_sum, gate_up_parts, kv_parts = torch.zeros(3, hidden), [], []
-    for rank in range(tp_size):
-        as_rank(monkeypatch, rank, tp_size, linear)
-        qkv = QKVParallelLinear(hidden, head, heads, kv_heads)
-        gate_up = MergedColumnParallelLinear(hidden, [inter, inter])
-        down_proj = RowParallelLinear(inter, hidden)
-        for layer, parts in ((qkv, {"q": q, "k": k, "v": v}), (gate_up, {0: gate, 1: up}),
-                             (down_proj, {None: down})):  # fmt: skip
-            quantize_linear(layer, config)
-            assert isinstance(layer.kernel, DequantizeLinear)
-            for shard, (tensors, _) in parts.items():
-                for suffix, tensor in tensors.items():
-                    param = getattr(layer, suffix)
-                    param.weight_loader(param, tensor, *(() if shard is None else (shard,)))
-        out = qkv(x)
-        torch.testing.assert_close(out[:, : qkv.q_size], F.linear(x, q[1].chunk(tp_size)[rank]))
-        kv_parts.append(out[:, qkv.q_size :])
-        gate_up_parts.append(gate_up(x))
-        row_sum += down_proj(h.chunk(tp_size, -1)[rank])
-    kv = torch.cat(kv_parts, -1).unflatten(-1, (tp_size, 2, -1))
-    torch.testing.assert_close(kv[:, :, 0].flatten(1), F.linear(x, k[1]))
-    torch.testing.assert_close(kv[:, :, 1].flatten(1), F.linear(x, v[1]))
-    both = torch.cat(gate_up_parts, -1).unflatten(-1, (tp_size, 2, -1))
-    torch.testing.assert_close(both[:, :, 0].flatten(1), F.linear(x, gate[1]))
-    torch.testing.assert_close(both[:, :, 1].flatten(1), F.linear(x, up[1]))
-    torch.testing.assert_close(row_sum, F.linear(h, down[1]), rtol=1e-4, atol=1e-4)
+    check_tensor_parallel_shards(monkeypatch, tp_size, config, fp8)
 
 
 def test_fp8_scale_grids_must_cover_their_rows() -> None:
     with pytest.raises(ValueError, match="one row of scales per 48 of 100"):
         fp8_row_scales(torch.ones(2, 4), 100, 48)
-
-
-class Dequantized:
-    """transformers reading a compressed-tensors checkpoint into dense weights (without
-    ``dequantize`` it would also round the activations to FP8, as vLLM's GPU kernels do)."""
-
-    @staticmethod
-    def from_pretrained(path: str, **kwargs: object) -> object:
-        config = CompressedTensorsConfig(dequantize=True)
-        return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -193,7 +152,7 @@ def test_fp8_checkpoint_matches_transformers_loading_it(tiny_checkpoint, archite
     model_dir = str(tiny_checkpoint(architecture))
     quantized, twin = build_quantized_checkpoint(model_dir, method, BLOCK)
     prompts = make_prompts(model_dir, [5, 19, 36])
-    reference_cls = None if method == "fp8" else Dequantized
+    reference_cls = None if method == "fp8" else CompressedTensorsDequantized
     reference = hf_greedy(str(quantized), prompts, MAX_TOKENS, reference_cls)
     assert reference[0].token_ids == hf_greedy(str(twin), prompts[:1], MAX_TOKENS)[0].token_ids
     flag = "fp8" if method == "fp8" else "compressed-tensors"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,13 @@ from omniserve.layers.quantization import (
 )
 from omniserve.lora.request import LoRARequest
 from omniserve.plugin_tools.reference import ReferenceOutput
-from tests.hf_reference import assert_matches_reference, hf_greedy, make_prompts
+from tests.hf_reference import (
+    CompressedTensorsDequantized,
+    assert_matches_reference,
+    hf_greedy,
+    make_prompts,
+)
 from tests.test_fidelity_omni import THINKERS, _engine_prompt, _hf_inputs, _media, _text
-from tests.test_fp8 import Dequantized
 from tests.test_layers import as_rank
 from tests.test_lora import WithAdapter, save_adapter
 
@@ -119,10 +124,9 @@ def test_tensor_parallel_shards_4bit_weights_as_plain_ones(monkeypatch, tp_size,
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     gen = torch.Generator().manual_seed(1)
-    hidden, head, heads, kv_heads, inter = 128, 16, 8, 2, 256
     config = QuantizationConfig(method, GROUP)
 
-    def awq(out_features: int, in_features: int) -> tuple[dict, torch.Tensor]:
+    def awq(out_features: int, in_features: int) -> Matrix:
         codes = torch.randint(0, 16, (in_features, out_features), generator=gen)
         zeros = torch.randint(0, 16, (in_features // GROUP, out_features), generator=gen)
         scales = torch.rand(in_features // GROUP, out_features, generator=gen).half()
@@ -136,8 +140,31 @@ def test_tensor_parallel_shards_4bit_weights_as_plain_ones(monkeypatch, tp_size,
                    "scales": scales}  # fmt: skip
         return tensors, full
 
-    q, k, v = awq(heads * head, hidden), awq(kv_heads * head, hidden), awq(kv_heads * head, hidden)
-    gate, up, down = awq(inter, hidden), awq(inter, hidden), awq(hidden, inter)
+    check_tensor_parallel_shards(monkeypatch, tp_size, config, awq)
+
+
+Matrix = tuple[dict[str, torch.Tensor], torch.Tensor]
+"""A quantized matrix's checkpoint tensors by the layer parameter they load into, and the whole
+matrix dequantized."""
+
+
+def check_tensor_parallel_shards(
+    monkeypatch: pytest.MonkeyPatch,
+    tp_size: int,
+    config: QuantizationConfig,
+    make: Callable[[int, int], Matrix],
+) -> None:
+    """Quantized q/k/v, gate/up and down projections (``make(out, in)`` each) loaded into every
+    rank's layers: each rank's outputs equal the same slice of the whole dequantized matrices'
+    (the row-parallel down projection's partial sums add up to the whole product)."""
+    gen = torch.Generator().manual_seed(3)
+    hidden, head, heads, kv_heads, inter = 128, 16, 8, 2, 256
+    q, k, v = (
+        make(heads * head, hidden),
+        make(kv_heads * head, hidden),
+        make(kv_heads * head, hidden),
+    )
+    gate, up, down = make(inter, hidden), make(inter, hidden), make(hidden, inter)
     x, h = torch.randn(3, hidden, generator=gen), torch.randn(3, inter, generator=gen)
     row_sum, gate_up_parts = torch.zeros(3, hidden), []
     for rank in range(tp_size):
@@ -152,8 +179,12 @@ def test_tensor_parallel_shards_4bit_weights_as_plain_ones(monkeypatch, tp_size,
                 for suffix, tensor in tensors.items():
                     param = getattr(layer, suffix)
                     param.weight_loader(param, tensor, *(() if shard is None else (shard,)))
-        out_q = qkv(x)[:, : qkv.q_size]
-        torch.testing.assert_close(out_q, F.linear(x, q[1].chunk(tp_size)[rank]))
+        out = qkv(x).split([qkv.q_size, qkv.kv_size, qkv.kv_size], -1)
+        torch.testing.assert_close(out[0], F.linear(x, q[1].chunk(tp_size)[rank]))
+        source = rank // qkv.num_kv_head_replicas  # the KV head a rank holds (or a replica of)
+        kv_rows = slice(source * qkv.kv_size, (source + 1) * qkv.kv_size)
+        torch.testing.assert_close(out[1], F.linear(x, k[1][kv_rows]))
+        torch.testing.assert_close(out[2], F.linear(x, v[1][kv_rows]))
         gate_up_parts.append(gate_up(x))
         row_sum += down_proj(h.chunk(tp_size, -1)[rank])
     both = torch.cat(gate_up_parts, -1).unflatten(-1, (tp_size, 2, -1))
@@ -188,7 +219,7 @@ def test_w4a16_checkpoint_matches_transformers_loading_it(text_case):
     files through the compressed-tensors library."""
     model_dir, prompts = text_case
     quantized, twin = build_quantized_checkpoint(model_dir, "w4a16", GROUP)
-    reference = hf_greedy(str(quantized), prompts, MAX_TOKENS, Dequantized)
+    reference = hf_greedy(str(quantized), prompts, MAX_TOKENS, CompressedTensorsDequantized)
     assert reference[0].token_ids == hf_greedy(str(twin), prompts[:1], MAX_TOKENS)[0].token_ids
     llm = LLM(str(quantized), dtype="float32", quantization="compressed-tensors")
     info = llm.llm_engine.engine_core.call_utility("get_model_info")
