@@ -7,8 +7,8 @@ into the cache dir by ``omniserve.checkpoint_builder.build_realsize_checkpoint``
   after a long prompt (``b1_long``: 3840 tokens, the length of a media-heavy context) and on a
   prefill-heavy mix (16 x 128 prompt tokens, 32 new), greedy (``--sampling`` sets other
   settings, seeded per request), ignore_eos;
-- the prefill alone (16 x 128 tokens, 1 new) and, on the omni thinkers, the time to the first
-  token of an image + audio prompt;
+- the prefill alone (16 x 128 tokens, 1 new) and, on the multimodal models, the time to the
+  first token of an image prompt (an image + audio one on the omni thinkers);
 - load time (checkpoint in the page cache) and the peak RSS of each engine's processes;
 - omniserve against the limits of this machine, measured by the same run: batch-1 decode
   against the weight-streaming bound (weight bytes read per step / the bandwidth a bf16 GEMV
@@ -176,15 +176,19 @@ def write_media(directory: Path, seed: int) -> tuple[str, str]:
     return str(image), str(audio)
 
 
-def mm_prompt(model_dir: Path) -> str:
-    """One user turn with an image and an audio clip, in the checkpoint's placeholders."""
+def mm_prompt(model_dir: Path) -> tuple[str, bool]:
+    """One user turn with an image, and an audio clip where the model hears (the omni
+    thinkers), in the checkpoint's placeholders; and whether it has the clip."""
     from transformers import AutoProcessor
 
     tok = AutoProcessor.from_pretrained(model_dir).tokenizer
+    if not hasattr(tok, "audio_token"):  # a vision-language model (Qwen2.5-VL, Qwen3-VL)
+        return ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What do you see?"
+                "<|im_end|>\n<|im_start|>assistant\n"), False  # fmt: skip
     image = f"{tok.vision_bos_token}{tok.image_token}{tok.vision_eos_token}"
     audio = f"{tok.audio_bos_token}{tok.audio_token}{tok.audio_eos_token}"
     return (f"<|im_start|>user\n{image}{audio}What do you see and hear?<|im_end|>\n"
-            "<|im_start|>assistant\n")  # fmt: skip
+            "<|im_start|>assistant\n"), True  # fmt: skip
 
 
 def _text_config(model_dir: Path) -> Any:
@@ -205,15 +209,18 @@ def make_workload(names: list[str], model_dir: Path, media_dir: Path,
     runs = []
     for i, name in enumerate(names):
         if name == "ttft_mm":
-            text = mm_prompt(model_dir)
+            text, hears = mm_prompt(model_dir)
+            kinds = ("image", "audio") if hears else ("image",)
+
+            def media(seed: int, kinds: tuple[str, ...] = kinds) -> dict[str, str]:
+                return dict(zip(kinds, write_media(media_dir, seed), strict=False))
+
             # a first item warms the media path up; the second, unseen, is the one timed
             for label, seed in (("ttft_mm_warmup", 1), ("ttft_mm", 2)):
-                image, audio = write_media(media_dir, seed)
-                request = {"prompt": text, "image": image, "audio": audio, "max_tokens": 1}
+                request = {"prompt": text, **media(seed), "max_tokens": 1}
                 runs.append({"name": label, "requests": [request]})
             # each profiled re-run gets unseen media too, or it profiles the caches' hits
-            runs[-1]["fresh_media"] = [dict(zip(("image", "audio"), write_media(media_dir, seed),
-                                                strict=True)) for seed in (3, 4, 5)]  # fmt: skip
+            runs[-1]["fresh_media"] = [media(seed) for seed in (3, 4, 5)]
             continue
         num, new = shapes[name]
         runs.append({"name": name, "requests": [
@@ -263,8 +270,10 @@ class PeakRSS:
 def _load_media(request: dict[str, Any]) -> dict[str, Any]:
     from PIL import Image
 
-    image = Image.open(request["image"]).convert("RGB")
-    return {"image": image, "audio": (np.load(request["audio"]), SAMPLE_RATE)}
+    media: dict[str, Any] = {"image": Image.open(request["image"]).convert("RGB")}
+    if "audio" in request:
+        media["audio"] = (np.load(request["audio"]), SAMPLE_RATE)
+    return media
 
 
 def run_omniserve(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
@@ -399,9 +408,9 @@ def run_hf(model_dir: str, workload: dict[str, Any]) -> dict[str, Any]:
             else:  # one media request: the processor is part of the time to first token
                 processor = processor or AutoProcessor.from_pretrained(model_dir)
                 media = _load_media(requests[0])
+                audio = {"audio": [media["audio"][0]]} if "audio" in media else {}
                 inputs = dict(processor(text=[requests[0]["prompt"]], images=[media["image"]],
-                                        audio=[media["audio"][0]],
-                                        return_tensors="pt"))  # fmt: skip
+                                        **audio, return_tensors="pt"))  # fmt: skip
                 inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
                           for k, v in inputs.items()}  # fmt: skip
             inputs = {k: v.to(device) for k, v in inputs.items()}
@@ -704,8 +713,8 @@ def main() -> None:
         for name in args.models.split(","):
             print(f"\n{name}: building (once) ...", flush=True)
             model_dir = build_realsize_checkpoint(name)
-            omni = "Omni" in REALSIZE_MODELS[name].architecture
-            names = [w for w in args.workloads.split(",") if w != "ttft_mm" or omni]
+            sees = any(tag in REALSIZE_MODELS[name].architecture for tag in ("VL", "Omni"))
+            names = [w for w in args.workloads.split(",") if w != "ttft_mm" or sees]
             workload_file = Path(tmp) / f"{name}.json"
             workload = make_workload(names, model_dir, Path(tmp), device)
             workload["llm_kwargs"] = json.loads(args.llm_kwargs)
