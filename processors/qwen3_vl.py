@@ -16,7 +16,9 @@ times vLLM reads) and HF's default of 24 fps for bare arrays, which carry none. 
 processor bounds the whole video's pixels (``size``: all frames together), so a frame's tokens
 shrink as frames are added.
 
-Precomputed embeddings are refused: the tower's DeepStack levels feed early decoder layers too.
+Precomputed image embeddings (``--enable-mm-embeds``) are the tower's output as it makes it, each
+row the main embedding followed by its DeepStack levels (which feed early decoder layers), with
+the image's ``image_grid_thw``; video embeddings are refused, as for Qwen2-VL.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from typing import Any
 
 import torch
 
-from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.multimodal.parse import MultiModalDataItems
 from omniserve.multimodal.processing import (
     MultiModalFieldConfig,
@@ -139,13 +140,12 @@ class Qwen3VLMultiModalProcessor(Qwen2VLMultiModalProcessor):
             fields["video_timestamps"] = MultiModalFieldConfig.flat_from_sizes("video", groups)
         return fields
 
-    def _embeds_fields(self, modality: str, embeds: dict[str, Any]) -> dict[str, Any]:
-        raise MultiModalInputError(
-            f"Qwen3-VL takes no precomputed {modality} embeddings (its vision tower's DeepStack "
-            "outputs feed decoder layers too)",
-            stage="process",
-            modality=modality,
-        )
+    def _embeds_width(self, modality: str) -> tuple[int, str]:
+        """An image's embeddings carry its DeepStack levels after the main rows, as the tower
+        makes them (and as vLLM takes them): ``hidden * (1 + levels)`` wide."""
+        hidden, _ = super()._embeds_width(modality)
+        levels = len(self.info.ctx.hf_config.vision_config.deepstack_visual_indexes)
+        return hidden * (1 + levels), f"the hidden size x (1 + {levels} DeepStack levels)"
 
     def _get_prompt_updates(
         self,

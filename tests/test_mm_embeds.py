@@ -1,5 +1,6 @@
 """Precomputed embeddings (``--enable-mm-embeds``): an image's vision-tower output (with its
-``image_grid_thw``) or an audio clip's encoder output stands for the item — the same greedy
+``image_grid_thw``; Qwen3-VL's with its DeepStack levels) or an audio clip's encoder output
+stands for the item — the same greedy
 tokens as sending the media — offline and over the API; bad shapes, NaNs, a wrong grid, a model
 that cannot take them, and a server without the flag are clear errors naming the item."""
 
@@ -73,6 +74,29 @@ def test_image_embeds_answer_as_the_image(vl: LLM, tiny_checkpoint: Any) -> None
     )
     _same_answer(omni, "<|vision_bos|><|IMAGE|><|vision_eos|>What is it?", "image", IMAGE)
     omni.llm_engine.shutdown()
+
+
+def test_qwen3_vl_image_embeds_carry_their_deepstack_levels(tiny_checkpoint: Any) -> None:
+    """Qwen3-VL's tower output (each row: the main embedding, then its DeepStack levels) stands
+    for the image; embeddings as wide as the hidden size alone, or a video's, are refused."""
+    llm = _llm(tiny_checkpoint("Qwen3VLForConditionalGeneration"), enable_mm_embeds=True)
+    _same_answer(llm, VL_PROMPT, "image", IMAGE)
+    good = _encoder_output(
+        llm, {"prompt": VL_PROMPT, "multi_modal_data": {"image": IMAGE}}, "image"
+    )
+    rows, width = good["image_embeds"].shape
+    hidden = llm.llm_engine.processor.model_config.hf_config.get_text_config().hidden_size
+    assert width == 4 * hidden  # three DeepStack levels
+    for modality, item, needle in (
+        ("image", {**good, "image_embeds": good["image_embeds"][:, :hidden]},
+         rf"\[num_embeds, {width}\] tensor \(the hidden size x \(1 \+ 3 DeepStack levels\)\)"),
+        ("video", {"video_embeds": good["image_embeds"]}, "video process error: item 0 is a dict"),
+    ):  # fmt: skip
+        prompt = VL_PROMPT.replace("image", modality)
+        with pytest.raises(MultiModalInputError, match=needle):
+            llm.generate({"prompt": prompt, "multi_modal_data": {modality: item}}, GREEDY,
+                         use_tqdm=False)  # fmt: skip
+    llm.llm_engine.shutdown()
 
 
 def test_audio_embeds_answer_as_the_clip(tiny_checkpoint: Any) -> None:

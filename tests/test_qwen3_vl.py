@@ -16,7 +16,6 @@ import torch
 from PIL import Image
 
 from omniserve.config import ModelConfig
-from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.multimodal.media_io import VideoItem
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from omniserve.plugin_tools.reference import hf_processor_text
@@ -128,20 +127,6 @@ def test_mrope_positions_match_hf_get_rope_index(setup: tuple) -> None:
     assert positions.dtype == torch.int64
     torch.testing.assert_close(positions, want_positions[:, 0], atol=0, rtol=0)
     assert delta == int(want_delta)
-
-
-def test_precomputed_embeddings_are_refused(setup: tuple, tiny_checkpoint: Callable) -> None:
-    _, _, model = setup
-    path = str(tiny_checkpoint(ARCH))
-    ours = MULTIMODAL_REGISTRY.create_processor(
-        ModelConfig.from_path(path), get_tokenizer(path), enable_mm_embeds=True
-    )
-    embeds = {
-        "image_embeds": torch.zeros(4, model.config.text_config.hidden_size),
-        "image_grid_thw": torch.tensor([[1, 4, 4]]),
-    }
-    with pytest.raises(MultiModalInputError, match="DeepStack"):
-        ours.apply(f"{IMAGE}hi", {"image": [embeds]})
 
 
 def test_moe_loads_the_hubs_transposed_experts(

@@ -241,9 +241,12 @@ def embeds_of(modality: str, item: Any) -> dict[str, Any] | None:
     return None
 
 
-def embeds_fault(value: Any, width: int, name: str, rows: str) -> str | None:
-    """Why ``value`` cannot stand in for token embeddings of a decoder ``width`` wide (it must
-    be a floating-point ``[rows, width]`` tensor, rows > 0, finite); None: it can."""
+def embeds_fault(
+    value: Any, width: int, name: str, rows: str, what: str = "the model's hidden size"
+) -> str | None:
+    """Why ``value`` cannot stand in for token embeddings ``width`` wide (``what``: the width's
+    meaning; it must be a floating-point ``[rows, width]`` tensor, rows > 0, finite); None: it
+    can."""
     if not (
         isinstance(value, torch.Tensor)
         and value.is_floating_point()
@@ -256,10 +259,7 @@ def embeds_fault(value: Any, width: int, name: str, rows: str) -> str | None:
             if isinstance(value, torch.Tensor)
             else type(value).__name__
         )
-        return (
-            f"{name} must be a floating-point [{rows}, {width}] tensor (the model's hidden "
-            f"size), got {got}"
-        )
+        return f"{name} must be a floating-point [{rows}, {width}] tensor ({what}), got {got}"
     if not bool(torch.isfinite(value).all()):
         return f"{name} holds NaN or infinite values"
     return None

@@ -289,11 +289,15 @@ class BaseMultiModalProcessor(ABC):
         if not self.info.ctx.enable_mm_embeds:
             raise fail("precomputed embeddings need the server started with --enable-mm-embeds")
         tensor = embeds[f"{modality}_embeds"]
-        hidden = self.info.ctx.hf_config.get_text_config().hidden_size
-        fault = embeds_fault(tensor, hidden, f"{modality}_embeds", "num_embeds")
+        width, what = self._embeds_width(modality)
+        fault = embeds_fault(tensor, width, f"{modality}_embeds", "num_embeds", what)
         if fault is not None:
             raise fail(fault)
         return self._embeds_fields(modality, {**embeds, f"{modality}_embeds": tensor.detach()})
+
+    def _embeds_width(self, modality: str) -> tuple[int, str]:
+        """How wide an item's precomputed embeddings are, and what that width is."""
+        return self.info.ctx.hf_config.get_text_config().hidden_size, "the model's hidden size"
 
     def _embeds_fields(self, modality: str, embeds: dict[str, Any]) -> dict[str, Any]:
         """What this model's placeholder update (and positions) read from an item given as
