@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from omniserve.multimodal.errors import MultiModalInputError
 from processors.qwen2_5_omni_thinker import (
     Qwen2_5OmniThinkerDummyInputsBuilder,
     Qwen2_5OmniThinkerMultiModalProcessor,
@@ -34,6 +33,7 @@ from processors.qwen2_5_omni_thinker import (
     _video_times,
 )
 from processors.qwen3_omni_audio import TOKENS_PER_FULL_WINDOW, get_feat_extract_output_lengths
+from processors.qwen3_vl import deepstack_embeds_width
 
 
 def get_audio_in_video_order(data: Mapping[str, Any]) -> torch.Tensor:
@@ -96,15 +96,8 @@ class Qwen3OmniMoeThinkerMultiModalProcessor(Qwen2_5OmniThinkerMultiModalProcess
         get_audio_in_video_order
     )
 
-    def _embeds_fields(self, modality: str, embeds: dict[str, Any]) -> dict[str, Any]:
-        """Refused: the vision tower's DeepStack levels feed early decoder layers too, and
-        embeddings of its last layer alone cannot supply them."""
-        raise MultiModalInputError(
-            f"Qwen3-Omni takes no precomputed {modality} embeddings (its encoders' DeepStack "
-            "outputs feed decoder layers too)",
-            stage="process",
-            modality=modality,
-        )
+    def _embeds_width(self, modality: str) -> tuple[int, str]:
+        return deepstack_embeds_width(self, modality)
 
     def _audio_in_video_params(
         self, metadata: Mapping[str, Any], merged: Mapping[str, Any]

@@ -32,6 +32,7 @@ import torch
 
 from omniserve.multimodal.parse import MultiModalDataItems
 from omniserve.multimodal.processing import (
+    BaseMultiModalProcessor,
     MultiModalFieldConfig,
     PromptReplacement,
     PromptUpdate,
@@ -141,11 +142,7 @@ class Qwen3VLMultiModalProcessor(Qwen2VLMultiModalProcessor):
         return fields
 
     def _embeds_width(self, modality: str) -> tuple[int, str]:
-        """An image's embeddings carry its DeepStack levels after the main rows, as the tower
-        makes them (and as vLLM takes them): ``hidden * (1 + levels)`` wide."""
-        hidden, _ = super()._embeds_width(modality)
-        levels = len(self.info.ctx.hf_config.vision_config.deepstack_visual_indexes)
-        return hidden * (1 + levels), f"the hidden size x (1 + {levels} DeepStack levels)"
+        return deepstack_embeds_width(self, modality)
 
     def _get_prompt_updates(
         self,
@@ -177,3 +174,15 @@ class Qwen3VLMultiModalProcessor(Qwen2VLMultiModalProcessor):
             f"{hf_processor.vision_end_token}"
         )
         return [image, PromptReplacement("video", span, video)]
+
+
+def deepstack_embeds_width(processor: BaseMultiModalProcessor, modality: str) -> tuple[int, str]:
+    """An image's precomputed embeddings carry its DeepStack levels after the main rows, as the
+    Qwen3 vision tower makes them (and as vLLM takes them): ``hidden * (1 + levels)`` wide."""
+    hidden = processor.info.ctx.hf_config.get_text_config().hidden_size
+    if modality != "image":
+        return hidden, "the model's hidden size"
+    config = processor.info.ctx.hf_config
+    vision = getattr(config, "vision_config", None) or config.thinker_config.vision_config
+    levels = len(vision.deepstack_visual_indexes)
+    return hidden * (1 + levels), f"the hidden size x (1 + {levels} DeepStack levels)"
