@@ -34,15 +34,15 @@ AMX where the CPU has it).
 
 **C, FP8 weights** (``Fp8Linear``): for block-scaled e4m3 layers, the same loop
 (``csrc/decoded_linear.h``) over ``csrc/linear_fp8.c``'s decoding (each byte's bits moved into an
-fp16, which the CPU widens exactly). Up to 4 rows a kernel without the scratch decodes straight
+fp16, which the CPU widens exactly). Up to 7 rows a kernel without the scratch decodes straight
 into the dot products and scales each group's sums once: decoding into a scratch first made the
 decode step compute-bound at about 1.1x the bf16 layer's time. Measured (2-core Xeon without
 AVX512-BF16, 2 threads, weights out of cache; ``scripts/bench_quantized_linear.py --format fp8``,
 Qwen2.5-1.5B's gate/up and down and a 7B's gate/up): with fp32 activations against
-``WidenedLinear`` on the same weights in bf16, 1.43-1.70x as fast at 1 row, 1.32-1.46x at 2,
-0.84-1.0x at 4, 0.63-0.77x from 8 to 64 rows (decoding costs more than the bytes it saves) and
-0.87-0.97x at 256 (decoded pieces); with bf16 activations against ``OneDnnLinear``, 1.4-1.95x at
-1 row and 1.2-3.0x up to 64.
+``WidenedLinear`` on the same weights in bf16, 1.42-1.79x as fast at 1 row, 1.47-1.64x at 2,
+1.05-1.15x at 4, 0.77-0.94x at 6, 0.65-0.86x from 8 to 64 rows (decoding costs more than the
+bytes it saves) and 0.87-0.97x at 256 (decoded pieces); with bf16 activations against
+``OneDnnLinear``, 1.4-1.95x at 1 row and 1.2-3.0x up to 64.
 """
 
 from __future__ import annotations
@@ -82,9 +82,13 @@ rows. Measured as above: at 1,536 x 17,920, 16 rows 5.6 ms against 6.6, 24 rows 
 at 8,960 x 1,536, 3.2 against 3.6 and 4.2 against 3.7; at 3,584 x 37,888, 25.5 against 23.6 and
 36.9 against 23.1 (8 rows: 14.4 against 22.0)."""
 
-FP8_ROWS_KERNEL_MAX_ROWS = 4
+FP8_ROWS_KERNEL_MAX_ROWS = 7
 """Up to this many rows ``Fp8Linear`` decodes straight into the dot products
-(``omniserve_linear_fp8_rows``); more share each decoded tile across rows through a scratch."""
+(``omniserve_linear_fp8_rows``); more share each decoded tile across rows through a scratch.
+Measured in fp32 (2-core Xeon, 2 threads, weights out of cache), that kernel against the scratch
+one at 1,536 x 17,920: 5 rows 2.73 ms against 2.91, 7 rows 3.13 against 3.76, 8 rows 3.36
+against 3.38; at 3,584 x 37,888, 5 rows 12.8 against 16.1, 7 rows 16.1 against 18.2, 8 rows 18.8
+against 17.1."""
 
 DEQUANTIZE_SCRATCH_BYTES = 32 << 20
 """Past ``max_rows`` a weight is decoded in pieces of at most this size, each multiplied by
