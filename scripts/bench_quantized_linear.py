@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> None:
     small = kernels((SMALL_K, 64), args)
     plain = "bf16 widened" if args.dtype == torch.float32 else "bf16 oneDNN"
     extra = len(small) > 3  # torch's int4 op
-    scratchless = f", without a scratch up to {FP8_ROWS_KERNEL_MAX_ROWS}" * (args.format == "fp8")
+    scratchless = (f", without a scratch up to {FP8_ROWS_KERNEL_MAX_ROWS[args.dtype]}"
+                   * (args.format == "fp8"))  # fmt: skip
     print(f"the {args.format} layer runs its kernel up to {max_rows} rows here{scratchless} "
           "(marked *)")  # fmt: skip
     print(f"{'K x N':>12} {'rows':>5} {'kernel':>8} {'decoded':>8} {plain:>13}"

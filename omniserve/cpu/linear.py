@@ -32,17 +32,17 @@ int4 kernel (``scripts/bench_quantized_linear.py``). More rows, where the tiles'
 more than the bytes saved, go to ``F.linear`` on the weight decoded piece by piece (oneDNN, on
 AMX where the CPU has it).
 
-**C, FP8 weights** (``Fp8Linear``): for block-scaled e4m3 layers, the same loop
-(``csrc/decoded_linear.h``) over ``csrc/linear_fp8.c``'s decoding (each byte's bits moved into an
-fp16, which the CPU widens exactly). Up to 7 rows a kernel without the scratch decodes straight
-into the dot products and scales each group's sums once: decoding into a scratch first made the
-decode step compute-bound at about 1.1x the bf16 layer's time. Measured (2-core Xeon without
-AVX512-BF16, 2 threads, weights out of cache; ``scripts/bench_quantized_linear.py --format fp8``,
-Qwen2.5-1.5B's gate/up and down and a 7B's gate/up): with fp32 activations against
-``WidenedLinear`` on the same weights in bf16, 1.42-1.79x as fast at 1 row, 1.47-1.64x at 2,
-1.05-1.15x at 4, 0.77-0.94x at 6, 0.65-0.86x from 8 to 64 rows (decoding costs more than the
-bytes it saves) and 0.87-0.97x at 256 (decoded pieces); with bf16 activations against
-``OneDnnLinear``, 1.4-1.95x at 1 row and 1.2-3.0x up to 64.
+**C, FP8 weights** (``Fp8Linear``): for e4m3 layers (per block, row or matrix scales), the same
+loop (``csrc/decoded_linear.h``) over ``csrc/linear_fp8.c``'s decoding (each byte's bits moved
+into an fp16, which the CPU widens exactly). Up to 7 rows (bf16: 5) a kernel without the scratch
+decodes straight into the dot products and scales each group's sums once: decoding into a
+scratch first made the decode step compute-bound at about 1.1x the bf16 layer's time. Measured
+(2-core Xeon without AVX512-BF16, 2 threads, weights out of cache; ``scripts/
+bench_quantized_linear.py --format fp8``, Qwen2.5-1.5B's gate/up and down and a 7B's gate/up):
+with fp32 activations against ``WidenedLinear`` on the same weights in bf16, 1.42-1.79x as fast
+at 1 row, 1.47-1.64x at 2, 1.05-1.15x at 4, 0.77-0.94x at 6, 0.65-0.86x from 8 to 64 rows
+(decoding costs more than the bytes it saves) and 0.87-0.97x at 256 (decoded pieces); with bf16
+activations against ``OneDnnLinear``, 1.4-1.95x at 1 row and 1.2-3.0x up to 64.
 """
 
 from __future__ import annotations
@@ -82,13 +82,15 @@ rows. Measured as above: at 1,536 x 17,920, 16 rows 5.6 ms against 6.6, 24 rows 
 at 8,960 x 1,536, 3.2 against 3.6 and 4.2 against 3.7; at 3,584 x 37,888, 25.5 against 23.6 and
 36.9 against 23.1 (8 rows: 14.4 against 22.0)."""
 
-FP8_ROWS_KERNEL_MAX_ROWS = 7
-"""Up to this many rows ``Fp8Linear`` decodes straight into the dot products
-(``omniserve_linear_fp8_rows``); more share each decoded tile across rows through a scratch.
-Measured in fp32 (2-core Xeon, 2 threads, weights out of cache), that kernel against the scratch
-one at 1,536 x 17,920: 5 rows 2.73 ms against 2.91, 7 rows 3.13 against 3.76, 8 rows 3.36
-against 3.38; at 3,584 x 37,888, 5 rows 12.8 against 16.1, 7 rows 16.1 against 18.2, 8 rows 18.8
-against 17.1."""
+FP8_ROWS_KERNEL_MAX_ROWS = {torch.float32: 7, torch.bfloat16: 5}
+"""Up to this many rows (by activation dtype) ``Fp8Linear`` decodes straight into the dot
+products (``omniserve_linear_fp8_rows``); more share each decoded tile across rows through a
+scratch. Measured (2-core Xeon without AVX512-BF16, 2 threads, weights out of cache), that kernel
+against the scratch one: fp32 at 1,536 x 17,920, 5 rows 2.73 ms against 2.91, 7 rows 3.13
+against 3.76, 8 rows 3.36 against 3.38; at 3,584 x 37,888, 5 rows 12.8 against 16.1, 7 rows 16.1
+against 18.2, 8 rows 18.8 against 17.1. bf16 (widened per row there) at 1,536 x 17,920: 5 rows
+7.61 against 7.83, 6 rows 7.99 against 7.36; at 3,584 x 37,888, 5 rows 33.6 against 33.9, 6 rows
+38.0 against 35.1."""
 
 DEQUANTIZE_SCRATCH_BYTES = 32 << 20
 """Past ``max_rows`` a weight is decoded in pieces of at most this size, each multiplied by
@@ -466,7 +468,7 @@ class Fp8Linear(DecodedLinear):
         )
 
     def _kernel_for(self, rows: int) -> Any:
-        return self.rows_kernel if rows <= FP8_ROWS_KERNEL_MAX_ROWS else self.kernel
+        return self.rows_kernel if rows <= FP8_ROWS_KERNEL_MAX_ROWS[self.dtype] else self.kernel
 
 
 def _fp8_rows_kernel(dtype: torch.dtype) -> Any:

@@ -75,8 +75,8 @@ DEFINE_DECODED_LINEAR(fp8, bf16, bf16, gemm_block_bf16_f32, to_bf16, 8, decode_b
  * the dot products (x read from L1), two accumulators per (x row, w row) so the adds are not one
  * chain; a group's sums are scaled once when it ends (its scale times 2^8). Reads each weight
  * once and stores nothing but y: at one row it streams a decode step's bytes about as fast as
- * the memory gives them, where decoding into a scratch first was compute-bound; up to 7 rows it
- * beats the scratch (5-7 rows: 5-20%, measured), from 8 the scratch's tiles win. */
+ * the memory gives them, where decoding into a scratch first was compute-bound. How many rows it
+ * takes before the scratch's tiles win is measured in omniserve/cpu/linear.py. */
 #define DEFINE_FP8_ROWS_TILE(NAME, T, LOAD_X, MM, RR)                                           \
     static inline __attribute__((always_inline)) void NAME(                                     \
         const T *x, int64_t ldx, const uint8_t *w, const float *scales, int64_t K,              \
