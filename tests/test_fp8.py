@@ -7,9 +7,15 @@ run is refused by name."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file, save_file
 
 from omniserve import LLM
 from omniserve.checkpoint_builder.quantized import build_quantized_checkpoint, quantize_fp8
@@ -163,6 +169,60 @@ def test_fp8_checkpoint_matches_transformers_loading_it(tiny_checkpoint, archite
         "get_model_info"
     )["weight_bytes"]
     assert info["weight_bytes"] < unquantized
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert_matches_reference(outputs, reference)
+
+
+def _per_expert_fp8(source: Path, target: Path) -> Path:
+    """Qwen3-VL-MoE as Qwen's FP8 checkpoints store it: experts split into per-expert e4m3
+    projections (128-blocks here 32), the fused tensors gone; its dequantized twin in
+    transformers' fused layout beside it (``target / "twin"``)."""
+    shutil.copytree(source, target)
+    state = load_file(source / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    hidden = config["text_config"]["hidden_size"]
+    inter = config["text_config"]["moe_intermediate_size"]
+    quantized, twin = {}, {}
+    for name, tensor in state.items():
+        stem, _, fused = name.rpartition(".experts.")
+        if fused not in ("gate_up_proj", "down_proj"):
+            quantized[name] = twin[name] = tensor
+            continue
+        experts = []
+        for e, w in enumerate(tensor):  # transformers' [2I, H] / [H, I], or the hub's transposed
+            w = w if w.shape[0] == (2 * inter if fused == "gate_up_proj" else hidden) else w.t()
+            parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+            dense = []
+            for part, rows in zip(parts, w.chunk(len(parts)), strict=True):
+                codes, grid = quantize_fp8(rows.contiguous(), (BLOCK, BLOCK))
+                quantized[f"{stem}.experts.{e}.{part}.weight"] = codes
+                quantized[f"{stem}.experts.{e}.{part}.weight_scale_inv"] = grid
+                scales = fp8_row_scales(grid, rows.shape[0], BLOCK)
+                dense.append(dequantize_fp8(codes, scales, tensor.dtype))
+            experts.append(torch.cat(dense))
+        twin[f"{stem}.experts.{fused}"] = torch.stack(experts)
+    save_file(quantized, target / "model.safetensors", metadata={"format": "pt"})
+    shutil.copytree(source, target / "twin")
+    save_file(twin, target / "twin" / "model.safetensors", metadata={"format": "pt"})
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK]}  # fmt: skip
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_qwen3_vl_moe_per_expert_fp8_matches_its_dequantized_twin(tiny_checkpoint, tmp_path):
+    """Qwen3-VL-30B-A3B-FP8's layout (per-expert FP8 projections where the bf16 checkpoint
+    fuses them): the experts dequantize into the fused layer and serve what transformers
+    computes on the dequantized, fused twin. (transformers 5.24 cannot read these files: it
+    reports the fused experts missing, initializes them at random and ignores the per-expert
+    tensors.)"""
+    source = tiny_checkpoint("Qwen3VLMoeForConditionalGeneration")
+    quantized = _per_expert_fp8(source, tmp_path / "fp8")
+    prompts = make_prompts(str(source), [5, 19])
+    reference = hf_greedy(str(quantized / "twin"), prompts, MAX_TOKENS,
+                          transformers.Qwen3VLMoeForConditionalGeneration)  # fmt: skip
+    llm = LLM(str(quantized), dtype="float32")
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert_matches_reference(outputs, reference)
 
