@@ -36,9 +36,10 @@ AMX where the CPU has it).
 loop (``csrc/decoded_linear.h``) over ``csrc/linear_fp8.c``'s decoding (each byte's bits moved
 into an fp16, which the CPU widens exactly). Up to 7 rows (bf16: 5) a kernel without the scratch
 decodes straight into the dot products and scales each group's sums once: decoding into a
-scratch first made the decode step compute-bound at about 1.1x the bf16 layer's time. Measured
-(2-core Xeon without AVX512-BF16, 2 threads, weights out of cache; ``scripts/
-bench_quantized_linear.py --format fp8``, Qwen2.5-1.5B's gate/up and down and a 7B's gate/up):
+scratch first was compute-bound (1.1-1.15x the bf16 layer's speed at one row, where the bytes
+allow 2x). Measured (2-core Xeon without AVX512-BF16, 2 threads, weights out of cache;
+``scripts/bench_quantized_linear.py --format fp8``, Qwen2.5-1.5B's gate/up and down and a 7B's
+gate/up):
 with fp32 activations against ``WidenedLinear`` on the same weights in bf16, 1.42-1.79x as fast
 at 1 row, 1.47-1.64x at 2, 1.05-1.15x at 4, 0.77-0.94x at 6, 0.65-0.86x from 8 to 64 rows
 (decoding costs more than the bytes it saves) and 0.87-0.97x at 256 (decoded pieces); with bf16
