@@ -179,9 +179,9 @@ class Qwen3VLMultiModalProcessor(Qwen2VLMultiModalProcessor):
 def deepstack_embeds_width(processor: BaseMultiModalProcessor, modality: str) -> tuple[int, str]:
     """An image's precomputed embeddings carry its DeepStack levels after the main rows, as the
     Qwen3 vision tower makes them (and as vLLM takes them): ``hidden * (1 + levels)`` wide."""
-    hidden = processor.info.ctx.hf_config.get_text_config().hidden_size
+    hidden, what = BaseMultiModalProcessor._embeds_width(processor, modality)
     if modality != "image":
-        return hidden, "the model's hidden size"
+        return hidden, what
     config = processor.info.ctx.hf_config
     vision = getattr(config, "vision_config", None) or config.thinker_config.vision_config
     levels = len(vision.deepstack_visual_indexes)

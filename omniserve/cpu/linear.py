@@ -459,6 +459,7 @@ class Fp8Linear(DecodedLinear):
     ) -> None:
         super().__init__(weight, None, scales, dtype, max_rows)
         self.rows_kernel = _fp8_rows_kernel(dtype)
+        self.rows_kernel_max_rows = FP8_ROWS_KERNEL_MAX_ROWS[dtype]
 
     @classmethod
     def supports(cls, weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -469,7 +470,7 @@ class Fp8Linear(DecodedLinear):
         )
 
     def _kernel_for(self, rows: int) -> Any:
-        return self.rows_kernel if rows <= FP8_ROWS_KERNEL_MAX_ROWS[self.dtype] else self.kernel
+        return self.rows_kernel if rows <= self.rows_kernel_max_rows else self.kernel
 
 
 def _fp8_rows_kernel(dtype: torch.dtype) -> Any:

@@ -166,13 +166,21 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(
-    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype,
+    g_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The ``[N, K]`` weight in ``dtype``: ``(code - zero) * scale`` in fp32, rounded once."""
+    """The ``[N, K]`` weight in ``dtype``: ``(code - zero) * scale`` of each feature's group (``k
+    // g``, or GPTQ's ``g_idx``) in fp32, rounded once."""
     codes = unpack_nibbles(qweight).float()
-    group_size = codes.shape[1] // scales.shape[1]
-    zeros = qzeros.float().repeat_interleave(group_size, dim=1)
-    return ((codes - zeros) * scales.repeat_interleave(group_size, dim=1)).to(dtype)
+    if g_idx is None:
+        group_size = codes.shape[1] // scales.shape[1]
+        zeros = qzeros.float().repeat_interleave(group_size, dim=1)
+        return ((codes - zeros) * scales.repeat_interleave(group_size, dim=1)).to(dtype)
+    group = g_idx.long()
+    return ((codes - qzeros.float()[:, group]) * scales[:, group]).to(dtype)
 
 
 def fp8_row_scales(grid: torch.Tensor, rows: int, row_block: int) -> torch.Tensor:
@@ -382,14 +390,12 @@ def _dequantized(
             )
         grid = grid.reshape(-(-rows // row_block), -1)
         return dequantize_fp8(weight, fp8_row_scales(grid, rows, row_block), torch.float32)
-    codes = unpack_nibbles(canonical(config, "qweight", parts["qweight"])).float()
-    rows, cols = codes.shape
-    zeros = canonical(config, "qzeros", parts["qzeros"], rows).float()
+    qweight = canonical(config, "qweight", parts["qweight"])
+    rows, cols = qweight.shape[0], 2 * qweight.shape[1]
+    zeros = canonical(config, "qzeros", parts["qzeros"], rows)
     scales = canonical(config, "scales", parts["scales"])
     if zeros.shape != scales.shape or scales.shape[0] != rows or cols % scales.shape[1]:
-        raise ValueError(f"The 4-bit tensors of {stem!r} do not match: codes {tuple(codes.shape)}, "
+        raise ValueError(f"The 4-bit tensors of {stem!r} do not match: codes {(rows, cols)}, "
                          f"zeros {tuple(zeros.shape)}, scales {tuple(scales.shape)}.")  # fmt: skip
-    group = torch.arange(cols) // (cols // scales.shape[1])
-    if "g_idx" in parts:
-        group = canonical(config, "g_idx", parts["g_idx"]).long()
-    return (codes - zeros[:, group]) * scales[:, group]
+    g_idx = canonical(config, "g_idx", parts["g_idx"]) if "g_idx" in parts else None
+    return dequantize(qweight, zeros, scales, torch.float32, g_idx)

@@ -87,13 +87,17 @@ class MRotaryEmbedding(RotaryEmbedding):
         if positions.ndim == 1:
             return super().forward(positions, dtype)
         freqs = positions[..., None].float() * self.inv_freq  # [3, num_tokens, rotary_dim // 2]
-        sections = freqs.split(self.mrope_section, dim=-1)
-        # [num_tokens, rotary_dim // 2]: section i from axis i % 3
-        freqs = torch.cat([s[i % 3] for i, s in enumerate(sections)], dim=-1)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, rotary_dim]
+        mixed = self.mix_axes(freqs)
+        emb = torch.cat((mixed, mixed), dim=-1)  # [num_tokens, rotary_dim]
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
+
+    def mix_axes(self, freqs: torch.Tensor) -> torch.Tensor:
+        """Each frequency's angle from its axis: ``[3, num_tokens, rotary_dim // 2]`` ->
+        ``[num_tokens, rotary_dim // 2]``, section i from axis i % 3."""
+        sections = freqs.split(self.mrope_section, dim=-1)
+        return torch.cat([s[i % 3] for i, s in enumerate(sections)], dim=-1)
 
 
 class InterleavedMRotaryEmbedding(MRotaryEmbedding):
@@ -101,20 +105,12 @@ class InterleavedMRotaryEmbedding(MRotaryEmbedding):
     the height position when ``i % 3 == 1 and i < 3 * section[1]``, by the width position when
     ``i % 3 == 2 and i < 3 * section[2]``, and by the temporal position otherwise."""
 
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions.ndim == 1:
-            return super().forward(positions, dtype)
-        freqs = positions[..., None].float() * self.inv_freq  # [3, num_tokens, rotary_dim // 2]
+    def mix_axes(self, freqs: torch.Tensor) -> torch.Tensor:
         mixed = freqs[0].clone()  # [num_tokens, rotary_dim // 2]
         for axis in (1, 2):
             picked = slice(axis, 3 * self.mrope_section[axis], 3)
             mixed[:, picked] = freqs[axis, :, picked]
-        emb = torch.cat((mixed, mixed), dim=-1)  # [num_tokens, rotary_dim]
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+        return mixed
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
