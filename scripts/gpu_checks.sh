@@ -44,7 +44,8 @@ PYTEST="$PY -m pytest -q -p no:cacheprovider -rfE --tb=short --timeout=${PER_TES
 TEST_GROUPS=${TEST_GROUPS:-"tests/test_cuda_kernels.py tests/test_transfers.py \
 tests/test_sampler.py tests/test_memory.py tests/test_kernel_compiles.py \
 tests/test_async_scheduling.py tests/test_encoder_inputs.py tests/test_encoder_attention.py \
-tests/test_lora.py tests/test_spec_decode.py tests/test_quantization.py tests/test_fp8.py;\
+tests/test_lora.py tests/test_spec_decode.py tests/test_quantization.py tests/test_fp8.py \
+tests/test_quantized_experts.py;\
 tests/test_cuda_graph.py;\
 tests/test_triton_fused_moe.py tests/test_triton_attention.py"}
 IFS=';' read -ra GROUPS_ <<<"$TEST_GROUPS"

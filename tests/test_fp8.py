@@ -153,8 +153,7 @@ def test_fp8_scale_grids_must_cover_their_rows() -> None:
 def test_fp8_checkpoint_matches_transformers_loading_it(tiny_checkpoint, architecture, method):
     """transformers reads the same FP8 files (Qwen's format: it dequantizes them on a CPU;
     compressed-tensors: through the compressed-tensors library); the dense projections stay
-    e4m3 in omniserve (a byte per weight plus fp32 row scales), the MoE experts are dequantized
-    at load."""
+    e4m3 in omniserve (a byte per weight plus fp32 row scales), and so do the MoE experts."""
     model_dir = str(tiny_checkpoint(architecture))
     quantized, twin = build_quantized_checkpoint(model_dir, method, BLOCK)
     prompts = make_prompts(model_dir, [5, 19, 36])
@@ -164,7 +163,9 @@ def test_fp8_checkpoint_matches_transformers_loading_it(tiny_checkpoint, archite
     flag = "fp8" if method == "fp8" else "compressed-tensors"
     llm = LLM(str(quantized), dtype="float32", quantization=flag)
     info = llm.llm_engine.engine_core.call_utility("get_model_info")
-    assert "C FP8, float32 activations" in str(info["layer_kernels"])
+    assert info["layer_kernels"]["linear: C FP8, float32 activations"] > 0
+    if architecture == "Qwen3MoeForCausalLM":
+        assert info["layer_kernels"]["MoE: C FP8, float32 activations"] == 2
     unquantized = LLM(str(twin), dtype="float32").llm_engine.engine_core.call_utility(
         "get_model_info"
     )["weight_bytes"]
@@ -173,9 +174,9 @@ def test_fp8_checkpoint_matches_transformers_loading_it(tiny_checkpoint, archite
     assert_matches_reference(outputs, reference)
 
 
-def _per_expert_fp8(source: Path, target: Path) -> Path:
+def _per_expert_fp8(source: Path, target: Path, block: int) -> Path:
     """Qwen3-VL-MoE as Qwen's FP8 checkpoints store it: experts split into per-expert e4m3
-    projections (128-blocks here 32), the fused tensors gone; its dequantized twin in
+    projections (in blocks of 128 there), the fused tensors gone; its dequantized twin in
     transformers' fused layout beside it (``target / "twin"``)."""
     shutil.copytree(source, target)
     state = load_file(source / "model.safetensors")
@@ -194,10 +195,10 @@ def _per_expert_fp8(source: Path, target: Path) -> Path:
             parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
             dense = []
             for part, rows in zip(parts, w.chunk(len(parts)), strict=True):
-                codes, grid = quantize_fp8(rows.contiguous(), (BLOCK, BLOCK))
+                codes, grid = quantize_fp8(rows.contiguous(), (block, block))
                 quantized[f"{stem}.experts.{e}.{part}.weight"] = codes
                 quantized[f"{stem}.experts.{e}.{part}.weight_scale_inv"] = grid
-                scales = fp8_row_scales(grid, rows.shape[0], BLOCK)
+                scales = fp8_row_scales(grid, rows.shape[0], block)
                 dense.append(dequantize_fp8(codes, scales, tensor.dtype))
             experts.append(torch.cat(dense))
         twin[f"{stem}.experts.{fused}"] = torch.stack(experts)
@@ -206,23 +207,29 @@ def _per_expert_fp8(source: Path, target: Path) -> Path:
     save_file(twin, target / "twin" / "model.safetensors", metadata={"format": "pt"})
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                      "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK]}  # fmt: skip
+                                     "weight_block_size": [block, block]}  # fmt: skip
     (target / "config.json").write_text(json.dumps(config))
     return target
 
 
-def test_qwen3_vl_moe_per_expert_fp8_matches_its_dequantized_twin(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("block", [16, 32])
+def test_qwen3_vl_moe_per_expert_fp8_matches_its_dequantized_twin(tiny_checkpoint, tmp_path, block):
     """Qwen3-VL-30B-A3B-FP8's layout (per-expert FP8 projections where the bf16 checkpoint
-    fuses them): the experts dequantize into the fused layer and serve what transformers
-    computes on the dequantized, fused twin. (transformers 5.24 cannot read these files: it
-    reports the fused experts missing, initializes them at random and ignores the per-expert
-    tensors.)"""
+    fuses them): the experts fill the fused layer and serve what transformers computes on the
+    dequantized, fused twin; kept FP8 where the blocks divide the expert width (48 here: 16;
+    the 30B's 768 in blocks of 128), else dequantized at load. (transformers 5.24 cannot read
+    these files: it reports the fused experts missing, initializes them at random and ignores
+    the per-expert tensors.)"""
     source = tiny_checkpoint("Qwen3VLMoeForConditionalGeneration")
-    quantized = _per_expert_fp8(source, tmp_path / "fp8")
+    quantized = _per_expert_fp8(source, tmp_path / "fp8", block)
     prompts = make_prompts(str(source), [5, 19])
     reference = hf_greedy(str(quantized / "twin"), prompts, MAX_TOKENS,
                           transformers.Qwen3VLMoeForConditionalGeneration)  # fmt: skip
     llm = LLM(str(quantized), dtype="float32")
+    info = llm.llm_engine.engine_core.call_utility("get_model_info")
+    # (the C kernels take multiples of 32: the tiny experts run on torch)
+    placement = "MoE: torch FP8 (dequantized per call)" if block == 16 else "MoE: torch"
+    assert info["layer_kernels"][placement] == 2
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert_matches_reference(outputs, reference)
 

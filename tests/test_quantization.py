@@ -23,13 +23,8 @@ from omniserve.config import QuantizationConfig
 from omniserve.entrypoints.cli import build_parser
 from omniserve.layers import linear
 from omniserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from omniserve.layers.quantization import (
-    canonical,
-    dequantize,
-    dequantize_at_load,
-    pack_nibbles,
-    quantize_linear,
-)
+from omniserve.layers.quantization import canonical, dequantize, pack_nibbles, quantize_linear
+from omniserve.layers.quantized_loading import dequantize_at_load
 from omniserve.lora.request import LoRARequest
 from omniserve.plugin_tools.reference import ReferenceOutput
 from tests.hf_reference import (
@@ -231,15 +226,18 @@ def test_w4a16_checkpoint_matches_transformers_loading_it(text_case):
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq", "w4a16"])
-def test_4bit_moe_experts_are_dequantized_at_load(tiny_checkpoint, method):
+def test_4bit_moe_experts_stay_quantized(tiny_checkpoint, method):
     """AutoAWQ / GPTQModel / llm-compressor quantize every expert's projections; omniserve's
-    fused experts take them dequantized (the dense projections stay 4-bit)."""
+    fused experts keep them 4-bit (the C MoE kernel decodes them), as the dense ones."""
     model_dir = str(tiny_checkpoint("Qwen3MoeForCausalLM"))
     quantized, twin = build_quantized_checkpoint(model_dir, method, GROUP)
     prompts = make_prompts(model_dir, [5, 19])
     llm = LLM(str(quantized), dtype="float32")
     info = llm.llm_engine.engine_core.call_utility("get_model_info")
     assert info["layer_kernels"]["linear: C 4-bit, float32 activations"] == 4
+    assert info["layer_kernels"]["MoE: C 4-bit, float32 activations"] == 2
+    total, projections = _weight_bytes(twin)
+    assert total - info["weight_bytes"] > 0.8 * projections
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert_matches_reference(outputs, hf_greedy(str(twin), prompts, MAX_TOKENS))
 

@@ -145,6 +145,16 @@ def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> st
     return "torch"
 
 
+def _place_moe(layer: FusedMoE, dtype: torch.dtype) -> str:
+    quantized = {"fp8": "FP8"}.get(layer.quantization.method, "4-bit") if layer.quantization else ""
+    if not CpuMoE.supports(layer, dtype):
+        return f"torch {quantized} (dequantized per call)" if quantized else "torch"
+    layer.kernel = CpuMoE(layer, dtype)
+    if quantized:
+        return f"C {quantized}, {str(dtype).removeprefix('torch.')} activations"
+    return f"C {_weights_name(layer.gate_up_proj.dtype, dtype)}"
+
+
 def apply_cpu_backend(model: nn.Module, dtype: torch.dtype) -> KernelPlacement:
     """Give every layer of a loaded CPU model the fastest kernel that covers it; ``dtype`` is
     the activations' (the model's: a 4-bit layer's, an activation's, which have no weight of
@@ -159,11 +169,7 @@ def apply_cpu_backend(model: nn.Module, dtype: torch.dtype) -> KernelPlacement:
             if isinstance(module, LinearBase):
                 kind = f"linear: {_place_linear(module, shared, dtype)}"
             elif isinstance(module, FusedMoE):
-                if CpuMoE.supports(module, dtype):
-                    module.kernel = CpuMoE(module, dtype)
-                    kind = f"MoE: C {_weights_name(module.gate_up_proj.dtype, dtype)}"
-                else:
-                    kind = "MoE: torch"
+                kind = f"MoE: {_place_moe(module, dtype)}"
             elif isinstance(module, Attention):
                 module.backend = attention_backend
                 kind = "attention: C decode + SDPA prefill"

@@ -321,7 +321,7 @@ class WidenedLinear:
                     torch.get_num_threads())  # fmt: skip
 
 
-def _decoded_kernels(fmt: str, dtype: torch.dtype) -> tuple[Any, Any]:
+def decoded_kernels(fmt: str, dtype: torch.dtype) -> tuple[Any, Any]:
     """``csrc/linear_<fmt>.c``'s fused product and full dequantization for ``dtype`` (None each
     when they cannot be built)."""
     return (
@@ -354,7 +354,7 @@ class DecodedLinear:
         self.max_rows = decoded_kernel_max_rows(dtype) if max_rows is None else max_rows
         self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 8 // self.bits
         self.group_size = self.in_features // scales.shape[1]
-        self.kernel, self.dequantize_kernel = _decoded_kernels(self.fmt, dtype)
+        self.kernel, self.dequantize_kernel = decoded_kernels(self.fmt, dtype)
 
     @classmethod
     def _supports(cls, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -371,7 +371,7 @@ class DecodedLinear:
             in_features % 32 == 0
             and in_features % groups == 0
             and in_features // groups % 32 == 0
-            and None not in _decoded_kernels(cls.fmt, dtype)
+            and None not in decoded_kernels(cls.fmt, dtype)
         )
 
     def _kernel_for(self, rows: int) -> Any:

@@ -6,18 +6,19 @@ transformers keeps in memory), and loaded from the per-expert checkpoint keys
 of every expert's intermediate dimension and the outputs are summed across ranks.
 
 A device backend may give a layer a ``kernel`` after loading (``omniserve.cpu`` does: the whole
-expert block in one C call); otherwise ``fused_experts`` runs: CUDA tensors go to the Triton
-grouped-GEMM kernel (``triton_fused_moe``, imported lazily so CPU runs never load triton), and
-everything else to the torch reference, which groups token-expert pairs by expert and runs one
-matmul pair per expert that received tokens, accumulating with ``index_add_``; idle experts cost
-nothing.
+expert block in one C call), and quantized experts have one from the start
+(``quantized_loading.quantize_experts``); otherwise ``fused_experts`` runs: CUDA tensors go to
+the Triton grouped-GEMM kernel (``triton_fused_moe``, imported lazily so CPU runs never load
+triton), and everything else to the torch reference, which groups token-expert pairs by expert
+and runs one matmul pair per expert that received tokens, accumulating with ``index_add_``; idle
+experts cost nothing.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,9 @@ from omniserve.layers.weight_utils import (
     materialize,
     set_weight_loader,
 )
+
+if TYPE_CHECKING:
+    from omniserve.config import QuantizationConfig
 
 
 def select_experts(
@@ -66,10 +70,19 @@ def fused_experts(
     return torch_fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
 
 
+class ExpertMatrices(Protocol):
+    """One projection of every expert, indexed by expert (a stacked weight, or quantized experts
+    dequantizing the one asked for)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, expert: int) -> torch.Tensor: ...
+
+
 def torch_fused_experts(
     x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+    gate_up_proj: torch.Tensor | ExpertMatrices,
+    down_proj: torch.Tensor | ExpertMatrices,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
@@ -77,7 +90,7 @@ def torch_fused_experts(
     out = torch.zeros_like(x)  # [N, H]
     flat_ids = topk_ids.flatten()  # [N * top_k]
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=len(gate_up_proj)).tolist()
     token_of_pair = order // topk_ids.shape[1]  # [N * top_k] token of each sorted pair
     weight_of_pair = topk_weights.flatten()[order]
     start = 0
@@ -85,7 +98,8 @@ def torch_fused_experts(
         if count == 0:
             continue
         tokens = token_of_pair[start : start + count]
-        # (experts kept in bf16 under fp32 activations are widened here, one at a time)
+        # (experts kept in bf16 under fp32 activations, or quantized, are widened here, one at a
+        # time)
         gate_up, down = gate_up_proj[expert_id].to(x.dtype), down_proj[expert_id].to(x.dtype)
         gate, up = F.linear(x[tokens], gate_up).chunk(2, dim=-1)  # [n, I] each
         expert_out = F.linear(F.silu(gate) * up, down)  # [n, H]
@@ -106,6 +120,7 @@ class FusedMoE(nn.Module):
     """The experts of one MoE layer (routing is the caller's: it owns the router's semantics)."""
 
     kernel: MoEKernel | None = None
+    quantization: QuantizationConfig | None = None
 
     _EXPERT_KEY: ClassVar[re.Pattern[str]] = re.compile(
         r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
@@ -183,17 +198,19 @@ class FusedMoE(nn.Module):
         param = "down_proj" if proj == "down_proj" else "gate_up_proj"
         return f"{match['prefix']}.{param}", (int(match["expert"]), proj)
 
+    def expert_shape(self, proj: str) -> tuple[int, int]:
+        """A checkpoint matrix's shape: gate/up ``[I, H]``, down ``[H, I]``."""
+        if proj == "down_proj":
+            return self.hidden_size, self.intermediate_size
+        return self.intermediate_size, self.hidden_size
+
     def weight_loader(
         self, param: nn.Parameter, loaded: LoadedWeight, expert_id: int, proj: str
     ) -> None:
         local = self.intermediate_size_per_partition
-        # Checkpoint matrices: gate/up [I, H], down [H, I]; this rank keeps slice tp_rank of I.
+        # This rank keeps slice tp_rank of I.
         shard_dim = 1 if proj == "down_proj" else 0
-        expected = (
-            (self.hidden_size, self.intermediate_size)
-            if proj == "down_proj"
-            else (self.intermediate_size, self.hidden_size)
-        )
+        expected = self.expert_shape(proj)
         if tuple(loaded.shape) != expected:
             raise ValueError(
                 f"Shape mismatch for expert {expert_id} {proj}: expected {expected}, "

@@ -22,19 +22,19 @@ An FP8 layer keeps the checkpoint's e4m3 ``weight`` ``[N, K]`` (a byte per weigh
 one fp32 scale per row and group, ``[N, K / g]``: the 4-bit layout's, so the same loaders shard
 it and the same kernels read it, ``w[n, k] = weight[n, k] * scale[n, k // g]``.
 
-A layer becomes quantized when the checkpoint stores its matrices as ``qweight`` or beside FP8
-scales (``quantize_linear``); the others (media towers, the LM head,
-``modules_to_not_convert``) stay in the model's dtype. FP8 matrices of anything other than
-omniserve's linear layers (MoE experts, transformers' media towers) are dequantized as they are
-read (``dequantize_at_load``): correct, at their unquantized size. A layer's product runs through
-``layer.kernel``: here a torch one that dequantizes the weight on each call (CUDA, and CPUs
-without the C kernels); the CPU backend swaps in ``cpu.linear.Int4Linear`` / ``Fp8Linear``.
+A linear layer becomes quantized when the checkpoint stores its matrices as ``qweight`` or
+beside FP8 scales (``quantize_linear``, called by ``quantized_loading.quantize_layers``, which
+also quantizes MoE experts); the others (media towers, the LM head, ``modules_to_not_convert``)
+stay in the model's dtype. A layer's product runs through ``layer.kernel``: here a torch one that
+dequantizes the weight on each call (CUDA, and CPUs without the C kernels); the CPU backend swaps
+in ``cpu.linear.Int4Linear`` / ``Fp8Linear``.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,7 +43,6 @@ from torch import nn
 
 from omniserve.config import QuantizationConfig
 from omniserve.layers.linear import LinearBase
-from omniserve.layers.vocab_embedding import VocabParallelEmbedding
 from omniserve.layers.weight_utils import (
     LoadedWeight,
     copy_weight,
@@ -204,6 +203,35 @@ def dequantize_fp8(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     return (weight.float() * scales.repeat_interleave(group_size, 1)[:, :k]).to(dtype)
 
 
+@dataclass
+class QuantizedMatrix:
+    """One quantized ``[N, K]`` matrix in the layout of the module docstring (what
+    ``quantized_loading.dequantize_at_load`` yields to the quantized experts)."""
+
+    codes: torch.Tensor
+    """4-bit codes, uint8 ``[N, K / 2]``; or the e4m3 weight ``[N, K]``."""
+    zeros: torch.Tensor | None
+    """4-bit zero points, uint8 ``[N, groups]``."""
+    scales: torch.Tensor
+    """fp32 ``[N, groups]``."""
+    g_idx: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.codes.dtype == torch.float8_e4m3fn
+
+    @property
+    def shape(self) -> torch.Size:
+        rows, cols = self.codes.shape
+        return torch.Size((rows, cols if self.fp8 else 2 * cols))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.fp8:
+            return dequantize_fp8(self.codes, self.scales, dtype)
+        assert self.zeros is not None
+        return dequantize(self.codes, self.zeros, self.scales, dtype, self.g_idx)
+
+
 class DequantizeLinear:
     """``x @ W.T + b`` with W dequantized on each call: torch only, so it runs anywhere."""
 
@@ -276,12 +304,7 @@ def _quantized_loader(
             rows = layer.checkpoint_rows(*shard) if suffix == "qzeros" else 0
             tensor = canonical(config, suffix, loaded, rows)
         if suffix == "g_idx":  # checked whole, then each local feature's group
-            expected = torch.arange(getattr(layer, "input_size", param.numel()))
-            if not torch.equal(tensor, (expected // config.group_size).to(torch.int32)):
-                raise ValueError(
-                    "g_idx reorders the input features (GPTQ desc_act): not supported; "
-                    "quantize without act-order."
-                )
+            check_g_idx(tensor, config.group_size)
             param.data.copy_(torch.arange(param.numel()) // config.group_size)
         elif shard_loader is None:
             if param.shape != tensor.shape:
@@ -293,109 +316,11 @@ def _quantized_loader(
     return load
 
 
-def quantize_layers(
-    model: nn.Module, config: QuantizationConfig, keys: Iterable[str]
-) -> tuple[int, dict[str, set[str]]]:
-    """Before loading, make quantized every linear layer whose checkpoint matrices are stored
-    quantized (``qweight``, or FP8 beside its scales) among ``keys`` (the checkpoint's names);
-    return how many, and the quantized matrices that go elsewhere (MoE experts, transformers'
-    media towers): their names (without the suffix, as ``quantized_weights`` yields them) and
-    the suffixes stored for each, which ``dequantize_at_load`` gathers and dequantizes. The
-    keys go through the model's own ``load_weights`` routing (with ``find_quantized`` set, which
-    loads nothing), so fused layers and renamed prefixes map as they do when the weights are
-    read."""
-    fp8 = config.method == "fp8"
-    marker = config.scale_name if fp8 else "qweight"
-    parts = (("weight", config.scale_name) if fp8 else
-             ("qweight", "qzeros", "scales", "g_idx"))  # fmt: skip
-    stored: dict[str, set[str]] = {}
-    for key in keys:
-        stem, _, suffix = (checkpoint_name(config, key) or "").rpartition(".")
-        if suffix in parts:
-            stored.setdefault(stem, set()).add(suffix)
-    if config.symmetric:  # made beside the scales as they are read
-        for suffixes in stored.values():
-            suffixes.add("qzeros")
-    marked = [f"{stem}.{marker}" for stem, suffixes in stored.items() if marker in suffixes]
-    quantized: set[str] = set()
-    kept: set[str] = set()  # checkpoint names a quantized layer holds
-
-    def find_quantized(ckpt_name: str, param_name: str) -> None:
-        path, _, suffix = param_name.rpartition(".")
-        if suffix != marker:
-            return
-        try:
-            layer = model.get_submodule(path)
-        except AttributeError:
-            return  # not a layer of omniserve's: dequantized at load
-        if not isinstance(layer, LinearBase) or isinstance(layer, VocabParallelEmbedding):
-            return
-        kept.add(ckpt_name.removesuffix(f".{marker}"))
-        if path not in quantized:
-            quantize_linear(layer, config)
-            quantized.add(path)
-
-    model.find_quantized = find_quantized
-    try:
-        model.load_weights((key, None) for key in marked)
-    finally:
-        del model.find_quantized
-    if not marked:
+def check_g_idx(g_idx: torch.Tensor, group_size: int) -> None:
+    """Refuse a GPTQ ``g_idx`` that reorders the input features (act-order)."""
+    expected = torch.arange(g_idx.numel()) // group_size
+    if not torch.equal(g_idx, expected.to(torch.int32)):
         raise ValueError(
-            f"The checkpoint's quantization_config says {config.method}, but it stores no "
-            f"{marker} tensor."
+            "g_idx reorders the input features (GPTQ desc_act): not supported; quantize "
+            "without act-order."
         )
-    elsewhere = {key.removesuffix(f".{marker}") for key in marked} - kept
-    return len(quantized), {stem: stored[stem] for stem in elsewhere}
-
-
-def dequantize_at_load(
-    weights: Iterator[tuple[str, LoadedWeight]],
-    matrices: Mapping[str, set[str]],
-    config: QuantizationConfig,
-) -> Iterator[tuple[str, LoadedWeight]]:
-    """The checkpoint's tensors (as ``quantized_weights`` yields them) with each quantized
-    matrix of ``matrices`` (name -> its stored suffixes) replaced by ``name.weight``, dequantized
-    to fp32 (the parameter it fills rounds it once) when all its tensors have been read (they
-    are usually next to one another)."""
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
-        stem, _, suffix = name.rpartition(".")
-        if suffix not in matrices.get(stem, ()):
-            yield name, tensor
-            continue
-        parts = pending.setdefault(stem, {})
-        parts[suffix] = materialize(tensor)
-        if len(parts) == len(matrices[stem]):
-            yield f"{stem}.weight", _dequantized(config, stem, pending.pop(stem))
-    if pending:
-        stem, parts = next(iter(pending.items()))
-        raise ValueError(f"The checkpoint lacks {sorted(matrices[stem] - parts.keys())} of the "
-                         f"quantized matrix {stem!r}.")  # fmt: skip
-
-
-def _dequantized(
-    config: QuantizationConfig, stem: str, parts: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    """One quantized matrix's stored tensors -> its fp32 weight (``w[n, k] = (code - zero) *
-    scale`` of feature k's group, which GPTQ's ``g_idx`` may reorder; FP8: ``weight * scale``)."""
-    if config.method == "fp8":
-        weight, grid = parts["weight"], parts[config.scale_name]
-        rows, cols = weight.shape if weight.dim() == 2 else (0, 0)
-        row_block, group_size = config.block(rows, cols)
-        if not rows or grid.numel() != -(-rows // row_block) * -(-cols // group_size):
-            raise ValueError(
-                f"Checkpoint tensor {stem}.weight of shape {tuple(weight.shape)} does not match "
-                f"its scales {tuple(grid.shape)} in blocks of {row_block} x {group_size}."
-            )
-        grid = grid.reshape(-(-rows // row_block), -1)
-        return dequantize_fp8(weight, fp8_row_scales(grid, rows, row_block), torch.float32)
-    qweight = canonical(config, "qweight", parts["qweight"])
-    rows, cols = qweight.shape[0], 2 * qweight.shape[1]
-    zeros = canonical(config, "qzeros", parts["qzeros"], rows)
-    scales = canonical(config, "scales", parts["scales"])
-    if zeros.shape != scales.shape or scales.shape[0] != rows or cols % scales.shape[1]:
-        raise ValueError(f"The 4-bit tensors of {stem!r} do not match: codes {(rows, cols)}, "
-                         f"zeros {tuple(zeros.shape)}, scales {tuple(scales.shape)}.")  # fmt: skip
-    g_idx = canonical(config, "g_idx", parts["g_idx"]) if "g_idx" in parts else None
-    return dequantize(qweight, zeros, scales, torch.float32, g_idx)

@@ -21,7 +21,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from omniserve.config import QuantizationConfig
-from omniserve.layers.quantization import dequantize_at_load, quantized_weights
+from omniserve.layers.quantization import quantized_weights
+from omniserve.layers.quantized_loading import QuantizedModel, dequantize_at_load
 from omniserve.layers.weight_utils import LazyTensor, LoadedWeight, SafetensorsFile
 
 logger = logging.getLogger(__name__)
@@ -82,11 +83,11 @@ def load_model_weights(
     model: nn.Module,
     model_dir: str | Path,
     quantization: QuantizationConfig | None = None,
-    dequantize: dict[str, set[str]] | None = None,
+    quantized: QuantizedModel | None = None,
 ) -> None:
     """Fill every parameter of ``model`` from the checkpoint; ValueError names what did not match.
-    ``dequantize``: the quantized matrices no quantized layer holds (from
-    ``layers.quantization.quantize_layers``), dequantized as they are read.
+    ``quantized``: what ``layers.quantized_loading.quantize_layers`` made of the model, whose
+    quantized matrices outside the linear layers are gathered as they are read.
 
     Tied embeddings need nothing here: a tied ``lm_head.weight`` is the embedding's parameter, so
     it is filled through ``embed_tokens`` and the model skips an ``lm_head`` key if one is stored.
@@ -96,8 +97,8 @@ def load_model_weights(
     weights: Iterator[tuple[str, LoadedWeight]] = iterate_checkpoint_weights(model_dir)
     if quantization is not None:
         weights = quantized_weights(weights, quantization)
-        if dequantize:
-            weights = dequantize_at_load(weights, dequantize, quantization)
+        if quantized is not None and quantized.matrices:
+            weights = dequantize_at_load(weights, quantized.matrices, quantization, quantized.kept)
     with torch.no_grad():
         loaded = model.load_weights(weights)
     missing = sorted({name for name, _ in model.named_parameters()} - loaded)

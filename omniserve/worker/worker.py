@@ -21,7 +21,7 @@ from omniserve.config import OmniConfig, QuantizationConfig
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.cpu.backend import apply_cpu_backend, keep_bf16_weights
 from omniserve.cpu.build import has_native_bf16
-from omniserve.layers.quantization import quantize_layers
+from omniserve.layers.quantized_loading import QuantizedModel, quantize_layers
 from omniserve.layers.tp import get_tp_size
 from omniserve.layers.weight_utils import default_dtype
 from omniserve.lora.request import LoRARequest
@@ -102,29 +102,32 @@ def skip_weight_init() -> Iterator[None]:
 
 
 def _log_quantization(
-    config: QuantizationConfig, count: int, dequantized: dict[str, set[str]], dtype: torch.dtype
+    config: QuantizationConfig, quantized: QuantizedModel, dtype: torch.dtype
 ) -> None:
     dtype_name = str(dtype).removeprefix("torch.")
+    experts = f" and the experts of {quantized.expert_layers} MoE layers"
+    experts = experts if quantized.expert_layers else ""
     if config.method == "fp8":
         scales = {(1, 0): "a scale per output feature", (0, 0): "one scale per matrix"}.get(
             (config.row_block, config.group_size),
             f"a scale per {config.row_block} x {config.group_size} block",
         )
         logger.info(
-            "FP8 checkpoint: %d linear layers hold e4m3 weights (%s), dequantized exactly in "
+            "FP8 checkpoint: %d linear layers%s hold e4m3 weights (%s), dequantized exactly in "
             "the product; activations stay %s (GPU FP8 kernels would round them to FP8).",
-            count, scales, dtype_name,
+            quantized.linear_layers, experts, scales, dtype_name,
         )  # fmt: skip
     else:
         name = {"pack-quantized": "compressed-tensors W4A16"}.get(config.method)
         logger.info(
-            "%s checkpoint: %d linear layers hold 4-bit weights (groups of %d).",
-            name or config.method.upper(), count, config.group_size,
+            "%s checkpoint: %d linear layers%s hold 4-bit weights (groups of %d).",
+            name or config.method.upper(), quantized.linear_layers, experts, config.group_size,
         )  # fmt: skip
-    if dequantized:
+    if dequantized := set(quantized.matrices) - quantized.kept:
         logger.warning(
-            "%d quantized matrices outside omniserve's linear layers (MoE experts, media "
-            "towers; e.g. %s) are dequantized to %s at load and take that dtype's memory.",
+            "%d quantized matrices outside omniserve's linear layers and quantized experts "
+            "(media towers, experts whose groups a tensor-parallel rank would split; e.g. %s) "
+            "are dequantized to %s at load and take that dtype's memory.",
             len(dequantized), min(dequantized), dtype_name,
         )  # fmt: skip
 
@@ -158,10 +161,10 @@ class Worker:
         stored = checkpoint_tensor_shapes(model_config.model)
         with torch.device(self.device), default_dtype(self.dtype), skip_weight_init():
             model = model_cls(self.hf_config)
-            dequantized: dict[str, set[str]] = {}
+            quantized: QuantizedModel | None = None
             if (quantization := model_config.quantization_config) is not None:
-                count, dequantized = quantize_layers(model, quantization, stored)
-                _log_quantization(quantization, count, dequantized, self.dtype)
+                quantized = quantize_layers(model, quantization, stored)
+                _log_quantization(quantization, quantized, self.dtype)
             if self.device.type == "cpu":
                 if count := keep_bf16_weights(model, self.dtype, stored):
                     logger.info(
@@ -179,7 +182,7 @@ class Worker:
                 str(self.dtype).removeprefix("torch."),
                 config.scheduler_config.max_model_len,
             )
-        load_model_weights(model, model_config.model, quantization, dequantized)
+        load_model_weights(model, model_config.model, quantization, quantized)
         model.eval()
         if self.device.type == "cpu":
             self.backend_report = apply_cpu_backend(model, self.dtype)

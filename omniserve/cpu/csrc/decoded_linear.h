@@ -29,13 +29,6 @@
 #define SLICE 2048 /* most features per pass of the tiles (K 3,584 in one pass: 1.06x the time;
                     * in slices of 1,024: 1.27x) */
 
-/* Ask for the codes a tile's rows ahead (ahead bytes: the same place in the next NR rows, which
- * the thread decodes next), into L2: with the hardware prefetchers alone (they stop at page
- * bounds) a decode step took 1.3x as long (measured on a 2-core Xeon). */
-static inline void prefetch_ahead(const uint8_t *codes, int64_t ahead) {
-    __builtin_prefetch(codes + ahead, 0, 2);
-}
-
 /* M rows of x (ldx apart) into out ([M, K]) in linear_int4.c's interleaved order; called by every
  * thread of a team, which share the rows. */
 #define DEFINE_INTERLEAVE(NAME, T, STRIDE)                                                        \

@@ -8,17 +8,49 @@
  * at prefill sizes a block of weight rows stays in L2 while all of its expert's tokens pass.
  *
  * fp32, bf16, and fp32 on bf16 experts: fp32 accumulation in each projection, results rounded
- * where transformers' expert loop rounds them (moe_impl.h). H and I must be multiples of 32 (the caller checks).
- * Built by omniserve/cpu/build.py.
+ * where transformers' expert loop rounds them (moe_impl.h). Quantized experts (4-bit or FP8, in
+ * omniserve/layers/quantization.py's layout) are decoded a tile's rows at a time into a scratch
+ * that stays in L1/L2 while every token routed to the expert passes over it, so their codes are
+ * read from memory once per call. H, I and the groups must be multiples of 32 (the caller
+ * checks). Built by omniserve/cpu/build.py.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_fp8.h"
+#include "decode_int4.h"
 #include "gemm_nt.h"
 
 #define MOE_BLOCK 48 /* weight rows per work item, 8 tiles (gate and up rows count as two) */
+
+/* One projection of every expert, [E, N, K]: the weights themselves (codes), or codes with their
+ * zero points (4-bit), fp32 scales [E, N, K / group_size] and group size. */
+typedef struct {
+    const void *codes;
+    const uint8_t *zeros;
+    const float *scales;
+    int64_t group_size;
+} moe_weights;
+
+/* moe_impl.h's ROWS for stored weights of type TW */
+#define STORED_ROWS(m, e, row, count, K, N, scratch) ((const TW *)(m).codes + ((e) * (N) + (row)) * (K))
+
+/* moe_impl.h's ROWS for codes of BITS bits that DECODE turns into TW */
+#define DEFINE_DECODED_ROWS(NAME, TW, DECODE, BITS)                                               \
+    static inline const TW *NAME(moe_weights m, int64_t e, int64_t row, int64_t count, int64_t K, \
+                                 int64_t N, TW *scratch) {                                        \
+        const int64_t groups = K / m.group_size, first = e * N + row;                             \
+        DECODE((const uint8_t *)m.codes + first * K * BITS / 8,                                   \
+               m.zeros ? m.zeros + first * groups : NULL, m.scales + first * groups,              \
+               count * groups, m.group_size, NR * K * BITS / 8, scratch);                         \
+        return scratch;                                                                           \
+    }
+DEFINE_DECODED_ROWS(int4_rows_f32, float, int4_decode_f32, 4)
+DEFINE_DECODED_ROWS(int4_rows_bf16, bf16, int4_decode_bf16, 4)
+DEFINE_DECODED_ROWS(fp8_rows_f32, float, fp8_decode_f32, 8)
+DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 
 #define T float
 #define STOREV(p, v) store((p), (v))
@@ -26,20 +58,40 @@
 #define ROUND(f) (f)
 #define ROUNDV(v) (v)
 #define TW float
-#define FN(name) name##_f32
 #define TILE_ROWS tile_rows_f32
+#define DECODED 0
+#define ROWS STORED_ROWS
+#define FN(name) name##_f32
 #include "moe_impl.h"
-#undef TW
 #undef FN
+#undef ROWS
+#undef DECODED
+#define DECODED 1
+#define ROWS int4_rows_f32
+#define FN(name) name##_int4_f32
+#include "moe_impl.h"
+#undef FN
+#undef ROWS
+#define ROWS fp8_rows_f32
+#define FN(name) name##_fp8_f32
+#include "moe_impl.h"
+#undef FN
+#undef ROWS
+#undef DECODED
+#undef TW
 #undef TILE_ROWS
 /* fp32 activations on bf16 experts (a bf16 checkpoint computed in fp32) */
 #define TW bf16
 #define FN(name) name##_f32_bf16w
 #define TILE_ROWS tile_rows_f32_bf16w
+#define DECODED 0
+#define ROWS STORED_ROWS
 #include "moe_impl.h"
 #undef TW
 #undef FN
 #undef TILE_ROWS
+#undef DECODED
+#undef ROWS
 #undef T
 #undef STOREV
 #undef TO_T
@@ -48,10 +100,24 @@
 
 #define T bf16
 #define TW bf16
-#define FN(name) name##_bf16
 #define TILE_ROWS tile_rows_bf16
 #define STOREV(p, v) store_bf16((p), (v))
 #define TO_T(f) to_bf16(f)
 #define ROUND(f) from_bf16(to_bf16(f))
 #define ROUNDV(v) ((vec)(__builtin_convertvector(round_bf16(v), uvec) << 16))
+#define DECODED 0
+#define ROWS STORED_ROWS
+#define FN(name) name##_bf16
+#include "moe_impl.h"
+#undef FN
+#undef ROWS
+#undef DECODED
+#define DECODED 1
+#define ROWS int4_rows_bf16
+#define FN(name) name##_int4_bf16
+#include "moe_impl.h"
+#undef FN
+#undef ROWS
+#define ROWS fp8_rows_bf16
+#define FN(name) name##_fp8_bf16
 #include "moe_impl.h"

@@ -97,4 +97,11 @@ static inline vec vexp(vec x) {
     return p * (vec)bits;
 }
 
+/* Ask for the codes a tile's rows ahead (ahead bytes: the same place in the next NR rows, which
+ * the thread decodes next), into L2: with the hardware prefetchers alone (they stop at page
+ * bounds) a decode step took 1.3x as long (measured on a 2-core Xeon). */
+static inline void prefetch_ahead(const uint8_t *codes, int64_t ahead) {
+    __builtin_prefetch(codes + ahead, 0, 2);
+}
+
 #endif
