@@ -179,7 +179,8 @@ def test_bf16_weights_are_kept_for_an_fp32_model_of_a_bf16_checkpoint(
 ) -> None:
     """Before loading, the linear layers, MoE experts and token embeddings of an fp32 model of a
     bf16 checkpoint take bf16 weights (keeping their loaders; a tied head keeps sharing its
-    embedding's), but not when any matrix of the checkpoint is stored in another dtype, not for
+    embedding's), but not when any matrix of the checkpoint (quantized ones' scales aside) is
+    stored in another dtype, not for
     a bf16 model, and not when OMNISERVE_CPU_BF16_WEIGHTS=0. The backend then widens them in its
     kernels, and the embedding returns fp32 rows: the fp32 model's results."""
 
@@ -195,6 +196,9 @@ def test_bf16_weights_are_kept_for_an_fp32_model_of_a_bf16_checkpoint(
     matrix, norm = torch.Size([8, 8]), torch.Size([8])
     bf16 = {"a": (matrix, torch.bfloat16), "norm": (norm, torch.float32)}  # 1-D: not a matrix
     assert keep_bf16_weights(model(), torch.float32, {**bf16, "b": (matrix, torch.float32)}) == 0
+    quantized = {"q.qweight": (matrix, torch.int32), "q.scales": (matrix, torch.float16),
+                 "e.weight_scale": (matrix, torch.float32)}  # fmt: skip
+    assert keep_bf16_weights(model(), torch.float32, {**bf16, **quantized}) == 4  # scales aside
     assert keep_bf16_weights(model(), torch.bfloat16, bf16) == 0
     monkeypatch.setenv("OMNISERVE_CPU_BF16_WEIGHTS", "0")
     assert keep_bf16_weights(model(), torch.float32, bf16) == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omniserve.checkpoint_builder.quantized import quantize_fp8, quantize_rtn
+from omniserve.checkpoint_builder.quantized import quantized_matrix
 from omniserve.config import QuantizationConfig
 from omniserve.cpu import moe as cpu_moe
 from omniserve.cpu.backend import apply_cpu_backend
@@ -14,7 +14,7 @@ from omniserve.cpu.build import load_library
 from omniserve.cpu.moe import CpuMoE
 from omniserve.layers import fused_moe
 from omniserve.layers.fused_moe import FusedMoE, select_experts, torch_fused_experts
-from omniserve.layers.quantization import QuantizedMatrix, fp8_row_scales, pack_nibbles
+from omniserve.layers.quantization import QuantizedMatrix
 from omniserve.layers.quantized_loading import DequantizeExperts, quantize_experts
 from tests.test_cpu_backend import DTYPES, _close
 from tests.test_layers import as_rank
@@ -30,16 +30,6 @@ CONFIGS = {
 def _kernels_built(kernel_threads: None) -> None:
     for source in ("moe.c", "linear_int4.c", "linear_fp8.c"):
         assert load_library(source) is not None, f"{source} must build on this machine"
-
-
-def quantized_matrix(weight: torch.Tensor, config: QuantizationConfig) -> QuantizedMatrix:
-    """``weight`` quantized as ``config`` says, in the loaded layout."""
-    if config.method != "fp8":
-        codes, zeros, scales = quantize_rtn(weight, config.group_size, symmetric=False)
-        return QuantizedMatrix(pack_nibbles(codes), zeros, scales.float())
-    row_block, group = config.block(*weight.shape)
-    codes, grid = quantize_fp8(weight, (row_block, group))
-    return QuantizedMatrix(codes, None, fp8_row_scales(grid.float(), weight.shape[0], row_block))
 
 
 def quantized_experts(

@@ -30,7 +30,9 @@ from safetensors.torch import save_file
 
 from omniserve.checkpoint_builder.builder import BUILD_INFO_FILE, build_key, build_once
 from omniserve.checkpoint_builder.lora import is_decoder_projection
+from omniserve.config import QuantizationConfig
 from omniserve.layers.quantization import (
+    QuantizedMatrix,
     dequantize,
     dequantize_fp8,
     fp8_row_scales,
@@ -111,6 +113,17 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
     scaled = (blocks / grid.float()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     codes = scaled.reshape(rows * block_rows, cols * block_cols)[:n, :k].to(torch.float8_e4m3fn)
     return codes.contiguous(), grid
+
+
+def quantized_matrix(weight: torch.Tensor, config: QuantizationConfig) -> QuantizedMatrix:
+    """``weight`` rounded as ``config`` says (4-bit: asymmetric groups), in the layout it loads
+    as: what a quantized layer holds, without a checkpoint in between."""
+    if config.method != "fp8":
+        codes, zeros, scales = quantize_rtn(weight, config.group_size, symmetric=False)
+        return QuantizedMatrix(pack_nibbles(codes), zeros, scales.float())
+    row_block, group = config.block(*weight.shape)
+    codes, grid = quantize_fp8(weight, (row_block, group))
+    return QuantizedMatrix(codes, None, fp8_row_scales(grid.float(), weight.shape[0], row_block))
 
 
 def _quantized_tensors(

@@ -37,7 +37,7 @@ from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import LinearBase
 from omniserve.layers.placement import KernelPlacement
-from omniserve.layers.quantization import FP8_SCALE_NAMES
+from omniserve.layers.quantization import QUANTIZED_PARTS
 from omniserve.layers.rotary_embedding import QKRotary
 from omniserve.layers.vocab_embedding import VocabParallelEmbedding
 
@@ -67,15 +67,16 @@ def keep_bf16_weights(
     stored: Mapping[str, tuple[torch.Size, torch.dtype]],
 ) -> int:
     """Before loading, where the model computes in fp32 and every matrix of the checkpoint
-    (``stored``: each tensor's shape and dtype) is bf16: make the weights of the linear layers,
+    (``stored``: each tensor's shape and dtype; quantized matrices' codes and scales aside) is
+    bf16: make the weights of the linear layers,
     the MoE experts and the token embeddings bf16 (a tied head's with its embedding's), at half
     the memory. The kernels then widen them in registers (torch's per-expert products of a
     prefill, one expert at a time) and the embeddings cast the rows they look up, as loading
     would have widened them, so the products stay fp32's. Returns how many weights."""
-    matrices = {  # FP8 weights and their scales aside: the quantized layers hold them
+    matrices = {  # quantized matrices' tensors aside (4-bit scales are often fp16)
         d for name, (shape, d) in stored.items()
         if len(shape) > 1 and d.is_floating_point and d != torch.float8_e4m3fn
-        and not name.endswith(FP8_SCALE_NAMES)
+        and name.rpartition(".")[2] not in QUANTIZED_PARTS
     }  # fmt: skip
     if not (
         dtype == torch.float32

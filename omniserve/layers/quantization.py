@@ -101,6 +101,9 @@ PACKED_NAMES = {"weight_packed": "qweight", "weight_scale": "scales",
                 "weight_zero_point": "qzeros", "weight_shape": None}  # fmt: skip
 """compressed-tensors' pack-quantized tensor names -> the 4-bit layout's (None: not kept, the
 matrix's shape is the layer's)."""
+QUANTIZED_PARTS = frozenset((*QUANTIZED_SUFFIXES, *FP8_SCALE_NAMES, *PACKED_NAMES))
+"""The last names of a quantized matrix's stored tensors in every format but an FP8 matrix's own
+``weight`` (its dtype, e4m3, tells it)."""
 
 
 def checkpoint_name(config: QuantizationConfig, name: str) -> str | None:

@@ -25,6 +25,7 @@ from omniserve.config import QuantizationConfig
 from omniserve.layers.fused_moe import FusedMoE, torch_fused_experts
 from omniserve.layers.linear import LinearBase
 from omniserve.layers.quantization import (
+    QUANTIZED_SUFFIXES,
     QuantizedMatrix,
     canonical,
     check_g_idx,
@@ -62,8 +63,7 @@ def quantize_layers(
     they do when the weights are read."""
     fp8 = config.method == "fp8"
     marker = config.scale_name if fp8 else "qweight"
-    parts = (("weight", config.scale_name) if fp8 else
-             ("qweight", "qzeros", "scales", "g_idx"))  # fmt: skip
+    parts = ("weight", config.scale_name) if fp8 else QUANTIZED_SUFFIXES
     stored: dict[str, set[str]] = {}
     for key in keys:
         stem, _, suffix = (checkpoint_name(config, key) or "").rpartition(".")
@@ -74,7 +74,7 @@ def quantize_layers(
             suffixes.add("qzeros")
     marked = [f"{stem}.{marker}" for stem, suffixes in stored.items() if marker in suffixes]
     quantized: set[str] = set()
-    kept: set[str] = set()  # checkpoint names a quantized layer holds
+    in_layers: set[str] = set()  # checkpoint names a quantized linear layer holds
 
     def find_quantized(ckpt_name: str, param_name: str) -> None:
         path, _, suffix = param_name.rpartition(".")
@@ -86,7 +86,7 @@ def quantize_layers(
             return  # not a layer of omniserve's: dequantized at load
         if not isinstance(layer, LinearBase) or isinstance(layer, VocabParallelEmbedding):
             return
-        kept.add(ckpt_name.removesuffix(f".{marker}"))
+        in_layers.add(ckpt_name.removesuffix(f".{marker}"))
         if path not in quantized:
             quantize_linear(layer, config)
             quantized.add(path)
@@ -97,7 +97,7 @@ def quantize_layers(
             f"The checkpoint's quantization_config says {config.method}, but it stores no "
             f"{marker} tensor."
         )
-    elsewhere = {key.removesuffix(f".{marker}") for key in marked} - kept
+    elsewhere = {key.removesuffix(f".{marker}") for key in marked} - in_layers
     experts = _quantize_experts_of(model, config, elsewhere)
     return QuantizedModel(
         len(quantized),
