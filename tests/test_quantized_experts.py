@@ -3,6 +3,8 @@ shards and loading, against the products of the dequantized experts."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -16,6 +18,8 @@ from omniserve.layers import fused_moe
 from omniserve.layers.fused_moe import FusedMoE, select_experts, torch_fused_experts
 from omniserve.layers.quantization import QuantizedMatrix
 from omniserve.layers.quantized_loading import DequantizeExperts, quantize_experts
+from omniserve.worker.model_runner import ModelRunner
+from omniserve.worker.model_runner import quantized_experts as quantized_experts_in
 from tests.test_cpu_backend import DTYPES, _close
 from tests.test_layers import as_rank
 
@@ -158,3 +162,15 @@ def test_quantized_experts_on_gpu(fmt) -> None:
     with torch.inference_mode():
         got = layer(x.cuda(), weights.cuda(), ids.cuda()).cpu()
     _close(got, _reference(x, gate_up, down, weights, ids), torch.bfloat16)
+
+
+def test_quantized_experts_keep_cuda_decode_steps_eager() -> None:
+    """torch's per-expert loop reads the routing on the host, which a CUDA graph cannot hold:
+    a model with quantized experts captures no decode graphs on CUDA (and keeps the CPU's)."""
+    config = CONFIGS["fp8"]
+    model = torch.nn.Sequential(load_experts(FusedMoE(8, 2, 128, 96), config,
+                                             quantized_experts(config)[0]))  # fmt: skip
+    assert quantized_experts_in(model)
+    runner = SimpleNamespace(lora_manager=None, model=model, device=torch.device("cuda"))
+    assert ModelRunner.capture_decode_graphs(runner) == []  # type: ignore[arg-type]
+    assert not quantized_experts_in(torch.nn.Sequential(FusedMoE(8, 2, 128, 96)))
