@@ -26,6 +26,30 @@ static inline void code_offsets(vec offsets[16]) {
     for (int z = 0; z < 16; ++z) offsets[z] = codes - (float)z;
 }
 
+/* A group's 16 possible weights (code_offsets' row for its zero point, times its scale). */
+static inline vec int4_values(uint8_t zero, float scale) {
+    const vec codes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return (codes - (float)(zero & 15)) * scale;
+}
+
+/* 16 weights (8 bytes of codes, in order) of a group whose 16 possible values are `values`. */
+static inline vec int4_decode16(const uint8_t *c, vec values) {
+#ifdef __AVX512F__
+    /* 8 bytes -> 8 qwords b | b << 28: dword 2i's low 4 bits (all vpermps reads) are byte i's
+     * low nibble, dword 2i + 1 is its high nibble. */
+    const __m512i b = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const void *)c));
+    const __m512i index = _mm512_or_si512(b, _mm512_slli_epi64(b, 28));
+    return (vec)_mm512_permutexvar_ps(index, (__m512)values);
+#else
+    vec out;
+    for (int i = 0; i < LANES / 2; ++i) {
+        out[2 * i] = values[c[i] & 15];
+        out[2 * i + 1] = values[c[i] >> 4];
+    }
+    return out;
+#endif
+}
+
 /* Whether every scale is a normal, finite number (then no weight is denormal nor NaN). */
 static inline int normal_scales(const float *scales, int64_t count) {
     int normal = 1;
@@ -64,24 +88,10 @@ static void int4_decode_f32(const uint8_t *codes, const uint8_t *zeros, const fl
     code_offsets(offsets);
     for (int64_t g = 0; g < count; ++g, codes += group_size / 2, w += group_size) {
         const vec values = offsets[zeros[g] & 15] * scales[g];
-#ifdef __AVX512F__
-        float *out = w;
-        for (const uint8_t *c = codes, *end = codes + group_size / 2; c < end; c += 8) {
-            prefetch_ahead(c, ahead);
-            /* 8 bytes -> 8 qwords b | b << 28: dword 2i's low 4 bits (all vpermps reads) are
-             * byte i's low nibble, dword 2i + 1 is its high nibble. */
-            const __m512i b = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const void *)c));
-            const __m512i index = _mm512_or_si512(b, _mm512_slli_epi64(b, 28));
-            _mm512_storeu_ps(out, _mm512_permutexvar_ps(index, (__m512)values));
-            out += LANES;
+        for (int64_t i = 0; i < group_size / 2; i += LANES / 2) {
+            prefetch_ahead(codes + i, ahead);
+            store(w + 2 * i, int4_decode16(codes + i, values));
         }
-#else
-        (void)ahead;
-        for (int64_t i = 0; i < group_size / 2; ++i) {
-            w[2 * i] = values[codes[i] & 15];
-            w[2 * i + 1] = values[codes[i] >> 4];
-        }
-#endif
     }
 }
 

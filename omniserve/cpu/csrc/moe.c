@@ -24,6 +24,7 @@
 #include "gemm_nt.h"
 
 #define MOE_BLOCK 48 /* weight rows per work item, 8 tiles (gate and up rows count as two) */
+#define DIRECT_ROWS 2 /* most tokens of an expert whose quantized rows skip the scratch */
 
 /* One projection of every expert, [E, N, K]: the weights themselves (codes), or codes with their
  * zero points (4-bit), fp32 scales [E, N, K / group_size] and group size. */
@@ -52,8 +53,16 @@ DEFINE_DECODED_ROWS(int4_rows_bf16, bf16, int4_decode_bf16, 4)
 DEFINE_DECODED_ROWS(fp8_rows_f32, float, fp8_decode_f32, 8)
 DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 
+/* moe_impl.h's direct decoding (DIRECT_STATE, DIRECT_DECODE32), per format; ROUNDV is the
+ * instance's (weights rounded to T as the decoders above round them) */
+#define INT4_STATE(m, i) ROUNDV(int4_values((m).zeros[i], (m).scales[i]))
+#define INT4_DECODE32(c, s, w) ((w)[0] = int4_decode16((c), (s)), (w)[1] = int4_decode16((c) + 8, (s)))
+#define FP8_STATE(m, i) splat((m).scales[i] * 256.0f)
+#define FP8_DECODE32(c, s, w) (decode32((c), (s), (w)), (w)[0] = ROUNDV((w)[0]), (w)[1] = ROUNDV((w)[1]))
+
 #define T float
 #define STOREV(p, v) store((p), (v))
+#define LOADT(p) load(p)
 #define TO_T(f) (f)
 #define ROUND(f) (f)
 #define ROUNDV(v) (v)
@@ -67,16 +76,28 @@ DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 #undef ROWS
 #undef DECODED
 #define DECODED 1
+#define CODE_BITS 4
+#define DIRECT_STATE INT4_STATE
+#define DIRECT_DECODE32 INT4_DECODE32
 #define ROWS int4_rows_f32
 #define FN(name) name##_int4_f32
 #include "moe_impl.h"
 #undef FN
 #undef ROWS
+#undef CODE_BITS
+#undef DIRECT_STATE
+#undef DIRECT_DECODE32
+#define CODE_BITS 8
+#define DIRECT_STATE FP8_STATE
+#define DIRECT_DECODE32 FP8_DECODE32
 #define ROWS fp8_rows_f32
 #define FN(name) name##_fp8_f32
 #include "moe_impl.h"
 #undef FN
 #undef ROWS
+#undef CODE_BITS
+#undef DIRECT_STATE
+#undef DIRECT_DECODE32
 #undef DECODED
 #undef TW
 #undef TILE_ROWS
@@ -94,6 +115,7 @@ DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 #undef ROWS
 #undef T
 #undef STOREV
+#undef LOADT
 #undef TO_T
 #undef ROUND
 #undef ROUNDV
@@ -102,6 +124,7 @@ DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 #define TW bf16
 #define TILE_ROWS tile_rows_bf16
 #define STOREV(p, v) store_bf16((p), (v))
+#define LOADT(p) load_bf16(p)
 #define TO_T(f) to_bf16(f)
 #define ROUND(f) from_bf16(to_bf16(f))
 #define ROUNDV(v) ((vec)(__builtin_convertvector(round_bf16(v), uvec) << 16))
@@ -113,11 +136,20 @@ DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 #undef ROWS
 #undef DECODED
 #define DECODED 1
+#define CODE_BITS 4
+#define DIRECT_STATE INT4_STATE
+#define DIRECT_DECODE32 INT4_DECODE32
 #define ROWS int4_rows_bf16
 #define FN(name) name##_int4_bf16
 #include "moe_impl.h"
 #undef FN
 #undef ROWS
+#undef CODE_BITS
+#undef DIRECT_STATE
+#undef DIRECT_DECODE32
+#define CODE_BITS 8
+#define DIRECT_STATE FP8_STATE
+#define DIRECT_DECODE32 FP8_DECODE32
 #define ROWS fp8_rows_bf16
 #define FN(name) name##_fp8_bf16
 #include "moe_impl.h"

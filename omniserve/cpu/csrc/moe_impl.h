@@ -9,6 +9,11 @@
  *   ROWS(m, e, row, count, K, N, scratch)  a pointer to `count` rows (K apart) of expert e's
  *              [N, K] matrix from `row` on, in TW: the stored rows themselves, or the rows
  *              decoded into `scratch` (NR x max(H, I) TW per thread) when DECODED is 1
+ *   and when DECODED is 1, for up to DIRECT_ROWS tokens of an expert:
+ *   CODE_BITS  bits per code
+ *   DIRECT_STATE(m, i)  what decoding group i (of the whole stacked matrix) needs, as a vec
+ *   DIRECT_DECODE32(c, state, w)  32 weights from codes c into w[2], rounded to T's precision
+ *   LOADT(p)   16 T at p -> vec
  *   STOREV(p, v) vec -> 16 T at p (rounded)
  *   TO_T(f)    float -> T (rounded)
  *   ROUND(f), ROUNDV(v)  a float / vec rounded to T's precision (identity for float)
@@ -18,6 +23,60 @@
  * token's output is summed expert by expert in increasing id, rounded after every add (its
  * index_add_). Accumulation inside each projection is fp32.
  */
+
+#if DECODED
+/* The dot products of MM rows of x (ldx apart) with rows[0..3] of expert e's [N, K] matrix,
+ * decoded 32 weights at a time straight into the sums (x read from L1): with one or two tokens
+ * on an expert, decoding into the scratch first and reading it back cost more than the codes'
+ * bytes (the tiles then have one row of x to reuse each weight for). `ahead`: the bytes to the
+ * same codes of the rows decoded next. */
+#define DEFINE_DIRECT_DOTS(NAME, MM)                                                             \
+    static inline __attribute__((always_inline)) void NAME(                                      \
+        const T *x, int64_t ldx, moe_weights m, int64_t e, int64_t N, const int64_t rows[4],     \
+        int64_t K, int64_t ahead, float out[2][4]) {                                             \
+        const int64_t groups = K / m.group_size, row_bytes = K * CODE_BITS / 8;                 \
+        vec acc[MM][4][2];                                                                       \
+        for (int i = 0; i < MM; ++i)                                                             \
+            for (int r = 0; r < 4; ++r) acc[i][r][0] = acc[i][r][1] = splat(0.0f);               \
+        for (int64_t g = 0; g < groups; ++g) {                                                   \
+            vec state[4];                                                                        \
+            const uint8_t *c[4];                                                                 \
+            for (int r = 0; r < 4; ++r) {                                                        \
+                const int64_t row = e * N + rows[r];                                             \
+                state[r] = DIRECT_STATE(m, row * groups + g);                                    \
+                c[r] = (const uint8_t *)m.codes + row * row_bytes + g * m.group_size * CODE_BITS / 8; \
+            }                                                                                    \
+            for (int64_t k = 0; k < m.group_size; k += 2 * LANES) {                              \
+                const T *xk = x + g * m.group_size + k;                                          \
+                for (int r = 0; r < 4; ++r) {                                                    \
+                    const uint8_t *ck = c[r] + k * CODE_BITS / 8;                                \
+                    if (k * CODE_BITS / 8 % 64 == 0) prefetch_ahead(ck, ahead);                  \
+                    vec w[2];                                                                    \
+                    DIRECT_DECODE32(ck, state[r], w);                                            \
+                    for (int i = 0; i < MM; ++i) {                                               \
+                        acc[i][r][0] += LOADT(xk + i * ldx) * w[0];                              \
+                        acc[i][r][1] += LOADT(xk + i * ldx + LANES) * w[1];                      \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        for (int i = 0; i < MM; ++i)                                                             \
+            for (int r = 0; r < 4; ++r) out[i][r] = lane_sum(acc[i][r][0] + acc[i][r][1]);       \
+    }
+DEFINE_DIRECT_DOTS(FN(direct_dots_1), 1)
+DEFINE_DIRECT_DOTS(FN(direct_dots_2), 2)
+#undef DEFINE_DIRECT_DOTS
+
+/* direct_dots for 1 or 2 rows of x */
+static inline void FN(direct_dots)(const T *x, int64_t ldx, int mr, moe_weights m, int64_t e,
+                                   int64_t N, const int64_t rows[4], int64_t K, int64_t ahead,
+                                   float out[2][4]) {
+    if (mr == 1)
+        FN(direct_dots_1)(x, ldx, m, e, N, rows, K, ahead, out);
+    else
+        FN(direct_dots_2)(x, ldx, m, e, N, rows, K, ahead, out);
+}
+#endif
 
 /* out[t] = sum over t's experts e, in increasing e, of weight * down_e(silu(gate_e x) * up_e x).
  * x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I] (moe.c's moe_weights:
@@ -73,6 +132,24 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const void *gat
             if (start[e + 1] == start[e] || (DECODED && scratch == NULL)) continue;
             const int64_t j0 = item % up_blocks * (MOE_BLOCK / 2);
             const int64_t j1 = j0 + MOE_BLOCK / 2 < I ? j0 + MOE_BLOCK / 2 : I;
+#if DECODED
+            if (start[e + 1] - start[e] <= DIRECT_ROWS) { /* two gate and two up rows a time */
+                const int mr = (int)(start[e + 1] - start[e]);
+                for (int64_t j = j0; j < j1; j += 2) {
+                    const int64_t n = j1 - j < 2 ? j1 - j : 2;
+                    const int64_t rows[4] = {j, j + n - 1, I + j, I + j + n - 1};
+                    float y[2][4];
+                    FN(direct_dots)(xs + start[e] * H, H, mr, gate_up, e, 2 * I, rows, H,
+                                    2 * H * CODE_BITS / 8, y);
+                    for (int m = 0; m < mr; ++m)
+                        for (int c = 0; c < n; ++c) {
+                            const float g = ROUND(y[m][c]), u = ROUND(y[m][2 + c]);
+                            act[(start[e] + m) * I + j + c] = TO_T(ROUND(g / (1.0f + expf(-g))) * u);
+                        }
+                }
+                continue;
+            }
+#endif
             for (int64_t j = j0; j < j1; j += NR / 2) {
                 const int64_t n = j1 - j < NR / 2 ? j1 - j : NR / 2;
                 const TW *gate = ROWS(gate_up, e, j, n, H, 2 * I, scratch);
@@ -102,6 +179,22 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const void *gat
             if (start[e + 1] == start[e] || (DECODED && scratch == NULL)) continue;
             const int64_t h0 = item % down_blocks * MOE_BLOCK;
             const int64_t h1 = h0 + MOE_BLOCK < H ? h0 + MOE_BLOCK : H;
+#if DECODED
+            if (start[e + 1] - start[e] <= DIRECT_ROWS) { /* four rows a time */
+                const int mr = (int)(start[e + 1] - start[e]);
+                for (int64_t h = h0; h < h1; h += 4) {
+                    const int64_t n = h1 - h < 4 ? h1 - h : 4;
+                    int64_t rows[4];
+                    for (int c = 0; c < 4; ++c) rows[c] = h + (c < n ? c : n - 1);
+                    float y[2][4];
+                    FN(direct_dots)(act + start[e] * I, I, mr, down, e, H, rows, I,
+                                    4 * I * CODE_BITS / 8, y);
+                    for (int m = 0; m < mr; ++m)
+                        for (int c = 0; c < n; ++c) ys[(start[e] + m) * H + h + c] = ROUND(y[m][c]);
+                }
+                continue;
+            }
+#endif
             for (int64_t h = h0; h < h1; h += NR) {
                 const int64_t n = h1 - h < NR ? h1 - h : NR;
                 const TW *rows = ROWS(down, e, h, n, I, H, scratch);
