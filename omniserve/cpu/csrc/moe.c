@@ -53,12 +53,12 @@ DEFINE_DECODED_ROWS(int4_rows_bf16, bf16, int4_decode_bf16, 4)
 DEFINE_DECODED_ROWS(fp8_rows_f32, float, fp8_decode_f32, 8)
 DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 
-/* moe_impl.h's direct decoding (DIRECT_STATE, DIRECT_DECODE32), per format; ROUNDV is the
- * instance's (weights rounded to T as the decoders above round them) */
-#define INT4_STATE(m, i) ROUNDV(int4_values((m).zeros[i], (m).scales[i]))
+/* moe_impl.h's direct decoding (DIRECT_STATE, DIRECT_DECODE32), per format; ROUNDW is the
+ * instance's rounding of a weight to T's precision, as the decoders above round them */
+#define INT4_STATE(m, i) ROUNDW(int4_values((m).zeros[i], (m).scales[i]))
 #define INT4_DECODE32(c, s, w) ((w)[0] = int4_decode16((c), (s)), (w)[1] = int4_decode16((c) + 8, (s)))
 #define FP8_STATE(m, i) splat((m).scales[i] * 256.0f)
-#define FP8_DECODE32(c, s, w) (decode32((c), (s), (w)), (w)[0] = ROUNDV((w)[0]), (w)[1] = ROUNDV((w)[1]))
+#define FP8_DECODE32(c, s, w) (decode32((c), (s), (w)), (w)[0] = ROUNDW((w)[0]), (w)[1] = ROUNDW((w)[1]))
 
 #define T float
 #define STOREV(p, v) store((p), (v))
@@ -66,6 +66,7 @@ DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 #define TO_T(f) (f)
 #define ROUND(f) (f)
 #define ROUNDV(v) (v)
+#define ROUNDW(v) (v)
 #define TW float
 #define TILE_ROWS tile_rows_f32
 #define DECODED 0
@@ -119,6 +120,7 @@ DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 #undef TO_T
 #undef ROUND
 #undef ROUNDV
+#undef ROUNDW
 
 #define T bf16
 #define TW bf16
@@ -128,6 +130,7 @@ DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 #define TO_T(f) to_bf16(f)
 #define ROUND(f) from_bf16(to_bf16(f))
 #define ROUNDV(v) ((vec)(__builtin_convertvector(round_bf16(v), uvec) << 16))
+#define ROUNDW(v) round_bf16_in_place(v)
 #define DECODED 0
 #define ROWS STORED_ROWS
 #define FN(name) name##_bf16

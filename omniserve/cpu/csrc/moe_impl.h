@@ -13,6 +13,7 @@
  *   CODE_BITS  bits per code
  *   DIRECT_STATE(m, i)  what decoding group i (of the whole stacked matrix) needs, as a vec
  *   DIRECT_DECODE32(c, state, w)  32 weights from codes c into w[2], rounded to T's precision
+ *                                 (by ROUNDW, ROUNDV for values that are not NaN)
  *   LOADT(p)   16 T at p -> vec
  *   STOREV(p, v) vec -> 16 T at p (rounded)
  *   TO_T(f)    float -> T (rounded)

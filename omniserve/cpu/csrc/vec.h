@@ -42,6 +42,13 @@ static inline hvec round_bf16(vec v) {
     return __builtin_convertvector((rounded & ~is_nan) | (quiet_nan & is_nan), hvec);
 }
 
+/* round_bf16 kept in fp32 lanes, for values that are not NaN (decoded weights): no narrowing
+ * and widening back. */
+static inline vec round_bf16_in_place(vec v) {
+    const uvec u = (uvec)v;
+    return (vec)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+}
+
 static inline void store_bf16(bf16 *p, vec v) {
     const hvec h = round_bf16(v);
     memcpy(p, &h, sizeof h);
