@@ -1,7 +1,7 @@
 """Tensor parallelism over gloo (MultiprocExecutor): TP=2 gives the greedy tokens of TP=1 and of
-transformers for a text model (with replicated KV heads), a vision-language model and the
-Qwen3-Omni-MoE thinker with image + audio; bad parallel settings fail with a precise error; a
-killed worker ends the server cleanly and leaves no process behind.
+transformers for a text model (with replicated KV heads), a vision-language model, the
+Qwen3-Omni-MoE thinker with image + audio and 4-bit MoE experts; bad parallel settings fail with
+a precise error; a killed worker ends the server cleanly and leaves no process behind.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from omniserve import LLM, SamplingParams
+from omniserve.checkpoint_builder.quantized import build_quantized_checkpoint
 from omniserve.config import ModelConfig, OmniConfig, ParallelConfig
 from omniserve.engine.core import EngineCore
 from omniserve.executor.abstract import Executor
@@ -195,6 +196,23 @@ def test_omni_moe_thinker_tp2_with_image_and_audio_matches_hf(tiny_checkpoint):
     # ~700 prompt tokens through sharp random weights and an all-reduce per layer: fp32 sums in
     # a different order move logprobs by ~1e-4 (as batching does in test_fidelity_omni).
     assert_matches_reference(outputs, reference, atol=5e-4)
+
+
+@pytest.mark.slow
+def test_quantized_moe_experts_tp2_match_hf(tiny_checkpoint):
+    """AWQ experts kept 4-bit over two ranks (each rank's half of every expert's width holds
+    whole groups: 64 wide in groups of 32), against transformers on the dequantized twin."""
+    model_dir = str(tiny_checkpoint("Qwen3MoeForCausalLM", overrides={"moe_intermediate_size": 64}))
+    quantized, twin = build_quantized_checkpoint(model_dir, "awq", 32)
+    prompts = make_prompts(model_dir, [5, 19])
+    llm = LLM(str(quantized), dtype="float32", tensor_parallel_size=2)
+    try:
+        info = llm.llm_engine.engine_core.call_utility("get_model_info")
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert info["layer_kernels"]["MoE: C 4-bit, float32 activations"] == 2
+    assert_matches_reference(outputs, hf_greedy(str(twin), prompts, MAX_TOKENS))
 
 
 @pytest.mark.slow
