@@ -9,10 +9,11 @@
  *
  * fp32, bf16, and fp32 on bf16 experts: fp32 accumulation in each projection, results rounded
  * where transformers' expert loop rounds them (moe_impl.h). Quantized experts (4-bit or FP8, in
- * omniserve/layers/quantization.py's layout) are decoded a tile's rows at a time into a scratch
- * that stays in L1/L2 while every token routed to the expert passes over it, so their codes are
- * read from memory once per call. H, I and the groups must be multiples of 32 (the caller
- * checks). Built by omniserve/cpu/build.py.
+ * omniserve/layers/quantization.py's layout) are decoded, for an expert with one or two tokens,
+ * straight into the dot products, and otherwise a tile's rows at a time into a scratch that
+ * stays in L1/L2 while every token routed to the expert passes over it: their codes are read
+ * from memory once per call. The kernels per activation type are moe_instances.h's. H, I and
+ * the groups must be multiples of 32 (the caller checks). Built by omniserve/cpu/build.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -53,6 +54,9 @@ DEFINE_DECODED_ROWS(int4_rows_bf16, bf16, int4_decode_bf16, 4)
 DEFINE_DECODED_ROWS(fp8_rows_f32, float, fp8_decode_f32, 8)
 DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 
+#define MOE_PASTE(a, b) a##b
+#define MOE_NAME(a, b) MOE_PASTE(a, b) /* expands a and b first */
+
 /* moe_impl.h's direct decoding (DIRECT_STATE, DIRECT_DECODE32), per format; ROUNDW is the
  * instance's rounding of a weight to T's precision, as the decoders above round them */
 #define INT4_STATE(m, i) ROUNDW(int4_values((m).zeros[i], (m).scales[i]))
@@ -61,47 +65,14 @@ DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 #define FP8_DECODE32(c, s, w) (decode32((c), (s), (w)), (w)[0] = ROUNDW((w)[0]), (w)[1] = ROUNDW((w)[1]))
 
 #define T float
+#define SFX f32
 #define STOREV(p, v) store((p), (v))
 #define LOADT(p) load(p)
 #define TO_T(f) (f)
 #define ROUND(f) (f)
 #define ROUNDV(v) (v)
 #define ROUNDW(v) (v)
-#define TW float
-#define TILE_ROWS tile_rows_f32
-#define DECODED 0
-#define ROWS STORED_ROWS
-#define FN(name) name##_f32
-#include "moe_impl.h"
-#undef FN
-#undef ROWS
-#undef DECODED
-#define DECODED 1
-#define CODE_BITS 4
-#define DIRECT_STATE INT4_STATE
-#define DIRECT_DECODE32 INT4_DECODE32
-#define ROWS int4_rows_f32
-#define FN(name) name##_int4_f32
-#include "moe_impl.h"
-#undef FN
-#undef ROWS
-#undef CODE_BITS
-#undef DIRECT_STATE
-#undef DIRECT_DECODE32
-#define CODE_BITS 8
-#define DIRECT_STATE FP8_STATE
-#define DIRECT_DECODE32 FP8_DECODE32
-#define ROWS fp8_rows_f32
-#define FN(name) name##_fp8_f32
-#include "moe_impl.h"
-#undef FN
-#undef ROWS
-#undef CODE_BITS
-#undef DIRECT_STATE
-#undef DIRECT_DECODE32
-#undef DECODED
-#undef TW
-#undef TILE_ROWS
+#include "moe_instances.h"
 /* fp32 activations on bf16 experts (a bf16 checkpoint computed in fp32) */
 #define TW bf16
 #define FN(name) name##_f32_bf16w
@@ -115,6 +86,7 @@ DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 #undef DECODED
 #undef ROWS
 #undef T
+#undef SFX
 #undef STOREV
 #undef LOADT
 #undef TO_T
@@ -123,36 +95,11 @@ DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 #undef ROUNDW
 
 #define T bf16
-#define TW bf16
-#define TILE_ROWS tile_rows_bf16
+#define SFX bf16
 #define STOREV(p, v) store_bf16((p), (v))
 #define LOADT(p) load_bf16(p)
 #define TO_T(f) to_bf16(f)
 #define ROUND(f) from_bf16(to_bf16(f))
 #define ROUNDV(v) ((vec)(__builtin_convertvector(round_bf16(v), uvec) << 16))
 #define ROUNDW(v) round_bf16_in_place(v)
-#define DECODED 0
-#define ROWS STORED_ROWS
-#define FN(name) name##_bf16
-#include "moe_impl.h"
-#undef FN
-#undef ROWS
-#undef DECODED
-#define DECODED 1
-#define CODE_BITS 4
-#define DIRECT_STATE INT4_STATE
-#define DIRECT_DECODE32 INT4_DECODE32
-#define ROWS int4_rows_bf16
-#define FN(name) name##_int4_bf16
-#include "moe_impl.h"
-#undef FN
-#undef ROWS
-#undef CODE_BITS
-#undef DIRECT_STATE
-#undef DIRECT_DECODE32
-#define CODE_BITS 8
-#define DIRECT_STATE FP8_STATE
-#define DIRECT_DECODE32 FP8_DECODE32
-#define ROWS fp8_rows_bf16
-#define FN(name) name##_fp8_bf16
-#include "moe_impl.h"
+#include "moe_instances.h"
