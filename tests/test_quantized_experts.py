@@ -3,8 +3,6 @@ shards and loading, against the products of the dequantized experts."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -17,9 +15,7 @@ from omniserve.cpu.moe import CpuMoE
 from omniserve.layers import fused_moe
 from omniserve.layers.fused_moe import FusedMoE, select_experts, torch_fused_experts
 from omniserve.layers.quantization import QuantizedMatrix
-from omniserve.layers.quantized_loading import DequantizeExperts, quantize_experts
-from omniserve.worker.model_runner import ModelRunner
-from omniserve.worker.model_runner import quantized_experts as quantized_experts_in
+from omniserve.layers.quantized_loading import QuantizedExpertsKernel, quantize_experts
 from tests.test_cpu_backend import DTYPES, _close
 from tests.test_layers import as_rank
 
@@ -85,7 +81,7 @@ def test_quantized_experts_match_their_dequantized_weights(tokens, fmt, dtype, m
     x[0] *= 40  # large gate values: silu's exp at both ends of its range
     weights, ids = select_experts(torch.randn(tokens, 8, generator=gen).to(dtype), 2, True)
     expected = _reference(x, gate_up, down, weights, ids)
-    assert isinstance(layer.kernel, DequantizeExperts)
+    assert isinstance(layer.kernel, QuantizedExpertsKernel)
     with torch.inference_mode():
         _close(layer(x, weights, ids), expected, dtype)
         moe = CpuMoE(layer, dtype)
@@ -126,7 +122,7 @@ def test_quantized_experts_are_placed_and_named() -> None:
     layer = load_experts(FusedMoE(8, 2, 128, 96), config, quantized_experts(config)[0])
     report = apply_cpu_backend(layer, torch.float32)
     assert report.placements == {"MoE: torch 4-bit (dequantized per call)": 1}
-    assert isinstance(layer.kernel, DequantizeExperts)
+    assert isinstance(layer.kernel, QuantizedExpertsKernel)
 
 
 def test_quantized_experts_refuse_what_they_cannot_hold() -> None:
@@ -147,30 +143,20 @@ def test_quantized_experts_refuse_what_they_cannot_hold() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_quantized_experts_on_gpu(fmt) -> None:
-    """On CUDA the torch path dequantizes each selected expert; bf16 against the fp32 products
-    of the experts dequantized in bf16."""
+    """On CUDA the Triton grouped GEMMs decode the codes (compiled, and warmed up as at
+    start-up); bf16 against the fp32 products of the experts dequantized in bf16."""
     config = CONFIGS[fmt]
     matrices, gate_up, down = quantized_experts(config)
     with torch.device("cuda"):
-        layer = FusedMoE(8, 2, 128, 96)
+        layer = FusedMoE(8, 2, 128, 96).bfloat16()  # the model's dtype: the kernel's
     layer = load_experts(layer, config, {k: QuantizedMatrix(**{
         name: None if t is None else t.cuda() for name, t in vars(m).items()
     }) for k, m in matrices.items()})  # fmt: skip
+    assert isinstance(layer.kernel, QuantizedExpertsKernel)
+    layer.kernel.warm_up()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(40, 128, generator=gen).bfloat16()
     weights, ids = select_experts(torch.randn(40, 8, generator=gen).bfloat16(), 2, True)
     with torch.inference_mode():
         got = layer(x.cuda(), weights.cuda(), ids.cuda()).cpu()
     _close(got, _reference(x, gate_up, down, weights, ids), torch.bfloat16)
-
-
-def test_quantized_experts_keep_cuda_decode_steps_eager() -> None:
-    """torch's per-expert loop reads the routing on the host, which a CUDA graph cannot hold:
-    a model with quantized experts captures no decode graphs on CUDA (and keeps the CPU's)."""
-    config = CONFIGS["fp8"]
-    model = torch.nn.Sequential(load_experts(FusedMoE(8, 2, 128, 96), config,
-                                             quantized_experts(config)[0]))  # fmt: skip
-    assert quantized_experts_in(model)
-    runner = SimpleNamespace(lora_manager=None, model=model, device=torch.device("cuda"))
-    assert ModelRunner.capture_decode_graphs(runner) == []  # type: ignore[arg-type]
-    assert not quantized_experts_in(torch.nn.Sequential(FusedMoE(8, 2, 128, 96)))

@@ -14,8 +14,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 pytest.importorskip("triton")  # a dependency only on Linux x86_64 (pyproject.toml)
 
 from omniserve.layers import fused_moe, triton_fused_moe
-from omniserve.layers.fused_moe import select_experts, torch_fused_experts
+from omniserve.layers.fused_moe import ExpertCodes, FusedMoE, select_experts, torch_fused_experts
 from omniserve.layers.triton_fused_moe import align_pairs_by_expert, triton_fused_experts
+from tests.test_quantized_experts import CONFIGS, load_experts, quantized_experts
 
 GEN = torch.Generator().manual_seed(0)
 Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # x, gate_up_proj, down_proj
@@ -151,6 +152,31 @@ def test_interpreted_kernel_half_precision(
     topk_weights, topk_ids = skewed_routing(num_tokens, num_experts, 2, dtype)
     out = interpreted(*weights, topk_weights, topk_ids)
     assert_half_precision_close(out, weights, topk_weights, topk_ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["int4", "fp8", "fp8-channel"])
+def test_interpreted_kernel_decodes_quantized_experts(
+    interpreted: InterpretedMoE, fmt: str, dtype: torch.dtype
+) -> None:
+    """Quantized experts (4-bit in groups of 32, FP8 in 32 x 32 blocks or per output feature)
+    decoded in the kernel: the products of the experts dequantized in the activations' dtype
+    (fp32 to summation order; bf16 as close as the bf16 reference, whose weights are those)."""
+    config = CONFIGS[fmt]
+    matrices, gate_up, down = quantized_experts(config, experts=4, hidden=64, inter=64)
+    layer = load_experts(FusedMoE(4, 2, 64, 64), config, matrices)
+    codes = [ExpertCodes(getattr(layer, name).detach(), getattr(layer, f"{name}_scales"),
+                         getattr(layer, f"{name}_zeros", None))
+             for name in ("gate_up_proj", "down_proj")]  # fmt: skip
+    x = torch.randn(9, 64, generator=GEN).to(dtype)
+    topk_weights, topk_ids = skewed_routing(9, 4, 2, dtype)
+    out = interpreted(x, *codes, topk_weights, topk_ids)
+    weights = (x, gate_up.to(dtype), down.to(dtype))
+    if dtype == torch.float32:
+        expected = torch_fused_experts(*weights, topk_weights, topk_ids)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    else:
+        assert_half_precision_close(out, weights, topk_weights, topk_ids)
 
 
 def test_interpreted_kernel_matches_hf_block(interpreted: InterpretedMoE) -> None:

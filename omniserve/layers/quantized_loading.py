@@ -9,7 +9,8 @@ Quantized experts keep each expert's matrices in ``quantization``'s layout, stac
 ``gate_up_proj`` ``[E, 2I, H / 2]`` uint8 codes (FP8: e4m3 ``[E, 2I, H]``) with buffers
 ``gate_up_proj_scales`` (fp32) and ``gate_up_proj_zeros`` (4-bit) ``[E, 2I, groups]``, and
 ``down_proj`` alike. A 30B-A3B checkpoint's experts are most of its bytes, so this is what makes
-its 4-bit or FP8 checkpoint take its quantized size.
+its 4-bit or FP8 checkpoint take its quantized size. They compute through
+``QuantizedExpertsKernel`` (Triton on CUDA, torch elsewhere), or the CPU backend's ``CpuMoE``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from omniserve.config import QuantizationConfig
-from omniserve.layers.fused_moe import FusedMoE, torch_fused_experts
+from omniserve.layers.fused_moe import ExpertCodes, FusedMoE, torch_fused_experts
 from omniserve.layers.linear import LinearBase
 from omniserve.layers.quantization import (
     QUANTIZED_SUFFIXES,
@@ -155,7 +156,8 @@ def quantize_experts(layer: FusedMoE, config: QuantizationConfig) -> None:
     buffers ``<name>_scales`` (fp32 ``[E, N, groups]``) and, 4-bit, ``<name>_zeros``, each
     expert's rows in the layout of the module docstring. Their loaders take
     ``QuantizedMatrix``s and keep this rank's share as ``FusedMoE.weight_loader`` does; the
-    experts compute through ``DequantizeExperts`` until a backend gives them a kernel."""
+    experts compute through ``QuantizedExpertsKernel`` (in the model's dtype, which the stacked
+    weights being replaced have) until a backend gives them another kernel."""
     fp8 = config.method == "fp8"
     local, hidden = layer.intermediate_size_per_partition, layer.hidden_size
     for name, rows, cols in (("gate_up_proj", 2 * local, hidden), ("down_proj", hidden, local)):
@@ -172,7 +174,7 @@ def quantize_experts(layer: FusedMoE, config: QuantizationConfig) -> None:
             buffer = torch.empty(layer.num_experts, rows, groups, dtype=dtype, device=old.device)
             layer.register_buffer(f"{name}_{suffix}", buffer, persistent=False)
     layer.quantization = config
-    layer.kernel = DequantizeExperts(layer)
+    layer.kernel = QuantizedExpertsKernel(layer, old.dtype)
 
 
 def _expert_loader(layer: FusedMoE, name: str) -> Any:
@@ -209,37 +211,55 @@ def _expert_loader(layer: FusedMoE, name: str) -> Any:
     return load
 
 
-class DequantizeExperts:
-    """``fused_experts`` on quantized experts with torch alone, so it runs anywhere: each
-    selected expert's matrices are dequantized when its tokens come."""
+class QuantizedExpertsKernel:
+    """``fused_experts`` on quantized experts, on any device: on CUDA the Triton grouped GEMMs
+    decode the codes tile by tile (no host reads: CUDA graphs hold it), elsewhere torch
+    dequantizes each selected expert when its tokens come. ``dtype``: the activations'."""
 
-    def __init__(self, layer: FusedMoE) -> None:
+    def __init__(self, layer: FusedMoE, dtype: torch.dtype) -> None:
         self.layer = layer
+        self.dtype = dtype
+
+    def _codes(self) -> tuple[ExpertCodes, ExpertCodes]:
+        layer = self.layer
+        return tuple(  # type: ignore[return-value]
+            ExpertCodes(getattr(layer, name), getattr(layer, f"{name}_scales"),
+                        getattr(layer, f"{name}_zeros", None))
+            for name in ("gate_up_proj", "down_proj")
+        )  # fmt: skip
 
     def __call__(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        gate_up = _ExpertMatrices(self.layer, "gate_up_proj")
-        down = _ExpertMatrices(self.layer, "down_proj")
+        if x.is_cuda:
+            from omniserve.layers.triton_fused_moe import triton_fused_experts
+
+            return triton_fused_experts(x, *self._codes(), topk_weights, topk_ids)
+        gate_up, down = (_ExpertMatrices(codes) for codes in self._codes())
         return torch_fused_experts(x, gate_up, down, topk_weights, topk_ids)
+
+    def warm_up(self) -> None:
+        """Compile the Triton kernel's variants before serving (CUDA)."""
+        if self.layer.gate_up_proj.is_cuda:
+            from omniserve.layers.triton_fused_moe import warm_up
+
+            warm_up(*self._codes(), self.layer.top_k, self.dtype)
 
 
 class _ExpertMatrices:
     """One projection of quantized experts, indexed by expert as the stacked weight is (fp32)."""
 
-    def __init__(self, layer: FusedMoE, name: str) -> None:
-        self.codes = getattr(layer, name)
-        self.scales = getattr(layer, f"{name}_scales")
-        self.zeros = getattr(layer, f"{name}_zeros", None)
+    def __init__(self, codes: ExpertCodes) -> None:
+        self.codes = codes
 
     def __len__(self) -> int:
-        return self.codes.shape[0]
+        return self.codes.codes.shape[0]
 
     def __getitem__(self, expert: int) -> torch.Tensor:
-        zeros = None if self.zeros is None else self.zeros[expert]
-        return QuantizedMatrix(self.codes[expert], zeros, self.scales[expert]).dequantize(
-            torch.float32
-        )
+        codes, scales, zeros = self.codes
+        matrix = QuantizedMatrix(codes[expert], None if zeros is None else zeros[expert],
+                                 scales[expert])  # fmt: skip
+        return matrix.dequantize(torch.float32)
 
 
 def dequantize_at_load(

@@ -16,7 +16,10 @@ few sync-free torch ops:
 4. A sum over ``top_k`` folds pairs back to tokens (deterministic, unlike atomic adds).
 
 Inputs may be fp32, bf16 or fp16; dot products accumulate in fp32, and fp32 inputs use IEEE
-(not TF32) dots so results match torch's default matmul.
+(not TF32) dots so results match torch's default matmul. Quantized experts (``ExpertCodes``: the
+4-bit or FP8 layout ``quantized_loading.quantize_experts`` keeps) are decoded tile by tile in the
+kernel, each weight ``(code - zero) * scale`` or ``e4m3 * scale`` in fp32 rounded once to the
+activations' dtype, as the torch reference dequantizes them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omniserve.layers.fused_moe import ExpertCodes, Experts
 from omniserve.triton_utils import INTERPRETED, dot
 
 
@@ -74,6 +78,46 @@ def align_pairs_by_expert(
     return ExpertAlignment(sorted_pair_ids, block_expert_ids.to(torch.int32))
 
 
+@triton.jit
+def _weight_tile(  # type: ignore[no-untyped-def]
+    w_base,
+    s_base,
+    z_base,
+    offs_n,
+    ks,
+    mask,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sg,
+    group_size,
+    CODE_BITS: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """The ``[len(ks), len(offs_n)]`` tile of one expert's ``w.T`` in ``DTYPE``: loaded, or
+    decoded from its codes (``(code - zero) * scale`` / ``e4m3 * scale`` in fp32, rounded once)."""
+    if CODE_BITS == 0:
+        return tl.load(w_base + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk, mask=mask,
+                       other=0.0)  # fmt: skip
+    groups = offs_n[None, :] * stride_sn + (ks[:, None] // group_size) * stride_sg
+    scale = tl.load(s_base + groups, mask=mask, other=0.0)
+    if CODE_BITS == 4:
+        byte = tl.load(w_base + offs_n[None, :] * stride_wn + (ks[:, None] // 2) * stride_wk,
+                       mask=mask, other=0).to(tl.int32)  # fmt: skip
+        code = (byte >> ((ks[:, None] % 2) * 4)) & 0xF
+        zero = tl.load(z_base + groups, mask=mask, other=0).to(tl.int32)
+        value = (code - zero).to(tl.float32)
+    else:  # e4m3: 4 exponent bits (bias 7), 3 mantissa bits, read as bytes
+        byte = tl.load(w_base + offs_n[None, :] * stride_wn + ks[:, None] * stride_wk, mask=mask,
+                       other=0).to(tl.int32)  # fmt: skip
+        magnitude = byte & 0x7F
+        normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        subnormal = magnitude.to(tl.float32) * 0.001953125  # mantissa * 2^-9
+        value = tl.where(magnitude >= 8, normal, subnormal)
+        value = tl.where((byte & 0x80) != 0, -value, value)
+    return (value * scale).to(DTYPE)
+
+
 # The pair count changes with every step's token count: unspecialized, so that Triton compiles
 # the kernel once per block shape (see ``warm_up``), not per class of the count, while serving.
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -81,6 +125,8 @@ def _grouped_gemm_kernel(  # type: ignore[no-untyped-def]
     a_ptr,  # [rows, K]: tokens (gate_up pass) or pairs (down pass)
     w_ptr,  # [E, N or 2N, K]: stacked expert weights, out = a @ w[e].T
     out_ptr,  # [P, N]: one row per pair
+    scale_ptr,  # quantized w: [E, N or 2N, K / group_size] fp32 scales
+    zero_ptr,  # 4-bit w: zero points, as the scales
     sorted_pair_ids_ptr,
     block_expert_ids_ptr,
     topk_weights_ptr,  # [P]
@@ -94,6 +140,11 @@ def _grouped_gemm_kernel(  # type: ignore[no-untyped-def]
     stride_wk,
     stride_om,
     stride_on,
+    stride_se,
+    stride_sn,
+    stride_sg,
+    group_size,
+    CODE_BITS: tl.constexpr,  # 0: w holds the weights; 4 or 8: w holds 4-bit or FP8 codes
     PAIRS_PER_A_ROW: tl.constexpr,  # top_k when a holds tokens, 1 when it holds pairs
     GATED: tl.constexpr,  # w rows are [gate | up]; write silu(gate) * up
     APPLY_ROUTING_WEIGHT: tl.constexpr,
@@ -117,24 +168,27 @@ def _grouped_gemm_kernel(  # type: ignore[no-untyped-def]
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
-    # A [BLOCK_K, BLOCK_N] tile of w[e].T; the up half of a gated weight starts N rows further.
-    w_ptrs = (
-        w_ptr + expert_id * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    )
-    up_ptrs = w_ptrs + N * stride_wn
+    # [BLOCK_K, BLOCK_N] tiles of w[e].T; the up half of a gated weight starts N rows further.
+    w_base = w_ptr + expert_id * stride_we
+    s_base = scale_ptr + expert_id * stride_se
+    z_base = zero_ptr + expert_id * stride_se
+    dtype = a_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
-        k_valid = offs_k < K - k_start
+        ks = k_start + offs_k
+        k_valid = ks < K
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         w_mask = k_valid[:, None] & n_valid[None, :]
-        acc = dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, UPCAST_DOT, DOT_PRECISION)
+        w = _weight_tile(w_base, s_base, z_base, offs_n, ks, w_mask, stride_wn, stride_wk,
+                         stride_sn, stride_sg, group_size, CODE_BITS, dtype)  # fmt: skip
+        acc = dot(a, w, acc, UPCAST_DOT, DOT_PRECISION)
         if GATED:
-            up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            up = _weight_tile(w_base + N * stride_wn, s_base + N * stride_sn,
+                              z_base + N * stride_sn, offs_n, ks, w_mask, stride_wn, stride_wk,
+                              stride_sn, stride_sg, group_size, CODE_BITS, dtype)  # fmt: skip
             acc_up = dot(a, up, acc_up, UPCAST_DOT, DOT_PRECISION)
-            up_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
 
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up
@@ -163,7 +217,7 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 
 def _grouped_gemm(
     a: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Experts,
     out: torch.Tensor,
     alignment: ExpertAlignment,
     topk_weights: torch.Tensor,
@@ -178,10 +232,18 @@ def _grouped_gemm(
     block_n = _block_size(n, 64)
     block_k = _block_size(k, 64 if a.element_size() <= 2 else 32)
     grid = (alignment.block_expert_ids.numel(), triton.cdiv(n, block_n))
+    if isinstance(weight, ExpertCodes):
+        codes, scales, bits = weight.codes.view(torch.uint8), weight.scales, weight.bits
+        zeros = scales if weight.zeros is None else weight.zeros  # (FP8: never read)
+        group_size = k // scales.shape[2]
+    else:
+        codes, scales, zeros, bits, group_size = weight, weight, weight, 0, 1  # (not read)
     _grouped_gemm_kernel[grid](
         a,
-        weight,
+        codes,
         out,
+        scales,
+        zeros,
         alignment.sorted_pair_ids,
         alignment.block_expert_ids,
         topk_weights,
@@ -190,11 +252,16 @@ def _grouped_gemm(
         k,
         a.stride(0),
         a.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        weight.stride(2),
+        codes.stride(0),
+        codes.stride(1),
+        codes.stride(2),
         out.stride(0),
         out.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        scales.stride(2),
+        group_size,
+        CODE_BITS=bits,
         PAIRS_PER_A_ROW=pairs_per_a_row,
         GATED=gated,
         APPLY_ROUTING_WEIGHT=not gated,
@@ -209,23 +276,27 @@ def _grouped_gemm(
 
 def triton_fused_experts(
     x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+    gate_up_proj: Experts,
+    down_proj: Experts,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """``sum_k w_k * down_e(silu(gate_e x) * up_e x)``, same contract as the torch reference.
 
-    x ``[N, H]``; gate_up_proj ``[E, 2I, H]``; down_proj ``[E, H, I]``; topk_* ``[N, top_k]``.
+    x ``[N, H]``; gate_up_proj ``[E, 2I, H]``; down_proj ``[E, H, I]`` (or their codes);
+    topk_* ``[N, top_k]``.
     """
     block_m = _block_m(topk_ids.numel(), gate_up_proj.shape[0])
     return _fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, block_m)
 
 
-def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int) -> None:
+def warm_up(gate_up_proj: Experts, down_proj: Experts, top_k: int, dtype: torch.dtype) -> None:
     """Compile the kernel for every block height ``_block_m`` can pick, about a second each, at
-    start-up rather than in the first step whose token count needs it: one token per height."""
-    device, dtype = gate_up_proj.device, gate_up_proj.dtype
+    start-up rather than in the first step whose token count needs it: one token per height
+    (``dtype``: the activations')."""
+    device = gate_up_proj.scales.device if isinstance(gate_up_proj, ExpertCodes) else (
+        gate_up_proj.device
+    )  # fmt: skip
     x = torch.zeros(1, gate_up_proj.shape[2], dtype=dtype, device=device)
     topk_ids = torch.arange(top_k, device=device).unsqueeze(0) % gate_up_proj.shape[0]
     topk_weights = torch.full((1, top_k), 1 / top_k, dtype=dtype, device=device)
@@ -235,17 +306,15 @@ def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int) -> 
 
 def _fused_experts(
     x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+    gate_up_proj: Experts,
+    down_proj: Experts,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     block_m: int,
 ) -> torch.Tensor:
-    if gate_up_proj.dtype != x.dtype or down_proj.dtype != x.dtype:
-        raise ValueError(
-            f"dtype mismatch: x {x.dtype}, gate_up_proj {gate_up_proj.dtype}, "
-            f"down_proj {down_proj.dtype}"
-        )
+    stored = [w.dtype for w in (gate_up_proj, down_proj) if isinstance(w, torch.Tensor)]
+    if any(dtype != x.dtype for dtype in stored):
+        raise ValueError(f"dtype mismatch: x {x.dtype}, experts {stored}")
     num_tokens, hidden_size = x.shape
     num_experts, intermediate_size = gate_up_proj.shape[0], down_proj.shape[2]
     top_k = topk_ids.shape[1]

@@ -69,11 +69,6 @@ class StepInputs:
     drafts: dict[str, list[int]]  # req id -> those drafts (speculative decoding)
 
 
-def quantized_experts(model: nn.Module) -> bool:
-    """Whether any MoE layer keeps its experts quantized."""
-    return any(isinstance(m, FusedMoE) and m.quantization is not None for m in model.modules())
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -197,15 +192,10 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode_graphs(self) -> list[int]:
         """Capture the decode forward at each size of the ladder (after the KV cache exists);
-        returns the sizes, none where a layer's attention backend plans on the host, LoRA is on
-        (its token groups change with every step) or, on CUDA, quantized MoE experts run torch's
-        per-expert loop (it reads the routing on the host)."""
-        if (
-            self.lora_manager is not None
-            or not all(
-                layer.backend.supports_cuda_graphs for layer in get_attention_layers(self.model)
-            )
-            or (self.device.type == "cuda" and quantized_experts(self.model))
+        returns the sizes, none where a layer's attention backend plans on the host or LoRA is
+        on (its token groups change with every step)."""
+        if self.lora_manager is not None or not all(
+            layer.backend.supports_cuda_graphs for layer in get_attention_layers(self.model)
         ):
             return []
         self.decode_graphs = DecodeGraphs(self.model, graph_batch_sizes(self.max_num_seqs),

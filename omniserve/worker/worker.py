@@ -41,7 +41,7 @@ from omniserve.worker.memory import (
     gpu_kv_budget,
 )
 from omniserve.worker.model_loader import checkpoint_tensor_shapes, load_model_weights
-from omniserve.worker.model_runner import ModelRunner, quantized_experts
+from omniserve.worker.model_runner import ModelRunner
 from omniserve.worker.profiler import WorkerProfiler
 
 logger = logging.getLogger(__name__)
@@ -325,11 +325,8 @@ class Worker:
                 logger.info("Captured decode graphs for %d batch sizes (1 to %d) in %.1f s",
                             len(self.graph_sizes), self.graph_sizes[-1],
                             time.perf_counter() - start)  # fmt: skip
-            elif self.device.type == "cuda" and self.lora_manager is not None:
+            elif self.lora_manager is not None and self.device.type == "cuda":
                 logger.info("LoRA: decode steps run eagerly (no CUDA graphs).")
-            elif self.device.type == "cuda" and quantized_experts(self.model_runner.model):
-                logger.info("Quantized MoE experts: decode steps run eagerly (no CUDA graphs; "
-                            "torch dequantizes each selected expert per call).")  # fmt: skip
         if self.rank == 0:
             info = self.model_info()
             logger.info(
