@@ -37,7 +37,8 @@ def _warm_up_heights() -> list[int]:
     heights: list[int] = []
     moe._grouped_gemm_kernel.add_pre_run_hook(lambda *a, **kw: heights.append(kw["BLOCK_M"]))
     gen = torch.Generator().manual_seed(0)
-    moe.warm_up(torch.randn(4, 32, 16, generator=gen), torch.randn(4, 16, 16, generator=gen), 2)
+    gate_up, down = torch.randn(4, 32, 16, generator=gen), torch.randn(4, 16, 16, generator=gen)
+    moe.warm_up(gate_up, down, 2, torch.float32)
     return heights
 
 
