@@ -17,7 +17,8 @@ import torch
 
 from omniserve.cpu.build import KERNEL_DTYPES, inference_tensors, load_function, load_typed
 from omniserve.cpu.linear import decoded_kernels
-from omniserve.layers.fused_moe import FusedMoE, fused_experts, torch_fused_experts
+from omniserve.layers.fused_moe import ExpertCodes, FusedMoE, fused_experts, torch_fused_experts
+from omniserve.layers.quantized_loading import DequantizedExperts, expert_codes
 
 TOKENS_PER_CALL = 1024
 """Scratch per call is about tokens x top_k x (3 H + I) x 4 bytes: 100 MiB at H 2048, top-8."""
@@ -33,7 +34,6 @@ _WEIGHTS = (_PTR, _PTR, _PTR, _I64)  # codes, zero points, scales, group size
 _SIGNATURE = (_PTR, _I64, _I64, *_WEIGHTS, *_WEIGHTS, _I64, _I64, _PTR, _PTR, _I64, _PTR,
               ctypes.c_int)  # fmt: skip
 _STATUS = {-1: None, -2: "the CPU MoE kernel could not allocate its scratch buffers"}
-_PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
 def _format(layer: FusedMoE) -> str | None:
@@ -55,13 +55,18 @@ def _kernel(layer: FusedMoE, dtype: torch.dtype) -> object:
     return load_typed("moe.c", "omniserve_moe", dtype, _SIGNATURE, ctypes.c_int)
 
 
-def _group_sizes(layer: FusedMoE) -> tuple[int, int]:
-    """Input features per scale of gate/up and of down (0 for stored weights)."""
+def _weights(layer: FusedMoE) -> list[int | None]:
+    """The kernel's arguments for the gate/up and down projections: the weights' (or codes')
+    address, and the zero points', the scales' and the group size (None, None, 0 when stored)."""
     if layer.quantization is None:
-        return 0, 0
-    local = layer.intermediate_size_per_partition
-    gate_up_groups, down_groups = (getattr(layer, f"{n}_scales").shape[2] for n in _PROJECTIONS)
-    return layer.hidden_size // gate_up_groups, local // down_groups
+        return [layer.gate_up_proj.data_ptr(), None, None, 0,
+                layer.down_proj.data_ptr(), None, None, 0]  # fmt: skip
+    weights: list[int | None] = []
+    for codes in expert_codes(layer):
+        zeros = None if codes.zeros is None else codes.zeros.data_ptr()
+        group = codes.shape[2] // codes.scales.shape[2]
+        weights += [codes.codes.data_ptr(), zeros, codes.scales.data_ptr(), group]
+    return weights
 
 
 class CpuMoE:
@@ -72,35 +77,31 @@ class CpuMoE:
         self.layer = layer
         self.dtype = layer.gate_up_proj.dtype if dtype is None else dtype
         self.kernel = _kernel(layer, self.dtype)
-        self.weights: list[int | None] = []
-        for name, group in zip(_PROJECTIONS, _group_sizes(layer), strict=True):
-            self.weights += [getattr(layer, name).data_ptr(), *(
-                None if (t := getattr(layer, f"{name}_{part}", None)) is None else t.data_ptr()
-                for part in ("zeros", "scales")
-            ), group]  # fmt: skip
+        self.weights = _weights(layer)
         self.fallback = layer.kernel  # quantized experts' torch path, else None
         fmt = _format(layer)
         # prefill-sized batches: torch's per-expert products, quantized experts decoded in C
-        self.decoded = (
-            None
-            if fmt is None
-            else tuple(_DecodedMatrices(layer, name, fmt, self.dtype) for name in _PROJECTIONS)
-        )
+        self.decoded = None if fmt is None else tuple(
+            _DecodedExperts(codes, fmt, self.dtype) for codes in expert_codes(layer)
+        )  # fmt: skip
 
     @staticmethod
     def supports(layer: FusedMoE, dtype: torch.dtype | None = None) -> bool:
-        tensors = [getattr(layer, name) for name in _PROJECTIONS]
+        tensors = [layer.gate_up_proj, layer.down_proj]
+        groups = [32]
         if layer.quantization is not None:
             if dtype is None or None in decoded_kernels(_format(layer) or "", dtype):
                 return False
-            tensors += [getattr(layer, f"{name}_scales") for name in _PROJECTIONS]
+            codes = expert_codes(layer)
+            tensors += [c.scales for c in codes]
+            groups = [c.shape[2] // c.scales.shape[2] for c in codes]
         elif layer.gate_up_proj.dtype not in KERNEL_DTYPES:
             return False
         return (
             all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
             and layer.hidden_size % 32 == 0
             and layer.intermediate_size_per_partition % 32 == 0
-            and all(group % 32 == 0 for group in _group_sizes(layer))
+            and all(group % 32 == 0 for group in groups)
             and _kernel(layer, layer.gate_up_proj.dtype if dtype is None else dtype) is not None
         )
 
@@ -144,27 +145,22 @@ class CpuMoE:
         return self.fallback(x, topk_weights, topk_ids)
 
 
-class _DecodedMatrices:
-    """One projection of quantized experts, each expert's matrix decoded in C (``csrc/
-    linear_<fmt>.c``) to the activations' dtype when asked for."""
+class _DecodedExperts(DequantizedExperts):
+    """``DequantizedExperts`` decoded in C (``csrc/linear_<fmt>.c``) to the activations'
+    dtype."""
 
-    def __init__(self, layer: FusedMoE, name: str, fmt: str, dtype: torch.dtype) -> None:
-        self.codes = getattr(layer, name)
-        self.zeros = getattr(layer, f"{name}_zeros", None)
-        self.scales = getattr(layer, f"{name}_scales")
+    def __init__(self, codes: ExpertCodes, fmt: str, dtype: torch.dtype) -> None:
+        super().__init__(codes)
         self.dtype = dtype
         self.kernel = decoded_kernels(fmt, dtype)[1]
-        self.rows = self.codes.shape[1]
-        self.cols = self.codes.shape[2] * (1 if fmt == "fp8" else 2)
-
-    def __len__(self) -> int:
-        return self.codes.shape[0]
+        self.rows, self.cols = codes.shape[1:]
 
     def __getitem__(self, expert: int) -> torch.Tensor:
+        codes, scales, zeros = self.codes
         out = torch.empty(self.rows, self.cols, dtype=self.dtype)
-        zeros = None if self.zeros is None else self.zeros[expert].data_ptr()
         self.kernel(
-            self.codes[expert].data_ptr(), zeros, self.scales[expert].data_ptr(), self.rows,
-            self.cols, self.cols // self.scales.shape[2], out.data_ptr(), torch.get_num_threads(),
+            codes[expert].data_ptr(), None if zeros is None else zeros[expert].data_ptr(),
+            scales[expert].data_ptr(), self.rows, self.cols, self.cols // scales.shape[2],
+            out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out

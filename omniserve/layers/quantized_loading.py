@@ -211,6 +211,15 @@ def _expert_loader(layer: FusedMoE, name: str) -> Any:
     return load
 
 
+def expert_codes(layer: FusedMoE) -> tuple[ExpertCodes, ExpertCodes]:
+    """A quantized MoE layer's gate/up and down projections (``quantize_experts``' tensors)."""
+    return tuple(  # type: ignore[return-value]
+        ExpertCodes(getattr(layer, name), getattr(layer, f"{name}_scales"),
+                    getattr(layer, f"{name}_zeros", None))
+        for name in ("gate_up_proj", "down_proj")
+    )  # fmt: skip
+
+
 class QuantizedExpertsKernel:
     """``fused_experts`` on quantized experts, on any device: on CUDA the Triton grouped GEMMs
     decode the codes tile by tile (no host reads: CUDA graphs hold it), elsewhere torch
@@ -220,22 +229,15 @@ class QuantizedExpertsKernel:
         self.layer = layer
         self.dtype = dtype
 
-    def _codes(self) -> tuple[ExpertCodes, ExpertCodes]:
-        layer = self.layer
-        return tuple(  # type: ignore[return-value]
-            ExpertCodes(getattr(layer, name), getattr(layer, f"{name}_scales"),
-                        getattr(layer, f"{name}_zeros", None))
-            for name in ("gate_up_proj", "down_proj")
-        )  # fmt: skip
-
     def __call__(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
+        codes = expert_codes(self.layer)
         if x.is_cuda:
             from omniserve.layers.triton_fused_moe import triton_fused_experts
 
-            return triton_fused_experts(x, *self._codes(), topk_weights, topk_ids)
-        gate_up, down = (_ExpertMatrices(codes) for codes in self._codes())
+            return triton_fused_experts(x, *codes, topk_weights, topk_ids)
+        gate_up, down = (DequantizedExperts(c) for c in codes)
         return torch_fused_experts(x, gate_up, down, topk_weights, topk_ids)
 
     def warm_up(self) -> None:
@@ -243,11 +245,12 @@ class QuantizedExpertsKernel:
         if self.layer.gate_up_proj.is_cuda:
             from omniserve.layers.triton_fused_moe import warm_up
 
-            warm_up(*self._codes(), self.layer.top_k, self.dtype)
+            warm_up(*expert_codes(self.layer), self.layer.top_k, self.dtype)
 
 
-class _ExpertMatrices:
-    """One projection of quantized experts, indexed by expert as the stacked weight is (fp32)."""
+class DequantizedExperts:
+    """One projection of quantized experts, indexed by expert as a stacked weight is: each
+    expert's matrix dequantized (here by torch, in fp32) when asked for."""
 
     def __init__(self, codes: ExpertCodes) -> None:
         self.codes = codes
