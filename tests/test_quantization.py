@@ -298,8 +298,11 @@ def test_lora_adapters_apply_over_quantized_weights(text_case, tmp_path, method)
 
 
 @pytest.mark.slow
-def test_quantized_omni_thinker_with_image_and_audio_matches_transformers(tiny_checkpoint):
-    arch = "Qwen2_5OmniThinkerForConditionalGeneration"
+@pytest.mark.parametrize("arch", ["Qwen2_5OmniThinkerForConditionalGeneration",
+                                  "Qwen3OmniMoeThinkerForConditionalGeneration"])  # fmt: skip
+def test_quantized_omni_thinker_with_image_and_audio_matches_transformers(tiny_checkpoint, arch):
+    """Both omni thinkers in AWQ with an image and audio (Qwen3-Omni's experts kept 4-bit, as
+    the AWQ Qwen3-Omni-30B-A3B checkpoints store them)."""
     quantized, twin = build_quantized_checkpoint(tiny_checkpoint(arch), "awq", GROUP)
     processor = AutoProcessor.from_pretrained(twin)
     items, text = _media(["image", "audio"], 0), _text(processor, ["image", "audio"])
@@ -311,6 +314,9 @@ def test_quantized_omni_thinker_with_image_and_audio_matches_transformers(tiny_c
     tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
     logprobs = [torch.log_softmax(s[0].float(), -1) for s in out.logits][: len(tokens)]
     llm = LLM(str(quantized), dtype="float32")
+    if arch.startswith("Qwen3"):
+        info = llm.llm_engine.engine_core.call_utility("get_model_info")
+        assert info["layer_kernels"]["MoE: C 4-bit, float32 activations"] == 2
     outputs = llm.generate([_engine_prompt(text, items)], GREEDY, use_tqdm=False)
     assert_matches_reference(outputs, [ReferenceOutput(tokens, logprobs)])
 
