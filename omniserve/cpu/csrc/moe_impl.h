@@ -1,6 +1,6 @@
 /*
- * Body of one MoE kernel, included by moe.c once per element type and weight format with these
- * defined:
+ * Body of one MoE kernel, included once per element type and weight format (by moe_instances.h,
+ * and by moe.c for fp32 on bf16 experts) with these defined:
  *   T          the element type of x and out (float or bf16)
  *   TW         the element type of the weight rows the tiles read (T, or bf16 under float x:
  *              widened exactly)
@@ -9,12 +9,12 @@
  *   ROWS(m, e, row, count, K, N, scratch)  a pointer to `count` rows (K apart) of expert e's
  *              [N, K] matrix from `row` on, in TW: the stored rows themselves, or the rows
  *              decoded into `scratch` (NR x max(H, I) TW per thread) when DECODED is 1
+ *   LOADT(p)   16 T at p -> vec
  *   and when DECODED is 1, for up to DIRECT_ROWS tokens of an expert:
  *   CODE_BITS  bits per code
  *   DIRECT_STATE(m, i)  what decoding group i (of the whole stacked matrix) needs, as a vec
  *   DIRECT_DECODE32(c, state, w)  32 weights from codes c into w[2], rounded to T's precision
  *                                 (by ROUNDW, ROUNDV for values that are not NaN)
- *   LOADT(p)   16 T at p -> vec
  *   STOREV(p, v) vec -> 16 T at p (rounded)
  *   TO_T(f)    float -> T (rounded)
  *   ROUND(f), ROUNDV(v)  a float / vec rounded to T's precision (identity for float)
