@@ -10,14 +10,14 @@
  *              [N, K] matrix from `row` on, in TW: the stored rows themselves, or the rows
  *              decoded into `scratch` (NR x max(H, I) TW per thread) when DECODED is 1
  *   LOADT(p)   16 T at p -> vec
+ *   STOREV(p, v) vec -> 16 T at p (rounded)
+ *   TO_T(f)    float -> T (rounded)
+ *   ROUND(f), ROUNDV(v)  a float / vec rounded to T's precision (identity for float)
  *   and when DECODED is 1, for up to DIRECT_ROWS tokens of an expert:
  *   CODE_BITS  bits per code
  *   DIRECT_STATE(m, i)  what decoding group i (of the whole stacked matrix) needs, as a vec
  *   DIRECT_DECODE32(c, state, w)  32 weights from codes c into w[2], rounded to T's precision
  *                                 (by ROUNDW, ROUNDV for values that are not NaN)
- *   STOREV(p, v) vec -> 16 T at p (rounded)
- *   TO_T(f)    float -> T (rounded)
- *   ROUND(f), ROUNDV(v)  a float / vec rounded to T's precision (identity for float)
  *
  * Rounding follows transformers' expert loop op by op: the gate and up outputs, silu(gate), its
  * product with up, the down output and its weighted value are each rounded to T, and each
