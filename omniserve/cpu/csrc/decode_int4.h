@@ -95,6 +95,38 @@ static void int4_decode_f32(const uint8_t *codes, const uint8_t *zeros, const fl
     }
 }
 
+/* CHUNK weights (CHUNK / 2 bytes of codes) of a group whose 16 possible values are `values`, in
+ * the order the codes come in as dwords (vec.h's interleaved order, STRIDE 8): out[s] holds
+ * features 8 i + s. One 64-byte load serves all eight permutes, each reading its codes shifted
+ * by 4 s bits, with no widening. */
+static inline void int4_decode128(const uint8_t *c, vec values, vec out[8]) {
+#ifdef __AVX512F__
+    const __m512i b = _mm512_loadu_si512(c); /* dword i: features 8i to 8i + 7 */
+    for (int s = 0; s < 8; ++s) /* vpermps reads 4 bits */
+        out[s] = (vec)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4 * s), (__m512)values);
+#else
+    for (int i = 0; i < CHUNK / 8; ++i)
+        for (int s = 0; s < 8; ++s) out[s][i] = values[(c[(8 * i + s) / 2] >> (s % 2 * 4)) & 15];
+#endif
+}
+
+/* As int4_decode_f32, for groups of a multiple of CHUNK features, each chunk in
+ * int4_decode128's order (x reordered to match: the dot products do not depend on the order):
+ * decoding costs a quarter less. */
+static void int4_decode_interleaved_f32(const uint8_t *codes, const uint8_t *zeros,
+                                        const float *scales, int64_t count, int64_t group_size,
+                                        int64_t ahead, float *w) {
+    for (int64_t g = 0; g < count; ++g, codes += group_size / 2, w += group_size) {
+        const vec values = int4_values(zeros[g], scales[g]);
+        for (int64_t k = 0; k < group_size; k += CHUNK) {
+            prefetch_ahead(codes + k / 2, ahead);
+            vec out[8];
+            int4_decode128(codes + k / 2, values, out);
+            for (int s = 0; s < 8; ++s) store(w + k + LANES * s, out[s]);
+        }
+    }
+}
+
 static void int4_decode_bf16(const uint8_t *codes, const uint8_t *zeros, const float *scales,
                              int64_t count, int64_t group_size, int64_t ahead, bf16 *w) {
     vec offsets[16];

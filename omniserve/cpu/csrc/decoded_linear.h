@@ -25,24 +25,18 @@
 #include "gemm_nt.h"
 
 #define BLOCK 48  /* rows of w per work item (8 tiles) */
-#define CHUNK 128 /* features per interleaved chunk */
 #define SLICE 2048 /* most features per pass of the tiles (K 3,584 in one pass: 1.06x the time;
                     * in slices of 1,024: 1.27x) */
 
-/* M rows of x (ldx apart) into out ([M, K]) in linear_int4.c's interleaved order; called by every
+/* M rows of x (ldx apart) into out ([M, K]) in the interleaved order (vec.h); called by every
  * thread of a team, which share the rows. */
-#define DEFINE_INTERLEAVE(NAME, T, STRIDE)                                                        \
+#define DEFINE_INTERLEAVE(NAME, T, ROW)                                                           \
     static void NAME(const T *x, int64_t M, int64_t ldx, int64_t K, T *out) {                     \
-        _Pragma("omp for schedule(static)") for (int64_t m = 0; m < M; ++m) {                     \
-            const T *row = x + m * ldx;                                                           \
-            for (int64_t c = 0; c < K; c += CHUNK)                                                \
-                for (int s = 0; s < STRIDE; ++s)                                                  \
-                    for (int i = 0; i < CHUNK / STRIDE; ++i)                                      \
-                        out[m * K + c + s * (CHUNK / STRIDE) + i] = row[c + STRIDE * i + s];      \
-        }                                                                                         \
+        _Pragma("omp for schedule(static)") for (int64_t m = 0; m < M; ++m)                       \
+            ROW(x + m * ldx, K, out + m * K);                                                     \
     }
-DEFINE_INTERLEAVE(interleave_f32, float, 8)
-DEFINE_INTERLEAVE(interleave_bf16, bf16, 4)
+DEFINE_INTERLEAVE(interleave_f32, float, interleave_row_f32)
+DEFINE_INTERLEAVE(interleave_bf16, bf16, interleave_row_bf16)
 
 /* omniserve_linear_<FORMAT>_<SUFFIX> (returns 0, or -1 when it cannot allocate its scratch) and
  * omniserve_dequantize_<FORMAT>_<SUFFIX>, for codes of BITS bits decoded by DECODE (in order) and

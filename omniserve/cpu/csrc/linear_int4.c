@@ -14,36 +14,7 @@
 #include "decode_int4.h"
 #include "decoded_linear.h"
 
-/* As int4_decode_*, for groups of a multiple of CHUNK features, with each chunk's features in the
- * order its codes come in as words (bf16, STRIDE 4) or dwords (fp32, STRIDE 8): feature
- * STRIDE * i + s goes to s * (CHUNK / STRIDE) + i. Each permute then reads its codes straight
- * from one 64-byte load shifted by 4 s bits, with no widening. */
-static void decode_interleaved_f32(const uint8_t *codes, const uint8_t *zeros,
-                                   const float *scales, int64_t count, int64_t group_size,
-                                   int64_t ahead, float *w) {
-    vec offsets[16];
-    code_offsets(offsets);
-    for (int64_t g = 0; g < count; ++g, codes += group_size / 2, w += group_size) {
-        const vec values = offsets[zeros[g] & 15] * scales[g];
-        float *out = w;
-        for (const uint8_t *c = codes, *end = codes + group_size / 2; c < end; c += CHUNK / 2) {
-            prefetch_ahead(c, ahead);
-#ifdef __AVX512F__
-            const __m512i b = _mm512_loadu_si512(c); /* dword i: features 8i to 8i + 7 */
-            for (int s = 0; s < 8; ++s) {
-                const __m512i index = _mm512_srli_epi32(b, 4 * s); /* vpermps reads 4 bits */
-                _mm512_storeu_ps(out + LANES * s, _mm512_permutexvar_ps(index, (__m512)values));
-            }
-#else
-            for (int i = 0; i < CHUNK / 8; ++i)
-                for (int s = 0; s < 8; ++s)
-                    out[s * (CHUNK / 8) + i] = values[(c[(8 * i + s) / 2] >> (s % 2 * 4)) & 15];
-#endif
-            out += CHUNK;
-        }
-    }
-}
-
+/* As int4_decode_interleaved_f32 (decode_int4.h), in bf16: words, STRIDE 4. */
 static void decode_interleaved_bf16(const uint8_t *codes, const uint8_t *zeros,
                                     const float *scales, int64_t count, int64_t group_size,
                                     int64_t ahead, bf16 *w) {
@@ -80,6 +51,6 @@ static void decode_interleaved_bf16(const uint8_t *codes, const uint8_t *zeros,
 #define SAME(v) (v)
 #define WHOLE_CHUNKS(group_size) ((group_size) % CHUNK == 0)
 DEFINE_DECODED_LINEAR(int4, f32, float, gemm_block_f32, SAME, 4, int4_decode_f32,
-                      decode_interleaved_f32, WHOLE_CHUNKS)
+                      int4_decode_interleaved_f32, WHOLE_CHUNKS)
 DEFINE_DECODED_LINEAR(int4, bf16, bf16, gemm_block_bf16_f32, to_bf16, 4, int4_decode_bf16,
                       decode_interleaved_bf16, WHOLE_CHUNKS)

@@ -37,22 +37,25 @@ typedef struct {
 } moe_weights;
 
 /* moe_impl.h's ROWS for stored weights of type TW */
-#define STORED_ROWS(m, e, row, count, K, N, scratch) ((const TW *)(m).codes + ((e) * (N) + (row)) * (K))
+#define STORED_ROWS(m, e, row, count, K, N, interleaved, scratch)                                 \
+    ((const TW *)(m).codes + ((e) * (N) + (row)) * (K))
 
-/* moe_impl.h's ROWS for codes of BITS bits that DECODE turns into TW */
-#define DEFINE_DECODED_ROWS(NAME, TW, DECODE, BITS)                                               \
+/* moe_impl.h's ROWS for codes of BITS bits that DECODE turns into TW (DECODE_INTERLEAVED in
+ * vec.h's interleaved order) */
+#define DEFINE_DECODED_ROWS(NAME, TW, DECODE, DECODE_INTERLEAVED, BITS)                           \
     static inline const TW *NAME(moe_weights m, int64_t e, int64_t row, int64_t count, int64_t K, \
-                                 int64_t N, TW *scratch) {                                        \
+                                 int64_t N, int interleaved, TW *scratch) {                       \
         const int64_t groups = K / m.group_size, first = e * N + row;                             \
-        DECODE((const uint8_t *)m.codes + first * K * BITS / 8,                                   \
-               m.zeros ? m.zeros + first * groups : NULL, m.scales + first * groups,              \
-               count * groups, m.group_size, NR * K * BITS / 8, scratch);                         \
+        (interleaved ? DECODE_INTERLEAVED : DECODE)(                                              \
+            (const uint8_t *)m.codes + first * K * BITS / 8,                                      \
+            m.zeros ? m.zeros + first * groups : NULL, m.scales + first * groups, count * groups,  \
+            m.group_size, NR * K * BITS / 8, scratch);                                            \
         return scratch;                                                                           \
     }
-DEFINE_DECODED_ROWS(int4_rows_f32, float, int4_decode_f32, 4)
-DEFINE_DECODED_ROWS(int4_rows_bf16, bf16, int4_decode_bf16, 4)
-DEFINE_DECODED_ROWS(fp8_rows_f32, float, fp8_decode_f32, 8)
-DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
+DEFINE_DECODED_ROWS(int4_rows_f32, float, int4_decode_f32, int4_decode_interleaved_f32, 4)
+DEFINE_DECODED_ROWS(int4_rows_bf16, bf16, int4_decode_bf16, int4_decode_bf16, 4)
+DEFINE_DECODED_ROWS(fp8_rows_f32, float, fp8_decode_f32, fp8_decode_f32, 8)
+DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, fp8_decode_bf16, 8)
 
 #define MOE_PASTE(a, b) a##b
 #define MOE_NAME(a, b) MOE_PASTE(a, b) /* expands a and b first */
@@ -72,14 +75,19 @@ DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 #define ROUND(f) (f)
 #define ROUNDV(v) (v)
 #define ROUNDW(v) (v)
+#define INT4_INTERLEAVABLE 1 /* fp32: 4-bit codes decode in vec.h's interleaved order */
+#define INTERLEAVE_ROW interleave_row_f32
+#define INTERLEAVED_POSITION interleaved_f32_position
 #include "moe_instances.h"
 /* fp32 activations on bf16 experts (a bf16 checkpoint computed in fp32) */
 #define TW bf16
 #define FN(name) name##_f32_bf16w
 #define TILE_ROWS tile_rows_f32_bf16w
 #define DECODED 0
+#define INTERLEAVABLE 0
 #define ROWS STORED_ROWS
 #include "moe_impl.h"
+#undef INTERLEAVABLE
 #undef TW
 #undef FN
 #undef TILE_ROWS
@@ -93,6 +101,9 @@ DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 #undef ROUND
 #undef ROUNDV
 #undef ROUNDW
+#undef INT4_INTERLEAVABLE
+#undef INTERLEAVE_ROW
+#undef INTERLEAVED_POSITION
 
 #define T bf16
 #define SFX bf16
@@ -102,4 +113,7 @@ DEFINE_DECODED_ROWS(fp8_rows_bf16, bf16, fp8_decode_bf16, 8)
 #define ROUND(f) from_bf16(to_bf16(f))
 #define ROUNDV(v) ((vec)(__builtin_convertvector(round_bf16(v), uvec) << 16))
 #define ROUNDW(v) round_bf16_in_place(v)
+#define INT4_INTERLEAVABLE 0 /* (bf16's interleaved scratch would take another order) */
+#define INTERLEAVE_ROW interleave_row_bf16 /* (never called) */
+#define INTERLEAVED_POSITION interleaved_f32_position /* (never called) */
 #include "moe_instances.h"

@@ -6,9 +6,13 @@
  *              widened exactly)
  *   FN(name)   the exported name for this instance
  *   TILE_ROWS  the gemm_nt.h tile for T rows on TW weights
- *   ROWS(m, e, row, count, K, N, scratch)  a pointer to `count` rows (K apart) of expert e's
- *              [N, K] matrix from `row` on, in TW: the stored rows themselves, or the rows
- *              decoded into `scratch` (NR x max(H, I) TW per thread) when DECODED is 1
+ *   ROWS(m, e, row, count, K, N, interleaved, scratch)  a pointer to `count` rows (K apart) of
+ *              expert e's [N, K] matrix from `row` on, in TW: the stored rows themselves, or the
+ *              rows decoded into `scratch` (NR x max(H, I) TW per thread) when DECODED is 1, in
+ *              vec.h's interleaved order when `interleaved`
+ *   INTERLEAVABLE  1 where 4-bit codes may decode in vec.h's interleaved order (groups, H and I
+ *              whole CHUNKs): x's rows, and the activations between the projections, are then
+ *              kept in that order (INTERLEAVE_ROW, INTERLEAVED_POSITION) and decoding costs less
  *   LOADT(p)   16 T at p -> vec
  *   STOREV(p, v) vec -> 16 T at p (rounded)
  *   TO_T(f)    float -> T (rounded)
@@ -34,7 +38,7 @@
 #define DEFINE_DIRECT_DOTS(NAME, MM)                                                             \
     static inline __attribute__((always_inline)) void NAME(                                      \
         const T *x, int64_t ldx, moe_weights m, int64_t e, int64_t N, const int64_t rows[4],     \
-        int64_t K, int64_t ahead, float out[2][4]) {                                             \
+        int64_t K, int interleaved, int64_t ahead, float out[2][4]) {                            \
         const int64_t groups = K / m.group_size, row_bytes = K * CODE_BITS / 8;                 \
         vec acc[MM][4][2];                                                                       \
         for (int i = 0; i < MM; ++i)                                                             \
@@ -47,7 +51,19 @@
                 state[r] = DIRECT_STATE(m, row * groups + g);                                    \
                 c[r] = (const uint8_t *)m.codes + row * row_bytes + g * m.group_size * CODE_BITS / 8; \
             }                                                                                    \
-            for (int64_t k = 0; k < m.group_size; k += 2 * LANES) {                              \
+            for (int64_t k = 0; INTERLEAVABLE && interleaved && k < m.group_size; k += CHUNK) {  \
+                const T *xk = x + g * m.group_size + k;                                          \
+                for (int r = 0; r < 4; ++r) {                                                    \
+                    if (k / 2 % 64 == 0) prefetch_ahead(c[r] + k / 2, ahead);                    \
+                    vec w[8];                                                                    \
+                    int4_decode128(c[r] + k / 2, state[r], w);                                   \
+                    for (int i = 0; i < MM; ++i)                                                 \
+                        for (int s = 0; s < 8; ++s)                                              \
+                            acc[i][r][s & 1] += LOADT(xk + i * ldx + LANES * s) * w[s];          \
+                }                                                                                \
+            }                                                                                    \
+            for (int64_t k = 0; !(INTERLEAVABLE && interleaved) && k < m.group_size;             \
+                 k += 2 * LANES) {                                                               \
                 const T *xk = x + g * m.group_size + k;                                          \
                 for (int r = 0; r < 4; ++r) {                                                    \
                     const uint8_t *ck = c[r] + k * CODE_BITS / 8;                                \
@@ -70,14 +86,17 @@ DEFINE_DIRECT_DOTS(FN(direct_dots_2), 2)
 
 /* direct_dots for 1 or 2 rows of x */
 static inline void FN(direct_dots)(const T *x, int64_t ldx, int mr, moe_weights m, int64_t e,
-                                   int64_t N, const int64_t rows[4], int64_t K, int64_t ahead,
-                                   float out[2][4]) {
+                                   int64_t N, const int64_t rows[4], int64_t K, int interleaved,
+                                   int64_t ahead, float out[2][4]) {
     if (mr == 1)
-        FN(direct_dots_1)(x, ldx, m, e, N, rows, K, ahead, out);
+        FN(direct_dots_1)(x, ldx, m, e, N, rows, K, interleaved, ahead, out);
     else
-        FN(direct_dots_2)(x, ldx, m, e, N, rows, K, ahead, out);
+        FN(direct_dots_2)(x, ldx, m, e, N, rows, K, interleaved, ahead, out);
 }
 #endif
+
+/* where feature f of an activation row is kept */
+#define FEATURE(f) (interleaved ? INTERLEAVED_POSITION(f) : (f))
 
 /* out[t] = sum over t's experts e, in increasing e, of weight * down_e(silu(gate_e x) * up_e x).
  * x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I] (moe.c's moe_weights:
@@ -101,6 +120,8 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const void *gat
     T *act = malloc(sizeof *act * (size_t)pairs * (size_t)I);    /* silu(gate) * up */
     float *ys = malloc(sizeof *ys * (size_t)pairs * (size_t)H);  /* expert outputs */
     int status = 0;
+    const int interleaved = INTERLEAVABLE && gate_up.group_size % CHUNK == 0 &&
+                            down.group_size % CHUNK == 0 && H % CHUNK == 0 && I % CHUNK == 0;
     if (!start || !fill || !slot_of || !xs || !act || !ys) {
         status = -2;
         goto done;
@@ -124,7 +145,10 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const void *gat
         }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; ++p)
-            memcpy(xs + slot_of[p] * H, x + (p / top_k) * H, sizeof *xs * (size_t)H);
+            if (interleaved)
+                INTERLEAVE_ROW(x + (p / top_k) * H, H, xs + slot_of[p] * H);
+            else
+                memcpy(xs + slot_of[p] * H, x + (p / top_k) * H, sizeof *xs * (size_t)H);
         /* gate/up: each tile takes NR / 2 gate rows and the matching up rows (read or decoded
          * once for all of the expert's tokens), so silu(g) * u is formed from the tile's sums */
 #pragma omp for schedule(dynamic)
@@ -141,11 +165,12 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const void *gat
                     const int64_t rows[4] = {j, j + n - 1, I + j, I + j + n - 1};
                     float y[2][4];
                     FN(direct_dots)(xs + start[e] * H, H, mr, gate_up, e, 2 * I, rows, H,
-                                    2 * H * CODE_BITS / 8, y);
+                                    interleaved, 2 * H * CODE_BITS / 8, y);
                     for (int m = 0; m < mr; ++m)
                         for (int c = 0; c < n; ++c) {
                             const float g = ROUND(y[m][c]), u = ROUND(y[m][2 + c]);
-                            act[(start[e] + m) * I + j + c] = TO_T(ROUND(g / (1.0f + expf(-g))) * u);
+                            act[(start[e] + m) * I + FEATURE(j + c)] =
+                                TO_T(ROUND(g / (1.0f + expf(-g))) * u);
                         }
                 }
                 continue;
@@ -153,8 +178,9 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const void *gat
 #endif
             for (int64_t j = j0; j < j1; j += NR / 2) {
                 const int64_t n = j1 - j < NR / 2 ? j1 - j : NR / 2;
-                const TW *gate = ROWS(gate_up, e, j, n, H, 2 * I, scratch);
-                const TW *up = ROWS(gate_up, e, I + j, n, H, 2 * I, scratch + NR / 2 * H);
+                const TW *gate = ROWS(gate_up, e, j, n, H, 2 * I, interleaved, scratch);
+                const TW *up =
+                    ROWS(gate_up, e, I + j, n, H, 2 * I, interleaved, scratch + NR / 2 * H);
                 const TW *w[NR];
                 for (int c = 0; c < NR / 2; ++c) { /* a short tail repeats its last row */
                     const int64_t row = c < n ? c : n - 1;
@@ -168,7 +194,8 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const void *gat
                     for (int m = 0; m < mr; ++m)
                         for (int c = 0; c < n; ++c) {
                             const float g = ROUND(y[m][c]), u = ROUND(y[m][c + NR / 2]);
-                            act[(r + m) * I + j + c] = TO_T(ROUND(g / (1.0f + expf(-g))) * u);
+                            act[(r + m) * I + FEATURE(j + c)] =
+                                TO_T(ROUND(g / (1.0f + expf(-g))) * u);
                         }
                 }
             }
@@ -189,7 +216,7 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const void *gat
                     for (int c = 0; c < 4; ++c) rows[c] = h + (c < n ? c : n - 1);
                     float y[2][4];
                     FN(direct_dots)(act + start[e] * I, I, mr, down, e, H, rows, I,
-                                    4 * I * CODE_BITS / 8, y);
+                                    interleaved, 4 * I * CODE_BITS / 8, y);
                     for (int m = 0; m < mr; ++m)
                         for (int c = 0; c < n; ++c) ys[(start[e] + m) * H + h + c] = ROUND(y[m][c]);
                 }
@@ -198,7 +225,7 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const void *gat
 #endif
             for (int64_t h = h0; h < h1; h += NR) {
                 const int64_t n = h1 - h < NR ? h1 - h : NR;
-                const TW *rows = ROWS(down, e, h, n, I, H, scratch);
+                const TW *rows = ROWS(down, e, h, n, I, H, interleaved, scratch);
                 const TW *w[NR];
                 for (int c = 0; c < NR; ++c) w[c] = rows + (c < n ? c : n - 1) * I;
                 for (int64_t r = start[e]; r < start[e + 1]; r += MR) {
@@ -240,3 +267,4 @@ done:
     free(ys);
     return status;
 }
+#undef FEATURE

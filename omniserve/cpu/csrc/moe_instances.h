@@ -7,14 +7,17 @@
 #define TILE_ROWS MOE_NAME(tile_rows_, SFX)
 
 #define DECODED 0
+#define INTERLEAVABLE 0
 #define ROWS STORED_ROWS
 #define FN(name) MOE_NAME(name, MOE_NAME(_, SFX))
 #include "moe_impl.h"
 #undef FN
 #undef ROWS
 #undef DECODED
+#undef INTERLEAVABLE
 
 #define DECODED 1
+#define INTERLEAVABLE INT4_INTERLEAVABLE
 #define CODE_BITS 4
 #define DIRECT_STATE INT4_STATE
 #define DIRECT_DECODE32 INT4_DECODE32
@@ -26,7 +29,9 @@
 #undef CODE_BITS
 #undef DIRECT_STATE
 #undef DIRECT_DECODE32
+#undef INTERLEAVABLE
 
+#define INTERLEAVABLE 0
 #define CODE_BITS 8
 #define DIRECT_STATE FP8_STATE
 #define DIRECT_DECODE32 FP8_DECODE32
@@ -38,6 +43,7 @@
 #undef CODE_BITS
 #undef DIRECT_STATE
 #undef DIRECT_DECODE32
+#undef INTERLEAVABLE
 #undef DECODED
 
 #undef TW

@@ -104,6 +104,25 @@ static inline vec vexp(vec x) {
     return p * (vec)bits;
 }
 
+#define CHUNK 128 /* features per interleaved chunk (decode_int4.h's order) */
+
+/* One row of K features into `out` in decode_int4.h's interleaved order for STRIDE-lane words:
+ * in each CHUNK, feature STRIDE * i + s goes to s * (CHUNK / STRIDE) + i. */
+#define DEFINE_INTERLEAVE_ROW(NAME, T, STRIDE)                                                    \
+    static inline void NAME(const T *row, int64_t K, T *out) {                                    \
+        for (int64_t c = 0; c < K; c += CHUNK)                                                    \
+            for (int s = 0; s < STRIDE; ++s)                                                      \
+                for (int i = 0; i < CHUNK / STRIDE; ++i)                                          \
+                    out[c + s * (CHUNK / STRIDE) + i] = row[c + STRIDE * i + s];                  \
+    }
+DEFINE_INTERLEAVE_ROW(interleave_row_f32, float, 8)
+DEFINE_INTERLEAVE_ROW(interleave_row_bf16, bf16, 4)
+
+/* Where feature f of a row goes in interleave_row_f32's order. */
+static inline int64_t interleaved_f32_position(int64_t f) {
+    return f - f % CHUNK + f % 8 * (CHUNK / 8) + f % CHUNK / 8;
+}
+
 /* Ask for the codes a tile's rows ahead (ahead bytes: the same place in the next NR rows, which
  * the thread decodes next), into L2: with the hardware prefetchers alone (they stop at page
  * bounds) a decode step took 1.3x as long (measured on a 2-core Xeon). */
