@@ -19,14 +19,7 @@
 #include <immintrin.h>
 #endif
 
-/* (code - zero) for each code (lanes) and zero point (index): a group's 16 weights in fp32 are
- * one product with its scale away, rounded as (code - zero) * scale is. */
-static inline void code_offsets(vec offsets[16]) {
-    const vec codes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    for (int z = 0; z < 16; ++z) offsets[z] = codes - (float)z;
-}
-
-/* A group's 16 possible weights (code_offsets' row for its zero point, times its scale). */
+/* A group's 16 possible weights, (code - zero) * scale for each code (lanes), in fp32. */
 static inline vec int4_values(uint8_t zero, float scale) {
     const vec codes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     return (codes - (float)(zero & 15)) * scale;
@@ -84,10 +77,8 @@ static inline __m512i bf16_table(vec values, int normal) {
  * scales are. */
 static void int4_decode_f32(const uint8_t *codes, const uint8_t *zeros, const float *scales,
                             int64_t count, int64_t group_size, int64_t ahead, float *w) {
-    vec offsets[16];
-    code_offsets(offsets);
     for (int64_t g = 0; g < count; ++g, codes += group_size / 2, w += group_size) {
-        const vec values = offsets[zeros[g] & 15] * scales[g];
+        const vec values = int4_values(zeros[g], scales[g]);
         for (int64_t i = 0; i < group_size / 2; i += LANES / 2) {
             prefetch_ahead(codes + i, ahead);
             store(w + 2 * i, int4_decode16(codes + i, values));
@@ -129,11 +120,9 @@ static void int4_decode_interleaved_f32(const uint8_t *codes, const uint8_t *zer
 
 static void int4_decode_bf16(const uint8_t *codes, const uint8_t *zeros, const float *scales,
                              int64_t count, int64_t group_size, int64_t ahead, bf16 *w) {
-    vec offsets[16];
-    code_offsets(offsets);
     const int normal = normal_scales(scales, count);
     for (int64_t g = 0; g < count; ++g, codes += group_size / 2, w += group_size) {
-        const vec values = offsets[zeros[g] & 15] * scales[g];
+        const vec values = int4_values(zeros[g], scales[g]);
 #ifdef __AVX512BW__
         const __m512i table = bf16_table(values, normal);
         bf16 *out = w;

@@ -18,11 +18,9 @@
 static void decode_interleaved_bf16(const uint8_t *codes, const uint8_t *zeros,
                                     const float *scales, int64_t count, int64_t group_size,
                                     int64_t ahead, bf16 *w) {
-    vec offsets[16];
-    code_offsets(offsets);
     const int normal = normal_scales(scales, count);
     for (int64_t g = 0; g < count; ++g, codes += group_size / 2, w += group_size) {
-        const vec values = offsets[zeros[g] & 15] * scales[g];
+        const vec values = int4_values(zeros[g], scales[g]);
 #ifdef __AVX512BW__
         const __m512i table = bf16_table(values, normal);
 #else
