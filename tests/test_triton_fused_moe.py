@@ -14,7 +14,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 pytest.importorskip("triton")  # a dependency only on Linux x86_64 (pyproject.toml)
 
 from omniserve.layers import fused_moe, triton_fused_moe
-from omniserve.layers.fused_moe import ExpertCodes, FusedMoE, select_experts, torch_fused_experts
+from omniserve.layers.fused_moe import FusedMoE, select_experts, torch_fused_experts
+from omniserve.layers.quantized_loading import expert_codes
 from omniserve.layers.triton_fused_moe import align_pairs_by_expert, triton_fused_experts
 from tests.test_quantized_experts import CONFIGS, load_experts, quantized_experts
 
@@ -165,9 +166,7 @@ def test_interpreted_kernel_decodes_quantized_experts(
     config = CONFIGS[fmt]
     matrices, gate_up, down = quantized_experts(config, experts=4, hidden=64, inter=64)
     layer = load_experts(FusedMoE(4, 2, 64, 64), config, matrices)
-    codes = [ExpertCodes(getattr(layer, name).detach(), getattr(layer, f"{name}_scales"),
-                         getattr(layer, f"{name}_zeros", None))
-             for name in ("gate_up_proj", "down_proj")]  # fmt: skip
+    codes = expert_codes(layer)
     x = torch.randn(9, 64, generator=GEN).to(dtype)
     topk_weights, topk_ids = skewed_routing(9, 4, 2, dtype)
     out = interpreted(x, *codes, topk_weights, topk_ids)

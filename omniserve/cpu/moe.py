@@ -17,7 +17,8 @@ import torch
 
 from omniserve.cpu.build import KERNEL_DTYPES, inference_tensors, load_function, load_typed
 from omniserve.cpu.linear import decoded_kernels
-from omniserve.layers.fused_moe import ExpertCodes, FusedMoE, fused_experts, torch_fused_experts
+from omniserve.layers.fused_moe import FusedMoE, fused_experts, torch_fused_experts
+from omniserve.layers.quantization import QuantizedMatrix
 from omniserve.layers.quantized_loading import DequantizedExperts, expert_codes
 
 TOKENS_PER_CALL = 1024
@@ -149,18 +150,18 @@ class _DecodedExperts(DequantizedExperts):
     """``DequantizedExperts`` decoded in C (``csrc/linear_<fmt>.c``) to the activations'
     dtype."""
 
-    def __init__(self, codes: ExpertCodes, fmt: str, dtype: torch.dtype) -> None:
-        super().__init__(codes)
+    def __init__(self, stack: QuantizedMatrix, fmt: str, dtype: torch.dtype) -> None:
+        super().__init__(stack)
         self.dtype = dtype
         self.kernel = decoded_kernels(fmt, dtype)[1]
-        self.rows, self.cols = codes.shape[1:]
 
     def __getitem__(self, expert: int) -> torch.Tensor:
-        codes, scales, zeros = self.codes
-        out = torch.empty(self.rows, self.cols, dtype=self.dtype)
+        matrix = self.stack[expert]
+        rows, cols = matrix.shape
+        out = torch.empty(rows, cols, dtype=self.dtype)
         self.kernel(
-            codes[expert].data_ptr(), None if zeros is None else zeros[expert].data_ptr(),
-            scales[expert].data_ptr(), self.rows, self.cols, self.cols // scales.shape[2],
+            matrix.codes.data_ptr(), None if matrix.zeros is None else matrix.zeros.data_ptr(),
+            matrix.scales.data_ptr(), rows, cols, cols // matrix.scales.shape[1],
             out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out

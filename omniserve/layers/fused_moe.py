@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol, TypeAlias
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,30 +35,6 @@ from omniserve.layers.weight_utils import (
 
 if TYPE_CHECKING:
     from omniserve.config import QuantizationConfig
-
-
-class ExpertCodes(NamedTuple):
-    """One projection of quantized experts: ``codes`` uint8 ``[E, N, K / 2]`` (4-bit, two
-    features a byte, the even one low) or e4m3 ``[E, N, K]``; fp32 ``scales`` and (4-bit) uint8
-    ``zeros`` ``[E, N, K / group]``."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None
-
-    @property
-    def bits(self) -> int:
-        return 8 if self.codes.dtype == torch.float8_e4m3fn else 4
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """``[E, N, K]`` of the weights the codes stand for."""
-        experts, rows, width = self.codes.shape
-        return experts, rows, width * 8 // self.bits
-
-
-Experts: TypeAlias = torch.Tensor | ExpertCodes
-"""A projection of every expert: stacked weights, or their codes."""
 
 
 def select_experts(

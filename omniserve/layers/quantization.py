@@ -204,28 +204,35 @@ def dequantize_fp8(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 
 @dataclass
 class QuantizedMatrix:
-    """One quantized ``[N, K]`` matrix in the layout of the module docstring (what
-    ``quantized_loading.dequantize_at_load`` yields to the quantized experts)."""
+    """A quantized ``[N, K]`` matrix in the layout of the module docstring (what
+    ``quantized_loading.dequantize_at_load`` yields to the quantized experts), or a stack of them
+    ``[E, N, K]`` (a MoE layer's projection, as its quantized experts keep it)."""
 
     codes: torch.Tensor
-    """4-bit codes, uint8 ``[N, K / 2]``; or the e4m3 weight ``[N, K]``."""
+    """4-bit codes, uint8 ``[..., N, K / 2]``; or the e4m3 weight ``[..., N, K]``."""
     zeros: torch.Tensor | None
-    """4-bit zero points, uint8 ``[N, groups]``."""
+    """4-bit zero points, uint8 ``[..., N, groups]``."""
     scales: torch.Tensor
-    """fp32 ``[N, groups]``."""
+    """fp32 ``[..., N, groups]``."""
     g_idx: torch.Tensor | None = None
 
     @property
-    def fp8(self) -> bool:
-        return self.codes.dtype == torch.float8_e4m3fn
+    def bits(self) -> int:
+        return 8 if self.codes.dtype == torch.float8_e4m3fn else 4
 
     @property
     def shape(self) -> torch.Size:
-        rows, cols = self.codes.shape
-        return torch.Size((rows, cols if self.fp8 else 2 * cols))
+        """The shape of the weights the codes stand for."""
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * 8 // self.bits))
+
+    def __getitem__(self, index: int) -> QuantizedMatrix:
+        """Matrix ``index`` of a stack."""
+        zeros = None if self.zeros is None else self.zeros[index]
+        return QuantizedMatrix(self.codes[index], zeros, self.scales[index])
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.fp8:
+        """The ``[N, K]`` weight in ``dtype``."""
+        if self.bits == 8:
             return dequantize_fp8(self.codes, self.scales, dtype)
         assert self.zeros is not None
         return dequantize(self.codes, self.zeros, self.scales, dtype, self.g_idx)
@@ -240,11 +247,12 @@ class DequantizeLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         layer = self.layer
         if layer.quantization is not None and layer.quantization.method == "fp8":
-            scales = getattr(layer, layer.quantization.scale_name)
-            weight = dequantize_fp8(layer.weight, scales, x.dtype)
+            matrix = QuantizedMatrix(
+                layer.weight, None, getattr(layer, layer.quantization.scale_name)
+            )
         else:
-            weight = dequantize(layer.qweight, layer.qzeros, layer.scales, x.dtype)
-        return F.linear(x, weight, bias)
+            matrix = QuantizedMatrix(layer.qweight, layer.qzeros, layer.scales)
+        return F.linear(x, matrix.dequantize(x.dtype), bias)
 
 
 def quantize_linear(layer: LinearBase, config: QuantizationConfig) -> None:

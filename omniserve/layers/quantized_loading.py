@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from omniserve.config import QuantizationConfig
-from omniserve.layers.fused_moe import ExpertCodes, FusedMoE, torch_fused_experts
+from omniserve.layers.fused_moe import FusedMoE, torch_fused_experts
 from omniserve.layers.linear import LinearBase
 from omniserve.layers.quantization import (
     QUANTIZED_SUFFIXES,
@@ -211,11 +211,12 @@ def _expert_loader(layer: FusedMoE, name: str) -> Any:
     return load
 
 
-def expert_codes(layer: FusedMoE) -> tuple[ExpertCodes, ExpertCodes]:
-    """A quantized MoE layer's gate/up and down projections (``quantize_experts``' tensors)."""
+def expert_codes(layer: FusedMoE) -> tuple[QuantizedMatrix, QuantizedMatrix]:
+    """A quantized MoE layer's gate/up and down projections, stacked (``quantize_experts``'
+    tensors)."""
     return tuple(  # type: ignore[return-value]
-        ExpertCodes(getattr(layer, name), getattr(layer, f"{name}_scales"),
-                    getattr(layer, f"{name}_zeros", None))
+        QuantizedMatrix(getattr(layer, name), getattr(layer, f"{name}_zeros", None),
+                        getattr(layer, f"{name}_scales"))
         for name in ("gate_up_proj", "down_proj")
     )  # fmt: skip
 
@@ -252,17 +253,14 @@ class DequantizedExperts:
     """One projection of quantized experts, indexed by expert as a stacked weight is: each
     expert's matrix dequantized (here by torch, in fp32) when asked for."""
 
-    def __init__(self, codes: ExpertCodes) -> None:
-        self.codes = codes
+    def __init__(self, stack: QuantizedMatrix) -> None:
+        self.stack = stack
 
     def __len__(self) -> int:
-        return self.codes.codes.shape[0]
+        return self.stack.codes.shape[0]
 
     def __getitem__(self, expert: int) -> torch.Tensor:
-        codes, scales, zeros = self.codes
-        matrix = QuantizedMatrix(codes[expert], None if zeros is None else zeros[expert],
-                                 scales[expert])  # fmt: skip
-        return matrix.dequantize(torch.float32)
+        return self.stack[expert].dequantize(torch.float32)
 
 
 def dequantize_at_load(

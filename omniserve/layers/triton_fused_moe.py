@@ -16,7 +16,7 @@ few sync-free torch ops:
 4. A sum over ``top_k`` folds pairs back to tokens (deterministic, unlike atomic adds).
 
 Inputs may be fp32, bf16 or fp16; dot products accumulate in fp32, and fp32 inputs use IEEE
-(not TF32) dots so results match torch's default matmul. Quantized experts (``ExpertCodes``: the
+(not TF32) dots so results match torch's default matmul. Quantized experts (a stacked
 4-bit or FP8 layout ``quantized_loading.quantize_experts`` keeps) are decoded tile by tile in the
 kernel, each weight ``(code - zero) * scale`` or ``e4m3 * scale`` in fp32 rounded once to the
 activations' dtype, as the torch reference dequantizes them.
@@ -24,14 +24,17 @@ activations' dtype, as the torch reference dequantizes them.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import torch
 import triton
 import triton.language as tl
 
-from omniserve.layers.fused_moe import ExpertCodes, Experts
+from omniserve.layers.quantization import QuantizedMatrix
 from omniserve.triton_utils import INTERPRETED, dot
+
+Experts: TypeAlias = torch.Tensor | QuantizedMatrix
+"""A projection of every expert: stacked weights, or their codes."""
 
 
 class ExpertAlignment(NamedTuple):
@@ -232,7 +235,7 @@ def _grouped_gemm(
     block_n = _block_size(n, 64)
     block_k = _block_size(k, 64 if a.element_size() <= 2 else 32)
     grid = (alignment.block_expert_ids.numel(), triton.cdiv(n, block_n))
-    if isinstance(weight, ExpertCodes):
+    if isinstance(weight, QuantizedMatrix):
         codes, scales, bits = weight.codes.view(torch.uint8), weight.scales, weight.bits
         zeros = scales if weight.zeros is None else weight.zeros  # (FP8: never read)
         group_size = k // scales.shape[2]
@@ -294,7 +297,7 @@ def warm_up(gate_up_proj: Experts, down_proj: Experts, top_k: int, dtype: torch.
     """Compile the kernel for every block height ``_block_m`` can pick, about a second each, at
     start-up rather than in the first step whose token count needs it: one token per height
     (``dtype``: the activations')."""
-    device = gate_up_proj.scales.device if isinstance(gate_up_proj, ExpertCodes) else (
+    device = gate_up_proj.scales.device if isinstance(gate_up_proj, QuantizedMatrix) else (
         gate_up_proj.device
     )  # fmt: skip
     x = torch.zeros(1, gate_up_proj.shape[2], dtype=dtype, device=device)
