@@ -19,7 +19,14 @@ import argparse
 import functools
 
 import torch
-from bench_quantized_linear import SHAPES, SMALL_K, Kernel, add_timing_args, median_ms
+from bench_quantized_linear import (
+    SHAPES,
+    SMALL_K,
+    Kernel,
+    add_timing_args,
+    median_ms,
+    parse_timing_args,
+)
 
 from omniserve.cpu.linear import OneDnnLinear, WidenedLinear
 
@@ -61,10 +68,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+",
                         default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024])  # fmt: skip
     add_timing_args(parser)
-    args = parser.parse_args()
+    args = parse_timing_args(parser)
     if not WidenedLinear.available():
         raise SystemExit("WidenedLinear needs AVX-512 and a C compiler, which this machine lacks.")
-    torch.set_num_threads(args.threads)
     print(f"fp32 activations (bf16 for bf16 oneDNN), {args.threads} threads; "
           f"median of {args.repeats} calls (ms)")  # fmt: skip
     with torch.inference_mode():

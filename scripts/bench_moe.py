@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Callable
 
 import torch
-from bench_quantized_linear import add_timing_args, median_ms
+from bench_quantized_linear import add_timing_args, median_ms, parse_timing_args
 
 from omniserve.checkpoint_builder.quantized import quantized_matrix
 from omniserve.config import QuantizationConfig
@@ -83,12 +83,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
     parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
-                        help="the activations' dtype")  # fmt: skip
-    add_timing_args(parser)
-    args = parser.parse_args()
-    args.dtype = getattr(torch, args.dtype)
-    torch.set_num_threads(args.threads)
+    add_timing_args(parser, dtype="float32")
+    args = parse_timing_args(parser)
     with torch.inference_mode():
         built = layers(args)
         names = list(built)

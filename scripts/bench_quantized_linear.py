@@ -143,11 +143,24 @@ def run(args: argparse.Namespace) -> None:
         del big
 
 
-def add_timing_args(parser: argparse.ArgumentParser) -> None:
-    """The threads, repeats and cache flush of ``median_ms``'s timing."""
+def add_timing_args(parser: argparse.ArgumentParser, dtype: str | None = None) -> None:
+    """The threads, repeats and cache flush of ``median_ms``'s timing, and (with a default
+    ``dtype``) the activations' dtype."""
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--flush-mb", type=int, default=1024)
+    if dtype is not None:
+        parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=dtype,
+                            help="the activations' dtype")  # fmt: skip
+
+
+def parse_timing_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The arguments, with ``--dtype`` as a torch dtype and torch's threads set."""
+    args = parser.parse_args()
+    if hasattr(args, "dtype"):
+        args.dtype = getattr(torch, args.dtype)
+    torch.set_num_threads(args.threads)
+    return args
 
 
 def main() -> None:
@@ -156,12 +169,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128])
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--format", choices=["int4", "fp8"], default="int4")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="the activations' dtype")  # fmt: skip
-    add_timing_args(parser)
-    args = parser.parse_args()
-    args.dtype = getattr(torch, args.dtype)
-    torch.set_num_threads(args.threads)
+    add_timing_args(parser, dtype="bfloat16")
+    args = parse_timing_args(parser)
     print(f"{args.format} weights, {args.dtype} activations, groups of {args.group_size}, "
           f"{args.threads} threads; median of {args.repeats} calls (ms)")  # fmt: skip
     with torch.inference_mode():
