@@ -80,6 +80,16 @@ def cpu_bf16_weights() -> bool:
     return value == "1"
 
 
+def cpu_amx() -> bool:
+    """Whether a bf16 linear layer that shares its weight (a tied LM head) runs
+    ``cpu/csrc/linear_amx.c`` on a CPU with AMX (``OMNISERVE_CPU_AMX``, default on; "0": the
+    plain-layout kernel and ``F.linear``, as on CPUs without AMX; see ``cpu/linear.py``)."""
+    value = os.environ.get("OMNISERVE_CPU_AMX", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"OMNISERVE_CPU_AMX must be '0' or '1', not {value!r}.")
+    return value == "1"
+
+
 def layer_kernels(device_type: str) -> str:
     """A device backend's switch (``OMNISERVE_CPU_KERNELS`` / ``OMNISERVE_CUDA_KERNELS``): "auto"
     applies it (on CPU oneDNN linears and C kernels for MoE, decode attention, norms and RoPE; on

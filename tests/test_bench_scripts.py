@@ -290,6 +290,24 @@ def test_spec_decode_benchmark_measures_drafts_of_known_quality(tiny_checkpoint)
     assert "| transformers + prompt lookup |" in out.split("## batch 2")[0]
 
 
+def test_bench_amx_linear_runs():
+    """The AMX kernel's benchmark on a small shape: one line per row count, its ratios against
+    oneDNN's packed and plain products printed."""
+    from omniserve.cpu.linear import _amx_kernels
+
+    if _amx_kernels() is None:
+        pytest.skip("the AMX kernel needs a CPU with AMX-BF16")
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_amx_linear.py"), "--shapes", "64x96",
+         "--rows", "1", "40", "--repeats", "1", "--flush-mb", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line.split() for line in result.stdout.splitlines() if "64x96" in line]
+    assert [line[1] for line in lines] == ["1", "40"]
+    assert all(line[-2].endswith("x") and line[-3].endswith("x") for line in lines)
+
+
 def test_bench_cpu_linear_runs():
     """The bf16-weight kernel's benchmark on a small shape: one line per row count, its ratios
     against fp32 and bf16 oneDNN printed."""

@@ -362,9 +362,11 @@ def test_int4_kernel_hands_bf16_to_onednn_sooner_where_the_cpu_has_amx(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tied_lm_head_keeps_the_shared_embedding(dtype: torch.dtype) -> None:
+def test_tied_lm_head_keeps_the_shared_embedding(dtype: torch.dtype, monkeypatch) -> None:
     """A head tied to the embedding stays in its layout (one copy) on the plain-layout kernel;
-    the other linears are packed and their originals released."""
+    the other linears are packed and their originals released (AMX off, as on CPUs without
+    it: tests/test_cpu_amx.py covers AMX)."""
+    monkeypatch.setenv("OMNISERVE_CPU_AMX", "0")
     embed = VocabParallelEmbedding(300, 64).to(dtype)
     torch.nn.init.normal_(embed.weight)
     head = ParallelLMHead(300, 64).to(dtype)

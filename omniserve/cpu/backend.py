@@ -23,6 +23,7 @@ from omniserve.attention.layer import Attention
 from omniserve.cpu.activation import cpu_silu_and_mul, cpu_silu_and_mul_available
 from omniserve.cpu.attention import CpuAttentionBackend
 from omniserve.cpu.linear import (
+    AmxLinear,
     Fp8Linear,
     Int4Linear,
     OneDnnLinear,
@@ -128,6 +129,10 @@ def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> st
     widened = (weight.dtype, dtype) == (torch.bfloat16, torch.float32)  # keep_bf16_weights'
     name = _weights_name(weight.dtype, dtype)
     if id(weight) in shared:
+        if dtype == torch.bfloat16 and AmxLinear.supports(weight):
+            layer.kernel = AmxLinear(weight)
+            return f"C AMX {name} (shared weight)"
+
         if RowsLinear.supports(weight, dtype):
             layer.kernel = RowsLinear(weight, dtype)
             return f"C plain-layout {name} (shared weight)"

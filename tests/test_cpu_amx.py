@@ -1,0 +1,114 @@
+"""The AMX bf16 linear kernel (``cpu/csrc/linear_amx.c``) against the fp32 product of the same
+bf16 operands, and where the CPU backend puts it (tied heads). Held to bf16's rounding of the
+output (the kernel accumulates in fp32 over the whole K, as the reference does, in its own
+order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omniserve.cpu.backend import apply_cpu_backend
+from omniserve.cpu.linear import AmxLinear, _amx_kernels
+from omniserve.layers.linear import QKVParallelLinear, RowParallelLinear
+from omniserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+pytestmark = pytest.mark.skipif(
+    _amx_kernels() is None,
+    reason="needs a CPU with AMX-BF16 whose Linux grants the AMX state, and a C compiler",
+)
+
+
+@pytest.fixture(autouse=True)
+def _threads(kernel_threads: None) -> None:
+    """Two threads, so the kernel's split of the weight's rows is covered."""
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+def _assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """One bf16 rounding of the output (2**-8 relative) and fp32 summation-order noise."""
+    assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape
+    scale = float(expected.abs().max()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual.float(), expected, rtol=2**-8, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 33, 64, 300, 700])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"),
+    [(16, 32), (48, 64), (80, 4160), (272, 1536)],
+    ids=["one-half-group", "half-group", "three-K-chunks", "qkv-like"],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_matches_the_fp32_product(rows, out_features, in_features, bias) -> None:
+    """Rows around the 16-row tiles and 32-row blocks and across the kernel's blocks of rows
+    (700 rows at K = 4,160 is two of them, each over three K-chunks with partial sums), a weight
+    that ends half-way through a 32-row group; the input is rows of a wider tensor."""
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+    bias_t = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, in_features + 64, generator=gen).bfloat16()[:, 32 : 32 + in_features]
+    with torch.inference_mode():
+        _assert_bf16_close(AmxLinear(weight)(x, bias_t), _reference(x, weight, bias_t))
+
+
+def test_amx_linear_inputs_and_errors() -> None:
+    """3-D and transposed inputs, an empty batch, an fp32 bias; training or a dtype mismatch is a
+    clear error; shapes off its tiles are not claimed."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(64, 128, generator=gen) * 0.05).bfloat16()
+    kernel = AmxLinear(weight)
+    with torch.inference_mode():
+        x3 = torch.randn(2, 3, 128, generator=gen).bfloat16()
+        _assert_bf16_close(kernel(x3, None), _reference(x3, weight, None))
+        columns = torch.randn(128, 4, generator=gen).bfloat16().t()
+        _assert_bf16_close(kernel(columns, None), _reference(columns, weight, None))
+        bias = torch.randn(64, generator=gen)
+        x = torch.randn(5, 128, generator=gen).bfloat16()
+        _assert_bf16_close(kernel(x, bias), _reference(x, weight, bias.bfloat16()))
+        assert kernel(torch.empty(0, 128, dtype=torch.bfloat16), None).shape == (0, 64)
+        with pytest.raises(TypeError, match="input dtype torch.float32 does not match"):
+            kernel(torch.randn(2, 128), None)
+    with pytest.raises(RuntimeError, match="inference on CPU tensors only"):
+        kernel(torch.randn(2, 128, requires_grad=True).bfloat16(), None)
+    assert not AmxLinear.supports(torch.zeros(64, 48, dtype=torch.bfloat16))  # K % 32
+    assert not AmxLinear.supports(torch.zeros(70, 64, dtype=torch.bfloat16))  # N % 16
+    assert not AmxLinear.supports(torch.zeros(64, 64))  # fp32
+    assert not AmxLinear.supports(torch.zeros(64, 128, dtype=torch.bfloat16)[:, :64])
+
+
+def test_backend_puts_the_tied_head_on_amx(monkeypatch) -> None:
+    """In a bf16 model the head tied to the embedding runs on AMX on the shared weight (one copy);
+    the other linear layers keep oneDNN's packed copies. OMNISERVE_CPU_AMX=0 puts the head back
+    on the plain-layout kernel."""
+
+    def model() -> tuple[torch.nn.Module, VocabParallelEmbedding, ParallelLMHead]:
+        embed = VocabParallelEmbedding(320, 64).bfloat16()
+        torch.nn.init.normal_(embed.weight)
+        head = ParallelLMHead(320, 64).bfloat16()
+        head.weight = embed.weight
+        layers = [embed, head, QKVParallelLinear(64, 16, 4, 2), RowParallelLinear(64, 64)]
+        return torch.nn.ModuleList(layers).bfloat16(), embed, head
+
+    tied, embed, head = model()
+    assert apply_cpu_backend(tied, torch.bfloat16).placements == {
+        "linear: C AMX bfloat16 (shared weight)": 1,
+        "linear: oneDNN packed bfloat16": 2,
+    }
+    assert head.weight is embed.weight and embed.weight.device.type == "cpu"
+    assert isinstance(head.kernel, AmxLinear)
+    hidden = torch.randn(3, 64).bfloat16()
+    with torch.inference_mode():
+        _assert_bf16_close(head(hidden), _reference(hidden, embed.weight, None))
+    monkeypatch.setenv("OMNISERVE_CPU_AMX", "0")
+    assert not AmxLinear.supports(embed.weight)
+    assert (
+        "linear: C plain-layout bfloat16 (shared weight)"
+        in apply_cpu_backend(model()[0], torch.bfloat16).placements
+    )
+    monkeypatch.setenv("OMNISERVE_CPU_AMX", "yes")
+    with pytest.raises(ValueError, match="OMNISERVE_CPU_AMX must be"):
+        AmxLinear.supports(embed.weight)
