@@ -1,12 +1,13 @@
-"""bf16 linear layers on a CPU with AMX: omniserve's ``AmxLinear`` (the weight as loaded, on AMX
-tiles) against ``OneDnnLinear`` (oneDNN's packed copy, what such a layer ran before and runs with
-``OMNISERVE_CPU_AMX=0``) and ``F.linear`` on the plain weight (oneDNN reordering it per call), at
-real checkpoints' shapes.
+"""bf16 linear layers on a CPU with AMX: omniserve's ``AmxLinear`` on its packed copy (a layer's
+own weight) and on the plain weight (a tied head's), against ``OneDnnLinear`` (oneDNN's packed
+copy, what such a layer runs with ``OMNISERVE_CPU_AMX=0``) and ``F.linear`` on the plain weight
+(oneDNN reordering it per call, what a tied head runs then past 2 rows), at real checkpoints'
+shapes.
 
 Each figure is the median of ``--repeats`` calls in milliseconds, the kernels taking turns, with
 the weights evicted before each call and the code path warmed on a small weight, as in
-``bench_quantized_linear.py`` (whose timing loop this uses). The ratios are the others' time over
-``AmxLinear``'s; the last column is the weight's bytes over ``AmxLinear``'s time.
+``bench_quantized_linear.py`` (whose timing loop this uses). The ratios compare each AMX layout
+with the product it replaces; the last column is the weight's bytes over the packed AMX time.
 
     python scripts/bench_amx_linear.py                      # Qwen2.5-1.5B's layers and head
     python scripts/bench_amx_linear.py --shapes 3584x37888 --rows 1 8 --threads 1
@@ -21,19 +22,21 @@ import torch
 import torch.nn.functional as F
 from bench_quantized_linear import SMALL_K, Kernel, add_timing_args, median_ms, parse_timing_args
 
-from omniserve.cpu.linear import AmxLinear, OneDnnLinear
+from omniserve.cpu.linear import OneDnnLinear
+from omniserve.cpu.linear_amx import AmxLinear
 
 SHAPES = ["1536x2048", "1536x1536", "1536x17920", "8960x1536", "1536x151936"]
 """K x N: Qwen2.5-1.5B's fused qkv, o, fused gate/up and down projections, and its tied head."""
 
 
 def kernels(shape: tuple[int, int]) -> list[Kernel]:
-    """The three products of bf16 rows on one random bf16 weight of ``shape`` (K x N)."""
+    """The four products of bf16 rows on one random bf16 weight of ``shape`` (K x N)."""
     in_features, out_features = shape
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=gen) * 0.02).bfloat16()
     return [
-        functools.partial(AmxLinear(weight), bias=None),
+        functools.partial(AmxLinear(weight, packed=True), bias=None),
+        functools.partial(AmxLinear(weight, packed=False), bias=None),
         functools.partial(OneDnnLinear(weight), bias=None),
         functools.partial(F.linear, weight=weight),
     ]
@@ -42,8 +45,8 @@ def kernels(shape: tuple[int, int]) -> list[Kernel]:
 def run(args: argparse.Namespace) -> None:
     flush = torch.ones(args.flush_mb << 18)  # fp32: 4 bytes each
     small = kernels((SMALL_K, 64))
-    print(f"{'K x N':>12} {'rows':>5} {'AMX':>9} {'oneDNN':>9} {'F.linear':>9} "
-          f"{'oneDNN/AMX':>11} {'F.linear/AMX':>13} {'AMX GB/s':>9}")  # fmt: skip
+    print(f"{'K x N':>12} {'rows':>5} {'AMX':>8} {'AMX plain':>10} {'oneDNN':>8} {'F.linear':>9} "
+          f"{'oneDNN/AMX':>11} {'F.linear/plain':>15} {'AMX GB/s':>9}")  # fmt: skip
     for shape in args.shapes:
         in_features, out_features = map(int, shape.split("x"))
         big = kernels((in_features, out_features))
@@ -52,8 +55,8 @@ def run(args: argparse.Namespace) -> None:
             x_small = torch.randn(rows, SMALL_K).bfloat16()
             ms = median_ms(big, small, x, x_small, args, flush)
             rate = in_features * out_features * 2 / ms[0] / 1e6
-            print(f"{shape:>12} {rows:>5} {ms[0]:>9.3f} {ms[1]:>9.3f} {ms[2]:>9.3f} "
-                  f"{ms[1] / ms[0]:>10.2f}x {ms[2] / ms[0]:>12.2f}x {rate:>9.1f}",
+            print(f"{shape:>12} {rows:>5} {ms[0]:>8.3f} {ms[1]:>10.3f} {ms[2]:>8.3f} "
+                  f"{ms[3]:>9.3f} {ms[2] / ms[0]:>10.2f}x {ms[3] / ms[1]:>14.2f}x {rate:>9.1f}",
                   flush=True)  # fmt: skip
         del big
 

@@ -293,9 +293,9 @@ def test_spec_decode_benchmark_measures_drafts_of_known_quality(tiny_checkpoint)
 def test_bench_amx_linear_runs():
     """The AMX kernel's benchmark on a small shape: one line per row count, its ratios against
     oneDNN's packed and plain products printed."""
-    from omniserve.cpu.linear import _amx_kernels
+    from omniserve.cpu.linear_amx import AmxLinear
 
-    if _amx_kernels() is None:
+    if not AmxLinear.available():
         pytest.skip("the AMX kernel needs a CPU with AMX-BF16")
     result = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench_amx_linear.py"), "--shapes", "64x96",

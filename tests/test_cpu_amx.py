@@ -1,5 +1,5 @@
 """The AMX bf16 linear kernel (``cpu/csrc/linear_amx.c``) against the fp32 product of the same
-bf16 operands, and where the CPU backend puts it (tied heads). Held to bf16's rounding of the
+bf16 operands, on both layouts, and where the CPU backend puts it. Held to bf16's rounding of the
 output (the kernel accumulates in fp32 over the whole K, as the reference does, in its own
 order)."""
 
@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from omniserve.cpu.backend import apply_cpu_backend
-from omniserve.cpu.linear import AmxLinear, _amx_kernels
-from omniserve.layers.linear import QKVParallelLinear, RowParallelLinear
+from omniserve.cpu.linear_amx import AmxLinear
+from omniserve.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from omniserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
 pytestmark = pytest.mark.skipif(
-    _amx_kernels() is None,
+    not AmxLinear.available(),
     reason="needs a CPU with AMX-BF16 whose Linux grants the AMX state, and a C compiler",
 )
 
@@ -43,24 +43,27 @@ def _assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     ids=["one-half-group", "half-group", "three-K-chunks", "qkv-like"],
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_linear_matches_the_fp32_product(rows, out_features, in_features, bias) -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_amx_linear_matches_the_fp32_product(rows, out_features, in_features, bias, packed) -> None:
     """Rows around the 16-row tiles and 32-row blocks and across the kernel's blocks of rows
     (700 rows at K = 4,160 is two of them, each over three K-chunks with partial sums), a weight
-    that ends half-way through a 32-row group; the input is rows of a wider tensor."""
+    that ends half-way through a 32-row group (of its features, plain; of its packed groups,
+    packed); the input is rows of a wider tensor, and its last rows short of 16 (an A tile's)."""
     gen = torch.Generator().manual_seed(rows * 7 + out_features)
     weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
     bias_t = torch.randn(out_features, generator=gen).bfloat16() if bias else None
     x = torch.randn(rows, in_features + 64, generator=gen).bfloat16()[:, 32 : 32 + in_features]
     with torch.inference_mode():
-        _assert_bf16_close(AmxLinear(weight)(x, bias_t), _reference(x, weight, bias_t))
+        _assert_bf16_close(AmxLinear(weight, packed)(x, bias_t), _reference(x, weight, bias_t))
 
 
-def test_amx_linear_inputs_and_errors() -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_amx_linear_inputs_and_errors(packed: bool) -> None:
     """3-D and transposed inputs, an empty batch, an fp32 bias; training or a dtype mismatch is a
     clear error; shapes off its tiles are not claimed."""
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(64, 128, generator=gen) * 0.05).bfloat16()
-    kernel = AmxLinear(weight)
+    kernel = AmxLinear(weight, packed)
     with torch.inference_mode():
         x3 = torch.randn(2, 3, 128, generator=gen).bfloat16()
         _assert_bf16_close(kernel(x3, None), _reference(x3, weight, None))
@@ -80,35 +83,42 @@ def test_amx_linear_inputs_and_errors() -> None:
     assert not AmxLinear.supports(torch.zeros(64, 128, dtype=torch.bfloat16)[:, :64])
 
 
-def test_backend_puts_the_tied_head_on_amx(monkeypatch) -> None:
-    """In a bf16 model the head tied to the embedding runs on AMX on the shared weight (one copy);
-    the other linear layers keep oneDNN's packed copies. OMNISERVE_CPU_AMX=0 puts the head back
-    on the plain-layout kernel."""
+def test_backend_puts_bf16_linears_on_amx(monkeypatch) -> None:
+    """In a bf16 model each linear layer whose shapes fit runs on AMX: its own weight packed into
+    the tiles' layout (the original released), the head tied to the embedding on the shared
+    weight as it is (one copy). A layer off the tiles keeps oneDNN; OMNISERVE_CPU_AMX=0 puts
+    them all back on oneDNN and the head on the plain-layout kernel, as on CPUs without AMX."""
 
     def model() -> tuple[torch.nn.Module, VocabParallelEmbedding, ParallelLMHead]:
         embed = VocabParallelEmbedding(320, 64).bfloat16()
         torch.nn.init.normal_(embed.weight)
         head = ParallelLMHead(320, 64).bfloat16()
         head.weight = embed.weight
-        layers = [embed, head, QKVParallelLinear(64, 16, 4, 2), RowParallelLinear(64, 64)]
+        layers = [embed, head, QKVParallelLinear(64, 16, 4, 2), RowParallelLinear(64, 64),
+                  ReplicatedLinear(64, 70)]  # fmt: skip
         return torch.nn.ModuleList(layers).bfloat16(), embed, head
 
     tied, embed, head = model()
+    qkv = tied[2]
+    qkv_weight = qkv.weight.detach().clone()
     assert apply_cpu_backend(tied, torch.bfloat16).placements == {
         "linear: C AMX bfloat16 (shared weight)": 1,
-        "linear: oneDNN packed bfloat16": 2,
+        "linear: C AMX packed bfloat16": 2,
+        "linear: oneDNN packed bfloat16": 1,
     }
     assert head.weight is embed.weight and embed.weight.device.type == "cpu"
-    assert isinstance(head.kernel, AmxLinear)
+    assert isinstance(head.kernel, AmxLinear) and isinstance(qkv.kernel, AmxLinear)
+    assert qkv.weight.device.type == "meta" and qkv.weight.shape == qkv_weight.shape
     hidden = torch.randn(3, 64).bfloat16()
     with torch.inference_mode():
         _assert_bf16_close(head(hidden), _reference(hidden, embed.weight, None))
+        _assert_bf16_close(qkv(hidden), _reference(hidden, qkv_weight, qkv.bias))
     monkeypatch.setenv("OMNISERVE_CPU_AMX", "0")
     assert not AmxLinear.supports(embed.weight)
-    assert (
-        "linear: C plain-layout bfloat16 (shared weight)"
-        in apply_cpu_backend(model()[0], torch.bfloat16).placements
-    )
+    assert apply_cpu_backend(model()[0], torch.bfloat16).placements == {
+        "linear: C plain-layout bfloat16 (shared weight)": 1,
+        "linear: oneDNN packed bfloat16": 3,
+    }
     monkeypatch.setenv("OMNISERVE_CPU_AMX", "yes")
     with pytest.raises(ValueError, match="OMNISERVE_CPU_AMX must be"):
         AmxLinear.supports(embed.weight)

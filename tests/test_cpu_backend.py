@@ -72,9 +72,13 @@ def _linear(out_features: int, in_features: int, bias: bool, dtype: torch.dtype,
 @pytest.mark.parametrize("rows", [1, 3, 17, 64, 700])
 @pytest.mark.parametrize(("out_features", "in_features"), [(512, 256), (70, 48)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_onednn_linear_matches_torch(rows, out_features, in_features, bias, dtype) -> None:
+def test_onednn_linear_matches_torch(
+    rows, out_features, in_features, bias, dtype, monkeypatch
+) -> None:
     """Decode- and prefill-sized batches, widths that are not multiples of any blocking; the
-    packed copy replaces the weight (a meta placeholder of the same shape remains)."""
+    packed copy replaces the weight (a meta placeholder of the same shape remains). AMX off, as
+    on CPUs without it (tests/test_cpu_amx.py covers AMX)."""
+    monkeypatch.setenv("OMNISERVE_CPU_AMX", "0")
     layer = _linear(out_features, in_features, bias, dtype, rows)
     weight, bias_t = layer.weight.detach().float().clone(), layer.bias
     if not onednn_packs(dtype):  # bf16 on a CPU without AVX-512 BW/VL/DQ: torch computes it

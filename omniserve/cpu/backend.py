@@ -23,7 +23,6 @@ from omniserve.attention.layer import Attention
 from omniserve.cpu.activation import cpu_silu_and_mul, cpu_silu_and_mul_available
 from omniserve.cpu.attention import CpuAttentionBackend
 from omniserve.cpu.linear import (
-    AmxLinear,
     Fp8Linear,
     Int4Linear,
     OneDnnLinear,
@@ -31,6 +30,7 @@ from omniserve.cpu.linear import (
     WidenedLinear,
     release_weight,
 )
+from omniserve.cpu.linear_amx import AmxLinear
 from omniserve.cpu.moe import CpuMoE
 from omniserve.cpu.norm_rope import CpuRMSNorm, qk_norm_rope
 from omniserve.layers.activation import SiluAndMul
@@ -130,7 +130,7 @@ def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> st
     name = _weights_name(weight.dtype, dtype)
     if id(weight) in shared:
         if dtype == torch.bfloat16 and AmxLinear.supports(weight):
-            layer.kernel = AmxLinear(weight)
+            layer.kernel = AmxLinear(weight, packed=False)
             return f"C AMX {name} (shared weight)"
 
         if RowsLinear.supports(weight, dtype):
@@ -144,6 +144,10 @@ def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> st
         layer.kernel = WidenedLinear(weight)
         release_weight(layer)
         return f"C {name}"
+    if dtype == torch.bfloat16 and AmxLinear.supports(weight):
+        layer.kernel = AmxLinear(weight, packed=True)
+        release_weight(layer)
+        return f"C AMX packed {name}"
     if OneDnnLinear.supports(weight):
         layer.kernel = OneDnnLinear(weight)
         release_weight(layer)

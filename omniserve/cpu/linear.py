@@ -8,15 +8,7 @@ gets 16) and reaches 330-420 GFLOPS in bf16 from 32 rows up. The packed copy *re
 weight: the parameter becomes a meta-device placeholder (shape and dtype stay readable; any
 computation with it fails loudly), so the model holds each weight once.
 
-**C, AMX, plain layout** (``AmxLinear``): bf16 on a CPU with AMX, for weights that must keep
-their layout (a head tied to the embedding): ``csrc/linear_amx.c`` multiplies the weight as it
-is on the tile unit. On Qwen2.5-1.5B's tied head (``scripts/bench_amx_linear.py``: 2-core Xeon
-with AMX, 2 threads, weights out of cache) 1.35-1.5x as fast as ``F.linear`` on that weight at
-1-32 rows (it streams the weight at 24-27 GB/s) and 1.14-1.43x from 64 to 2,048 rows; level
-with oneDNN's packed copy (1.07-1.2x at 1-32 rows, 0.93-1.02x above), which a shared weight
-cannot have. Unshared layers keep ``OneDnnLinear``: on their shapes the kernel was 1.05-1.28x
-as fast at 1-32 rows but 0.71-0.94x at 512-2,048 (prefill chunks), and a whole model's decode
-gained 0-4% while its prefill lost 9%.
+**C, AMX**: bf16 on a CPU with AMX, ``cpu/linear_amx.py``'s ``AmxLinear``.
 
 **C, plain layout** (``RowsLinear``): for weights another layer also reads, so they must keep
 their layout (an LM head tied to the token embedding). ``csrc/linear_rows.c`` streams the weight
@@ -68,7 +60,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omniserve import envs
 from omniserve.cpu.build import cpu_flags, inference_tensors, load_function, load_typed
 
 PACK_ROWS_HINT = 64
@@ -119,7 +110,6 @@ _DEQUANTIZE_SIGNATURE = (_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, ctypes.c_int)
 _PACK_PANELS_SIGNATURE = (_PTR, _I64, _I64, _PTR, ctypes.c_int)
 _WIDENED_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, ctypes.c_int)
 _UNPACK_SIGNATURE = (_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int)
-_AMX_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int)
 PANEL = 32
 """Output features per panel of ``WidenedLinear``'s packed weight (``NP`` in its kernel)."""
 WIDENED_KERNEL_MAX_ROWS = 1023
@@ -150,7 +140,7 @@ def decoded_kernel_max_rows(dtype: torch.dtype) -> int:
     return DECODED_KERNEL_MAX_ROWS
 
 
-def _check_input(x: torch.Tensor, weight_dtype: torch.dtype, name: str) -> None:
+def check_input(x: torch.Tensor, weight_dtype: torch.dtype, name: str) -> None:
     if not inference_tensors(x):
         raise RuntimeError(
             f"{name} runs inference on CPU tensors only (got a {x.device} tensor"
@@ -202,7 +192,7 @@ class OneDnnLinear:
         )
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        _check_input(x, self.dtype, "OneDnnLinear")
+        check_input(x, self.dtype, "OneDnnLinear")
         if x.numel() == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
         if bias is not None and bias.dtype != self.dtype:
@@ -246,7 +236,7 @@ class RowsLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = self.weight.detach()
-        _check_input(x, self.dtype, "RowsLinear")
+        check_input(x, self.dtype, "RowsLinear")
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] > self.max_rows or rows.shape[0] == 0:
             if weight.dtype == self.dtype:
@@ -264,66 +254,6 @@ class RowsLinear:
             out.stride(0), torch.get_num_threads(),
         )  # fmt: skip
         return out.view(*x.shape[:-1], weight.shape[0])
-
-
-@functools.cache
-def _amx_kernels() -> tuple[Any, Any] | None:
-    """``csrc/linear_amx.c``'s product and its scratch size, or None where the CPU lacks AMX-BF16,
-    the kernel cannot be built, or Linux refuses this process AMX's state."""
-    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
-        return None
-    request = load_function("linear_amx.c", "omniserve_amx_request", (), ctypes.c_int)
-    if request is None or request() != 0:
-        return None
-    return (
-        load_function("linear_amx.c", "omniserve_linear_amx_bf16", _AMX_SIGNATURE, ctypes.c_int),
-        load_function("linear_amx.c", "omniserve_linear_amx_scratch_bytes", (_I64,) * 3, _I64),
-    )
-
-
-class AmxLinear:
-    """``x @ weight.T + bias`` for bf16 ``x`` on AMX tiles, on the weight as it is (the layer
-    keeps it; another layer may share it)."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        kernels = _amx_kernels()
-        assert kernels is not None and self.supports(weight), "AmxLinear does not cover this"
-        self.kernel, self.scratch_bytes = kernels
-        self.weight = weight  # a reference: no copy is made
-
-    @staticmethod
-    def supports(weight: torch.Tensor) -> bool:
-        return (
-            weight.device.type == "cpu"
-            and weight.dtype == torch.bfloat16
-            and weight.dim() == 2
-            and weight.is_contiguous()
-            and weight.shape[0] % 16 == 0
-            and weight.shape[1] % 32 == 0
-            and envs.cpu_amx()
-            and _amx_kernels() is not None
-        )
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        weight = self.weight.detach()
-        _check_input(x, torch.bfloat16, "AmxLinear")
-        (n, k), rows = weight.shape, x.reshape(-1, x.shape[-1])
-        if rows.shape[0] == 0:
-            return x.new_empty(*x.shape[:-1], n)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        if bias is not None:
-            bias = bias.detach().to(torch.bfloat16).contiguous()
-        out = x.new_empty(rows.shape[0], n)
-        scratch = _scratch(self.scratch_bytes(rows.shape[0], n, k), torch.uint8)
-        status = self.kernel(
-            rows.data_ptr(), rows.shape[0], rows.stride(0), weight.data_ptr(), n, k,
-            None if bias is None else bias.data_ptr(), out.data_ptr(), n, scratch.data_ptr(),
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if status:
-            raise RuntimeError("Linux refused this process the AMX state the kernel needs.")
-        return out.view(*x.shape[:-1], n)
 
 
 @functools.cache
@@ -367,7 +297,7 @@ class WidenedLinear:
         return _widened_kernels() is not None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        _check_input(x, torch.float32, "WidenedLinear")
+        check_input(x, torch.float32, "WidenedLinear")
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
@@ -474,7 +404,7 @@ class DecodedLinear:
         return out
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        _check_input(x, self.dtype, type(self).__name__)
+        check_input(x, self.dtype, type(self).__name__)
         if x.numel() == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
         if bias is not None:
@@ -563,7 +493,7 @@ def product_in_pieces(
     n, k, dtype = out_features, in_features, x.dtype
     pieces = -(-n * k * dtype.itemsize // DEQUANTIZE_SCRATCH_BYTES)
     rows = -(-n // pieces)
-    scratch = _scratch(rows * k, dtype).view(rows, k)
+    scratch = thread_scratch(rows * k, dtype).view(rows, k)
     if pieces == 1:
         fill(0, n, scratch[:n])
         return F.linear(x, scratch[:n], bias)
@@ -585,7 +515,7 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
-def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+def thread_scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """This thread's buffer of ``dtype`` (``numel`` elements of it: decoded weights, or an AMX
     product's transposed rows), kept across calls."""
     buffer = _SCRATCH.buffers.get(dtype)

@@ -1,19 +1,22 @@
 /*
- * y = x @ w.T (+ bias) in bf16 on AMX tiles, with w in the checkpoint's [N, K] layout.
+ * y = x @ w.T (+ bias) in bf16 on AMX tiles, on two layouts of w.
  *
  * AMX multiplies an A tile (16 rows x 32 bf16) by a B tile whose rows hold pairs of k for 16
- * columns (the "VNNI" layout). The roles are swapped here so that the weight needs no packed copy:
- * A is 16 rows of w as they lie in memory (one 64-byte piece of each row per step), B is x
- * transposed into that pair layout (small next to the weight), and each C tile holds y.T for 16
- * output features x 16 rows of x, transposed back when it is written out. For weights that must
- * keep their layout (a head tied to the embedding). Rows of x go in blocks that fit L2 beside a
- * thread's 32 rows of w, which every 32-row chunk of the block then reads from L2; a decode
- * step's rows are one block, so the weight streams from memory once.
- *
- * Tiles: tmm0-3 the four C tiles of a 32 x 32 block (features x rows of x), tmm4-5 two A tiles
- * (32 rows of w), tmm6-7 two B tiles (32 rows of x). fp32 accumulation over the whole K, the
- * bias added in fp32, rounded to bf16 once (to nearest even), as torch's bf16 linear rounds.
- * K must be a multiple of 32 and N of 16 (the caller checks). Built by omniserve/cpu/build.py.
+ * columns (the "VNNI" layout), into a C tile of 16 x 16 fp32 sums.
+ * - Packed (``omniserve_linear_amx_packed_bf16``): w is packed once into B tiles
+ *   (``omniserve_pack_amx_bf16``, replacing the layer's weight), A tiles are 16 rows of x as
+ *   they lie, and each C tile is 16 rows of y.
+ * - Plain (``omniserve_linear_amx_bf16``), for weights that must keep the checkpoint's [N, K]
+ *   layout (a head tied to the embedding): the roles are swapped, A tiles are 16 rows of w as
+ *   they lie, B is x transposed into the pair layout (small next to the weight), and each C tile
+ *   holds y.T, transposed back when it is written out.
+ * Rows of x go in blocks that fit L2 beside a thread's 32 rows of w for one K-chunk, which every
+ * 32-row chunk of the block then reads from L2; a decode step's rows are one block, so the
+ * weight streams from memory once. Tiles: tmm0-3 the four C tiles of a 32 x 32 block, tmm4-5
+ * two A tiles, tmm6-7 two B tiles. fp32 accumulation over the whole K (partial sums kept between
+ * K-chunks), the bias added in fp32, rounded to bf16 once (to nearest even), as torch's bf16
+ * linear rounds. K must be a multiple of 32 and N of 16 (the caller checks). Built by
+ * omniserve/cpu/build.py.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -99,28 +102,91 @@ static void pack_piece(const bf16 *x, int64_t M, int64_t ldx, int64_t h, int64_t
     for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + 32 * p, r[p]);
 }
 
-/* One C tile (16 features x 16 rows of x) into y: transposed, plus bias, rounded to bf16. */
-static void store_tile(int tile_id, float *buffer, const bf16 *bias, int64_t rows, bf16 *y,
-                       int64_t ldy) {
-    switch (tile_id) { /* tile ids are immediates */
+/* C tile `t` into buffer (16 rows of 16 fp32). */
+static inline void store_c(int t, float *buffer) {
+    switch (t) { /* tile ids are immediates */
     case 0: _tile_stored(0, buffer, 64); break;
     case 1: _tile_stored(1, buffer, 64); break;
     case 2: _tile_stored(2, buffer, 64); break;
     default: _tile_stored(3, buffer, 64); break;
     }
+}
+
+static inline __m512 load_bias(const bf16 *bias) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)bias)), 16));
+}
+
+/* One C tile of 16 rows of y (16 features each) into y, plus bias, rounded to bf16. */
+static void write_rows(int t, float *buffer, const bf16 *bias, int64_t rows, bf16 *y,
+                       int64_t ldy) {
+    store_c(t, buffer);
+    const __m512 b = bias ? load_bias(bias) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < rows; ++m) {
+        const __m512 sum = _mm512_add_ps(_mm512_load_ps(buffer + 16 * m), b);
+        _mm256_storeu_si256((void *)(y + m * ldy), (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+}
+
+/* One C tile of y.T (16 features x 16 rows of x) into y: transposed, plus bias, rounded. */
+static void write_transposed(int t, float *buffer, const bf16 *bias, int64_t rows, bf16 *y,
+                             int64_t ldy) {
+    store_c(t, buffer);
     __m512i r[16];
-    for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(buffer + 16 * n);
+    for (int n = 0; n < 16; ++n) r[n] = _mm512_load_si512(buffer + 16 * n);
     transpose16(r);
-    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)bias)), 16))
-                          : _mm512_setzero_ps();
+    const __m512 b = bias ? load_bias(bias) : _mm512_setzero_ps();
     for (int64_t m = 0; m < rows; ++m) {
         const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(r[m]), b);
         _mm256_storeu_si256((void *)(y + m * ldy), (__m256i)_mm512_cvtneps_pbh(sum));
     }
 }
 
-#define KC_MAX 2048        /* features per K-chunk: a thread's 32 rows of w for it stay in L2 */
+/* The operands of one 32 x 32 block of C: A tiles from two row pointers (lda elements apart;
+ * 32 k further each step), B tiles from two runs of pieces (b_step elements apart per step);
+ * a1 / b1 NULL where the block ends half-way. */
+typedef struct {
+    const bf16 *a0, *a1, *b0, *b1;
+    int64_t lda0, lda1, b_step;
+} operands;
+
+/* C (tmm0-3) = the block's sums over steps [s0, s1), starting from `partial` (or zero) and,
+ * unless `last`, saved back there. */
+static void multiply(const operands *o, int64_t s0, int64_t s1, float *partial, int last) {
+    if (partial && s0 > 0) {
+        _tile_loadd(0, partial, 64);
+        _tile_loadd(1, partial + 256, 64);
+        _tile_loadd(2, partial + 512, 64);
+        _tile_loadd(3, partial + 768, 64);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t s = s0; s < s1; ++s) {
+        _tile_loadd(4, o->a0 + 32 * s, 2 * o->lda0);
+        _tile_loadd(6, o->b0 + s * o->b_step, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (o->b1) {
+            _tile_loadd(7, o->b1 + s * o->b_step, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (o->a1) {
+            _tile_loadd(5, o->a1 + 32 * s, 2 * o->lda1);
+            _tile_dpbf16ps(2, 5, 6);
+            if (o->b1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    if (partial && !last) {
+        _tile_stored(0, partial, 64);
+        _tile_stored(1, partial + 256, 64);
+        _tile_stored(2, partial + 512, 64);
+        _tile_stored(3, partial + 768, 64);
+    }
+}
+
+#define KC_MAX 2048           /* features per K-chunk: a thread's 32 rows of w for it stay in L2 */
 #define BLOCK_BYTES (1 << 20) /* x's share of L2: rows of x per block, times the chunk's bytes */
 
 /* How K splits into chunks of whole pieces (at most KC_MAX features each) and how many rows of
@@ -133,99 +199,141 @@ static void plan(int64_t M, int64_t K, int64_t *kc, int64_t *chunks, int64_t *bl
     *block_rows = rows < 32 ? 32 : rows > M ? (M + 31) / 32 * 32 : rows;
 }
 
-/* Bytes of scratch a call needs: one block of x's rows transposed into B tiles, and with more
- * than one K-chunk the fp32 partial sums of that block's C tiles. */
-int64_t omniserve_linear_amx_scratch_bytes(int64_t M, int64_t N, int64_t K) {
+/* Bytes of scratch a call needs: for the plain layout one block of x's rows transposed into B
+ * tiles, for the packed one x's last rows padded to 16; with more than one K-chunk the fp32
+ * partial sums of a block's C tiles. */
+int64_t omniserve_linear_amx_scratch_bytes(int64_t M, int64_t N, int64_t K, int packed) {
     int64_t kc, chunks, block_rows;
     plan(M, K, &kc, &chunks, &block_rows);
-    return block_rows * K * 2 + (chunks > 1 ? block_rows / 32 * ((N + 31) / 32) * 4096 : 0);
+    return (packed ? 16 : block_rows) * K * 2 +
+           (chunks > 1 ? block_rows / 32 * ((N + 31) / 32) * 4096 : 0);
 }
 
-/* One 32 x 32 block of y.T: features [32 g, 32 g + 32) x rows of x [16 c, 16 c + 32), over the
- * K-chunk [k0, k1); partial sums kept in `partial` between chunks. */
-static void block(const bf16 *w, int64_t N, int64_t K, const bf16 *packed, int64_t KB,
-                  int64_t halves, int64_t M, int64_t g, int64_t c, int64_t k0, int64_t k1,
-                  float *partial, const bf16 *bias, bf16 *y, int64_t ldy, float *buffer) {
-    const bf16 *w0 = w + 32 * g * K, *w1 = w0 + 16 * K;
-    const int two_a = 32 * g + 16 < N, two_b = c + 1 < halves; /* N or M may end mid-block */
-    const bf16 *b0 = packed + c * KB * PIECE, *b1 = b0 + KB * PIECE;
-    if (partial && k0 > 0) {
-        _tile_loadd(0, partial, 64);
-        _tile_loadd(1, partial + 256, 64);
-        _tile_loadd(2, partial + 512, 64);
-        _tile_loadd(3, partial + 768, 64);
-    } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-    }
-    for (int64_t kb = k0 / 32; kb < k1 / 32; ++kb) {
-        _tile_loadd(4, w0 + 32 * kb, 2 * K);
-        _tile_loadd(6, b0 + kb * PIECE, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (two_b) {
-            _tile_loadd(7, b1 + kb * PIECE, 64);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (two_a) {
-            _tile_loadd(5, w1 + 32 * kb, 2 * K);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two_b) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    if (partial && k1 < K) {
-        _tile_stored(0, partial, 64);
-        _tile_stored(1, partial + 256, 64);
-        _tile_stored(2, partial + 512, 64);
-        _tile_stored(3, partial + 768, 64);
-        return;
-    }
-    for (int t = 0; t < 4; ++t) {
-        const int a = t / 2, bh = t % 2;
-        if ((a && !two_a) || (bh && !two_b)) continue;
-        const int64_t m0 = 16 * (c + bh), n0 = 32 * g + 16 * a;
-        const int64_t rows = M - m0 < 16 ? M - m0 : 16;
-        store_tile(t, buffer, bias ? bias + n0 : NULL, rows, y + m0 * ldy + n0, ldy);
+/* w [N, K] into B tiles: [N / 32 groups][K / 32 steps][2 halves of 16 features][16 pairs of k]
+ * [16 features][2] (a last group of 16 features has zeros for its second half). */
+void omniserve_pack_amx_bf16(const bf16 *w, int64_t N, int64_t K, bf16 *out, int num_threads) {
+    const int64_t KB = K / 32, groups = (N + 31) / 32;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t i = 0; i < groups * KB * 2; ++i) {
+        const int64_t g = i / (KB * 2), kb = i / 2 % KB, n0 = 32 * g + 16 * (i % 2);
+        __m512i r[16];
+        for (int n = 0; n < 16; ++n)
+            r[n] = n0 + n < N ? _mm512_loadu_si512(w + (n0 + n) * K + 32 * kb)
+                              : _mm512_setzero_si512();
+        transpose16(r); /* r[p]: pair p of k for each of the 16 features */
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + i * PIECE + 32 * p, r[p]);
     }
 }
 
-/* scratch holds omniserve_linear_amx_scratch_bytes(M, N, K); returns 0, or -1 where the process
- * may not use AMX. Each block of x's rows is transposed, then passes over the weight one K-chunk
- * at a time, the threads splitting the weight's rows. */
-int omniserve_linear_amx_bf16(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N,
-                              int64_t K, const bf16 *bias, bf16 *y, int64_t ldy, void *scratch,
-                              int num_threads) {
+static int amx_permitted(void) {
     static int permission = 1; /* 1: not asked yet */
     if (permission == 1) permission = omniserve_amx_request();
-    if (permission != 0) return -1;
+    return permission == 0;
+}
+
+/* One product: x [M, K] (rows ldx apart), the weight (plain [N, K] or packed), y [M, N]. */
+typedef struct {
+    const bf16 *x, *w, *bias;
+    bf16 *y;
+    int64_t M, N, K, ldx, ldy;
+    int packed;
+    bf16 *scratch; /* plain: a block's rows transposed; packed: x's last rows padded to 16 */
+    float *partials;
+    int64_t full; /* packed: rows of x an A tile may read in place (the rest from scratch) */
+} product;
+
+/* The plain layout's 32 x 32 block: features [n0, n0 + 32) x the block's rows [c, c + 32), rows
+ * of the block at m0 of x, for steps [s0, s1) of the K-chunk. */
+static void plain_block(const product *p, int64_t m0, int64_t rows, int64_t n0, int64_t c,
+                        int64_t s0, int64_t s1, float *partial, float *buffer) {
+    const int64_t KB = p->K / 32, K = p->K;
+    const operands o = {p->w + n0 * K, n0 + 16 < p->N ? p->w + (n0 + 16) * K : NULL,
+                        p->scratch + c / 16 * KB * PIECE,
+                        c + 16 < rows ? p->scratch + (c / 16 + 1) * KB * PIECE : NULL,
+                        K, K, PIECE};
+    const int last = s1 == KB;
+    multiply(&o, s0, s1, partial, last);
+    if (!last) return;
+    for (int t = 0; t < 4; ++t) { /* tmm1 is the A0 x B1 tile: features n0, rows c + 16 */
+        const int64_t nt = n0 + 16 * (t / 2), mt = c + 16 * (t % 2);
+        if (nt < p->N && mt < rows)
+            write_transposed(t, buffer, p->bias ? p->bias + nt : NULL,
+                             rows - mt < 16 ? rows - mt : 16, p->y + (m0 + mt) * p->ldy + nt,
+                             p->ldy);
+    }
+}
+
+/* The packed layout's 32 x 32 block: rows [m0 + c, m0 + c + 32) of x x features [n0, n0 + 32). */
+static void packed_block(const product *p, int64_t m0, int64_t rows, int64_t n0, int64_t c,
+                         int64_t s0, int64_t s1, float *partial, float *buffer) {
+    const int64_t KB = p->K / 32, r0 = m0 + c, r1 = r0 + 16;
+    const bf16 *wg = p->w + n0 / 32 * KB * 2 * PIECE;
+    const operands o = {r0 < p->full ? p->x + r0 * p->ldx : p->scratch,
+                        c + 16 >= rows ? NULL : r1 < p->full ? p->x + r1 * p->ldx : p->scratch,
+                        wg, n0 + 16 < p->N ? wg + PIECE : NULL,
+                        r0 < p->full ? p->ldx : p->K, r1 < p->full ? p->ldx : p->K, 2 * PIECE};
+    const int last = s1 == KB;
+    multiply(&o, s0, s1, partial, last);
+    if (!last) return;
+    for (int t = 0; t < 4; ++t) { /* tmm1 is the A0 x B1 tile: rows c, features n0 + 16 */
+        const int64_t mt = c + 16 * (t / 2), nt = n0 + 16 * (t % 2);
+        if (nt < p->N && mt < rows)
+            write_rows(t, buffer, p->bias ? p->bias + nt : NULL, rows - mt < 16 ? rows - mt : 16,
+                       p->y + (m0 + mt) * p->ldy + nt, p->ldy);
+    }
+}
+
+/* Blocks of x's rows (the plain layout first transposes each), K-chunks, then the weight's
+ * 32-feature groups split among the threads, each over the block's 32-row chunks. */
+static void run(const product *p, int num_threads) {
     int64_t kc, chunks, block_rows;
-    plan(M, K, &kc, &chunks, &block_rows);
-    const int64_t KB = K / 32, groups = (N + 31) / 32;
-    bf16 *packed = scratch;
-    float *partials = chunks > 1 ? (float *)(packed + block_rows * K) : NULL;
+    plan(p->M, p->K, &kc, &chunks, &block_rows);
+    const int64_t KB = p->K / 32, groups = (p->N + 31) / 32;
 #pragma omp parallel num_threads(num_threads)
     {
         configure_tiles();
         float buffer[256] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-            const int64_t rows = M - m0 < block_rows ? M - m0 : block_rows;
-            const int64_t halves = (rows + 15) / 16;
-            const bf16 *xb = x + m0 * ldx;
+        for (int64_t m0 = 0; m0 < p->M; m0 += block_rows) {
+            const int64_t rows = p->M - m0 < block_rows ? p->M - m0 : block_rows;
+            if (!p->packed) {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < halves * KB; ++i)
-                pack_piece(xb, rows, ldx, i / KB, i % KB, packed + i * PIECE);
-            for (int64_t k0 = 0; k0 < K; k0 += kc) {
-                const int64_t k1 = k0 + kc < K ? k0 + kc : K;
+                for (int64_t i = 0; i < (rows + 15) / 16 * KB; ++i)
+                    pack_piece(p->x + m0 * p->ldx, rows, p->ldx, i / KB, i % KB,
+                               p->scratch + i * PIECE);
+            }
+            for (int64_t k0 = 0; k0 < p->K; k0 += kc) {
+                const int64_t s0 = k0 / 32, s1 = (k0 + kc < p->K ? k0 + kc : p->K) / 32;
 #pragma omp for schedule(static)
                 for (int64_t g = 0; g < groups; ++g)
-                    for (int64_t c = 0; c < halves; c += 2)
-                        block(w, N, K, packed, KB, halves, rows, g, c, k0, k1,
-                              partials ? partials + (g * (block_rows / 32) + c / 2) * 1024 : NULL,
-                              bias, y + m0 * ldy, ldy, buffer);
+                    for (int64_t c = 0; c < rows; c += 32) {
+                        float *partial = p->partials
+                            ? p->partials + (g * (block_rows / 32) + c / 32) * 1024 : NULL;
+                        (p->packed ? packed_block : plain_block)(p, m0, rows, 32 * g, c, s0, s1,
+                                                                 partial, buffer);
+                    }
             }
         }
         _tile_release();
     }
+}
+
+/* y = x @ w.T + bias on w [N, K] as it lies, or (packed) on omniserve_pack_amx_bf16's layout.
+ * scratch holds omniserve_linear_amx_scratch_bytes(M, N, K, packed); returns 0, or -1 where the
+ * process may not use AMX. */
+int omniserve_linear_amx_bf16(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N,
+                              int64_t K, const bf16 *bias, bf16 *y, int64_t ldy, void *scratch,
+                              int packed, int num_threads) {
+    if (!amx_permitted()) return -1;
+    int64_t kc, chunks, block_rows;
+    plan(M, K, &kc, &chunks, &block_rows);
+    product p = {x, w, bias, y, M, N, K, ldx, ldy, packed, scratch, NULL, M / 16 * 16};
+    const int64_t staged = (packed ? 16 : block_rows) * K; /* bf16 before the partial sums */
+    if (chunks > 1) p.partials = (float *)((bf16 *)scratch + staged);
+    if (packed && p.full < M) { /* A tiles read 16 rows: the last few come padded */
+        memset(scratch, 0, 16 * K * 2);
+        for (int64_t m = p.full; m < M; ++m)
+            memcpy(p.scratch + (m - p.full) * K, x + m * ldx, K * 2);
+    }
+    run(&p, num_threads);
     return 0;
 }
