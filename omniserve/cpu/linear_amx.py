@@ -18,9 +18,10 @@ import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from omniserve import envs
-from omniserve.cpu.build import cpu_flags, load_function
+from omniserve.cpu.build import cpu_flags, inference_tensors, load_function
 from omniserve.cpu.linear import check_input, thread_scratch
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -54,7 +55,7 @@ class AmxLinear:
     def __init__(self, weight: torch.Tensor, packed: bool) -> None:
         kernels = _amx_kernels()
         assert kernels is not None and self.supports(weight), "AmxLinear does not cover this"
-        self.kernel, self.scratch_bytes, pack = kernels
+        pack = kernels[2]
         self.packed, self.out_features, self.in_features = packed, *weight.shape
         if packed:
             n, k = weight.shape
@@ -83,20 +84,40 @@ class AmxLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         check_input(x, torch.bfloat16, "AmxLinear")
-        n, k, rows = self.out_features, self.in_features, x.reshape(-1, x.shape[-1])
-        if rows.shape[0] == 0:
-            return x.new_empty(*x.shape[:-1], n)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        if bias is not None:
-            bias = bias.detach().to(torch.bfloat16).contiguous()
-        out = x.new_empty(rows.shape[0], n)
-        scratch = thread_scratch(self.scratch_bytes(rows.shape[0], n, k, self.packed), torch.uint8)
-        status = self.kernel(
-            rows.data_ptr(), rows.shape[0], rows.stride(0), self.weight.detach().data_ptr(), n, k,
-            None if bias is None else bias.data_ptr(), out.data_ptr(), n, scratch.data_ptr(),
-            self.packed, torch.get_num_threads(),
-        )  # fmt: skip
-        if status:
-            raise RuntimeError("Linux refused this process the AMX state the kernel needs.")
-        return out.view(*x.shape[:-1], n)
+        return _product(x, self.weight, self.out_features, self.in_features, self.packed, bias)
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)``, on AMX where the kernel covers them (bf16 inference on a weight
+    used as it lies: a MoE expert's matrices in a prefill), else through torch."""
+    if (
+        x.dtype != torch.bfloat16
+        or not inference_tensors(x, weight)
+        or not AmxLinear.supports(weight)
+    ):
+        return F.linear(x, weight)
+    return _product(x, weight, *weight.shape, False, None)
+
+
+def _product(
+    x: torch.Tensor, weight: torch.Tensor, n: int, k: int, packed: bool, bias: torch.Tensor | None
+) -> torch.Tensor:
+    kernel, scratch_bytes, _ = _amx_kernels() or (None, None, None)
+    assert kernel is not None and scratch_bytes is not None
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if bias is not None:
+        bias = bias.detach().to(torch.bfloat16).contiguous()
+    out = x.new_empty(rows.shape[0], n)
+    scratch = thread_scratch(scratch_bytes(rows.shape[0], n, k, packed), torch.uint8)
+    status = kernel(
+        rows.data_ptr(), rows.shape[0], rows.stride(0), weight.detach().data_ptr(), n, k,
+        None if bias is None else bias.data_ptr(), out.data_ptr(), n, scratch.data_ptr(), packed,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise RuntimeError("Linux refused this process the AMX state the kernel needs.")
+    return out.view(*x.shape[:-1], n)

@@ -1,5 +1,6 @@
 """The MoE expert block for CPUs: one C call per layer (``csrc/moe.c``) on the loaded experts, for
-decode-sized batches (prefills take torch's per-expert GEMMs, see ``MAX_ROUTED_PER_EXPERT``).
+decode-sized batches (prefills take per-expert GEMMs, see ``MAX_ROUTED_PER_EXPERT``: on AMX in
+bf16, ``linear_amx.plain_linear`` on the experts as loaded).
 
 The torch reference runs a small matmul pair per selected expert; at a decode step of a
 128-expert top-8 layer that is ~250 small ops. The kernel does routing's sort, the gathers, both
@@ -17,7 +18,8 @@ import torch
 
 from omniserve.cpu.build import KERNEL_DTYPES, inference_tensors, load_function, load_typed
 from omniserve.cpu.linear import decoded_kernels
-from omniserve.layers.fused_moe import FusedMoE, fused_experts, torch_fused_experts
+from omniserve.cpu.linear_amx import plain_linear
+from omniserve.layers.fused_moe import FusedMoE, torch_fused_experts
 from omniserve.layers.quantization import QuantizedMatrix
 from omniserve.layers.quantized_loading import DequantizedExperts, expert_codes
 
@@ -139,9 +141,9 @@ class CpuMoE:
     ) -> torch.Tensor:
         if self.decoded is None:
             gate_up, down = self.layer.gate_up_proj.detach(), self.layer.down_proj.detach()
-            return fused_experts(x, gate_up, down, topk_weights, topk_ids)
+            return torch_fused_experts(x, gate_up, down, topk_weights, topk_ids, plain_linear)
         if x.dtype == self.dtype and inference_tensors(x):
-            return torch_fused_experts(x, *self.decoded, topk_weights, topk_ids)
+            return torch_fused_experts(x, *self.decoded, topk_weights, topk_ids, plain_linear)
         assert self.fallback is not None
         return self.fallback(x, topk_weights, topk_ids)
 

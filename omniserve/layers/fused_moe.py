@@ -17,7 +17,7 @@ experts cost nothing.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
@@ -85,8 +85,10 @@ def torch_fused_experts(
     down_proj: torch.Tensor | ExpertMatrices,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
 ) -> torch.Tensor:
-    """The reference for ``fused_experts``: one matmul pair per expert that received tokens."""
+    """The reference for ``fused_experts``: one matmul pair per expert that received tokens
+    (``linear``: ``F.linear``, or a backend's product on such a plain weight)."""
     out = torch.zeros_like(x)  # [N, H]
     flat_ids = topk_ids.flatten()  # [N * top_k]
     order = torch.argsort(flat_ids, stable=True)
@@ -101,8 +103,8 @@ def torch_fused_experts(
         # (experts kept in bf16 under fp32 activations, or quantized, are widened here, one at a
         # time)
         gate_up, down = gate_up_proj[expert_id].to(x.dtype), down_proj[expert_id].to(x.dtype)
-        gate, up = F.linear(x[tokens], gate_up).chunk(2, dim=-1)  # [n, I] each
-        expert_out = F.linear(F.silu(gate) * up, down)  # [n, H]
+        gate, up = linear(x[tokens], gate_up).chunk(2, dim=-1)  # [n, I] each
+        expert_out = linear(F.silu(gate) * up, down)  # [n, H]
         out.index_add_(0, tokens, expert_out * weight_of_pair[start : start + count, None])
         start += count
     return out
