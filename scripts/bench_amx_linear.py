@@ -20,7 +20,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from bench_quantized_linear import SMALL_K, Kernel, add_timing_args, median_ms, parse_timing_args
+from bench_quantized_linear import Kernel, add_timing_args, parse_timing_args, time_shapes
 
 from omniserve.cpu.linear import OneDnnLinear
 from omniserve.cpu.linear_amx import AmxLinear
@@ -43,22 +43,13 @@ def kernels(shape: tuple[int, int]) -> list[Kernel]:
 
 
 def run(args: argparse.Namespace) -> None:
-    flush = torch.ones(args.flush_mb << 18)  # fp32: 4 bytes each
-    small = kernels((SMALL_K, 64))
     print(f"{'K x N':>12} {'rows':>5} {'AMX':>8} {'AMX plain':>10} {'oneDNN':>8} {'F.linear':>9} "
           f"{'oneDNN/AMX':>11} {'F.linear/plain':>15} {'AMX GB/s':>9}")  # fmt: skip
-    for shape in args.shapes:
-        in_features, out_features = map(int, shape.split("x"))
-        big = kernels((in_features, out_features))
-        for rows in args.rows:
-            x = torch.randn(rows, in_features).bfloat16()
-            x_small = torch.randn(rows, SMALL_K).bfloat16()
-            ms = median_ms(big, small, x, x_small, args, flush)
-            rate = in_features * out_features * 2 / ms[0] / 1e6
-            print(f"{shape:>12} {rows:>5} {ms[0]:>8.3f} {ms[1]:>10.3f} {ms[2]:>8.3f} "
-                  f"{ms[3]:>9.3f} {ms[2] / ms[0]:>10.2f}x {ms[3] / ms[1]:>14.2f}x {rate:>9.1f}",
-                  flush=True)  # fmt: skip
-        del big
+    for shape, rows, ms in time_shapes(args, kernels, torch.bfloat16):
+        k, n = map(int, shape.split("x"))
+        print(f"{shape:>12} {rows:>5} {ms[0]:>8.3f} {ms[1]:>10.3f} {ms[2]:>8.3f} {ms[3]:>9.3f} "
+              f"{ms[2] / ms[0]:>10.2f}x {ms[3] / ms[1]:>14.2f}x {k * n * 2 / ms[0] / 1e6:>9.1f}",
+              flush=True)  # fmt: skip
 
 
 def main() -> None:

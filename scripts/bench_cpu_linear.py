@@ -19,14 +19,7 @@ import argparse
 import functools
 
 import torch
-from bench_quantized_linear import (
-    SHAPES,
-    SMALL_K,
-    Kernel,
-    add_timing_args,
-    median_ms,
-    parse_timing_args,
-)
+from bench_quantized_linear import SHAPES, Kernel, add_timing_args, parse_timing_args, time_shapes
 
 from omniserve.cpu.linear import OneDnnLinear, WidenedLinear
 
@@ -47,19 +40,11 @@ def kernels(shape: tuple[int, int]) -> list[Kernel]:
 
 
 def run(args: argparse.Namespace) -> None:
-    flush = torch.ones(args.flush_mb << 18)  # fp32: 4 bytes each
-    small = kernels((SMALL_K, 64))
     print(f"{'K x N':>12} {'rows':>5} {'bf16 w, fp32':>13} {'fp32 oneDNN':>12} "
           f"{'bf16 oneDNN':>12} {'fp32/ours':>10} {'bf16/ours':>10}")  # fmt: skip
-    for shape in args.shapes:
-        in_features, out_features = map(int, shape.split("x"))
-        big = kernels((in_features, out_features))
-        for rows in args.rows:
-            x, x_small = torch.randn(rows, in_features), torch.randn(rows, SMALL_K)
-            ms = median_ms(big, small, x, x_small, args, flush)
-            print(f"{shape:>12} {rows:>5} {ms[0]:>13.3f} {ms[1]:>12.3f} {ms[2]:>12.3f} "
-                  f"{ms[1] / ms[0]:>9.2f}x {ms[2] / ms[0]:>9.2f}x", flush=True)  # fmt: skip
-        del big
+    for shape, rows, ms in time_shapes(args, kernels, torch.float32):
+        print(f"{shape:>12} {rows:>5} {ms[0]:>13.3f} {ms[1]:>12.3f} {ms[2]:>12.3f} "
+              f"{ms[1] / ms[0]:>9.2f}x {ms[2] / ms[0]:>9.2f}x", flush=True)  # fmt: skip
 
 
 def main() -> None:

@@ -4,8 +4,9 @@ checkpoints' shapes.
 
 Per shape and row count: the quantized layer's kernel and its path for many rows (decode the
 weight, then ``F.linear``) forced each way; the same weights dequantized to bf16 in the layer a
-bf16 checkpoint gets (bf16 activations: ``OneDnnLinear``; fp32 ones, ``--dtype float32``, as a CPU
-without native bf16 runs them: ``WidenedLinear``); for 4-bit in bf16,
+bf16 checkpoint gets (bf16 activations: ``AmxLinear`` on a CPU with AMX, else ``OneDnnLinear``;
+fp32 ones, ``--dtype float32``, as a CPU without native bf16 runs them: ``WidenedLinear``); for
+4-bit in bf16,
 ``aten._weight_int4pack_mm_for_cpu`` on the same codes (its layout: ``(code - 8) * scale +
 zero``). Each figure is the median of ``--repeats`` calls in milliseconds, the kernels taking
 turns. Before each call ``--flush-mb`` of memory is read, so the weights come
@@ -25,7 +26,7 @@ import argparse
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from omniserve.cpu.linear import (
     WidenedLinear,
     decoded_kernel_max_rows,
 )
+from omniserve.cpu.linear_amx import AmxLinear
 from omniserve.layers.quantization import dequantize, dequantize_fp8, pack_nibbles
 
 SHAPES = ["1536x17920", "8960x1536", "3584x37888"]
@@ -86,7 +88,9 @@ def kernels(shape: tuple[int, int], args: argparse.Namespace) -> list[Kernel]:
             Int4Linear(qweight, zeros, scales, dtype, max_rows=0),
         )
         bf16 = dequantize(qweight, zeros, scales, torch.bfloat16)
-    plain = WidenedLinear(bf16) if dtype == torch.float32 else OneDnnLinear(bf16)
+    plain: Any = WidenedLinear(bf16)  # the layer a bf16 checkpoint's weight gets in dtype
+    if dtype == torch.bfloat16:
+        plain = AmxLinear(bf16, packed=True) if AmxLinear.supports(bf16) else OneDnnLinear(bf16)
     products = [functools.partial(layer, bias=None) for layer in (*layers, plain)]
     if args.format == "int4" and dtype == torch.bfloat16:
         products.append(int4pack(codes, zeros, scales, args.group_size))
@@ -111,12 +115,28 @@ def median_ms(big: list[Kernel], small: list[Kernel], x: torch.Tensor, x_small: 
     return [statistics.median(t) * 1e3 for t in times]
 
 
-def run(args: argparse.Namespace) -> None:
+def time_shapes(
+    args: argparse.Namespace,
+    kernels: Callable[[tuple[int, int]], list[Kernel]],
+    dtype: torch.dtype,
+) -> Iterator[tuple[str, int, list[float]]]:
+    """Each of ``args.shapes`` (K x N) and ``args.rows`` with ``median_ms`` of the products
+    ``kernels(shape)`` makes, on random rows of ``dtype``."""
     flush = torch.ones(args.flush_mb << 18)  # fp32: 4 bytes each
+    small = kernels((SMALL_K, 64))
+    for shape in args.shapes:
+        in_features, out_features = map(int, shape.split("x"))
+        big = kernels((in_features, out_features))
+        for rows in args.rows:
+            x, x_small = (torch.randn(rows, k).to(dtype) for k in (in_features, SMALL_K))
+            yield shape, rows, median_ms(big, small, x, x_small, args, flush)
+        del big
+
+
+def run(args: argparse.Namespace) -> None:
     max_rows = decoded_kernel_max_rows(args.dtype)
-    small = kernels((SMALL_K, 64), args)
-    plain = "bf16 widened" if args.dtype == torch.float32 else "bf16 oneDNN"
-    extra = len(small) > 3  # torch's int4 op
+    plain = "bf16 widened" if args.dtype == torch.float32 else "bf16 layer"
+    extra = args.format == "int4" and args.dtype == torch.bfloat16  # torch's int4 op
     scratchless = (f", without a scratch up to {FP8_ROWS_KERNEL_MAX_ROWS[args.dtype]}"
                    * (args.format == "fp8"))  # fmt: skip
     print(f"the {args.format} layer runs its kernel up to {max_rows} rows here{scratchless} "
@@ -124,23 +144,17 @@ def run(args: argparse.Namespace) -> None:
     print(f"{'K x N':>12} {'rows':>5} {'kernel':>8} {'decoded':>8} {plain:>13}"
           + (f" {'int4pack':>9}" if extra else "") + f" {'plain/ours':>11}"
           + (f" {'int4pack/ours':>14}" if extra else ""))  # fmt: skip
-    for shape in args.shapes:
-        in_features, out_features = map(int, shape.split("x"))
-        big = kernels((in_features, out_features), args)
-        for rows in args.rows:
-            x, x_small = (torch.randn(rows, k).to(args.dtype) for k in (in_features, SMALL_K))
-            ms = median_ms(big, small, x, x_small, args, flush)
-            ours = ms[0] if rows <= max_rows else ms[1]
-            marks = ("*", " ") if rows <= max_rows else (" ", "*")
-            line = (f"{shape:>12} {rows:>5} {ms[0]:>7.3f}{marks[0]} {ms[1]:>7.3f}{marks[1]} "
-                    f"{ms[2]:>13.3f}")  # fmt: skip
-            if extra:
-                line += f" {ms[3]:>9.3f}"
-            line += f" {ms[2] / ours:>10.2f}x"
-            if extra:
-                line += f" {ms[3] / ours:>13.2f}x"
-            print(line, flush=True)
-        del big
+    for shape, rows, ms in time_shapes(args, lambda shape: kernels(shape, args), args.dtype):
+        ours = ms[0] if rows <= max_rows else ms[1]
+        marks = ("*", " ") if rows <= max_rows else (" ", "*")
+        line = (f"{shape:>12} {rows:>5} {ms[0]:>7.3f}{marks[0]} {ms[1]:>7.3f}{marks[1]} "
+                f"{ms[2]:>13.3f}")  # fmt: skip
+        if extra:
+            line += f" {ms[3]:>9.3f}"
+        line += f" {ms[2] / ours:>10.2f}x"
+        if extra:
+            line += f" {ms[3] / ours:>13.2f}x"
+        print(line, flush=True)
 
 
 def add_timing_args(parser: argparse.ArgumentParser, dtype: str | None = None) -> None:

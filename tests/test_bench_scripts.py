@@ -290,37 +290,34 @@ def test_spec_decode_benchmark_measures_drafts_of_known_quality(tiny_checkpoint)
     assert "| transformers + prompt lookup |" in out.split("## batch 2")[0]
 
 
+def _linear_bench_rows(script: str, rows: list[str]) -> list[list[str]]:
+    """A layer benchmark's lines on one small shape, one per row count."""
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), "--shapes", "64x96", "--rows", *rows,
+         "--repeats", "1", "--flush-mb", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line.split() for line in result.stdout.splitlines() if "64x96" in line]
+    assert [line[1] for line in lines] == rows
+    return lines
+
+
 def test_bench_amx_linear_runs():
-    """The AMX kernel's benchmark on a small shape: one line per row count, its ratios against
-    oneDNN's packed and plain products printed."""
+    """The AMX kernel's benchmark: its ratios against oneDNN's packed and plain products."""
     from omniserve.cpu.linear_amx import AmxLinear
 
     if not AmxLinear.available():
         pytest.skip("the AMX kernel needs a CPU with AMX-BF16")
-    result = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_amx_linear.py"), "--shapes", "64x96",
-         "--rows", "1", "40", "--repeats", "1", "--flush-mb", "1"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = [line.split() for line in result.stdout.splitlines() if "64x96" in line]
-    assert [line[1] for line in lines] == ["1", "40"]
+    lines = _linear_bench_rows("bench_amx_linear.py", ["1", "40"])
     assert all(line[-2].endswith("x") and line[-3].endswith("x") for line in lines)
 
 
 def test_bench_cpu_linear_runs():
-    """The bf16-weight kernel's benchmark on a small shape: one line per row count, its ratios
-    against fp32 and bf16 oneDNN printed."""
+    """The bf16-weight kernel's benchmark: its ratios against fp32 and bf16 oneDNN."""
     from omniserve.cpu.linear import WidenedLinear
 
     if not WidenedLinear.available():
         pytest.skip("the bf16-weight kernel needs AVX-512")
-    result = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_cpu_linear.py"), "--shapes", "64x96",
-         "--rows", "1", "3", "--repeats", "1", "--flush-mb", "1"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = [line.split() for line in result.stdout.splitlines() if "64x96" in line]
-    assert [line[1] for line in lines] == ["1", "3"]
+    lines = _linear_bench_rows("bench_cpu_linear.py", ["1", "3"])
     assert all(line[-1].endswith("x") and line[-2].endswith("x") for line in lines)

@@ -242,44 +242,34 @@ typedef struct {
     int64_t full; /* packed: rows of x an A tile may read in place (the rest from scratch) */
 } product;
 
-/* The plain layout's 32 x 32 block: features [n0, n0 + 32) x the block's rows [c, c + 32), rows
- * of the block at m0 of x, for steps [s0, s1) of the K-chunk. */
-static void plain_block(const product *p, int64_t m0, int64_t rows, int64_t n0, int64_t c,
-                        int64_t s0, int64_t s1, float *partial, float *buffer) {
-    const int64_t KB = p->K / 32, K = p->K;
-    const operands o = {p->w + n0 * K, n0 + 16 < p->N ? p->w + (n0 + 16) * K : NULL,
-                        p->scratch + c / 16 * KB * PIECE,
-                        c + 16 < rows ? p->scratch + (c / 16 + 1) * KB * PIECE : NULL,
-                        K, K, PIECE};
-    const int last = s1 == KB;
-    multiply(&o, s0, s1, partial, last);
-    if (!last) return;
-    for (int t = 0; t < 4; ++t) { /* tmm1 is the A0 x B1 tile: features n0, rows c + 16 */
-        const int64_t nt = n0 + 16 * (t / 2), mt = c + 16 * (t % 2);
-        if (nt < p->N && mt < rows)
-            write_transposed(t, buffer, p->bias ? p->bias + nt : NULL,
-                             rows - mt < 16 ? rows - mt : 16, p->y + (m0 + mt) * p->ldy + nt,
-                             p->ldy);
+/* One 32 x 32 block of C for steps [s0, s1) of a K-chunk, written out after the last: rows
+ * [c, c + 32) of the block of x at m0 x features [n0, n0 + 32) (plain: C holds y.T). */
+static void block(const product *p, int64_t m0, int64_t rows, int64_t n0, int64_t c, int64_t s0,
+                  int64_t s1, float *partial, float *buffer) {
+    const int64_t KB = p->K / 32, K = p->K, r0 = m0 + c, r1 = r0 + 16;
+    const int more_rows = c + 16 < rows, more_features = n0 + 16 < p->N;
+    operands o;
+    if (p->packed) {
+        const bf16 *wg = p->w + n0 / 32 * KB * 2 * PIECE;
+        o = (operands){r0 < p->full ? p->x + r0 * p->ldx : p->scratch,
+                       !more_rows ? NULL : r1 < p->full ? p->x + r1 * p->ldx : p->scratch,
+                       wg, more_features ? wg + PIECE : NULL,
+                       r0 < p->full ? p->ldx : K, r1 < p->full ? p->ldx : K, 2 * PIECE};
+    } else {
+        const bf16 *xt = p->scratch + c / 16 * KB * PIECE;
+        o = (operands){p->w + n0 * K, more_features ? p->w + (n0 + 16) * K : NULL,
+                       xt, more_rows ? xt + KB * PIECE : NULL, K, K, PIECE};
     }
-}
-
-/* The packed layout's 32 x 32 block: rows [m0 + c, m0 + c + 32) of x x features [n0, n0 + 32). */
-static void packed_block(const product *p, int64_t m0, int64_t rows, int64_t n0, int64_t c,
-                         int64_t s0, int64_t s1, float *partial, float *buffer) {
-    const int64_t KB = p->K / 32, r0 = m0 + c, r1 = r0 + 16;
-    const bf16 *wg = p->w + n0 / 32 * KB * 2 * PIECE;
-    const operands o = {r0 < p->full ? p->x + r0 * p->ldx : p->scratch,
-                        c + 16 >= rows ? NULL : r1 < p->full ? p->x + r1 * p->ldx : p->scratch,
-                        wg, n0 + 16 < p->N ? wg + PIECE : NULL,
-                        r0 < p->full ? p->ldx : p->K, r1 < p->full ? p->ldx : p->K, 2 * PIECE};
     const int last = s1 == KB;
     multiply(&o, s0, s1, partial, last);
     if (!last) return;
-    for (int t = 0; t < 4; ++t) { /* tmm1 is the A0 x B1 tile: rows c, features n0 + 16 */
-        const int64_t mt = c + 16 * (t / 2), nt = n0 + 16 * (t % 2);
-        if (nt < p->N && mt < rows)
-            write_rows(t, buffer, p->bias ? p->bias + nt : NULL, rows - mt < 16 ? rows - mt : 16,
-                       p->y + (m0 + mt) * p->ldy + nt, p->ldy);
+    for (int t = 0; t < 4; ++t) { /* tmm t holds A tile t / 2 times B tile t % 2 */
+        const int a = t / 2, b = t % 2;
+        const int64_t mt = c + 16 * (p->packed ? a : b), nt = n0 + 16 * (p->packed ? b : a);
+        if (nt >= p->N || mt >= rows) continue;
+        (p->packed ? write_rows : write_transposed)(t, buffer, p->bias ? p->bias + nt : NULL,
+                                                    rows - mt < 16 ? rows - mt : 16,
+                                                    p->y + (m0 + mt) * p->ldy + nt, p->ldy);
     }
 }
 
@@ -308,8 +298,7 @@ static void run(const product *p, int num_threads) {
                     for (int64_t c = 0; c < rows; c += 32) {
                         float *partial = p->partials
                             ? p->partials + (g * (block_rows / 32) + c / 32) * 1024 : NULL;
-                        (p->packed ? packed_block : plain_block)(p, m0, rows, 32 * g, c, s0, s1,
-                                                                 partial, buffer);
+                        block(p, m0, rows, 32 * g, c, s0, s1, partial, buffer);
                     }
             }
         }
