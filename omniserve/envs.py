@@ -84,7 +84,7 @@ def cpu_amx() -> bool:
     """Whether bf16 linear layers run ``cpu/csrc/linear_amx.c`` on a CPU with AMX
     (``OMNISERVE_CPU_AMX``, default on: faster decode steps, prefills about 5% slower; "0":
     oneDNN's packed copies and, for a tied head, the plain-layout kernel, as on CPUs without
-    AMX; see ``cpu/linear.py``)."""
+    AMX; see ``cpu/linear_amx.py``)."""
     value = os.environ.get("OMNISERVE_CPU_AMX", "1")
     if value not in ("0", "1"):
         raise ValueError(f"OMNISERVE_CPU_AMX must be '0' or '1', not {value!r}.")

@@ -132,7 +132,6 @@ def _place_linear(layer: LinearBase, shared: set[int], dtype: torch.dtype) -> st
         if dtype == torch.bfloat16 and AmxLinear.supports(weight):
             layer.kernel = AmxLinear(weight, packed=False)
             return f"C AMX {name} (shared weight)"
-
         if RowsLinear.supports(weight, dtype):
             layer.kernel = RowsLinear(weight, dtype)
             return f"C plain-layout {name} (shared weight)"

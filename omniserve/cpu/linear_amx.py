@@ -36,14 +36,15 @@ _PACK_SIGNATURE = (_PTR, _I64, _I64, _PTR, ctypes.c_int)
 @functools.cache
 def _amx_kernels() -> tuple[Any, Any, Any] | None:
     """``csrc/linear_amx.c``'s product, its scratch size and its packing, or None where the CPU
-    lacks AMX-BF16, the kernel cannot be built, or Linux refuses this process AMX's state."""
+    lacks AMX-BF16, the kernel cannot be built, or Linux refuses this process AMX's state (asked
+    here, once per process, before any product runs)."""
     if not {"amx_bf16", "amx_tile"} <= cpu_flags():
         return None
     request = load_function("linear_amx.c", "omniserve_amx_request", (), ctypes.c_int)
     if request is None or request() != 0:
         return None
     return (
-        load_function("linear_amx.c", "omniserve_linear_amx_bf16", _AMX_SIGNATURE, ctypes.c_int),
+        load_function("linear_amx.c", "omniserve_linear_amx_bf16", _AMX_SIGNATURE, None),
         load_function("linear_amx.c", "omniserve_linear_amx_scratch_bytes",
                       (_I64, _I64, _I64, ctypes.c_int), _I64),
         load_function("linear_amx.c", "omniserve_pack_amx_bf16", _PACK_SIGNATURE, None),
@@ -105,8 +106,9 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _product(
     x: torch.Tensor, weight: torch.Tensor, n: int, k: int, packed: bool, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    kernel, scratch_bytes, _ = _amx_kernels() or (None, None, None)
-    assert kernel is not None and scratch_bytes is not None
+    kernels = _amx_kernels()
+    assert kernels is not None, "AmxLinear.available() is False"
+    kernel, scratch_bytes, _ = kernels
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n)
@@ -116,11 +118,9 @@ def _product(
         bias = bias.detach().to(torch.bfloat16).contiguous()
     out = x.new_empty(rows.shape[0], n)
     scratch = thread_scratch(scratch_bytes(rows.shape[0], n, k, packed), torch.uint8)
-    status = kernel(
+    kernel(
         rows.data_ptr(), rows.shape[0], rows.stride(0), weight.detach().data_ptr(), n, k,
         None if bias is None else bias.data_ptr(), out.data_ptr(), n, scratch.data_ptr(), packed,
         torch.get_num_threads(),
     )  # fmt: skip
-    if status:
-        raise RuntimeError("Linux refused this process the AMX state the kernel needs.")
     return out.view(*x.shape[:-1], n)

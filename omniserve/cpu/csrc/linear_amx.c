@@ -3,10 +3,9 @@
  *
  * AMX multiplies an A tile (16 rows x 32 bf16) by a B tile whose rows hold pairs of k for 16
  * columns (the "VNNI" layout), into a C tile of 16 x 16 fp32 sums.
- * - Packed (``omniserve_linear_amx_packed_bf16``): w is packed once into B tiles
- *   (``omniserve_pack_amx_bf16``, replacing the layer's weight), A tiles are 16 rows of x as
- *   they lie, and each C tile is 16 rows of y.
- * - Plain (``omniserve_linear_amx_bf16``), for weights that must keep the checkpoint's [N, K]
+ * - Packed: w is packed once into B tiles (``omniserve_pack_amx_bf16``, replacing the layer's
+ *   weight), A tiles are 16 rows of x as they lie, and each C tile is 16 rows of y.
+ * - Plain, for weights that must keep the checkpoint's [N, K]
  *   layout (a head tied to the embedding): the roles are swapped, A tiles are 16 rows of w as
  *   they lie, B is x transposed into the pair layout (small next to the weight), and each C tile
  *   holds y.T, transposed back when it is written out.
@@ -36,8 +35,8 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* The kernel asks Linux for the AMX state once per process (threads inherit the permission);
- * 0 when granted. */
+/* Asks Linux for the AMX state, which the process's threads then share; 0 when granted. The
+ * caller asks once per process before any product (cpu/linear_amx.py). */
 int omniserve_amx_request(void) {
     return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
 }
@@ -225,17 +224,12 @@ void omniserve_pack_amx_bf16(const bf16 *w, int64_t N, int64_t K, bf16 *out, int
     }
 }
 
-static int amx_permitted(void) {
-    static int permission = 1; /* 1: not asked yet */
-    if (permission == 1) permission = omniserve_amx_request();
-    return permission == 0;
-}
-
 /* One product: x [M, K] (rows ldx apart), the weight (plain [N, K] or packed), y [M, N]. */
 typedef struct {
     const bf16 *x, *w, *bias;
     bf16 *y;
     int64_t M, N, K, ldx, ldy;
+    int64_t kc, block_rows; /* plan()'s */
     int packed;
     bf16 *scratch; /* plain: a block's rows transposed; packed: x's last rows padded to 16 */
     float *partials;
@@ -276,8 +270,7 @@ static void block(const product *p, int64_t m0, int64_t rows, int64_t n0, int64_
 /* Blocks of x's rows (the plain layout first transposes each), K-chunks, then the weight's
  * 32-feature groups split among the threads, each over the block's 32-row chunks. */
 static void run(const product *p, int num_threads) {
-    int64_t kc, chunks, block_rows;
-    plan(p->M, p->K, &kc, &chunks, &block_rows);
+    const int64_t kc = p->kc, block_rows = p->block_rows;
     const int64_t KB = p->K / 32, groups = (p->N + 31) / 32;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -306,16 +299,15 @@ static void run(const product *p, int num_threads) {
     }
 }
 
-/* y = x @ w.T + bias on w [N, K] as it lies, or (packed) on omniserve_pack_amx_bf16's layout.
- * scratch holds omniserve_linear_amx_scratch_bytes(M, N, K, packed); returns 0, or -1 where the
- * process may not use AMX. */
-int omniserve_linear_amx_bf16(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N,
-                              int64_t K, const bf16 *bias, bf16 *y, int64_t ldy, void *scratch,
-                              int packed, int num_threads) {
-    if (!amx_permitted()) return -1;
+/* y = x @ w.T + bias on w [N, K] as it lies, or (packed) on omniserve_pack_amx_bf16's layout;
+ * scratch holds omniserve_linear_amx_scratch_bytes(M, N, K, packed). */
+void omniserve_linear_amx_bf16(const bf16 *x, int64_t M, int64_t ldx, const bf16 *w, int64_t N,
+                               int64_t K, const bf16 *bias, bf16 *y, int64_t ldy, void *scratch,
+                               int packed, int num_threads) {
     int64_t kc, chunks, block_rows;
     plan(M, K, &kc, &chunks, &block_rows);
-    product p = {x, w, bias, y, M, N, K, ldx, ldy, packed, scratch, NULL, M / 16 * 16};
+    product p = {x, w, bias, y, M, N, K, ldx, ldy, kc, block_rows, packed, scratch, NULL,
+                 M / 16 * 16};
     const int64_t staged = (packed ? 16 : block_rows) * K; /* bf16 before the partial sums */
     if (chunks > 1) p.partials = (float *)((bf16 *)scratch + staged);
     if (packed && p.full < M) { /* A tiles read 16 rows: the last few come padded */
@@ -324,5 +316,4 @@ int omniserve_linear_amx_bf16(const bf16 *x, int64_t M, int64_t ldx, const bf16 
             memcpy(p.scratch + (m - p.full) * K, x + m * ldx, K * 2);
     }
     run(&p, num_threads);
-    return 0;
 }
