@@ -20,8 +20,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniRMSNorm
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
 from transformers.vision_utils import (
     get_vision_cu_seqlens,
     get_vision_interpolation_indices_and_weights,
@@ -31,7 +29,6 @@ from transformers.vision_utils import (
 
 from model_zoo.decoder import DecoderForCausalLM, LanguageModel
 from omniserve.attention.encoder import segment_bounds
-from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.weight_utils import WeightRoute, load_weights_by_route, route_stacked
 from omniserve.transfers import upload
 
@@ -41,23 +38,6 @@ _DECODER_PREFIXES = ("model.", "lm_head.")
 def on_device(device: torch.device, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
     """Host tensors on ``device`` in one pinned copy, by name."""
     return dict(zip(tensors, upload(device, list(tensors.values())), strict=True))
-
-
-_HF_RMS_NORMS = (Qwen2_5_VLRMSNorm, Qwen2_5OmniRMSNorm)
-"""transformers' RMSNorms that compute what ``RMSNorm`` computes (the towers' own copies)."""
-
-
-def adopt_vision_norms(visual: nn.Module) -> None:
-    """Swap a transformers vision tower's RMSNorms for ours, which compute the same on the same
-    parameters and take the device backends' kernels (C on a CPU, Triton on CUDA): the 65 norms
-    of Qwen2.5's tower each made five passes in eager torch, 0.3 of its 1.9 s for a 448 px image
-    on 2 CPU cores."""
-    for module in list(visual.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, _HF_RMS_NORMS):
-                norm = RMSNorm(child.weight.shape[0], child.variance_epsilon)
-                norm.weight = child.weight
-                setattr(module, name, norm)
 
 
 def run_vision_tower(visual: nn.Module, pixel_values: torch.Tensor, grid: torch.Tensor) -> Any:

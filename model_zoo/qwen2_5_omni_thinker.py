@@ -44,7 +44,6 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 from model_zoo.decoder import head_dim_of
 from model_zoo.multimodal import (
     MultiModalDecoderBase,
-    adopt_vision_norms,
     on_device,
 )
 from model_zoo.qwen2 import Qwen2ForCausalLM
@@ -54,6 +53,7 @@ from model_zoo.qwen2_5_omni_speech import (
     Token2WavOnce,
     load_voices,
 )
+from model_zoo.towers import adopt_tower
 from omniserve.attention.encoder import segment_bounds
 from omniserve.layers.rotary_embedding import MRotaryEmbedding, get_rope
 from omniserve.layers.weight_utils import WeightRoute, default_dtype, load_weights_by_route
@@ -337,9 +337,8 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerBase):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
-        self.visual = Qwen2_5OmniVisionEncoder(config.vision_config)
-        adopt_vision_norms(self.visual)
-        self.audio_tower = Qwen2_5OmniAudioEncoder(config.audio_config)
+        self.visual = adopt_tower(Qwen2_5OmniVisionEncoder(config.vision_config))
+        self.audio_tower = adopt_tower(Qwen2_5OmniAudioEncoder(config.audio_config))
 
     @classmethod
     def make_rotary(cls, text_config: PretrainedConfig) -> MRotaryEmbedding:

@@ -19,6 +19,7 @@ from transformers.models.qwen2_audio.modeling_qwen2_audio import (
 
 from model_zoo.multimodal import MultiModalDecoderBase, on_device
 from model_zoo.qwen2 import Qwen2ForCausalLM
+from model_zoo.towers import adopt_tower
 from omniserve.multimodal.inputs import host_data
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from processors.qwen2_audio import (
@@ -46,8 +47,8 @@ class Qwen2AudioForConditionalGeneration(MultiModalDecoderBase):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
-        self.audio_tower = Qwen2AudioEncoder(config.audio_config)
-        self.multi_modal_projector = Qwen2AudioMultiModalProjector(config)
+        self.audio_tower = adopt_tower(Qwen2AudioEncoder(config.audio_config))
+        self.multi_modal_projector = adopt_tower(Qwen2AudioMultiModalProjector(config))
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> str:

@@ -19,8 +19,9 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from model_zoo.multimodal import MultiModalDecoderBase, adopt_vision_norms
+from model_zoo.multimodal import MultiModalDecoderBase
 from model_zoo.qwen2 import Qwen2ForCausalLM
+from model_zoo.towers import adopt_tower
 from omniserve.multimodal.inputs import MultiModalFeatureSpec, host_data
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from processors.qwen2_vl import (
@@ -72,8 +73,7 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
-        self.visual = self.vision_tower_cls(config.vision_config)
-        adopt_vision_norms(self.visual)
+        self.visual = adopt_tower(self.vision_tower_cls(config.vision_config))
         self.merge_size: int = config.vision_config.spatial_merge_size
 
     @classmethod

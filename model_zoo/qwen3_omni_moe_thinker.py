@@ -55,6 +55,7 @@ from model_zoo.qwen3_omni_moe_speech import (
     Qwen3OmniMoeTalker,
 )
 from model_zoo.qwen3_vl import DeepStackDecoder
+from model_zoo.towers import adopt_tower
 from omniserve.attention.encoder import segment_bounds
 from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.rotary_embedding import InterleavedMRotaryEmbedding
@@ -92,8 +93,8 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(DeepStackDecoder, OmniThinkerB
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
-        self.visual = Qwen3OmniMoeVisionEncoder(config.vision_config)
-        self.audio_tower = Qwen3OmniMoeAudioEncoder(config.audio_config)
+        self.visual = adopt_tower(Qwen3OmniMoeVisionEncoder(config.vision_config))
+        self.audio_tower = adopt_tower(Qwen3OmniMoeAudioEncoder(config.audio_config))
         self.tap_layer: int | None = None
         """Keep ``hidden_states[tap_layer]`` of each forward (transformers' numbering: 0 the
         embeddings, i the output of layer i) in ``tapped``: the talker reads it."""

@@ -613,6 +613,45 @@ def test_qk_norm_rope_kernel_matches_the_torch_ops(with_norm, rotary_fraction, d
         assert torch.equal(fused[:, (heads + kv_heads) * dim :], qkv[:, (heads + kv_heads) * dim :])
 
 
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_qk_rope_with_fp32_angles_rotates_in_fp32(with_norm) -> None:
+    """bf16 q/k with the vision towers' fp32 angles: the kernel and the torch reference equal
+    transformers' ``apply_rotary_pos_emb_vision`` bit for bit (fp32 products, one rounding)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, dim = 29, 3, 80
+    qkv = (torch.randn(tokens, 3 * heads * dim, generator=gen) * 3).to(torch.bfloat16)
+    angles = torch.randn(tokens, dim // 2, generator=gen).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    q_norm, k_norm = (RMSNorm(dim, eps=1e-6) if with_norm else None for _ in range(2))
+    for norm in (q_norm, k_norm):
+        if norm is not None:
+            norm.weight.data.copy_(torch.randn(dim, generator=gen))
+            norm.to(torch.bfloat16)
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, _ = t.view(tokens, 3, heads, dim).unbind(1)
+        return q, k
+
+    with torch.inference_mode():
+        q, k = views(qkv.clone())
+        if with_norm:
+            q, k = q_norm(q), k_norm(k)
+        expected = apply_rotary_pos_emb_vision(q, k, cos, sin)
+        reference = QKRotary()(*views(qkv.clone()), cos, sin, q_norm, k_norm)
+        fused = qkv.clone()
+        got = qk_norm_rope(*views(fused), cos, sin, q_norm, k_norm)
+        assert got[0].data_ptr() == fused.data_ptr()  # the kernel ran, in place
+        for pair in (reference, got):
+            for actual, want in zip(pair, expected, strict=True):
+                assert actual.dtype == torch.bfloat16
+                if with_norm and pair is got:  # the norm's squares add in another order
+                    _rarely_a_step_apart(actual, want)
+                else:
+                    assert torch.equal(actual, want)
+
+
 def test_backend_places_each_layer_kind_and_can_be_turned_off(monkeypatch) -> None:
     model = torch.nn.ModuleList([ReplicatedLinear(64, 32), FusedMoE(4, 2, 64, 32), QKRotary(),
                                  Attention(4, 16, 0.25, num_kv_heads=2)])  # fmt: skip

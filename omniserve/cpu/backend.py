@@ -91,7 +91,10 @@ def keep_bf16_weights(
         if isinstance(layer, FusedMoE):
             names = ["gate_up_proj", "down_proj"]
         elif isinstance(layer, (LinearBase, VocabParallelEmbedding)):
-            names = ["weight"] if getattr(layer, "quantization", None) is None else []
+            keeps = getattr(layer, "quantization", None) is not None or getattr(
+                layer, "keeps_dtype", False
+            )
+            names = [] if keeps else ["weight"]
         else:
             continue
         for name in names:

@@ -25,8 +25,14 @@ _SIGNATURE += (_PTR, _PTR, _I64, _I64, ctypes.c_int)
 _RMS_SIGNATURE = (_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR, ctypes.c_int)
 
 
-def _kernel(dtype: torch.dtype) -> Any:
-    return load_typed("norm_rope.c", "omniserve_qk_norm_rope", dtype, _SIGNATURE, None)
+def _kernel(dtype: torch.dtype, angles: torch.dtype) -> Any:
+    """The kernel for q/k of ``dtype`` rotated by angles of ``angles``: the same dtype, or fp32
+    for bf16 (the vision towers' rotation, computed in fp32)."""
+    if angles == dtype:
+        return load_typed("norm_rope.c", "omniserve_qk_norm_rope", dtype, _SIGNATURE, None)
+    if (dtype, angles) == (torch.bfloat16, torch.float32):
+        return load_function("norm_rope.c", "omniserve_qk_norm_rope_bf16_f32", _SIGNATURE, None)
+    return None
 
 
 def _rms_kernel() -> Any:
@@ -77,12 +83,13 @@ def qk_norm_rope(
     k_norm: RMSNorm | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rotate_qk`` in one pass where the kernel applies (writes into q and k, returns them)."""
-    kernel = _kernel(q.dtype)
+    kernel = _kernel(q.dtype, cos.dtype)
     norms = [n.weight for n in (q_norm, k_norm) if n is not None]
     usable = (
         kernel is not None
         and (q_norm is None) == (k_norm is None)
-        and all(t.dtype == q.dtype for t in (k, cos, sin, *norms))
+        and all(t.dtype == q.dtype for t in (k, *norms))
+        and sin.dtype == cos.dtype
         and inference_tensors(q, k, cos, sin, *norms)
         and _heads_in_rows(q)
         and _heads_in_rows(k)

@@ -66,10 +66,12 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     q_ptr, k_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
     num_q_heads, head_size, half, eps,
-    HAS_NORM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr, HEAD_PAD: tl.constexpr, ROUND_PRODUCTS: tl.constexpr,
 ):  # fmt: skip
     """Program (token, head): one query head (head < num_q_heads) or key head, normalised when
-    HAS_NORM, then its first ``2 * half`` features rotated (neox layout), in place.
+    HAS_NORM, then its first ``2 * half`` features rotated (neox layout), in place; each product
+    rounded to the element type when ROUND_PRODUCTS (angles in that type), else the rotation in
+    fp32 rounded once (fp32 angles: the vision towers').
 
     The head is read whole, with each feature's rotation partner (i +- half) read beside it, so
     the program writes only after it has read everything it needs. q and k are selected by
@@ -104,8 +106,11 @@ def _qk_norm_rope_kernel(  # type: ignore[no-untyped-def]
     c = tl.load(cos_ptr + token * stride_ct + angle, mask=rotated, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + token * stride_st + angle, mask=rotated, other=0.0).to(tl.float32)
     # x1 * c - x2 * s and x2 * c + x1 * s, each product rounded as torch rounds it
-    xc = (x.to(tl.float32) * c).to(dtype).to(tl.float32)
-    ps = (xp.to(tl.float32) * s).to(dtype).to(tl.float32)
+    xc = x.to(tl.float32) * c
+    ps = xp.to(tl.float32) * s
+    if ROUND_PRODUCTS:
+        xc = xc.to(dtype).to(tl.float32)
+        ps = ps.to(dtype).to(tl.float32)
     out = tl.where(rotated, tl.where(first, xc - ps, xc + ps).to(dtype), x)
     tl.store(q_base + e, out, mask=in_head & is_q)
     tl.store(k_base + e, out, mask=in_head & is_k)
@@ -156,7 +161,8 @@ def qk_norm_rope(
     """``QKRotary``'s kernel: q ``[tokens, heads, head_size]`` and k ``[tokens, kv_heads,
     head_size]`` (views of a fresh QKV projection) normalised per head by the layer's norms when
     it has them (with q's epsilon: both take the config's), then rotated by ``cos``/``sin``
-    ``[tokens, rotary_dim]``; written in place and returned."""
+    ``[tokens, rotary_dim]`` (q's dtype, or fp32: ``rotate_qk`` says how each rounds); written in
+    place and returned."""
     num_tokens, num_q_heads, head_size = q.shape
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("qk_norm_rope needs a unit stride over each head's features.")
@@ -170,5 +176,6 @@ def qk_norm_rope(
             num_q_heads, head_size, cos.shape[1] // 2,
             norms[0].variance_epsilon if norms else 0.0,
             HAS_NORM=norms is not None, HEAD_PAD=triton.next_power_of_2(head_size),
+            ROUND_PRODUCTS=cos.dtype == q.dtype,
         )  # fmt: skip
     return q, k

@@ -54,6 +54,9 @@ class LinearBase(nn.Module):
     output_size: int
     quantization: QuantizationConfig | None = None
     """Set when the weight is quantized (``layers/quantization.py`` says which tensors hold it)."""
+    keeps_dtype: bool = False
+    """Set on layers whose weight's dtype other code reads (transformers' towers cast their
+    inputs to it), so the weight stays in the model's dtype (``keep_bf16_weights`` skips it)."""
 
     def checkpoint_rows(self, *shard: object) -> int:
         """Output features of the checkpoint matrix that ``shard`` (a loader's shard id) names:

@@ -142,9 +142,15 @@ def rotate_qk(
     k_norm: RMSNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, k) ``[tokens, heads, head_size]`` -> each normalised per head (when norms are given)
-    and rotated."""
+    and rotated. With ``cos``/``sin`` in q's dtype every product is rounded to it (transformers'
+    decoders); with fp32 angles for bf16/fp16 q and k (the vision towers'), the rotation runs in
+    fp32 and rounds once (transformers' ``apply_rotary_pos_emb_vision``)."""
     if q_norm is not None and k_norm is not None:
         q, k = q_norm(q), k_norm(k)
+    if cos.dtype != q.dtype:
+        wide = cos.dtype
+        return (apply_rotary_emb(q.to(wide), cos, sin).to(q.dtype),
+                apply_rotary_emb(k.to(wide), cos, sin).to(k.dtype))  # fmt: skip
     return apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
 
 

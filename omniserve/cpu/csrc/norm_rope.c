@@ -8,11 +8,13 @@
  *   norm:  y = x * (1 / sqrt(mean(x^2) + eps)) in fp32, rounded to the element type, then
  *          weight * y, rounded again (transformers' RMSNorm: cast back, then scale).
  *   rope (neox): (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), each product and sum rounded to the
- *          element type (bf16 ops round every result; fp32 ones too, hence fp-contract off).
+ *          element type (bf16 ops round every result; fp32 ones too, hence fp-contract off);
+ *          with fp32 angles for bf16 q/k (the vision towers'), computed in fp32 and rounded
+ *          once (transformers' apply_rotary_pos_emb_vision).
  *
  * q: head h of token t at q + t * q_stride + h * head_size (contiguous head rows); k alike.
- * cos/sin: [T, rotary_dim] rows cs_stride apart, in the element type, both halves the same
- * angles. Built by omniserve/cpu/build.py.
+ * cos/sin: [T, rotary_dim] rows cs_stride apart, in the element type or fp32.
+ * Built by omniserve/cpu/build.py.
  */
 #include <math.h>
 #include <stddef.h>
@@ -24,10 +26,11 @@
 #define ROUND_F32(f) (f)
 #define ROUND_BF16(f) from_bf16(to_bf16(f))
 
-/* One row: norm (when weight is given) then rotation, in place. */
-#define DEFINE_NORM_ROTATE_ROW(NAME, T, LOAD_T, STORE_T, ROUND)                                   \
+/* One row: norm (when weight is given) then rotation, in place; angles of type A, products
+ * rounded by ROTATE_ROUND. */
+#define DEFINE_NORM_ROTATE_ROW(NAME, T, A, LOAD_T, LOAD_A, STORE_T, ROUND, ROTATE_ROUND)          \
     __attribute__((optimize("fp-contract=off"))) static void NAME(                                \
-        T *x, int64_t head_size, const T *weight, float eps, const T *cos, const T *sin,          \
+        T *x, int64_t head_size, const T *weight, float eps, const A *cos, const A *sin,          \
         int64_t rotary_dim) {                                                                     \
         if (weight != NULL) {                                                                     \
             float total = 0.0f;                                                                   \
@@ -39,21 +42,22 @@
         const int64_t half = rotary_dim / 2;                                                      \
         for (int64_t d = 0; d < half; ++d) {                                                      \
             const float x1 = LOAD_T(x[d]), x2 = LOAD_T(x[d + half]);                              \
-            x[d] = STORE_T(ROUND(x1 * LOAD_T(cos[d])) - ROUND(x2 * LOAD_T(sin[d])));             \
-            x[d + half] =                                                                         \
-                STORE_T(ROUND(x2 * LOAD_T(cos[d + half])) + ROUND(x1 * LOAD_T(sin[d + half])));   \
+            x[d] = STORE_T(ROTATE_ROUND(x1 * LOAD_A(cos[d])) -                                    \
+                           ROTATE_ROUND(x2 * LOAD_A(sin[d])));                                    \
+            x[d + half] = STORE_T(ROTATE_ROUND(x2 * LOAD_A(cos[d + half])) +                      \
+                                  ROTATE_ROUND(x1 * LOAD_A(sin[d + half])));                      \
         }                                                                                         \
     }
 
-#define DEFINE_QK_NORM_ROPE(NAME, T, ROW)                                                         \
+#define DEFINE_QK_NORM_ROPE(NAME, T, A, ROW)                                                      \
     void NAME(T *q, int64_t q_stride, int64_t num_heads, T *k, int64_t k_stride,                  \
               int64_t num_kv_heads, int64_t num_tokens, int64_t head_size, const T *q_weight,     \
-              const T *k_weight, float eps, const T *cos, const T *sin, int64_t cs_stride,        \
+              const T *k_weight, float eps, const A *cos, const A *sin, int64_t cs_stride,        \
               int64_t rotary_dim, int num_threads) {                                              \
         const int64_t heads = num_heads + num_kv_heads;                                           \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                     \
         for (int64_t t = 0; t < num_tokens; ++t) {                                                \
-            const T *c = cos + t * cs_stride, *s = sin + t * cs_stride;                           \
+            const A *c = cos + t * cs_stride, *s = sin + t * cs_stride;                           \
             for (int64_t h = 0; h < heads; ++h) {                                                 \
                 const int is_q = h < num_heads;                                                   \
                 T *row = is_q ? q + t * q_stride + h * head_size                                  \
@@ -63,10 +67,16 @@
         }                                                                                         \
     }
 
-DEFINE_NORM_ROTATE_ROW(norm_rotate_row_f32, float, IDENTITY, IDENTITY, ROUND_F32)
-DEFINE_NORM_ROTATE_ROW(norm_rotate_row_bf16, bf16, from_bf16, to_bf16, ROUND_BF16)
-DEFINE_QK_NORM_ROPE(omniserve_qk_norm_rope_f32, float, norm_rotate_row_f32)
-DEFINE_QK_NORM_ROPE(omniserve_qk_norm_rope_bf16, bf16, norm_rotate_row_bf16)
+DEFINE_NORM_ROTATE_ROW(norm_rotate_row_f32, float, float, IDENTITY, IDENTITY, IDENTITY, ROUND_F32,
+                       ROUND_F32)
+DEFINE_NORM_ROTATE_ROW(norm_rotate_row_bf16, bf16, bf16, from_bf16, from_bf16, to_bf16, ROUND_BF16,
+                       ROUND_BF16)
+DEFINE_NORM_ROTATE_ROW(norm_rotate_row_bf16_f32, bf16, float, from_bf16, IDENTITY, to_bf16,
+                       ROUND_BF16, ROUND_F32)
+DEFINE_QK_NORM_ROPE(omniserve_qk_norm_rope_f32, float, float, norm_rotate_row_f32)
+DEFINE_QK_NORM_ROPE(omniserve_qk_norm_rope_bf16, bf16, bf16, norm_rotate_row_bf16)
+/* bf16 q/k rotated by fp32 angles */
+DEFINE_QK_NORM_ROPE(omniserve_qk_norm_rope_bf16_f32, bf16, float, norm_rotate_row_bf16_f32)
 
 /* out[r] = RMSNorm(x[r]) for bf16 rows of `cols` (x rows x_stride apart, out contiguous). */
 void omniserve_rms_norm_bf16(const bf16 *x, int64_t rows, int64_t cols, int64_t x_stride,
