@@ -532,18 +532,38 @@ def _rarely_a_step_apart(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("cols", [2048, 1536, 100])
-def test_bf16_rms_norm_kernel_matches_transformers_rounding(cols: int) -> None:
+def test_bf16_rms_norm_kernel_matches_transformers_rounding(
+    cols: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omniserve.cpu import norm_rope
+
+    calls: list[bool] = []  # whether each kernel call had a residual
+    kernel = norm_rope._rms_kernel()
+
+    def counted(*args: object) -> None:
+        calls.append(args[4] is not None)
+        kernel(*args)
+
+    monkeypatch.setattr(norm_rope, "_rms_kernel", lambda: counted)
     gen = torch.Generator().manual_seed(cols)
     layer = RMSNorm(cols, eps=1e-6)
     layer.weight.data.copy_(torch.randn(cols, generator=gen))
     layer = layer.bfloat16()
     x = (torch.randn(3, 37, cols + 8, generator=gen) * 5).bfloat16()[..., 4 : cols + 4]
+    rows = (torch.randn(111, cols + 8, generator=gen) * 5).bfloat16()[:, 4 : cols + 4]
+    residual = (torch.randn(111, cols, generator=gen) * 5).bfloat16()
     expected = layer(x)  # the torch reference (no kernel yet)
-    assert apply_cpu_backend(layer, torch.bfloat16).placements == {"RMSNorm: C bfloat16": 1}
+    expected_sum, expected_normed = layer.add_forward(rows, residual)
+    placements = apply_cpu_backend(layer, torch.bfloat16).placements
+    assert placements == {"RMSNorm (+ residual add): C bfloat16": 1}
     with torch.inference_mode():
         got = layer(x)
+        got_sum, got_normed = layer.add_forward(rows, residual)  # rows of a wider tensor
     assert got.shape == expected.shape and got.dtype == torch.bfloat16
     _rarely_a_step_apart(got, expected)
+    assert calls == [False, True]  # both ran in the kernel
+    assert torch.equal(got_sum, expected_sum)  # rounded as torch's bf16 add rounds
+    _rarely_a_step_apart(got_normed, expected_normed)
 
 
 @pytest.mark.parametrize("width", [8960, 1000, 7])

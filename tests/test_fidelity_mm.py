@@ -164,7 +164,10 @@ def test_matches_hf(mm_case, shape):
     model_dir, prompts, reference = mm_case
     llm = LLM(model_dir, dtype="float32", **ENGINE_SHAPES[shape])
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert_matches_reference(outputs, reference)
+    # The CPU backend's products (the decoder's and the towers', the patch embedding's as one
+    # product where transformers convolves) add fp32 sums in other orders, which moves these
+    # logprobs by ~1e-4 (as the omni thinkers' media prompts). Greedy tokens stay identical.
+    assert_matches_reference(outputs, reference, atol=2e-4)
     assert all(sum(o.num_mm_tokens.values()) > 0 for o in outputs)
     if shape == "tiny encoder cache":
         stats = llm.llm_engine.engine_core.call_utility("get_stats")

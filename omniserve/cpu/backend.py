@@ -191,8 +191,9 @@ def apply_cpu_backend(model: nn.Module, dtype: torch.dtype) -> KernelPlacement:
             elif isinstance(module, RMSNorm):
                 if not CpuRMSNorm.supports(module):
                     continue  # fp32: torch's fused F.rms_norm already makes one pass
-                module.kernel = CpuRMSNorm(module)
-                kind = "RMSNorm: C bfloat16"
+                kernel = CpuRMSNorm(module)
+                module.kernel, module.add_kernel = kernel, kernel.add
+                kind = "RMSNorm (+ residual add): C bfloat16"
             elif isinstance(module, SiluAndMul):
                 if not (dtype == torch.bfloat16 and cpu_silu_and_mul_available()):
                     continue

@@ -22,7 +22,14 @@ _SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes
 _SIGNATURE += (_PTR, _PTR, _I64, _I64, ctypes.c_int)
 
 
-_RMS_SIGNATURE = (_PTR, _I64, _I64, _I64, _PTR, ctypes.c_float, _PTR, ctypes.c_int)
+_RMS_SIGNATURE = (_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, ctypes.c_float, _PTR, _PTR,
+                  ctypes.c_int)  # fmt: skip
+
+
+FUSED_ADD_MIN_ROWS = 8
+"""From this many rows the residual add runs in the norm's pass; below, torch's add of a decode
+step's few rows costs less than checking the second input for the kernel (about 3 us a call,
+two calls a layer)."""
 
 
 def _kernel(dtype: torch.dtype, angles: torch.dtype) -> Any:
@@ -40,33 +47,65 @@ def _rms_kernel() -> Any:
 
 
 class CpuRMSNorm:
-    """A bf16 ``RMSNorm`` layer in one pass; other inputs take the torch reference."""
+    """A bf16 ``RMSNorm`` layer in one pass, and with the residual add before it in the same
+    pass (``add``); other inputs take the torch reference. Lean on the host: a decode step
+    calls it twice per layer."""
 
     def __init__(self, layer: RMSNorm) -> None:
         self.layer = layer
+        self.cols = layer.weight.shape[0]
 
     @staticmethod
     def supports(layer: RMSNorm) -> bool:
         return layer.weight.dtype == torch.bfloat16 and _rms_kernel() is not None
 
+    def _row_stride(self, x: torch.Tensor) -> int:
+        """How far apart x's rows lie where the kernel can read x in place as ``[rows, cols]``
+        (0: it cannot; an empty x or one autograd records goes to torch too)."""
+        if (
+            x.dtype != torch.bfloat16
+            or x.device.type != "cpu"
+            or x.dim() == 0
+            or x.shape[-1] != self.cols
+            or x.stride(-1) != 1
+            or x.numel() == 0
+            or (torch.is_grad_enabled() and (x.requires_grad or self.layer.weight.requires_grad))
+        ):
+            return 0
+        if x.is_contiguous():
+            return self.cols
+        return x.stride(0) if x.dim() == 2 else 0
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, eps = self.layer.weight, self.layer.variance_epsilon
-        rows = x.reshape(-1, x.shape[-1]) if x.dim() else x
-        usable = (
-            x.dtype == torch.bfloat16
-            and x.dim() >= 1
-            and inference_tensors(x, weight)
-            and rows.stride(-1) == 1
-            and rows.shape[0] > 0
-        )
-        if not usable:
-            return rms_norm(x, weight, eps)
-        out = torch.empty(x.shape, dtype=x.dtype)
-        _rms_kernel()(
-            rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), weight.data_ptr(), eps,
-            out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+        stride = self._row_stride(x)
+        if not stride:
+            if x.dtype == torch.bfloat16 and x.dim() > 2 and x.stride(-1) == 1 and x.numel():
+                return self(x.reshape(-1, x.shape[-1])).view(x.shape)  # rows not evenly spaced
+            return rms_norm(x, self.layer.weight, self.layer.variance_epsilon)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self._run(x, stride, 0, 0, 0, out.data_ptr())
         return out
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + x, norm(residual + x))``, the sum rounded to bf16 as torch's add
+        rounds it, in one pass."""
+        stride = self._row_stride(x) if x.numel() >= FUSED_ADD_MIN_ROWS * self.cols else 0
+        res_stride = self._row_stride(residual) if stride else 0
+        if not (res_stride and x.shape == residual.shape):
+            summed = residual + x
+            return summed, self(summed)
+        summed, out = (torch.empty_like(x, memory_format=torch.contiguous_format) for _ in "so")
+        self._run(x, stride, residual.data_ptr(), res_stride, summed.data_ptr(), out.data_ptr())
+        return summed, out
+
+    def _run(
+        self, x: torch.Tensor, stride: int, residual: int, res_stride: int, summed: int, out: int
+    ) -> None:
+        _rms_kernel()(
+            x.data_ptr(), x.numel() // self.cols, self.cols, stride, residual or None, res_stride,
+            self.layer.weight.data_ptr(), self.layer.variance_epsilon, summed or None, out,
+            torch.get_num_threads(),
+        )  # fmt: skip
 
 
 def _heads_in_rows(x: torch.Tensor) -> bool:

@@ -78,13 +78,25 @@ DEFINE_QK_NORM_ROPE(omniserve_qk_norm_rope_bf16, bf16, bf16, norm_rotate_row_bf1
 /* bf16 q/k rotated by fp32 angles */
 DEFINE_QK_NORM_ROPE(omniserve_qk_norm_rope_bf16_f32, bf16, float, norm_rotate_row_bf16_f32)
 
-/* out[r] = RMSNorm(x[r]) for bf16 rows of `cols` (x rows x_stride apart, out contiguous). */
+/* out[r] = RMSNorm(s[r]) for bf16 rows of `cols`, where s = x + residual (rounded to bf16, as
+ * torch's bf16 add rounds; written to summed) when residual is given, else s = x (x rows
+ * x_stride apart, residual rows r_stride apart, out and summed contiguous). */
 void omniserve_rms_norm_bf16(const bf16 *x, int64_t rows, int64_t cols, int64_t x_stride,
-                             const bf16 *weight, float eps, bf16 *out, int num_threads) {
+                             const bf16 *residual, int64_t r_stride, const bf16 *weight,
+                             float eps, bf16 *summed, bf16 *out, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t r = 0; r < rows; ++r) {
         const bf16 *src = x + r * x_stride;
         bf16 *dst = out + r * cols;
+        if (residual != NULL) { /* the rounded sum is what the norm reads */
+            const bf16 *res = residual + r * r_stride;
+            bf16 *sum_row = summed + r * cols;
+            int64_t d = 0;
+            for (; d + LANES <= cols; d += LANES)
+                store_bf16(sum_row + d, load_bf16(res + d) + load_bf16(src + d));
+            for (; d < cols; ++d) sum_row[d] = to_bf16(from_bf16(res[d]) + from_bf16(src[d]));
+            src = sum_row;
+        }
         vec sum = (vec){0};
         int64_t d = 0;
         for (; d + LANES <= cols; d += LANES) {
