@@ -12,8 +12,10 @@ checkpoints load as before and the outputs are transformers' up to the order of 
 - the vision attention becomes ``VisionAttention``: the same projections and attention, with the
   rotation through ``QKRotary`` (fp32 angles: rotated in fp32 and rounded once, as
   ``apply_rotary_pos_emb_vision`` does in eight full-size passes; one pass on a CPU or GPU).
-Measured on Qwen2.5-Omni-3B's towers in bf16 (``scripts/bench_realsize.py --workloads ttft_mm``,
-2-core Xeon with AMX): see the README's benchmark paragraph.
+Measured (``scripts/bench_towers.py``: Qwen2.5-Omni-3B's towers on random weights, bf16, 2-core
+Xeon with AMX, alternating in one process): a 448 x 448 image through the vision tower 1.54-1.61x
+as fast as transformers' modules (1.34-1.39x against them with only the norms swapped, what ran
+before), a 10 s clip through the audio tower 1.06-1.32x (1.11-1.13x).
 """
 
 from __future__ import annotations

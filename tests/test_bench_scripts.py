@@ -321,3 +321,17 @@ def test_bench_cpu_linear_runs():
         pytest.skip("the bf16-weight kernel needs AVX-512")
     lines = _linear_bench_rows("bench_cpu_linear.py", ["1", "3"])
     assert all(line[-1].endswith("x") and line[-2].endswith("x") for line in lines)
+
+
+def test_bench_towers_runs():
+    """The towers' benchmark on tiny checkpoints: a ratio and an output difference per tower."""
+    arch = "Qwen2_5OmniThinkerForConditionalGeneration"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_towers.py"), "--tiny", "--models", arch,
+         "--repeats", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    timed = [line for line in result.stdout.splitlines() if "pairwise" in line]
+    assert [line.split()[1] for line in timed] == ["vision:", "audio:"]
+    assert all(float(line.rsplit(" ", 1)[1]) < 1e-2 for line in timed)  # the outputs agree
