@@ -323,6 +323,7 @@ def test_bench_cpu_linear_runs():
     assert all(line[-1].endswith("x") and line[-2].endswith("x") for line in lines)
 
 
+@pytest.mark.slow
 def test_bench_towers_runs():
     """The towers' benchmark on tiny checkpoints: a ratio and an output difference per tower."""
     arch = "Qwen2_5OmniThinkerForConditionalGeneration"
