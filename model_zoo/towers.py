@@ -8,7 +8,8 @@ checkpoints load as before and the outputs are transformers' up to the order of 
   output and reordered the weight on every call);
 - a ``Conv3d`` whose stride is its kernel (the patch embedding) becomes ``PatchLinear``: each
   output is one patch's dot product with a filter, i.e. one linear layer over flattened patches;
-- transformers' RMSNorm copies become ``RMSNorm``;
+- transformers' RMSNorm copies become ``RMSNorm``, and their GELUs (torch's erf and tanh forms)
+  ``GELU``;
 - the vision attention becomes ``VisionAttention``: the same projections and attention, with the
   rotation through ``QKRotary`` (fp32 angles: rotated in fp32 and rounded once, as
   ``apply_rotary_pos_emb_vision`` does in eight full-size passes; one pass on a CPU or GPU).
@@ -20,6 +21,7 @@ before), a 10 s clip through the audio tower 1.06-1.32x (1.11-1.13x).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import GELUActivation, GELUTanh
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniRMSNorm,
@@ -41,6 +44,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionAttention
 from transformers.utils.generic import get_max_seqlen, is_flash_attention_requested
 
+from omniserve.layers.activation import GELU
 from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import LinearBase, ReplicatedLinear
 from omniserve.layers.rotary_embedding import QKRotary
@@ -152,6 +156,19 @@ class VisionAttention(nn.Module):
         return self.proj(out.reshape(tokens, -1))
 
 
+def _gelu_form(module: nn.Module) -> str | None:
+    """``F.gelu``'s ``approximate`` for the GELU modules the towers use (transformers' erf and tanh
+    activations on torch's function, ``nn.GELU``); None for anything else."""
+    if type(module) is nn.GELU:
+        return module.approximate
+    act = getattr(module, "act", None)
+    if type(module) is GELUActivation and act is F.gelu:
+        return "none"
+    if type(module) is GELUTanh and isinstance(act, functools.partial) and act.func is F.gelu:
+        return act.keywords.get("approximate")
+    return None
+
+
 def adopt_tower(tower: nn.Module) -> nn.Module:
     """Swap ``tower``'s pieces for our layers in place (the module docstring says which);
     returns it."""
@@ -162,6 +179,8 @@ def adopt_tower(tower: nn.Module) -> nn.Module:
             setattr(tower, name, adopt_linear(child))
         elif PatchLinear.covers(child):
             setattr(tower, name, PatchLinear(child))
+        elif (approximate := _gelu_form(child)) is not None:
+            setattr(tower, name, GELU(approximate))
         elif isinstance(child, _HF_RMS_NORMS):
             norm = RMSNorm(child.weight.shape[0], child.variance_epsilon)
             norm.weight = child.weight

@@ -34,10 +34,14 @@ def _vision_classes() -> dict[str, type[nn.Module]]:
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
         Qwen2_5_VisionTransformerPretrainedModel,
     )
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeVisionEncoder,
+    )
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
     return {
         "Qwen2_5OmniThinkerForConditionalGeneration": Qwen2_5OmniVisionEncoder,
+        "Qwen3OmniMoeThinkerForConditionalGeneration": Qwen3OmniMoeVisionEncoder,
         "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VisionTransformerPretrainedModel,
         "Qwen3VLForConditionalGeneration": Qwen3VLVisionModel,
     }
@@ -76,10 +80,9 @@ def audio_run(tower: nn.Module, device: torch.device) -> Callable[[nn.Module], t
     return run
 
 
-def towers(config: Any, device: torch.device) -> list[tuple[str, nn.Module, Callable]]:
+def towers(arch: str, config: Any, device: torch.device) -> list[tuple[str, nn.Module, Callable]]:
     """(name, transformers' tower with random weights, its input) of each tower a config has."""
     out = []
-    arch = config.architectures[0]
     vision_cls = _vision_classes().get(arch)
     if vision_cls is None:
         raise SystemExit(f"{arch}: no vision tower here to time (see _vision_classes).")
@@ -130,8 +133,9 @@ def main() -> None:
         else:
             raise SystemExit(f"{model}: not one of {', '.join(REALSIZE_MODELS)}.")
         config = AutoConfig.from_pretrained(model_dir)
+        arch = config.architectures[0]
         config = getattr(config, "thinker_config", config)
-        for name, theirs, run in towers(config, device):
+        for name, theirs, run in towers(arch, config, device):
             ours = adopt_tower(copy.deepcopy(theirs))
             with torch.inference_mode():
                 print(f"{model} {name}: {backend(ours, torch.bfloat16).summary()}")

@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from omniserve.attention import Attention
 from omniserve.cpu import activation as cpu_activation
@@ -30,7 +31,7 @@ from omniserve.cpu.linear import (
 )
 from omniserve.cpu.moe import CpuMoE
 from omniserve.cpu.norm_rope import qk_norm_rope
-from omniserve.layers.activation import SiluAndMul, silu_and_mul
+from omniserve.layers.activation import GELU, SiluAndMul, silu_and_mul
 from omniserve.layers.fused_moe import FusedMoE, select_experts, torch_fused_experts
 from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -564,6 +565,29 @@ def test_bf16_rms_norm_kernel_matches_transformers_rounding(
     assert calls == [False, True]  # both ran in the kernel
     assert torch.equal(got_sum, expected_sum)  # rounded as torch's bf16 add rounds
     _rarely_a_step_apart(got_normed, expected_normed)
+
+
+@pytest.mark.parametrize("shape", [(64, 4304), (3, 1000), (1, 7)])
+def test_bf16_gelu_tanh_kernel_matches_torch_rounding(
+    shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tanh form in one pass: torch's bf16 results where they are not tiny (|y| > 1e-2),
+    within 1e-6 of the largest elsewhere (its exp is within 2 ulp of torch's); the erf form keeps
+    torch's, which is as fast."""
+    monkeypatch.setattr(cpu_activation, "GELU_MIN_ELEMENTS", 1)  # small inputs take it too
+    gen = torch.Generator().manual_seed(shape[1])
+    x = (torch.randn(*shape, generator=gen) * 4).bfloat16()
+    tanh, erf = GELU("tanh"), GELU()
+    expected = tanh(x)  # the torch reference (no kernel yet)
+    report = apply_cpu_backend(nn.Sequential(tanh, erf), torch.bfloat16)
+    assert report.placements == {"GELU (tanh form): C bfloat16": 1}
+    assert tanh.kernel is not None and erf.kernel is None
+    with torch.inference_mode():
+        got = tanh(x)
+    visible = expected.float().abs() > 1e-2
+    assert torch.equal(got[visible], expected[visible])
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0,
+                               atol=1e-6 * expected.float().abs().max().item())  # fmt: skip
 
 
 @pytest.mark.parametrize("width", [8960, 1000, 7])

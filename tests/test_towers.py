@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from model_zoo.multimodal import run_vision_tower
-from model_zoo.towers import PatchLinear, VisionAttention
+from model_zoo.towers import PatchLinear, VisionAttention, _gelu_form
 from omniserve.cpu.backend import apply_cpu_backend, keep_bf16_weights
 from omniserve.layers.linear import ReplicatedLinear
 from tests.test_models_mm import VL_ARCHS, load_ours
@@ -44,6 +44,7 @@ def test_adopted_tower_is_transformers_in_fp32_and_close_on_the_kernels(
 ) -> None:
     ours, theirs = _towers(tiny_checkpoint(arch))
     assert not any(type(m) is nn.Linear or type(m) is nn.Conv3d for m in ours.modules())
+    assert not any(_gelu_form(m) for m in ours.modules())  # transformers' GELUs became ours
     attentions = [m for m in ours.modules() if isinstance(m, VisionAttention)]
     assert len(attentions) == ours.config.depth
     pixels, grid = _inputs(ours)

@@ -2,7 +2,7 @@
 
 Layers compute through torch by default and expose a hook for a faster implementation
 (``LinearBase.kernel``, ``FusedMoE.kernel``, ``QKRotary.kernel``, ``RMSNorm.kernel``,
-``SiluAndMul.kernel``, ``Attention.backend``).
+``SiluAndMul.kernel``, ``GELU.kernel``, ``Attention.backend``).
 ``apply_cpu_backend`` walks a loaded model once and sets those hooks where a kernel covers the
 layer's device, dtype and shapes; everything else stays on torch, and the report says what went
 where. Weights a kernel keeps in its own layout replace the originals layer by layer, so the
@@ -20,7 +20,12 @@ from torch import nn
 
 from omniserve import envs
 from omniserve.attention.layer import Attention
-from omniserve.cpu.activation import cpu_silu_and_mul, cpu_silu_and_mul_available
+from omniserve.cpu.activation import (
+    cpu_gelu,
+    cpu_gelu_available,
+    cpu_silu_and_mul,
+    cpu_silu_and_mul_available,
+)
 from omniserve.cpu.attention import CpuAttentionBackend
 from omniserve.cpu.linear import (
     Fp8Linear,
@@ -33,7 +38,7 @@ from omniserve.cpu.linear import (
 from omniserve.cpu.linear_amx import AmxLinear
 from omniserve.cpu.moe import CpuMoE
 from omniserve.cpu.norm_rope import CpuRMSNorm, qk_norm_rope
-from omniserve.layers.activation import SiluAndMul
+from omniserve.layers.activation import GELU, SiluAndMul
 from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.layernorm import RMSNorm
 from omniserve.layers.linear import LinearBase
@@ -199,6 +204,12 @@ def apply_cpu_backend(model: nn.Module, dtype: torch.dtype) -> KernelPlacement:
                     continue
                 module.kernel = cpu_silu_and_mul
                 kind = "SiLU-and-mul: C bfloat16"
+            elif isinstance(module, GELU):
+                tanh = module.approximate == "tanh"  # torch's erf form is as fast as C
+                if not (tanh and dtype == torch.bfloat16 and cpu_gelu_available()):
+                    continue
+                module.kernel = cpu_gelu
+                kind = "GELU (tanh form): C bfloat16"
             else:
                 continue
             report.placements[kind] += 1

@@ -1,4 +1,5 @@
-"""Gated activations over a fused ``[gate | up]`` projection."""
+"""Activations a backend has kernels for: gated ones over a fused ``[gate | up]`` projection, and
+GELU."""
 
 from __future__ import annotations
 
@@ -25,6 +26,28 @@ class SiluAndMul(nn.Module):
         if self.kernel is not None:
             return self.kernel(x)
         return silu_and_mul(x)
+
+
+def gelu(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """torch's GELU (``approximate``: "none", the erf form, or "tanh"), the kernels' reference."""
+    return F.gelu(x, approximate=approximate)
+
+
+class GELU(nn.Module):
+    """``F.gelu`` as a layer a device backend may give a ``kernel``."""
+
+    kernel: Callable[[torch.Tensor, str], torch.Tensor] | None = None
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU approximate={approximate!r}: 'none' or 'tanh'.")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.approximate)
+        return gelu(x, self.approximate)
 
 
 def get_act_and_mul(hidden_act: str) -> nn.Module:
