@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from model_zoo.multimodal import run_vision_tower
-from model_zoo.towers import PatchLinear, VisionAttention, _gelu_form
+from model_zoo.towers import GatedMLP, PatchLinear, VisionAttention, _gelu_form
 from omniserve.cpu.backend import apply_cpu_backend, keep_bf16_weights
 from omniserve.layers.linear import ReplicatedLinear
 from tests.test_models_mm import VL_ARCHS, load_ours
@@ -47,6 +47,8 @@ def test_adopted_tower_is_transformers_in_fp32_and_close_on_the_kernels(
     assert not any(_gelu_form(m) for m in ours.modules())  # transformers' GELUs became ours
     attentions = [m for m in ours.modules() if isinstance(m, VisionAttention)]
     assert len(attentions) == ours.config.depth
+    gated = [m for m in ours.modules() if isinstance(m, GatedMLP)]  # Qwen2.5's SwiGLU MLPs
+    assert len(gated) == (ours.config.depth if "2_5" in arch else 0)
     pixels, grid = _inputs(ours)
     with torch.inference_mode():
         want = run_vision_tower(theirs, pixels, grid).pooler_output
