@@ -18,8 +18,8 @@ from omniserve.layers.layernorm import RMSNorm, rms_norm
 from omniserve.layers.rotary_embedding import rotate_qk
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_float)
-_SIGNATURE += (_PTR, _PTR, _I64, _I64, ctypes.c_int)
+_SIGNATURE = (_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_float,
+              _PTR, _PTR, _I64, _I64, ctypes.c_int)  # fmt: skip
 
 
 _RMS_SIGNATURE = (_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, ctypes.c_float, _PTR, _PTR,
