@@ -59,42 +59,40 @@ class CpuRMSNorm:
     def supports(layer: RMSNorm) -> bool:
         return layer.weight.dtype == torch.bfloat16 and _rms_kernel() is not None
 
-    def _row_stride(self, x: torch.Tensor) -> int:
-        """How far apart x's rows lie where the kernel can read x in place as ``[rows, cols]``
-        (0: it cannot; an empty x or one autograd records goes to torch too)."""
+    def _row_stride(self, rows: torch.Tensor) -> int:
+        """How far apart the rows of ``rows`` (1-D or 2-D) lie where the kernel can read them in
+        place (0: it cannot, or there are none, or autograd records them)."""
         if (
-            x.dtype != torch.bfloat16
-            or x.device.type != "cpu"
-            or x.dim() == 0
-            or x.shape[-1] != self.cols
-            or x.stride(-1) != 1
-            or x.numel() == 0
-            or (torch.is_grad_enabled() and (x.requires_grad or self.layer.weight.requires_grad))
+            rows.dtype != torch.bfloat16
+            or rows.dim() not in (1, 2)
+            or rows.shape[-1] != self.cols
+            or rows.stride(-1) != 1
+            or rows.numel() == 0
+            or not inference_tensors(rows, self.layer.weight)
         ):
             return 0
-        if x.is_contiguous():
-            return self.cols
-        return x.stride(0) if x.dim() == 2 else 0
+        return self.cols if rows.dim() == 1 else rows.stride(0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        stride = self._row_stride(x)
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x
+        stride = self._row_stride(rows)
         if not stride:
-            if x.dtype == torch.bfloat16 and x.dim() > 2 and x.stride(-1) == 1 and x.numel():
-                return self(x.reshape(-1, x.shape[-1])).view(x.shape)  # rows not evenly spaced
             return rms_norm(x, self.layer.weight, self.layer.variance_epsilon)
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        self._run(x, stride, 0, 0, 0, out.data_ptr())
+        self._run(rows, stride, 0, 0, 0, out.data_ptr())
         return out
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(residual + x, norm(residual + x))``, the sum rounded to bf16 as torch's add
-        rounds it, in one pass."""
-        stride = self._row_stride(x) if x.numel() >= FUSED_ADD_MIN_ROWS * self.cols else 0
+        rounds it, in one pass (from ``FUSED_ADD_MIN_ROWS`` rows of 2-D inputs: a decoder's)."""
+        few = x.numel() < FUSED_ADD_MIN_ROWS * self.cols
+        stride = 0 if few or x.shape != residual.shape else self._row_stride(x)
         res_stride = self._row_stride(residual) if stride else 0
-        if not (res_stride and x.shape == residual.shape):
+        if not res_stride:
             summed = residual + x
             return summed, self(summed)
-        summed, out = (torch.empty_like(x, memory_format=torch.contiguous_format) for _ in "so")
+        summed = torch.empty_like(residual, memory_format=torch.contiguous_format)
+        out = torch.empty_like(summed)
         self._run(x, stride, residual.data_ptr(), res_stride, summed.data_ptr(), out.data_ptr())
         return summed, out
 
