@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniAudioEncoder,
@@ -108,6 +109,30 @@ def audio_frames(data: dict[str, Any]) -> torch.Tensor:
     features = data["input_features"]
     features = features.reshape(-1, *features.shape[-2:])[0]  # [num_mel_bins, padded_frames]
     return features[:, : num_audio_frames(data)]
+
+
+def run_audio_tower(
+    tower: nn.Module, features: torch.Tensor, num_frames: list[int]
+) -> torch.Tensor:
+    """Qwen2.5-Omni's audio tower over ``features`` ``[num_mel_bins, frames]`` (the items' valid
+    frames side by side, ``num_frames`` each): their embeddings, one after another. What the
+    tower derives from the lengths is derived on the host (see ``run_vision_tower``)."""
+    features = features.to(tower.conv1.weight.dtype)
+    feature_lens = torch.tensor(num_frames)
+    padded, chunk_lengths = chunk_and_pad_features(features, feature_lens, tower.n_window)
+    host, bounds = segment_bounds(tower, cu_seqlens=get_audio_cu_seqlens(chunk_lengths))
+    hidden = tower(
+        padded_feature=padded,
+        **host,
+        **on_device(
+            features.device,
+            chunk_lengths=chunk_lengths,
+            valid_indices=get_valid_indices(chunk_lengths),
+            pool_indices=get_pool_indices(feature_lens),
+            **bounds,
+        ),
+    )
+    return hidden.last_hidden_state
 
 
 def seconds_per_grid(data: dict[str, Any]) -> torch.Tensor:
@@ -351,26 +376,10 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerBase):
         return get_audio_in_video_order(item)
 
     def encode_audio(self, items: list[dict[str, Any]]) -> list[torch.Tensor]:
-        tower = self.audio_tower
         num_frames = [num_audio_frames(item) for item in items]
         features = torch.cat([audio_frames(item) for item in items], dim=1)  # [mel, frames]
-        features = features.to(tower.conv1.weight.dtype)
-        # What the tower derives from the lengths, derived on the host (see run_vision_tower).
-        feature_lens = torch.tensor(num_frames)
-        padded, chunk_lengths = chunk_and_pad_features(features, feature_lens, tower.n_window)
-        host, bounds = segment_bounds(tower, cu_seqlens=get_audio_cu_seqlens(chunk_lengths))
-        hidden = tower(
-            padded_feature=padded,
-            **host,
-            **on_device(
-                features.device,
-                chunk_lengths=chunk_lengths,
-                valid_indices=get_valid_indices(chunk_lengths),
-                pool_indices=get_pool_indices(feature_lens),
-                **bounds,
-            ),
-        )
-        return list(hidden.last_hidden_state.split(self.audio_lengths(num_frames)))
+        hidden = run_audio_tower(self.audio_tower, features, num_frames)
+        return list(hidden.split(self.audio_lengths(num_frames)))
 
     def temporal_index(self, feature: MultiModalFeatureSpec, t: int) -> torch.Tensor:
         """Frame-group temporal offsets, floored as the reference does (images: step 1 s)."""

@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from model_zoo.multimodal import run_vision_tower  # noqa: E402
-from model_zoo.towers import adopt_tower  # noqa: E402
-from omniserve.attention.encoder import segment_bounds  # noqa: E402
+from model_zoo.multimodal import run_vision_tower
+from model_zoo.towers import adopt_tower
 
 
 def _vision_classes() -> dict[str, type[nn.Module]]:
@@ -57,27 +52,11 @@ def vision_run(tower: nn.Module, device: torch.device) -> Callable[[nn.Module], 
 
 
 def audio_run(tower: nn.Module, device: torch.device) -> Callable[[nn.Module], torch.Tensor]:
-    """A 10 s clip through Qwen2.5-Omni's audio tower, as the thinker calls it."""
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-        chunk_and_pad_features,
-        get_audio_cu_seqlens,
-        get_pool_indices,
-        get_valid_indices,
-    )
-
-    from model_zoo.multimodal import on_device
+    """A 10 s clip through Qwen2.5-Omni's audio tower, as the thinker runs it."""
+    from model_zoo.qwen2_5_omni_thinker import run_audio_tower
 
     features = torch.randn(tower.config.num_mel_bins, 1000, dtype=torch.bfloat16, device=device)
-    lengths = torch.tensor([1000])
-
-    def run(t: nn.Module) -> torch.Tensor:
-        padded, chunks = chunk_and_pad_features(features, lengths, t.n_window)
-        host, bounds = segment_bounds(t, cu_seqlens=get_audio_cu_seqlens(chunks))
-        device_side = on_device(device, chunk_lengths=chunks, valid_indices=get_valid_indices(
-            chunks), pool_indices=get_pool_indices(lengths), **bounds)  # fmt: skip
-        return t(padded_feature=padded, **host, **device_side).last_hidden_state
-
-    return run
+    return lambda t: run_audio_tower(t, features, [1000])
 
 
 def towers(arch: str, config: Any, device: torch.device) -> list[tuple[str, nn.Module, Callable]]:
