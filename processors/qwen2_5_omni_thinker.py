@@ -56,6 +56,7 @@ from omniserve.multimodal.parse import (
     _is_array,
     _is_frame_list,
     _video_to_array,
+    sampled_fps,
 )
 from omniserve.multimodal.processing import (
     MultiModalFieldConfig,
@@ -381,7 +382,7 @@ class Qwen2_5OmniThinkerMultiModalProcessor(Qwen2VLMultiModalProcessor):
     def _seconds_per_grid(self, metadata: Mapping[str, Any], merged: Mapping[str, Any]) -> float:
         """``temporal_patch_size / fps`` with the frames' own rate when known (see the module
         doc), else the ``fps`` kwarg, else HF's default."""
-        fps = metadata.get("fps") or merged["videos_kwargs"].get("fps") or self.default_video_fps
+        fps = sampled_fps(metadata) or merged["videos_kwargs"].get("fps") or self.default_video_fps
         return self.info.get_hf_processor().video_processor.temporal_patch_size / fps
 
     def _apply_hf_processor(

@@ -10,11 +10,13 @@ embeddings (the range's ``is_embed``). This is the layout of Qwen's own processo
 transformers 5.24's ``Qwen3VLProcessor`` replaces only the pad and so nests each group inside the
 template's markers, a layout the model was not trained on (tests pin the difference).
 
-Timestamps follow HF on the frames it is given: frame index / the given frames' rate, which is
-the sampled rate for a decoded file (uniform sampling, so within one source frame of the source
-times vLLM reads) and HF's default of 24 fps for bare arrays, which carry none. The video
-processor bounds the whole video's pixels (``size``: all frames together), so a frame's tokens
-shrink as frames are added.
+Timestamps follow HF on the frames' metadata: frame index / fps. A decoded file's frames carry
+the source's (their indices among its frames, its rate), so each group sits at its source frames'
+time, as in transformers' own video loading and vLLM; bare arrays carry none and get HF's default
+of 24 fps. HF's frame sampling (``do_sample_frames``, on in the published checkpoints) runs on
+frames given whole, never again on a file's sample (``VideoProcessorItems.hf_call_kwargs``).
+The video processor bounds the whole video's pixels (``size``: all frames together), so a
+frame's tokens shrink as frames are added.
 
 Precomputed image embeddings (``--enable-mm-embeds``) are the tower's output as it makes it, each
 row the main embedding followed by its DeepStack levels (which feed early decoder layers), with
@@ -23,7 +25,6 @@ the image's ``image_grid_thw``; video embeddings are refused, as for Qwen2-VL.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -112,13 +113,9 @@ class Qwen3VLMultiModalProcessor(Qwen2VLMultiModalProcessor):
     ) -> Mapping[str, Any]:
         """The HF processor on the media, asking for the videos' metadata after its frame
         sampling, whose frame indices and rate give each frame group's timestamp."""
-        data = dict(mm_data)
-        if "video_metadata" in data:
-            # HF extends the index lists in place; the parsed items keep theirs.
-            data["video_metadata"] = copy.deepcopy(data["video_metadata"])
         outputs = dict(
             self.info.get_hf_processor()(
-                **{**mm_kwargs, **data, "return_metadata": True, "return_tensors": "pt"}
+                **{**mm_kwargs, **mm_data, "return_metadata": True, "return_tensors": "pt"}
             )
         )
         metadata = outputs.pop("video_metadata", None)

@@ -23,6 +23,7 @@ from omniserve.engine.arg_utils import EngineArgs
 from omniserve.multimodal.cache import ProcessorCache
 from omniserve.multimodal.context import InputProcessingContext
 from omniserve.multimodal.errors import MultiModalInputError
+from omniserve.multimodal.media_io import VideoItem
 from omniserve.multimodal.processing import BaseMultiModalProcessor, MultiModalInputs
 from omniserve.tokenizer import get_tokenizer
 from processors import qwen2_5_omni_thinker as qwen2_5
@@ -244,6 +245,28 @@ def test_audio_shorter_than_one_token_is_rejected(make_processor, hf_processor, 
     track = (np.ones(too_short, np.float32), 16_000)
     with pytest.raises(MultiModalInputError, match="audio track of video item 0 is too short"):
         processor.apply(_prompt(hf, ["video"]), {"video": (_video(5, 4), track)}, AUDIO_IN_VIDEO)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_files_sample_is_timed_at_its_own_rate(make_processor, hf_processor, arch) -> None:
+    """8 frames sampled from a 6 s file (60 frames at 10 fps) with its audio: the video's
+    temporal patches span 2 / (8 / 6) = 1.5 s, and its tokens interleave with the track's as
+    transformers lays them out when called with that rate."""
+    import librosa
+
+    processor, hf = make_processor(arch), hf_processor(arch)
+    frames, track = _video(8, 8), _audio(9, 8_000 * 6)
+    indices = [0, 8, 17, 25, 34, 42, 51, 59]
+    item = VideoItem(
+        frames, fps=8 / 6, source_fps=10.0, frame_indices=indices, audio=(track, 8_000),
+        num_source_frames=60,
+    )  # fmt: skip
+    text = _prompt(hf, ["av"])
+    ours = processor.apply(text, {"video": item}, AUDIO_IN_VIDEO)
+    resampled = librosa.resample(track, orig_sr=8_000, target_sr=16_000)
+    ref = _call_hf(hf, text, videos=[frames], audio=[resampled], slots=[0], fps=8 / 6)
+    assert_matches_hf(arch, ours, ref)
+    assert ours.mm_features[0].data["video_second_per_grid"].item() == pytest.approx(1.5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -196,3 +196,84 @@ def test_chat_video_file_frames_are_placed_in_time(
     assert "<0.1 seconds>" in hf.tokenizer.decode(out.prompt_token_ids)
     reference = model.generate(**want, max_new_tokens=6, do_sample=False)
     assert list(out.outputs[0].token_ids) == reference[0, want["input_ids"].shape[1] :].tolist()
+
+
+def test_chat_video_file_sample_is_placed_at_its_source_times(
+    setup: tuple, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    """A 6 s file (60 frames at 10 fps) sampled to 8 frames: each group's timestamp is its
+    source frames' time (frames 51 and 59: 5.5 s), as transformers gives the same frames with
+    the source's metadata, not index / the sample's rate (which put that group at 4.9 s); the
+    sample is not sampled again; the greedy answer is transformers'."""
+    from omniserve import LLM, SamplingParams
+    from omniserve.multimodal.media import MediaConfig
+    from omniserve.multimodal.media_io import decode_video
+    from tests.test_api_multimodal import _data_url
+    from tests.test_media import _video as _mp4
+
+    _, hf, model = setup
+    data = _mp4(num_frames=60, audio_rate=None)
+    llm = LLM(str(tiny_checkpoint(ARCH)), dtype="float32", kv_cache_memory=64 << 20)
+    part = {"type": "video_url", "video_url": {"url": _data_url("video/mp4", data)}}
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "When?"}]}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    (out,) = llm.chat(messages, greedy, use_tqdm=False, mm_processor_kwargs={"num_frames": 8})
+    text = hf.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "When?"}]}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    frames = decode_video(data, num_frames=8, fps=None, budget=MediaConfig().video_budget).frames
+    indices = [0, 8, 17, 25, 34, 42, 51, 59]  # np.linspace(0, 59, 8).round()
+    metadata = [{"total_num_frames": 60, "fps": 10.0, "frames_indices": indices}]
+    want = hf(
+        text=[hf_processor_text(hf, text)],
+        videos=[frames],
+        video_metadata=metadata,
+        do_sample_frames=False,
+        return_tensors="pt",
+    )
+    assert out.prompt_token_ids == want["input_ids"][0].tolist()
+    decoded = hf.tokenizer.decode(out.prompt_token_ids)
+    assert "<0.4 seconds>" in decoded and "<5.5 seconds>" in decoded
+    assert "<4.9 seconds>" not in decoded
+    reference = model.generate(**want, max_new_tokens=6, do_sample=False)
+    assert list(out.outputs[0].token_ids) == reference[0, want["input_ids"].shape[1] :].tolist()
+
+
+def test_hf_frame_sampling_runs_on_whole_videos_only(setup: tuple) -> None:
+    """Under the published checkpoints' ``do_sample_frames=True``, HF samples frames given
+    whole (a bare array), but a sample decoded from a longer file goes in as it is, in its own
+    HF call, whatever order the items come in (its indices count source frames)."""
+    ours, hf, _ = setup
+    sample = VideoItem(
+        _video(3, 8), fps=8 / 6, source_fps=10.0, frame_indices=[0, 8, 17, 25, 34, 42, 51, 59],
+        audio=None, num_source_frames=60,
+    )  # fmt: skip
+    bare = _video(4, 12)
+    prompt = f"<|im_start|>user\n{VIDEO}and{VIDEO}?<|im_end|>\n<|im_start|>assistant\n"
+    processors = (ours.info.get_hf_processor().video_processor, hf.video_processor)
+    for processor in processors:
+        processor.do_sample_frames = True
+    try:
+        got = ours.apply(prompt, {"video": [bare, sample]})
+        whole = hf.video_processor([bare], return_metadata=True, return_tensors="pt")
+        sampled = hf.video_processor(
+            [sample.frames],
+            video_metadata=[
+                {"total_num_frames": 60, "fps": 10.0, "frames_indices": sample.frame_indices}
+            ],
+            do_sample_frames=False,
+            return_tensors="pt",
+        )
+    finally:
+        for processor in processors:
+            processor.do_sample_frames = False
+    first, second = (f.data for f in got.mm_features)
+    assert whole["video_grid_thw"][0, 0] < 6  # HF sampled the bare array (24 fps assumed)
+    assert torch.equal(first["video_grid_thw"], whole["video_grid_thw"])
+    assert torch.equal(first["pixel_values_videos"], whole["pixel_values_videos"])
+    assert torch.equal(second["video_grid_thw"], sampled["video_grid_thw"])
+    assert second["video_grid_thw"][0, 0] == 4  # all 8 frames kept
+    assert torch.equal(second["pixel_values_videos"], sampled["pixel_values_videos"])
+    assert "<5.5 seconds>" in hf.tokenizer.decode(got.prompt_token_ids)

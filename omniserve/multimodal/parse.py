@@ -43,6 +43,11 @@ class ModalityDataItems:
         """Keyword arguments for the HF processor covering the items at ``indices``."""
         return {self.hf_arg: [self.items[i] for i in indices]}
 
+    def hf_call_kwargs(self, index: int) -> dict[str, object]:
+        """Processor kwargs item ``index`` needs whatever the request asked; items that need
+        different ones go to the HF processor in separate calls."""
+        return {}
+
 
 class ImageProcessorItems(ModalityDataItems):
     """PIL images, HWC ndarrays or CHW tensors, as given."""
@@ -69,12 +74,22 @@ class VideoProcessorItems(ModalityDataItems):
         return (self.items[index], self.metadata[index])
 
     def get_processor_data(self, indices: Sequence[int]) -> dict[str, Any]:
-        # NOTE: the metadata always travels with the frames: it sets fps-based frame sampling
-        # and Qwen2.5-VL's second_per_grid_ts.
+        # NOTE: the metadata always travels with the frames: it sets fps-based frame sampling,
+        # Qwen2.5-VL's second_per_grid_ts and Qwen3-VL's timestamps. HF extends the index
+        # lists in place, so it gets copies.
         return {
             "videos": [self.items[i] for i in indices],
-            "video_metadata": [dict(self.metadata[i]) for i in indices],
+            "video_metadata": [
+                {**self.metadata[i], "frames_indices": list(self.metadata[i]["frames_indices"])}
+                for i in indices
+            ],
         }
+
+    def hf_call_kwargs(self, index: int) -> dict[str, object]:
+        """A sample decoded from a longer file is final: its metadata's indices count source
+        frames, which HF's own frame sampling would misread as indices into the sample (vLLM
+        turns it off the same way). Frames that are the whole video keep HF's sampling."""
+        return {} if is_whole_video(self.metadata[index]) else {"do_sample_frames": False}
 
 
 class MultiModalDataItems(dict[str, ModalityDataItems]):
@@ -190,10 +205,25 @@ class MultiModalDataParser:
         return VideoProcessorItems(frames, metadata)
 
 
+def is_whole_video(metadata: Mapping[str, Any]) -> bool:
+    """Whether a video's frames are all of its source's (not a sample of a longer file)."""
+    return list(metadata["frames_indices"]) == list(range(metadata["total_num_frames"]))
+
+
+def sampled_fps(metadata: Mapping[str, Any]) -> float | None:
+    """The rate of the frames themselves (HF's ``VideoMetadata.sampled_fps``), None if unknown."""
+    fps = metadata.get("fps")
+    if fps is None:
+        return None
+    return len(metadata["frames_indices"]) / metadata["total_num_frames"] * fps
+
+
 def _video_to_array(index: int, video: Any) -> tuple[np.ndarray, dict[str, Any]]:
     """[T, H, W, 3] uint8-or-float frames and the HF `VideoMetadata` fields for them."""
-    fps = None
+    fps = source = None
     if hasattr(video, "frames") and hasattr(video, "fps"):  # media.VideoItem (duck-typed)
+        if getattr(video, "num_source_frames", None) is not None:  # decoded from a file
+            source = (video.num_source_frames, video.source_fps, list(video.frame_indices))
         fps, video = video.fps, video.frames  # fps of the sampled frames
     if _is_frame_list(video):
         video = np.stack([np.asarray(frame) for frame in video])
@@ -210,16 +240,33 @@ def _video_to_array(index: int, video: Any) -> tuple[np.ndarray, dict[str, Any]]
     if num_frames == 0:
         raise MultiModalInputError(f"item {index} has no frames", stage="process", modality="video")
     _check_finite("video", index, video)
-    # Describes the frames as given (already sampled), so HF's sampled_fps equals ``fps``;
-    # without fps these are exactly the defaults transformers assumes for a bare array.
-    meta: dict[str, Any] = {
-        "total_num_frames": num_frames,
-        "fps": None if fps is None else float(fps),
-        "duration": None if fps is None else num_frames / float(fps),
-        "frames_indices": list(range(num_frames)),
-        "height": height,
-        "width": width,
-    }
+    meta: dict[str, Any] = {"height": height, "width": width}
+    if source is not None:
+        # The source as transformers' own video loading describes it: its frame count and
+        # rate, and which of its frames these are (so Qwen3-VL's timestamps are source times).
+        total, source_fps, indices = source
+        if len(indices) != num_frames or not all(0 <= i < total for i in indices):
+            raise MultiModalInputError(
+                f"item {index} has {num_frames} frames but frame_indices {indices} of "
+                f"{total} source frames",
+                stage="process",
+                modality="video",
+            )
+        meta.update(
+            total_num_frames=total,
+            fps=float(source_fps),
+            duration=total / float(source_fps),
+            frames_indices=indices,
+        )
+    else:
+        # The frames as given; without fps these are exactly the defaults transformers assumes
+        # for a bare array.
+        meta.update(
+            total_num_frames=num_frames,
+            fps=None if fps is None else float(fps),
+            duration=None if fps is None else num_frames / float(fps),
+            frames_indices=list(range(num_frames)),
+        )
     return np.ascontiguousarray(video), meta
 
 

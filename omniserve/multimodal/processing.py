@@ -385,7 +385,27 @@ class BaseMultiModalProcessor(ABC):
         indices: Mapping[str, list[int]],
         mm_kwargs: Mapping[str, object],
     ) -> dict[str, list[dict[str, Any]]]:
-        """Process the items at ``indices`` in one HF call and cut the output per item."""
+        """Process the items at ``indices`` in one HF call per set of the items' own kwargs
+        (``hf_call_kwargs``; usually one call) and cut the output per item."""
+        calls: dict[tuple, dict[str, list[int]]] = {}
+        for modality, modality_indices in indices.items():
+            for index in modality_indices:
+                own = tuple(sorted(mm_items[modality].hf_call_kwargs(index).items()))
+                calls.setdefault(own, {}).setdefault(modality, []).append(index)
+        done: dict[tuple[str, int], dict[str, Any]] = {}
+        for own, call_indices in calls.items():
+            call_kwargs = {**mm_kwargs, **dict(own)}
+            for modality, items in self._call_once(mm_items, call_indices, call_kwargs).items():
+                pairs = zip(call_indices[modality], items, strict=True)
+                done.update(((modality, i), item) for i, item in pairs)
+        return {m: [done[m, i] for i in idx] for m, idx in indices.items()}
+
+    def _call_once(
+        self,
+        mm_items: MultiModalDataItems,
+        indices: Mapping[str, list[int]],
+        mm_kwargs: Mapping[str, object],
+    ) -> dict[str, list[dict[str, Any]]]:
         mm_data: dict[str, Any] = {}
         for modality, modality_indices in indices.items():
             mm_data.update(mm_items[modality].get_processor_data(modality_indices))
