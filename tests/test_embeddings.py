@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -155,23 +156,40 @@ def test_prompt_of_max_model_len(tiny_checkpoint, async_scheduling) -> None:
 
 
 def _with_sentence_transformers(model_dir: Path, target: Path, modules: list[str],
-                                flags: dict[str, bool]) -> str:  # fmt: skip
+                                flags: dict[str, bool],
+                                dense: list[dict[str, Any]] = ()) -> str:  # fmt: skip
     """``model_dir``'s files (linked) with a sentence-transformers pipeline of ``modules``
-    (short names) whose Pooling module sets ``flags``."""
+    (short names; module i in folder ``{i}_{name}``) whose Pooling module sets ``flags`` and
+    whose Dense modules, in order, have ``dense``'s configs (plus ``weights``: a state dict,
+    and ``file``: the name it is saved under, safetensors or torch's)."""
+    from safetensors.torch import save_file
+
     target.mkdir()
     for item in model_dir.iterdir():
         (target / item.name).symlink_to(item)
-    paths = {"Transformer": "", "Pooling": "1_Pooling", "Normalize": "2_Normalize"}
+    paths = ["" if m == "Transformer" else f"{i}_{m}" for i, m in enumerate(modules)]
     listed = [
-        {"idx": i, "name": str(i), "path": paths[m], "type": f"sentence_transformers.models.{m}"}
-        for i, m in enumerate(modules)
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{m}"}
+        for i, (m, path) in enumerate(zip(modules, paths, strict=True))
     ]
     (target / "modules.json").write_text(json.dumps(listed))
-    (target / "1_Pooling").mkdir()
-    (target / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
-         "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": False, **flags}
-    ))  # fmt: skip
+    for path in filter(None, paths):
+        (target / path).mkdir()
+    pooling = target / paths[modules.index("Pooling")] if "Pooling" in modules else None
+    if pooling is not None:
+        (pooling / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+             "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": False, **flags}
+        ))  # fmt: skip
+    folders = [target / p for p, m in zip(paths, modules, strict=True) if m == "Dense"]
+    for folder, spec in zip(folders, dense, strict=True):
+        spec = dict(spec)
+        weights, file = spec.pop("weights", None), spec.pop("file", "model.safetensors")
+        (folder / "config.json").write_text(json.dumps(spec))
+        if weights is not None and file.endswith(".safetensors"):
+            save_file(weights, str(folder / file))
+        elif weights is not None:
+            torch.save(weights, folder / file)
     return str(target)
 
 
@@ -211,6 +229,101 @@ def test_checkpoint_pooling_config(tiny_checkpoint, tmp_path) -> None:
         assert config.pooler_config == want, (model, given)
     with pytest.raises(ValueError, match=r"1_Pooling/config.json pools by pooling_mode_max_tok"):
         EngineArgs(maxed).create_config()
+
+
+def test_checkpoint_dense_modules(tiny_checkpoint, tmp_path) -> None:
+    """A sentence-transformers pipeline's Dense modules (Qwen2-based embedders such as
+    stella's project the pooled state) run after the pooling and before the normalisation,
+    as sentence-transformers runs them: weights from safetensors or torch files, their
+    activations, the embedding their width; ``dimensions`` bounded by it. Pipelines omniserve
+    would compute otherwise are refused at start-up, naming the file."""
+    from omniserve.engine.arg_utils import EngineArgs
+    from omniserve.worker.pooler import load_projector
+
+    base = tiny_checkpoint("Qwen2ForCausalLM")
+    gen = torch.Generator().manual_seed(0)
+    first = {"linear.weight": torch.randn(32, 64, generator=gen) / 8,
+             "linear.bias": torch.randn(32, generator=gen)}  # fmt: skip
+    second = {"linear.weight": torch.randn(24, 32, generator=gen) / 4}
+    dense = [
+        {"in_features": 64, "out_features": 32, "bias": True,
+         "activation_function": "torch.nn.modules.activation.Tanh", "weights": first},
+        {"in_features": 32, "out_features": 24, "bias": False,
+         "activation_function": "torch.nn.modules.linear.Identity", "weights": second,
+         "file": "pytorch_model.bin"},
+    ]  # fmt: skip
+    pipeline = ["Transformer", "Pooling", "Dense", "Dense", "Normalize"]
+    model = _with_sentence_transformers(base, tmp_path / "dense", pipeline,
+                                        {"pooling_mode_mean_tokens": True}, dense)  # fmt: skip
+    ids = make_prompts(str(base), [21])[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    pooled = _hidden_states(hf, input_ids=torch.tensor([ids])).mean(0)
+    hidden = torch.tanh(F.linear(pooled, first["linear.weight"], first["linear.bias"]))
+    projected = F.linear(hidden, second["linear.weight"])
+    llm = LLM(model, dtype="float32", max_model_len=64)
+    config = llm.llm_engine.config.model_config.pooler_config
+    assert [(d.in_features, d.out_features, d.activation) for d in config.dense] == [
+        (64, 32, "Tanh"),
+        (32, 24, "Identity"),
+    ]
+    unit, raw = (
+        torch.tensor(llm.embed({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+                     .outputs.embedding)
+        for params in (None, PoolingParams(normalize=False))
+    )  # fmt: skip
+    torch.testing.assert_close(raw, projected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(unit, F.normalize(projected, dim=0), atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match=r"dimensions: 48 is not one of .*\(1 to 24\)"):
+        # As if Matryoshka-trained: the bound is the projection's width, not the hidden size.
+        llm.llm_engine.processor.model_config.hf_config.get_text_config().is_matryoshka = True
+        llm.embed({"prompt_token_ids": ids}, PoolingParams(dimensions=48), use_tqdm=False)
+    llm.llm_engine.shutdown()
+
+    def refused(name: str, modules: list[str], specs: list[dict[str, Any]], match: str) -> None:
+        path = _with_sentence_transformers(base, tmp_path / name, modules,
+                                           {"pooling_mode_mean_tokens": True}, specs)  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(path).create_config()
+
+    spec = {"in_features": 64, "out_features": 32, "bias": True,
+            "activation_function": "torch.nn.modules.linear.Identity"}  # fmt: skip
+    refused("order", ["Transformer", "Pooling", "Normalize", "Dense"], [spec],
+            "runs its modules in the order .*Normalize -> .*Dense")  # fmt: skip
+    refused(
+        "unknown",
+        ["Transformer", "Pooling", "LayerNorm"],
+        [],
+        r"modules omniserve does not run \(sentence_transformers.models.LayerNorm\)",
+    )
+    odd = {**spec, "activation_function": "my_package.Swish"}
+    refused(
+        "activation",
+        ["Transformer", "Pooling", "Dense"],
+        [odd],
+        "activation_function 'my_package.Swish' is not one omniserve runs",
+    )
+    refused(
+        "chain",
+        ["Transformer", "Pooling", "Dense", "Dense"],
+        [spec, spec],
+        "takes 64 features but the Dense module before it gives 32",
+    )
+    wide = {**spec, "in_features": 128}
+    config = EngineArgs(_with_sentence_transformers(
+        base, tmp_path / "wide", ["Transformer", "Pooling", "Dense"],
+        {"pooling_mode_mean_tokens": True}, [wide],
+    )).create_config().model_config.pooler_config  # fmt: skip
+    with pytest.raises(
+        ValueError, match="takes 128 features but the model's hidden states have 64"
+    ):
+        load_projector(config.dense, 64, torch.device("cpu"))
+    with pytest.raises(ValueError, match="holds no model.safetensors or pytorch_model.bin"):
+        load_projector(config.dense, 128, torch.device("cpu"))
+    torch.save(
+        {"linear.weight": torch.zeros(32, 64)}, Path(config.dense[0].path) / "pytorch_model.bin"
+    )
+    with pytest.raises(ValueError, match=r"the weights hold .* its config asks"):
+        load_projector(config.dense, 128, torch.device("cpu"))
 
 
 def test_image_prompt_embeddings_match_transformers(tiny_checkpoint) -> None:

@@ -1,16 +1,13 @@
 """How embedding requests pool (vLLM's ``--pooler-config``), with the checkpoint's own
-sentence-transformers pipeline (``modules.json`` and its Pooling module's config) as the default,
-as vLLM reads it."""
+sentence-transformers pipeline (``modules.json``: its Pooling module's mode, its Dense
+projections, its Normalize) as the default, as vLLM reads it."""
 
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 """LAST: the prompt's last position's final hidden state (what decoder-based embedding models
@@ -21,9 +18,26 @@ _ST_MODES = {
     "pooling_mode_cls_token": "CLS",
 }
 """sentence-transformers' Pooling flags that map to a pooling type."""
+_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
 _ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_DENSE = "sentence_transformers.models.Dense"
 _ST_NORMALIZE = "sentence_transformers.models.Normalize"
-_ST_IGNORED = ("sentence_transformers.models.Transformer", _ST_POOLING, _ST_NORMALIZE)
+DENSE_ACTIVATIONS = ("Identity", "Tanh", "ReLU", "GELU", "Sigmoid", "SiLU")
+"""The torch.nn activations a Dense module may name (``activation_function``, by class)."""
+
+
+@dataclass(frozen=True)
+class DenseModule:
+    """A sentence-transformers Dense module, applied to the pooled vector before normalising:
+    ``activation(x @ weight.T + bias)``, its weights in its folder (``linear.weight``,
+    ``linear.bias``; loaded by the worker)."""
+
+    path: str
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str
+    """One of ``DENSE_ACTIVATIONS``."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +48,13 @@ class PoolerConfig:
     """One of ``POOLING_TYPES``."""
     normalize: bool = True
     """Scale embeddings to unit L2 norm."""
+    dense: tuple[DenseModule, ...] = ()
+    """The checkpoint's Dense projections of the pooled vector, in order (classification
+    requests skip them, as they are the embedding pipeline's)."""
+
+    def embedding_size(self, hidden_size: int) -> int:
+        """The width of an embedding: the last projection's, else the hidden states'."""
+        return self.dense[-1].out_features if self.dense else hidden_size
 
     @classmethod
     def resolve(cls, model: str | Path, values: dict[str, Any] | None) -> PoolerConfig:
@@ -64,16 +85,17 @@ class PoolerConfig:
         return cls(
             kind or checkpoint.get("pooling_type", "LAST"),
             normalize if normalize is not None else checkpoint.get("normalize", True),
+            _dense_modules(Path(model).expanduser()),
         )
 
 
-def _sentence_transformers_defaults(model: Path, need_type: bool) -> dict[str, Any]:
-    """``pooling_type`` and ``normalize`` as the checkpoint's ``modules.json`` pipeline sets
-    them (nothing when it has none). A pooling mode omniserve does not run is refused when the
-    type is not given otherwise, rather than embeddings silently pooled another way."""
+def _modules(model: Path) -> list[dict[str, Any]]:
+    """The checkpoint's sentence-transformers module list (empty when it has none), checked:
+    a module omniserve does not run, or modules in an order it does not run them in, is
+    refused at start-up rather than embeddings silently computed another way."""
     modules_file = model / "modules.json"
     if not modules_file.is_file():
-        return {}
+        return []
     try:
         modules = json.loads(modules_file.read_text())
         types = [str(m["type"]) for m in modules]
@@ -81,12 +103,63 @@ def _sentence_transformers_defaults(model: Path, need_type: bool) -> dict[str, A
         raise ValueError(
             f"{modules_file} is not a sentence-transformers module list: {exc}"
         ) from None
-    found: dict[str, Any] = {"normalize": _ST_NORMALIZE in types}
-    if extra := [t for t in types if t not in _ST_IGNORED]:
-        logger.warning(
-            "%s lists sentence-transformers modules omniserve does not apply (%s): embeddings "
-            "are the pooled hidden states without them.", modules_file, ", ".join(extra)
-        )  # fmt: skip
+    known = (_ST_TRANSFORMER, _ST_POOLING, _ST_DENSE, _ST_NORMALIZE)
+    if extra := [t for t in types if t not in known]:
+        raise ValueError(
+            f"{modules_file} lists sentence-transformers modules omniserve does not run "
+            f"({', '.join(extra)}); it runs {', '.join(t.rpartition('.')[2] for t in known)} "
+            "(a copy of the checkpoint without modules.json serves the bare pooled states)."
+        )
+    order = [known.index(t) for t in types]
+    if order != sorted(order) or types.count(_ST_POOLING) > 1 or types.count(_ST_NORMALIZE) > 1:
+        raise ValueError(
+            f"{modules_file} runs its modules in the order {' -> '.join(types)}; omniserve runs "
+            "Transformer -> Pooling -> Dense (any number) -> Normalize."
+        )
+    return modules
+
+
+def _dense_modules(model: Path) -> tuple[DenseModule, ...]:
+    """The checkpoint's Dense modules, each folder's ``config.json`` read and checked."""
+    dense = []
+    for module in (m for m in _modules(model) if m["type"] == _ST_DENSE):
+        folder = model / str(module.get("path", ""))
+        try:
+            config = json.loads((folder / "config.json").read_text())
+            spec = DenseModule(
+                str(folder.resolve()),
+                int(config["in_features"]),
+                int(config["out_features"]),
+                bool(config.get("bias", True)),
+                str(config.get("activation_function", "torch.nn.modules.linear.Identity")),
+            )
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"Cannot read the Dense module config in {folder}: {exc}") from None
+        activation = spec.activation.rpartition(".")[2]
+        if not spec.activation.startswith("torch.") or activation not in DENSE_ACTIVATIONS:
+            raise ValueError(
+                f"{folder}/config.json: activation_function {spec.activation!r} is not one "
+                f"omniserve runs (torch.nn's {', '.join(DENSE_ACTIVATIONS)})."
+            )
+        if dense and dense[-1].out_features != spec.in_features:
+            raise ValueError(
+                f"{folder} takes {spec.in_features} features but the Dense module before it "
+                f"gives {dense[-1].out_features}."
+            )
+        dense.append(
+            DenseModule(spec.path, spec.in_features, spec.out_features, spec.bias, activation)
+        )
+    return tuple(dense)
+
+
+def _sentence_transformers_defaults(model: Path, need_type: bool) -> dict[str, Any]:
+    """``pooling_type`` and ``normalize`` as the checkpoint's ``modules.json`` pipeline sets
+    them (nothing when it has none). A pooling mode omniserve does not run is refused when the
+    type is not given otherwise, rather than embeddings silently pooled another way."""
+    modules = _modules(model)
+    if not modules:
+        return {}
+    found: dict[str, Any] = {"normalize": any(m["type"] == _ST_NORMALIZE for m in modules)}
     pooling = next((m for m in modules if m["type"] == _ST_POOLING), None)
     if pooling is None:
         return found

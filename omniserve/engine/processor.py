@@ -321,10 +321,11 @@ class Processor:
                 "Matryoshka embeddings (its config declares neither is_matryoshka nor "
                 "matryoshka_dimensions); omit dimensions."
             )
-        if dims > text.hidden_size or (allowed and dims not in allowed):
+        width = defaults.embedding_size(text.hidden_size)
+        if dims > width or (allowed and dims not in allowed):
             raise ValueError(
                 f"dimensions: {dims} is not one of this model's Matryoshka dimensions "
-                f"({allowed or f'1 to {text.hidden_size}'})."
+                f"({allowed or f'1 to {width}'})."
             )
         return resolved
 

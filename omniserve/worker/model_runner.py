@@ -45,7 +45,7 @@ from omniserve.worker.encoder_runner import (
 )
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
 from omniserve.worker.lora_manager import LoRAManager
-from omniserve.worker.pooler import pool_prompts
+from omniserve.worker.pooler import Projector, pool_prompts
 from omniserve.worker.sampled_step import SampledStep
 from omniserve.worker.sampling_inputs import banned_ids, build_sampling_metadata
 from omniserve.worker.step_timing import StepTimer
@@ -79,8 +79,10 @@ class ModelRunner:
         device: torch.device,
         lora_manager: LoRAManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        projector: Projector | None = None,
     ) -> None:
         self.model = model
+        self.projector = projector  # the checkpoint's Dense modules after embedding pooling
         self.lora_manager = lora_manager
         self.device = device
         self.block_size = cache_config.block_size
@@ -290,7 +292,7 @@ class ModelRunner:
             sampler_output = self.sampler(logits, metadata)
         pooled = pool_prompts(hidden_states, step.logits_indices, self.input_batch, step.req_ids,
                               step.rows, step.query_lens, step.positions, sampling, firsts,
-                              self.model.compute_logits)  # fmt: skip
+                              self.model.compute_logits, self.projector)  # fmt: skip
         self.input_batch.num_in_flight[step.rows[sampling]] += 1
         self._last_step = SampledStep(
             self.input_batch,

@@ -8,13 +8,62 @@ prefix-cache hit: ``SamplingParams.reads_prompt_states``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
+from omniserve.config.pooler import DenseModule
 from omniserve.sampling_params import PoolingParams
 from omniserve.worker.input_batch import InputBatch
+
+Projector = Callable[[torch.Tensor], torch.Tensor]
+
+
+def load_projector(
+    modules: tuple[DenseModule, ...], hidden_size: int, device: torch.device
+) -> Projector | None:
+    """The checkpoint's sentence-transformers Dense modules as one function of a pooled fp32
+    vector (None without any), their weights read from their folders (``model.safetensors``,
+    else ``pytorch_model.bin``) and kept in fp32 on ``device``, checked against the model."""
+    if not modules:
+        return None
+    if modules[0].in_features != hidden_size:
+        raise ValueError(
+            f"{modules[0].path} takes {modules[0].in_features} features but the model's "
+            f"hidden states have {hidden_size}."
+        )
+    layers = []
+    for module in modules:
+        state = _dense_state(module)
+        want = {"linear.weight": (module.out_features, module.in_features)}
+        if module.bias:
+            want["linear.bias"] = (module.out_features,)
+        got = {name: tuple(state[name].shape) for name in want if name in state}
+        if got != want:
+            raise ValueError(f"{module.path}: the weights hold {got}, its config asks {want}.")
+        weight = state["linear.weight"].to(device, torch.float32)
+        bias = state["linear.bias"].to(device, torch.float32) if module.bias else None
+        activation = getattr(torch.nn, module.activation)()
+        layers.append((weight, bias, activation))
+
+    def project(vector: torch.Tensor) -> torch.Tensor:
+        for weight, bias, activation in layers:
+            vector = activation(F.linear(vector, weight, bias))
+        return vector
+
+    return project
+
+
+def _dense_state(module: DenseModule) -> dict[str, torch.Tensor]:
+    folder = Path(module.path)
+    if (folder / "model.safetensors").is_file():
+        return load_file(str(folder / "model.safetensors"))
+    if (folder / "pytorch_model.bin").is_file():
+        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ValueError(f"{folder} holds no model.safetensors or pytorch_model.bin for its weights.")
 
 
 def pool_prompts(
@@ -28,12 +77,14 @@ def pool_prompts(
     sampling: np.ndarray,
     firsts: np.ndarray,
     head: Callable[[torch.Tensor], torch.Tensor],
+    project: Projector | None = None,
 ) -> dict[str, torch.Tensor]:
     """req id -> fp32 embedding (or label scores by the model's ``head``: its
     ``compute_logits``), on the device, for each embedding request among the step's
     ``sampling`` requests (indices into ``req_ids``), whose first sampled position is at
     ``firsts`` in ``logits_indices``; before that, every embedding request's chunk of prompt
-    positions in this step is folded into its state."""
+    positions in this step is folded into its state. Embeddings go through ``project`` (the
+    checkpoint's Dense modules) before they are cut to ``dimensions`` and normalised."""
     if not batch.pools[rows].any():
         return {}
     _fold_chunks(hidden_states, batch, rows, query_lens, positions)
@@ -56,6 +107,8 @@ def pool_prompts(
         if params.task == "classify":
             pooled[req_ids[i]] = _classify(head, vector.to(hidden_states.dtype), params)
             continue
+        if project is not None:
+            vector = project(vector)
         if params.dimensions is not None:
             vector = vector[: params.dimensions]
         pooled[req_ids[i]] = F.normalize(vector, dim=0) if params.normalize else vector

@@ -42,6 +42,7 @@ from omniserve.worker.memory import (
 )
 from omniserve.worker.model_loader import checkpoint_tensor_shapes, load_model_weights
 from omniserve.worker.model_runner import ModelRunner
+from omniserve.worker.pooler import load_projector
 from omniserve.worker.profiler import WorkerProfiler
 
 logger = logging.getLogger(__name__)
@@ -211,9 +212,13 @@ class Worker:
         )
         # The logits' width: a sequence classifier's are its labels' scores.
         vocab_size = model_config.num_labels or self.hf_config.get_text_config().vocab_size
+        projector = load_projector(
+            model_config.pooler_config.dense, self.hf_config.get_text_config().hidden_size,
+            self.device,
+        )  # fmt: skip
         self.model_runner = ModelRunner(
             model, config.scheduler_config, config.cache_config, vocab_size, self.device,
-            self.lora_manager, config.speculative_config,
+            self.lora_manager, config.speculative_config, projector,
         )  # fmt: skip
 
     def _kv_bytes_per_token(self, model: torch.nn.Module) -> int:
