@@ -121,7 +121,7 @@ def _modules(model: Path) -> list[dict[str, Any]]:
 
 def _dense_modules(model: Path) -> tuple[DenseModule, ...]:
     """The checkpoint's Dense modules, each folder's ``config.json`` read and checked."""
-    dense = []
+    dense: list[DenseModule] = []
     for module in (m for m in _modules(model) if m["type"] == _ST_DENSE):
         folder = model / str(module.get("path", ""))
         try:

@@ -38,7 +38,9 @@ def load_projector(
     layers = []
     for module in modules:
         state = _dense_state(module)
-        want = {"linear.weight": (module.out_features, module.in_features)}
+        want: dict[str, tuple[int, ...]] = {
+            "linear.weight": (module.out_features, module.in_features)
+        }
         if module.bias:
             want["linear.bias"] = (module.out_features,)
         got = {name: tuple(state[name].shape) for name in want if name in state}
