@@ -23,12 +23,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # an older torch than the pinned one: SDPA only
-    varlen_attn = None
+
+def varlen_attn(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch.nn.attention.varlen.varlen_attn``, imported when first called: its import pulls
+    in ``torch._dynamo``, over a second of every worker's start, towers or not."""
+    from torch.nn.attention.varlen import varlen_attn as kernel
+
+    return kernel(*args, **kwargs)
+
+
+def _torch_has_varlen() -> bool:
+    try:
+        import torch.nn.attention.varlen  # noqa: F401
+    except ImportError:  # an older torch than the pinned one: SDPA only
+        return False
+    return True
+
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +78,6 @@ def varlen_attention(
     return out.unsqueeze(0), None
 
 
-AttentionInterface.register(FLASH_VARLEN, varlen_attention)
-
-
 def segment_bounds(
     tower: nn.Module, **bounds: torch.Tensor
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -98,7 +106,7 @@ def varlen_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) 
         return f"it needs a CUDA device (the model runs on {device.type})"
     if dtype not in VARLEN_DTYPES:
         return f"it runs in bf16 or fp16, not {str(dtype).removeprefix('torch.')}"
-    if varlen_attn is None:
+    if not _torch_has_varlen():
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
     lengths = [5, 11]
     generator = torch.Generator(device).manual_seed(0)
@@ -136,7 +144,12 @@ def _towers(model: nn.Module) -> list[nn.Module]:
 
 
 def pack_towers(model: nn.Module) -> None:
-    """Switch ``model.packed_attention_towers`` to ``FLASH_VARLEN`` (every config they hold)."""
+    """Switch ``model.packed_attention_towers`` to ``FLASH_VARLEN`` (every config they hold),
+    registered with transformers here: its attention interface lives in ``modeling_utils``,
+    whose import (2-3 s) a text model's worker never otherwise makes."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FLASH_VARLEN, varlen_attention)
     for tower in _towers(model):
         configs = {id(m.config): m.config for m in tower.modules() if hasattr(m, "config")}
         for config in configs.values():
