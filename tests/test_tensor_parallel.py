@@ -244,6 +244,11 @@ def test_lazy_checkpoint_tensor_reads_slices(tmp_path):
         assert torch.equal(rows, weight[2:5]) and torch.equal(cols, weight[:, 2:])
         assert torch.equal(cast, weight.bfloat16())
         assert torch.equal(f.tensor("b").materialize(), weight.bfloat16()[0])
+        # A single rank's "columns" are the whole tensor: read in place, never staged.
+        whole = torch.empty(6, 4)
+        lazy.narrow = lazy.materialize = None  # staging would call them
+        copy_weight(whole, lazy, 1, 0)
+        assert torch.equal(whole, weight)
 
 
 def test_truncated_or_foreign_checkpoint_files_are_named(tmp_path):

@@ -123,7 +123,10 @@ class LazyTensor:
 
     def _region(self, dim: int, start: int, length: int) -> tuple[int, torch.Size] | None:
         """(file offset, shape) of the slice ``[start, start + length)`` along ``dim`` when it is
-        one contiguous byte range (every dimension before ``dim`` has size 1), else None."""
+        one contiguous byte range (the whole tensor, or every dimension before ``dim`` has size
+        1), else None."""
+        if start == 0 and length == self.shape[dim]:  # a row-parallel layer's single rank
+            return self._offset, self.shape
         if math.prod(self.shape[:dim]) != 1:
             return None
         row_bytes = math.prod(self.shape[dim + 1 :]) * self.dtype.itemsize
