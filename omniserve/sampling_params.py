@@ -152,6 +152,10 @@ class PoolingParams:
         return self.pooling_type not in (None, "LAST")
 
 
+THINK_TAGS = ("<think>", "</think>")
+"""The tags Qwen3-family models think between (the reasoning parser's, a thinking budget's)."""
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Invalid values raise ``ValueError`` naming the field."""
@@ -188,6 +192,13 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     """``bad_words`` as token sequences, with and without a leading space (the Processor fills
     it from the tokenizer)."""
+    thinking_token_budget: int | None = None
+    """At most this many tokens inside one ``<think>…</think>`` span: once they are spent, the
+    only token the request may sample is the end tag, which closes the thinking (vLLM's). The
+    span is the one the prompt leaves open (thinking templates) or one the model opens."""
+    think_token_ids: tuple[int, int] | None = None
+    """The ids of ``THINK_TAGS`` for ``thinking_token_budget`` (the Processor fills it from the
+    tokenizer)."""
     output_modalities: list[str] = field(default_factory=lambda: ["text"])
     """What the request produces: "text", "audio" or both. Audio needs a model that speaks (a
     full omni checkpoint); the text is generated either way (it is what is spoken)."""
@@ -264,6 +275,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not is_int(value, 0, INT32_MAX):
                 fail(name, "None or an integer >= 0")
+        budget = self.thinking_token_budget
+        if budget is not None and not is_int(budget, 0, INT32_MAX):
+            fail("thinking_token_budget", f"None or an integer in [0, {INT32_MAX}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "a list of non-empty strings")
         if any(not is_int(t, 0, INT32_MAX) for t in self.stop_token_ids):
@@ -330,13 +344,14 @@ class SamplingParams:
     @property
     def reads_output_tokens(self) -> bool:
         """Whether sampling a token reads the values of the tokens before it (penalties, bad
-        words): with async scheduling, the worker waits for the last step's token before it
-        samples such a request's next one."""
+        words, whether a thinking budget's span is still open): with async scheduling, the
+        worker waits for the last step's token before it samples such a request's next one."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.bad_words_token_ids
+            or self.thinking_token_budget is not None
         )
 
     @property

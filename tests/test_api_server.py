@@ -864,7 +864,6 @@ CHAT_FIELDS_REFUSED = {
     "vllm_xargs": {"a": 1},
     "guided_whitespace_pattern": " ",
     "media_io_kwargs": {"video": {"num_frames": 4}},
-    "thinking_token_budget": 10,
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
 }
@@ -909,6 +908,10 @@ def test_vllm_chat_fields_refused_by_name(server: Server) -> None:
     for field, response in _post_each(server, CHAT_FIELDS_REFUSED).items():
         error = assert_error(response, 400)
         assert field in error["message"] and "not supported" in error["message"], error
+    # A thinking budget needs the model's thinking tags (the tiny tokenizer has none).
+    body = {"model": MODEL, "messages": _chat("Hi"), "thinking_token_budget": 10}
+    error = assert_error(server.post("/v1/chat/completions", body), 400)
+    assert "thinking_token_budget" in error["message"] and "no <think> token" in error["message"]
     # xgrammar is the one backend: vLLM's other names are refused, naming the field
     body = {"model": MODEL, "messages": _chat("Hi"), "guided_decoding_backend": "outlines"}
     error = assert_error(server.post("/v1/chat/completions", body), 400)

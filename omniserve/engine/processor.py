@@ -24,7 +24,7 @@ from omniserve.inputs.preprocess import InputPreprocessor, ProcessedInputs
 from omniserve.lora.request import LoRARequest
 from omniserve.messages import EngineCoreRequest, SpeechRequest
 from omniserve.multimodal.errors import MultiModalInputError
-from omniserve.sampling_params import PoolingParams, SamplingParams, SpeechParams
+from omniserve.sampling_params import THINK_TAGS, PoolingParams, SamplingParams, SpeechParams
 from omniserve.structured_output import validate_structured_outputs
 from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
 
@@ -206,6 +206,8 @@ class Processor:
             params = params.clone(stop_token_ids=params.stop_token_ids + extra)
         if params.bad_words:
             params = params.clone(bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+        if params.thinking_token_budget is not None:
+            params = params.clone(think_token_ids=self._think_token_ids)
         arrival = arrival_time if arrival_time is not None else time.time()
         if params.n == 1:
             children = [(request_id, params)]
@@ -400,6 +402,21 @@ class Processor:
     @functools.cached_property
     def _assistant_header(self) -> list[int]:
         return self.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+
+    @functools.cached_property
+    def _think_token_ids(self) -> tuple[int, int]:
+        """The ids of the thinking tags, each one token of the vocabulary, or ValueError."""
+        ids = []
+        for tag in THINK_TAGS:
+            encoded = self.tokenizer.encode(tag, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise ValueError(
+                    f"thinking_token_budget: {self.model_config.architecture}'s tokenizer has "
+                    f"no {tag} token (it reads as {len(encoded)}), so there is no thinking to "
+                    "bound; omit thinking_token_budget."
+                )
+            ids.append(encoded[0])
+        return ids[0], ids[1]
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens alone and after a space (how it reads mid-sentence), as vLLM."""

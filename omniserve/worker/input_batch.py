@@ -16,6 +16,33 @@ from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.sampling_params import SamplingParams
 
 
+@dataclass
+class ThinkingSpan:
+    """A thinking budget's account (``SamplingParams.thinking_token_budget``): whether the
+    request is inside ``<think>…</think>`` and how many tokens it has generated there."""
+
+    start: int
+    end: int
+    budget: int
+    inside: bool = False
+    spent: int = 0
+
+    def advance(self, token: int, generated: bool = True) -> None:
+        if self.inside and token == self.end:
+            self.inside = False
+        elif token == self.start:
+            self.inside, self.spent = True, 0
+        elif self.inside and generated:
+            self.spent += 1
+
+    def must_close(self, ahead: list[int]) -> bool:
+        """Whether the next token, after ``ahead`` (drafts not yet kept), must be the end tag."""
+        span = ThinkingSpan(self.start, self.end, self.budget, self.inside, self.spent)
+        for token in ahead:
+            span.advance(token)
+        return span.inside and span.spent >= span.budget
+
+
 @dataclass(eq=False)
 class CachedRequestState:
     """The worker's copy of one running request."""
@@ -37,6 +64,17 @@ class CachedRequestState:
     pool_state: torch.Tensor | None = None
     """An embedding request's pooling so far (``worker/pooler.py``), fp32 on the device: MEAN's
     sum of the final states of the prompt positions computed, CLS's first position's."""
+    thinking: ThinkingSpan | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        params = self.sampling_params
+        if params.thinking_token_budget is None or params.think_token_ids is None:
+            return
+        self.thinking = ThinkingSpan(*params.think_token_ids, params.thinking_token_budget)
+        for token in self.prompt_token_ids:  # a thinking template leaves the span open
+            self.thinking.advance(token, generated=False)
+        for token in self.output_token_ids:  # a resumed request's
+            self.thinking.advance(token)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -125,6 +163,8 @@ class InputBatch:
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1
         state.output_token_ids.append(token_id)
+        if state.thinking is not None:
+            state.thinking.advance(token_id)
 
     def seen_tokens(
         self, rows: np.ndarray, drafts_before: np.ndarray

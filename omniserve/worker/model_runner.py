@@ -526,11 +526,11 @@ class ModelRunner:
                 generators[i] = state.generator
             if params.logprobs is not None:
                 max_num_logprobs = max(max_num_logprobs or 0, params.logprobs)
-            ahead = int(drafts_before[i])
+            ahead, end = int(drafts_before[i]), int(batch.num_tokens[row])
+            drafted = batch.token_ids[row, end : end + ahead].tolist()  # follow its tokens
             outputs = state.output_token_ids
-            if ahead and params.bad_words_token_ids:  # the drafts follow the row's tokens
-                end = int(batch.num_tokens[row])
-                outputs = outputs + batch.token_ids[row, end : end + ahead].tolist()
+            if drafted and params.bad_words_token_ids:
+                outputs = outputs + drafted
             num_generated = len(state.output_token_ids) + int(batch.num_in_flight[row]) + ahead
             blocked = banned_ids(params, outputs, num_generated, state.eos_token_id,
                                  self.vocab_size)  # fmt: skip
@@ -538,6 +538,8 @@ class ModelRunner:
                 banned[i] = blocked
             if params.allowed_token_ids:
                 allowed[i] = params.allowed_token_ids
+            if state.thinking is not None and state.thinking.must_close(drafted):
+                allowed[i] = [state.thinking.end]
             if params.logit_bias:
                 bias[i] = params.logit_bias
         return build_sampling_metadata(

@@ -142,7 +142,6 @@ SAMPLING_UNSUPPORTED: dict[str, tuple[Any, str]] = {
         "free whitespace off)",
     ),
     "media_io_kwargs": (None, "media decoding is set for the server (--media-io-kwargs)"),
-    "thinking_token_budget": (None, "there is no thinking budget"),
     "functions": (None, "that is OpenAI's deprecated function calling: send tools"),
     "function_call": (None, "that is OpenAI's deprecated function calling: send tool_choice"),
 }
@@ -324,6 +323,8 @@ class SamplingRequest(PromptOptions):
     """vLLM's older spellings of ``structured_outputs`` fields."""
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] = Field(default_factory=list)
+    thinking_token_budget: StrictInt | None = Field(None, ge=0)
+    """vLLM's: at most this many tokens of thinking (``<think>…</think>``), then the end tag."""
     return_token_ids: StrictBool = False
     """Also return the prompt's and the answer's token ids."""
     return_tokens_as_token_ids: StrictBool = False
@@ -342,7 +343,6 @@ class SamplingRequest(PromptOptions):
     vllm_xargs: dict[str, Any] | None = None
     guided_whitespace_pattern: Any = None
     media_io_kwargs: Any = None
-    thinking_token_budget: Any = None
     functions: Any = None
     function_call: Any = None
     guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
@@ -466,6 +466,7 @@ class SamplingRequest(PromptOptions):
             logit_bias=self.token_logit_bias,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            thinking_token_budget=self.thinking_token_budget,
         )
 
     @model_validator(mode="after")
@@ -495,7 +496,7 @@ class SamplingRequest(PromptOptions):
             "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
             "repetition_penalty": (None, 1.0), "stop": (None, [], ""), "stop_token_ids": (None, []),
             "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": ([],),
-            "min_tokens": (0,), "prompt_logprobs": (None,),
+            "min_tokens": (0,), "prompt_logprobs": (None,), "thinking_token_budget": (None,),
         }  # fmt: skip
         for name, values in neutral.items():
             if getattr(self, name) not in values:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omniserve.sampling_params import THINK_TAGS
+
 
 @dataclass(frozen=True)
 class ReasoningParser:
-    start: str = "<think>"
-    end: str = "</think>"
+    start: str = THINK_TAGS[0]
+    end: str = THINK_TAGS[1]
 
     def opens_in_prompt(self, prompt: str | None) -> bool:
         """Whether the prompt leaves the model inside its thinking."""
