@@ -3,7 +3,8 @@ then the end tag is the only token a request may sample. On the tiny Qwen3 check
 two tags added to its tokenizer (as Qwen3's has them), greedy fp32: the budgeted answer is the
 free answer up to the budget, then the tag, then the model's own continuation of that; a span
 the prompt already closed is left alone; drafts (speculative decoding) change nothing; a
-tokenizer without the tags, or a negative budget, is refused naming the field."""
+tokenizer without the tags, a negative budget or a grammar beside it is refused naming the
+field."""
 
 from __future__ import annotations
 
@@ -95,6 +96,11 @@ def test_refusals(thinking_model, tiny_checkpoint) -> None:
     llm = LLM(str(tiny_checkpoint("Qwen3ForCausalLM")), dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="thinking_token_budget: .* has no <think> token"):
         llm.generate({"prompt_token_ids": [1, 2, 3]}, _greedy(2), use_tqdm=False)
+    llm.llm_engine.shutdown()
+    llm = LLM(thinking_model, dtype="float32", max_model_len=64)
+    constrained = _greedy(2).clone(structured_outputs={"regex": "a+"})
+    with pytest.raises(ValueError, match="does not combine with structured outputs"):
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, constrained, use_tqdm=False)
 
 
 def test_budgets_read_back_before_sampling() -> None:
