@@ -278,6 +278,12 @@ class SamplingParams:
         budget = self.thinking_token_budget
         if budget is not None and not is_int(budget, 0, INT32_MAX):
             fail("thinking_token_budget", f"None or an integer in [0, {INT32_MAX}]")
+        if budget is not None and self.structured_outputs is not None:
+            raise ValueError(
+                "thinking_token_budget does not combine with structured outputs: the grammar "
+                "constrains the whole answer, thinking included, and may not allow the end tag "
+                "the budget forces."
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "a list of non-empty strings")
         if any(not is_int(t, 0, INT32_MAX) for t in self.stop_token_ids):

@@ -77,15 +77,17 @@ class PoolerConfig:
             raise ValueError(
                 f"--pooler-config: normalize must be true or false, not {normalize!r}."
             )
+        path = Path(model).expanduser()
+        modules = _modules(path)
         checkpoint = (
-            _sentence_transformers_defaults(Path(model).expanduser(), need_type=kind is None)
+            _sentence_transformers_defaults(path, modules, need_type=kind is None)
             if kind is None or normalize is None
             else {}
         )
         return cls(
             kind or checkpoint.get("pooling_type", "LAST"),
             normalize if normalize is not None else checkpoint.get("normalize", True),
-            _dense_modules(Path(model).expanduser()),
+            _dense_modules(path, modules),
         )
 
 
@@ -119,44 +121,39 @@ def _modules(model: Path) -> list[dict[str, Any]]:
     return modules
 
 
-def _dense_modules(model: Path) -> tuple[DenseModule, ...]:
-    """The checkpoint's Dense modules, each folder's ``config.json`` read and checked."""
+def _dense_modules(model: Path, modules: list[dict[str, Any]]) -> tuple[DenseModule, ...]:
+    """The pipeline's Dense modules, each folder's ``config.json`` read and checked."""
     dense: list[DenseModule] = []
-    for module in (m for m in _modules(model) if m["type"] == _ST_DENSE):
+    for module in (m for m in modules if m["type"] == _ST_DENSE):
         folder = model / str(module.get("path", ""))
         try:
             config = json.loads((folder / "config.json").read_text())
-            spec = DenseModule(
-                str(folder.resolve()),
-                int(config["in_features"]),
-                int(config["out_features"]),
-                bool(config.get("bias", True)),
-                str(config.get("activation_function", "torch.nn.modules.linear.Identity")),
-            )
+            features = int(config["in_features"]), int(config["out_features"])
+            bias = bool(config.get("bias", True))
+            named = str(config.get("activation_function", "torch.nn.modules.linear.Identity"))
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"Cannot read the Dense module config in {folder}: {exc}") from None
-        activation = spec.activation.rpartition(".")[2]
-        if not spec.activation.startswith("torch.") or activation not in DENSE_ACTIVATIONS:
+        activation = named.rpartition(".")[2]
+        if not named.startswith("torch.") or activation not in DENSE_ACTIVATIONS:
             raise ValueError(
-                f"{folder}/config.json: activation_function {spec.activation!r} is not one "
+                f"{folder}/config.json: activation_function {named!r} is not one "
                 f"omniserve runs (torch.nn's {', '.join(DENSE_ACTIVATIONS)})."
             )
-        if dense and dense[-1].out_features != spec.in_features:
+        if dense and dense[-1].out_features != features[0]:
             raise ValueError(
-                f"{folder} takes {spec.in_features} features but the Dense module before it "
+                f"{folder} takes {features[0]} features but the Dense module before it "
                 f"gives {dense[-1].out_features}."
             )
-        dense.append(
-            DenseModule(spec.path, spec.in_features, spec.out_features, spec.bias, activation)
-        )
+        dense.append(DenseModule(str(folder.resolve()), *features, bias, activation))
     return tuple(dense)
 
 
-def _sentence_transformers_defaults(model: Path, need_type: bool) -> dict[str, Any]:
-    """``pooling_type`` and ``normalize`` as the checkpoint's ``modules.json`` pipeline sets
-    them (nothing when it has none). A pooling mode omniserve does not run is refused when the
-    type is not given otherwise, rather than embeddings silently pooled another way."""
-    modules = _modules(model)
+def _sentence_transformers_defaults(
+    model: Path, modules: list[dict[str, Any]], need_type: bool
+) -> dict[str, Any]:
+    """``pooling_type`` and ``normalize`` as the checkpoint's pipeline (``modules``) sets them
+    (nothing when it has none). A pooling mode omniserve does not run is refused when the type
+    is not given otherwise, rather than embeddings silently pooled another way."""
     if not modules:
         return {}
     found: dict[str, Any] = {"normalize": any(m["type"] == _ST_NORMALIZE for m in modules)}

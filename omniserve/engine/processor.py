@@ -207,12 +207,6 @@ class Processor:
         if params.bad_words:
             params = params.clone(bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         if params.thinking_token_budget is not None:
-            if params.structured_outputs is not None:
-                raise ValueError(
-                    "thinking_token_budget does not combine with structured outputs: the "
-                    "grammar constrains the whole answer, thinking included, and may not allow "
-                    "the end tag the budget forces."
-                )
             params = params.clone(think_token_ids=self._think_token_ids)
         arrival = arrival_time if arrival_time is not None else time.time()
         if params.n == 1:

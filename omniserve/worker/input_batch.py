@@ -6,6 +6,7 @@ preallocated numpy rows (one row per request) that each step indexes, instead of
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +38,7 @@ class ThinkingSpan:
 
     def must_close(self, ahead: list[int]) -> bool:
         """Whether the next token, after ``ahead`` (drafts not yet kept), must be the end tag."""
-        span = ThinkingSpan(self.start, self.end, self.budget, self.inside, self.spent)
+        span = dataclasses.replace(self)
         for token in ahead:
             span.advance(token)
         return span.inside and span.spent >= span.budget

@@ -526,8 +526,11 @@ class ModelRunner:
                 generators[i] = state.generator
             if params.logprobs is not None:
                 max_num_logprobs = max(max_num_logprobs or 0, params.logprobs)
-            ahead, end = int(drafts_before[i]), int(batch.num_tokens[row])
-            drafted = batch.token_ids[row, end : end + ahead].tolist()  # follow its tokens
+            ahead = int(drafts_before[i])
+            drafted = []  # the drafts follow the row's tokens
+            if ahead:
+                end = int(batch.num_tokens[row])
+                drafted = batch.token_ids[row, end : end + ahead].tolist()
             outputs = state.output_token_ids
             if drafted and params.bad_words_token_ids:
                 outputs = outputs + drafted
