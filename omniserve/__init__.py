@@ -23,6 +23,7 @@ _LAZY = {
     "RequestOutput": "omniserve.outputs",
     "CompletionOutput": "omniserve.outputs",
     "EmbeddingRequestOutput": "omniserve.outputs",
+    "PoolingRequestOutput": "omniserve.outputs",
     "ScoringRequestOutput": "omniserve.outputs",
     "EngineArgs": "omniserve.engine.arg_utils",
     "LLMEngine": "omniserve.engine.llm_engine",
@@ -37,6 +38,7 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "EmbeddingRequestOutput",
+    "PoolingRequestOutput",
     "ScoringRequestOutput",
     "EngineArgs",
     "LLMEngine",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from omniserve.outputs import (
         CompletionOutput,
         EmbeddingRequestOutput,
+        PoolingRequestOutput,
         RequestOutput,
         ScoringRequestOutput,
     )

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Generic, Self, TypeVar
+from typing import Any, ClassVar, Generic, Self, TypeVar
 
 import numpy as np
+import torch
 
 PooledT = TypeVar("PooledT")
 
@@ -67,7 +68,8 @@ class RequestOutput:
     num_prompt_embeds: int = 0
     """Rows of a prompt given as embeddings (0 for a prompt of tokens)."""
     pooled: np.ndarray | None = None
-    """An embedding request's embedding (float32; ``SamplingParams.pooling``), once finished."""
+    """A pooling request's result (float32; ``SamplingParams.pooling``), once finished: one
+    vector, or a row per prompt position for the token tasks."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,6 +84,10 @@ class EmbeddingOutput:
 
     embedding: list[float]
 
+    @classmethod
+    def of(cls, pooled: np.ndarray) -> EmbeddingOutput:
+        return cls(pooled.tolist())
+
     @property
     def hidden_size(self) -> int:
         return len(self.embedding)
@@ -94,15 +100,32 @@ class ClassificationOutput:
 
     probs: list[float]
 
+    @classmethod
+    def of(cls, pooled: np.ndarray) -> ClassificationOutput:
+        return cls(pooled.tolist())
+
     @property
     def num_classes(self) -> int:
         return len(self.probs)
 
 
 @dataclass
+class PoolingOutput:
+    """One prompt's raw pooling result (``LLM.encode``): a vector for the embed and classify
+    tasks, ``[positions, width]`` for the token tasks (vLLM's ``PoolingOutput``)."""
+
+    data: torch.Tensor
+
+    @classmethod
+    def of(cls, pooled: np.ndarray) -> PoolingOutput:
+        return cls(torch.from_numpy(pooled))
+
+
+@dataclass
 class PoolingRequestOutput(Generic[PooledT]):
-    """What ``LLM.embed`` and ``LLM.classify`` return per prompt, shaped like vLLM's; a subclass
-    names the type of its ``outputs`` (``result_type``), made of the pooled values."""
+    """What ``LLM.encode``, ``LLM.embed`` and ``LLM.classify`` return per prompt, shaped like
+    vLLM's; a subclass names the type of its ``outputs`` (``result_type``), made of the pooled
+    values by its ``of``."""
 
     request_id: str
     outputs: PooledT
@@ -110,7 +133,7 @@ class PoolingRequestOutput(Generic[PooledT]):
     finished: bool = True
     num_cached_tokens: int = 0
     num_prompt_embeds: int = 0
-    result_type: ClassVar[type]
+    result_type: ClassVar[Any]
 
     @classmethod
     def from_output(cls, output: RequestOutput) -> Self:
@@ -120,12 +143,16 @@ class PoolingRequestOutput(Generic[PooledT]):
             raise RuntimeError(f"Request {output.request_id} ended without its result ({reason}).")
         return cls(
             output.request_id,
-            cls.result_type(output.pooled.tolist()),
+            cls.result_type.of(output.pooled),
             output.prompt_token_ids,
             output.finished,
             output.num_cached_tokens,
             output.num_prompt_embeds,
         )
+
+
+class EncodingRequestOutput(PoolingRequestOutput[PoolingOutput]):
+    result_type = PoolingOutput
 
 
 class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):

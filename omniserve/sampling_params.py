@@ -112,8 +112,9 @@ class PoolingParams:
     """How an embedding (or classification) request pools its prompt's final hidden states,
     cut to ``dimensions`` and L2-normalised when asked (or classified); a field left None takes
     the model's default (``--pooler-config``, else the checkpoint's sentence-transformers
-    settings, else LAST with normalisation). Invalid values raise ``ValueError`` naming the
-    field."""
+    settings, else LAST with normalisation). The token tasks (vLLM's ``token_embed`` and
+    ``token_classify``) keep every prompt position instead, each embedded or classified as a
+    pooled state would be. Invalid values raise ``ValueError`` naming the field."""
 
     normalize: bool | None = None
     """Scale the embedding to unit L2 norm."""
@@ -124,8 +125,10 @@ class PoolingParams:
     """"LAST" (the prompt's last position), "MEAN" (the mean over its positions) or "CLS" (its
     first position)."""
     task: str | None = None
-    """"embed" (the pooled state) or "classify" (a sequence classifier's label scores of it);
-    None: classify on a sequence classifier, else embed."""
+    """One of ``POOLING_TASKS``: "embed" (the pooled state), "classify" (a sequence
+    classifier's label scores of it), "token_embed" or "token_classify" (the same of every
+    prompt position: one row per position); None: classify on a sequence classifier, else
+    embed."""
     use_activation: bool | None = None
     """classify: the labels' probabilities (softmax; a one-label model's sigmoid) rather than
     their raw scores; None: yes."""
@@ -140,16 +143,27 @@ class PoolingParams:
             if not isinstance(self.pooling_type, str):
                 raise ValueError(f"pooling_type must be a string, got {self.pooling_type!r}.")
             self.pooling_type = self.pooling_type.upper()
-        if self.task not in (None, "embed", "classify"):
-            raise ValueError(f"task must be None, 'embed' or 'classify', got {self.task!r}.")
+        if self.task is not None and self.task not in POOLING_TASKS:
+            raise ValueError(
+                f"task must be None or one of {', '.join(POOLING_TASKS)}, got {self.task!r}."
+            )
         if self.use_activation is not None and not isinstance(self.use_activation, bool):
             raise ValueError(f"use_activation must be a boolean, got {self.use_activation!r}.")
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the result has a row per prompt position (the token tasks)."""
+        return self.task in TOKEN_TASKS
 
     @property
     def reads_every_position(self) -> bool:
         """Whether pooling reads prompt positions before the last (which a prefix-cache hit
         would leave uncomputed)."""
-        return self.pooling_type not in (None, "LAST")
+        return self.per_token or self.pooling_type not in (None, "LAST")
+
+
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
+TOKEN_TASKS = ("token_embed", "token_classify")
 
 
 THINK_TAGS = ("<think>", "</think>")

@@ -273,6 +273,13 @@ def test_checkpoint_dense_modules(tiny_checkpoint, tmp_path) -> None:
     )  # fmt: skip
     torch.testing.assert_close(raw, projected, atol=ATOL, rtol=0)
     torch.testing.assert_close(unit, F.normalize(projected, dim=0), atol=ATOL, rtol=0)
+    # token_embed projects every position's state the same way (vLLM's token head).
+    states = _hidden_states(hf, input_ids=torch.tensor([ids]))
+    rows = F.linear(torch.tanh(F.linear(states, first["linear.weight"], first["linear.bias"])),
+                    second["linear.weight"])  # fmt: skip
+    token_rows = llm.encode({"prompt_token_ids": ids}, pooling_task="token_embed",
+                            use_tqdm=False)[0].outputs.data  # fmt: skip
+    torch.testing.assert_close(token_rows, F.normalize(rows, dim=1), atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match=r"dimensions: 48 is not one of .*\(1 to 24\)"):
         # As if Matryoshka-trained: the bound is the projection's width, not the hidden size.
         llm.llm_engine.processor.model_config.hf_config.get_text_config().is_matryoshka = True

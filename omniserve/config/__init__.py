@@ -161,6 +161,14 @@ class ModelConfig:
         else "embed"."""
         return "classify" if is_classifier(self.architecture) else "embed"
 
+    @property
+    def pooling_tasks(self) -> tuple[str, ...]:
+        """The pooling tasks the model answers: the classify tasks need a sequence classifier's
+        head."""
+        if is_classifier(self.architecture):
+            return ("embed", "classify", "token_embed", "token_classify")
+        return ("embed", "token_embed")
+
     def cross_encodes(self) -> bool:
         """Whether scoring runs the model as a cross-encoder (a one-label classifier) rather than
         comparing embeddings; ``ValueError`` for a classifier of more labels, which scores

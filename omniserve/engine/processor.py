@@ -24,7 +24,13 @@ from omniserve.inputs.preprocess import InputPreprocessor, ProcessedInputs
 from omniserve.lora.request import LoRARequest
 from omniserve.messages import EngineCoreRequest, SpeechRequest
 from omniserve.multimodal.errors import MultiModalInputError
-from omniserve.sampling_params import THINK_TAGS, PoolingParams, SamplingParams, SpeechParams
+from omniserve.sampling_params import (
+    THINK_TAGS,
+    TOKEN_TASKS,
+    PoolingParams,
+    SamplingParams,
+    SpeechParams,
+)
 from omniserve.structured_output import validate_structured_outputs
 from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
 
@@ -298,22 +304,28 @@ class Processor:
                 f"pooling_type: {pooling.pooling_type!r} is not one of {', '.join(POOLING_TYPES)}."
             )
         task = pooling.task or self.model_config.pooling_task
-        if task == "classify" and not self.model_config.num_labels:
+        classifies = task in ("classify", "token_classify")
+        if task not in self.model_config.pooling_tasks:
             raise ValueError(
                 f"{self.model_config.architecture} is no sequence classifier "
-                "(*ForSequenceClassification): it answers embeddings, not classification."
+                f"(*ForSequenceClassification): it answers embeddings, not {task}."
+            )
+        if task in TOKEN_TASKS and pooling.pooling_type is not None:
+            raise ValueError(
+                f"pooling_type: {task} keeps every prompt position; pooling_type applies to "
+                "embed and classify."
             )
         resolved = PoolingParams(
             defaults.normalize if pooling.normalize is None else pooling.normalize,
             pooling.dimensions,
-            pooling.pooling_type or defaults.pooling_type,
+            "ALL" if task in TOKEN_TASKS else pooling.pooling_type or defaults.pooling_type,
             task,
             pooling.use_activation is not False,
         )
         dims = pooling.dimensions
         if dims is None:
             return resolved
-        if task == "classify":
+        if classifies:
             raise ValueError("dimensions: a classification has one score per label; omit it.")
         text = self.model_config.hf_config.get_text_config()
         allowed = getattr(text, "matryoshka_dimensions", None)

@@ -20,6 +20,7 @@ from omniserve.lora.request import LoRARequest
 from omniserve.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
+    EncodingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
@@ -131,6 +132,23 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_task: str | None = None,
+    ) -> list[EncodingRequestOutput]:
+        """Each prompt's raw pooling result, in prompt order, as a tensor (vLLM's
+        ``LLM.encode``): ``pooling_task`` (else ``pooling_params.task``, else the model's:
+        classify on a sequence classifier, else embed) is "embed" or "classify" (one vector,
+        as ``embed`` and ``classify`` give it), or "token_embed" or "token_classify" (a row per
+        prompt position: each one's final state embedded, or its label scores)."""
+        params = embedding_params(_with_task(pooling_params, pooling_task))
+        outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
+        return [EncodingRequestOutput.from_output(output) for output in outputs]
 
     def embed(
         self,
@@ -359,14 +377,16 @@ def _prompt_list(
     return list(prompts)
 
 
-def _with_task(pooling_params: PoolingParams | None, task: str) -> PoolingParams:
-    """``pooling_params`` (None: the model's defaults) for ``task``, which it may not contradict."""
+def _with_task(pooling_params: PoolingParams | None, task: str | None) -> PoolingParams:
+    """``pooling_params`` (None: the model's defaults) for ``task`` (None: the params' own),
+    which it may not contradict."""
     if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
         raise TypeError(
             f"pooling_params must be a PoolingParams, not {type(pooling_params).__name__}."
         )
-    if pooling_params is not None and pooling_params.task not in (None, task):
-        raise ValueError(
-            f"pooling_params.task is {pooling_params.task!r}; this call runs {task!r}."
-        )
-    return dataclasses.replace(pooling_params or PoolingParams(), task=task)
+    params = pooling_params or PoolingParams()
+    if task is None:
+        return params
+    if params.task not in (None, task):
+        raise ValueError(f"pooling_params.task is {params.task!r}; this call runs {task!r}.")
+    return dataclasses.replace(params, task=task)

@@ -1,9 +1,10 @@
 """Embeddings of embedding requests (``SamplingParams.pooling``) from the prompt's final hidden
-states, or a sequence classifier's label scores of them (task "classify"). LAST reads the
-prompt's last position, which the step that samples a request's first token computes (so
-chunked prefill and prefix-cache hits need nothing more); MEAN and CLS read earlier positions
-too, so each prefill chunk folds its own into the request's state (such requests take no
-prefix-cache hit: ``SamplingParams.reads_prompt_states``)."""
+states, or a sequence classifier's label scores of them (task "classify"), or either of every
+prompt position (the token tasks, pooling "ALL"). LAST reads the prompt's last position, which
+the step that samples a request's first token computes (so chunked prefill and prefix-cache
+hits need nothing more); MEAN, CLS and ALL read earlier positions too, so each prefill chunk
+folds its own into the request's state (such requests take no prefix-cache hit:
+``SamplingParams.reads_prompt_states``)."""
 
 from __future__ import annotations
 
@@ -82,11 +83,12 @@ def pool_prompts(
     project: Projector | None = None,
 ) -> dict[str, torch.Tensor]:
     """req id -> fp32 embedding (or label scores by the model's ``head``: its
-    ``compute_logits``), on the device, for each embedding request among the step's
-    ``sampling`` requests (indices into ``req_ids``), whose first sampled position is at
-    ``firsts`` in ``logits_indices``; before that, every embedding request's chunk of prompt
-    positions in this step is folded into its state. Embeddings go through ``project`` (the
-    checkpoint's Dense modules) before they are cut to ``dimensions`` and normalised."""
+    ``compute_logits``; a row of either per prompt position for the token tasks), on the
+    device, for each embedding request among the step's ``sampling`` requests (indices into
+    ``req_ids``), whose first sampled position is at ``firsts`` in ``logits_indices``; before
+    that, every embedding request's chunk of prompt positions in this step is folded into its
+    state. Embeddings go through ``project`` (the checkpoint's Dense modules) before they are
+    cut to ``dimensions`` and normalised."""
     if not batch.pools[rows].any():
         return {}
     _fold_chunks(hidden_states, batch, rows, query_lens, positions)
@@ -99,33 +101,36 @@ def pool_prompts(
         if params.pooling_type == "MEAN":
             assert state.pool_state is not None
             vector = state.pool_state / state.num_prompt_tokens
-        elif params.pooling_type == "CLS":
+        elif params.pooling_type in ("CLS", "ALL"):
             assert state.pool_state is not None
             vector = state.pool_state
         else:
             index = logits_indices[int(firsts[j]) : int(firsts[j]) + 1]
             vector = hidden_states.index_select(0, index)[0].float()
         state.pool_state = None
-        if params.task == "classify":
-            pooled[req_ids[i]] = _classify(head, vector.to(hidden_states.dtype), params)
-            continue
-        if project is not None:
-            vector = project(vector)
-        if params.dimensions is not None:
-            vector = vector[: params.dimensions]
-        pooled[req_ids[i]] = F.normalize(vector, dim=0) if params.normalize else vector
+        block = vector if params.per_token else vector[None]
+        if params.task in ("classify", "token_classify"):
+            result = _classify(head, block.to(hidden_states.dtype), params)
+        else:
+            if project is not None:
+                block = project(block)
+            if params.dimensions is not None:
+                block = block[:, : params.dimensions]
+            result = F.normalize(block, dim=1) if params.normalize else block
+        pooled[req_ids[i]] = result if params.per_token else result[0]
     return pooled
 
 
 def _classify(
-    head: Callable[[torch.Tensor], torch.Tensor], state: torch.Tensor, params: PoolingParams
+    head: Callable[[torch.Tensor], torch.Tensor], states: torch.Tensor, params: PoolingParams
 ) -> torch.Tensor:
-    """The labels' scores of a pooled state: probabilities (softmax; sigmoid for one label, as
-    transformers' pipelines and vLLM take them) unless ``use_activation`` is False."""
-    scores = head(state[None])[0].float()
+    """The labels' scores of each pooled state (a row each): probabilities (softmax; sigmoid
+    for one label, as transformers' pipelines and vLLM take them) unless ``use_activation`` is
+    False."""
+    scores = head(states).float()
     if not params.use_activation:
         return scores
-    return scores.sigmoid() if scores.numel() == 1 else scores.softmax(0)
+    return scores.sigmoid() if scores.shape[1] == 1 else scores.softmax(1)
 
 
 def _fold_chunks(
@@ -135,8 +140,9 @@ def _fold_chunks(
     query_lens: np.ndarray,
     positions: np.ndarray,
 ) -> None:
-    """Fold each MEAN or CLS request's prompt positions of this step into its ``pool_state``
-    (a chunk from position 0 starts afresh, as a preempted request's recomputation does)."""
+    """Fold each MEAN, CLS or ALL request's prompt positions of this step into its
+    ``pool_state`` (a chunk from position 0 starts afresh, as a preempted request's
+    recomputation does)."""
     starts = np.cumsum(query_lens) - query_lens
     for i in np.flatnonzero(batch.pools[rows]).tolist():
         state = batch.states[int(rows[i])]
@@ -150,6 +156,14 @@ def _fold_chunks(
         if kind == "CLS":
             if first == 0:
                 state.pool_state = hidden_states[start].float()
+            continue
+        if kind == "ALL":  # a copy: the step's buffers are reused
+            states = hidden_states[start : start + count].to(torch.float32, copy=True)
+            if first == 0:
+                state.pool_state = states
+            else:
+                assert state.pool_state is not None, "an ALL request's chunk without its first"
+                state.pool_state = torch.cat((state.pool_state, states))
             continue
         chunk = hidden_states[start : start + count].sum(0, dtype=torch.float32)
         if first == 0:

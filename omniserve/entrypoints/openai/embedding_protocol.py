@@ -1,5 +1,6 @@
-"""Bodies of ``POST /v1/embeddings``: OpenAI's (``input``: text or token ids, one or many) and
-vLLM's chat form (``messages``, whose media and text are embedded together)."""
+"""Bodies of ``POST /v1/embeddings`` and vLLM's ``POST /pooling`` (the raw pooling result of
+any task): OpenAI's form (``input``: text or token ids, one or many) and vLLM's chat form
+(``messages``, whose media and text are pooled together)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ from omniserve.entrypoints.openai.protocol import OpenAIBaseModel, PromptOptions
 class _EmbeddingFields(PromptOptions):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    """base64: each embedding's little-endian float32 bytes, base64-encoded (OpenAI's)."""
+    """base64: each embedding's bytes (``embed_dtype``, ``endianness``), base64-encoded."""
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
+    """vLLM's: the number format of base64's bytes (float32 is what OpenAI's SDK decodes)."""
+    endianness: Literal["native", "little", "big"] = "native"
+    """vLLM's: the byte order of base64's bytes (native: the server's)."""
     dimensions: StrictInt | None = Field(None, ge=1)
     """Matryoshka models only: keep the first ``dimensions`` values."""
     user: str | None = None
@@ -77,6 +82,23 @@ class EmbeddingChatRequest(ChatPromptFields, _EmbeddingFields):
     """The conversation's embedding."""
 
 
+class _PoolingTask(OpenAIBaseModel):
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
+    """vLLM's pooling tasks (``PoolingParams.task``); None: the model's (classify on a
+    sequence classifier, else embed)."""
+    use_activation: StrictBool | None = None
+    """The classify tasks: probabilities unless false (the raw scores); the embed tasks:
+    vLLM's newer name for ``normalize``."""
+
+
+class PoolingCompletionRequest(_PoolingTask, EmbeddingCompletionRequest):
+    """Each input's pooling result."""
+
+
+class PoolingChatRequest(_PoolingTask, EmbeddingChatRequest):
+    """The conversation's pooling result."""
+
+
 def form_of(route: str) -> Callable[[Any], str]:
     """The discriminator of a route's two forms: a body with ``messages`` is the chat form, so
     its errors name its own fields and not the other form's (the tags are no identifiers, so an
@@ -94,6 +116,29 @@ EmbeddingRequest = Annotated[
     | Annotated[EmbeddingCompletionRequest, Tag("embedding-input")],
     Discriminator(form_of("embedding")),
 ]
+
+
+PoolingRequest = Annotated[
+    Annotated[PoolingChatRequest, Tag("pooling-chat")]
+    | Annotated[PoolingCompletionRequest, Tag("pooling-input")],
+    Discriminator(form_of("pooling")),
+]
+
+
+class PoolingData(OpenAIBaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[list[float]] | list[float] | str
+    """A vector, a row per prompt position (the token tasks), or base64 of either's values."""
+
+
+class PoolingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
+    usage: UsageInfo
 
 
 class EmbeddingData(OpenAIBaseModel):

@@ -1,5 +1,6 @@
 """The routes of pooling requests: OpenAI's ``/v1/embeddings``, vLLM's scoring routes
-(``/score``, ``/rerank``, and the paths vLLM also answers them on) and ``/classify``."""
+(``/score``, ``/rerank``, and the paths vLLM also answers them on), ``/classify`` and
+``/pooling`` (any task's raw result)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from omniserve.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
+from omniserve.entrypoints.openai.embedding_protocol import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    PoolingRequest,
+    PoolingResponse,
+)
 from omniserve.entrypoints.openai.routing import documented, with_cancellation
 from omniserve.entrypoints.openai.score_protocol import (
     ClassificationRequest,
@@ -30,6 +36,11 @@ def pooling_router(serving: OpenAIServingScores) -> APIRouter:
     @with_cancellation
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
         return respond(await serving.create_embedding(request))
+
+    @router.post("/pooling", responses=documented(PoolingResponse))
+    @with_cancellation
+    async def create_pooling(request: PoolingRequest, raw_request: Request) -> Response:
+        return respond(await serving.create_pooling(request))
 
     @router.post("/score", responses=documented(ScoreResponse))
     @router.post("/v1/score", responses=documented(ScoreResponse))

@@ -31,6 +31,8 @@ from omniserve.entrypoints.openai.embedding_protocol import (
     ChatPromptFields,
     EmbeddingChatRequest,
     EmbeddingCompletionRequest,
+    PoolingChatRequest,
+    PoolingCompletionRequest,
 )
 from omniserve.entrypoints.openai.engine_prompt import EnginePrompt
 from omniserve.entrypoints.openai.protocol import (
@@ -111,7 +113,8 @@ def _request_fields() -> frozenset[str]:
               TokenizeCompletionRequest, DetokenizeRequest, CreateSpeechRequest,
               ResponsesRequest, TranscriptionRequest, EmbeddingChatRequest,
               EmbeddingCompletionRequest, ScoreRequest, RerankRequest,
-              ClassificationChatRequest, ClassificationCompletionRequest)  # fmt: skip
+              ClassificationChatRequest, ClassificationCompletionRequest, PoolingChatRequest,
+              PoolingCompletionRequest)  # fmt: skip
     return frozenset(name for model in models for name in accepted_names(model))
 
 
