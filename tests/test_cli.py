@@ -293,6 +293,8 @@ def test_run_batch_answers_each_line_as_the_server_would(tiny_checkpoint, tmp_pa
         {"custom_id": "moderation", "method": "POST", "url": "/v1/moderations", "body": {}},
         {"custom_id": "rerank", "method": "POST", "url": "/v1/rerank",
          "body": {"model": "tiny", "query": "Hello", "documents": ["Hi", "Bye"], "top_n": 1}},
+        {"custom_id": "pool", "method": "POST", "url": "/pooling",
+         "body": {"model": "tiny", "input": "Hello there", "task": "token_embed"}},
     ]  # fmt: skip
     files = {"/batch.jsonl": ("\n".join([*map(json.dumps, lines), "{not json"]) + "\n").encode()}
     with _file_host(files) as host:
@@ -305,7 +307,7 @@ def test_run_batch_answers_each_line_as_the_server_would(tiny_checkpoint, tmp_pa
     answers = [json.loads(line) for line in files["/out.jsonl"].decode().splitlines()]
     assert [a["custom_id"] for a in answers] == [*(line["custom_id"] for line in lines), None]
     statuses = [a["response"] and a["response"]["status_code"] for a in answers]
-    assert statuses == [200, 200, 200, 400, None, 200, None, 200, None]
+    assert statuses == [200, 200, 200, 400, None, 200, None, 200, 200, None]
     body = answers[0]["response"]["body"]
     assert (
         answers[0]["response"]["request_id"] == body["id"] and body["object"] == "chat.completion"
@@ -316,10 +318,13 @@ def test_run_batch_answers_each_line_as_the_server_would(tiny_checkpoint, tmp_pa
     embedded = answers[5]["response"]["body"]
     assert embedded["object"] == "list" and [d["index"] for d in embedded["data"]] == [0, 1]
     assert len(answers[7]["response"]["body"]["results"]) == 1
+    pooled = answers[8]["response"]["body"]
+    assert len(pooled["data"][0]["data"]) == pooled["usage"]["prompt_tokens"] > 1
     errors = [a["error"] and a["error"]["code"] for a in answers]
-    assert errors == [None, None, None, None, "invalid_request", None, "invalid_url", None,
+    assert errors == [None, None, None, None, "invalid_request", None, "invalid_url", None, None,
                       "invalid_request"]  # fmt: skip
-    assert "stream" in answers[4]["error"]["message"] and "line 9" in answers[8]["error"]["message"]
+    assert "stream" in answers[4]["error"]["message"]
+    assert "line 10" in answers[9]["error"]["message"]
     offline = LLM(model_dir, dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
     greedy = offline.chat(messages, SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
     assert body["choices"][0]["message"]["content"] == greedy[0].outputs[0].text

@@ -37,9 +37,10 @@ IN_FLIGHT_PER_SEAT = 2
 """Lines in flight per ``--max-num-seqs`` seat: enough to keep the engine full, few enough that
 a large file's lines are not all being processed (their media decoded) at once."""
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
-              "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")  # fmt: skip
+              "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
+              "/pooling")  # fmt: skip
 """The routes a batch line may name (OpenAI's Batch API has the first four; vLLM's run-batch
-the scoring ones too)."""
+the pooling ones too)."""
 
 
 class BatchRequestInput(pydantic.BaseModel):
