@@ -6,6 +6,7 @@ server's ``--lora-modules``, ``model`` routing, ``/v1/models`` and runtime loadi
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 from omniserve import LLM, SamplingParams
+from omniserve.checkpoint_builder.lora import build_random_adapter
+from omniserve.lora.adapter import read_adapter
 from omniserve.lora.request import LoRARequest, adapter_fits, lora_stats, parse_lora_modules
 from omniserve.metrics import PrometheusStatLogger
 from tests.hf_reference import assert_matches_reference, hf_greedy, make_prompts
@@ -27,6 +30,7 @@ from tests.utils import make_requests, make_runner_output, make_scheduler, run_t
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3)
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -178,12 +182,59 @@ def _broken(root: Path, source: Path, name: str, config: dict | None = None,
     return path
 
 
+@pytest.fixture(scope="module")
+def random_adapter(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The benchmarks' random adapter of the tiny Qwen2 (rank 8, every projection)."""
+    model_dir = tiny_checkpoint("Qwen2ForCausalLM")
+    return build_random_adapter(model_dir, tmp_path_factory.mktemp("random") / "adapter", 8)
+
+
+@pytest.mark.parametrize(
+    ("config", "q_a", "message"),
+    [
+        ({"lora_alpha": "x"}, None, "adapter_config.json lora_alpha must be a finite number, "
+         "got 'x'."),
+        ({"lora_alpha": None}, None, "lora_alpha must be a finite number, got None"),
+        ({"lora_alpha": [1]}, None, "lora_alpha must be a finite number, got [1]"),
+        ({"lora_alpha": True}, None, "lora_alpha must be a finite number, got True"),
+        ({"alpha_pattern": "x"}, None, "alpha_pattern must be an object (module pattern -> value)"),
+        ({"alpha_pattern": {"q_proj": "x"}}, None, "alpha_pattern['q_proj'] must be a finite "
+         "number, got 'x'."),
+        ({"alpha_pattern": {"(": 2}}, None, "alpha_pattern key '(' is not a regular expression"),
+        ({"rank_pattern": [8]}, None, "rank_pattern must be an object"),
+        ({"rank_pattern": {"q_proj": 2.5}}, None, "rank_pattern['q_proj'] must be an integer >= 1"),
+        ({"rank_pattern": {"q_proj": 4}}, None, "q_proj has rank 8, but adapter_config.json "
+         "gives it r=4."),
+        ({"r": "8"}, None, "adapter_config.json r must be an integer >= 1, got '8'"),
+        ({"modules_to_save": ["lm_head"]}, None, "adapter_config.json modules_to_save=['lm_head'] "
+         "is not supported (omniserve applies only low-rank deltas"),
+        (None, lambda a: a[:0], f"adapter_model.safetensors tensor {Q_A} has rank 0."),
+        (None, lambda a: a * float("nan"), f"tensor {Q_A} holds non-finite values (NaN/Inf)."),
+        (None, lambda a: a * float("inf"), f"tensor {Q_A} holds non-finite values (NaN/Inf)."),
+        (None, lambda a: a.to(torch.int8), f"{Q_A} is int8; LoRA weights must be floating point"),
+    ],
+    ids=["alpha-str", "alpha-null", "alpha-list", "alpha-bool", "alpha_pattern-str",
+         "alpha_pattern-value", "alpha_pattern-regex", "rank_pattern-list", "rank_pattern-float",
+         "rank_pattern-mismatch", "r-str", "modules_to_save", "rank0", "nan", "inf", "int8"],
+)  # fmt: skip
+def test_bad_adapter_files_are_refused_when_read(random_adapter, tmp_path, config, q_a, message):
+    """Config values of the wrong type, tensors that would fail (or quietly change) requests
+    later, and replaced modules: a ValueError naming the adapter, the file and the key."""
+    tensors = None
+    if q_a is not None:  # replaces layer 0's q_proj lora_A
+        tensors = load_file(random_adapter / "adapter_model.safetensors")
+        tensors[Q_A] = q_a(tensors[Q_A]).contiguous()
+    path = _broken(tmp_path, random_adapter, "a", config, tensors)
+    with pytest.raises(ValueError, match=rf"^LoRA adapter 'a': .*{re.escape(message)}"):
+        read_adapter(LoRARequest("a", 1, str(path)), max_rank=8)
+
+
 @pytest.mark.slow
 def test_bad_adapters_are_refused_and_the_engine_serves_on(text_case, tiny_checkpoint):
     model_dir, prompts, reference, loras, root = text_case
     wide, narrow = Path(loras["wide"].lora_path), Path(loras["narrow"].lora_path)
     weights = load_file(narrow / "adapter_model.safetensors")  # rank 4
-    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    key = Q_A
     head = {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
             "base_model.model.lm_head.lora_B.weight": torch.zeros(2048, 4)}  # fmt: skip
     other = tiny_checkpoint("Qwen2ForCausalLM", overrides={"hidden_size": 96})
@@ -212,6 +263,10 @@ def test_bad_adapters_are_refused_and_the_engine_serves_on(text_case, tiny_check
             "does not fit this model",
         ),
         "head": (_broken(root, narrow, "head", tensors={**weights, **head}), "adapts lm_head"),
+        "nan": (
+            _broken(root, narrow, "nan", tensors={**weights, key: weights[key] * float("nan")}),
+            "holds non-finite values",
+        ),
     }
     llm = LLM(model_dir, dtype="float32", enable_lora=True, max_lora_rank=4)
     prompt = {"prompt_token_ids": prompts[0]}
@@ -290,6 +345,11 @@ def test_server_routes_models_to_adapters_and_logs_requests(text_case, tmp_path,
         assert "already been loaded" in assert_error(again, 400)["message"]
         bad = server.post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(root)})
         assert "adapter_config.json" in assert_error(bad, 400)["message"]
+        alpha = _broken(root, Path(narrow), "alpha-str", {"lora_alpha": "x"})
+        bad = server.post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(alpha)})
+        error = assert_error(bad, 400)  # read in the engine core, raised here as a ValueError
+        assert error["param"] == "lora_path"
+        assert "lora_alpha must be a finite number, got 'x'" in error["message"]
         assert server.post("/v1/unload_lora_adapter", {"lora_name": "narrow"}).status_code == 200
         assert_error(server.post("/v1/completions", {"model": "narrow", "prompt": "x"}), 404)
         assert_error(server.post("/v1/unload_lora_adapter", {"lora_name": "narrow"}), 404)

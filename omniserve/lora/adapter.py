@@ -13,14 +13,17 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load_file
 
 from omniserve.lora.request import LoRARequest
 
+_T = TypeVar("_T")
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
+_Patterns = list[tuple[re.Pattern[str], float]]
+"""A ``rank_pattern`` / ``alpha_pattern``: (module path pattern, value), in PEFT's order."""
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,62 @@ class LoRAPair:
         return self.a.shape[0]
 
 
-def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup: a key matches a module whose path
-    ends with it (as a regular expression) at a dot boundary."""
+def _number(value: Any, field: str, name: str, *, rank: bool = False) -> float:
+    """``value`` of ``adapter_config.json``'s ``field`` as a finite number (a rank: an integer
+    >= 1): JSON allows any value there, and a wrong one would fail deep in the arithmetic."""
+    kinds = (int,) if rank else (int, float)
+    number = isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or (rank and value < 1):
+        kind = "an integer >= 1" if rank else "a finite number"
+        raise ValueError(
+            f"LoRA adapter {name!r}: adapter_config.json {field} must be {kind}, got {value!r}."
+        )
+    return value
+
+
+def _patterns(config: dict[str, Any], field: str, name: str, *, rank: bool = False) -> _Patterns:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern``, checked whole: a key matches a module whose
+    path ends with it (as a regular expression) at a dot boundary."""
+    patterns = config.get(field)
+    if patterns is None:
+        return []
+    if not isinstance(patterns, dict):
+        raise ValueError(
+            f"LoRA adapter {name!r}: adapter_config.json {field} must be an object "
+            f"(module pattern -> value), got {patterns!r}."
+        )
+    compiled = []
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+        try:
+            pattern = re.compile(rf"(.*\.)?({key})$")
+        except re.error as exc:
+            raise ValueError(
+                f"LoRA adapter {name!r}: adapter_config.json {field} key {key!r} is not a "
+                f"regular expression: {exc}"
+            ) from exc
+        compiled.append((pattern, _number(value, f"{field}[{key!r}]", name, rank=rank)))
+    return compiled
+
+
+def _pattern_value(patterns: _Patterns, module: str, default: _T) -> float | _T:
+    """The value of the first pattern matching ``module`` (PEFT's lookup), else ``default``."""
+    return next((value for pattern, value in patterns if pattern.match(module)), default)
+
+
+def _tensor_problem(tensor: torch.Tensor, part: str) -> str | None:
+    """What makes a lora_A / lora_B tensor unusable: caught here, since such a tensor would
+    load and then fail, or quietly change, every request that uses it."""
+    if tensor.dim() != 2:
+        return "is not a matrix"
+    if not tensor.is_floating_point():
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return f"is {dtype}; LoRA weights must be floating point"
+    if tensor.shape[0 if part == "A" else 1] == 0:
+        return "has rank 0"
+    values = tensor if tensor.element_size() > 1 else tensor.float()  # float8: no isfinite
+    if not torch.isfinite(values).all():
+        return "holds non-finite values (NaN/Inf)"
+    return None
 
 
 def _read_config(path: Path, name: str) -> dict[str, Any]:
@@ -63,11 +115,16 @@ def _read_config(path: Path, name: str) -> dict[str, Any]:
         "use_dora": (bool(config.get("use_dora")), "DoRA adapters do not load"),
         "bias": (config.get("bias", "none") != "none", "adapters with biases do not load"),
         "fan_in_fan_out": (bool(config.get("fan_in_fan_out")), "only nn.Linear layouts load"),
+        "modules_to_save": (
+            bool(config.get("modules_to_save")),
+            "omniserve applies only low-rank deltas, not fully replaced modules",
+        ),
     }
     for field, (bad, why) in unsupported.items():
         if bad:
             raise ValueError(
-                f"LoRA adapter {name!r}: {field}={config.get(field)!r} is not supported ({why})."
+                f"LoRA adapter {name!r}: adapter_config.json {field}={config.get(field)!r} is "
+                f"not supported ({why})."
             )
     return config
 
@@ -79,6 +136,12 @@ def read_adapter(lora: LoRARequest, max_rank: int) -> dict[str, LoRAPair]:
     """
     name, path = lora.lora_name, Path(lora.lora_path)
     config = _read_config(path, name)
+    alpha = _number(config.get("lora_alpha", 8), "lora_alpha", name)
+    alpha_pattern = _patterns(config, "alpha_pattern", name)
+    # PEFT sizes each module from r / rank_pattern (and cannot load tensors of other ranks)
+    r = _number(config["r"], "r", name, rank=True) if "r" in config else None
+    rank_pattern = _patterns(config, "rank_pattern", name, rank=True)
+    rslora = bool(config.get("use_rslora"))
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():
         hint = " (convert adapter_model.bin to safetensors)" if (
@@ -96,12 +159,10 @@ def read_adapter(lora: LoRARequest, max_rank: int) -> dict[str, LoRAPair]:
                 f"LoRA adapter {name!r}: tensor {key!r} is not a lora_A/lora_B weight "
                 "(modules_to_save, embedding LoRA and DoRA magnitudes are not supported)."
             )
-        if tensor.dim() != 2:
-            raise ValueError(f"LoRA adapter {name!r}: {key} is not a matrix.")
+        problem = _tensor_problem(tensor, match["part"])
+        if problem is not None:
+            raise ValueError(f"LoRA adapter {name!r}: {weights_file.name} tensor {key} {problem}.")
         parts.setdefault(match["module"], {})[match["part"]] = tensor
-    alpha = config.get("lora_alpha", 8)
-    alpha_pattern = config.get("alpha_pattern") or {}
-    rslora = bool(config.get("use_rslora"))
     pairs: dict[str, LoRAPair] = {}
     for module, ab in parts.items():
         if set(ab) != {"A", "B"}:
@@ -117,6 +178,12 @@ def read_adapter(lora: LoRARequest, max_rank: int) -> dict[str, LoRAPair]:
             raise ValueError(
                 f"LoRA adapter {name!r}: {module} has rank {rank}, above --max-lora-rank "
                 f"{max_rank}."
+            )
+        configured = _pattern_value(rank_pattern, module, r)
+        if configured is not None and configured != rank:
+            raise ValueError(
+                f"LoRA adapter {name!r}: {module} has rank {rank}, but adapter_config.json "
+                f"gives it r={configured}."
             )
         module_alpha = _pattern_value(alpha_pattern, module, alpha)
         scaling = module_alpha / (math.sqrt(rank) if rslora else rank)
