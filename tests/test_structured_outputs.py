@@ -104,6 +104,10 @@ def test_sampled_children_each_follow_the_constraint(llm: LLM) -> None:
     assert len(set(texts)) > 1
 
 
+DEEP_SCHEMA = '{"type": "array", "items": ' * 65 + "{}" + "}" * 65
+"""A valid schema nested 66 levels deep (``MAX_SCHEMA_DEPTH`` is 64)."""
+
+
 @pytest.mark.parametrize(
     ("constraint", "needle"),
     [
@@ -113,6 +117,8 @@ def test_sampled_children_each_follow_the_constraint(llm: LLM) -> None:
         ),
         ({"regex": "(unclosed"}, "structured_outputs.regex is not valid"),
         ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar is not valid"),
+        ({"json": DEEP_SCHEMA}, "structured_outputs.json nests 66 levels"),
+        ({"json": "[" * 5000 + "]" * 5000}, "structured_outputs.json nests over "),
     ],
 )
 def test_bad_constraints_are_value_errors(llm: LLM, constraint: dict, needle: str) -> None:
@@ -221,6 +227,17 @@ def test_vllm_fields_on_completions_and_chat(server: Server) -> None:
         ),
         ({"guided_json": {"type": "nonsense"}}, "guided_json is not valid: Unsupported type"),
         ({"guided_regex": "(a"}, "guided_regex is not valid: Regex parsing error"),
+        # too deep to compile in good time (each level costs more), refused before compiling
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "a", "schema": json.loads(DEEP_SCHEMA)}}},
+            "response_format.json_schema.schema nests 66 levels of objects and arrays; at most 64",
+        ),
+        # compiled in the engine core: a grammar no token can start fails its own request
+        (
+            {"structured_outputs": {"grammar": 'root ::= root "a"'}},
+            "structured_outputs.grammar matches no text this model can write",
+        ),
         (
             {"tools": [{"type": "function", "function": {"name": n, "parameters": {"type": t}}}
                        for n, t in (("f", "object"), ("g", "x"))],
@@ -239,8 +256,10 @@ def test_bad_constraints_are_400s(server: Server, fields: dict, needle: str) -> 
     error = assert_error(server.post("/v1/chat/completions", body), 400)
     assert needle in error["message"], error
     assert ".cc:" not in error["message"]
-    if "is not valid" in needle:
+    if " is not valid" in needle or " nests " in needle or " matches no " in needle:
         assert error["param"] == needle.split(" ", 1)[0]
+    ok = server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
 
 
 def test_ignore_eos_goes_on_after_the_grammar_ends(llm: LLM) -> None:

@@ -176,15 +176,20 @@ class EngineCore:
             if not future.done():
                 continue
             del self.grammar_waiting[req_id]
-            if future.exception() is not None:
-                logger.error(
-                    "Compiling the grammar of request %s failed: %s", req_id, future.exception()
+            if (error := future.exception()) is not None:
+                # xgrammar's errors are the constraint's (its client's 400); others are ours
+                own = isinstance(error, ValueError | RuntimeError)
+                logger.log(
+                    logging.INFO if own else logging.ERROR,
+                    "Compiling the grammar of request %s failed: %s",
+                    req_id,
+                    error,
                 )
                 failed.append(
-                    EngineCoreOutput(
-                        request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ERROR
-                    )
-                )
+                    EngineCoreOutput(request_id=req_id, new_token_ids=[],
+                                     finish_reason=FinishReason.ERROR,
+                                     error=str(error) if own else None)
+                )  # fmt: skip
                 continue
             self.structured_output.start(req_id, future.result())
             self.scheduler.add_request(request)
