@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from omniserve.sampling_params import embedding_params
 from tests.hf_reference import make_prompts
 from tests.server_utils import MODEL, assert_error
 from tests.test_classification import classifiers  # noqa: F401 (the fixture)
-from tests.test_embeddings import ATOL, LENGTHS, _hidden_states
+from tests.test_embeddings import ATOL, BROKEN_IMAGE, LENGTHS, _hidden_states
 
 
 def test_token_embed_matches_transformers(tiny_checkpoint) -> None:
@@ -177,7 +178,10 @@ def test_the_pooling_route(default_server) -> None:
     other = "big" if sys.byteorder == "little" else "little"
     np.testing.assert_array_equal(_decode(half, "float16", other), embedding.astype(np.float16))
 
+    logged = len(default_server.log.read_bytes())
+    broken = [{"role": "user", "content": [BROKEN_IMAGE]}]
     for body, field, words in (
+        ({"messages": broken}, "messages[0].content[0]", "image"),
         ({"input": "x", "task": "token_classify"}, "task", "answers embed, token_embed, not"),
         ({"input": "x", "task": "encode"}, "task", ""),
         ({"input": "x", "normalize": True, "use_activation": False}, "use_activation",
@@ -190,3 +194,6 @@ def test_the_pooling_route(default_server) -> None:
     ):  # fmt: skip
         error = assert_error(default_server.post("/pooling", {"model": MODEL, **body}), 400)
         assert error["param"] == field and words in error["message"], (body, error)
+    # A client's mistake is answered, not logged as an unhandled exception (only our bugs are).
+    time.sleep(0.5)
+    assert b"Exception in ASGI" not in default_server.log.read_bytes()[logged:]

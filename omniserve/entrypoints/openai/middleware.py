@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
 from omniserve.entrypoints.openai.serving_engine import ServingError, to_serving_error
 
 
@@ -23,11 +24,16 @@ def error_json(error: ServingError) -> JSONResponse:
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """Every error a route raises leaves as one OpenAI-shaped body."""
+    """Every error a route raises leaves as one OpenAI-shaped body. The errors
+    ``to_serving_error`` knows (client mistakes, a dead or stopping engine) are answered by
+    handlers of their own classes; only the handler of ``Exception`` is Starlette's last resort,
+    which logs the traceback of what it answers, so only our own bugs reach it."""
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(ServingError, lambda _, exc: error_json(exc))
-    app.add_exception_handler(Exception, _unexpected_error)
+    for known in (ValueError, TypeError, EngineDeadError, EngineStoppingError, EngineGenerateError):
+        app.add_exception_handler(known, _converted_error)
+    app.add_exception_handler(Exception, _converted_error)
 
 
 _UNION_BRANCHES = frozenset(("str", "int", "float", "bool", "dict", "list", "none"))
@@ -75,7 +81,7 @@ def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_json(ServingError(str(exc.detail), status))
 
 
-def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+def _converted_error(_: Request, exc: Exception) -> JSONResponse:
     return error_json(to_serving_error(exc))  # logs anything that is not a client mistake
 
 
