@@ -104,6 +104,9 @@ def test_models_health_version(server: Server) -> None:
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert server.client().models.retrieve(MODEL) == models.data[0]  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client().models.retrieve("org/nope")
 
 
 def test_chat_completion_and_usage(server: Server) -> None:
@@ -439,6 +442,8 @@ ERROR_CASES = [
     ),
     ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "does not exist"),
     ("/v1/chat/completions", [1, 2], 400, "object"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),  # its param
+    ("/tokenize", {"prompt": "hi", "messages": _chat("hi")}, 400, "not both"),
 ]
 
 
@@ -452,6 +457,15 @@ def test_request_errors(server: Server, path: str, body: Any, status: int, needl
 
 def test_malformed_json_and_sdk_errors(server: Server) -> None:
     assert_error(server.post("/v1/chat/completions", content=b'{"model": "tiny", "mess'), 400)
+    for content, needle in (
+        (b"", "The request body is empty"),
+        (b'{"messages": "\xff"}', "Malformed JSON body: UnicodeDecodeError"),
+        (b"[" * 3000 + b"]" * 3000, "Malformed JSON body: RecursionError"),
+        (b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}", "Malformed JSON body: ValueError"),
+        (b'{"prompt": "x", "top_p": NaN}', "top_p: Input should be a finite number"),
+    ):
+        error = assert_error(server.post("/v1/completions", content=content), 400)
+        assert error["message"].startswith(needle), error
     body = b'{"model": "tiny", "prompt": "hi"}'
     for headers in ({"Content-Type": "text/plain"}, {}):
         plain = httpx.post(server.url + "/v1/completions", content=body, timeout=60,

@@ -58,6 +58,7 @@ from omniserve.entrypoints.openai.pooling_routes import pooling_router
 from omniserve.entrypoints.openai.protocol import (
     ErrorResponse,
     LoadLoRAAdapterRequest,
+    ModelCard,
     ModelList,
     UnloadLoRAAdapterRequest,
 )
@@ -375,6 +376,10 @@ def _api_router(
     )
     async def show_models() -> ModelList:
         return ModelList(data=models.cards(max_model_len, completion.default_sampling))
+
+    @router.get("/v1/models/{model:path}", responses=documented(ModelCard))
+    async def show_model(model: str) -> ModelCard:  # names may hold slashes ("Qwen/...")
+        return models.card(model, max_model_len, completion.default_sampling)
 
     if envs.allow_runtime_lora_updating():  # vLLM's routes, behind vLLM's switch
 

@@ -20,7 +20,12 @@ from pydantic import (
     model_validator,
 )
 
-from omniserve.entrypoints.openai.protocol import OpenAIBaseModel, PromptOptions, UsageInfo
+from omniserve.entrypoints.openai.protocol import (
+    OpenAIBaseModel,
+    PromptOptions,
+    UsageInfo,
+    one_prompt_form,
+)
 
 
 class _EmbeddingFields(PromptOptions):
@@ -76,6 +81,11 @@ class ChatPromptFields(PromptOptions):
     @property
     def template_kwargs(self) -> dict[str, Any] | None:
         return self.chat_template_kwargs
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_form(cls, data: Any) -> Any:
+        return one_prompt_form(data, "input")
 
 
 class EmbeddingChatRequest(ChatPromptFields, _EmbeddingFields):

@@ -52,6 +52,8 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
                     f"Malformed JSON body: {error.get('ctx', {}).get('error', 'cannot parse')}."
                 )
             )
+        if tuple(error.get("loc", ())) == ("body",) and error.get("type") == "missing":
+            return error_json(ServingError("The request body is empty: send a JSON object."))
         if tuple(error.get("loc", ())) == ("body",) and "json" not in content_type:
             # FastAPI reads a body as JSON only when its Content-Type says so
             return error_json(
@@ -70,14 +72,19 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
         problems.append(f"{field}: {message}" if field else message)
         fields.append(field)
     return error_json(
-        ServingError(
-            "; ".join(problems) or "Invalid request.", param=next((f for f in fields if f), None)
+        ServingError(  # a union's branches may each report the same problem
+            "; ".join(dict.fromkeys(problems)) or "Invalid request.",
+            param=next((f for f in fields if f), None),
         )
     )
 
 
 def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     status = HTTPStatus(exc.status_code)
+    cause = exc.__cause__
+    if status == HTTPStatus.BAD_REQUEST and cause is not None:  # FastAPI's body decoding
+        # (invalid UTF-8, nesting deeper than Python's parser goes, an integer over its digits)
+        return error_json(ServingError(f"Malformed JSON body: {type(cause).__name__}: {cause}"))
     return error_json(ServingError(str(exc.detail), status))
 
 

@@ -89,8 +89,11 @@ def accepted_names(model: type[BaseModel]) -> set[str]:
 
 
 class RequestModel(OpenAIBaseModel):
-    """A request body that refuses vLLM's fields it cannot honour (``unsupported``) and text
-    that is not valid Unicode."""
+    """A request body that refuses vLLM's fields it cannot honour (``unsupported``), text
+    that is not valid Unicode, and NaN or infinite numbers (JSON has none; Python's parser
+    takes ``NaN`` and ``Infinity``)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     unsupported: ClassVar[dict[str, tuple[Any, str]]] = {}
     """vLLM's fields with no meaning here yet, with their no-op value and why: any other value
@@ -260,6 +263,14 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     structural_tag: str | None = None
     disable_any_whitespace: StrictBool = False
     """An option, not a constraint: may go with response_format or a guided_* field."""
+
+
+def one_prompt_form(data: Any, other: str) -> Any:
+    """A body's prompt is its ``messages`` or its ``other`` field, never both (the one left
+    unread would be dropped without a word)."""
+    if isinstance(data, dict) and "messages" in data and other in data:
+        raise ValueError(f"{other}: give {other} or messages, not both (two forms of the prompt).")
+    return data
 
 
 class PromptOptions(RequestModel):

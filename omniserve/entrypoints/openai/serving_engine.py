@@ -351,7 +351,7 @@ class OpenAIServing:
         if isinstance(prompt, str):
             engine_prompt = await self.tokenize_text(prompt, add_special_tokens, self.prompt_field)
             if not engine_prompt.token_ids:
-                raise to_serving_error(ValueError("The prompt is empty."))
+                raise ServingError("The prompt is empty.", param=self.prompt_field)
             return engine_prompt
         return self.check_token_ids(prompt)
 

@@ -73,6 +73,13 @@ class OpenAIServingModels:
                                HTTPStatus.NOT_FOUND, param="lora_name")  # fmt: skip
         await self.engine.remove_lora(lora.lora_int_id)
 
+    def card(self, name: str, max_model_len: int, default_sampling: dict[str, float]) -> ModelCard:
+        """``name``'s card (``GET /v1/models/{model}``, the SDK's ``models.retrieve``); 404 for
+        an unknown name."""
+        self.resolve(name)
+        cards = self.cards(max_model_len, default_sampling)
+        return next(card for card in cards if card.id == name)
+
     def cards(self, max_model_len: int, default_sampling: dict[str, float]) -> list[ModelCard]:
         root = self.engine.model_config.model
         base = [

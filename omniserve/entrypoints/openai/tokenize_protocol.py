@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import StrictBool, StrictInt
+from pydantic import StrictBool, StrictInt, model_validator
 
-from omniserve.entrypoints.openai.protocol import ChatCompletionTool, OpenAIBaseModel, RequestModel
+from omniserve.entrypoints.openai.protocol import (
+    ChatCompletionTool,
+    OpenAIBaseModel,
+    RequestModel,
+    one_prompt_form,
+)
 
 
 class TokenizeCompletionRequest(RequestModel):
@@ -14,6 +19,11 @@ class TokenizeCompletionRequest(RequestModel):
     prompt: str
     add_special_tokens: StrictBool = True
     return_token_strs: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_form(cls, data: Any) -> Any:
+        return one_prompt_form(data, "prompt")
 
 
 class TokenizeChatRequest(RequestModel):
@@ -31,6 +41,11 @@ class TokenizeChatRequest(RequestModel):
     @property
     def template_kwargs(self) -> dict[str, Any] | None:
         return self.chat_template_kwargs
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_form(cls, data: Any) -> Any:
+        return one_prompt_form(data, "prompt")
 
 
 TokenizeRequest = TokenizeChatRequest | TokenizeCompletionRequest
