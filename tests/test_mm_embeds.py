@@ -128,6 +128,10 @@ def test_bad_embeds_are_errors_naming_the_item(vl: LLM, tiny_checkpoint: Any) ->
         plain.generate(
             {"prompt": VL_PROMPT, "multi_modal_data": {"image": good}}, GREEDY, use_tqdm=False
         )
+    # A chat part is refused before its payload is decoded (here it is no tensor at all).
+    part = {"type": "image_embeds", "image_embeds": "not base64"}
+    with pytest.raises(MultiModalInputError, match=r"content\[0\].*--enable-mm-embeds"):
+        plain.chat([{"role": "user", "content": [part]}], GREEDY, use_tqdm=False)
     plain.llm_engine.shutdown()
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omniserve.inputs.data import EMBEDS_SLOT, TokensPrompt
-from omniserve.multimodal.errors import MultiModalInputError
+from omniserve.multimodal.errors import MM_EMBEDS_OFF, MultiModalInputError
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
 MEDIA_PART_TYPES = {
@@ -457,8 +457,10 @@ class ChatRenderer:
         placeholder: Callable[[str, int], str] | None = None,
         connector: Any = None,
         check_counts: Callable[[Mapping[str, int]], None] | None = None,
+        mm_embeds: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        self.mm_embeds = mm_embeds
         self.chat_template = chat_template
         self.placeholder = placeholder
         self.connector = connector
@@ -495,16 +497,27 @@ class ChatRenderer:
             placeholder=model_cls.get_placeholder_str,  # type: ignore[attr-defined]  # every multimodal model has it
             connector=connector,
             check_counts=info.validate_num_items,
+            mm_embeds=mm.enable_mm_embeds,
         )
 
     def _parse(self, messages: list[dict[str, Any]], where: str | None = None) -> ChatInputs:
-        return parse_chat_messages(
+        """The messages' parts; embeddings parts refused before they are decoded unless the
+        engine takes them (``--enable-mm-embeds``)."""
+        inputs = parse_chat_messages(
             messages,
             content_format=self.content_format if where is None else "string",
             placeholder=self.placeholder,
             check_counts=self.check_counts,
             where=where,
         )
+        if not self.mm_embeds:
+            for item in inputs.pending:
+                if item.kind in EMBEDS_PART_TYPES:
+                    raise MultiModalInputError(
+                        MM_EMBEDS_OFF, stage="process", modality=item.modality,
+                        location=item.location,
+                    )  # fmt: skip
+        return inputs
 
     def for_template(self, chat_template: str | None) -> ChatRenderer:
         """This renderer with another template (a request's own); itself for None."""

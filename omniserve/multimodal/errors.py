@@ -11,6 +11,9 @@ from typing import Literal
 
 Stage = Literal["fetch", "decode", "process", "budget"]
 
+MM_EMBEDS_OFF = "precomputed embeddings need the server started with --enable-mm-embeds"
+"""Why an embeddings item is refused by an engine that does not take them."""
+
 
 class MultiModalInputError(ValueError):
     """A multimodal item was rejected at ``stage`` ("fetch", "decode", "process", "budget")."""

@@ -28,7 +28,7 @@ from omniserve.multimodal.context import (
     InputProcessingContext,
     RequestKwarg,
 )
-from omniserve.multimodal.errors import MultiModalInputError
+from omniserve.multimodal.errors import MM_EMBEDS_OFF, MultiModalInputError
 from omniserve.multimodal.hasher import MultiModalHasher
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.multimodal.parse import (
@@ -287,7 +287,7 @@ class BaseMultiModalProcessor(ABC):
             return MultiModalInputError(f"item {index}: {why}", stage="process", modality=modality)
 
         if not self.info.ctx.enable_mm_embeds:
-            raise fail("precomputed embeddings need the server started with --enable-mm-embeds")
+            raise fail(MM_EMBEDS_OFF)
         tensor = embeds[f"{modality}_embeds"]
         width, what = self._embeds_width(modality)
         fault = embeds_fault(tensor, width, f"{modality}_embeds", "num_embeds", what)
