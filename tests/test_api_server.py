@@ -1046,6 +1046,10 @@ def test_vllm_completion_fields_and_request_id(server: Server) -> None:
         "Ignored request fields this server does not use: other_servers_field"
         in server.log.read_text()
     )
+    # Inside an object too (a misspelt option is in the log, not dropped unseen).
+    typo = {**body, "stream": True, "stream_options": {"include_usgae": True}}
+    assert server.post("/v1/completions", typo).status_code == 200
+    assert "does not use (in StreamOptions): include_usgae" in server.log.read_text()
 
 
 def test_cors_preflight_is_answered_without_a_key(server: Server) -> None:

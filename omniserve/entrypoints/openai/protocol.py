@@ -88,16 +88,13 @@ def accepted_names(model: type[BaseModel]) -> set[str]:
     return names
 
 
-class RequestModel(OpenAIBaseModel):
-    """A request body that refuses vLLM's fields it cannot honour (``unsupported``), text
-    that is not valid Unicode, and NaN or infinite numbers (JSON has none; Python's parser
-    takes ``NaN`` and ``Infinity``)."""
+class RequestPart(OpenAIBaseModel):
+    """A request body, or an object inside one (``stream_options``, a tool, ...): it refuses
+    NaN and infinite numbers (JSON has none; Python's parser takes ``NaN`` and ``Infinity``)
+    and ignores keys it does not know with one warning naming them, as vLLM does (clients send
+    fields of other servers; a misspelt key is then in the log, not dropped unseen)."""
 
     model_config = ConfigDict(allow_inf_nan=False)
-
-    unsupported: ClassVar[dict[str, tuple[Any, str]]] = {}
-    """vLLM's fields with no meaning here yet, with their no-op value and why: any other value
-    is a 400 naming the field (a silently dropped field would change answers without a word)."""
 
     passed_on: ClassVar[frozenset[str]] = frozenset()
     """Fields the request hands on, unparsed, to another request model that reads them."""
@@ -105,16 +102,23 @@ class RequestModel(OpenAIBaseModel):
     @model_validator(mode="before")
     @classmethod
     def _warn_unknown(cls, data: Any) -> Any:
-        """Fields this server does not know are ignored with one warning naming them, as in
-        vLLM (clients send fields of other servers)."""
         if isinstance(data, dict):
             known = accepted_names(cls) | cls.passed_on
             unknown = sorted(str(key) for key in data if key not in known)
             if unknown:
-                logger.warning(
-                    "Ignored request fields this server does not use: %s", ", ".join(unknown)
-                )
+                inside = "" if issubclass(cls, RequestModel) else f" (in {cls.__name__})"
+                logger.warning("Ignored request fields this server does not use%s: %s",
+                               inside, ", ".join(unknown))  # fmt: skip
         return data
+
+
+class RequestModel(RequestPart):
+    """A request body that also refuses vLLM's fields it cannot honour (``unsupported``) and
+    text that is not valid Unicode."""
+
+    unsupported: ClassVar[dict[str, tuple[Any, str]]] = {}
+    """vLLM's fields with no meaning here yet, with their no-op value and why: any other value
+    is a 400 naming the field (a silently dropped field would change answers without a word)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -183,12 +187,12 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class LoadLoRAAdapterRequest(OpenAIBaseModel):
+class LoadLoRAAdapterRequest(RequestPart):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
 
 
-class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+class UnloadLoRAAdapterRequest(RequestPart):
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
     """Accepted for vLLM's clients; the name decides."""
@@ -222,7 +226,7 @@ class PromptLogprob(OpenAIBaseModel):
     decoded_token: str | None = None
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestPart):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
     """vLLM's extra: put the running usage on every chunk."""
@@ -231,14 +235,14 @@ class StreamOptions(OpenAIBaseModel):
 # ---- requests ----
 
 
-class JsonSchemaFormat(OpenAIBaseModel):
+class JsonSchemaFormat(RequestPart):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: StrictBool | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
+class ResponseFormat(RequestPart):
     """OpenAI's ``response_format``: free text, any JSON object, or JSON of a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -251,7 +255,7 @@ class ResponseFormat(OpenAIBaseModel):
         return self
 
 
-class StructuredOutputsRequest(OpenAIBaseModel):
+class StructuredOutputsRequest(RequestPart):
     """vLLM's ``structured_outputs``: exactly one of these."""
 
     model_config = ConfigDict(extra="forbid")
@@ -521,7 +525,7 @@ class SamplingRequest(PromptOptions):
 # ---- tools ----
 
 
-class FunctionDefinition(OpenAIBaseModel):
+class FunctionDefinition(RequestPart):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -533,16 +537,16 @@ class FunctionDefinition(OpenAIBaseModel):
         return self.parameters or {"type": "object", "properties": {}}
 
 
-class ChatCompletionTool(OpenAIBaseModel):
+class ChatCompletionTool(RequestPart):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(OpenAIBaseModel):
+class NamedFunction(RequestPart):
     name: str
 
 
-class NamedToolChoice(OpenAIBaseModel):
+class NamedToolChoice(RequestPart):
     type: Literal["function"]
     function: NamedFunction
 
@@ -559,11 +563,11 @@ class ToolCall(OpenAIBaseModel):
     function: FunctionCall
 
 
-class VoiceId(OpenAIBaseModel):
+class VoiceId(RequestPart):
     id: str
 
 
-class ChatCompletionAudioParam(OpenAIBaseModel):
+class ChatCompletionAudioParam(RequestPart):
     """OpenAI's ``audio`` request field. ``voice``: one of the model's speakers
     (``GET /v1/audio/voices``), case-insensitive."""
 
@@ -575,7 +579,7 @@ class ChatCompletionAudioParam(OpenAIBaseModel):
         return self.voice.id if isinstance(self.voice, VoiceId) else self.voice
 
 
-class SpeechOptions(OpenAIBaseModel):
+class SpeechOptions(RequestPart):
     """The talker's sampling settings (``SpeechParams``); unset ones take the model's."""
 
     model_config = ConfigDict(extra="forbid")

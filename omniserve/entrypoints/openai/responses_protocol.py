@@ -21,6 +21,7 @@ from omniserve.entrypoints.openai.protocol import (
     SAMPLING_UNSUPPORTED,
     OpenAIBaseModel,
     RequestModel,
+    RequestPart,
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -41,7 +42,7 @@ they are, which checks them (and refuses the ones it cannot honour) with the sam
 _HOSTED_TOOLS = "only function tools (your code runs the calls): there are no hosted tools here"
 
 
-class FunctionTool(OpenAIBaseModel):
+class FunctionTool(RequestPart):
     """A Responses function tool: the chat tool's fields, flat."""
 
     type: Literal["function"]
@@ -51,12 +52,12 @@ class FunctionTool(OpenAIBaseModel):
     strict: StrictBool | None = None
 
 
-class FunctionToolChoice(OpenAIBaseModel):
+class FunctionToolChoice(RequestPart):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(OpenAIBaseModel):
+class TextFormat(RequestPart):
     """``text.format``: free text, any JSON object, or JSON of a schema."""
 
     model_config = ConfigDict(serialize_by_alias=True)  # echoed as "schema"
@@ -73,20 +74,20 @@ class TextFormat(OpenAIBaseModel):
         return self
 
 
-class TextConfig(OpenAIBaseModel):
+class TextConfig(RequestPart):
     format: TextFormat = Field(default_factory=lambda: TextFormat(type="text"))
     verbosity: Literal["medium"] | None = None
     """Only the default: the model's answers have no length setting here."""
 
 
-class ReasoningConfig(OpenAIBaseModel):
+class ReasoningConfig(RequestPart):
     effort: Literal["low", "medium", "high"] | None = None
     """Given to the chat template as ``reasoning_effort`` (as chat's field)."""
     summary: Literal["auto"] | None = None
     """No summaries are written: the reasoning item carries the thinking itself as content."""
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestPart):
     include_obfuscation: StrictBool = True
     """Accepted; events carry no obfuscation padding (they are sent as they are made)."""
 
