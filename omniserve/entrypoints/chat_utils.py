@@ -501,22 +501,15 @@ class ChatRenderer:
         )
 
     def _parse(self, messages: list[dict[str, Any]], where: str | None = None) -> ChatInputs:
-        """The messages' parts; embeddings parts refused before they are decoded unless the
-        engine takes them (``--enable-mm-embeds``)."""
-        inputs = parse_chat_messages(
-            messages,
-            content_format=self.content_format if where is None else "string",
-            placeholder=self.placeholder,
-            check_counts=self.check_counts,
-            where=where,
-        )
-        if not self.mm_embeds:
-            for item in inputs.pending:
-                if item.kind in EMBEDS_PART_TYPES:
-                    raise MultiModalInputError(
-                        MM_EMBEDS_OFF, stage="process", modality=item.modality,
-                        location=item.location,
-                    )  # fmt: skip
+        """The messages' parts; embeddings refused before decoding if off (--enable-mm-embeds)."""
+        form = self.content_format if where is None else "string"
+        inputs = parse_chat_messages(messages, content_format=form, placeholder=self.placeholder,
+                                     check_counts=self.check_counts, where=where)  # fmt: skip
+        for item in [] if self.mm_embeds else inputs.pending:
+            if item.kind in EMBEDS_PART_TYPES:
+                raise MultiModalInputError(
+                    MM_EMBEDS_OFF, stage="process", modality=item.modality, location=item.location
+                )
         return inputs
 
     def for_template(self, chat_template: str | None) -> ChatRenderer:
