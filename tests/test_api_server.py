@@ -459,9 +459,9 @@ def test_malformed_json_and_sdk_errors(server: Server) -> None:
     assert_error(server.post("/v1/chat/completions", content=b'{"model": "tiny", "mess'), 400)
     for content, needle in (
         (b"", "The request body is empty"),
-        (b'{"messages": "\xff"}', "Malformed JSON body: UnicodeDecodeError"),
-        (b"[" * 3000 + b"]" * 3000, "Malformed JSON body: RecursionError"),
-        (b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}", "Malformed JSON body: ValueError"),
+        (b'{"messages": "\xff"}', "Malformed body: UnicodeDecodeError"),
+        (b"[" * 3000 + b"]" * 3000, "Malformed body: RecursionError"),
+        (b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}", "Malformed body: ValueError"),
         (b'{"prompt": "x", "top_p": NaN}', "top_p: Input should be a finite number"),
     ):
         error = assert_error(server.post("/v1/completions", content=content), 400)

@@ -83,8 +83,9 @@ def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     status = HTTPStatus(exc.status_code)
     cause = exc.__cause__
     if status == HTTPStatus.BAD_REQUEST and cause is not None:  # FastAPI's body decoding
-        # (invalid UTF-8, nesting deeper than Python's parser goes, an integer over its digits)
-        return error_json(ServingError(f"Malformed JSON body: {type(cause).__name__}: {cause}"))
+        # (invalid UTF-8, nesting deeper than Python's parser goes, an integer over its digits,
+        # a broken multipart form)
+        return error_json(ServingError(f"Malformed body: {type(cause).__name__}: {cause}"))
     return error_json(ServingError(str(exc.detail), status))
 
 
