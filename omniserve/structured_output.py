@@ -67,12 +67,13 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
     kind, source = _grammar_source(params)
     if kind in ("json", "structural_tag"):
         try:
-            levels = str(_nesting(json.loads(source)))
+            depth = _nesting(json.loads(source))
+            levels = str(depth)
         except ValueError:
-            levels = "0"  # not JSON: xgrammar's own error below says so
+            depth, levels = 0, ""  # not JSON: xgrammar's own error below says so
         except RecursionError:  # deeper than Python's parser goes
-            levels = f"over {sys.getrecursionlimit()}"
-        if not levels.isdigit() or int(levels) > MAX_SCHEMA_DEPTH:
+            depth, levels = sys.maxsize, f"over {sys.getrecursionlimit()}"
+        if depth > MAX_SCHEMA_DEPTH:
             raise ValueError(
                 f"{params.where} nests {levels} levels of objects and arrays; at most "
                 f"{MAX_SCHEMA_DEPTH} are accepted (compiling deeper ones takes seconds to "

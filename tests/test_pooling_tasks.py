@@ -191,6 +191,7 @@ def test_the_pooling_route(default_server) -> None:
         ({"input": "x", "encoding_format": "base64", "embed_dtype": "int8"}, "embed_dtype", ""),
         ({"input": []}, "input", "must not be an empty list"),
         ({"messages": []}, "messages", ""),
+        ({"input": "x", "messages": [{"role": "user", "content": "x"}]}, "input", "not both"),
     ):  # fmt: skip
         error = assert_error(default_server.post("/pooling", {"model": MODEL, **body}), 400)
         assert error["param"] == field and words in error["message"], (body, error)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     ConfigDict,
@@ -24,7 +24,6 @@ from omniserve.entrypoints.openai.protocol import (
     OpenAIBaseModel,
     PromptOptions,
     UsageInfo,
-    one_prompt_form,
 )
 
 
@@ -70,6 +69,7 @@ class ChatPromptFields(PromptOptions):
     """A conversation rendered by the chat template (without a generation prompt, by default)
     and run whole, media included: the chat form of the pooling routes (vLLM's)."""
 
+    other_prompt_form: ClassVar[str | None] = "input"
     messages: list[dict[str, Any]] = Field(min_length=1)
     add_generation_prompt: StrictBool = False
     continue_final_message: StrictBool = False
@@ -81,11 +81,6 @@ class ChatPromptFields(PromptOptions):
     @property
     def template_kwargs(self) -> dict[str, Any] | None:
         return self.chat_template_kwargs
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_form(cls, data: Any) -> Any:
-        return one_prompt_form(data, "input")
 
 
 class EmbeddingChatRequest(ChatPromptFields, _EmbeddingFields):

@@ -120,6 +120,20 @@ class RequestModel(RequestPart):
     """vLLM's fields with no meaning here yet, with their no-op value and why: any other value
     is a 400 naming the field (a silently dropped field would change answers without a word)."""
 
+    other_prompt_form: ClassVar[str | None] = None
+    """The route's other form of the prompt beside ``messages`` ("input", "prompt"): a body
+    may give one of the two, never both (the one left unread would be dropped unseen)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_prompt_form(cls, data: Any) -> Any:
+        other = cls.other_prompt_form
+        if other is not None and isinstance(data, dict) and "messages" in data and other in data:
+            raise ValueError(
+                f"{other}: give {other} or messages, not both (two forms of the prompt)."
+            )
+        return data
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_lone_surrogates(cls, data: Any) -> Any:
@@ -267,14 +281,6 @@ class StructuredOutputsRequest(RequestPart):
     structural_tag: str | None = None
     disable_any_whitespace: StrictBool = False
     """An option, not a constraint: may go with response_format or a guided_* field."""
-
-
-def one_prompt_form(data: Any, other: str) -> Any:
-    """A body's prompt is its ``messages`` or its ``other`` field, never both (the one left
-    unread would be dropped without a word)."""
-    if isinstance(data, dict) and "messages" in data and other in data:
-        raise ValueError(f"{other}: give {other} or messages, not both (two forms of the prompt).")
-    return data
 
 
 class PromptOptions(RequestModel):

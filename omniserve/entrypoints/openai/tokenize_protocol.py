@@ -2,31 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import StrictBool, StrictInt, model_validator
+from pydantic import StrictBool, StrictInt
 
 from omniserve.entrypoints.openai.protocol import (
     ChatCompletionTool,
     OpenAIBaseModel,
     RequestModel,
-    one_prompt_form,
 )
 
 
 class TokenizeCompletionRequest(RequestModel):
+    other_prompt_form: ClassVar[str | None] = "prompt"
     model: str | None = None
     prompt: str
     add_special_tokens: StrictBool = True
     return_token_strs: StrictBool = False
 
-    @model_validator(mode="before")
-    @classmethod
-    def _one_form(cls, data: Any) -> Any:
-        return one_prompt_form(data, "prompt")
-
 
 class TokenizeChatRequest(RequestModel):
+    other_prompt_form: ClassVar[str | None] = "prompt"
     model: str | None = None
     messages: list[dict[str, Any]]
     add_generation_prompt: StrictBool = True
@@ -41,11 +37,6 @@ class TokenizeChatRequest(RequestModel):
     @property
     def template_kwargs(self) -> dict[str, Any] | None:
         return self.chat_template_kwargs
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_form(cls, data: Any) -> Any:
-        return one_prompt_form(data, "prompt")
 
 
 TokenizeRequest = TokenizeChatRequest | TokenizeCompletionRequest
