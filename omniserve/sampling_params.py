@@ -5,8 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import typing
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
+
+from omniserve.field_types import ParamTypeError, check_types, field_types
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -57,6 +61,7 @@ class StructuredOutputsParams:
     ``structured_outputs.<kind>``."""
 
     def __post_init__(self) -> None:
+        check_types(self, "structured_outputs.")
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
@@ -65,9 +70,7 @@ class StructuredOutputsParams:
             )
         if isinstance(self.json, dict):
             self.json = json.dumps(self.json)
-        if self.choice is not None and (
-            not self.choice or not all(isinstance(c, str) for c in self.choice)
-        ):
+        if self.choice == []:
             raise ValueError(f"{self.where} must be a non-empty list of strings.")
 
     @property
@@ -106,6 +109,29 @@ class SpeechParams:
     """The words to speak are already in the prompt after the assistant's header (teacher-forced
     speech, as /v1/audio/speech sends): all of them are spoken, and nothing generated."""
 
+    def __post_init__(self) -> None:
+        def fail(name: str, rule: str) -> None:
+            raise ValueError(f"speech.{name} must be {rule}, got {getattr(self, name)!r}.")
+
+        check_types(self, "speech.")
+        if self.voice == "":
+            fail("voice", "None or a voice name")
+        if self.temperature is not None and not (
+            is_real(self.temperature) and 0.0 <= self.temperature <= FP32_MAX
+        ):
+            fail("temperature", f"a finite number in [0, {FP32_MAX:.4g}]")
+        if self.top_k is not None and not is_int(self.top_k, 0, INT32_MAX):
+            fail("top_k", "0 (disabled) or a positive integer")
+        if self.top_p is not None and not (is_real(self.top_p) and FP32_TINY <= self.top_p <= 1.0):
+            fail("top_p", "in (0, 1]")
+        rep = self.repetition_penalty
+        if rep is not None and not (is_real(rep) and FP32_TINY <= rep <= 1.0 / FP32_TINY):
+            fail("repetition_penalty", "> 0 (and within float32 range)")
+        if self.seed is not None and not is_int(self.seed, SEED_MIN, SEED_MAX):
+            fail("seed", f"None or an integer in [{SEED_MIN}, {SEED_MAX}]")
+        if self.max_tokens is not None and not is_int(self.max_tokens, 1, INT32_MAX):
+            fail("max_tokens", f"an integer in [1, {INT32_MAX}]")
+
 
 @dataclass
 class PoolingParams:
@@ -114,7 +140,8 @@ class PoolingParams:
     the model's default (``--pooler-config``, else the checkpoint's sentence-transformers
     settings, else LAST with normalisation). The token tasks (vLLM's ``token_embed`` and
     ``token_classify``) keep every prompt position instead, each embedded or classified as a
-    pooled state would be. Invalid values raise ``ValueError`` naming the field."""
+    pooled state would be. Invalid values raise ``ValueError`` naming the field (a value of the
+    wrong type ``ParamTypeError``, which is also a ``TypeError``)."""
 
     normalize: bool | None = None
     """Scale the embedding to unit L2 norm."""
@@ -134,21 +161,17 @@ class PoolingParams:
     their raw scores; None: yes."""
 
     def __post_init__(self) -> None:
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be a boolean, got {self.normalize!r}.")
-        dims = self.dimensions
-        if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
-            raise ValueError(f"dimensions must be None or a positive integer, got {dims!r}.")
+        check_types(self)
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(
+                f"dimensions must be None or a positive integer, got {self.dimensions!r}."
+            )
         if self.pooling_type is not None:
-            if not isinstance(self.pooling_type, str):
-                raise ValueError(f"pooling_type must be a string, got {self.pooling_type!r}.")
             self.pooling_type = self.pooling_type.upper()
         if self.task is not None and self.task not in POOLING_TASKS:
             raise ValueError(
                 f"task must be None or one of {', '.join(POOLING_TASKS)}, got {self.task!r}."
             )
-        if self.use_activation is not None and not isinstance(self.use_activation, bool):
-            raise ValueError(f"use_activation must be a boolean, got {self.use_activation!r}.")
 
     @property
     def per_token(self) -> bool:
@@ -169,10 +192,18 @@ TOKEN_TASKS = ("token_embed", "token_classify")
 THINK_TAGS = ("<think>", "</think>")
 """The tags Qwen3-family models think between (the reasoning parser's, a thinking budget's)."""
 
+_NESTED_PARAMS: dict[str, type] = {
+    "structured_outputs": StructuredOutputsParams,
+    "speech": SpeechParams,
+    "pooling": PoolingParams,
+}
+"""The SamplingParams fields that take another params object (or a dict of its fields)."""
+
 
 @dataclass
 class SamplingParams:
-    """How to sample one request. Invalid values raise ``ValueError`` naming the field."""
+    """How to sample one request. Invalid values raise ``ValueError`` naming the field (a
+    value of the wrong type ``ParamTypeError``, which is also a ``TypeError``)."""
 
     n: int = 1
     presence_penalty: float = 0.0
@@ -226,33 +257,44 @@ class SamplingParams:
     back, so the prompt may take all of max_model_len."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        for name in ("stop", "stop_token_ids"):
-            if not isinstance(getattr(self, name) or [], list | tuple):
-                raise ValueError(f"{name} must be a list, got {getattr(self, name)!r}.")
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._copy_lists()
+        if isinstance(self.logit_bias, dict):  # token ids may be digit strings (JSON keys)
+            self.logit_bias = {
+                int(t) if isinstance(t, str) and t.isdecimal() else t: bias
+                for t, bias in self.logit_bias.items()
+            }
+        for name, kind in _NESTED_PARAMS.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                known = {f.name for f in dataclasses.fields(kind)}
+                if unknown := sorted(set(value) - known):
+                    raise ValueError(
+                        f"{name}.{unknown[0]} is not a {name} setting ({sorted(known)})."
+                    )
+                setattr(self, name, kind(**value))
+            elif value is not None and not isinstance(value, kind):
+                raise ParamTypeError(f"{name} must be a {kind.__name__} or a dict, got {value!r}.")
+        check_types(self)
         if self.top_k == -1:
             self.top_k = 0
-        if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-        if isinstance(self.speech, dict):
-            known = {f.name for f in dataclasses.fields(SpeechParams)}
-            if unknown := sorted(set(self.speech) - known):
-                raise ValueError(f"speech.{unknown[0]} is not a speech setting ({sorted(known)}).")
-            self.speech = SpeechParams(**self.speech)
-        if isinstance(self.pooling, dict):
-            self.pooling = PoolingParams(**self.pooling)
-        if self.speech is not None and not isinstance(self.speech, SpeechParams):
-            raise ValueError(f"speech must be a SpeechParams or a dict, got {self.speech!r}.")
-        self.output_modalities = list(self.output_modalities)
         if self.wants_audio and self.speech is None:
             self.speech = SpeechParams()
         self._validate()
         if self.temperature < SAMPLING_EPS:
             # Greedy: the truncation knobs cannot change the argmax.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _copy_lists(self) -> None:
+        """The list fields (stop, bad_words, ...) take a copy, of a tuple too; None is [] unless
+        the field may be None (allowed_token_ids); a str is one item of a list of strings."""
+        for name, (kind, optional) in _LIST_FIELDS.items():
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, str) and kind == list[str]:
+                value = [value]  # one word, not its characters (vLLM's stop)
+            if value is None or isinstance(value, list | tuple):
+                setattr(self, name, list(value or []))
 
     def _validate(self) -> None:
         def fail(name: str, rule: str) -> None:
@@ -298,7 +340,7 @@ class SamplingParams:
                 "constrains the whole answer, thinking included, and may not allow the end tag "
                 "the budget forces."
             )
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if any(not s for s in self.stop):
             fail("stop", "a list of non-empty strings")
         if any(not is_int(t, 0, INT32_MAX) for t in self.stop_token_ids):
             fail("stop_token_ids", "a list of token ids (non-negative integers)")
@@ -313,41 +355,17 @@ class SamplingParams:
             self.allowed_token_ids and all(is_int(t, 0, INT32_MAX) for t in self.allowed_token_ids)
         ):
             fail("allowed_token_ids", "a non-empty list of token ids")
-        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+        if any(not w.strip() for w in self.bad_words):
             fail("bad_words", "a list of non-empty strings")
+        if any(not ids or not all(is_int(t, 0, INT32_MAX) for t in ids)
+               for ids in self.bad_words_token_ids):  # fmt: skip
+            fail("bad_words_token_ids", "a list of non-empty lists of token ids")
         if (
             not self.output_modalities
             or len(set(self.output_modalities)) != len(self.output_modalities)
             or not set(self.output_modalities) <= set(OUTPUT_MODALITIES)
         ):
             fail("output_modalities", f"a non-empty list of distinct {OUTPUT_MODALITIES}")
-        if self.speech is not None:
-            self._validate_speech(self.speech)
-
-    @staticmethod
-    def _validate_speech(speech: SpeechParams) -> None:
-        def fail(name: str, rule: str) -> None:
-            raise ValueError(f"speech.{name} must be {rule}, got {getattr(speech, name)!r}.")
-
-        if speech.voice is not None and (not isinstance(speech.voice, str) or not speech.voice):
-            fail("voice", "None or a voice name")
-        if speech.temperature is not None and not (
-            is_real(speech.temperature) and 0.0 <= speech.temperature <= FP32_MAX
-        ):
-            fail("temperature", f"a finite number in [0, {FP32_MAX:.4g}]")
-        if speech.top_k is not None and not is_int(speech.top_k, 0, INT32_MAX):
-            fail("top_k", "0 (disabled) or a positive integer")
-        if speech.top_p is not None and not (
-            is_real(speech.top_p) and FP32_TINY <= speech.top_p <= 1.0
-        ):
-            fail("top_p", "in (0, 1]")
-        rep = speech.repetition_penalty
-        if rep is not None and not (is_real(rep) and FP32_TINY <= rep <= 1.0 / FP32_TINY):
-            fail("repetition_penalty", "> 0 (and within float32 range)")
-        if speech.seed is not None and not is_int(speech.seed, SEED_MIN, SEED_MAX):
-            fail("seed", f"None or an integer in [{SEED_MIN}, {SEED_MAX}]")
-        if speech.max_tokens is not None and not is_int(speech.max_tokens, 1, INT32_MAX):
-            fail("max_tokens", f"an integer in [1, {INT32_MAX}]")
 
     @property
     def wants_audio(self) -> bool:
@@ -388,6 +406,19 @@ class SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _list_type(hint: Any) -> Any:
+    """The list type ``hint`` is or may be (``list[int] | None``: ``list[int]``), else None."""
+    return next((h for h in (hint, *typing.get_args(hint)) if typing.get_origin(h) is list), None)
+
+
+_LIST_FIELDS = {
+    name: (kind, kind is not hint)
+    for name, hint in field_types(SamplingParams).items()
+    if (kind := _list_type(hint)) is not None
+}
+"""SamplingParams's list fields -> (their list type, whether they may be None)."""
 
 
 def embedding_params(pooling: PoolingParams | None = None) -> SamplingParams:

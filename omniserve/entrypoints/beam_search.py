@@ -17,7 +17,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from omniserve.outputs import Logprob, RequestOutput
-from omniserve.sampling_params import RequestOutputKind, SamplingParams
+from omniserve.sampling_params import RequestOutputKind, SamplingParams, check_types
+
+# Any length below 2**31 to this power (or its negative) is a finite, non-zero float: 2**±992.
+MAX_LENGTH_PENALTY = 32
 
 
 @dataclass(frozen=True)
@@ -29,14 +32,22 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be >= 1, got {self.beam_width}.")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}.")
+        if not abs(self.length_penalty) <= MAX_LENGTH_PENALTY:  # NaN too
+            raise ValueError(
+                f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, "
+                f"{MAX_LENGTH_PENALTY}] (the score divides by length ** length_penalty), "
+                f"got {self.length_penalty}."
+            )
 
     def check_width(self, max_logprobs: int) -> None:
-        """Each step asks for ``2 x beam_width`` logprobs, which ``max_logprobs`` bounds."""
-        if 2 * self.beam_width > max_logprobs:
+        """Each step asks for ``2 x beam_width`` logprobs, which ``max_logprobs`` bounds (-1:
+        no cap but the vocabulary, which the engine checks)."""
+        if 0 <= max_logprobs < 2 * self.beam_width:
             raise ValueError(
                 f"A beam width of {self.beam_width} needs {2 * self.beam_width} logprobs a step; "
                 f"this server gives at most {max_logprobs} (--max-logprobs), so at most "
