@@ -156,7 +156,7 @@ def test_serve_takes_vllm_flags(caplog):
 
     parser = build_parser()
     args = parser.parse_args(["serve", "model-dir", *VLLM_SERVE_FLAGS])
-    with caplog.at_level("INFO", logger="omniserve.entrypoints.cli"):
+    with caplog.at_level("INFO", logger="omniserve.engine.arg_checks"):
         args.check_flags(parser, args)
     assert (
         args.gpu_memory_utilization,
@@ -175,7 +175,13 @@ def test_serve_refuses_flags_of_missing_features(capsys):
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
         (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests"),
-        (["--enable-log-requests", "--max-log-len", "-1"], "--max-log-len must be >= 0"),
+        (["--enable-log-requests", "--max-log-len", "-1"], "--max-log-len: -1 is not in [0,"),
+        (["--port", "70000"], "argument --port: 70000 is not in [0, 65535]"),
+        (["--max-request-body-mb", "0"], "argument --max-request-body-mb: 0 is not in"),
+        (["--shutdown-timeout", "-1"], "argument --shutdown-timeout: -1 is not in [0, inf]"),
+        (["--allowed-origins", '"http://a.com"'], "is not a JSON list of strings"),
+        (["--allowed-headers", '["x", 1]'], "is not a JSON list of strings"),
+        (["--compilation-config", '{"level": 3}'], "--compilation-config: torch.compile"),
         (["--enable-lora", "--lora-modules", "a"], "--lora-modules 'a': expected name=path"),
         (
             ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'],
@@ -194,11 +200,18 @@ def test_serve_refuses_flags_of_missing_features(capsys):
             "--speculative-config does not work with --async-scheduling",
         ),
     ):
-        try:
-            main(["serve", "model-dir", *flags])
-        except SystemExit as exit_:
-            assert exit_.code == 2
-        assert message in capsys.readouterr().err
+        for command in (["serve", "model-dir"], ["run-batch", "-i", "in", "-o", "out"]):
+            if command[0] == "run-batch" and flags[0] not in _SERVING_FLAGS:
+                continue  # a server flag run-batch has not
+            with pytest.raises(SystemExit) as exit_:
+                main([*command, *flags])
+            assert exit_.value.code == 2
+            assert message in capsys.readouterr().err
+
+
+_SERVING_FLAGS = {"--enable-auto-tool-choice", "--lora-modules", "--enable-log-outputs",
+                  "--enable-log-requests", "--enable-lora", "--speculative-config"}  # fmt: skip
+"""The flags ``serve`` and ``run-batch`` share, which both check alike."""
 
 
 def test_max_logprobs_and_memory_utilization(tiny_checkpoint, monkeypatch):

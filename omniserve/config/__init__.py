@@ -61,7 +61,8 @@ class ModelConfig:
     served_model_name: str = ""
     """The name clients use; defaults to ``model``."""
     max_logprobs: int = 20
-    """Most logprobs a request may ask for per token (vLLM's --max-logprobs)."""
+    """Most logprobs a request may ask for per token (vLLM's --max-logprobs; -1: no cap but the
+    vocabulary's size)."""
     enable_prompt_embeds: bool = False
     """Accept prompts given as embeddings (vLLM's --enable-prompt-embeds)."""
     runner: str = "generate"
@@ -195,6 +196,8 @@ class ModelConfig:
             )
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0 (or -1: no cap), got {self.max_logprobs}.")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"quantization must be one of {sorted(QUANTIZATION_METHODS)}, got "
@@ -425,9 +428,20 @@ class SchedulerConfig:
     forward."""
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "max_num_encoder_input_tokens",
+            "encoder_cache_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0: no cap), got "
+                f"{self.long_prefill_token_threshold}."
+            )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}."
@@ -486,15 +500,17 @@ class MultiModalConfig:
     "TORCH_SDPA" or "FLASH_ATTN"."""
 
     def __post_init__(self) -> None:
-        if self.mm_processor_cache_gb < 0:
-            raise ValueError("mm_processor_cache_gb must be >= 0.")
+        if not 0 <= self.mm_processor_cache_gb < float("inf"):
+            raise ValueError(
+                f"mm_processor_cache_gb must be a number >= 0, got {self.mm_processor_cache_gb}."
+            )
         if self.mm_encoder_attn_backend not in MM_ENCODER_ATTN_BACKENDS:
             raise ValueError(
                 f"mm_encoder_attn_backend must be one of {MM_ENCODER_ATTN_BACKENDS}, got "
                 f"{self.mm_encoder_attn_backend!r}."
             )
         for modality, limit in self.limit_mm_per_prompt.items():
-            if not isinstance(limit, int) or limit < 0:
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be an integer >= 0.")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ from omniserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from omniserve.field_types import check_types
+from omniserve.sampling_params import SEED_MAX, SEED_MIN
 
 _UNITS = {
     "": 1,
@@ -41,7 +44,7 @@ _UNITS = {
 }
 
 
-def _json_arg(name: str, value: dict | str | None) -> dict:
+def json_arg(name: str, value: dict | str | None) -> dict:
     if value is None:
         return {}
     if isinstance(value, dict):
@@ -66,14 +69,22 @@ def _check_sampling_defaults(model_config: ModelConfig) -> None:
         raise ValueError(f"--override-generation-config: {exc}") from exc
 
 
-def parse_bytes(value: str | int | None) -> int | None:
-    """ "4GiB", "512MiB", "1e9" or an int -> bytes."""
-    if value is None or isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"Cannot read {value!r} as a size in bytes (e.g. 4GiB, 512MiB).")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+def parse_bytes(value: str | float | None, name: str = "size") -> int | None:
+    """ "4GiB", "512MiB", "1e9" or a number -> bytes; ``name`` is the setting's, for errors."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+        try:
+            number = float(match.group(1)) * _UNITS[match.group(2).lower()] if match else None
+        except (ValueError, KeyError):
+            number = None
+    else:
+        number = value
+    if number is None or not math.isfinite(number):
+        raise ValueError(f"--{name.replace('_', '-')}: cannot read {value!r} as a size in bytes "
+                         "(e.g. 4GiB, 512MiB, 1e9).")  # fmt: skip
+    return int(number)
 
 
 @dataclass
@@ -87,13 +98,14 @@ class EngineArgs:
     enforce_eager: bool = False
     seed: int = 0
     max_model_len: int | None = None
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
+    """The name clients use (a list: the first; the server accepts them all)."""
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | str | None = None
     hf_overrides: dict[str, Any] | str | None = None
     block_size: int = 16
-    kv_cache_memory: str | int | None = None
-    talker_kv_cache_memory: str | int | None = None
+    kv_cache_memory: str | float | None = None
+    talker_kv_cache_memory: str | float | None = None
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float | None = None
     max_logprobs: int = 20
@@ -130,6 +142,11 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     speculative_config: dict[str, Any] | str | None = None
 
+    def __post_init__(self) -> None:
+        check_types(self)
+        if not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}.")
+
     def create_config(self, *, default_batched_tokens: int = 8192) -> OmniConfig:
         model_config = ModelConfig.from_path(
             self.model,
@@ -141,17 +158,17 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             seed=self.seed,
-            served_model_name=self.served_model_name or "",
+            served_model_name=self._served_name(),
             generation_config=self.generation_config,
-            hf_overrides=_json_arg("hf_overrides", self.hf_overrides),
-            override_generation_config=_json_arg(
+            hf_overrides=json_arg("hf_overrides", self.hf_overrides),
+            override_generation_config=json_arg(
                 "override_generation_config", self.override_generation_config
             ),
             max_logprobs=self.max_logprobs,
             enable_prompt_embeds=self.enable_prompt_embeds,
             runner=self._runner(),
             pooler_config=PoolerConfig.resolve(
-                self.model, _json_arg("pooler_config", self.pooler_config)
+                self.model, json_arg("pooler_config", self.pooler_config)
             ),
             disable_audio_output=self.disable_audio_output,
         )
@@ -167,8 +184,10 @@ class EngineArgs:
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
-                kv_cache_memory_bytes=parse_bytes(self.kv_cache_memory),
-                talker_kv_cache_memory_bytes=parse_bytes(self.talker_kv_cache_memory),
+                kv_cache_memory_bytes=parse_bytes(self.kv_cache_memory, "kv_cache_memory"),
+                talker_kv_cache_memory_bytes=parse_bytes(
+                    self.talker_kv_cache_memory, "talker_kv_cache_memory"
+                ),
                 num_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
@@ -182,18 +201,21 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 async_scheduling=self.async_scheduling,
                 # Default: as large as the step's token budget, and never below 8192 embeddings.
-                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens
-                or max(8192, batched),
-                encoder_cache_size=self.encoder_cache_size or max(8192, batched),
+                max_num_encoder_input_tokens=max(8192, batched)
+                if self.max_num_encoder_input_tokens is None
+                else self.max_num_encoder_input_tokens,
+                encoder_cache_size=max(8192, batched)
+                if self.encoder_cache_size is None
+                else self.encoder_cache_size,
             ),
             multimodal_config=MultiModalConfig(
-                limit_mm_per_prompt=_json_arg("limit_mm_per_prompt", self.limit_mm_per_prompt),
-                mm_processor_kwargs=_json_arg("mm_processor_kwargs", self.mm_processor_kwargs),
+                limit_mm_per_prompt=json_arg("limit_mm_per_prompt", self.limit_mm_per_prompt),
+                mm_processor_kwargs=json_arg("mm_processor_kwargs", self.mm_processor_kwargs),
                 mm_processor_cache_gb=self.mm_processor_cache_gb,
                 allowed_local_media_path=self.allowed_local_media_path,
                 allowed_media_domains=tuple(self.allowed_media_domains or ()),
                 allow_private_media_urls=self.allow_private_media_urls,
-                media_io_kwargs=_json_arg("media_io_kwargs", self.media_io_kwargs),
+                media_io_kwargs=json_arg("media_io_kwargs", self.media_io_kwargs),
                 enable_mm_embeds=self.enable_mm_embeds,
                 mm_encoder_attn_backend=self.mm_encoder_attn_backend,
             ),
@@ -210,11 +232,23 @@ class EngineArgs:
             if self.speculative_config is not None
             else None,
         )
-        from omniserve.multimodal.media import media_config  # numpy, PIL, av: only here
+        # Settings that only fail where they are used fail here, at start: --media-io-kwargs and
+        # --allowed-local-media-path (numpy, PIL, av), --device (torch).
+        from omniserve.multimodal.media import MediaConnector, media_config
+        from omniserve.worker.worker import resolve_device
 
-        media_config(config.multimodal_config)  # a bad --media-io-kwargs fails here, at start
+        MediaConnector(media_config(config.multimodal_config))
+        resolve_device(model_config.device)
         _check_sampling_defaults(model_config)
         return config
+
+    def _served_name(self) -> str:
+        names = self.served_model_name
+        if isinstance(names, list):
+            if not names:
+                raise ValueError("served_model_name: an empty list names nothing.")
+            return names[0]
+        return names or ""
 
     def _runner(self) -> str:
         """vLLM's --runner and --convert: any model here pools (its last hidden state), so

@@ -268,12 +268,14 @@ class Processor:
     def _validate_params(self, params: SamplingParams) -> None:
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
+        cap = self.model_config.max_logprobs  # -1: no cap but the vocabulary
+        limit = self.vocab_size if cap < 0 else min(cap, self.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > self.model_config.max_logprobs:
+            if value is not None and value > limit:
                 raise ValueError(
-                    f"Requested {name}={value}, but at most {self.model_config.max_logprobs} "
-                    "logprobs per token are supported."
+                    f"Requested {name}={value}, but at most {limit} logprobs per token are "
+                    f"supported (--max-logprobs {cap}, {self.vocab_size} tokens in the vocabulary)."
                 )
         if params.pooling is None and self.model_config.runner == "pooling":
             answers = (
@@ -528,15 +530,17 @@ def _create_mm_processor(config: OmniConfig, tokenizer: Any) -> Any | None:
     from omniserve.multimodal.media import media_config
     from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 
-    if not MULTIMODAL_REGISTRY.supports_multimodal(config.model_config):
-        return None
     mm = config.multimodal_config
+    if not MULTIMODAL_REGISTRY.supports_multimodal(config.model_config):
+        if any(mm.limit_mm_per_prompt.values()):
+            raise ValueError("--limit-mm-per-prompt: this model takes no multimodal input.")
+        return None
     cache = (
         ProcessorCache(int(mm.mm_processor_cache_gb * (1 << 30)))
         if mm.mm_processor_cache_gb
         else None
     )
-    return MULTIMODAL_REGISTRY.create_processor(
+    processor = MULTIMODAL_REGISTRY.create_processor(
         config.model_config,
         tokenizer,
         cache=cache,
@@ -544,3 +548,6 @@ def _create_mm_processor(config: OmniConfig, tokenizer: Any) -> Any | None:
         enable_mm_embeds=mm.enable_mm_embeds,
         max_audio_seconds=media_config(mm).max_audio_seconds,
     )
+    if processor is not None:  # (create_processor's None is a text model's, handled above)
+        processor.info.check_limits()
+    return processor

@@ -4,18 +4,21 @@ model registry's commands."""
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import sys
 
 from omniserve.config import SpeculativeConfig
-from omniserve.engine.arg_utils import EngineArgs
+from omniserve.engine.arg_checks import (
+    MISSING_FEATURE_FLAGS,
+    NO_EFFECT_FLAGS,
+    check_vllm_only,
+    json_str_list,
+    number_in,
+)
+from omniserve.engine.arg_utils import EngineArgs, json_arg
 from omniserve.entrypoints.cli_clients import add_client_args, chat, complete
 from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from omniserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from omniserve.lora.request import parse_lora_modules
-
-logger = logging.getLogger(__name__)
 
 
 def default_model() -> str:
@@ -30,7 +33,7 @@ def default_model() -> str:
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
     from omniserve.checkpoint_builder import build_tiny_checkpoint
 
-    overrides = json.loads(args.overrides) if args.overrides else None
+    overrides = json_arg("overrides", args.overrides) or None
     if args.as_architecture is None:
         path = build_tiny_checkpoint(
             args.architecture, args.out, size=args.size, seed=args.seed, overrides=overrides
@@ -71,46 +74,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
-    "--trust-remote-code": (
-        {"action": "store_true"},
-        "no code from checkpoints runs: omniserve's model classes load them",
-    ),
-    "--disable-log-requests": (
-        {"action": "store_true"},
-        "requests are logged only with --enable-log-requests",
-    ),
-    "--swap-space": ({"type": float}, "preempted requests are recomputed, never swapped"),
-    "--disable-custom-all-reduce": (
-        {"action": "store_true"},
-        "tensor parallelism uses torch.distributed's all-reduce",
-    ),
-    "--tokenizer-mode": ({"choices": ["auto", "hf"]}, "the Hugging Face tokenizer is used"),
-    "--load-format": ({"choices": ["auto", "safetensors"]}, "safetensors is the only format"),
-    "--kv-cache-dtype": ({"choices": ["auto"]}, "the KV cache is in the model's dtype"),
-    "--download-dir": ({}, "nothing is downloaded: models are local directories"),
-}
-"""vLLM's flags that mean nothing here: accepted, each logged once with why."""
-MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
-    "--cpu-offload-gb": ({"type": float}, "weight offloading"),
-    "--enable-sleep-mode": ({"action": "store_true"}, "sleep mode"),
-    "--kv-transfer-config": ({}, "KV transfer between instances"),
-    "--enable-expert-parallel": ({"action": "store_true"}, "expert parallelism"),
-}
-"""vLLM's flags for features omniserve does not have: start-up fails naming the feature."""
-
-
-def _flag_dest(flag: str) -> str:
-    return flag.removeprefix("--").replace("-", "_")
-
-
 def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
     if args.enable_log_outputs and not args.enable_log_requests:
         parser.error("--enable-log-outputs needs --enable-log-requests.")
-    if args.max_log_len is not None and args.max_log_len < 0:
-        parser.error("--max-log-len must be >= 0.")
     if args.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora.")
     try:
@@ -123,12 +91,10 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
             SpeculativeConfig.check_scheduling(args.async_scheduling)
         except ValueError as exc:
             parser.error(str(exc))
-    for flag, (_, feature) in MISSING_FEATURE_FLAGS.items():
-        if getattr(args, _flag_dest(flag), None) not in (None, False):
-            parser.error(f"{flag}: {feature} is not implemented in omniserve.")
-    for flag, (_, why) in NO_EFFECT_FLAGS.items():
-        if getattr(args, _flag_dest(flag), None) not in (None, False):
-            logger.info("%s has no effect here: %s.", flag, why)
+    try:
+        check_vllm_only(vars(args))
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _default_model(args: argparse.Namespace) -> None:
@@ -348,7 +314,7 @@ def _add_serving_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--max-log-len",
-        type=int,
+        type=number_in(int, 0),
         default=None,
         help="Most prompt/output characters and token ids a log line shows (default: all).",
     )
@@ -372,7 +338,7 @@ def _add_serving_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--input-processing-threads",
-        type=int,
+        type=number_in(int, 1),
         default=1,
         help="Threads that run the HF processing of prompts with media, off "
         "the event loop (text is tokenized on a thread of its own).",
@@ -425,7 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--host", default="127.0.0.1", help="Address to bind (0.0.0.0 for every interface)."
     )
-    server.add_argument("--port", type=int, default=8000, help="TCP port to listen on.")
+    server.add_argument(
+        "--port", type=number_in(int, 0, 65535), default=8000, help="TCP port to listen on."
+    )
     server.add_argument(
         "--api-key", default=None, help="Require 'Authorization: Bearer KEY' on the API routes."
     )
@@ -436,13 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--max-request-body-mb",
-        type=float,
+        type=number_in(float, 1e-3),
         default=100.0,
         help="Largest request body accepted (413 above it), media included.",
     )
     server.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=number_in(float, 0),
         default=0.0,
         help="On SIGTERM/SIGINT, seconds the requests in flight get to finish "
         "(new ones get 503 meanwhile); those left then end with an error. "
@@ -450,19 +418,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--allowed-origins",
-        type=json.loads,
+        type=json_str_list,
         default=["*"],
         help="CORS: allowed origins, as a JSON list.",
     )
     server.add_argument(
         "--allowed-methods",
-        type=json.loads,
+        type=json_str_list,
         default=["*"],
         help="CORS: allowed methods, as a JSON list.",
     )
     server.add_argument(
         "--allowed-headers",
-        type=json.loads,
+        type=json_str_list,
         default=["*"],
         help="CORS: allowed headers, as a JSON list.",
     )
@@ -510,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--model", default=None, help="Checkpoint dir. None: a tiny built-in model.")
     _add_serving_args(batch.add_argument_group("serving"))
     EngineArgs.add_cli_args(batch)
-    batch.set_defaults(func=_cmd_run_batch)
+    batch.set_defaults(func=_cmd_run_batch, check_flags=_check_serve_flags)
 
     tiny = sub.add_parser(
         "make-tiny", formatter_class=fmt, help="Build a tiny Hugging Face checkpoint offline."

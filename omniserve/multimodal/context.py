@@ -7,6 +7,7 @@ processor), ``BaseProcessingInfo`` (supported modalities and limits, analytic to
 
 from __future__ import annotations
 
+import difflib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -99,6 +100,15 @@ class RequestKwarg:
             )
 
 
+_HF_KWARGS_GROUPS = {
+    "text_kwargs": "tokenizer",
+    "images_kwargs": "image_processor",
+    "audio_kwargs": "feature_extractor",
+    "videos_kwargs": "video_processor",
+}
+"""An HF processor's kwargs groups and the sub-processor each goes to (transformers' map)."""
+
+
 def _fmt(bound: float | None) -> str:
     return "-inf" if bound is None else f"{bound:g}"
 
@@ -149,10 +159,32 @@ class BaseProcessingInfo(ABC):
         """An upper bound on one item's placeholder tokens per modality, computed analytically
         (no dummy processing), given ``mm_counts`` items share a ``seq_len`` prompt."""
 
+    def hf_processor_kwargs(self) -> frozenset[str]:
+        """The options the checkpoint's HF processor reads, as its ``_merge_kwargs`` finds them
+        (its kwargs' typed dicts and its sub-processors' ``valid_kwargs``); it ignores others."""
+        processor = self.get_hf_processor()
+        typed = getattr(processor, "valid_processor_kwargs", None)
+        groups = getattr(typed, "__annotations__", {})
+        names = set(groups)
+        for group, attribute in _HF_KWARGS_GROUPS.items():
+            names |= set(getattr(groups.get(group), "__annotations__", {}))
+            part = getattr(getattr(processor, attribute, None), "valid_kwargs", None)
+            names |= set(getattr(part, "__annotations__", {}))
+        return frozenset(names)
+
     def check_server_kwargs(self, kwargs: Mapping[str, object]) -> None:
-        """``--mm-processor-kwargs``: any HF option but the model-bound ones, and the
-        per-request options within their ranges; raises ValueError at start-up."""
+        """``--mm-processor-kwargs``: any option of the HF processor or of the model's own
+        processing but the model-bound ones, and the per-request options within their ranges;
+        raises ValueError at start-up (HF would ignore a misspelt one)."""
+        known = self.hf_processor_kwargs() | set(self.request_kwargs)
         for name, value in kwargs.items():
+            if name not in known | self.model_bound_kwargs:
+                close = difflib.get_close_matches(name, known, n=3)
+                hint = f"did you mean {' or '.join(close)}?" if close else "HF would ignore it"
+                raise ValueError(
+                    f"--mm-processor-kwargs: {name} is not an option of this model's "
+                    f"processor ({hint})."
+                )
             if name in self.model_bound_kwargs:
                 raise ValueError(
                     f"--mm-processor-kwargs: {name} is fixed by the checkpoint's "
@@ -184,6 +216,17 @@ class BaseProcessingInfo(ABC):
                     f"mm_processor_kwargs.{name} ({value}) is over "
                     f"max_{name.removeprefix('min_')} ({upper})",
                     stage="process",
+                )
+
+    def check_limits(self) -> None:
+        """``--limit-mm-per-prompt``: a modality the model does not take may only be limited
+        to 0 (a misspelt modality would otherwise limit nothing); ValueError at start-up."""
+        supported = self.get_supported_mm_limits()
+        for modality, limit in self.ctx.limit_mm_per_prompt.items():
+            if modality not in supported and limit:
+                raise ValueError(
+                    f"--limit-mm-per-prompt: this model does not take {modality} input (it "
+                    f"takes: {', '.join(supported)})."
                 )
 
     def get_allowed_mm_limits(self) -> dict[str, int | None]:

@@ -191,7 +191,7 @@ class MediaConnector:
         if config.allowed_local_media_path is not None:
             root = Path(config.allowed_local_media_path).expanduser().resolve()
             if not root.is_dir():
-                raise ValueError(f"allowed_local_media_path {root} is not a directory")
+                raise ValueError(f"--allowed-local-media-path {root} is not a directory.")
             self._local_root = root
         self._allowed_domains = frozenset(_normalize_host(d) for d in config.allowed_media_domains)
 

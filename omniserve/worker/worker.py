@@ -58,8 +58,13 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"device={device!r} was requested but CUDA is not available.")
-    return torch.device(device)
+        raise ValueError(f"--device {device}: CUDA is not available on this machine.")
+    resolved = torch.device(device)
+    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA devices."
+        )
+    return resolved
 
 
 def checkpoint_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:

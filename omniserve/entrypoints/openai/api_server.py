@@ -549,7 +549,6 @@ async def serve(args: argparse.Namespace) -> None:
     """Start the engine, then serve until SIGINT/SIGTERM; always stop the engine."""
     names = args.served_model_name
     engine_args = EngineArgs.from_cli_args(args)
-    engine_args.served_model_name = names[0] if names else None
     stat_logger = PrometheusStatLogger(
         names[0] if names else args.model,
         num_engines=engine_args.data_parallel_size,

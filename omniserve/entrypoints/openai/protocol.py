@@ -449,7 +449,7 @@ class SamplingRequest(PromptOptions):
         request asks for. A ``ValueError`` names the field it refuses first."""
         for name, value in ((self.logprobs_field, logprobs),
                             ("prompt_logprobs", self.prompt_logprobs)):  # fmt: skip
-            if value is not None and value > max_logprobs:
+            if value is not None and 0 <= max_logprobs < value:  # -1: no cap
                 raise ValueError(
                     f"{name} may be at most {max_logprobs} (--max-logprobs), got {value}."
                 )

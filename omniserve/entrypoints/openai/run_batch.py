@@ -118,8 +118,6 @@ async def upload_output(path: Path, location: str) -> None:
 
 async def _run(args: argparse.Namespace, lines: list[str], output_path: Path) -> None:
     engine_args = EngineArgs.from_cli_args(args)
-    names = args.served_model_name
-    engine_args.served_model_name = names[0] if names else None
     engine = AsyncLLM.from_engine_args(
         engine_args, stat_loggers=log_stats(args), input_threads=args.input_processing_threads
     )

@@ -1,0 +1,110 @@
+"""Checks of user-given settings before anything is built from them: the command line's ranges
+(argparse types) and vLLM's settings that mean nothing here, so a mistake is an error naming the
+setting instead of a traceback in whatever first uses it (the Python API's types:
+``omniserve.field_types``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import typing
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def number_in(
+    kind: type, low: float | None = None, high: float | None = None
+) -> typing.Callable[[str], Any]:
+    """An argparse ``type``: an int (or finite float) within [low, high]; argparse turns the
+    ValueError into "argument --flag: invalid value"."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {_article(kind)}") from None
+        lowest = -math.inf if low is None else low
+        highest = math.inf if high is None else high
+        if not (math.isfinite(value) and lowest <= value <= highest):
+            raise argparse.ArgumentTypeError(f"{text} is not in [{lowest:g}, {highest:g}]")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+def _article(kind: type) -> str:
+    return "an integer" if kind is int else "a number"
+
+
+def json_str_list(text: str) -> list[str]:
+    """An argparse ``type``: a JSON list of strings (a bare string would reach Starlette's CORS
+    check as a string, which tests substrings)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'{text} is not a JSON list of strings, e.g. ["*"]')
+    return value
+
+
+NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
+    "--trust-remote-code": (
+        {"action": "store_true"},
+        "no code from checkpoints runs: omniserve's model classes load them",
+    ),
+    "--disable-log-requests": (
+        {"action": "store_true"},
+        "requests are logged only with --enable-log-requests",
+    ),
+    "--swap-space": ({"type": float}, "preempted requests are recomputed, never swapped"),
+    "--disable-custom-all-reduce": (
+        {"action": "store_true"},
+        "tensor parallelism uses torch.distributed's all-reduce",
+    ),
+    "--tokenizer-mode": ({"choices": ["auto", "hf"]}, "the Hugging Face tokenizer is used"),
+    "--load-format": ({"choices": ["auto", "safetensors"]}, "safetensors is the only format"),
+    "--kv-cache-dtype": ({"choices": ["auto"]}, "the KV cache is in the model's dtype"),
+    "--download-dir": ({}, "nothing is downloaded: models are local directories"),
+}
+"""vLLM's flags that mean nothing here: accepted, each logged once with why."""
+MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
+    "--cpu-offload-gb": ({"type": float}, "weight offloading"),
+    "--enable-sleep-mode": ({"action": "store_true"}, "sleep mode"),
+    "--kv-transfer-config": ({}, "KV transfer between instances"),
+    "--enable-expert-parallel": ({"action": "store_true"}, "expert parallelism"),
+    "--compilation-config": (
+        {},
+        "torch.compile (decode steps replay CUDA graphs; --enforce-eager turns them off)",
+    ),
+}
+"""vLLM's flags for features omniserve does not have: start-up fails naming the feature."""
+
+
+def check_vllm_only(values: dict[str, Any]) -> None:
+    """vLLM's settings among ``values`` (keyed as ``EngineArgs``' fields are): those of
+    ``MISSING_FEATURE_FLAGS`` fail naming the feature, those of ``NO_EFFECT_FLAGS`` are logged
+    with why they change nothing (the CLI and ``LLM(**kwargs)`` alike)."""
+    for flags, missing in ((MISSING_FEATURE_FLAGS, True), (NO_EFFECT_FLAGS, False)):
+        for flag, (spec, why) in flags.items():
+            value = values.get(flag.removeprefix("--").replace("-", "_"))
+            if value in (None, False):
+                continue
+            if missing:
+                raise ValueError(f"{flag}: {why} is not implemented in omniserve.")
+            if "choices" in spec and value not in spec["choices"]:
+                raise ValueError(f"{flag} must be one of {spec['choices']}, not {value!r}.")
+            logger.info("%s has no effect here: %s.", flag, why)
+
+
+def without_vllm_only(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` (``LLM``'s) checked by ``check_vllm_only`` and rid of vLLM's settings, which
+    ``EngineArgs`` has no fields for."""
+    check_vllm_only(kwargs)
+    names = {flag.removeprefix("--").replace("-", "_")
+             for flag in (*NO_EFFECT_FLAGS, *MISSING_FEATURE_FLAGS)}  # fmt: skip
+    return {name: value for name, value in kwargs.items() if name not in names}

@@ -1,0 +1,98 @@
+"""Engine settings a user gets wrong fail at start-up naming the setting: in the Python API
+(``LLM(**kwargs)`` builds ``EngineArgs``) as on the command line, before any request meets them."""
+
+from __future__ import annotations
+
+import pytest
+
+from omniserve.engine.arg_checks import check_vllm_only, without_vllm_only
+from omniserve.engine.arg_utils import EngineArgs, parse_bytes
+
+REFUSED = [
+    # types the Python API would otherwise carry deep into the engine
+    ({"block_size": "16"}, TypeError, "block_size must be an integer, got '16'"),
+    ({"max_model_len": 200.5}, TypeError, "max_model_len must be an integer or None, got 200.5"),
+    ({"max_num_seqs": True}, TypeError, "max_num_seqs must be an integer, got True"),
+    ({"allowed_media_domains": "example.com"}, TypeError, "allowed_media_domains must be"),
+    ({"mm_processor_cache_gb": float("nan")}, ValueError, "mm_processor_cache_gb must be a number"),
+    ({"limit_mm_per_prompt": {"image": True}}, TypeError, "limit_mm_per_prompt must be"),
+    ({"seed": 2**64}, ValueError, "seed must be in [-9223372036854775808, 18446744073709551615]"),
+    # values no request could run with
+    ({"max_logprobs": -2}, ValueError, "max_logprobs must be >= 0 (or -1: no cap)"),
+    ({"max_num_encoder_input_tokens": -1}, ValueError, "max_num_encoder_input_tokens must be >= 1"),
+    ({"max_num_encoder_input_tokens": 0}, ValueError, "max_num_encoder_input_tokens must be >= 1"),
+    ({"encoder_cache_size": 0}, ValueError, "encoder_cache_size must be >= 1, got 0"),
+    ({"long_prefill_token_threshold": -1}, ValueError, "long_prefill_token_threshold must be >= 0"),
+    ({"kv_cache_memory": "1e999"}, ValueError, "--kv-cache-memory: cannot read '1e999'"),
+    ({"kv_cache_memory": "..."}, ValueError, "--kv-cache-memory: cannot read '...'"),
+    ({"served_model_name": []}, ValueError, "served_model_name: an empty list"),
+    # settings that would only fail in every request
+    ({"allowed_local_media_path": "/nonexistent"}, ValueError,
+     "--allowed-local-media-path /nonexistent is not a directory"),
+    ({"limit_mm_per_prompt": '{"images": 2}'}, ValueError,
+     "--limit-mm-per-prompt: this model does not take images input (it takes: image, video)"),
+    ({"mm_processor_kwargs": '{"max_pixel": 100}'}, ValueError,
+     "max_pixel is not an option of this model's processor (did you mean max_pixels"),
+]  # fmt: skip
+
+
+def _start(model: str, **kwargs: object) -> None:
+    """Everything start-up checks short of loading weights: the config and the front end."""
+    from omniserve.engine.processor import Processor
+
+    Processor(EngineArgs(model=model, **kwargs).create_config())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), REFUSED)
+def test_bad_settings_fail_at_start_naming_them(tiny_checkpoint, kwargs, error, message):
+    with pytest.raises(error) as raised:
+        _start(str(tiny_checkpoint("Qwen2VLForConditionalGeneration")), **kwargs)
+    assert message in str(raised.value)
+
+
+def test_good_settings_start(tiny_checkpoint, tmp_path):
+    model = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
+    args = EngineArgs(model=model, served_model_name=["a", "b"], kv_cache_memory=4e8,
+                      allowed_media_domains=["example.com"])  # fmt: skip
+    config = args.create_config()
+    assert config.model_config.name == "a"
+    assert config.cache_config.kv_cache_memory_bytes == 400_000_000
+    # a modality the model does not take may be limited to 0 (a launch script shared by models)
+    _start(model, limit_mm_per_prompt={"audio": 0, "image": 1},
+           allowed_local_media_path=str(tmp_path),
+           mm_processor_kwargs={"max_pixels": 200704, "fps": 1.0})  # fmt: skip
+    with pytest.raises(ValueError, match="this model takes no multimodal input"):
+        _start(str(tiny_checkpoint("Qwen3ForCausalLM")), limit_mm_per_prompt={"image": 1})
+
+
+def test_max_logprobs_minus_one_is_no_cap_but_the_vocabulary(tiny_checkpoint):
+    """vLLM's -1: no cap; a request still cannot ask for more than the vocabulary holds."""
+    from omniserve.engine.processor import Processor
+    from omniserve.sampling_params import SamplingParams
+
+    model = str(tiny_checkpoint("Qwen3ForCausalLM"))
+    processor = Processor(EngineArgs(model=model, max_logprobs=-1).create_config())
+    processor._validate_params(SamplingParams(logprobs=100, prompt_logprobs=100))
+    with pytest.raises(ValueError, match=f"at most {processor.vocab_size} logprobs"):
+        processor._validate_params(SamplingParams(logprobs=processor.vocab_size + 1))
+
+
+def test_parse_bytes_reads_units_and_numbers():
+    assert parse_bytes("4GiB") == 4 << 30
+    assert parse_bytes("512 MiB") == 512 << 20
+    assert parse_bytes("1e9") == parse_bytes(1e9) == parse_bytes(10**9) == 10**9
+    assert parse_bytes(None) is None
+    with pytest.raises(ValueError, match="--kv-cache-memory: cannot read '4 parsecs'"):
+        parse_bytes("4 parsecs", "kv_cache_memory")
+
+
+def test_vllm_settings_of_the_python_api(caplog):
+    """``LLM(trust_remote_code=True)`` means what ``--trust-remote-code`` means: nothing here."""
+    with caplog.at_level("INFO", logger="omniserve.engine.arg_checks"):
+        check_vllm_only({"trust_remote_code": True, "kv_cache_dtype": "auto", "seed": 1})
+    assert "--trust-remote-code has no effect here" in caplog.text
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
+        check_vllm_only({"kv_cache_dtype": "fp8"})
+    with pytest.raises(ValueError, match="--cpu-offload-gb: weight offloading is not implemented"):
+        check_vllm_only({"cpu_offload_gb": 4})
+    assert without_vllm_only({"trust_remote_code": True, "seed": 1}) == {"seed": 1}
