@@ -560,7 +560,7 @@ class ChatRenderer:
             prompt["multi_modal_data"] = mm_data
         if inputs.item_uuids():
             prompt["multi_modal_uuids"] = inputs.item_uuids()
-        if mm_processor_kwargs:
+        if mm_processor_kwargs and mm_data:  # (checked before the media was fetched)
             prompt["mm_processor_kwargs"] = dict(mm_processor_kwargs)
         return prompt
 

@@ -5,17 +5,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from omniserve.engine.arg_checks import without_vllm_only
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.llm_engine import LLMEngine
 from omniserve.entrypoints.beam_search import BeamSearchBatch, BeamSearchOutput, BeamSearchParams
 from omniserve.entrypoints.chat_utils import ChatRenderer
 from omniserve.entrypoints.score_utils import score_pair_text, score_pairs
 from omniserve.inputs.data import PromptType, TokensPrompt
+from omniserve.inputs.preprocess import checked_token_ids
 from omniserve.lora.request import LoRARequest
 from omniserve.outputs import (
     ClassificationRequestOutput,
@@ -33,20 +35,34 @@ from omniserve.sampling_params import (
 )
 
 Conversation = list[dict[str, Any]]
+UseTqdm = bool | Callable[..., tqdm]
+"""vLLM's ``use_tqdm``: show a progress bar, or the callable to build it with in place of
+``tqdm`` (e.g. ``functools.partial(tqdm, leave=False)``)."""
 
 
 def _conversations(messages: Conversation | list[Conversation]) -> list[Conversation]:
-    """One conversation (a list of message dicts) or several, as a list of conversations."""
-    if messages and isinstance(messages[0], dict):
-        return [messages]
-    return messages  # type: ignore[return-value]  # a list of dicts was handled above
+    """One conversation (a list of message dicts) or several, as a list of conversations;
+    ``TypeError`` for anything else (a bare string would be read as its characters)."""
+    if messages == []:
+        return []
+    many = isinstance(messages, list) and isinstance(messages[0], list)
+    conversations = messages if many else [messages]
+    for i, conversation in enumerate(conversations):
+        if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
+            where = f"messages[{i}]" if many else "messages"
+            raise TypeError(
+                f"{where} must be a conversation (a list of message dicts), not "
+                f"{type(conversation).__name__}."
+            )
+    return conversations  # type: ignore[return-value]  # checked above
 
 
 class LLM:
     """Generate for a batch of prompts with continuous batching, offline."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        args = EngineArgs(model=model, **without_vllm_only(kwargs))
+        self.llm_engine = LLMEngine.from_engine_args(args)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -61,49 +77,33 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
+        use_tqdm: UseTqdm = True,
+        priority: int | Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in prompt order; ``priority`` (one per prompt,
-        lower first) needs ``scheduling_policy="priority"``; ``lora_request``: the LoRA adapter
-        of every prompt, or one per prompt (needs ``enable_lora=True``)."""
+        """One finished RequestOutput per prompt, in prompt order; ``priority`` (lower first)
+        needs ``scheduling_policy="priority"``; ``lora_request``: the LoRA adapter (needs
+        ``enable_lora=True``). Each, as ``sampling_params``, is one for every prompt or a list
+        of one per prompt."""
         prompts = _prompt_list(prompts)
+        make_bar = _progress_bar(use_tqdm)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = (
-            [sampling_params] * len(prompts)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-            if isinstance(sampling_params, Sequence)
-            else [sampling_params]
-        )
-        for i, param in enumerate(params):
-            if not isinstance(param, SamplingParams):
-                raise TypeError(
-                    f"sampling_params{'' if len(params) == 1 else f'[{i}]'} must be a "
-                    f"SamplingParams, not {type(param).__name__}."
-                )
-        if len(params) != len(prompts):
-            raise ValueError(f"Got {len(params)} sampling params for {len(prompts)} prompts.")
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"Got {len(priorities)} priorities for {len(prompts)} prompts.")
-        loras = (
-            list(lora_request)
-            if isinstance(lora_request, Sequence)
-            else [lora_request] * len(prompts)
-        )
-        if len(loras) != len(prompts):
-            raise ValueError(f"Got {len(loras)} LoRA requests for {len(prompts)} prompts.")
+        num = len(prompts)
+        params = _per_prompt(sampling_params, num, "sampling_params", SamplingParams,
+                             "a SamplingParams", "sampling params")  # fmt: skip
+        priorities = _per_prompt(0 if priority is None else priority, num, "priority", int,
+                                 "an int", "priorities")  # fmt: skip
+        loras = _per_prompt(lora_request, num, "lora_request", (LoRARequest, type(None)),
+                            "a LoRARequest (or None)", "LoRA requests")  # fmt: skip
         request_ids = self._add_requests(prompts, params, priorities, loras)
-        return self._run_engine(request_ids, use_tqdm)
+        return self._run_engine(request_ids, make_bar)
 
     def chat(
         self,
         messages: Conversation | list[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -116,6 +116,14 @@ class LLM:
         generate. Content parts are those of the OpenAI API, plus ``image_pil`` and
         ``audio_array`` for in-memory media; ``tools`` (OpenAI's function tools) are listed for
         the model by templates that take them (its calls are in the text, as vLLM's LLM.chat)."""
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(
+                f"chat_template_kwargs must be a dict, not {type(chat_template_kwargs).__name__}."
+            )
+        # Checked before any media is fetched, as the server does.
+        self.llm_engine.processor.check_mm_kwargs(
+            {} if mm_processor_kwargs is None else mm_processor_kwargs
+        )
         conversations = _conversations(messages)
         renderer = ChatRenderer.from_config(
             self.llm_engine.config, self.get_tokenizer(), chat_template
@@ -137,7 +145,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         pooling_task: str | None = None,
     ) -> list[EncodingRequestOutput]:
@@ -154,7 +162,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding, in prompt order: its final hidden states pooled as
@@ -169,7 +177,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Each prompt's label probabilities by a sequence classifier
@@ -186,7 +194,7 @@ class LLM:
         data_2: PromptType | Sequence[PromptType],
         /,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
         chat_template: str | None = None,
@@ -233,12 +241,15 @@ class LLM:
 
     def beam_search(
         self,
-        prompts: Sequence[PromptType],
+        prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """Each prompt's best ``params.beam_width`` answers by beam search (``beam_search``
         says how), best first; prompts may carry media as in ``generate``."""
+        prompts = _prompt_list(prompts)
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, not {type(params).__name__}.")
         params.check_width(self.llm_engine.config.model_config.max_logprobs)
         tokenizer = self.get_tokenizer()
         bases = [_token_prompt(prompt, tokenizer) for prompt in prompts]
@@ -292,26 +303,23 @@ class LLM:
             raise
         return request_ids
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(
+        self, request_ids: list[str], make_bar: Callable[..., tqdm]
+    ) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(
-            total=len(request_ids),
-            desc="Processed prompts",
-            disable=not use_tqdm,
-            dynamic_ncols=True,
-        )
         try:
-            while self.llm_engine.has_unfinished_requests():
-                for output in self.llm_engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+            with make_bar(
+                total=len(request_ids), desc="Processed prompts", dynamic_ncols=True
+            ) as bar:
+                while self.llm_engine.has_unfinished_requests():
+                    for output in self.llm_engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
         except BaseException:
-            # Ctrl-C or an engine failure: do not leave these requests running.
+            # Ctrl-C, an engine failure or a bar that fails: leave no request running.
             self.llm_engine.abort_request([r for r in request_ids if r not in finished])
             raise
-        finally:
-            bar.close()
         return [finished[r] for r in request_ids]
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -348,11 +356,13 @@ def _token_prompt(prompt: PromptType, tokenizer: Any) -> dict[str, Any]:
     if "prompt_embeds" in prompt:
         raise ValueError("Beam search extends token ids; a prompt given as prompt_embeds has none.")
     base = {k: v for k, v in prompt.items() if k != "prompt"}
-    if base.get("prompt_token_ids") is None:
-        text = prompt.get("prompt")
-        if not isinstance(text, str):
-            raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
-        base["prompt_token_ids"] = list(tokenizer(text).input_ids)
+    if base.get("prompt_token_ids") is not None:
+        checked_token_ids(base["prompt_token_ids"])  # before any beam extends them
+        return base
+    text = prompt.get("prompt")
+    if not isinstance(text, str):
+        raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+    base["prompt_token_ids"] = list(tokenizer(text).input_ids)
     return base
 
 
@@ -375,6 +385,39 @@ def _prompt_list(
                 f"not {type(prompt).__name__}."
             )
     return list(prompts)
+
+
+def _progress_bar(use_tqdm: UseTqdm) -> Callable[..., tqdm]:
+    """What builds ``_run_engine``'s progress bar: ``use_tqdm`` itself if callable, else
+    ``tqdm``, hidden for False."""
+    if callable(use_tqdm):
+        return use_tqdm
+    if not isinstance(use_tqdm, bool):
+        raise TypeError(
+            "use_tqdm must be a bool or a callable building the progress bar in place of tqdm, "
+            f"not {type(use_tqdm).__name__}."
+        )
+    return functools.partial(tqdm, disable=not use_tqdm)
+
+
+def _per_prompt(
+    value: Any, num_prompts: int, name: str, kinds: type | tuple[type, ...], what: str, noun: str
+) -> list[Any]:
+    """``value`` for each prompt: one for all, or a list (or tuple) with one per prompt, each
+    ``what`` (of ``kinds``; a bool is not an int here); ``TypeError`` naming ``name`` (and the
+    item) otherwise."""
+    many = isinstance(value, list | tuple)
+    for i, item in enumerate(value if many else [value]):
+        if isinstance(item, bool) or not isinstance(item, kinds):
+            got = type(item).__name__
+            if many:
+                raise TypeError(f"{name}[{i}] must be {what}, not {got}.")
+            raise TypeError(f"{name} must be {what} or a list of one per prompt, not {got}.")
+    if not many:
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"Got {len(value)} {noun} for {num_prompts} prompts.")
+    return list(value)
 
 
 def _with_task(pooling_params: PoolingParams | None, task: str | None) -> PoolingParams:

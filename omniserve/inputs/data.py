@@ -24,7 +24,8 @@ class TextPrompt(_PromptExtras):
 class TokensPrompt(_PromptExtras):
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
-    """The text the ids were tokenized from, returned with the outputs."""
+    """The text the ids were tokenized from, returned with the outputs (as vLLM's: the ids are
+    what the model reads; the text is not tokenized again)."""
     prompt_embeds: NotRequired[list[Any]]
     """Tensors (``[n, hidden_size]``) whose rows go where ``prompt_token_ids`` hold
     ``EMBEDS_SLOT``, one tensor per slot, in order (needs ``enable_prompt_embeds``): a chat's
@@ -39,3 +40,9 @@ class EmbedsPrompt(TypedDict):
 
 
 PromptType = str | TextPrompt | TokensPrompt | EmbedsPrompt
+
+PROMPT_KEYS = frozenset(
+    key for form in (TextPrompt, TokensPrompt, EmbedsPrompt) for key in form.__annotations__
+)
+"""Every key a prompt dict may hold: a dict with any other is refused (a typo such as
+``multimodal_data`` would otherwise drop the media without a word)."""

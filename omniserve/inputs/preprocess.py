@@ -10,17 +10,22 @@ count positions (the runner feeds the rows).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import torch
 
-from omniserve.inputs.data import EMBEDS_SLOT, PromptType
+from omniserve.inputs.data import EMBEDS_SLOT, PROMPT_KEYS, PromptType
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.multimodal.inputs import MultiModalFeatureSpec, PromptEmbeds
 from omniserve.multimodal.parse import embeds_fault
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +64,7 @@ class InputPreprocessor:
         self.prompt_embeds_width = prompt_embeds_width
         """The hidden size prompt embeddings must have; None: they are not accepted."""
         self.default_mm_kwargs = dict(default_mm_kwargs or {})
+        self._warned_unused_mm_kwargs = False
         if self.default_mm_kwargs:
             if mm_processor is None:
                 raise ValueError(
@@ -71,6 +77,7 @@ class InputPreprocessor:
             return ProcessedInputs(prompt, self._tokenize(prompt))
         if not isinstance(prompt, dict):
             raise TypeError(f"A prompt must be a str or a dict, got {type(prompt).__name__}.")
+        _check_keys(prompt)
         if "prompt_embeds" in prompt:
             if "prompt_token_ids" in prompt:
                 return self._with_embeds_runs(dict(prompt))
@@ -79,10 +86,8 @@ class InputPreprocessor:
         if text is not None and not isinstance(text, str):
             raise TypeError("'prompt' must be a str.")
         token_ids = prompt.get("prompt_token_ids")
-        if token_ids is not None and (
-            not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids)
-        ):
-            raise TypeError("prompt_token_ids must be a list of ints.")
+        if token_ids is not None:
+            token_ids = checked_token_ids(token_ids)
         if text is None and token_ids is None:
             raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
         mm_data = prompt.get("multi_modal_data")
@@ -97,10 +102,13 @@ class InputPreprocessor:
                 "multi_modal_uuids must be a dict (modality -> uuids) next to the "
                 "multi_modal_data its items belong to."
             )
+        mm_kwargs = prompt.get("mm_processor_kwargs")
         if mm_data:
             return self._process_multimodal(
-                text, token_ids, mm_data, prompt.get("mm_processor_kwargs") or {}, uuids
+                text, token_ids, mm_data, {} if mm_kwargs is None else mm_kwargs, uuids
             )
+        if mm_kwargs is not None:
+            self._check_unused_mm_kwargs(mm_kwargs)
         if token_ids is None:
             token_ids = self._tokenize(text)  # type: ignore[arg-type]
         return ProcessedInputs(text, list(token_ids))
@@ -203,11 +211,23 @@ class InputPreprocessor:
             dict(result.num_tokens_by_modality),
         )
 
+    def _check_unused_mm_kwargs(self, mm_kwargs: object) -> None:
+        """``mm_processor_kwargs`` in a prompt without media: vLLM ignores them, and so does
+        this, but a bad one is still an error and the no-op is logged, once."""
+        self.check_mm_kwargs(mm_kwargs)
+        if isinstance(mm_kwargs, dict) and mm_kwargs and not self._warned_unused_mm_kwargs:
+            self._warned_unused_mm_kwargs = True
+            logger.warning(
+                "mm_processor_kwargs %s given in a prompt without multi_modal_data have no "
+                "effect (logged once).",
+                sorted(mm_kwargs),
+            )
+
     def check_mm_kwargs(self, mm_kwargs: object) -> None:
         """A request's ``mm_processor_kwargs``: a dict of the model's declared per-request
         options, each in range (checked before any media is fetched or decoded)."""
         if not isinstance(mm_kwargs, dict):
-            raise TypeError("mm_processor_kwargs must be a dict.")
+            raise TypeError(f"mm_processor_kwargs must be a dict, not {type(mm_kwargs).__name__}.")
         if not mm_kwargs:
             return
         if self.mm_processor is None:
@@ -219,3 +239,31 @@ class InputPreprocessor:
 
     def _tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text).input_ids)
+
+
+def _check_keys(prompt: Mapping[str, object]) -> None:
+    """A prompt dict holds only ``PROMPT_KEYS``: any other key is a mistake (most often a typo
+    of one), which would otherwise be ignored."""
+    unknown = sorted(map(str, set(prompt) - PROMPT_KEYS))
+    if not unknown:
+        return
+    named = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, PROMPT_KEYS, n=1)
+        named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise TypeError(
+        f"Unknown prompt key{'s' if len(unknown) > 1 else ''} {', '.join(named)}; a prompt "
+        f"dict takes {', '.join(sorted(PROMPT_KEYS))}."
+    )
+
+
+def checked_token_ids(token_ids: object) -> list[int]:
+    """A list of ints (``True`` is an int to Python, never a token id)."""
+    if not isinstance(token_ids, list):
+        raise TypeError(f"prompt_token_ids must be a list of ints, not {type(token_ids).__name__}.")
+    for index, token in enumerate(token_ids):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise TypeError(
+                f"prompt_token_ids[{index}] must be an int, not {type(token).__name__}."
+            )
+    return token_ids

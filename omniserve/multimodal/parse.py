@@ -50,7 +50,7 @@ class ModalityDataItems:
 
 
 class ImageProcessorItems(ModalityDataItems):
-    """PIL images, HWC ndarrays or CHW tensors, as given."""
+    """PIL images, and arrays as [channels, height, width] (``_channels_first``)."""
 
     modality, hf_arg = "image", "images"
 
@@ -146,6 +146,7 @@ class MultiModalDataParser:
                     "image", index, image, "a PIL image, an HWC ndarray or a CHW tensor"
                 )
             _check_finite("image", index, image)
+            images[index] = _channels_first(index, image)
         return ImageProcessorItems(images)
 
     def _parse_audio(self, data: Any) -> AudioProcessorItems:
@@ -268,6 +269,37 @@ def _video_to_array(index: int, video: Any) -> tuple[np.ndarray, dict[str, Any]]
             frames_indices=list(range(num_frames)),
         )
     return np.ascontiguousarray(video), meta
+
+
+IMAGE_CHANNELS = (1, 3)
+"""The channel counts an image array may have: grey or RGB, as HF's image processors take."""
+
+
+def _channels_first(index: int, image: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A 3-D image array as [channels, height, width]. An ndarray is [height, width, channels]
+    (PIL's and OpenCV's layout) when its last dim can be channels (1, 3 or 4), else CHW; a
+    tensor is CHW (torchvision's) when its first can, else HWC. HF's processors would guess
+    by shape and take a leading 1 or 3 as channels (a 1x1 or 3-wide HWC image read as CHW);
+    given CHW, their guess is always right."""
+    shape = tuple(int(n) for n in image.shape)
+    if 0 in shape:
+        raise _bad_item("image", index, image, "a non-empty image")
+    first, last = (n in (*IMAGE_CHANNELS, 4) for n in (shape[0], shape[2]))
+    if not (first or last):
+        raise _bad_item(
+            "image", index, image, "an HWC ndarray or a CHW tensor with 1 or 3 channels"
+        )
+    hwc = last and (isinstance(image, np.ndarray) or not first)
+    channels = shape[2] if hwc else shape[0]
+    if channels not in IMAGE_CHANNELS:
+        raise _bad_item(
+            "image", index, image, f"1 or 3 channels, not {channels} (RGBA: convert it to RGB)"
+        )
+    if not hwc:
+        return image
+    if isinstance(image, torch.Tensor):
+        return image.permute(2, 0, 1).contiguous()
+    return np.ascontiguousarray(image.transpose(2, 0, 1))
 
 
 def _check_finite(modality: str, index: int, pixels: np.ndarray | torch.Tensor) -> None:
