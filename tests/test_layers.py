@@ -321,3 +321,21 @@ def test_sharded_checkpoint_loads_and_errors_name_keys(tmp_path: Path) -> None:
 
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_model_weights(_Tiny(), tmp_path / "missing" / "nowhere")
+
+
+def test_large_tensors_are_read_in_pieces_side_by_side(tmp_path: Path, monkeypatch) -> None:
+    """A read of several pieces (one per thread, split at page bounds and not) gives the
+    file's bytes exactly, as one read does."""
+    from omniserve.layers import weight_utils
+    from omniserve.layers.weight_utils import SafetensorsFile
+
+    monkeypatch.setattr(weight_utils, "_PARALLEL_READ_BYTES", 1 << 12)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # 3 pieces, whatever the machine
+    tensors = {"a": randn(3, 5000), "b": torch.arange(70001, dtype=torch.int32)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with SafetensorsFile(tmp_path / "model.safetensors") as file:
+        for name, expected in tensors.items():
+            lazy = file.tensor(name)
+            dest = torch.empty(lazy.shape, dtype=lazy.dtype)
+            file.read_into(dest, lazy._offset)
+            assert torch.equal(dest, expected)

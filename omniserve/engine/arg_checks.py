@@ -18,8 +18,8 @@ logger = logging.getLogger(__name__)
 def number_in(
     kind: type, low: float | None = None, high: float | None = None
 ) -> typing.Callable[[str], Any]:
-    """An argparse ``type``: an int (or finite float) within [low, high]; argparse turns the
-    ValueError into "argument --flag: invalid value"."""
+    """An argparse ``type``: an int (or finite float) within [low, high]; argparse reports a
+    miss as "argument --flag: <why>" and exits 2."""
 
     def parse(text: str) -> Any:
         try:
