@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
-
 
 def get_tokenizer(path: str) -> Any:
-    """The checkpoint's fast tokenizer, from local files only."""
+    """The checkpoint's fast tokenizer, from local files only (transformers' tokenizers are
+    imported here: the engine core's process, which seldom needs one, starts without them)."""
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
