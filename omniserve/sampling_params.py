@@ -226,6 +226,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    truncate_prompt_tokens: int | None = None
+    """Run only the prompt's last k tokens (-1: its last max_model_len), as vLLM's; a prompt with
+    media or embeddings is not cut (it would cut their placeholders)."""
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     """token id -> added to its logit before sampling (OpenAI's, each in [-100, 100])."""
@@ -331,6 +334,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not is_int(value, 0, INT32_MAX):
                 fail(name, "None or an integer >= 0")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and keep != -1 and not is_int(keep, 1, INT32_MAX):
+            fail("truncate_prompt_tokens", "None, -1 (max_model_len) or an integer >= 1")
         budget = self.thinking_token_budget
         if budget is not None and not is_int(budget, 0, INT32_MAX):
             fail("thinking_token_budget", f"None or an integer in [0, {INT32_MAX}]")

@@ -196,3 +196,20 @@ def test_audio_for_a_model_without_an_audio_encoder(vl: LLM) -> None:
     content = [{"type": "audio_array", "audio_array": TONE}, {"type": "text", "text": "hi"}]
     with pytest.raises(ValueError, match=rf"messages\[0\].content\[0\]: {needle}"):
         vl.chat([{"role": "user", "content": content}], PARAMS, use_tqdm=False)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm: LLM, vl: LLM) -> None:
+    """vLLM's SamplingParams.truncate_prompt_tokens: the last k tokens run, as if they were the
+    whole prompt (-1: the last max_model_len); media cannot be cut."""
+    ids = list(range(100, 140))
+    cut = llm.generate({"prompt_token_ids": ids},
+                       PARAMS.clone(truncate_prompt_tokens=8), use_tqdm=False)[0]  # fmt: skip
+    alone = llm.generate({"prompt_token_ids": ids[-8:]}, PARAMS, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-8:]
+    assert cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    text = llm.generate("a short prompt", PARAMS.clone(truncate_prompt_tokens=-1),
+                        use_tqdm=False)[0]  # fmt: skip
+    assert text.prompt == "a short prompt"  # nothing to cut: as it was
+    prompt = {"prompt": VL_PROMPT, "multi_modal_data": {"image": PIL_IMAGE}}
+    _refused(vl, ValueError, "truncate_prompt_tokens cannot cut a prompt with media", prompt,
+             PARAMS.clone(truncate_prompt_tokens=4))  # fmt: skip

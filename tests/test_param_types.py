@@ -154,3 +154,9 @@ def test_values_of_the_right_type_still_meet_their_ranges() -> None:
         SamplingParams(logit_bias={-1: 1.0})
     with pytest.raises(ValueError, match="^structured_outputs.choice must be a non-empty list"):
         StructuredOutputsParams(choice=[])
+    for keep in (0, -2):
+        with pytest.raises(ValueError, match="^truncate_prompt_tokens must be None, -1"):
+            SamplingParams(truncate_prompt_tokens=keep)
+    with pytest.raises(ParamTypeError, match="^truncate_prompt_tokens must be an integer"):
+        SamplingParams(truncate_prompt_tokens=True)
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1

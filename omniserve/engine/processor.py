@@ -7,6 +7,7 @@ so that the engine core only ever sees single-sequence requests.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterator
@@ -192,6 +193,8 @@ class Processor:
             params = params.clone(pooling=self._resolve_pooling(params, params.pooling))
         with torch_threads(self.featurize_threads):
             inputs = self.input_preprocessor.preprocess(prompt)
+        if params.truncate_prompt_tokens is not None:
+            inputs = self._truncated(inputs, params.truncate_prompt_tokens)
         token_ids = inputs.prompt_token_ids
         if inputs.prompt_embeds:
             _check_embeds_params(params)
@@ -259,6 +262,21 @@ class Processor:
                     stage="budget",
                     modality=feature.modality,
                 )
+
+    def _truncated(self, inputs: ProcessedInputs, keep: int) -> ProcessedInputs:
+        """The prompt's last ``keep`` tokens (-1: max_model_len), vLLM's truncate_prompt_tokens;
+        the text no longer matches them, so it is dropped."""
+        if inputs.mm_features or inputs.prompt_embeds:
+            raise ValueError(
+                "truncate_prompt_tokens cannot cut a prompt with media or prompt_embeds (it "
+                "would cut their placeholders)."
+            )
+        keep = self.model_config.max_model_len if keep == -1 else keep
+        if len(inputs.prompt_token_ids) <= keep:
+            return inputs
+        return dataclasses.replace(
+            inputs, prompt=None, prompt_token_ids=inputs.prompt_token_ids[-keep:]
+        )
 
     def check_mm_kwargs(self, mm_kwargs: object) -> None:
         """A request's ``mm_processor_kwargs``, checked before its media is fetched (the server
