@@ -5,6 +5,10 @@ naming the field at construction, not a failure deep in the engine."""
 from __future__ import annotations
 
 import dataclasses
+import enum
+import numbers
+import operator
+import os
 import types
 import typing
 from typing import Any
@@ -17,11 +21,16 @@ class ParamTypeError(TypeError, ValueError):
 
 def check_types(params: object, prefix: str = "") -> None:
     """Raise ``ParamTypeError`` naming the first field of the dataclass ``params`` whose value
-    is not of its annotated type (a bool is no integer; an integer is a number)."""
+    is not of its annotated type (a bool is no integer; an integer is a number). Values of the
+    right kind in another form take the annotated one, as vLLM's lax configs do: numpy numbers
+    become Python's, a tuple a list, a path a string, an enum's value the enum."""
     for name, hint in field_types(type(params)).items():
         value = getattr(params, name)
-        if not _conforms(value, hint):
+        taken = _conform(value, hint)
+        if taken is _REFUSED:
             raise ParamTypeError(f"{prefix}{name} must be {_describe(hint)}, got {value!r}.")
+        if taken is not value:
+            object.__setattr__(params, name, taken)  # frozen dataclasses too
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -33,31 +42,59 @@ def field_types(cls: type) -> dict[str, Any]:
 
 
 _FIELD_TYPES: dict[type, dict[str, Any]] = {}
+_REFUSED = object()
 
 
-def _conforms(value: object, hint: Any) -> bool:
+def _conform(value: Any, hint: Any) -> Any:
+    """``value`` in the annotated type's form, or ``_REFUSED``."""
     if hint is Any:
-        return True
-    if isinstance(hint, type):  # a class: bool, str, an enum, a params dataclass, ...
-        if hint is int or hint is float:
-            return isinstance(value, int | hint) and not isinstance(value, bool)
-        return isinstance(value, hint)
+        return value
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (types.UnionType, typing.Union):
-        return any(_conforms(value, arg) for arg in args)
-    if origin is list:
-        return isinstance(value, list) and all(_conforms(item, args[0]) for item in value)
-    if origin is tuple:
-        return (
-            isinstance(value, tuple)
-            and len(value) == len(args)
-            and all(map(_conforms, value, args))
-        )
+        for arm in args:
+            taken = _conform(value, arm)
+            if taken is not _REFUSED:
+                return taken
+        return _REFUSED
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            return _REFUSED
+        kinds = args if origin is tuple else (args[0],) * len(value)
+        if len(kinds) != len(value):
+            return _REFUSED
+        items = [_conform(item, kind) for item, kind in zip(value, kinds, strict=True)]
+        if any(item is _REFUSED for item in items):
+            return _REFUSED
+        same = isinstance(value, origin) and all(map(operator.is_, items, value))
+        return value if same else origin(items)
     if origin is dict:
-        return isinstance(value, dict) and all(
-            _conforms(k, args[0]) and _conforms(v, args[1]) for k, v in value.items()
-        )
-    return isinstance(value, hint)
+        if not isinstance(value, dict):
+            return _REFUSED
+        pairs = [(_conform(k, args[0]), _conform(v, args[1])) for k, v in value.items()]
+        if any(k is _REFUSED or v is _REFUSED for k, v in pairs):
+            return _REFUSED
+        same = all(k is a and v is b for (k, v), (a, b) in zip(pairs, value.items(), strict=True))
+        return value if same else dict(pairs)
+    return _conform_class(value, hint)
+
+
+def _conform_class(value: Any, hint: type) -> Any:
+    if isinstance(value, bool) and hint in (int, float):
+        return _REFUSED  # True is an int to Python, never a count or a number here
+    if isinstance(value, hint) or (hint is float and isinstance(value, int)):
+        return value
+    if hint is int and isinstance(value, numbers.Integral):
+        return int(value)
+    if hint is float and isinstance(value, numbers.Real):
+        return float(value)
+    if hint is str and isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum) and not isinstance(value, bool):
+        try:
+            return hint(value)
+        except ValueError:
+            return _REFUSED
+    return _REFUSED
 
 
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
@@ -76,8 +113,8 @@ def _describe(hint: Any) -> str:
         return f"a dict of {_plural(_describe(args[0]))} to {_plural(_describe(args[1]))}"
     if origin is tuple:
         return f"a tuple ({', '.join(map(_describe, args))})"
-    if hint is Any:
-        return "anything"
+    if hint is Any or hint is object:
+        return "a value"
     return _TYPE_NAMES.get(hint, f"a {hint.__name__}")
 
 

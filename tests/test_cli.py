@@ -168,6 +168,20 @@ def test_serve_takes_vllm_flags(caplog):
     assert "--swap-space has no effect here: preempted requests are recomputed" in caplog.text
 
 
+def test_run_batch_takes_the_same_vllm_flags(caplog):
+    from omniserve.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["run-batch", "-i", "in", "-o", "out", "--trust-remote-code",
+                              "--compilation-config", '{"level": 0}'])  # fmt: skip
+    with caplog.at_level("INFO", logger="omniserve.engine.arg_checks"):
+        args.check_flags(parser, args)
+    assert "--trust-remote-code has no effect here" in caplog.text
+    assert parser.parse_args(["serve", "--shutdown-timeout", "inf"]).shutdown_timeout == float(
+        "inf"
+    )
+
+
 def test_serve_refuses_flags_of_missing_features(capsys):
     from omniserve.entrypoints.cli import main
 

@@ -61,6 +61,7 @@ def test_good_settings_start(tiny_checkpoint, tmp_path):
     _start(model, limit_mm_per_prompt={"audio": 0, "image": 1},
            allowed_local_media_path=str(tmp_path),
            mm_processor_kwargs={"max_pixels": 200704, "fps": 1.0})  # fmt: skip
+    _start(model, limit_mm_per_prompt={"audio": 1})  # a modality other models take: logged
     with pytest.raises(ValueError, match="this model takes no multimodal input"):
         _start(str(tiny_checkpoint("Qwen3ForCausalLM")), limit_mm_per_prompt={"image": 1})
 
@@ -96,3 +97,7 @@ def test_vllm_settings_of_the_python_api(caplog):
     with pytest.raises(ValueError, match="--cpu-offload-gb: weight offloading is not implemented"):
         check_vllm_only({"cpu_offload_gb": 4})
     assert without_vllm_only({"trust_remote_code": True, "seed": 1}) == {"seed": 1}
+    check_vllm_only({"compilation_config": '{"level": 0}'})  # no compilation: what runs here
+    check_vllm_only({"compilation_config": {"mode": 0}})
+    with pytest.raises(ValueError, match="--compilation-config: torch.compile"):
+        check_vllm_only({"compilation_config": '{"level": 3}'})

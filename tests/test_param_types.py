@@ -8,6 +8,7 @@ import math
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 
 from omniserve.entrypoints.beam_search import BeamSearchParams
@@ -36,7 +37,7 @@ SAMPLING_REFUSED = [
     ("detokenize", 0, "a boolean"),
     ("spaces_between_special_tokens", 1, "a boolean"),
     ("output_kind", "x", "a RequestOutputKind"),
-    ("output_kind", 1, "a RequestOutputKind"),
+    ("output_kind", 7, "a RequestOutputKind"),
     ("stop", [1], "a list of strings"),
     ("stop", 5, "a list of strings"),
     ("stop_token_ids", ["a"], "a list of integers"),
@@ -55,7 +56,7 @@ SAMPLING_REFUSED = [
     ("bad_words", [3], "a list of strings"),
     ("bad_words_token_ids", [1, 2], "a list of lists of integers"),
     ("bad_words_token_ids", [["a"]], "a list of lists of integers"),
-    ("think_token_ids", [1, 2], "a tuple (an integer, an integer) or None"),
+    ("think_token_ids", ["a", 2], "a tuple (an integer, an integer) or None"),
     ("think_token_ids", (1,), "a tuple (an integer, an integer) or None"),
     ("output_modalities", 5, "a list of strings"),
 ]
@@ -145,6 +146,20 @@ def test_accepted_edge_cases() -> None:
     assert BeamSearchParams(beam_width=1, max_tokens=1, length_penalty=-2).length_penalty == -2
     listed = [1, 2]
     assert SamplingParams(stop_token_ids=listed).stop_token_ids is not listed  # a copy
+
+
+def test_values_of_the_right_kind_in_another_form_take_the_fields_own() -> None:
+    """As vLLM's lax configs: numpy numbers, tuples and enum values are what they stand for."""
+    params = SamplingParams(seed=np.int64(3), temperature=np.float32(0.5), max_tokens=np.int64(4),
+                            logit_bias={np.int64(5): np.float32(1.0)}, output_kind=2,
+                            stop_token_ids=np.array([1, 2]).tolist() + [np.int64(3)])  # fmt: skip
+    assert (params.seed, params.max_tokens, params.stop_token_ids) == (3, 4, [1, 2, 3])
+    assert type(params.seed) is int and type(params.temperature) is float
+    assert list(params.logit_bias) == [5] and type(next(iter(params.logit_bias))) is int
+    assert params.output_kind is RequestOutputKind.FINAL_ONLY
+    choice = StructuredOutputsParams(choice=("yes", "no")).choice
+    assert choice == ["yes", "no"]
+    assert BeamSearchParams(beam_width=np.int64(2), max_tokens=4).beam_width == 2
 
 
 def test_values_of_the_right_type_still_meet_their_ranges() -> None:

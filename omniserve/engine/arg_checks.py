@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 def number_in(
     kind: type, low: float | None = None, high: float | None = None
 ) -> typing.Callable[[str], Any]:
-    """An argparse ``type``: an int (or finite float) within [low, high]; argparse reports a
+    """An argparse ``type``: an int (or float) within [low, high]; argparse reports a
     miss as "argument --flag: <why>" and exits 2."""
 
     def parse(text: str) -> Any:
@@ -28,7 +28,7 @@ def number_in(
             raise argparse.ArgumentTypeError(f"{text!r} is not {_article(kind)}") from None
         lowest = -math.inf if low is None else low
         highest = math.inf if high is None else high
-        if not (math.isfinite(value) and lowest <= value <= highest):
+        if not lowest <= value <= highest:  # NaN too; inf where there is no upper bound
             raise argparse.ArgumentTypeError(f"{text} is not in [{lowest:g}, {highest:g}]")
         return value
 
@@ -94,11 +94,27 @@ def check_vllm_only(values: dict[str, Any]) -> None:
             value = values.get(flag.removeprefix("--").replace("-", "_"))
             if value in (None, False):
                 continue
-            if missing:
+            if missing and not (flag == "--compilation-config" and _no_compilation(value)):
                 raise ValueError(f"{flag}: {why} is not implemented in omniserve.")
+            if missing:
+                continue  # asks for what runs here
             if "choices" in spec and value not in spec["choices"]:
                 raise ValueError(f"{flag} must be one of {spec['choices']}, not {value!r}.")
             logger.info("%s has no effect here: %s.", flag, why)
+
+
+def _no_compilation(value: object) -> bool:
+    """A compilation config that asks for no compilation (``{"level": 0}``, vLLM's -O0)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return False
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(key in ("level", "mode") and setting == 0 for key, setting in value.items())
+    )
 
 
 def without_vllm_only(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -369,6 +369,12 @@ def _add_serving_args(group: argparse._ArgumentGroup) -> None:
     )
 
 
+def _add_compat_args(group: argparse._ArgumentGroup) -> None:
+    """vLLM's flags that mean nothing here or name a missing feature (``serve``, ``run-batch``)."""
+    for flag, (kwargs, why) in {**NO_EFFECT_FLAGS, **MISSING_FEATURE_FLAGS}.items():
+        group.add_argument(flag, default=None, help=why, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniserve",
@@ -448,8 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
         "vLLM's flags that mean nothing here (accepted, logged) or name a "
         "feature omniserve lacks (start-up fails naming it).",
     )
-    for flag, (kwargs, why) in {**NO_EFFECT_FLAGS, **MISSING_FEATURE_FLAGS}.items():
-        compat.add_argument(flag, default=None, help=why, **kwargs)
+    _add_compat_args(compat)
     serve.set_defaults(func=_cmd_serve, check_flags=_check_serve_flags)
 
     for name, help_text in (
@@ -478,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--model", default=None, help="Checkpoint dir. None: a tiny built-in model.")
     _add_serving_args(batch.add_argument_group("serving"))
     EngineArgs.add_cli_args(batch)
+    _add_compat_args(batch.add_argument_group("vLLM compatibility"))
     batch.set_defaults(func=_cmd_run_batch, check_flags=_check_serve_flags)
 
     tiny = sub.add_parser(

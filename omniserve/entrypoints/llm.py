@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,8 +93,9 @@ class LLM:
         num = len(prompts)
         params = _per_prompt(sampling_params, num, "sampling_params", SamplingParams,
                              "a SamplingParams", "sampling params")  # fmt: skip
-        priorities = _per_prompt(0 if priority is None else priority, num, "priority", int,
-                                 "an int", "priorities")  # fmt: skip
+        priorities = [int(p) for p in _per_prompt(0 if priority is None else priority, num,
+                                                  "priority", numbers.Integral, "an int",
+                                                  "priorities")]  # fmt: skip
         loras = _per_prompt(lora_request, num, "lora_request", (LoRARequest, type(None)),
                             "a LoRARequest (or None)", "LoRA requests")  # fmt: skip
         request_ids = self._add_requests(prompts, params, priorities, loras)
@@ -120,10 +122,10 @@ class LLM:
             raise TypeError(
                 f"chat_template_kwargs must be a dict, not {type(chat_template_kwargs).__name__}."
             )
-        # Checked before any media is fetched, as the server does.
-        self.llm_engine.processor.check_mm_kwargs(
-            {} if mm_processor_kwargs is None else mm_processor_kwargs
-        )
+        # Checked before any media is fetched, as the server does; a text model ignores them.
+        processor = self.llm_engine.processor
+        if processor.mm_processor is not None or not isinstance(mm_processor_kwargs, dict | None):
+            processor.check_mm_kwargs({} if mm_processor_kwargs is None else mm_processor_kwargs)
         conversations = _conversations(messages)
         renderer = ChatRenderer.from_config(
             self.llm_engine.config, self.get_tokenizer(), chat_template
@@ -308,14 +310,15 @@ class LLM:
     ) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         try:
-            with make_bar(
-                total=len(request_ids), desc="Processed prompts", dynamic_ncols=True
-            ) as bar:
+            bar = make_bar(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+            try:  # a bar needs only update and close (vLLM's use)
                 while self.llm_engine.has_unfinished_requests():
                     for output in self.llm_engine.step():
                         if output.finished:
                             finished[output.request_id] = output
                             bar.update(1)
+            finally:
+                bar.close()
         except BaseException:
             # Ctrl-C, an engine failure or a bar that fails: leave no request running.
             self.llm_engine.abort_request([r for r in request_ids if r not in finished])
@@ -392,6 +395,8 @@ def _progress_bar(use_tqdm: UseTqdm) -> Callable[..., tqdm]:
     ``tqdm``, hidden for False."""
     if callable(use_tqdm):
         return use_tqdm
+    if use_tqdm is None:
+        use_tqdm = False
     if not isinstance(use_tqdm, bool):
         raise TypeError(
             "use_tqdm must be a bool or a callable building the progress bar in place of tqdm, "

@@ -212,10 +212,11 @@ class InputPreprocessor:
         )
 
     def _check_unused_mm_kwargs(self, mm_kwargs: object) -> None:
-        """``mm_processor_kwargs`` in a prompt without media: vLLM ignores them, and so does
-        this, but a bad one is still an error and the no-op is logged, once."""
-        self.check_mm_kwargs(mm_kwargs)
-        if isinstance(mm_kwargs, dict) and mm_kwargs and not self._warned_unused_mm_kwargs:
+        """``mm_processor_kwargs`` in a prompt without media: vLLM ignores them (a text model's
+        too), and so does this, logging the no-op once; they must still be a dict."""
+        if not isinstance(mm_kwargs, dict):
+            raise TypeError(f"mm_processor_kwargs must be a dict, not {type(mm_kwargs).__name__}.")
+        if mm_kwargs and not self._warned_unused_mm_kwargs:
             self._warned_unused_mm_kwargs = True
             logger.warning(
                 "mm_processor_kwargs %s given in a prompt without multi_modal_data have no "
@@ -247,6 +248,11 @@ def _check_keys(prompt: Mapping[str, object]) -> None:
     unknown = sorted(map(str, set(prompt) - PROMPT_KEYS))
     if not unknown:
         return
+    if "token_type_ids" in unknown:
+        raise TypeError(
+            "token_type_ids: vLLM's field for BERT-style cross-encoders; the models served here "
+            "have no token types."
+        )
     named = []
     for key in unknown:
         close = difflib.get_close_matches(key, PROMPT_KEYS, n=1)

@@ -8,6 +8,7 @@ processor), ``BaseProcessingInfo`` (supported modalities and limits, analytic to
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -20,7 +21,9 @@ from PIL import Image
 from omniserve.config import ModelConfig
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.multimodal.media import MediaConfig
-from omniserve.multimodal.parse import MultiModalDataParser
+from omniserve.multimodal.parse import MODALITIES, MultiModalDataParser
+
+logger = logging.getLogger(__name__)
 
 
 class InputProcessingContext:
@@ -219,15 +222,18 @@ class BaseProcessingInfo(ABC):
                 )
 
     def check_limits(self) -> None:
-        """``--limit-mm-per-prompt``: a modality the model does not take may only be limited
-        to 0 (a misspelt modality would otherwise limit nothing); ValueError at start-up."""
+        """``--limit-mm-per-prompt``: a modality no model takes (a misspelt one, which would
+        otherwise limit nothing) is a ValueError at start-up; one this model does not take is
+        logged (limits shared by several models' launches, as vLLM allows)."""
         supported = self.get_supported_mm_limits()
         for modality, limit in self.ctx.limit_mm_per_prompt.items():
-            if modality not in supported and limit:
-                raise ValueError(
-                    f"--limit-mm-per-prompt: this model does not take {modality} input (it "
-                    f"takes: {', '.join(supported)})."
-                )
+            if modality in supported:
+                continue
+            where = f"this model does not take {modality} input (it takes: {', '.join(supported)})"
+            if modality not in MODALITIES:
+                raise ValueError(f"--limit-mm-per-prompt: {where}.")
+            if limit:
+                logger.warning("--limit-mm-per-prompt: %s; its limit changes nothing.", where)
 
     def get_allowed_mm_limits(self) -> dict[str, int | None]:
         """The model's limits tightened by ``--limit-mm-per-prompt``."""

@@ -271,12 +271,14 @@ def _video_to_array(index: int, video: Any) -> tuple[np.ndarray, dict[str, Any]]
     return np.ascontiguousarray(video), meta
 
 
-IMAGE_CHANNELS = (1, 3)
-"""The channel counts an image array may have: grey or RGB, as HF's image processors take."""
+IMAGE_CHANNELS = (1, 3, 4)
+"""The channel counts an image array may have: grey, RGB or RGBA (whose alpha is dropped, as
+HF's ``convert("RGB")`` drops a PIL image's)."""
 
 
 def _channels_first(index: int, image: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
-    """A 3-D image array as [channels, height, width]. An ndarray is [height, width, channels]
+    """A 3-D image array as [channels, height, width] of 1 or 3 channels (RGBA's alpha
+    dropped). An ndarray is [height, width, channels]
     (PIL's and OpenCV's layout) when its last dim can be channels (1, 3 or 4), else CHW; a
     tensor is CHW (torchvision's) when its first can, else HWC. HF's processors would guess
     by shape and take a leading 1 or 3 as channels (a 1x1 or 3-wide HWC image read as CHW);
@@ -284,22 +286,21 @@ def _channels_first(index: int, image: np.ndarray | torch.Tensor) -> np.ndarray 
     shape = tuple(int(n) for n in image.shape)
     if 0 in shape:
         raise _bad_item("image", index, image, "a non-empty image")
-    first, last = (n in (*IMAGE_CHANNELS, 4) for n in (shape[0], shape[2]))
+    first, last = (n in IMAGE_CHANNELS for n in (shape[0], shape[2]))
     if not (first or last):
         raise _bad_item(
-            "image", index, image, "an HWC ndarray or a CHW tensor with 1 or 3 channels"
+            "image", index, image, "an HWC ndarray or a CHW tensor with 1, 3 or 4 channels"
         )
     hwc = last and (isinstance(image, np.ndarray) or not first)
-    channels = shape[2] if hwc else shape[0]
-    if channels not in IMAGE_CHANNELS:
-        raise _bad_item(
-            "image", index, image, f"1 or 3 channels, not {channels} (RGBA: convert it to RGB)"
+    if hwc:
+        image = (
+            image.permute(2, 0, 1) if isinstance(image, torch.Tensor) else image.transpose(2, 0, 1)
         )
-    if not hwc:
-        return image
+    if image.shape[0] == 4:
+        image = image[:3]
     if isinstance(image, torch.Tensor):
-        return image.permute(2, 0, 1).contiguous()
-    return np.ascontiguousarray(image.transpose(2, 0, 1))
+        return image.contiguous()
+    return np.ascontiguousarray(image)
 
 
 def _check_finite(modality: str, index: int, pixels: np.ndarray | torch.Tensor) -> None:
