@@ -92,6 +92,18 @@ def start_with_engine(
     return processor, client
 
 
+TRUNCATE_REFUSAL = (
+    "truncate_prompt_tokens cannot cut a prompt with media or prompt_embeds (it would cut "
+    "their placeholders)"
+)
+
+
+def kept_prompt_start(num_tokens: int, keep: int, max_model_len: int) -> int:
+    """Where the part of a prompt that vLLM's ``truncate_prompt_tokens`` keeps begins: its last
+    ``keep`` tokens (-1: its last max_model_len)."""
+    return max(0, num_tokens - (max_model_len if keep == -1 else keep))
+
+
 def child_request_id(parent_id: str, index: int) -> str:
     return f"{index}_{parent_id}"
 
@@ -264,18 +276,17 @@ class Processor:
                 )
 
     def _truncated(self, inputs: ProcessedInputs, keep: int) -> ProcessedInputs:
-        """The prompt's last ``keep`` tokens (-1: max_model_len), vLLM's truncate_prompt_tokens;
-        the text no longer matches them, so it is dropped."""
+        """The prompt as ``truncate_prompt_tokens`` cuts it; the text no longer matches the
+        tokens, so it is dropped."""
         if inputs.mm_features or inputs.prompt_embeds:
-            raise ValueError(
-                "truncate_prompt_tokens cannot cut a prompt with media or prompt_embeds (it "
-                "would cut their placeholders)."
-            )
-        keep = self.model_config.max_model_len if keep == -1 else keep
-        if len(inputs.prompt_token_ids) <= keep:
+            raise ValueError(f"{TRUNCATE_REFUSAL}.")
+        start = kept_prompt_start(
+            len(inputs.prompt_token_ids), keep, self.model_config.max_model_len
+        )
+        if start == 0:
             return inputs
         return dataclasses.replace(
-            inputs, prompt=None, prompt_token_ids=inputs.prompt_token_ids[-keep:]
+            inputs, prompt=None, prompt_token_ids=inputs.prompt_token_ids[start:]
         )
 
     def check_mm_kwargs(self, mm_kwargs: object) -> None:

@@ -36,9 +36,9 @@ from omniserve.sampling_params import (
 )
 
 Conversation = list[dict[str, Any]]
-UseTqdm = bool | Callable[..., tqdm]
-"""vLLM's ``use_tqdm``: show a progress bar, or the callable to build it with in place of
-``tqdm`` (e.g. ``functools.partial(tqdm, leave=False)``)."""
+UseTqdm = bool | Callable[..., Any] | None
+"""vLLM's ``use_tqdm``: show a progress bar (None: no), or the callable to build it with in place
+of ``tqdm`` (e.g. ``functools.partial(tqdm, leave=False)``; a bar needs update and close)."""
 
 
 def _conversations(messages: Conversation | list[Conversation]) -> list[Conversation]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
-from omniserve.engine.processor import ContextLengthError
+from omniserve.engine.processor import TRUNCATE_REFUSAL, ContextLengthError, kept_prompt_start
 from omniserve.entrypoints.beam_search import BeamSearchBatch, BeamSearchParams, BeamSequence
 from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
 from omniserve.entrypoints.logger import RequestLogger
@@ -322,16 +322,12 @@ class OpenAIServing:
         keep = request.truncate_prompt_tokens
         if keep is not None:
             if prompt.mm_data or isinstance(prompt.embeds, list):
-                raise ServingError(
-                    "truncate_prompt_tokens cannot cut a prompt with media or prompt_embeds "
-                    "parts (it would cut their placeholders).",
-                    param="truncate_prompt_tokens",
-                )
-            keep = self.max_model_len if keep == -1 else keep
-            if len(prompt.token_ids) > keep:
-                embeds = prompt.embeds[-keep:] if prompt.embeds is not None else None
+                raise ServingError(f"{TRUNCATE_REFUSAL}.", param="truncate_prompt_tokens")
+            start = kept_prompt_start(len(prompt.token_ids), keep, self.max_model_len)
+            if start:
+                embeds = prompt.embeds[start:] if prompt.embeds is not None else None
                 prompt = dataclasses.replace(
-                    prompt, text=None, token_ids=prompt.token_ids[-keep:], embeds=embeds
+                    prompt, text=None, token_ids=prompt.token_ids[start:], embeds=embeds
                 )
         return dataclasses.replace(prompt, cache_salt=request.cache_salt)
 
