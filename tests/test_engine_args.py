@@ -101,3 +101,30 @@ def test_vllm_settings_of_the_python_api(caplog):
     check_vllm_only({"compilation_config": {"mode": 0}})
     with pytest.raises(ValueError, match="--compilation-config: torch.compile"):
         check_vllm_only({"compilation_config": '{"level": 3}'})
+
+
+def test_vllm_spellings_of_settings(tiny_checkpoint):
+    """vLLM's other forms: a torch dtype, seed None, ``image=2,video=1`` limits, ``--dtype
+    half``, ``--max-model-len 1k``, ``serve --model DIR``."""
+    import torch
+
+    from omniserve.entrypoints.cli import build_parser
+
+    model = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
+    args = EngineArgs(model=model, dtype=torch.float32, seed=None,
+                      limit_mm_per_prompt="image=2, video=1")  # fmt: skip
+    config = args.create_config()
+    assert (config.model_config.dtype, config.model_config.seed) == ("float32", None)
+    assert config.multimodal_config.limit_mm_per_prompt == {"image": 2, "video": 1}
+    parser = build_parser()
+    parsed = parser.parse_args(["serve", "--model", model, "--dtype", "half",
+                                "--max-model-len", "1k"])  # fmt: skip
+    parsed.check_flags(parser, parsed)
+    assert (parsed.model, parsed.dtype, parsed.max_model_len) == (model, "half", 1000)
+    assert EngineArgs.from_cli_args(parsed).create_config().model_config.dtype == "float16"
+    for text, tokens in (("32K", 32768), ("1.5k", 1500), ("4096", 4096), ("1M", 1 << 20)):
+        assert parser.parse_args(["serve", "--max-model-len", text]).max_model_len == tokens
+    for argv in (["serve", "--max-model-len", "lots"], ["serve", "a", "--model", "b"]):
+        with pytest.raises(SystemExit):
+            parsed = parser.parse_args(argv)
+            parsed.check_flags(parser, parsed)

@@ -29,6 +29,8 @@ _DTYPE_ALIASES = {
     "fp16": "float16",
     "half": "float16",
 }
+DTYPE_CHOICES = (*_DTYPES, *_DTYPE_ALIASES)
+"""What ``--dtype`` takes: the dtypes and vLLM's other names of them (half, float, ...)."""
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -56,8 +58,8 @@ class ModelConfig:
     backend's C decode kernel on CPU), "triton" or "torch"."""
     enforce_eager: bool = False
     """Run decode steps eagerly instead of replaying captured CUDA graphs."""
-    seed: int = 0
-    """Seed for the engine's global RNG (requests may bring their own)."""
+    seed: int | None = 0
+    """Seed for the engine's global RNG (requests may bring their own); None: not seeded."""
     served_model_name: str = ""
     """The name clients use; defaults to ``model``."""
     max_logprobs: int = 20

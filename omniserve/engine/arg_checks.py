@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import math
+import re
 import typing
 from typing import Any
 
@@ -34,6 +35,20 @@ def number_in(
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
+
+
+def token_count(text: str) -> int:
+    """An argparse ``type`` for a number of tokens in vLLM's forms: 32768, 32k (x 1000), 32K
+    (x 1024), 1.5m, 1M."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens (e.g. 32768, 32k)")
+    unit = match.group(2)
+    scale = (1024 if unit.isupper() else 1000) ** (" kmg".index(unit.lower()) if unit else 0)
+    value = float(match.group(1)) * scale
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens >= 1")
+    return int(value)
 
 
 def _article(kind: type) -> str:

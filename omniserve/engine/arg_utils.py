@@ -13,6 +13,7 @@ from typing import Any
 from omniserve import envs
 from omniserve.config import (
     ATTENTION_BACKENDS,
+    DTYPE_CHOICES,
     GENERATION_SETTINGS,
     MM_ENCODER_ATTN_BACKENDS,
     QUANTIZATION_METHODS,
@@ -26,6 +27,7 @@ from omniserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from omniserve.engine.arg_checks import token_count
 from omniserve.field_types import check_types
 from omniserve.sampling_params import SEED_MAX, SEED_MIN
 
@@ -69,6 +71,13 @@ def _check_sampling_defaults(model_config: ModelConfig) -> None:
         raise ValueError(f"--override-generation-config: {exc}") from exc
 
 
+def _limits(value: dict[str, int] | str | None) -> dict:
+    """``--limit-mm-per-prompt`` as JSON, or in vLLM's older form ``image=2,video=1``."""
+    if isinstance(value, str) and re.fullmatch(r"\s*\w+=\d+\s*(,\s*\w+=\d+\s*)*", value):
+        return {k.strip(): int(n) for k, n in (pair.split("=") for pair in value.split(","))}
+    return json_arg("limit_mm_per_prompt", value)
+
+
 def parse_bytes(value: str | float | None, name: str = "size") -> int | None:
     """ "4GiB", "512MiB", "1e9" or a number -> bytes; ``name`` is the setting's, for errors."""
     if value is None:
@@ -96,7 +105,7 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str = field(default_factory=envs.attention_backend)
     enforce_eager: bool = False
-    seed: int = 0
+    seed: int | None = 0
     max_model_len: int | None = None
     served_model_name: str | list[str] | None = None
     """The name clients use (a list: the first; the server accepts them all)."""
@@ -143,8 +152,10 @@ class EngineArgs:
     speculative_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        if type(self.dtype).__name__ == "dtype":  # a torch.dtype, as vLLM takes one
+            self.dtype = str(self.dtype).removeprefix("torch.")
         check_types(self)
-        if not SEED_MIN <= self.seed <= SEED_MAX:
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}.")
 
     def create_config(self, *, default_batched_tokens: int = 8192) -> OmniConfig:
@@ -209,7 +220,7 @@ class EngineArgs:
                 else self.encoder_cache_size,
             ),
             multimodal_config=MultiModalConfig(
-                limit_mm_per_prompt=json_arg("limit_mm_per_prompt", self.limit_mm_per_prompt),
+                limit_mm_per_prompt=_limits(self.limit_mm_per_prompt),
                 mm_processor_kwargs=json_arg("mm_processor_kwargs", self.mm_processor_kwargs),
                 mm_processor_cache_gb=self.mm_processor_cache_gb,
                 allowed_local_media_path=self.allowed_local_media_path,
@@ -270,7 +281,7 @@ class EngineArgs:
         add(
             "--dtype",
             default="auto",
-            choices=["auto", "float32", "bfloat16", "float16"],
+            choices=DTYPE_CHOICES,
             help="Weights and activations dtype; auto = the checkpoint's (on a CPU without "
             "native bf16, fp32; on a GPU, bf16 for an fp32 checkpoint).",
         )
@@ -326,9 +337,10 @@ class EngineArgs:
         )
         add(
             "--max-model-len",
-            type=int,
+            type=token_count,
             default=None,
-            help="Longest prompt + output; None: the model's max_position_embeddings.",
+            help="Longest prompt + output, in tokens (vLLM's forms: 32768, 32k = 32,000, "
+            "32K = 32,768); None: the model's max_position_embeddings.",
         )
         add("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
         add(

@@ -75,6 +75,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    flag = getattr(args, "model_flag", None)
+    if flag is not None:
+        if args.model not in (None, flag):
+            parser.error(f"the model is given twice: {args.model!r} and --model {flag!r}.")
+        args.model = flag
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
     if args.enable_log_outputs and not args.enable_log_requests:
@@ -392,6 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         default=None,
         help="Checkpoint dir. None: a tiny built-in model, built on first use.",
+    )
+    serve.add_argument(
+        "--model",
+        dest="model_flag",
+        default=None,
+        metavar="MODEL",
+        help="The checkpoint dir as a flag (vLLM's older spelling of the positional).",
     )
     server = serve.add_argument_group("server")
     server.add_argument(

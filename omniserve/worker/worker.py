@@ -150,7 +150,8 @@ class Worker:
             if threads := envs.num_threads():
                 # The tensor-parallel ranks of one engine share its threads.
                 torch.set_num_threads(max(1, threads // get_tp_size()))
-        torch.manual_seed(model_config.seed)
+        if model_config.seed is not None:
+            torch.manual_seed(model_config.seed)
         load_plugins()
         self.hf_config = model_config.hf_config
         if model_config.speech is None and hasattr(self.hf_config, "enable_audio_output"):
