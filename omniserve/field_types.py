@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import numbers
 import operator
 import os
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 
@@ -24,8 +26,11 @@ def check_types(params: object, prefix: str = "") -> None:
     is not of its annotated type (a bool is no integer; an integer is a number). Values of the
     right kind in another form take the annotated one, as vLLM's lax configs do: numpy numbers
     become Python's, a tuple a list, a path a string, an enum's value the enum."""
+    quick = _quick_checks(type(params))  # type: ignore[arg-type]  # classes hash
     for name, hint in field_types(type(params)).items():
         value = getattr(params, name)
+        if quick[name](value):  # the usual case, decided without walking the hint
+            continue
         taken = _conform(value, hint)
         if taken is _REFUSED:
             raise ParamTypeError(f"{prefix}{name} must be {_describe(hint)}, got {value!r}.")
@@ -43,6 +48,51 @@ def field_types(cls: type) -> dict[str, Any]:
 
 _FIELD_TYPES: dict[type, dict[str, Any]] = {}
 _REFUSED = object()
+
+
+@functools.cache
+def _quick_checks(cls: type) -> dict[str, Callable[[Any], bool]]:
+    """Per field, a test that takes a value as it is when its type (and its items' types, in a
+    list or dict) are exactly the hint's: the common case, without walking the hint."""
+    return {name: _quick(hint) for name, hint in field_types(cls).items()}
+
+
+def _quick(hint: Any) -> Callable[[Any], bool]:
+    arms = _arms(hint)
+    scalars = frozenset(_scalars(hint))
+    lists = [frozenset(_scalars(typing.get_args(arm)[0])) for arm in arms
+             if typing.get_origin(arm) is list]  # fmt: skip
+    dicts = [tuple(frozenset(_scalars(a)) for a in typing.get_args(arm)) for arm in arms
+             if typing.get_origin(arm) is dict]  # fmt: skip
+
+    def check(value: Any) -> bool:
+        kind = type(value)
+        if kind in scalars:
+            return True
+        if kind is list:
+            return any(all(type(v) in items for v in value) for items in lists)
+        if kind is dict:
+            return any(all(type(k) in keys and type(v) in values for k, v in value.items())
+                       for keys, values in dicts)  # fmt: skip
+        return False
+
+    return check
+
+
+def _arms(hint: Any) -> tuple[Any, ...]:
+    """A union's members, or the hint itself."""
+    union = typing.get_origin(hint) in (types.UnionType, typing.Union)
+    return typing.get_args(hint) if union else (hint,)
+
+
+def _scalars(hint: Any) -> set[type]:
+    """The classes a value of ``hint`` may be as it is (an int for a float too), containers
+    aside."""
+    if len(arms := _arms(hint)) > 1:
+        return set().union(*map(_scalars, arms))
+    if hint is Any or not isinstance(hint, type) or typing.get_origin(hint) is not None:
+        return set()
+    return {float, int} if hint is float else {hint}
 
 
 def _conform(value: Any, hint: Any) -> Any:

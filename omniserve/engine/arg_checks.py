@@ -106,36 +106,36 @@ def check_vllm_only(values: dict[str, Any]) -> None:
     with why they change nothing (the CLI and ``LLM(**kwargs)`` alike)."""
     for flags, missing in ((MISSING_FEATURE_FLAGS, True), (NO_EFFECT_FLAGS, False)):
         for flag, (spec, why) in flags.items():
-            value = values.get(flag.removeprefix("--").replace("-", "_"))
-            if value in (None, False):
+            value = values.get(_dest(flag))
+            if _asks_nothing(value):
                 continue
-            if missing and not (flag == "--compilation-config" and _no_compilation(value)):
-                raise ValueError(f"{flag}: {why} is not implemented in omniserve.")
             if missing:
-                continue  # asks for what runs here
+                raise ValueError(f"{flag}: {why} is not implemented in omniserve.")
             if "choices" in spec and value not in spec["choices"]:
                 raise ValueError(f"{flag} must be one of {spec['choices']}, not {value!r}.")
             logger.info("%s has no effect here: %s.", flag, why)
 
 
-def _no_compilation(value: object) -> bool:
-    """A compilation config that asks for no compilation (``{"level": 0}``, vLLM's -O0)."""
-    if isinstance(value, str):
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _asks_nothing(value: object) -> bool:
+    """A setting's value that turns its feature off: unset, false, 0, or a JSON object of zeros
+    (``--compilation-config '{"level": 0}'``, vLLM's -O0)."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
             return False
-    return (
-        isinstance(value, dict)
-        and bool(value)
-        and all(key in ("level", "mode") and setting == 0 for key, setting in value.items())
-    )
+    if isinstance(value, dict):
+        return bool(value) and all(setting == 0 for setting in value.values())
+    return value is None or value is False or value == 0
 
 
 def without_vllm_only(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` (``LLM``'s) checked by ``check_vllm_only`` and rid of vLLM's settings, which
     ``EngineArgs`` has no fields for."""
     check_vllm_only(kwargs)
-    names = {flag.removeprefix("--").replace("-", "_")
-             for flag in (*NO_EFFECT_FLAGS, *MISSING_FEATURE_FLAGS)}  # fmt: skip
+    names = {_dest(flag) for flag in (*NO_EFFECT_FLAGS, *MISSING_FEATURE_FLAGS)}
     return {name: value for name, value in kwargs.items() if name not in names}

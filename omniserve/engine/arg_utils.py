@@ -152,7 +152,9 @@ class EngineArgs:
     speculative_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
-        if type(self.dtype).__name__ == "dtype":  # a torch.dtype, as vLLM takes one
+        import torch  # (only here: the CLI parses its flags without it)
+
+        if isinstance(self.dtype, torch.dtype):  # as vLLM takes one
             self.dtype = str(self.dtype).removeprefix("torch.")
         check_types(self)
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:

@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from omniserve.field_types import check_types
 from omniserve.outputs import Logprob, RequestOutput
-from omniserve.sampling_params import RequestOutputKind, SamplingParams, check_types
+from omniserve.sampling_params import RequestOutputKind, SamplingParams
 
 # Any length below 2**31 to this power (or its negative) is a finite, non-zero float: 2**±992.
 MAX_LENGTH_PENALTY = 32

@@ -89,7 +89,7 @@ class SafetensorsFile:
         the tensor's fresh pages, which the threads then share)."""
         nbytes = dest.numel() * dest.element_size()
         view = memoryview((ctypes.c_char * nbytes).from_address(dest.data_ptr())).cast("B")
-        pieces = min(torch.get_num_threads(), nbytes // _PARALLEL_READ_BYTES) if dest.is_cpu else 1
+        pieces = min(torch.get_num_threads(), nbytes // _PARALLEL_READ_BYTES)
         if pieces <= 1:
             self._read_range(view, offset, 0, nbytes)
             return
