@@ -312,7 +312,7 @@ class Qwen2_5OmniThinkerDummyInputsBuilder(Qwen2VLDummyInputsBuilder):
         num_samples = self.info.get_max_audio_samples(seq_len, mm_counts)
         data["audio"] = self._get_dummy_audios(num_samples, rate, mm_counts.get("audio", 0))
         if uses_audio_in_video(self.info.ctx.mm_processor_kwargs):
-            (track,) = self._get_dummy_audios(num_samples, rate, 1)
+            track = (np.zeros(num_samples, dtype=np.float32), rate)  # the video's, not capped
             data["video"] = [(video, track) for video in data["video"]]
         return data
 

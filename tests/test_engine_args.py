@@ -29,6 +29,11 @@ REFUSED = [
     # settings that would only fail in every request
     ({"allowed_local_media_path": "/nonexistent"}, ValueError,
      "--allowed-local-media-path /nonexistent is not a directory"),
+    ({"limit_mm_per_prompt": {"image": {"count": 2, "depth": 3}}}, ValueError,
+     "limit_mm_per_prompt['image']['depth']: not a setting of image (it takes: count, width, "
+     "height)"),
+    ({"limit_mm_per_prompt": '{"video": {"num_frames": 0}}'}, ValueError,
+     "limit_mm_per_prompt['video']['num_frames'] must be an integer >= 1, got 0"),
     ({"limit_mm_per_prompt": '{"images": 2}'}, ValueError,
      "--limit-mm-per-prompt: this model does not take images input (it takes: image, video)"),
     ({"mm_processor_kwargs": '{"max_pixel": 100}'}, ValueError,
@@ -64,6 +69,9 @@ def test_good_settings_start(tiny_checkpoint, tmp_path):
     _start(model, limit_mm_per_prompt={"audio": 1})  # a modality other models take: logged
     with pytest.raises(ValueError, match="this model takes no multimodal input"):
         _start(str(tiny_checkpoint("Qwen3ForCausalLM")), limit_mm_per_prompt={"image": 1})
+    with pytest.raises(ValueError, match="this model takes no multimodal input"):
+        _start(str(tiny_checkpoint("Qwen3ForCausalLM")),
+               limit_mm_per_prompt={"image": {"width": 512}})  # fmt: skip
 
 
 def test_max_logprobs_minus_one_is_no_cap_but_the_vocabulary(tiny_checkpoint):

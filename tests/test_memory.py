@@ -152,6 +152,38 @@ def test_profile_run_takes_the_largest_items_and_step(tiny_checkpoint) -> None:
     worker.model_runner.profile_run(items)
 
 
+def test_profile_items_take_the_sizes_limit_mm_per_prompt_asks_for(tiny_checkpoint, caplog):
+    """vLLM's object form of --limit-mm-per-prompt: a count and the sizes of the profile's item
+    per modality; a size over the largest the processor takes is logged and not used."""
+    from omniserve.engine.arg_utils import EngineArgs
+    from omniserve.worker.worker import Worker
+
+    model_dir = str(tiny_checkpoint("Qwen2_5OmniThinkerForConditionalGeneration"))
+    limits = {"image": {"count": 2, "width": 56, "height": 8}, "audio": {"length": 16000},
+              "video": {"count": 1, "num_frames": 2, "width": 10**6}}  # fmt: skip
+    config = EngineArgs(model=model_dir, dtype="float32", max_model_len=2048,
+                        max_num_batched_tokens=512, kv_cache_memory=8 << 20,
+                        limit_mm_per_prompt=limits).create_config()  # fmt: skip
+    mm = config.multimodal_config
+    assert mm.limit_mm_per_prompt == {"image": 2, "video": 1}
+    assert mm.mm_profile_sizes == {"image": {"width": 56, "height": 8},
+                                   "audio": {"length": 16000},
+                                   "video": {"num_frames": 2, "width": 10**6}}  # fmt: skip
+    worker = Worker(config)
+    largest = {item.modality: item.mm_position.length
+               for item in Worker(EngineArgs(model=model_dir, dtype="float32",
+                                             max_model_len=2048).create_config())
+               .largest_media_items()}  # fmt: skip
+    with caplog.at_level("WARNING"):
+        items = {item.modality: item for item in worker.largest_media_items()}
+    assert caplog.text.count("is over the largest the processor takes") == 1, caplog.text
+    assert "video width 1000000 is over the largest the processor takes" in caplog.text
+    assert items["image"].mm_position.length < largest["image"]
+    assert items["audio"].mm_position.length < largest["audio"]
+    assert items["video"].mm_position.length < largest["video"]
+    worker.model_runner.profile_run(list(items.values()))
+
+
 @pytest.mark.gpu
 def test_memory_profile_on_gpu(monkeypatch) -> None:
     """The real profile on a device: the KV cache is what --gpu-memory-utilization leaves after

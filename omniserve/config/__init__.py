@@ -479,10 +479,23 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+MM_PROFILE_SIZES: dict[str, tuple[str, ...]] = {
+    "image": ("width", "height"),
+    "video": ("num_frames", "width", "height"),
+    "audio": ("length",),
+}
+"""The sizes vLLM's object form of ``--limit-mm-per-prompt`` may set, per modality."""
+
+
 @dataclass(frozen=True)
 class MultiModalConfig:
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     """Most items per modality in one prompt, e.g. {"image": 4, "video": 1}; unset: the model's."""
+    mm_profile_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Sizes of the start-up memory profile's item per modality, each at most the largest the
+    processor takes (``--limit-mm-per-prompt``'s object form, e.g. {"image": {"count": 2,
+    "width": 512, "height": 512}}): a smaller profile leaves a GPU more for the KV cache, and
+    a larger item than profiled may then run it out of memory, as in vLLM."""
     mm_processor_kwargs: dict[str, object] = field(default_factory=dict)
     """Default HF processor kwargs (e.g. max_pixels, fps); requests may override them."""
     mm_processor_cache_gb: float = 4.0
@@ -514,6 +527,15 @@ class MultiModalConfig:
         for modality, limit in self.limit_mm_per_prompt.items():
             if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be an integer >= 0.")
+        for modality, sizes in self.mm_profile_sizes.items():
+            names = MM_PROFILE_SIZES.get(modality, ())
+            for name, size in sizes.items():
+                where = f"limit_mm_per_prompt[{modality!r}][{name!r}]"
+                if name not in names:
+                    takes = ", ".join(("count", *names))
+                    raise ValueError(f"{where}: not a setting of {modality} (it takes: {takes}).")
+                if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                    raise ValueError(f"{where} must be an integer >= 1, got {size!r}.")
 
 
 @dataclass(frozen=True)

@@ -71,11 +71,24 @@ def _check_sampling_defaults(model_config: ModelConfig) -> None:
         raise ValueError(f"--override-generation-config: {exc}") from exc
 
 
-def _limits(value: dict[str, int] | str | None) -> dict:
-    """``--limit-mm-per-prompt`` as JSON, or in vLLM's older form ``image=2,video=1``."""
+MMLimits = dict[str, int | dict[str, int]]
+
+
+def _limits(value: MMLimits | str | None) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """``--limit-mm-per-prompt`` -> (counts, profile sizes): JSON of a count or, in vLLM's
+    object form, ``{"count": 2, "width": 512, ...}`` per modality; or ``image=2,video=1``."""
     if isinstance(value, str) and re.fullmatch(r"\s*\w+=\d+\s*(,\s*\w+=\d+\s*)*", value):
-        return {k.strip(): int(n) for k, n in (pair.split("=") for pair in value.split(","))}
-    return json_arg("limit_mm_per_prompt", value)
+        return {k.strip(): int(n) for k, n in (pair.split("=") for pair in value.split(","))}, {}
+    counts, sizes = {}, {}
+    for modality, limit in json_arg("limit_mm_per_prompt", value).items():
+        if isinstance(limit, dict):
+            sizes[modality] = {name: size for name, size in limit.items() if name != "count"}
+            limit = limit.get("count")
+            if not sizes[modality]:
+                del sizes[modality]
+        if limit is not None:
+            counts[modality] = limit
+    return counts, sizes
 
 
 def parse_bytes(value: str | float | None, name: str = "size") -> int | None:
@@ -135,7 +148,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
-    limit_mm_per_prompt: dict[str, int] | str | None = None
+    limit_mm_per_prompt: MMLimits | str | None = None
     mm_processor_kwargs: dict[str, object] | str | None = None
     mm_processor_cache_gb: float = 4.0
     allowed_local_media_path: str | None = None
@@ -193,6 +206,7 @@ class EngineArgs:
                 if self.enable_chunked_prefill
                 else max(default_batched_tokens, max_len)
             )
+        limits, profile_sizes = _limits(self.limit_mm_per_prompt)
         config = OmniConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -222,7 +236,8 @@ class EngineArgs:
                 else self.encoder_cache_size,
             ),
             multimodal_config=MultiModalConfig(
-                limit_mm_per_prompt=_limits(self.limit_mm_per_prompt),
+                limit_mm_per_prompt=limits,
+                mm_profile_sizes=profile_sizes,
                 mm_processor_kwargs=json_arg("mm_processor_kwargs", self.mm_processor_kwargs),
                 mm_processor_cache_gb=self.mm_processor_cache_gb,
                 allowed_local_media_path=self.allowed_local_media_path,
@@ -464,7 +479,8 @@ class EngineArgs:
         mm.add_argument(
             "--limit-mm-per-prompt",
             default=None,
-            help='Most items per modality in one prompt, as JSON: {"image": 4}.',
+            help='Most items per modality in one prompt, as JSON: {"image": 4}, or with the GPU '
+            'memory profile\'s item size: {"image": {"count": 4, "width": 512, "height": 512}}.',
         )
         mm.add_argument(
             "--mm-processor-kwargs",

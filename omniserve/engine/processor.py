@@ -561,7 +561,7 @@ def _create_mm_processor(config: OmniConfig, tokenizer: Any) -> Any | None:
 
     mm = config.multimodal_config
     if not MULTIMODAL_REGISTRY.supports_multimodal(config.model_config):
-        if any(mm.limit_mm_per_prompt.values()):
+        if any(mm.limit_mm_per_prompt.values()) or mm.mm_profile_sizes:
             raise ValueError("--limit-mm-per-prompt: this model takes no multimodal input.")
         return None
     cache = (
@@ -574,6 +574,7 @@ def _create_mm_processor(config: OmniConfig, tokenizer: Any) -> Any | None:
         tokenizer,
         cache=cache,
         limit_mm_per_prompt=mm.limit_mm_per_prompt,
+        profile_sizes=mm.mm_profile_sizes,
         enable_mm_embeds=mm.enable_mm_embeds,
         max_audio_seconds=media_config(mm).max_audio_seconds,
     )

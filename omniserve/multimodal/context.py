@@ -36,6 +36,7 @@ class InputProcessingContext:
         *,
         mm_processor_kwargs: Mapping[str, object] | None = None,
         limit_mm_per_prompt: Mapping[str, int] | None = None,
+        profile_sizes: Mapping[str, Mapping[str, int]] | None = None,
         enable_mm_embeds: bool = False,
         max_audio_seconds: float | None = None,
     ) -> None:
@@ -50,6 +51,8 @@ class InputProcessingContext:
         self.mm_processor_kwargs = dict(mm_processor_kwargs or {})
         """Defaults for every request (``--mm-processor-kwargs``); requests override them."""
         self.limit_mm_per_prompt = dict(limit_mm_per_prompt or {})
+        self.profile_sizes = {modality: dict(s) for modality, s in (profile_sizes or {}).items()}
+        """Sizes of the start-up profile's items (``MultiModalConfig.mm_profile_sizes``)."""
         self._hf_processors: dict[str, Any] = {}
 
     @property
@@ -226,13 +229,14 @@ class BaseProcessingInfo(ABC):
         otherwise limit nothing) is a ValueError at start-up; one this model does not take is
         logged (limits shared by several models' launches, as vLLM allows)."""
         supported = self.get_supported_mm_limits()
-        for modality, limit in self.ctx.limit_mm_per_prompt.items():
+        asked = {**dict.fromkeys(self.ctx.profile_sizes), **self.ctx.limit_mm_per_prompt}
+        for modality, limit in asked.items():  # (a modality with sizes only: None)
             if modality in supported:
                 continue
             where = f"this model does not take {modality} input (it takes: {', '.join(supported)})"
             if modality not in MODALITIES:
                 raise ValueError(f"--limit-mm-per-prompt: {where}.")
-            if limit:
+            if limit != 0:
                 logger.warning("--limit-mm-per-prompt: %s; its limit changes nothing.", where)
 
     def get_allowed_mm_limits(self) -> dict[str, int | None]:
@@ -279,19 +283,40 @@ class BaseDummyInputsBuilder(ABC):
     def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int]) -> dict[str, Any]:
         """``multi_modal_data`` whose items each have the most tokens an item can have."""
 
-    @staticmethod
-    def _get_dummy_images(width: int, height: int, num_images: int) -> list[Image.Image]:
-        return [Image.new("RGB", (width, height), color=(255, 255, 255))] * num_images
+    def _profile_size(self, modality: str, name: str, largest: int) -> int:
+        """The profile item's ``name`` (e.g. width): the largest the processor takes, or a
+        smaller one that ``--limit-mm-per-prompt`` asks for."""
+        asked = self.info.ctx.profile_sizes.get(modality, {}).get(name)
+        if asked is None:
+            return largest
+        if asked > largest:
+            logger.warning("--limit-mm-per-prompt: %s %s %d is over the largest the processor "
+                           "takes (%d); the memory profile uses %d.", modality, name, asked,
+                           largest, largest)  # fmt: skip
+            return largest
+        return asked
 
-    @staticmethod
+    def _get_dummy_images(self, width: int, height: int, num_images: int) -> list[Image.Image]:
+        if not num_images:
+            return []
+        size = (self._profile_size("image", "width", width),
+                self._profile_size("image", "height", height))  # fmt: skip
+        return [Image.new("RGB", size, color=(255, 255, 255))] * num_images
+
     def _get_dummy_videos(
-        width: int, height: int, num_frames: int, num_videos: int
+        self, width: int, height: int, num_frames: int, num_videos: int
     ) -> list[np.ndarray]:
-        video = np.full((num_frames, height, width, 3), 255, dtype=np.uint8)
-        return [video] * num_videos
+        if not num_videos:
+            return []
+        shape = (self._profile_size("video", "num_frames", num_frames),
+                 self._profile_size("video", "height", height),
+                 self._profile_size("video", "width", width), 3)  # fmt: skip
+        return [np.full(shape, 255, dtype=np.uint8)] * num_videos
 
-    @staticmethod
     def _get_dummy_audios(
-        length: int, sampling_rate: int, num_audios: int
+        self, length: int, sampling_rate: int, num_audios: int
     ) -> list[tuple[np.ndarray, int]]:
-        return [(np.zeros(length, dtype=np.float32), sampling_rate)] * num_audios
+        if not num_audios:
+            return []
+        samples = np.zeros(self._profile_size("audio", "length", length), dtype=np.float32)
+        return [(samples, sampling_rate)] * num_audios

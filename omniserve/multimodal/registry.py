@@ -88,14 +88,16 @@ class MultiModalRegistry:
         *,
         cache: ProcessorCache | None = None,
         limit_mm_per_prompt: Mapping[str, int] | None = None,
+        profile_sizes: Mapping[str, Mapping[str, int]] | None = None,
         mm_processor_kwargs: Mapping[str, object] | None = None,
         enable_mm_embeds: bool = False,
         max_audio_seconds: float | None = None,
     ) -> BaseMultiModalProcessor | None:
         """The model's multimodal processor (None for text-only architectures).
 
-        ``limit_mm_per_prompt`` and ``mm_processor_kwargs`` are the front end's
-        ``--limit-mm-per-prompt`` and ``--mm-processor-kwargs`` (defaults for every request).
+        ``limit_mm_per_prompt`` (with ``profile_sizes``, its object form's sizes) and
+        ``mm_processor_kwargs`` are ``--limit-mm-per-prompt`` and ``--mm-processor-kwargs``
+        (defaults for every request).
         """
         factories = self.get_factories(model_config)
         if factories is None:
@@ -105,6 +107,7 @@ class MultiModalRegistry:
             tokenizer,
             mm_processor_kwargs=mm_processor_kwargs,
             limit_mm_per_prompt=limit_mm_per_prompt,
+            profile_sizes=profile_sizes,
             enable_mm_embeds=enable_mm_embeds,
             max_audio_seconds=max_audio_seconds,
         )

@@ -243,6 +243,10 @@ class Worker:
                 sched.max_num_seqs * cache.blocks_for(sched.max_model_len) + 1,
             )
         cache.check_holds_one_sequence(num_blocks, sched.max_model_len)
+        if self._gpu_kv_budget is None and self.config.multimodal_config.mm_profile_sizes:
+            logger.info("--limit-mm-per-prompt: its sizes shape the start-up memory profile, "
+                        "which runs on a GPU without --kv-cache-memory or "
+                        "--num-gpu-blocks-override; here they change nothing.")  # fmt: skip
         return int(num_blocks)
 
     def determine_num_talker_kv_blocks(self) -> int:
@@ -313,7 +317,8 @@ class Worker:
             return []
         processor = MULTIMODAL_REGISTRY.create_processor(
             model_config, get_tokenizer(model_config.tokenizer),
-            limit_mm_per_prompt=mm.limit_mm_per_prompt, mm_processor_kwargs=mm.mm_processor_kwargs,
+            limit_mm_per_prompt=mm.limit_mm_per_prompt, profile_sizes=mm.mm_profile_sizes,
+            mm_processor_kwargs=mm.mm_processor_kwargs,
         )  # fmt: skip
         assert processor is not None
         items: list[MultiModalFeatureSpec] = []
