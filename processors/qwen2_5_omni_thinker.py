@@ -54,8 +54,8 @@ from omniserve.multimodal.parse import (
     MultiModalDataParser,
     VideoProcessorItems,
     _is_array,
-    _is_frame_list,
     _video_to_array,
+    is_one_video,
     sampled_fps,
 )
 from omniserve.multimodal.processing import (
@@ -162,8 +162,7 @@ class OmniDataParser(MultiModalDataParser):
     """The base parser, with videos that may carry their audio track (see the module doc)."""
 
     def _parse_video(self, data: Any) -> OmniVideoProcessorItems:
-        one = _is_frame_list(data) or _is_video_with_track(data)
-        videos = [data] if one or not isinstance(data, list | tuple) else list(data)
+        videos = [data] if is_one_video(data) or _is_video_with_track(data) else list(data)
         frames, metadata, audios = [], [], []
         for index, video in enumerate(videos):
             if _is_video_with_track(video):

@@ -6,6 +6,7 @@ processor's ``input_ids`` and the concatenation of our per-item tensors equals H
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -147,6 +148,37 @@ def test_qwen2_5_vl_video_item_fps_reaches_second_per_grid_ts(make_processor, hf
     assert ours.mm_features[0].data["second_per_grid_ts"].item() == pytest.approx(1.0)
     bare = processor.apply(f"{VIDEO}hi", {"video": frames})
     assert bare.mm_features[0].identifier != ours.mm_features[0].identifier
+
+
+def test_video_with_vllm_metadata_matches_hf(make_processor, hf_processor) -> None:
+    """vLLM's ``(frames, metadata)``: the metadata reaches HF as given (a sample of a longer
+    source is not sampled again); wrong metadata is refused by name."""
+    processor, hf = make_processor(QWEN2_5_VL), hf_processor(QWEN2_5_VL)
+    frames = _rng_video(8, 4, 56, 56)
+    sample = {"total_num_frames": 16, "fps": 4.0, "duration": 4.0, "frames_indices": [0, 2, 4, 6],
+              "video_backend": "opencv", "do_sample_frames": False}  # fmt: skip
+    ours = processor.apply(f"{VIDEO}{VIDEO}hi", {"video": [(frames, sample), (frames, sample)]})
+    metadata = {k: v for k, v in sample.items() if k != "do_sample_frames"}
+    ref = hf(text=[f"{VIDEO}{VIDEO}hi"], videos=[frames, frames], do_sample_frames=False,
+             video_metadata=[metadata, metadata], return_tensors="pt")  # fmt: skip
+    assert_matches_hf(ours, ref)
+    # HF's sampled fps: 4 of 16 frames at 4 fps is 1 fps, so a patch of 2 frames spans 2 s
+    assert ours.mm_features[0].data["second_per_grid_ts"].item() == pytest.approx(2.0)
+    whole = processor.apply(f"{VIDEO}hi", {"video": (frames, {"fps": 2.0})})
+    item = SimpleNamespace(frames=frames, fps=2.0)  # the same as a decoded media.VideoItem
+    assert whole.mm_features[0].identifier == processor.apply(
+        f"{VIDEO}hi", {"video": item}).mm_features[0].identifier  # fmt: skip
+    for bad, message in [
+        ({"fps": 2.0, "rate": 3}, "item 0 has a metadata key 'rate'; the keys may be: total_num"),
+        ({"fps": 0}, "metadata fps must be a positive number, got 0"),
+        ({"total_num_frames": 4, "fps": 2.0, "duration": 9.0}, "duration 9.0 s is not"),
+        ({**sample, "do_sample_frames": True}, "do_sample_frames true for a sample of its source"),
+        ({"frames_indices": [0, 1]}, "4 frames but frame_indices [0, 1] of 4 source frames"),
+        ({"width": 57}, "metadata width 57 for frames of 56"),
+    ]:
+        with pytest.raises(MultiModalInputError, match=re.escape(message)) as err:
+            processor.apply(f"{VIDEO}hi", {"video": (frames, bad)})
+        assert err.value.modality == "video"
 
 
 def test_audio_one_and_two_clips_match_hf(make_processor, hf_processor) -> None:

@@ -8,6 +8,7 @@ video metadata such as fps), so hashing a parsed item is enough to key the cache
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -80,7 +81,10 @@ class VideoProcessorItems(ModalityDataItems):
         return {
             "videos": [self.items[i] for i in indices],
             "video_metadata": [
-                {**self.metadata[i], "frames_indices": list(self.metadata[i]["frames_indices"])}
+                {
+                    **{k: v for k, v in self.metadata[i].items() if k != "do_sample_frames"},
+                    "frames_indices": list(self.metadata[i]["frames_indices"]),
+                }
                 for i in indices
             ],
         }
@@ -88,8 +92,11 @@ class VideoProcessorItems(ModalityDataItems):
     def hf_call_kwargs(self, index: int) -> dict[str, object]:
         """A sample decoded from a longer file is final: its metadata's indices count source
         frames, which HF's own frame sampling would misread as indices into the sample (vLLM
-        turns it off the same way). Frames that are the whole video keep HF's sampling."""
-        return {} if is_whole_video(self.metadata[index]) else {"do_sample_frames": False}
+        turns it off the same way), as are frames whose metadata says do_sample_frames false.
+        Other frames that are the whole video keep HF's sampling."""
+        meta = self.metadata[index]
+        final = meta.get("do_sample_frames") is False or not is_whole_video(meta)
+        return {"do_sample_frames": False} if final else {}
 
 
 class MultiModalDataItems(dict[str, ModalityDataItems]):
@@ -196,8 +203,7 @@ class MultiModalDataParser:
         return np.ascontiguousarray(waveform, dtype=np.float32)
 
     def _parse_video(self, data: Any) -> VideoProcessorItems:
-        one_video = _is_frame_list(data) or not isinstance(data, list | tuple)
-        videos = [data] if one_video else list(data)
+        videos = [data] if is_one_video(data) else list(data)
         frames, metadata = [], []
         for index, video in enumerate(videos):
             array, meta = _video_to_array(index, video)
@@ -219,13 +225,37 @@ def sampled_fps(metadata: Mapping[str, Any]) -> float | None:
     return len(metadata["frames_indices"]) / metadata["total_num_frames"] * fps
 
 
+def is_one_video(data: Any) -> bool:
+    """Whether a modality's data is one video (frames, a list of frames, ``(frames,
+    metadata)``) rather than a list of videos."""
+    return _is_frame_list(data) or _has_metadata(data) or not isinstance(data, list | tuple)
+
+
+def _has_metadata(video: Any) -> bool:
+    """vLLM's ``(frames, metadata)``: the frames with HF ``VideoMetadata`` fields."""
+    return isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], Mapping)
+
+
+VIDEO_METADATA_KEYS = ("total_num_frames", "fps", "duration", "frames_indices", "width",
+                       "height", "video_backend", "do_sample_frames")  # fmt: skip
+"""The keys of a ``(frames, metadata)`` video: HF's ``VideoMetadata`` fields and the
+``do_sample_frames`` of vLLM's loaders."""
+
+
 def _video_to_array(index: int, video: Any) -> tuple[np.ndarray, dict[str, Any]]:
-    """[T, H, W, 3] uint8-or-float frames and the HF `VideoMetadata` fields for them."""
-    fps = source = None
+    """[T, H, W, 3] uint8-or-float frames and the HF `VideoMetadata` fields for them: those of
+    their source when known (so Qwen3-VL's timestamps are source times), else the frames'."""
+    fps = total = indices = None  # fps: the source's, or of the frames when they are all
+    given: Mapping[str, Any] = {}
     if hasattr(video, "frames") and hasattr(video, "fps"):  # media.VideoItem (duck-typed)
         if getattr(video, "num_source_frames", None) is not None:  # decoded from a file
-            source = (video.num_source_frames, video.source_fps, list(video.frame_indices))
-        fps, video = video.fps, video.frames  # fps of the sampled frames
+            total, fps, indices = video.num_source_frames, video.source_fps, video.frame_indices
+        else:
+            fps = video.fps
+        video = video.frames
+    elif _has_metadata(video):
+        video, given = video
+        total, fps, indices = _given_metadata(index, given)
     if _is_frame_list(video):
         video = np.stack([np.asarray(frame) for frame in video])
     if isinstance(video, torch.Tensor):
@@ -241,34 +271,75 @@ def _video_to_array(index: int, video: Any) -> tuple[np.ndarray, dict[str, Any]]
     if num_frames == 0:
         raise MultiModalInputError(f"item {index} has no frames", stage="process", modality="video")
     _check_finite("video", index, video)
-    meta: dict[str, Any] = {"height": height, "width": width}
-    if source is not None:
-        # The source as transformers' own video loading describes it: its frame count and
-        # rate, and which of its frames these are (so Qwen3-VL's timestamps are source times).
-        total, source_fps, indices = source
-        if len(indices) != num_frames or not all(0 <= i < total for i in indices):
-            raise MultiModalInputError(
-                f"item {index} has {num_frames} frames but frame_indices {indices} of "
-                f"{total} source frames",
-                stage="process",
-                modality="video",
-            )
-        meta.update(
-            total_num_frames=total,
-            fps=float(source_fps),
-            duration=total / float(source_fps),
-            frames_indices=indices,
-        )
-    else:
-        # The frames as given; without fps these are exactly the defaults transformers assumes
-        # for a bare array.
-        meta.update(
-            total_num_frames=num_frames,
-            fps=None if fps is None else float(fps),
-            duration=None if fps is None else num_frames / float(fps),
-            frames_indices=list(range(num_frames)),
-        )
+    total = num_frames if total is None else int(total)
+    indices = list(range(num_frames)) if indices is None else [int(i) for i in indices]
+    if len(indices) != num_frames or not all(0 <= i < total for i in indices):
+        raise _bad_metadata(index, f"{num_frames} frames but frame_indices {indices} of {total} "
+                                   "source frames")  # fmt: skip
+    meta: dict[str, Any] = {
+        "height": height,
+        "width": width,
+        "total_num_frames": total,
+        "fps": None if fps is None else float(fps),
+        "duration": None if fps is None else total / float(fps),
+        "frames_indices": indices,
+    }
+    for name in ("height", "width"):
+        if given.get(name, meta[name]) != meta[name]:
+            raise _bad_metadata(index, f"metadata {name} {given[name]} for frames of {meta[name]}")
+    if given.get("do_sample_frames") is False:  # taken as final, as in vLLM
+        meta["do_sample_frames"] = False
+    elif given.get("do_sample_frames") and not is_whole_video(meta):
+        detail = "do_sample_frames true for a sample of its source (frames_indices)"
+        raise _bad_metadata(index, f"{detail}: sampling it again would misread them")
     return np.ascontiguousarray(video), meta
+
+
+def _given_metadata(index: int, given: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """(total_num_frames, fps, frames_indices) of a ``(frames, metadata)`` video, each None
+    when not given; wrong keys and values are refused by name."""
+    for key in given:
+        if key not in VIDEO_METADATA_KEYS:
+            raise _bad_metadata(index, f"a metadata key {key!r}; the keys may be: "
+                                       f"{', '.join(VIDEO_METADATA_KEYS)}")  # fmt: skip
+    names = ("total_num_frames", "fps", "frames_indices", "duration")
+    values: list[Any] = [given.get(name) for name in names]
+    total, fps, indices, duration = values
+    checks = (
+        ("total_num_frames", total, _is_count(total) and total > 0, "an integer >= 1"),
+        ("fps", fps, _is_real(fps) and 0 < fps < math.inf, "a positive number"),
+        ("duration", duration, _is_real(duration) and 0 < duration < math.inf, "a positive number"),
+        ("frames_indices", indices, isinstance(indices, list | tuple | range)
+         and all(map(_is_count, indices)), "a list of frame numbers"),
+        ("do_sample_frames", given.get("do_sample_frames"),
+         isinstance(given.get("do_sample_frames"), bool), "true or false"),
+        ("video_backend", given.get("video_backend"), isinstance(given.get("video_backend"), str),
+         "a string"),
+    )  # fmt: skip
+    for name, value, good, expected in checks:
+        if value is not None and not good:
+            raise _bad_metadata(index, f"metadata {name} must be {expected}, got {value!r}")
+    if duration is not None:
+        if total is None:
+            raise _bad_metadata(index, "metadata duration needs total_num_frames")
+        if fps is None:
+            fps = total / duration
+        elif abs(duration - total / fps) > 1 / fps:
+            raise _bad_metadata(index, f"metadata duration {duration} s is not total_num_frames "
+                                       f"/ fps ({total} / {fps} = {total / fps:g} s)")  # fmt: skip
+    return total, fps, indices
+
+
+def _bad_metadata(index: int, detail: str) -> MultiModalInputError:
+    return MultiModalInputError(f"item {index} has {detail}", stage="process", modality="video")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 IMAGE_CHANNELS = (1, 3, 4)
