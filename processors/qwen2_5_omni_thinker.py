@@ -53,8 +53,8 @@ from omniserve.multimodal.parse import (
     MultiModalDataItems,
     MultiModalDataParser,
     VideoProcessorItems,
-    _is_array,
     _video_to_array,
+    is_audio_clip,
     is_one_video,
     sampled_fps,
 )
@@ -149,13 +149,9 @@ class OmniVideoProcessorItems(VideoProcessorItems):
         return (self.items[index], self.metadata[index], self.audios[index])
 
 
-def _is_audio_clip(value: Any) -> bool:
-    return isinstance(value, tuple) and len(value) == 2 and _is_array(value[0])
-
-
 def _is_video_with_track(value: Any) -> bool:
     """The offline form ``(video, (waveform, rate))``."""
-    return isinstance(value, tuple) and len(value) == 2 and _is_audio_clip(value[1])
+    return isinstance(value, tuple) and len(value) == 2 and is_audio_clip(value[1])
 
 
 class OmniDataParser(MultiModalDataParser):

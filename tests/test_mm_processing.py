@@ -190,6 +190,12 @@ def test_audio_one_and_two_clips_match_hf(make_processor, hf_processor) -> None:
         ours = processor.apply(text, {"audio": mm[0] if count == 1 else mm})
         assert_matches_hf(ours, hf(text=[text], audio=clips[:count], return_tensors="pt"))
     assert [f.mm_position.length for f in ours.mm_features] == [25, 58]
+    # vLLM's waveform as a list of samples is the same clip; a list of other things is refused
+    listed = processor.apply(f"{AUDIO}?", {"audio": (clips[0].tolist(), 16_000)})
+    same = processor.apply(f"{AUDIO}?", {"audio": (clips[0], 16_000)})
+    assert listed.mm_features[0].identifier == same.mm_features[0].identifier
+    with pytest.raises(MultiModalInputError, match="item 0 is a tuple; expected a waveform of"):
+        processor.apply(f"{AUDIO}?", {"audio": (["a", "b"], 16_000)})
 
 
 @pytest.mark.slow

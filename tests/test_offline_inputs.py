@@ -95,8 +95,21 @@ def test_token_ids_must_be_ints(llm: LLM) -> None:
              {"prompt_token_ids": [True, 2]}, PARAMS)  # fmt: skip
     _refused(llm, TypeError, r"prompt_token_ids\[1\] must be an int, not float",
              {"prompt_token_ids": [1, 2.0]}, PARAMS)  # fmt: skip
-    _refused(llm, TypeError, "prompt_token_ids must be a list of ints, not tuple",
-             {"prompt_token_ids": (1, 2)}, PARAMS)  # fmt: skip
+    _refused(llm, TypeError, r"prompt_token_ids\[0\] must be an int, not float",
+             {"prompt_token_ids": np.array([1.0, 2.0])}, PARAMS)  # fmt: skip
+    _refused(llm, TypeError, r"must be a list of ints \(or a tuple, or a 1-D integer array\), "
+             "not ndarray", {"prompt_token_ids": np.array([[1, 2]])}, PARAMS)  # fmt: skip
+    _refused(llm, TypeError, "must be a list of ints .*not str", {"prompt_token_ids": "12"},
+             PARAMS)  # fmt: skip
+
+
+def test_token_ids_may_be_a_tuple_or_an_integer_array(llm: LLM) -> None:
+    """What a tokenizer's numpy/torch output or a tuple holds: the same prompt as the list."""
+    (out,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, PARAMS, use_tqdm=False)
+    for ids in [(5, 6, 7), np.array([5, 6, 7]), torch.tensor([5, 6, 7]), [np.int64(5), 6, 7]]:
+        (same,) = llm.generate({"prompt_token_ids": ids}, PARAMS, use_tqdm=False)
+        assert same.prompt_token_ids == [5, 6, 7]
+        assert same.outputs[0].token_ids == out.outputs[0].token_ids
 
 
 def test_beam_search_takes_one_prompt_and_needs_its_params(llm: LLM) -> None:
@@ -108,10 +121,42 @@ def test_beam_search_takes_one_prompt_and_needs_its_params(llm: LLM) -> None:
         llm.beam_search(["hey"], {"beam_width": 2})
     with pytest.raises(TypeError, match=r"prompts\[0\] must be text"):
         llm.beam_search([5], params)
-    with pytest.raises(TypeError, match="prompt_token_ids must be a list of ints, not tuple"):
-        llm.beam_search({"prompt_token_ids": (5, 6)}, params)
+    (ids,) = llm.beam_search({"prompt_token_ids": (5, 6)}, params)
+    (same,) = llm.beam_search({"prompt_token_ids": [5, 6]}, params)
+    assert [b.tokens for b in ids.sequences] == [b.tokens for b in same.sequences]
+    with pytest.raises(TypeError, match="prompt_token_ids must be a list of ints .*not set"):
+        llm.beam_search({"prompt_token_ids": {5, 6}}, params)
     with pytest.raises(TypeError, match=r"prompt_token_ids\[0\] must be an int, not bool"):
         llm.beam_search({"prompt_token_ids": [True, 6]}, params)
+
+
+def test_beam_search_takes_vllms_use_tqdm_and_concurrency_limit(llm: LLM) -> None:
+    """``concurrency_limit`` prompts at a time give what all at once give; the bar counts
+    steps, to ``max_tokens`` per group of prompts."""
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    prompts = ["a", "b", "c"]
+    together = llm.beam_search(prompts, params)
+    bars: list[Any] = []
+
+    class Bar:  # a bar needs update and close only
+        def __init__(self, total: int, **kwargs: Any) -> None:
+            self.total, self.n, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, n: int) -> None:
+            self.n += n
+
+        def close(self) -> None:
+            self.closed = True
+
+    apart = llm.beam_search(prompts, params, use_tqdm=Bar, concurrency_limit=2)
+    assert [[b.tokens for b in out.sequences] for out in apart] == [
+        [b.tokens for b in out.sequences] for out in together]  # fmt: skip
+    assert (bars[0].total, bars[0].n, bars[0].closed) == (2 * 3, 2 * 3, True)
+    with pytest.raises(ValueError, match="concurrency_limit must be >= 1, got 0"):
+        llm.beam_search(prompts, params, concurrency_limit=0)
+    with pytest.raises(TypeError, match="use_tqdm must be a bool or a callable"):
+        llm.beam_search(prompts, params, use_tqdm="yes")
 
 
 def test_use_tqdm_takes_a_callable_building_the_bar(llm: LLM) -> None:

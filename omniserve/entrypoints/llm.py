@@ -246,21 +246,51 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         lora_request: LoRARequest | None = None,
+        use_tqdm: UseTqdm = False,
+        concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """Each prompt's best ``params.beam_width`` answers by beam search (``beam_search``
-        says how), best first; prompts may carry media as in ``generate``."""
+        says how), best first; prompts may carry media as in ``generate``. As in vLLM,
+        ``concurrency_limit`` prompts are searched at a time (None: all) and ``use_tqdm``
+        shows a bar of the steps."""
         prompts = _prompt_list(prompts)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, not {type(params).__name__}.")
+        make_bar = _progress_bar(use_tqdm)
+        if concurrency_limit is None:
+            concurrency_limit = max(len(prompts), 1)
+        if not isinstance(concurrency_limit, int) or isinstance(concurrency_limit, bool):
+            raise TypeError(f"concurrency_limit must be an int or None, not "
+                            f"{type(concurrency_limit).__name__}.")  # fmt: skip
+        if concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}.")
         params.check_width(self.llm_engine.config.model_config.max_logprobs)
         tokenizer = self.get_tokenizer()
         bases = [_token_prompt(prompt, tokenizer) for prompt in prompts]
-        batch = BeamSearchBatch(
-            len(bases),
-            params,
-            self.llm_engine.processor.eos_token_ids,
-            self.llm_engine.config.model_config.max_model_len,
-        )
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
+        chunks = range(0, len(bases), concurrency_limit)
+        results: list[BeamSearchOutput] = []
+        bar = make_bar(total=len(chunks) * params.max_tokens, desc="Beam search",
+                       dynamic_ncols=True)  # fmt: skip
+        try:
+            for start in chunks:
+                batch = self._search(bases[start : start + concurrency_limit], params,
+                                     lora_request, bar)  # fmt: skip
+                results += [BeamSearchOutput(beams) for beams in batch.results(decode)]
+        finally:
+            bar.close()
+        return results
+
+    def _search(
+        self, bases: list[dict[str, Any]], params: BeamSearchParams,
+        lora_request: LoRARequest | None, bar: tqdm,
+    ) -> BeamSearchBatch:  # fmt: skip
+        """Beam search over ``bases`` to the end, a step of ``bar`` per token (all of
+        ``max_tokens`` when the beams end sooner)."""
+        engine = self.llm_engine
+        batch = BeamSearchBatch(len(bases), params, engine.processor.eos_token_ids,
+                                engine.config.model_config.max_model_len)  # fmt: skip
+        steps = 0
         while not batch.done:
             step_prompts: list[Any] = [
                 {**bases[i], "prompt_token_ids": bases[i]["prompt_token_ids"] + beam.tokens}
@@ -268,8 +298,10 @@ class LLM:
             ]
             batch.take_step(self.generate(step_prompts, params.step_params(), use_tqdm=False,
                                           lora_request=lora_request))  # fmt: skip
-        decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
-        return [BeamSearchOutput(beams) for beams in batch.results(decode)]
+            bar.update(1)
+            steps += 1
+        bar.update(max(params.max_tokens - steps, 0))
+        return batch
 
     def _add_requests(
         self,
@@ -360,7 +392,7 @@ def _token_prompt(prompt: PromptType, tokenizer: Any) -> dict[str, Any]:
         raise ValueError("Beam search extends token ids; a prompt given as prompt_embeds has none.")
     base = {k: v for k, v in prompt.items() if k != "prompt"}
     if base.get("prompt_token_ids") is not None:
-        checked_token_ids(base["prompt_token_ids"])  # before any beam extends them
+        base["prompt_token_ids"] = checked_token_ids(base["prompt_token_ids"])  # beams extend it
         return base
     text = prompt.get("prompt")
     if not isinstance(text, str):

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import hashlib
 import logging
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -264,12 +265,24 @@ def _check_keys(prompt: Mapping[str, object]) -> None:
 
 
 def checked_token_ids(token_ids: object) -> list[int]:
-    """A list of ints (``True`` is an int to Python, never a token id)."""
+    """A list of ints from a list, a tuple or a 1-D integer array (``True`` is an int to
+    Python, never a token id)."""
+    if isinstance(token_ids, tuple):
+        token_ids = list(token_ids)
+    elif getattr(token_ids, "ndim", None) == 1 and hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()  # a numpy or torch vector
     if not isinstance(token_ids, list):
-        raise TypeError(f"prompt_token_ids must be a list of ints, not {type(token_ids).__name__}.")
+        raise TypeError(
+            "prompt_token_ids must be a list of ints (or a tuple, or a 1-D integer array), not "
+            f"{type(token_ids).__name__}."
+        )
+    plain = True
     for index, token in enumerate(token_ids):
-        if isinstance(token, bool) or not isinstance(token, int):
+        if type(token) is int:
+            continue
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
             raise TypeError(
                 f"prompt_token_ids[{index}] must be an int, not {type(token).__name__}."
             )
-    return token_ids
+        plain = False
+    return token_ids if plain else [int(token) for token in token_ids]

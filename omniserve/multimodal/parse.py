@@ -165,7 +165,7 @@ class MultiModalDataParser:
         return AudioProcessorItems(waveforms)
 
     def _to_waveform(self, index: int, clip: Any) -> np.ndarray:
-        if not (isinstance(clip, tuple) and len(clip) == 2 and _is_array(clip[0])):
+        if not is_audio_clip(clip):
             raise _bad_item(
                 "audio",
                 index,
@@ -175,7 +175,10 @@ class MultiModalDataParser:
         waveform, rate = clip
         if isinstance(waveform, torch.Tensor):
             waveform = waveform.detach().cpu().numpy()
-        waveform = np.asarray(waveform, dtype=np.float32)
+        try:
+            waveform = np.asarray(waveform, dtype=np.float32)
+        except (TypeError, ValueError):  # a list holding other things than samples
+            raise _bad_item("audio", index, clip, "a waveform of numbers") from None
         if waveform.ndim == 2:  # mix channels down; the channel axis is the short one
             waveform = waveform.mean(axis=int(np.argmin(waveform.shape)), dtype=np.float32)
         if waveform.ndim != 1 or waveform.size == 0:
@@ -414,6 +417,15 @@ def embeds_fault(
     if not bool(torch.isfinite(value).all()):
         return f"{name} holds NaN or infinite values"
     return None
+
+
+def is_audio_clip(value: Any) -> bool:
+    """``(waveform, sample_rate)``, the waveform an array or (as vLLM takes it) a list."""
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], np.ndarray | torch.Tensor | list)
+    )
 
 
 def _is_array(value: Any) -> bool:
