@@ -112,8 +112,8 @@ def test_vllm_settings_of_the_python_api(caplog):
 
 
 def test_vllm_spellings_of_settings(tiny_checkpoint):
-    """vLLM's other forms: a torch dtype, seed None, ``image=2,video=1`` limits, ``--dtype
-    half``, ``--max-model-len 1k``, ``serve --model DIR``."""
+    """vLLM's other forms: a torch dtype, seed None, ``image=2,video=1`` limits, None for a
+    default, ``--dtype half``, ``--max-model-len 1k``, ``serve --model DIR``."""
     import torch
 
     from omniserve.entrypoints.cli import build_parser
@@ -124,6 +124,12 @@ def test_vllm_spellings_of_settings(tiny_checkpoint):
     config = args.create_config()
     assert (config.model_config.dtype, config.model_config.seed) == ("float32", None)
     assert config.multimodal_config.limit_mm_per_prompt == {"image": 2, "video": 1}
+    # vLLM's None for "its default": prefix caching and chunked prefill on, async scheduling off
+    config = EngineArgs(model=model, enable_prefix_caching=None, enable_chunked_prefill=None,
+                        async_scheduling=None).create_config()  # fmt: skip
+    sched = config.scheduler_config
+    assert config.cache_config.enable_prefix_caching and sched.enable_chunked_prefill
+    assert not sched.async_scheduling
     parser = build_parser()
     parsed = parser.parse_args(["serve", "--model", model, "--dtype", "half",
                                 "--max-model-len", "1k"])  # fmt: skip

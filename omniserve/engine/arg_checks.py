@@ -98,6 +98,8 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     ),
 }
 """vLLM's flags for features omniserve does not have: start-up fails naming the feature."""
+FLAG_ALIASES = {"--compilation-config": ("-O",)}
+"""vLLM's short spellings: ``-O0`` is ``--compilation-config 0``."""
 
 
 def check_vllm_only(values: dict[str, Any]) -> None:
@@ -122,7 +124,9 @@ def _dest(flag: str) -> str:
 
 def _asks_nothing(value: object) -> bool:
     """A setting's value that turns its feature off: unset, false, 0, or a JSON object of zeros
-    (``--compilation-config '{"level": 0}'``, vLLM's -O0)."""
+    (``--compilation-config '{"level": 0}'``, or vLLM's -O0)."""
+    if isinstance(value, str) and value.strip().isdigit():  # -O0
+        value = int(value)
     if isinstance(value, str) and value.lstrip().startswith("{"):
         try:
             value = json.loads(value)

@@ -135,13 +135,13 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: dict[str, Any] | str | None = None
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = True  # None (vLLM's unset): the default, on
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool | None = True  # None: on
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
-    async_scheduling: bool = False
+    async_scheduling: bool | None = False  # None: off
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
     tensor_parallel_size: int = 1
@@ -203,7 +203,7 @@ class EngineArgs:
         if batched is None:
             batched = (
                 default_batched_tokens
-                if self.enable_chunked_prefill
+                if self.enable_chunked_prefill is not False
                 else max(default_batched_tokens, max_len)
             )
         limits, profile_sizes = _limits(self.limit_mm_per_prompt)
@@ -216,17 +216,17 @@ class EngineArgs:
                     self.talker_kv_cache_memory, "talker_kv_cache_memory"
                 ),
                 num_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self.enable_prefix_caching is not False,
                 gpu_memory_utilization=self.gpu_memory_utilization,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=batched,
                 max_model_len=max_len,
-                enable_chunked_prefill=self.enable_chunked_prefill,
+                enable_chunked_prefill=self.enable_chunked_prefill is not False,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
-                async_scheduling=self.async_scheduling,
+                async_scheduling=bool(self.async_scheduling),
                 # Default: as large as the step's token budget, and never below 8192 embeddings.
                 max_num_encoder_input_tokens=max(8192, batched)
                 if self.max_num_encoder_input_tokens is None
