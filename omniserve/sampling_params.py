@@ -28,6 +28,14 @@ def is_int(value: object, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
+TRUNCATE_VALUES = "None, -1 (max_model_len) or an integer >= 1"
+"""What vLLM's ``truncate_prompt_tokens`` may be."""
+
+
+def is_truncation(keep: object) -> bool:
+    return keep is None or keep == -1 or is_int(keep, 1, INT32_MAX)
+
+
 def is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -159,9 +167,17 @@ class PoolingParams:
     use_activation: bool | None = None
     """classify: the labels' probabilities (softmax; a one-label model's sigmoid) rather than
     their raw scores; None: yes."""
+    truncate_prompt_tokens: int | None = None
+    """Pool only the prompt's last k tokens (-1: its last max_model_len), as
+    ``SamplingParams.truncate_prompt_tokens`` runs them."""
 
     def __post_init__(self) -> None:
         check_types(self)
+        if not is_truncation(self.truncate_prompt_tokens):
+            raise ValueError(
+                f"truncate_prompt_tokens must be {TRUNCATE_VALUES}, got "
+                f"{self.truncate_prompt_tokens!r}."
+            )
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError(
                 f"dimensions must be None or a positive integer, got {self.dimensions!r}."
@@ -334,9 +350,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not is_int(value, 0, INT32_MAX):
                 fail(name, "None or an integer >= 0")
-        keep = self.truncate_prompt_tokens
-        if keep is not None and keep != -1 and not is_int(keep, 1, INT32_MAX):
-            fail("truncate_prompt_tokens", "None, -1 (max_model_len) or an integer >= 1")
+        if not is_truncation(self.truncate_prompt_tokens):
+            fail("truncate_prompt_tokens", TRUNCATE_VALUES)
         budget = self.thinking_token_budget
         if budget is not None and not is_int(budget, 0, INT32_MAX):
             fail("thinking_token_budget", f"None or an integer in [0, {INT32_MAX}]")
@@ -436,5 +451,6 @@ def embedding_params(pooling: PoolingParams | None = None) -> SamplingParams:
         temperature=0.0,
         detokenize=False,
         output_kind=RequestOutputKind.FINAL_ONLY,
+        truncate_prompt_tokens=pooling.truncate_prompt_tokens if pooling else None,
         pooling=pooling or PoolingParams(),
     )

@@ -98,6 +98,26 @@ def test_matryoshka_dimensions_and_refusals(tiny_checkpoint) -> None:
         llm.embed("Hello", PoolingParams(dimensions=8), use_tqdm=False)
 
 
+def test_truncate_prompt_tokens_pools_the_last_tokens(tiny_checkpoint) -> None:
+    """vLLM's ``LLM.embed(truncate_prompt_tokens=k)`` (or the params'): the embedding of the
+    prompt's last k tokens; the two may not disagree."""
+    llm = LLM(str(tiny_checkpoint("Qwen2ForCausalLM")), dtype="float32", max_model_len=64)
+    ids = list(range(10, 30))
+    (cut,) = llm.embed({"prompt_token_ids": ids}, use_tqdm=False, truncate_prompt_tokens=5)
+    (last,) = llm.embed({"prompt_token_ids": ids[-5:]}, use_tqdm=False)
+    (by_params,) = llm.embed({"prompt_token_ids": ids}, PoolingParams(truncate_prompt_tokens=5),
+                             use_tqdm=False)  # fmt: skip
+    assert cut.prompt_token_ids == by_params.prompt_token_ids == ids[-5:]
+    assert cut.outputs.embedding == last.outputs.embedding == by_params.outputs.embedding
+    (whole,) = llm.encode({"prompt_token_ids": ids}, pooling_task="token_embed",
+                          truncate_prompt_tokens=-1, use_tqdm=False)  # fmt: skip
+    assert whole.outputs.data.shape[0] == len(ids)  # -1: max_model_len, which it fits
+    with pytest.raises(ValueError, match="pooling_params.truncate_prompt_tokens is 5; this call's"):
+        llm.embed("Hello", PoolingParams(truncate_prompt_tokens=5), truncate_prompt_tokens=3)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens must be None, -1 \(max_model_"):
+        PoolingParams(truncate_prompt_tokens=0)
+
+
 def test_mean_and_cls_pooling_match_transformers(tiny_checkpoint) -> None:
     """MEAN and CLS read every chunk of a prompt prefilled 32 tokens at a time, beside LAST
     requests in the same batches; they never take a prefix-cache hit (their earlier positions

@@ -150,13 +150,15 @@ class LLM:
         use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         pooling_task: str | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EncodingRequestOutput]:
         """Each prompt's raw pooling result, in prompt order, as a tensor (vLLM's
         ``LLM.encode``): ``pooling_task`` (else ``pooling_params.task``, else the model's:
         classify on a sequence classifier, else embed) is "embed" or "classify" (one vector,
         as ``embed`` and ``classify`` give it), or "token_embed" or "token_classify" (a row per
-        prompt position: each one's final state embedded, or its label scores)."""
-        params = embedding_params(_with_task(pooling_params, pooling_task))
+        prompt position: each one's final state embedded, or its label scores);
+        ``truncate_prompt_tokens`` as ``embed``'s."""
+        params = embedding_params(_with_task(pooling_params, pooling_task, truncate_prompt_tokens))
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [EncodingRequestOutput.from_output(output) for output in outputs]
 
@@ -166,12 +168,14 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding, in prompt order: its final hidden states pooled as
         ``pooling_params`` says (fields left None: the model's ``pooler_config``, by default
         the last position's, L2-normalised). Prompts are those of ``generate``: text, token
-        ids, with media (``multi_modal_data``) or prompt embeddings."""
-        params = embedding_params(_with_task(pooling_params, "embed"))
+        ids, with media (``multi_modal_data``) or prompt embeddings. ``truncate_prompt_tokens``
+        (or ``pooling_params``'): pool only each prompt's last k tokens (-1: max_model_len)."""
+        params = embedding_params(_with_task(pooling_params, "embed", truncate_prompt_tokens))
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput.from_output(output) for output in outputs]
 
@@ -181,12 +185,13 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Each prompt's label probabilities by a sequence classifier
         (``*ForSequenceClassification``), in prompt order: its head on the prompt's pooled
-        final state (softmax; sigmoid for one label; raw scores with ``use_activation=False``).
-        """
-        params = embedding_params(_with_task(pooling_params, "classify"))
+        final state (softmax; sigmoid for one label; raw scores with ``use_activation=False``);
+        ``truncate_prompt_tokens`` as ``embed``'s."""
+        params = embedding_params(_with_task(pooling_params, "classify", truncate_prompt_tokens))
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [ClassificationRequestOutput.from_output(output) for output in outputs]
 
@@ -200,6 +205,7 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
         chat_template: str | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ScoringRequestOutput]:
         """vLLM's bi-encoder scoring: the cosine similarity of each pair's embeddings
         (``embed``'s, with ``pooling_params``), pairing one ``data_1`` prompt with each of
@@ -212,10 +218,12 @@ class LLM:
         pairs = score_pairs(len(firsts), len(seconds))
         if self.llm_engine.config.model_config.cross_encodes():
             joined = [self._pair_prompt(firsts[i], seconds[j], chat_template) for i, j in pairs]
-            classified = self.classify(joined, pooling_params, use_tqdm, lora_request)
+            classified = self.classify(joined, pooling_params, use_tqdm, lora_request,
+                                       truncate_prompt_tokens)  # fmt: skip
             return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]),
                                          o.prompt_token_ids) for o in classified]  # fmt: skip
-        embedded = self.embed(firsts + seconds, pooling_params, use_tqdm, lora_request)
+        embedded = self.embed(firsts + seconds, pooling_params, use_tqdm, lora_request,
+                              truncate_prompt_tokens)  # fmt: skip
         return [
             ScoringRequestOutput.from_embeddings(embedded[i], embedded[len(firsts) + j])
             for i, j in pairs
@@ -457,16 +465,22 @@ def _per_prompt(
     return list(value)
 
 
-def _with_task(pooling_params: PoolingParams | None, task: str | None) -> PoolingParams:
-    """``pooling_params`` (None: the model's defaults) for ``task`` (None: the params' own),
-    which it may not contradict."""
+def _with_task(
+    pooling_params: PoolingParams | None, task: str | None, truncate_prompt_tokens: int | None
+) -> PoolingParams:
+    """``pooling_params`` (None: the model's defaults) for ``task`` (None: the params' own) and
+    with the call's ``truncate_prompt_tokens``, neither of which it may contradict."""
     if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
         raise TypeError(
             f"pooling_params must be a PoolingParams, not {type(pooling_params).__name__}."
         )
     params = pooling_params or PoolingParams()
-    if task is None:
-        return params
-    if params.task not in (None, task):
+    if task is not None and params.task not in (None, task):
         raise ValueError(f"pooling_params.task is {params.task!r}; this call runs {task!r}.")
-    return dataclasses.replace(params, task=task)
+    keep = params.truncate_prompt_tokens
+    if truncate_prompt_tokens is not None and keep not in (None, truncate_prompt_tokens):
+        raise ValueError(f"pooling_params.truncate_prompt_tokens is {keep}; this call's "
+                         f"truncate_prompt_tokens is {truncate_prompt_tokens}.")  # fmt: skip
+    if truncate_prompt_tokens is not None:
+        params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+    return params if task is None else dataclasses.replace(params, task=task)
