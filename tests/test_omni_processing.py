@@ -444,7 +444,7 @@ def test_server_kwargs_may_not_change_what_the_encoder_fixes(tiny_checkpoint: An
     path = str(tiny_checkpoint(QWEN3))
     for kwargs, needle in [
         ({"n_window": 25}, "n_window is fixed by the checkpoint's encoder"),
-        ({"patch_size": 16}, "patch_size is fixed"),
+        ({"patch_size": 15}, r"patch_size is fixed by the checkpoint's encoder \(16\)"),
         ({"max_pixels": -5}, "mm_processor_kwargs.max_pixels must be an integer in"),
     ]:
         config = EngineArgs(path, mm_processor_kwargs=kwargs).create_config()
@@ -452,3 +452,10 @@ def test_server_kwargs_may_not_change_what_the_encoder_fixes(tiny_checkpoint: An
             Processor(config)
     config = EngineArgs(path, mm_processor_kwargs={"max_pixels": 12544}).create_config()
     assert Processor(config).input_preprocessor.default_mm_kwargs == {"max_pixels": 12544}
+    # the checkpoint's own value changes nothing, so a launch script may state it
+    from transformers import AutoProcessor
+
+    hf = AutoProcessor.from_pretrained(path)
+    same = {"patch_size": hf.image_processor.patch_size,
+            "sampling_rate": hf.feature_extractor.sampling_rate}  # fmt: skip
+    assert Processor(EngineArgs(path, mm_processor_kwargs=same).create_config())

@@ -192,9 +192,13 @@ class BaseProcessingInfo(ABC):
                     f"processor ({hint})."
                 )
             if name in self.model_bound_kwargs:
+                fixed = self._checkpoint_values(name)
+                if fixed and all(v == value for v in fixed):
+                    continue  # the checkpoint's own value, as a shared launch script may set
                 raise ValueError(
                     f"--mm-processor-kwargs: {name} is fixed by the checkpoint's "
-                    "encoder; another value would not match what it computes."
+                    f"encoder{f' ({fixed[0]!r})' if fixed else ''}; another value would not "
+                    "match what it computes."
                 )
             rule = self.request_kwargs.get(name)
             if rule is not None:
@@ -202,6 +206,12 @@ class BaseProcessingInfo(ABC):
                     rule.check(name, value)
                 except MultiModalInputError as exc:
                     raise ValueError(f"--mm-processor-kwargs: {exc.detail}") from None
+
+    def _checkpoint_values(self, name: str) -> list[object]:
+        """The checkpoint's settings of a processor option, one per sub-processor holding it."""
+        processor = self.get_hf_processor()
+        parts = [getattr(processor, attribute, None) for attribute in _HF_KWARGS_GROUPS.values()]
+        return [getattr(part, name) for part in parts if hasattr(part, name)]
 
     def check_request_kwargs(self, kwargs: Mapping[str, object]) -> None:
         """Refuse options not declared in ``request_kwargs`` and values out of their range."""
