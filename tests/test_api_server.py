@@ -346,6 +346,37 @@ def test_profile_routes_write_the_trace(server: Server) -> None:
     assert "not running" in assert_error(server.post("/stop_profile", {}), 400)["message"]
 
 
+def test_sagemaker_invocations_route_by_the_body(server: Server) -> None:
+    """vLLM's ``POST /invocations``: a body goes where its fields say (chat, completion,
+    embeddings, rerank, score) and is answered as there; others are 400s naming the fields."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "temperature": 0}  # fmt: skip
+    completion = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "temperature": 0}
+    for body, route, kind in [
+        (chat, "/v1/chat/completions", "chat.completion"),
+        (completion, "/v1/completions", "text_completion"),
+        ({"model": MODEL, "input": "hi"}, "/v1/embeddings", "list"),
+        ({"model": MODEL, "query": "a", "documents": ["b", "c"]}, "/rerank", None),
+        ({"model": MODEL, "text_1": "a", "text_2": "b"}, "/score", "list"),
+    ]:
+        there, here = server.post(route, body), server.post("/invocations", body)
+        assert here.status_code == 200, here.text
+        answer, expected = here.json(), there.json()
+        assert answer.get("object") == kind
+        for drop in ("id", "created"):
+            answer.pop(drop, None), expected.pop(drop, None)
+        assert answer == expected
+    streamed = server.post("/invocations", {**chat, "stream": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    error = assert_error(server.post("/invocations", {"model": MODEL, "text": "hi"}), 400)
+    assert "routes a request by its fields, and this one has none of them" in error["message"]
+    assert "takes a JSON object" in assert_error(server.post("/invocations", [1]), 400)["message"]
+    assert_error(server.post("/invocations", content=b"{oops"), 400)
+    assert_error(server.post("/invocations", completion, key=None), 401)
+    assert_error(server.post("/score", {"text_1": "a", "text_2": "b"}, key=None), 401)
+
+
 # ---- errors ----
 
 

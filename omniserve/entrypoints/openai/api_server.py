@@ -29,6 +29,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response
 
 from omniserve import __version__, envs
+from omniserve.config import is_classifier
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineStoppingError
@@ -49,6 +50,7 @@ from omniserve.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
     DrainMiddleware,
+    InvocationsMiddleware,
     Lifecycle,
     add_error_handlers,
     error_json,
@@ -323,6 +325,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    config = engine.model_config
+    app.add_middleware(InvocationsMiddleware, generates=config.runner == "generate",
+                       classifies=is_classifier(config.architecture))  # fmt: skip
     max_body_mb = getattr(args, "max_request_body_mb", None)
     if max_body_mb is not None:
         app.add_middleware(BodySizeLimitMiddleware, max_bytes=int(max_body_mb * 2**20))

@@ -1,10 +1,13 @@
-"""The OpenAI server's ASGI middlewares: API-key auth, request draining at shutdown, and the
-request-body size limit; plain ASGI (not BaseHTTPMiddleware), so each runs before the body is read
-and leaves ``receive`` to the disconnect listeners. Their refusals use OpenAI's error shape, as
-do the exception handlers (``add_error_handlers``) for everything the routes raise."""
+"""The OpenAI server's ASGI middlewares: API-key auth, request draining at shutdown, the
+request-body size limit and SageMaker's ``/invocations``; plain ASGI (not BaseHTTPMiddleware),
+so each runs before the body is read and leaves ``receive`` to the disconnect listeners. Their
+refusals use OpenAI's error shape, as do the exception handlers (``add_error_handlers``) for
+everything the routes raise."""
 
 from __future__ import annotations
 
+import json
+import math
 import secrets
 from http import HTTPStatus
 from typing import Any
@@ -16,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
+from omniserve.entrypoints.openai.score_protocol import FIRST_NAMES
 from omniserve.entrypoints.openai.serving_engine import ServingError, to_serving_error
 
 
@@ -96,7 +100,8 @@ def _converted_error(_: Request, exc: Exception) -> JSONResponse:
 class APIKeyMiddleware:
     """Bearer-token auth on the API routes; /health, /ping, /version and /metrics stay open."""
 
-    PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+    PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations", "/pooling",
+                          "/score", "/rerank", "/classify")  # fmt: skip
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -175,25 +180,13 @@ class BodySizeLimitMiddleware:
         if declared.isdigit() and int(declared) > self.max_bytes:
             await error_json(self._too_large())(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left; nobody to answer
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await error_json(self._too_large())(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-        async def replay() -> Any:
-            return pending.pop() if pending else await receive()
-
-        await self.app(scope, replay, send)
+        try:
+            body = await read_body(receive, self.max_bytes)
+        except BodyTooLarge:
+            await error_json(self._too_large())(scope, receive, send)
+            return
+        if body is not None:  # (None: the client left; nobody to answer)
+            await self.app(scope, replaying(body, receive), send)
 
     def _too_large(self) -> ServingError:
         return ServingError(
@@ -202,3 +195,88 @@ class BodySizeLimitMiddleware:
             HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             code="request_too_large",
         )
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(receive: Receive, max_bytes: float = math.inf) -> bytes | None:
+    """A request's whole body, or None if the client leaves first; ``BodyTooLarge`` as soon as
+    it passes ``max_bytes``."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > max_bytes:
+            raise BodyTooLarge
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """``receive`` that hands the app the body already read, then defers to the server (so
+    disconnect listeners still see the client leave)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Any:
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+class InvocationsMiddleware:
+    """SageMaker's ``POST /invocations``, as vLLM answers it: the body goes to the route its
+    fields name (``invocation_path``), as if sent there."""
+
+    def __init__(self, app: ASGIApp, generates: bool, classifies: bool) -> None:
+        self.app = app
+        self.generates = generates
+        self.classifies = classifies
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/invocations" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        body = await read_body(receive)
+        if body is None:
+            return  # the client left
+        try:
+            path = invocation_path(json.loads(body), self.generates, self.classifies)
+        except (ValueError, ServingError) as exc:
+            error = exc if isinstance(exc, ServingError) else ServingError(
+                f"POST /invocations takes a JSON object: {exc}.")  # fmt: skip
+            await error_json(error)(scope, receive, send)
+            return
+        scope = {**scope, "path": path, "raw_path": path.encode()}
+        await self.app(scope, replaying(body, receive), send)
+
+
+def invocation_path(body: object, generates: bool, classifies: bool) -> str:
+    """The route of an ``/invocations`` body, by its fields in vLLM's order of request types:
+    ``messages`` a chat (embeddings or classification on a model that does not generate),
+    ``prompt`` a completion, ``query`` with ``documents`` a rerank, ``queries`` / ``text_1`` /
+    ``data_1`` a score, ``input`` embeddings (a sequence classifier's: classification)."""
+    if not isinstance(body, dict):
+        raise ServingError("POST /invocations takes a JSON object.")
+    pools = "/classify" if classifies else "/v1/embeddings"
+    if "messages" in body:
+        return "/v1/chat/completions" if generates else pools
+    if "prompt" in body and generates:
+        return "/v1/completions"
+    if "query" in body and "documents" in body:
+        return "/rerank"
+    if any(name in body for name in FIRST_NAMES):
+        return "/score"
+    if "input" in body:
+        return pools
+    raise ServingError(
+        "POST /invocations routes a request by its fields, and this one has none of them: "
+        "messages (chat), prompt (completions), input (embeddings or classification), query "
+        f"and documents (rerank), or {', '.join(FIRST_NAMES)} (score)."
+        + ("" if generates else " This model does not generate text (prompt is not taken).")
+    )
