@@ -54,6 +54,12 @@ def allow_runtime_lora_updating() -> bool:
     return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
 
 
+def server_dev_mode() -> bool:
+    """Serve vLLM's developer routes (``/reset_prefix_cache``, ``/reset_mm_cache``;
+    ``VLLM_SERVER_DEV_MODE``, vLLM's switch; off by default)."""
+    return os.environ.get("VLLM_SERVER_DEV_MODE", "").lower() in ("1", "true")
+
+
 def num_threads() -> int | None:
     """Torch intra-op threads for CPU workers (``OMNISERVE_NUM_THREADS``); None keeps torch's."""
     value = os.environ.get("OMNISERVE_NUM_THREADS")

@@ -36,6 +36,7 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 def server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMNISERVE_TORCH_PROFILER_DIR", str(tmp_path_factory.mktemp("profiles")))
+        env.setenv("VLLM_SERVER_DEV_MODE", "1")
         with launch_server(
             tiny_checkpoint("Qwen3ForCausalLM"),
             tmp_path_factory.mktemp("server"),
@@ -334,6 +335,23 @@ def test_tokenize_detokenize(server: Server) -> None:
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
     text = server.post("/detokenize", {"model": MODEL, "tokens": tokens["tokens"]}).json()
     assert text == {"prompt": "hello world"}
+
+
+def test_dev_mode_routes_reset_the_caches(server: Server) -> None:
+    """VLLM_SERVER_DEV_MODE=1 (this server's): after /reset_prefix_cache a repeated prompt
+    reuses no KV; /reset_mm_cache answers (a text model has no media to forget)."""
+    body = {"model": MODEL, "prompt": "word " * 40, "max_tokens": 1}
+
+    def cached() -> int:
+        return server.post("/v1/completions", body).json()["usage"]["prompt_tokens_details"][
+            "cached_tokens"]  # fmt: skip
+
+    cached()
+    assert cached() > 0
+    assert server.post("/reset_prefix_cache").status_code == 200
+    assert cached() == 0
+    assert server.post("/reset_mm_cache").status_code == 200
+    assert_error(server.post("/reset_prefix_cache", key=None), 401)
 
 
 def test_profile_routes_write_the_trace(server: Server) -> None:

@@ -45,6 +45,19 @@ def test_entries_are_shared_and_freed_only_when_evicted() -> None:
     assert cache.num_freeable_slots == 70 and list(cache.freeable) == []
 
 
+def test_reset_drops_what_no_request_holds() -> None:
+    """``reset_mm_cache``: unreferenced outputs go (the workers are told), held ones stay."""
+    cache = EncoderCacheManager(100)
+    a, b = _request("a", ("x", 30)), _request("b", ("y", 20))
+    _add(cache, a, 0)
+    _add(cache, b, 0)
+    cache.free(a)
+    cache.reset()
+    assert set(cache.entries) == {"y"} and cache.get_freed_mm_hashes() == ["x"]
+    assert cache.num_free_slots == cache.num_freeable_slots == 80
+    assert not cache.check_and_update_cache(_request("c", ("x", 30)), 0)  # encoded anew
+
+
 def test_can_allocate_checks_budget_then_evicts_least_recently_released() -> None:
     cache = EncoderCacheManager(100)
     owners = [_request(f"r{i}", (f"h{i}", 30)) for i in range(3)]

@@ -54,6 +54,21 @@ def test_an_item_sent_by_uuid_alone_is_the_one_sent_before(llm: LLM) -> None:
     assert _ask(llm, [other], ["photo-1"]) == direct
 
 
+def test_reset_mm_cache_forgets_processed_media(llm: LLM) -> None:
+    """vLLM's ``LLM.reset_mm_cache``: the processor cache and the encoder outputs no request
+    holds are dropped (a uuid sent before then names nothing); answers are unchanged."""
+    cache = llm.llm_engine.processor.mm_processor.cache
+    encoder = llm.llm_engine.engine_core.engine_core.scheduler.encoder_cache_manager
+    before = _ask(llm, [IMAGE], ["kept"])
+    assert len(cache) and encoder.entries
+    llm.reset_mm_cache()
+    assert len(cache) == 0 and not encoder.entries
+    with pytest.raises(MultiModalInputError, match="no image is kept under uuid 'kept'"):
+        _ask(llm, [None], ["kept"])
+    misses = cache.stats().misses
+    assert _ask(llm, [IMAGE]) == before and cache.stats().misses > misses
+
+
 @pytest.mark.parametrize(
     ("images", "uuids", "needle"),
     [

@@ -122,6 +122,15 @@ class EncoderCacheManager:
         if identifier in self.freed:
             self.freed.remove(identifier)
 
+    def reset(self) -> None:
+        """Drop every unreferenced output (those requests still hold stay until released);
+        the workers learn of them as of evictions."""
+        for identifier, size in self.freeable.items():
+            del self.entries[identifier]
+            self.num_free_slots += size
+            self.freed.append(identifier)
+        self.freeable.clear()
+
     def free_encoder_input(self, request: Request, i: int) -> None:
         """Drop item ``i``'s reference; the last one makes the entry freeable, not freed."""
         items = self.req_to_items.get(request.request_id)

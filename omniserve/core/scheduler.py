@@ -227,6 +227,9 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def reset_encoder_cache(self) -> None:
+        self.encoder_cache_manager.reset()
+
     def make_stats(self) -> dict[str, float]:
         """Gauges (running, waiting, KV and encoder-cache usage) and cumulative counters."""
         kv = self.kv_cache_manager

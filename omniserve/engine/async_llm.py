@@ -329,6 +329,11 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility_async("reset_prefix_cache")
 
+    async def reset_mm_cache(self) -> None:
+        """As ``LLMEngine.reset_mm_cache``."""
+        self.processor.reset_mm_cache()
+        await self.engine_core.call_utility_async("reset_encoder_cache")
+
     async def start_profile(self) -> None:
         """Start the workers' torch profilers (``OMNISERVE_TORCH_PROFILER_DIR``)."""
         await self.engine_core.call_utility_async("profile", True)

@@ -353,6 +353,10 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
+    def reset_encoder_cache(self) -> None:
+        """Forget the encoder outputs no running request holds (``reset_mm_cache``)."""
+        self.scheduler.reset_encoder_cache()
+
     def get_stats(self) -> dict[str, float]:
         """Scheduler gauges and counters, plus the KV cache size (a utility for clients/tests)."""
         return {**self.make_stats(), "num_kv_blocks": float(self.num_kv_blocks)}
@@ -397,6 +401,7 @@ class EngineCore:
 UTILITY_METHODS = frozenset(
     {
         "reset_prefix_cache",
+        "reset_encoder_cache",
         "add_lora",
         "remove_lora",
         "get_stats",

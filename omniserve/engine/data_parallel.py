@@ -84,6 +84,7 @@ def combine_step_timings(results: list[dict[str, dict[str, float]]]) -> dict[str
 _COMBINE_RESULTS: dict[str, Callable[[list[Any]], Any]] = {
     "get_stats": combine_stats,
     "reset_prefix_cache": all,  # True only if every engine's cache was reset
+    "reset_encoder_cache": lambda _: None,
     "has_unfinished_requests": any,
     "start_step_timing": lambda _: None,
     "get_step_timings": combine_step_timings,

@@ -123,6 +123,12 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def reset_mm_cache(self) -> None:
+        """vLLM's: forget processed media (the processor cache) and the encoder outputs no
+        running request holds, so the next request with the same media runs it again."""
+        self.processor.reset_mm_cache()
+        self.engine_core.call_utility("reset_encoder_cache")
+
     def start_step_timing(self) -> None:
         """Time the model runner's steps per part from now on (``get_step_timings`` reads)."""
         self.engine_core.call_utility("start_step_timing")

@@ -289,6 +289,11 @@ class Processor:
             inputs, prompt=None, prompt_token_ids=inputs.prompt_token_ids[start:]
         )
 
+    def reset_mm_cache(self) -> None:
+        """Forget processed media (``reset_mm_cache``; uuids sent before name nothing now)."""
+        if self.mm_processor is not None and self.mm_processor.cache is not None:
+            self.mm_processor.cache.reset()
+
     def check_mm_kwargs(self, mm_kwargs: object) -> None:
         """A request's ``mm_processor_kwargs``, checked before its media is fetched (the server
         calls this first, so a bad option costs no download)."""

@@ -378,6 +378,10 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def reset_mm_cache(self) -> None:
+        """Forget processed media and cached encoder outputs (vLLM's ``reset_mm_cache``)."""
+        self.llm_engine.reset_mm_cache()
+
     def start_profile(self) -> None:
         """Start the torch profiler in every worker (needs ``OMNISERVE_TORCH_PROFILER_DIR``)."""
         self.llm_engine.start_profile()

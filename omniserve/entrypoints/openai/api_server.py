@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from http import HTTPStatus
 from pathlib import Path
 from types import FrameType
@@ -46,6 +46,7 @@ from omniserve.entrypoints.openai.completion_protocol import (
     CompletionResponse,
     CompletionStreamResponse,
 )
+from omniserve.entrypoints.openai.dev_routes import dev_router
 from omniserve.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
@@ -189,15 +190,6 @@ def load_chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
 
 
-async def _profile(call: Awaitable[None]) -> Response:
-    """A profiler start/stop; one out of turn (a second start, a stop with none running) is 400."""
-    try:
-        await call
-    except RuntimeError as exc:
-        raise ServingError(str(exc)) from exc
-    return Response(status_code=200)
-
-
 def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     """The FastAPI app over a running engine; ``args`` are the ``serve`` flags.
 
@@ -307,6 +299,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         _api_router(engine, chat, completion, speech, responses, transcription, models)
     )
     app.include_router(pooling_router(pooling))
+    app.include_router(dev_router(engine))
     if not getattr(args, "no_playground", False):
         app.include_router(
             playground_router(_playground_info(engine, names), getattr(args, "api_key", None))
@@ -463,16 +456,6 @@ def _api_router(
     @router.get("/v1/audio/voices", responses=documented())
     async def list_voices() -> VoiceList:
         return speech.voices()
-
-    if envs.torch_profiler_dir():  # vLLM's routes, there only while profiling is enabled
-
-        @router.post("/start_profile", responses=documented())
-        async def start_profile() -> Response:
-            return await _profile(engine.start_profile())
-
-        @router.post("/stop_profile", responses=documented())
-        async def stop_profile() -> Response:
-            return await _profile(engine.stop_profile())
 
     @router.post("/v1/responses", responses=documented(ResponseObject, ResponseStreamEvent))
     @with_cancellation

@@ -98,17 +98,21 @@ def _converted_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 class APIKeyMiddleware:
-    """Bearer-token auth on the API routes; /health, /ping, /version and /metrics stay open."""
+    """Bearer-token auth on every route but the probes, the metrics, the API's description and
+    the playground's page (whose calls carry the key); a route added later is guarded too."""
 
-    PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/invocations", "/pooling",
-                          "/score", "/rerank", "/classify")  # fmt: skip
+    OPEN_PATHS = frozenset(("/health", "/ping", "/version", "/metrics", "/", "/docs", "/redoc",
+                            "/openapi.json", "/docs/oauth2-redirect"))  # fmt: skip
+    OPEN_PREFIXES = ("/playground/",)
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED_PREFIXES):
+        path = scope.get("path", "")
+        guarded = path not in self.OPEN_PATHS and not path.startswith(self.OPEN_PREFIXES)
+        if scope["type"] == "http" and guarded:
             headers = dict(scope["headers"])
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not secrets.compare_digest(
