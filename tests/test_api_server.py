@@ -30,6 +30,7 @@ from tests.server_utils import (
 
 MAX_MODEL_LEN = 1024  # long enough that a max-length answer outlives the 0.5 s client timeouts
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -520,7 +521,8 @@ def test_malformed_json_and_sdk_errors(server: Server) -> None:
         plain = httpx.post(server.url + "/v1/completions", content=body, timeout=60,
                            headers={"Authorization": f"Bearer {API_KEY}", **headers})  # fmt: skip
         assert "Content-Type: application/json" in assert_error(plain, 400)["message"]
-    assert_error(httpx.get(server.url + "/no/such/route"), 404)
+    assert_error(httpx.get(server.url + "/no/such/route", headers=AUTH), 404)
+    assert_error(httpx.get(server.url + "/no/such/route"), 401)  # guarded: not even its absence
     client = server.client()
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=MAX_MODEL_LEN)

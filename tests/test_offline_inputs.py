@@ -159,6 +159,22 @@ def test_beam_search_takes_vllms_use_tqdm_and_concurrency_limit(llm: LLM) -> Non
         llm.beam_search(prompts, params, use_tqdm="yes")
 
 
+def test_chat_template_content_format(llm: LLM) -> None:
+    """vLLM's ``chat_template_content_format``: "string" joins a message's text parts, "openai"
+    hands the template the parts; "auto" reads which the template takes."""
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+
+    def rendered(**kwargs: Any) -> str:
+        out = llm.chat(messages, PARAMS, use_tqdm=False, chat_template=template, **kwargs)
+        return llm.get_tokenizer().decode(out[0].prompt_token_ids)
+
+    assert rendered() == rendered(chat_template_content_format="string") == "[hi]"
+    assert "'type': 'text'" in rendered(chat_template_content_format="openai")
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        rendered(chat_template_content_format="json")
+
+
 def test_use_tqdm_takes_a_callable_building_the_bar(llm: LLM) -> None:
     calls: list[dict[str, Any]] = []
 

@@ -19,10 +19,8 @@ model's placeholder string inside the text ("string" format), as vLLM's "auto" m
 from __future__ import annotations
 
 import asyncio
-import base64
 import copy
 import functools
-import io
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -32,6 +30,7 @@ from typing import Any
 
 from omniserve.inputs.data import EMBEDS_SLOT, TokensPrompt
 from omniserve.multimodal.errors import MM_EMBEDS_OFF, MultiModalInputError
+from omniserve.multimodal.media_io import load_tensor
 
 TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
 MEDIA_PART_TYPES = {
@@ -97,7 +96,14 @@ class ChatInputs:
         return locations
 
 
-def detect_content_format(template: str | None) -> str:
+CONTENT_FORMATS = ("auto", "string", "openai")
+"""vLLM's --chat-template-content-format: how a message's content reaches the template."""
+
+
+def detect_content_format(template: str | None, setting: str = "auto") -> str:
+    """``setting``, or for "auto" the template's own: "openai" if it reads content parts."""
+    if setting != "auto":
+        return setting
     return "openai" if template and _PARTS_TEMPLATE.search(template) else "string"
 
 
@@ -305,21 +311,6 @@ def _decode_embeds(item: _PendingMedia) -> dict[str, Any]:
     return decoded
 
 
-def load_tensor(text: Any) -> Any:
-    """The tensor that ``text`` holds as base64 of ``torch.save(tensor)``, on the CPU, loaded
-    with ``weights_only=True`` (so no code runs); a ``ValueError`` saying what it is instead."""
-    import torch
-
-    try:
-        value = torch.load(io.BytesIO(base64.b64decode(text, validate=True)),
-                           weights_only=True, map_location="cpu")  # fmt: skip
-    except Exception as exc:  # binascii, pickle and torch errors all mean "not a tensor"
-        raise ValueError(f"is not base64 of a torch.save()d tensor ({exc})") from None
-    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
-        raise ValueError(f"holds {type(value).__name__}, not one dense tensor")
-    return value
-
-
 def _decode_prompt_embeds(location: str, data: Any) -> Any:
     """A ``prompt_embeds`` part's tensor (``load_tensor``), or the tensor itself (offline)."""
     import torch
@@ -458,21 +449,27 @@ class ChatRenderer:
         connector: Any = None,
         check_counts: Callable[[Mapping[str, int]], None] | None = None,
         mm_embeds: bool = True,
+        content_format: str = "auto",
     ) -> None:
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, "
+                             f"not {content_format!r}.")  # fmt: skip
         self.tokenizer = tokenizer
         self.mm_embeds = mm_embeds
         self.chat_template = chat_template
         self.placeholder = placeholder
         self.connector = connector
         self.check_counts = check_counts
+        self.format_setting = content_format
         self.content_format = detect_content_format(
-            chat_template or getattr(tokenizer, "chat_template", None)
+            chat_template or getattr(tokenizer, "chat_template", None), content_format
         )
 
     @classmethod
     def from_config(
-        cls, config: Any, tokenizer: Any, chat_template: str | None = None
-    ) -> ChatRenderer:
+        cls, config: Any, tokenizer: Any, chat_template: str | None = None,
+        content_format: str = "auto",
+    ) -> ChatRenderer:  # fmt: skip
         from omniserve.multimodal.context import InputProcessingContext
         from omniserve.multimodal.media import MediaConnector, media_config
         from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
@@ -480,7 +477,7 @@ class ChatRenderer:
 
         factories = MULTIMODAL_REGISTRY.get_factories(config.model_config)
         if factories is None:
-            return cls(tokenizer, chat_template=chat_template)
+            return cls(tokenizer, chat_template=chat_template, content_format=content_format)
         model_cls = ModelRegistry.resolve_model_cls(config.model_config.architecture)
         mm = config.multimodal_config
         connector = MediaConnector(media_config(mm))
@@ -498,6 +495,7 @@ class ChatRenderer:
             connector=connector,
             check_counts=info.validate_num_items,
             mm_embeds=mm.enable_mm_embeds,
+            content_format=content_format,
         )
 
     def _parse(self, messages: list[dict[str, Any]], where: str | None = None) -> ChatInputs:
@@ -518,7 +516,7 @@ class ChatRenderer:
             return self
         other = copy.copy(self)
         other.chat_template = chat_template
-        other.content_format = detect_content_format(chat_template)
+        other.content_format = detect_content_format(chat_template, self.format_setting)
         return other
 
     def _prompt(

@@ -16,6 +16,7 @@ from omniserve.engine.arg_checks import (
     number_in,
 )
 from omniserve.engine.arg_utils import EngineArgs, json_arg
+from omniserve.entrypoints.chat_utils import CONTENT_FORMATS
 from omniserve.entrypoints.cli_clients import add_client_args, chat, complete
 from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from omniserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
@@ -335,6 +336,13 @@ def _add_serving_args(group: argparse._ArgumentGroup) -> None:
         "--chat-template",
         default=None,
         help="A chat template file (or inline Jinja) replacing the checkpoint's.",
+    )
+    group.add_argument(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMATS,
+        default="auto",
+        help="How message content reaches the chat template: 'string' (parts joined into "
+        "text), 'openai' (the list of parts), or 'auto' (what the template reads).",
     )
     group.add_argument(
         "--trust-request-chat-template",

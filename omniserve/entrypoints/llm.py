@@ -113,11 +113,13 @@ class LLM:
         mm_processor_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template (loading any attached media), then
         generate. Content parts are those of the OpenAI API, plus ``image_pil`` and
         ``audio_array`` for in-memory media; ``tools`` (OpenAI's function tools) are listed for
-        the model by templates that take them (its calls are in the text, as vLLM's LLM.chat)."""
+        the model by templates that take them (its calls are in the text, as vLLM's LLM.chat);
+        ``chat_template_content_format`` as the server's ``--chat-template-content-format``."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError(
                 f"chat_template_kwargs must be a dict, not {type(chat_template_kwargs).__name__}."
@@ -128,8 +130,9 @@ class LLM:
             processor.check_mm_kwargs({} if mm_processor_kwargs is None else mm_processor_kwargs)
         conversations = _conversations(messages)
         renderer = ChatRenderer.from_config(
-            self.llm_engine.config, self.get_tokenizer(), chat_template
-        )
+            self.llm_engine.config, self.get_tokenizer(), chat_template,
+            chat_template_content_format,
+        )  # fmt: skip
         prompts: list[PromptType] = [
             renderer.render(
                 conversation,

@@ -1,4 +1,5 @@
-"""Bytes -> media: images with PIL, audio with soundfile (PyAV fallback), video with PyAV.
+"""Bytes -> media: images with PIL, audio with soundfile (PyAV fallback), video with PyAV, and
+embeddings sent as base64 of ``torch.save`` (``load_tensor``).
 
 Decoders see untrusted bytes. Every failure inside a third-party decoder is the input's fault, so
 it surfaces as ``MultiModalInputError(stage="decode")`` naming the modality, never as a crash or
@@ -8,13 +9,14 @@ to a processor's rate is the parser's job, so one decoded clip can serve any mod
 
 from __future__ import annotations
 
+import base64
 import functools
 import io
 import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -437,3 +439,18 @@ def _decode_pass(
             elif track is not None and isinstance(frame, av.AudioFrame):
                 track.add(frame)
     return frames, total, None if track is None else track.finish()
+
+
+def load_tensor(text: Any) -> Any:
+    """The tensor that ``text`` holds as base64 of ``torch.save(tensor)``, on the CPU, loaded
+    with ``weights_only=True`` (so no code runs); a ``ValueError`` saying what it is instead."""
+    import torch
+
+    try:
+        value = torch.load(io.BytesIO(base64.b64decode(text, validate=True)),
+                           weights_only=True, map_location="cpu")  # fmt: skip
+    except Exception as exc:  # binascii, pickle and torch errors all mean "not a tensor"
+        raise ValueError(f"is not base64 of a torch.save()d tensor ({exc})") from None
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        raise ValueError(f"holds {type(value).__name__}, not one dense tensor")
+    return value

@@ -208,12 +208,16 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         if getattr(args, "enable_log_requests", False)
         else None
     )
+    shared: dict[str, Any] = {
+        "request_logger": request_logger,
+        "chat_template_content_format": getattr(args, "chat_template_content_format", "auto"),
+    }
     chat = OpenAIServingChat(
         engine,
         models,
         chat_template,
         trust_request_chat_template=trust,
-        request_logger=request_logger,
+        **shared,
         reasoning_parser=REASONING_PARSERS[parser_name] if parser_name else None,
         tool_call_parser=getattr(args, "tool_call_parser", None) if auto_tools else None,
         exclude_tools_when_tool_choice_none=getattr(
@@ -221,14 +225,12 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         ),
     )
     completion = OpenAIServingCompletion(
-        engine, models, chat_template, trust_request_chat_template=trust,
-        request_logger=request_logger,
-    )  # fmt: skip
+        engine, models, chat_template, trust_request_chat_template=trust, **shared
+    )
     pooling = OpenAIServingScores(
-        engine, models, chat_template, trust_request_chat_template=trust,
-        request_logger=request_logger,
-    )  # fmt: skip
-    speech = OpenAIServingSpeech(engine, models, chat_template, request_logger=request_logger)
+        engine, models, chat_template, trust_request_chat_template=trust, **shared
+    )
+    speech = OpenAIServingSpeech(engine, models, chat_template, **shared)
     if chat.default_sampling:
         logger.info(
             "Default sampling parameters from the checkpoint's generation config, for "

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 from omniserve.entrypoints.beam_search import BeamSearchParams
-from omniserve.entrypoints.chat_utils import load_tensor
 from omniserve.entrypoints.openai.completion_protocol import (
     CompletionLogprobs,
     CompletionRequest,
@@ -33,6 +32,7 @@ from omniserve.entrypoints.openai.serving_engine import (
 )
 from omniserve.inputs.preprocess import PROMPT_EMBEDS_PLACEHOLDER_ID
 from omniserve.lora.request import LoRARequest
+from omniserve.multimodal.media_io import load_tensor
 from omniserve.outputs import Logprob, RequestOutput
 
 

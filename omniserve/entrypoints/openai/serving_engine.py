@@ -215,13 +215,15 @@ class OpenAIServing:
         chat_template: str | None = None,
         trust_request_chat_template: bool = False,
         request_logger: RequestLogger | None = None,
+        chat_template_content_format: str = "auto",
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
         self.models = models
         self.request_logger = request_logger
-        self.renderer = ChatRenderer.from_config(engine.config, engine.tokenizer, chat_template)
+        self.renderer = ChatRenderer.from_config(engine.config, engine.tokenizer, chat_template,
+                                                 chat_template_content_format)  # fmt: skip
         self.trust_request_chat_template = trust_request_chat_template
         """Whether requests may bring their own chat template (rendered in jinja's sandbox)."""
         self.default_sampling = engine.model_config.default_sampling_params()
