@@ -225,11 +225,12 @@ class PrometheusStatLogger:
             hit_rate.set(stats.get("prefix_cache_hits", 0.0) / queries)
 
     def _growth(self, engine: int, key: str, value: float) -> float:
-        """How much an engine's cumulative counter grew since it was last read; never negative
-        (a counter never goes back, even if the engine's is reset)."""
+        """How much an engine's cumulative counter grew since it was last read; a value below
+        the last one is a counter that restarted from zero (``reset_prefix_cache``), all of it
+        new, as Prometheus reads a counter reset."""
         last = self._last_engine_counters.get((engine, key), 0.0)
-        self._last_engine_counters[engine, key] = max(value, last)
-        return max(0.0, value - last)
+        self._last_engine_counters[engine, key] = value
+        return value - last if value >= last else value
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type."""
