@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -35,6 +36,8 @@ class Server:
     url: str
     proc: subprocess.Popen
     log: Path
+    verify: ssl.SSLContext | bool = True
+    """What httpx verifies TLS with (a server with --ssl-certfile: that certificate)."""
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(
@@ -58,8 +61,10 @@ class Server:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         if content is not None:
             headers["Content-Type"] = "application/json"
-            return httpx.post(self.url + path, content=content, headers=headers, timeout=timeout)
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=timeout)
+            return httpx.post(self.url + path, content=content, headers=headers, timeout=timeout,
+                              verify=self.verify)  # fmt: skip
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=timeout,
+                          verify=self.verify)  # fmt: skip
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample of /metrics, keyed by (name, labels without model_name)."""
@@ -153,7 +158,10 @@ def _start(model: Path | None, log_dir: Path, flags: tuple[str, ...]) -> Server:
     ]
     with log.open("wb") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-    return Server(f"http://127.0.0.1:{port}", proc, log)
+    cert = flags[flags.index("--ssl-certfile") + 1] if "--ssl-certfile" in flags else None
+    scheme = "https" if cert else "http"
+    verify = ssl.create_default_context(cafile=cert) if cert else True
+    return Server(f"{scheme}://127.0.0.1:{port}", proc, log, verify)
 
 
 def _wait_healthy(server: Server) -> None:
@@ -162,7 +170,7 @@ def _wait_healthy(server: Server) -> None:
         if server.proc.poll() is not None:
             pytest.fail(f"server exited ({server.proc.returncode}):\n{server.log.read_text()}")
         try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+            if httpx.get(server.url + "/health", timeout=2, verify=server.verify).status_code == 200:
                 return
         except httpx.TransportError:
             pass

@@ -109,6 +109,18 @@ def test_vllm_settings_of_the_python_api(caplog):
     check_vllm_only({"compilation_config": {"mode": 0}})
     with pytest.raises(ValueError, match="--compilation-config: torch.compile"):
         check_vllm_only({"compilation_config": '{"level": 3}'})
+    # vLLM's names: logged, refused naming the feature, or renamed to this engine's
+    with caplog.at_level("INFO", logger="omniserve.engine.arg_checks"):
+        kept = without_vllm_only({"revision": "main", "model_impl": "auto",
+                                  "kv_cache_memory_bytes": 1 << 30})  # fmt: skip
+    assert kept == {"kv_cache_memory": 1 << 30}
+    assert "--revision has no effect here" in caplog.text
+    with pytest.raises(ValueError, match="--model-impl must be one of"):
+        check_vllm_only({"model_impl": "transformers"})
+    with pytest.raises(ValueError, match="--logits-processors: custom logits processors is not"):
+        check_vllm_only({"logits_processors": ["my.Processor"]})
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes and kv_cache_memory are one"):
+        without_vllm_only({"kv_cache_memory_bytes": 1, "kv_cache_memory": 2})
 
 
 def test_vllm_spellings_of_settings(tiny_checkpoint):

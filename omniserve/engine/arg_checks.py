@@ -85,6 +85,35 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
     "--load-format": ({"choices": ["auto", "safetensors"]}, "safetensors is the only format"),
     "--kv-cache-dtype": ({"choices": ["auto"]}, "the KV cache is in the model's dtype"),
     "--download-dir": ({}, "nothing is downloaded: models are local directories"),
+    "--revision": ({}, "models are local directories, read as they are"),
+    "--tokenizer-revision": ({}, "tokenizers are read from local directories as they are"),
+    "--code-revision": ({}, "no code from checkpoints runs"),
+    "--hf-token": ({}, "nothing is downloaded from the Hugging Face hub"),
+    "--disable-frontend-multiprocessing": (
+        {"action": "store_true"},
+        "the API server and the engine's front end share one process already",
+    ),
+    "--enable-prompt-tokens-details": (
+        {"action": "store_true"},
+        "usage always carries prompt_tokens_details",
+    ),
+    "--max-parallel-loading-workers": (
+        {"type": int},
+        "each worker reads its checkpoint with parallel threads already",
+    ),
+    "--safetensors-load-strategy": ({}, "tensors are read as the loader asks for them"),
+    "--model-impl": ({"choices": ["auto", "vllm"]}, "omniserve's own model classes run"),
+    "--show-hidden-metrics-for-version": ({}, "every metric is shown"),
+    "--guided-decoding-backend": (
+        {"choices": ["auto", "xgrammar"]},
+        "xgrammar is the one structured-output backend",
+    ),
+    "--response-role": ({"choices": ["assistant"]}, "answers are the assistant's"),
+    "--api-server-count": ({"type": int, "choices": [1]}, "one API server process serves"),
+    "--max-seq-len-to-capture": (
+        {"type": int},
+        "decode graphs are captured per batch size, for any sequence length",
+    ),
 }
 """vLLM's flags that mean nothing here: accepted, each logged once with why."""
 MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
@@ -96,6 +125,27 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
         {},
         "torch.compile (decode steps replay CUDA graphs; --enforce-eager turns them off)",
     ),
+    "--otlp-traces-endpoint": ({}, "OpenTelemetry tracing"),
+    "--collect-detailed-traces": ({}, "OpenTelemetry tracing"),
+    "--logits-processors": ({"nargs": "+"}, "custom logits processors"),
+    "--calculate-kv-scales": ({"action": "store_true"}, "an fp8 KV cache"),
+    "--headless": ({"action": "store_true"}, "an engine without an API server (multi-node)"),
+    "--data-parallel-address": ({}, "multi-node data parallelism"),
+    "--data-parallel-rpc-port": ({"type": int}, "multi-node data parallelism"),
+    "--data-parallel-start-rank": ({"type": int}, "multi-node data parallelism"),
+    "--data-parallel-hybrid-lb": ({"action": "store_true"}, "multi-node data parallelism"),
+    "--enable-eplb": ({"action": "store_true"}, "expert-parallel load balancing"),
+    "--enable-dbo": ({"action": "store_true"}, "dual batch overlap"),
+    "--kv-events-config": ({}, "KV cache events"),
+    "--skip-tokenizer-init": ({"action": "store_true"}, "serving without a tokenizer"),
+    "--disable-sliding-window": ({"action": "store_true"}, "turning sliding windows off"),
+    "--tool-parser-plugin": ({}, "tool-call parser plugins"),
+    "--reasoning-parser-plugin": ({}, "reasoning parser plugins"),
+    "--enable-lora-bias": ({"action": "store_true"}, "LoRA adapters with biases"),
+    "--fully-sharded-loras": ({"action": "store_true"}, "fully sharded LoRA layers"),
+    "--default-mm-loras": ({}, "a default LoRA adapter per modality"),
+    "--video-pruning-rate": ({"type": float}, "video token pruning"),
+    "--enable-ssl-refresh": ({"action": "store_true"}, "reloading TLS certificates"),
 }
 """vLLM's flags for features omniserve does not have: start-up fails naming the feature."""
 FLAG_ALIASES = {"--compilation-config": ("-O",)}
@@ -137,9 +187,19 @@ def _asks_nothing(value: object) -> bool:
     return value is None or value is False or value == 0
 
 
+RENAMED_SETTINGS = {"kv_cache_memory_bytes": "kv_cache_memory"}
+"""vLLM's names of settings ``EngineArgs`` has under another name."""
+
+
 def without_vllm_only(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` (``LLM``'s) checked by ``check_vllm_only`` and rid of vLLM's settings, which
-    ``EngineArgs`` has no fields for."""
+    """``kwargs`` (``LLM``'s) checked by ``check_vllm_only``, rid of vLLM's settings, which
+    ``EngineArgs`` has no fields for, and with vLLM's names of its own settings renamed."""
     check_vllm_only(kwargs)
     names = {_dest(flag) for flag in (*NO_EFFECT_FLAGS, *MISSING_FEATURE_FLAGS)}
-    return {name: value for name, value in kwargs.items() if name not in names}
+    kept = {name: value for name, value in kwargs.items() if name not in names}
+    for vllm_name, name in RENAMED_SETTINGS.items():
+        if vllm_name in kept:
+            if name in kept:
+                raise ValueError(f"{vllm_name} and {name} are one setting: give one of them.")
+            kept[name] = kept.pop(vllm_name)
+    return kept

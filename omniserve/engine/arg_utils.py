@@ -362,6 +362,7 @@ class EngineArgs:
         add("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
         add(
             "--kv-cache-memory",
+            "--kv-cache-memory-bytes",  # vLLM's newer name
             default=None,
             help="KV-cache memory, e.g. 4GiB; None: on CPU half the memory available after "
             "loading the weights (less 1 GiB), on GPU 90%% of its memory less what is in use.",

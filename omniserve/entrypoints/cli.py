@@ -12,13 +12,13 @@ from omniserve.engine.arg_checks import (
     MISSING_FEATURE_FLAGS,
     NO_EFFECT_FLAGS,
     check_vllm_only,
-    json_str_list,
     number_in,
 )
 from omniserve.engine.arg_utils import EngineArgs, json_arg
 from omniserve.entrypoints.chat_utils import CONTENT_FORMATS
 from omniserve.entrypoints.cli_clients import add_client_args, chat, complete
 from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
+from omniserve.entrypoints.openai.server_args import add_server_args, check_server_args
 from omniserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from omniserve.lora.request import parse_lora_modules
 
@@ -100,6 +100,7 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
             parser.error(str(exc))
     try:
         check_vllm_only(vars(args))
+        check_server_args(args)
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -414,60 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="The checkpoint dir as a flag (vLLM's older spelling of the positional).",
     )
-    server = serve.add_argument_group("server")
-    server.add_argument(
-        "--host", default="127.0.0.1", help="Address to bind (0.0.0.0 for every interface)."
-    )
-    server.add_argument(
-        "--port", type=number_in(int, 0, 65535), default=8000, help="TCP port to listen on."
-    )
-    server.add_argument(
-        "--api-key", default=None, help="Require 'Authorization: Bearer KEY' on the API routes."
-    )
-    server.add_argument(
-        "--no-playground",
-        action="store_true",
-        help="Do not serve the web playground (a chat page at /).",
-    )
-    server.add_argument(
-        "--max-request-body-mb",
-        type=number_in(float, 1e-3),
-        default=100.0,
-        help="Largest request body accepted (413 above it), media included.",
-    )
-    server.add_argument(
-        "--shutdown-timeout",
-        type=number_in(float, 0),
-        default=0.0,
-        help="On SIGTERM/SIGINT, seconds the requests in flight get to finish "
-        "(new ones get 503 meanwhile); those left then end with an error. "
-        "0: end them at once.",
-    )
-    server.add_argument(
-        "--allowed-origins",
-        type=json_str_list,
-        default=["*"],
-        help="CORS: allowed origins, as a JSON list.",
-    )
-    server.add_argument(
-        "--allowed-methods",
-        type=json_str_list,
-        default=["*"],
-        help="CORS: allowed methods, as a JSON list.",
-    )
-    server.add_argument(
-        "--allowed-headers",
-        type=json_str_list,
-        default=["*"],
-        help="CORS: allowed headers, as a JSON list.",
-    )
-    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
-    server.add_argument(
-        "--uvicorn-log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="uvicorn's log level (info logs every request).",
-    )
+    add_server_args(serve.add_argument_group("server"))
     _add_serving_args(serve.add_argument_group("serving"))
     EngineArgs.add_cli_args(serve)
     compat = serve.add_argument_group(

@@ -53,6 +53,7 @@ from omniserve.entrypoints.openai.middleware import (
     DrainMiddleware,
     InvocationsMiddleware,
     Lifecycle,
+    RequestIdMiddleware,
     add_error_handlers,
     error_json,
 )
@@ -78,6 +79,7 @@ from omniserve.entrypoints.openai.routing import (
     documented,
     with_cancellation,
 )
+from omniserve.entrypoints.openai.server_args import uvicorn_options
 from omniserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from omniserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from omniserve.entrypoints.openai.serving_engine import (
@@ -211,6 +213,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     shared: dict[str, Any] = {
         "request_logger": request_logger,
         "chat_template_content_format": getattr(args, "chat_template_content_format", "auto"),
+        "return_tokens_as_token_ids": getattr(args, "return_tokens_as_token_ids", False),
+        "force_include_usage": getattr(args, "enable_force_include_usage", False),
     }
     chat = OpenAIServingChat(
         engine,
@@ -248,7 +252,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         # the process before any later cleanup ran.
         engine.shutdown()
 
-    app = FastAPI(title="omniserve", version=__version__, lifespan=lifespan)
+    docs = not getattr(args, "disable_fastapi_docs", False)
+    app = FastAPI(title="omniserve", version=__version__, lifespan=lifespan,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)  # fmt: skip
     app.state.models = models
     add_error_handlers(app)
 
@@ -275,6 +282,13 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+    if getattr(args, "enable_server_load_tracking", False):
+
+        @app.get("/load")
+        async def load() -> dict[str, int]:
+            """vLLM's: the requests in flight, this one aside."""
+            return {"server_load": app.state.lifecycle.in_flight - 1}
 
     @app.get(
         "/metrics",
@@ -321,6 +335,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
     config = engine.model_config
+    if getattr(args, "enable_request_id_headers", False):
+        app.add_middleware(RequestIdMiddleware)
     app.add_middleware(InvocationsMiddleware, generates=config.runner == "generate",
                        classifies=is_classifier(config.architecture))  # fmt: skip
     max_body_mb = getattr(args, "max_request_body_mb", None)
@@ -555,9 +571,7 @@ async def serve(args: argparse.Namespace) -> None:
             await app.state.models.load(name, path, base)  # a bad adapter stops start-up
         config = uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
+            **uvicorn_options(args),
             timeout_keep_alive=5,
             timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import uuid
 from http import HTTPStatus
 from typing import Any
 
@@ -21,6 +22,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
 from omniserve.entrypoints.openai.score_protocol import FIRST_NAMES
 from omniserve.entrypoints.openai.serving_engine import ServingError, to_serving_error
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes see: uvicorn's path less ``--root-path`` (a proxy's prefix)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def error_json(error: ServingError) -> JSONResponse:
@@ -101,8 +108,8 @@ class APIKeyMiddleware:
     """Bearer-token auth on every route but the probes, the metrics, the API's description and
     the playground's page (whose calls carry the key); a route added later is guarded too."""
 
-    OPEN_PATHS = frozenset(("/health", "/ping", "/version", "/metrics", "/", "/docs", "/redoc",
-                            "/openapi.json", "/docs/oauth2-redirect"))  # fmt: skip
+    OPEN_PATHS = frozenset(("/health", "/ping", "/version", "/metrics", "/load", "/", "/docs",
+                            "/redoc", "/openapi.json", "/docs/oauth2-redirect"))  # fmt: skip
     OPEN_PREFIXES = ("/playground/",)
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
@@ -110,7 +117,7 @@ class APIKeyMiddleware:
         self.api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
+        path = route_path(scope)
         guarded = path not in self.OPEN_PATHS and not path.startswith(self.OPEN_PREFIXES)
         if scope["type"] == "http" and guarded:
             headers = dict(scope["headers"])
@@ -149,7 +156,7 @@ class DrainMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.lifecycle.draining and scope["path"] not in self.OPEN_PATHS:
+        if self.lifecycle.draining and route_path(scope) not in self.OPEN_PATHS:
             error = ServingError(
                 "The server is shutting down; send the request to another replica.",
                 HTTPStatus.SERVICE_UNAVAILABLE,
@@ -243,7 +250,8 @@ class InvocationsMiddleware:
         self.classifies = classifies
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/invocations" or scope["method"] != "POST":
+        invoked = scope["type"] == "http" and scope["method"] == "POST"
+        if not invoked or route_path(scope) != "/invocations":
             await self.app(scope, receive, send)
             return
         body = await read_body(receive)
@@ -256,6 +264,7 @@ class InvocationsMiddleware:
                 f"POST /invocations takes a JSON object: {exc}.")  # fmt: skip
             await error_json(error)(scope, receive, send)
             return
+        path = scope.get("root_path", "") + path
         scope = {**scope, "path": path, "raw_path": path.encode()}
         await self.app(scope, replaying(body, receive), send)
 
@@ -284,3 +293,25 @@ def invocation_path(body: object, generates: bool, classifies: bool) -> str:
         f"and documents (rerank), or {', '.join(FIRST_NAMES)} (score)."
         + ("" if generates else " This model does not generate text (prompt is not taken).")
     )
+
+
+class RequestIdMiddleware:
+    """vLLM's --enable-request-id-headers: every answer carries ``X-Request-Id``, the request's
+    own header when it sent one, else a new id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

@@ -369,7 +369,7 @@ class OpenAIServingChat(OpenAIServing):
                         [choice], running, None if prompt_ids_sent else output.prompt_token_ids
                     )
                     prompt_ids_sent = True
-            if options and options.include_usage:
+            if self.force_include_usage or (options and options.include_usage):
                 yield chunk([], self.usage(latest, sum(num_generated), spoken()))
         except Exception as exc:  # e.g. the engine died mid-stream: tell the client in-band
             yield sse_event(to_serving_error(exc).to_response())
@@ -381,7 +381,7 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, out: CompletionOutput
     ) -> ChatCompletionLogprobs:
         """OpenAI's chat shape: per generated token, its logprob and the top alternatives."""
-        as_ids = request.return_tokens_as_token_ids
+        as_ids = request.return_tokens_as_token_ids or self.return_tokens_as_token_ids
         content = []
         for token_id, position in zip(out.token_ids, out.logprobs or [], strict=False):
             content.append(

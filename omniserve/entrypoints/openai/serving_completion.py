@@ -254,7 +254,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         running,
                     )
                     started.add(index)
-            if options and options.include_usage:
+            if self.force_include_usage or (options and options.include_usage):
                 yield chunk([], self.usage(list(latest.values()), num_generated))
         except Exception as exc:  # e.g. the engine died mid-stream: tell the client in-band
             yield sse_event(to_serving_error(exc).to_response())
@@ -276,7 +276,8 @@ class OpenAIServingCompletion(OpenAIServing):
         offset: int,
     ) -> CompletionLogprobs:
         """OpenAI's completions shape; with echo the prompt's tokens come first."""
-        k, as_ids = request.logprobs or 0, request.return_tokens_as_token_ids
+        k = request.logprobs or 0
+        as_ids = request.return_tokens_as_token_ids or self.return_tokens_as_token_ids
         positions: list[tuple[int, dict[int, Logprob] | None]] = []
         if echo:
             prompt_ids = output.prompt_token_ids or []  # (echo is refused for embeddings)

@@ -216,6 +216,8 @@ class OpenAIServing:
         trust_request_chat_template: bool = False,
         request_logger: RequestLogger | None = None,
         chat_template_content_format: str = "auto",
+        return_tokens_as_token_ids: bool = False,
+        force_include_usage: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -225,6 +227,10 @@ class OpenAIServing:
         self.renderer = ChatRenderer.from_config(engine.config, engine.tokenizer, chat_template,
                                                  chat_template_content_format)  # fmt: skip
         self.trust_request_chat_template = trust_request_chat_template
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        """--return-tokens-as-token-ids: every request's default."""
+        self.force_include_usage = force_include_usage
+        """--enable-force-include-usage: streams end with their usage whatever they ask."""
         """Whether requests may bring their own chat template (rendered in jinja's sandbox)."""
         self.default_sampling = engine.model_config.default_sampling_params()
 

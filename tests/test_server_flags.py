@@ -1,0 +1,106 @@
+"""vLLM's HTTP server flags on one server: HTTPS (``--ssl-keyfile`` / ``--ssl-certfile``),
+``--root-path``, ``--enable-request-id-headers``, ``--enable-server-load-tracking``,
+``--return-tokens-as-token-ids``, ``--enable-force-include-usage``, ``--disable-fastapi-docs``
+and ``--disable-uvicorn-access-log``; and TLS settings that could not start, refused first."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server_utils import API_KEY, MODEL, Server, assert_error, launch_server
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A key and a certificate for 127.0.0.1 (the certificate is its own authority)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(
+            [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    key_file, cert_file = directory / "key.pem", directory / "cert.pem"
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))  # fmt: skip
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key_file, cert_file
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    key, cert = _self_signed(tmp_path_factory.mktemp("tls"))
+    with launch_server(
+        tiny_checkpoint("Qwen3ForCausalLM"), tmp_path_factory.mktemp("flags"),
+        "--max-model-len", "512", "--kv-cache-memory", "16MiB",
+        "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/api",
+        "--enable-request-id-headers", "--enable-server-load-tracking",
+        "--return-tokens-as-token-ids", "--enable-force-include-usage",
+        "--disable-fastapi-docs", "--disable-uvicorn-access-log", "--uvicorn-log-level", "info",
+    ) as running:  # fmt: skip
+        yield running
+
+
+def _get(server: Server, path: str, **kwargs: Any) -> httpx.Response:
+    return httpx.get(server.url + path, verify=server.verify, timeout=30, **kwargs)
+
+
+def test_https_root_path_and_the_api_switches(server: Server) -> None:
+    assert server.url.startswith("https://")
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 1, "temperature": 0}
+    answer = server.post("/v1/completions", body)
+    assert answer.status_code == 200, answer.text
+    assert all(t.startswith("token_id:") for t in answer.json()["choices"][0]["logprobs"]["tokens"])
+    # under --root-path (a proxy strips its prefix), the probes stay open, the API guarded
+    assert _get(server, "/health").status_code == 200
+    assert_error(server.post("/v1/completions", body, key=None), 401)
+    mine = server.post("/v1/completions", body)
+    assert len(mine.headers["x-request-id"]) == 32
+    echoed = httpx.post(server.url + "/v1/completions", json=body, verify=server.verify,
+                        headers={**AUTH, "X-Request-Id": "abc-1"}, timeout=30)  # fmt: skip
+    assert echoed.headers["x-request-id"] == "abc-1"
+    assert _get(server, "/load").json() == {"server_load": 0}
+    streamed = server.post("/v1/completions", {**body, "stream": True}).text
+    events = [json.loads(line[6:]) for line in streamed.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    assert events[-1]["usage"]["completion_tokens"] == 2  # forced: the request asked for none
+    for path in ("/docs", "/openapi.json"):
+        assert _get(server, path, headers=AUTH).status_code == 404
+    assert "GET /health" not in server.log.read_text()  # no access log
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+        (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "--ssl-keyfile k.pem: no such"),
+        (["--ssl-cert-reqs", "2"], "--ssl-cert-reqs asks for client certificates"),
+    ],
+)
+def test_tls_settings_that_could_not_start_are_refused(flags, message, capsys) -> None:
+    from omniserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", *flags])
+    assert message in capsys.readouterr().err
