@@ -170,7 +170,8 @@ def _wait_healthy(server: Server) -> None:
         if server.proc.poll() is not None:
             pytest.fail(f"server exited ({server.proc.returncode}):\n{server.log.read_text()}")
         try:
-            if httpx.get(server.url + "/health", timeout=2, verify=server.verify).status_code == 200:
+            health = httpx.get(server.url + "/health", timeout=2, verify=server.verify)
+            if health.status_code == 200:
                 return
         except httpx.TransportError:
             pass
