@@ -1,0 +1,305 @@
+"""``EngineArgs``' command-line flags, spelled as vLLM spells them (``--help`` shows every
+default); each flag's value lands in the ``EngineArgs`` field of its name."""
+
+from __future__ import annotations
+
+import argparse
+
+from omniserve import envs
+from omniserve.config import (
+    ATTENTION_BACKENDS,
+    DTYPE_CHOICES,
+    MM_ENCODER_ATTN_BACKENDS,
+    QUANTIZATION_METHODS,
+)
+from omniserve.engine.arg_checks import token_count
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("engine")
+    add = group.add_argument
+    add("--tokenizer", default=None, help="Tokenizer directory; None: the model's.")
+    add(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="Weights and activations dtype; auto = the checkpoint's (on a CPU without "
+        "native bf16, fp32; on a GPU, bf16 for an fp32 checkpoint).",
+    )
+    add(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=sorted(QUANTIZATION_METHODS),
+        help="The method the checkpoint is quantized with (4-bit AWQ or GPTQ, FP8; the Marlin "
+        "names read the same checkpoints). Default: read from its config.json.",
+    )
+    add("--device", default="auto", help="auto (CUDA when present), cpu or cuda.")
+    add(
+        "--attention-backend",
+        default=envs.attention_backend(),
+        choices=ATTENTION_BACKENDS,
+        help="Paged attention: auto (Triton on CUDA, C decode kernel on CPU), triton or "
+        "torch (the reference). Default: $OMNISERVE_ATTENTION_BACKEND or auto.",
+    )
+    add(
+        "--enforce-eager",
+        action="store_true",
+        help="Run decode steps eagerly: capture no CUDA graphs (they need an attention "
+        "backend without per-step host plans: Triton).",
+    )
+    add("--seed", type=int, default=0, help="Engine RNG seed.")
+    add(
+        "--generation-config",
+        default="auto",
+        help="Default sampling settings for fields a request omits: 'auto' the "
+        "checkpoint's generation_config.json, 'vllm' none (OpenAI's defaults), or a "
+        "directory holding a generation_config.json.",
+    )
+    add(
+        "--hf-overrides",
+        default=None,
+        help="JSON object of config.json keys set over the checkpoint's (nested objects "
+        'merged), e.g. \'{"architectures": ["Qwen3ForSequenceClassification"]}\'.',
+    )
+    add(
+        "--override-generation-config",
+        default=None,
+        help="JSON object of generation config settings (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens) over those of --generation-config, e.g. "
+        '\'{"temperature": 0.5, "max_new_tokens": 256}\'; with --generation-config vllm the '
+        "only defaults.",
+    )
+    add(
+        "--disable-audio-output",
+        action="store_true",
+        help="Serve a full omni checkpoint's thinker alone (text output only; the talker "
+        "and vocoder are not loaded).",
+    )
+    add(
+        "--max-model-len",
+        type=token_count,
+        default=None,
+        help="Longest prompt + output, in tokens (vLLM's forms: 32768, 32k = 32,000, "
+        "32K = 32,768); None: the model's max_position_embeddings.",
+    )
+    add("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
+    add(
+        "--kv-cache-memory",
+        "--kv-cache-memory-bytes",  # vLLM's newer name
+        default=None,
+        help="KV-cache memory, e.g. 4GiB; None: on CPU half the memory available after "
+        "loading the weights (less 1 GiB), on GPU 90%% of its memory less what is in use.",
+    )
+    add(
+        "--talker-kv-cache-memory",
+        default=None,
+        help="A speaking model's talker KV pool, e.g. 256MiB; None: a quarter of the KV "
+        "budget (the thinker gets the rest).",
+    )
+    add(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="Exact number of KV blocks (testing).",
+    )
+    add(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="Share of the device's memory (the machine's on a CPU) for weights, KV cache "
+        "and activations; the KV cache gets the rest. None: 0.9 on a GPU, half of what is "
+        "available after loading on a CPU. --kv-cache-memory overrides it.",
+    )
+    add(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="Most logprobs (and prompt_logprobs) a request may ask for per token.",
+    )
+    add(
+        "--enable-prompt-embeds",
+        action="store_true",
+        help="Accept prompts given as embeddings (prompt_embeds: [num_tokens, hidden_size] "
+        "rows the decoder reads in place of token embeddings).",
+    )
+    add(
+        "--runner",
+        choices=["auto", "generate", "pooling"],
+        default="auto",
+        help="pooling: serve the model as an embedding model (embeddings only; generation "
+        "requests are refused). auto: generate (embeddings are answered either way).",
+    )
+    add(
+        "--convert",
+        choices=["auto", "none", "embed"],
+        default="auto",
+        help="embed: as --runner pooling (any model pools its last hidden state).",
+    )
+    add(
+        "--pooler-config",
+        default=None,
+        help='JSON: how embeddings pool, {"pooling_type": "MEAN", "normalize": true}: '
+        "LAST, MEAN or CLS, and whether to L2-normalise (defaults of requests that omit "
+        "them; keys not given come from the checkpoint's sentence-transformers modules.json, "
+        "else LAST, normalised).",
+    )
+    add(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Reuse KV blocks of shared prefixes.",
+    )
+    add("--max-num-seqs", type=int, default=256, help="Most requests running at once.")
+    add(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="fcfs: first come, first served; priority: by each request's priority "
+        "(lower first), then arrival, preempting the last in that order.",
+    )
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="Token budget per step; None: 8192 offline, 2048 for the server.",
+    )
+    add(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Split long prompts across steps.",
+    )
+    add(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Schedule and launch the next step while the device runs this one, so it "
+        "never waits for the host between steps (the 'uni' and 'mp' executors; off by "
+        "default, --no-async-scheduling as in vLLM).",
+    )
+    add(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="Cap one request's prefill tokens per step (0: no cap).",
+    )
+    add("--tensor-parallel-size", "-tp", type=int, default=1, help="Tensor-parallel ranks.")
+    add("--pipeline-parallel-size", "-pp", type=int, default=1, help="Pipeline stages.")
+    add(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="Engine cores, each in its own process with its own KV cache; every new "
+        "request goes to the one with the fewest requests in flight.",
+    )
+    add(
+        "--distributed-executor-backend",
+        default=None,
+        choices=[None, "uni", "mp", "ray"],
+        help="How workers run; None: uni for one rank, mp for more.",
+    )
+    mm = parser.add_argument_group("multimodal")
+    mm.add_argument(
+        "--limit-mm-per-prompt",
+        default=None,
+        help='Most items per modality in one prompt, as JSON: {"image": 4}, or with the GPU '
+        'memory profile\'s item size: {"image": {"count": 4, "width": 512, "height": 512}}.',
+    )
+    mm.add_argument(
+        "--mm-processor-kwargs",
+        default=None,
+        help='Default HF processor kwargs as JSON, e.g. {"max_pixels": 200704}.',
+    )
+    mm.add_argument(
+        "--max-num-encoder-input-tokens",
+        type=int,
+        default=None,
+        help="Encoder budget per step, in embeddings; None: max(8192, the token "
+        "budget). One item larger than this (or the cache) is rejected.",
+    )
+    mm.add_argument(
+        "--encoder-cache-size",
+        type=int,
+        default=None,
+        help="Encoder-output cache capacity, in embeddings; None: as above.",
+    )
+    mm.add_argument(
+        "--mm-encoder-attn-backend",
+        default="auto",
+        choices=MM_ENCODER_ATTN_BACKENDS,
+        help="The vision and audio towers' attention: FLASH_ATTN (their windows, frames "
+        "and chunks in one varlen flash-attention call; CUDA, bf16/fp16), TORCH_SDPA (one "
+        "SDPA call per segment), or auto (FLASH_ATTN on CUDA where it passes a start-up "
+        "check).",
+    )
+    mm.add_argument(
+        "--mm-processor-cache-gb",
+        type=float,
+        default=4.0,
+        help="Processor-output cache size (0 disables it).",
+    )
+    mm.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="Serve file:// media only from under this directory.",
+    )
+    mm.add_argument(
+        "--allowed-media-domains",
+        nargs="*",
+        default=None,
+        help="Only fetch http(s) media from these hosts.",
+    )
+    mm.add_argument(
+        "--allow-private-media-urls",
+        action="store_true",
+        help="Allow http(s) media from loopback/private addresses (testing).",
+    )
+    mm.add_argument(
+        "--enable-mm-embeds",
+        action="store_true",
+        help="Accept precomputed image_embeds / audio_embeds in place of media "
+        "(the encoder is skipped for them; trust the client's tensors).",
+    )
+    mm.add_argument(
+        "--media-io-kwargs",
+        default=None,
+        help="Media limits per modality, as JSON: image max_bytes, max_pixels; "
+        "audio max_bytes, max_seconds; video num_frames, max_bytes, max_seconds, "
+        'max_frames, max_total_pixels; e.g. {"video": {"num_frames": 16}}. '
+        "Fetch timeouts: VLLM_{IMAGE,AUDIO,VIDEO}_FETCH_TIMEOUT.",
+    )
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="Serve PEFT LoRA adapters of the language model (requests pick one by name; "
+        "decode steps then run eagerly, without CUDA graphs).",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="Distinct adapters one step may run (each holds a slot of weights).",
+    )
+    lora.add_argument(
+        "--max-lora-rank", type=int, default=16, help="Largest adapter rank accepted."
+    )
+    lora.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="Adapters kept read in host memory (default: --max-loras).",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='Speculative decoding, as JSON (vLLM\'s): {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+        '"disable_by_batch_size": 8}. Drafts are copied from each request\'s own earlier '
+        "tokens and verified in one forward; outputs keep their distribution (greedy: "
+        "the same tokens). Requests under a grammar or with audio output decode one token "
+        "per step.",
+    )
+    return parser
