@@ -142,6 +142,16 @@ def test_vllm_spellings_of_settings(tiny_checkpoint):
     sched = config.scheduler_config
     assert config.cache_config.enable_prefix_caching and sched.enable_chunked_prefill
     assert not sched.async_scheduling
+    # vLLM's older spellings: --task, --disable-mm-preprocessor-cache
+    config = EngineArgs(model=model, task="embed", disable_mm_preprocessor_cache=True,
+                        skip_mm_profiling=True).create_config()  # fmt: skip
+    assert config.model_config.runner == "pooling"
+    assert config.multimodal_config.mm_processor_cache_gb == 0
+    assert config.multimodal_config.skip_mm_profiling
+    with pytest.raises(ValueError, match="--task generate contradicts --runner pooling"):
+        EngineArgs(model=model, task="generate", runner="pooling").create_config()
+    with pytest.raises(ValueError, match="--task must be one of auto, generate"):
+        EngineArgs(model=model, task="draw").create_config()
     parser = build_parser()
     parsed = parser.parse_args(["serve", "--model", model, "--dtype", "half",
                                 "--max-model-len", "1k"])  # fmt: skip

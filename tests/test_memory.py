@@ -182,6 +182,9 @@ def test_profile_items_take_the_sizes_limit_mm_per_prompt_asks_for(tiny_checkpoi
     assert items["audio"].mm_position.length < largest["audio"]
     assert items["video"].mm_position.length < largest["video"]
     worker.model_runner.profile_run(list(items.values()))
+    skipped = EngineArgs(model=model_dir, dtype="float32", max_model_len=2048,
+                         skip_mm_profiling=True).create_config()  # fmt: skip
+    assert Worker(skipped).largest_media_items() == []  # vLLM's --skip-mm-profiling
 
 
 @pytest.mark.gpu

@@ -513,6 +513,9 @@ class MultiModalConfig:
     mm_encoder_attn_backend: str = "auto"
     """The towers' attention within their segments (``attention/encoder.py``): "auto",
     "TORCH_SDPA" or "FLASH_ATTN"."""
+    skip_mm_profiling: bool = False
+    """vLLM's: the GPU start-up memory profile runs the text step only, so the KV cache takes
+    what media would need at their peak (the user's to leave room for)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.mm_processor_cache_gb < float("inf"):

@@ -109,6 +109,10 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
         "xgrammar is the one structured-output backend",
     ),
     "--response-role": ({"choices": ["assistant"]}, "answers are the assistant's"),
+    "--mm-processor-cache-type": (
+        {"choices": ["lru"]},
+        "the processor cache is an LRU in the API server's process",
+    ),
     "--api-server-count": ({"type": int, "choices": [1]}, "one API server process serves"),
     "--max-seq-len-to-capture": (
         {"type": int},
@@ -185,6 +189,12 @@ def _asks_nothing(value: object) -> bool:
     if isinstance(value, dict):
         return bool(value) and all(setting == 0 for setting in value.values())
     return value is None or value is False or value == 0
+
+
+TASK_RUNNERS = {"auto": "auto", "generate": "generate", "transcription": "generate",
+                "embed": "pooling", "embedding": "pooling", "classify": "pooling",
+                "score": "pooling", "reward": "pooling"}  # fmt: skip
+"""vLLM's older ``--task`` values and the ``--runner`` each is."""
 
 
 RENAMED_SETTINGS = {"kv_cache_memory_bytes": "kv_cache_memory"}

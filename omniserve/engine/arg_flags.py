@@ -12,7 +12,7 @@ from omniserve.config import (
     MM_ENCODER_ATTN_BACKENDS,
     QUANTIZATION_METHODS,
 )
-from omniserve.engine.arg_checks import token_count
+from omniserve.engine.arg_checks import TASK_RUNNERS, token_count
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -131,6 +131,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "requests are refused). auto: generate (embeddings are answered either way).",
     )
     add(
+        "--task",
+        default=None,
+        choices=TASK_RUNNERS,
+        help="vLLM's older flag: generate, or embed / classify / score (--runner pooling).",
+    )
+    add(
         "--convert",
         choices=["auto", "none", "embed"],
         default="auto",
@@ -239,6 +245,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         type=float,
         default=4.0,
         help="Processor-output cache size (0 disables it).",
+    )
+    mm.add_argument(
+        "--disable-mm-preprocessor-cache",
+        action="store_true",
+        help="vLLM's older spelling of --mm-processor-cache-gb 0.",
+    )
+    mm.add_argument(
+        "--skip-mm-profiling",
+        action="store_true",
+        help="The GPU start-up memory profile runs no media: the KV cache may take "
+        "what they need (then leave room with --gpu-memory-utilization).",
     )
     mm.add_argument(
         "--allowed-local-media-path",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -23,9 +24,12 @@ from omniserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from omniserve.engine.arg_checks import TASK_RUNNERS
 from omniserve.engine.arg_flags import add_engine_flags
 from omniserve.field_types import check_types
 from omniserve.sampling_params import SEED_MAX, SEED_MIN
+
+logger = logging.getLogger(__name__)
 
 _UNITS = {
     "": 1,
@@ -130,6 +134,8 @@ class EngineArgs:
     enable_prompt_embeds: bool = False
     runner: str = "auto"
     convert: str = "auto"
+    task: str | None = None
+    """vLLM's older ``--task`` (``TASK_RUNNERS``): the runner it names."""
     pooler_config: dict[str, Any] | str | None = None
     enable_prefix_caching: bool | None = True  # None (vLLM's unset): the default, on
     max_num_seqs: int = 256
@@ -147,6 +153,9 @@ class EngineArgs:
     limit_mm_per_prompt: MMLimits | str | None = None
     mm_processor_kwargs: dict[str, object] | str | None = None
     mm_processor_cache_gb: float = 4.0
+    disable_mm_preprocessor_cache: bool = False
+    """vLLM's older spelling of ``mm_processor_cache_gb=0``."""
+    skip_mm_profiling: bool = False
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     allow_private_media_urls: bool = False
@@ -235,7 +244,10 @@ class EngineArgs:
                 limit_mm_per_prompt=limits,
                 mm_profile_sizes=profile_sizes,
                 mm_processor_kwargs=json_arg("mm_processor_kwargs", self.mm_processor_kwargs),
-                mm_processor_cache_gb=self.mm_processor_cache_gb,
+                mm_processor_cache_gb=0.0
+                if self.disable_mm_preprocessor_cache
+                else self.mm_processor_cache_gb,
+                skip_mm_profiling=self.skip_mm_profiling,
                 allowed_local_media_path=self.allowed_local_media_path,
                 allowed_media_domains=tuple(self.allowed_media_domains or ()),
                 allow_private_media_urls=self.allow_private_media_urls,
@@ -283,7 +295,17 @@ class EngineArgs:
             raise ValueError(f"--convert must be auto, none or embed, not {self.convert!r}.")
         if self.convert == "embed" and self.runner == "generate":
             raise ValueError("--convert embed makes an embedding model: use --runner pooling.")
-        return "pooling" if self.convert == "embed" else self.runner  # auto: ModelConfig's
+        runner = "pooling" if self.convert == "embed" else self.runner  # auto: ModelConfig's
+        if self.task in (None, "auto"):
+            return runner
+        if self.task not in TASK_RUNNERS:
+            raise ValueError(f"--task must be one of {', '.join(TASK_RUNNERS)}, not "
+                             f"{self.task!r}.")  # fmt: skip
+        if runner not in ("auto", TASK_RUNNERS[self.task]):
+            raise ValueError(f"--task {self.task} contradicts --runner {runner}.")
+        logger.info("--task %s (vLLM's older flag) is --runner %s.", self.task,
+                    TASK_RUNNERS[self.task])  # fmt: skip
+        return TASK_RUNNERS[self.task]
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -243,9 +243,10 @@ class Worker:
                 sched.max_num_seqs * cache.blocks_for(sched.max_model_len) + 1,
             )
         cache.check_holds_one_sequence(num_blocks, sched.max_model_len)
-        if self._gpu_kv_budget is None and self.config.multimodal_config.mm_profile_sizes:
-            logger.info("--limit-mm-per-prompt: its sizes shape the start-up memory profile, "
-                        "which runs on a GPU without --kv-cache-memory or "
+        mm = self.config.multimodal_config
+        if self._gpu_kv_budget is None and (mm.mm_profile_sizes or mm.skip_mm_profiling):
+            logger.info("--limit-mm-per-prompt's sizes and --skip-mm-profiling shape the start-up "
+                        "memory profile, which runs on a GPU without --kv-cache-memory or "
                         "--num-gpu-blocks-override; here they change nothing.")  # fmt: skip
         return int(num_blocks)
 
@@ -313,7 +314,7 @@ class Worker:
         """One worst-case item per modality this deployment takes, processed as requests are
         (the processor's dummy inputs under --limit-mm-per-prompt and --mm-processor-kwargs)."""
         model_config, mm = self.config.model_config, self.config.multimodal_config
-        if not MULTIMODAL_REGISTRY.supports_multimodal(model_config):
+        if mm.skip_mm_profiling or not MULTIMODAL_REGISTRY.supports_multimodal(model_config):
             return []
         processor = MULTIMODAL_REGISTRY.create_processor(
             model_config, get_tokenizer(model_config.tokenizer),
