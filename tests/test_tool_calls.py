@@ -15,7 +15,7 @@ import openai
 import pydantic
 import pytest
 
-from omniserve.entrypoints.openai.tool_parsers import HermesToolCalls
+from omniserve.entrypoints.openai.tool_parsers import HermesToolCalls, Qwen3CoderToolCalls
 from tests.server_utils import MODEL, Server, assert_error
 
 WEATHER = {
@@ -272,3 +272,60 @@ def test_hermes_reading_does_not_depend_on_the_chunks(text: str) -> None:
         assert whole[0] == "Done."
     if text.endswith("argu"):  # cut off inside a call
         assert whole == (text, [])
+
+
+CODER_SCHEMAS = {
+    "search": {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string"},
+            "limit": {"type": "integer"},
+            "score": {"type": "number"},
+            "exact": {"type": "boolean"},
+            "filters": {"type": "object"},
+            "tags": {"type": "array"},
+            "note": {"type": ["string", "null"]},
+        },
+    },
+    "noop": {"type": "object", "properties": {}},
+}
+CODER_TEXT = (
+    "Looking it up.\n<tool_call>\n<function=search>\n<parameter=query>\nbest 42 pizza\n"
+    "</parameter>\n<parameter=limit>\n5\n</parameter>\n<parameter=score>\n0.5\n</parameter>\n"
+    "<parameter=exact>\nTrue\n</parameter>\n<parameter=filters>\n{\"city\": \"Oslo\"}\n"
+    "</parameter>\n<parameter=tags>\n['a', 'b']\n</parameter>\n<parameter=note>\nnull\n"
+    "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=noop>\n</function>\n"
+    "</tool_call>"
+)
+
+
+@pytest.mark.parametrize("step", [len(CODER_TEXT), 1, 2, 5, 13])
+def test_qwen3_coder_calls_take_the_schema_types(step: int) -> None:
+    """vLLM's ``qwen3_coder`` format: parameter text read as its schema's type (a JSON or
+    Python literal for objects and arrays), whatever the chunks."""
+    reader, content, calls = Qwen3CoderToolCalls(CODER_SCHEMAS, True), "", []
+    for start in range(0, len(CODER_TEXT), step):
+        piece, new = reader.feed(CODER_TEXT[start : start + step], start + step >= len(CODER_TEXT))
+        content += piece
+        calls += [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in new]
+    assert content == "Looking it up."
+    assert calls == [
+        ("search", {"query": "best 42 pizza", "limit": 5, "score": 0.5, "exact": True,
+                    "filters": {"city": "Oslo"}, "tags": ["a", "b"], "note": None}),
+        ("noop", {}),
+    ]  # fmt: skip
+    assert reader.finish_reason("stop") == "tool_calls"
+
+
+def test_qwen3_coder_leaves_what_is_no_call_as_content() -> None:
+    """A function the request did not offer, or a block without one, is the model's text; a
+    value that does not read as its type stays text."""
+    for text in ("<tool_call><function=rm>\n</function></tool_call>",
+                 "<tool_call>{\"name\": \"search\"}</tool_call>"):  # fmt: skip
+        reader = Qwen3CoderToolCalls(CODER_SCHEMAS, True)
+        assert reader.feed(text, True) == (text, [])
+    reader = Qwen3CoderToolCalls(CODER_SCHEMAS, True)
+    _, (call,) = reader.feed("<tool_call><function=search><parameter=limit>many"
+                             "<parameter=exact>maybe</function></tool_call>", True)  # fmt: skip
+    assert json.loads(call["function"]["arguments"]) == {"limit": "many", "exact": "maybe"}
+

@@ -6,6 +6,9 @@ Three ways a request asks for calls (``tool_choice``):
   hermes`` reads the Qwen family's: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
   blocks, any number, text around them being the message content. A block that is not valid JSON
   naming one of the request's tools stays in the content, as the model wrote it.
+  ``qwen3_coder`` reads Qwen3-Coder's blocks of the same tags, whose body is
+  ``<function=NAME><parameter=KEY>value</parameter>...</function>``: each value is text, taken
+  as the type the tool's JSON schema gives its parameter (vLLM's reading).
 - ``"required"``: the grammar engine made the answer a JSON list of ``{"name", "parameters"}``
   objects (``ChatCompletionRequest.forced_output``); each becomes a call.
 - a named function: the answer is that function's arguments (JSON, by the grammar).
@@ -17,8 +20,11 @@ so a streamed answer and a whole one are read by the same code and agree.
 from __future__ import annotations
 
 import abc
+import ast
 import json
+import re
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
@@ -71,9 +77,10 @@ class HermesToolCalls(ToolCallReader):
 
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self, tool_names: list[str], parallel: bool) -> None:
+    def __init__(self, tools: Mapping[str, Any] | list[str], parallel: bool) -> None:
+        """``tools``: the request's tools' names (a mapping: to their parameters' schemas)."""
         super().__init__()
-        self.tool_names = set(tool_names)
+        self.tool_names = set(tools)
         self.parallel = parallel
         self.pending = ""  # not yet decided: a possible tag start, or an open call's body
         self.in_call = False
@@ -149,6 +156,60 @@ class HermesToolCalls(ToolCallReader):
         return "tool_calls" if self.num_calls and engine_reason is not None else engine_reason
 
 
+class Qwen3CoderToolCalls(HermesToolCalls):
+    """``tool_choice="auto"`` with Qwen3-Coder's format: hermes' blocks and whitespace rules,
+    each block ``<function=NAME>`` and its ``<parameter=KEY>`` values."""
+
+    FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+    PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
+                           re.DOTALL)  # fmt: skip
+
+    def __init__(self, tools: Mapping[str, Any] | list[str], parallel: bool) -> None:
+        super().__init__(tools, parallel)
+        self.schemas = dict(tools) if isinstance(tools, Mapping) else {}
+
+    def _call(self, body: str) -> tuple[str, str] | None:
+        function = self.FUNCTION.search(body)
+        if function is None or function.group(1).strip() not in self.tool_names:
+            return None
+        name = function.group(1).strip()
+        properties = (self.schemas.get(name) or {}).get("properties")
+        properties = properties if isinstance(properties, dict) else {}
+        arguments = {}
+        for key, value in self.PARAMETER.findall(function.group(2)):
+            schema = properties.get(key.strip())
+            arguments[key.strip()] = _typed(value, schema if isinstance(schema, dict) else {})
+        return name, json.dumps(arguments, ensure_ascii=False)
+
+
+def _typed(text: str, schema: Mapping[str, Any]) -> Any:
+    """A parameter's text (less the newline after its tag and before its end) as the type its
+    schema names; text that does not read as that type stays text."""
+    value = text.removeprefix("\n").removesuffix("\n")
+    kinds = schema.get("type", "string")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if value.strip().lower() == "null" and ("null" in kinds or "string" not in kinds):
+        return None
+    for kind in kinds:
+        try:
+            if kind == "integer":
+                return int(value.strip())
+            if kind == "number":
+                number = float(value.strip())
+                written_whole = not any(mark in value for mark in ".eE")
+                return int(number) if number.is_integer() and written_whole else number
+            if kind == "boolean" and value.strip().lower() in ("true", "false"):
+                return value.strip().lower() == "true"
+            if kind in ("object", "array"):
+                try:
+                    return json.loads(value)
+                except ValueError:
+                    return ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
+            continue
+    return value
+
+
 class RequiredToolCalls(ToolCallReader):
     """``tool_choice="required"``: the answer is a JSON list of calls, read once it is whole;
     an answer cut short (max_tokens) is content."""
@@ -215,10 +276,9 @@ def tool_call_reader(
             '"auto" tool choice requires --enable-auto-tool-choice and '
             "--tool-call-parser to be set."
         )
-    return TOOL_CALL_PARSERS[auto_parser](
-        [tool.function.name for tool in request.tools or []], request.parallel_tool_calls
-    )
+    tools = {tool.function.name: tool.function.parameters for tool in request.tools or []}
+    return TOOL_CALL_PARSERS[auto_parser](tools, request.parallel_tool_calls)
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesToolCalls}
+TOOL_CALL_PARSERS = {"hermes": HermesToolCalls, "qwen3_coder": Qwen3CoderToolCalls}
 """``--tool-call-parser`` names (vLLM's) -> the reader of that format."""
