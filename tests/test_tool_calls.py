@@ -321,7 +321,8 @@ def test_qwen3_coder_leaves_what_is_no_call_as_content() -> None:
     """A function the request did not offer, or a block without one, is the model's text; a
     value that does not read as its type stays text."""
     for text in ("<tool_call><function=rm>\n</function></tool_call>",
-                 "<tool_call>{\"name\": \"search\"}</tool_call>"):  # fmt: skip
+                 "<tool_call>{\"name\": \"search\"}</tool_call>",
+                 "<tool_call><function=search><parameter=query>piz"):  # fmt: skip
         reader = Qwen3CoderToolCalls(CODER_SCHEMAS, True)
         assert reader.feed(text, True) == (text, [])
     reader = Qwen3CoderToolCalls(CODER_SCHEMAS, True)

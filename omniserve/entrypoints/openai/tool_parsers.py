@@ -158,9 +158,10 @@ class HermesToolCalls(ToolCallReader):
 
 class Qwen3CoderToolCalls(HermesToolCalls):
     """``tool_choice="auto"`` with Qwen3-Coder's format: hermes' blocks and whitespace rules,
-    each block ``<function=NAME>`` and its ``<parameter=KEY>`` values."""
+    each block ``<function=NAME>`` and its ``<parameter=KEY>`` values up to ``</function>`` (a
+    block cut off before it is text: its last value may be cut too)."""
 
-    FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+    FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
     PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
                            re.DOTALL)  # fmt: skip
 
