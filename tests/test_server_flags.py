@@ -100,7 +100,8 @@ def test_qwen3_coder_tool_calls(server: Server) -> None:
     regex = (r"<tool_call>\n<function=book>\n<parameter=seats>\n(2|3)\n</parameter>\n"
              r"<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>")  # fmt: skip
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Book"}], "tools": tools,
-            "temperature": 0, "max_tokens": 200, "structured_outputs": {"regex": regex}}  # fmt: skip
+            "temperature": 0, "max_tokens": 200,
+            "structured_outputs": {"regex": regex}}  # fmt: skip
     whole = server.post("/v1/chat/completions", body).json()["choices"][0]
     assert whole["finish_reason"] == "tool_calls", whole
     (call,) = whole["message"]["tool_calls"]

@@ -292,7 +292,7 @@ CODER_SCHEMAS = {
 CODER_TEXT = (
     "Looking it up.\n<tool_call>\n<function=search>\n<parameter=query>\nbest 42 pizza\n"
     "</parameter>\n<parameter=limit>\n5\n</parameter>\n<parameter=score>\n0.5\n</parameter>\n"
-    "<parameter=exact>\nTrue\n</parameter>\n<parameter=filters>\n{\"city\": \"Oslo\"}\n"
+    '<parameter=exact>\nTrue\n</parameter>\n<parameter=filters>\n{"city": "Oslo"}\n'
     "</parameter>\n<parameter=tags>\n['a', 'b']\n</parameter>\n<parameter=note>\nnull\n"
     "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=noop>\n</function>\n"
     "</tool_call>"
@@ -329,4 +329,3 @@ def test_qwen3_coder_leaves_what_is_no_call_as_content() -> None:
     _, (call,) = reader.feed("<tool_call><function=search><parameter=limit>many"
                              "<parameter=exact>maybe</function></tool_call>", True)  # fmt: skip
     assert json.loads(call["function"]["arguments"]) == {"limit": "many", "exact": "maybe"}
-
