@@ -259,7 +259,7 @@ class InvocationsMiddleware:
             return  # the client left
         try:
             path = invocation_path(json.loads(body), self.generates, self.classifies)
-        except (ValueError, ServingError) as exc:
+        except (ValueError, RecursionError, ServingError) as exc:  # (RecursionError: nesting)
             error = exc if isinstance(exc, ServingError) else ServingError(
                 f"POST /invocations takes a JSON object: {exc}.")  # fmt: skip
             await error_json(error)(scope, receive, send)
