@@ -244,7 +244,8 @@ class Worker:
             )
         cache.check_holds_one_sequence(num_blocks, sched.max_model_len)
         mm = self.config.multimodal_config
-        if self._gpu_kv_budget is None and (mm.mm_profile_sizes or mm.skip_mm_profiling):
+        unused = self._gpu_kv_budget is None and (mm.mm_profile_sizes or mm.skip_mm_profiling)
+        if unused and self.rank == 0:
             logger.info("--limit-mm-per-prompt's sizes and --skip-mm-profiling shape the start-up "
                         "memory profile, which runs on a GPU without --kv-cache-memory or "
                         "--num-gpu-blocks-override; here they change nothing.")  # fmt: skip
