@@ -294,6 +294,14 @@ class SamplingParams:
             elif value is not None and not isinstance(value, kind):
                 raise ParamTypeError(f"{name} must be a {kind.__name__} or a dict, got {value!r}.")
         check_types(self)
+        pooled = self.pooling.truncate_prompt_tokens if self.pooling is not None else None
+        if pooled is not None:  # a pooling request's cut is its pooling params'
+            if self.truncate_prompt_tokens not in (None, pooled):
+                raise ValueError(
+                    f"truncate_prompt_tokens ({self.truncate_prompt_tokens}) contradicts "
+                    f"pooling.truncate_prompt_tokens ({pooled})."
+                )
+            self.truncate_prompt_tokens = pooled
         if self.top_k == -1:
             self.top_k = 0
         if self.wants_audio and self.speech is None:
@@ -451,6 +459,5 @@ def embedding_params(pooling: PoolingParams | None = None) -> SamplingParams:
         temperature=0.0,
         detokenize=False,
         output_kind=RequestOutputKind.FINAL_ONLY,
-        truncate_prompt_tokens=pooling.truncate_prompt_tokens if pooling else None,
         pooling=pooling or PoolingParams(),
     )

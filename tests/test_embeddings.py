@@ -116,6 +116,11 @@ def test_truncate_prompt_tokens_pools_the_last_tokens(tiny_checkpoint) -> None:
         llm.embed("Hello", PoolingParams(truncate_prompt_tokens=5), truncate_prompt_tokens=3)
     with pytest.raises(ValueError, match=r"truncate_prompt_tokens must be None, -1 \(max_model_"):
         PoolingParams(truncate_prompt_tokens=0)
+    # SamplingParams built by hand take the pooling params' cut too
+    by_hand = SamplingParams(max_tokens=1, pooling=PoolingParams(truncate_prompt_tokens=5))
+    assert by_hand.truncate_prompt_tokens == 5
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(2\) contradicts pooling"):
+        SamplingParams(truncate_prompt_tokens=2, pooling=PoolingParams(truncate_prompt_tokens=5))
 
 
 def test_mean_and_cls_pooling_match_transformers(tiny_checkpoint) -> None:

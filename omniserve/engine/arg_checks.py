@@ -202,7 +202,12 @@ TASK_RUNNERS = {"auto": "auto", "generate": "generate", "transcription": "genera
 
 
 RENAMED_SETTINGS = {"kv_cache_memory_bytes": "kv_cache_memory"}
-"""vLLM's names of settings ``EngineArgs`` has under another name."""
+"""vLLM's names of settings ``EngineArgs`` has under another name (offline and as flags)."""
+
+
+def vllm_flags(name: str) -> list[str]:
+    """vLLM's flags for the ``EngineArgs`` field ``name`` (``RENAMED_SETTINGS``)."""
+    return ["--" + old.replace("_", "-") for old, new in RENAMED_SETTINGS.items() if new == name]
 
 
 def without_vllm_only(kwargs: dict[str, Any]) -> dict[str, Any]:

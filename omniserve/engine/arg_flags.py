@@ -12,7 +12,7 @@ from omniserve.config import (
     MM_ENCODER_ATTN_BACKENDS,
     QUANTIZATION_METHODS,
 )
-from omniserve.engine.arg_checks import TASK_RUNNERS, token_count
+from omniserve.engine.arg_checks import TASK_RUNNERS, token_count, vllm_flags
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -86,7 +86,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     add("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
     add(
         "--kv-cache-memory",
-        "--kv-cache-memory-bytes",  # vLLM's newer name
+        *vllm_flags("kv_cache_memory"),
         default=None,
         help="KV-cache memory, e.g. 4GiB; None: on CPU half the memory available after "
         "loading the weights (less 1 GiB), on GPU 90%% of its memory less what is in use.",
