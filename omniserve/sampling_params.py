@@ -63,6 +63,11 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
     """JSON without optional whitespace (else any amount, as JSON allows)."""
+    after_thinking: tuple[int, int] | None = None
+    """The ids of the tags the model thinks between, when the grammar applies to the answer
+    after that thinking (the Processor sets them under ``--reasoning-parser``): the request
+    samples freely until the end tag, and its first token may open the thinking. None: the
+    grammar applies from the first token."""
     origin: str | None = None
     """Where a request gave the constraint (the API's ``response_format.json_schema.schema``,
     ``guided_regex``, ``tools[0].function.parameters``, ...), named in its errors; None:
@@ -205,9 +210,6 @@ POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
 TOKEN_TASKS = ("token_embed", "token_classify")
 
 
-THINK_TAGS = ("<think>", "</think>")
-"""The tags Qwen3-family models think between (the reasoning parser's, a thinking budget's)."""
-
 _NESTED_PARAMS: dict[str, type] = {
     "structured_outputs": StructuredOutputsParams,
     "speech": SpeechParams,
@@ -261,8 +263,8 @@ class SamplingParams:
     only token the request may sample is the end tag, which closes the thinking (vLLM's). The
     span is the one the prompt leaves open (thinking templates) or one the model opens."""
     think_token_ids: tuple[int, int] | None = None
-    """The ids of ``THINK_TAGS`` for ``thinking_token_budget`` (the Processor fills it from the
-    tokenizer)."""
+    """The ids of the thinking tags (``THINK_TAGS``) for ``thinking_token_budget`` (the
+    Processor fills it from the tokenizer)."""
     output_modalities: list[str] = field(default_factory=lambda: ["text"])
     """What the request produces: "text", "audio" or both. Audio needs a model that speaks (a
     full omni checkpoint); the text is generated either way (it is what is spoken)."""
@@ -363,12 +365,6 @@ class SamplingParams:
         budget = self.thinking_token_budget
         if budget is not None and not is_int(budget, 0, INT32_MAX):
             fail("thinking_token_budget", f"None or an integer in [0, {INT32_MAX}]")
-        if budget is not None and self.structured_outputs is not None:
-            raise ValueError(
-                "thinking_token_budget does not combine with structured outputs: the grammar "
-                "constrains the whole answer, thinking included, and may not allow the end tag "
-                "the budget forces."
-            )
         if any(not s for s in self.stop):
             fail("stop", "a list of non-empty strings")
         if any(not is_int(t, 0, INT32_MAX) for t in self.stop_token_ids):

@@ -7,6 +7,12 @@ waits outside the scheduler, so no step waits for a compile. Each step the core 
 row per constrained request that samples, the runner masks those rows' logits, and the core
 advances each request's matcher with the token it got. Constrained and free requests share the
 batch; ``n > 1`` children each have their own matcher.
+
+Under ``--reasoning-parser`` a grammar constrains the answer after the thinking
+(``StructuredOutputsParams.after_thinking``, vLLM's structured outputs outside reasoning): a
+request whose prompt leaves the thinking open samples freely until the end tag; any other may
+open it with its first token (the grammar's tokens or the start tag), as the server's reasoning
+parser reads answers.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import json
 import re
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -97,6 +104,23 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
 _XGRAMMAR_LOCATION = re.compile(r"^\[[\d:.]+\] \S+:\d+: ")
 
 
+@dataclass
+class _Thinking:
+    """A request's thinking ahead of its grammar: ``inside`` it, or before its first token (which
+    may open it). Dropped once the answer begins."""
+
+    start: int
+    end: int
+    inside: bool
+
+    @classmethod
+    def of_prompt(cls, tags: tuple[int, int], prompt_token_ids: list[int]) -> _Thinking:
+        """Inside when the prompt's last thinking tag is the start tag (a thinking template)."""
+        start, end = tags
+        last = next((t for t in reversed(prompt_token_ids) if t in tags), None)
+        return cls(start, end, inside=last == start)
+
+
 class StructuredOutputManager:
     """The engine core's grammars: compiles them off the busy loop, keeps one matcher per
     request, fills bitmask rows and advances matchers with sampled tokens."""
@@ -106,6 +130,7 @@ class StructuredOutputManager:
         self.model_config = model_config
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="omniserve-grammar")
         self.matchers: dict[str, Any] = {}  # req_id -> xgr.GrammarMatcher
+        self._thinking: dict[str, _Thinking] = {}  # requests whose answer has not begun
 
     @functools.cached_property
     def vocab_size(self) -> int:
@@ -155,10 +180,18 @@ class StructuredOutputManager:
             )
         return compiled
 
-    def start(self, req_id: str, compiled: Any) -> None:
+    def start(
+        self,
+        req_id: str,
+        compiled: Any,
+        after_thinking: tuple[int, int] | None = None,
+        prompt_token_ids: list[int] | tuple[int, ...] = (),
+    ) -> None:
         import xgrammar as xgr
 
         self.matchers[req_id] = xgr.GrammarMatcher(compiled)
+        if after_thinking is not None:
+            self._thinking[req_id] = _Thinking.of_prompt(after_thinking, list(prompt_token_ids))
 
     @functools.cached_property
     def _bitmask(self) -> Any:
@@ -171,16 +204,30 @@ class StructuredOutputManager:
         token 32 j + i); None once its grammar ended with a stop token and the request goes on
         (``ignore_eos``): what follows is free, as in vLLM."""
         matcher = self.matchers[req_id]
-        if matcher.is_terminated():
+        thinking = self._thinking.get(req_id)
+        if matcher.is_terminated() or (thinking is not None and thinking.inside):
             return None
         matcher.fill_next_token_bitmask(self._bitmask, 0)
-        return self._bitmask[0].numpy().tobytes()
+        row = self._bitmask[0].numpy().view(np.uint32)
+        if thinking is not None:  # the first token: the grammar's, or the one opening thinking
+            row = row.copy()
+            row[thinking.start // 32] |= np.uint32(1 << thinking.start % 32)
+        return row.tobytes()
 
     def accept(self, req_id: str, token_ids: list[int]) -> None:
         matcher = self.matchers.get(req_id)
         if matcher is None:
             return
         for token in token_ids:
+            if (thinking := self._thinking.get(req_id)) is not None:
+                if thinking.inside:
+                    if token == thinking.end:
+                        del self._thinking[req_id]  # the answer, under the grammar, follows
+                    continue
+                if token == thinking.start:
+                    thinking.inside = True
+                    continue
+                del self._thinking[req_id]  # the answer began without thinking
             if matcher.is_terminated():
                 break
             if not matcher.accept_token(token):
@@ -188,6 +235,7 @@ class StructuredOutputManager:
 
     def remove(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
+        self._thinking.pop(req_id, None)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

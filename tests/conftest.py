@@ -100,6 +100,29 @@ def tiny_checkpoint() -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
+def thinking_model(
+    tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> str:
+    """The tiny Qwen3 checkpoint with ``<think>`` and ``</think>`` as tokens of its own (ids
+    inside the embedding's padded vocabulary), as Qwen3's tokenizer has them."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    base = tiny_checkpoint("Qwen3ForCausalLM")
+    target = tmp_path_factory.mktemp("thinking")
+    for item in base.iterdir():
+        if item.suffix == ".safetensors":
+            (target / item.name).symlink_to(item)
+        elif item.is_file():
+            shutil.copy(item, target / item.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)
+    tokenizer.save_pretrained(str(target))
+    return str(target)
+
+
+@pytest.fixture(scope="session")
 def bf16_checkpoint(
     tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], str]:

@@ -3,39 +3,19 @@ then the end tag is the only token a request may sample. On the tiny Qwen3 check
 two tags added to its tokenizer (as Qwen3's has them), greedy fp32: the budgeted answer is the
 free answer up to the budget, then the tag, then the model's own continuation of that; a span
 the prompt already closed is left alone; drafts (speculative decoding) change nothing; a
-tokenizer without the tags, a negative budget or a grammar beside it is refused naming the
-field."""
+tokenizer without the tags, a negative budget or a grammar beside it (but under
+``--reasoning-parser``, ``test_structured_reasoning``) is refused naming the field."""
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
 from omniserve import LLM, SamplingParams
 from omniserve.spec_decode.ngram_proposer import NgramProposer
 from tests.hf_reference import make_prompts
 
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def thinking_model(tiny_checkpoint, tmp_path_factory) -> str:
-    """The tiny Qwen3 checkpoint with ``<think>`` and ``</think>`` as tokens of its own (ids
-    inside the embedding's padded vocabulary)."""
-    base = tiny_checkpoint("Qwen3ForCausalLM")
-    target = tmp_path_factory.mktemp("thinking")
-    for item in base.iterdir():
-        if item.suffix == ".safetensors":
-            (target / item.name).symlink_to(item)
-        elif item.is_file():
-            shutil.copy(item, target / item.name)
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
-    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)
-    tokenizer.save_pretrained(str(target))
-    return str(target)
 
 
 def _greedy(budget: int | None = None, max_tokens: int = MAX_TOKENS) -> SamplingParams:
@@ -90,14 +70,17 @@ def test_budget_with_drafts_matches_plain(thinking_model, monkeypatch) -> None:
     assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
-def test_refusals(tiny_checkpoint) -> None:
+def test_refusals(tiny_checkpoint, thinking_model) -> None:
     with pytest.raises(ValueError, match="thinking_token_budget"):
         SamplingParams(thinking_token_budget=-1)
     llm = LLM(str(tiny_checkpoint("Qwen3ForCausalLM")), dtype="float32", max_model_len=64)
-    with pytest.raises(ValueError, match="thinking_token_budget: .* has no <think> token"):
+    with pytest.raises(ValueError, match="budget: .* has no <think> and </think> tokens"):
         llm.generate({"prompt_token_ids": [1, 2, 3]}, _greedy(2), use_tqdm=False)
+    # Beside a grammar only where grammars wait for the thinking (--reasoning-parser).
+    llm = LLM(thinking_model, dtype="float32", max_model_len=64)
+    budgeted = SamplingParams(thinking_token_budget=2, structured_outputs={"regex": "a+"})
     with pytest.raises(ValueError, match="does not combine with structured outputs"):
-        SamplingParams(thinking_token_budget=2, structured_outputs={"regex": "a+"})
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, budgeted, use_tqdm=False)
 
 
 def test_budgets_read_back_before_sampling() -> None:

@@ -16,6 +16,7 @@ from omniserve.config.pooler import PoolerConfig
 from omniserve.config.quantization import QUANTIZATION_METHODS, QuantizationConfig
 from omniserve.config.speculative import SpeculativeConfig
 from omniserve.config.speech import SpeechConfig, speech_of
+from omniserve.config.structured_outputs import StructuredOutputsConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -575,6 +576,9 @@ class OmniConfig:
     """None: LoRA is off (requests naming an adapter are refused)."""
     speculative_config: SpeculativeConfig | None = None
     """None: one token per request per step."""
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:

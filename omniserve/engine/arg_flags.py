@@ -12,6 +12,7 @@ from omniserve.config import (
     MM_ENCODER_ATTN_BACKENDS,
     QUANTIZATION_METHODS,
 )
+from omniserve.config.structured_outputs import REASONING_TAGS
 from omniserve.engine.arg_checks import TASK_RUNNERS, token_count, vllm_flags
 
 
@@ -318,5 +319,21 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "tokens and verified in one forward; outputs keep their distribution (greedy: "
         "the same tokens). Requests under a grammar or with audio output decode one token "
         "per step.",
+    )
+    structured = parser.add_argument_group("structured outputs and reasoning")
+    structured.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_TAGS),
+        help="The model thinks in <think>...</think> before it answers: the server splits "
+        "that off chat answers into reasoning_content, and grammars (response_format, "
+        "structured_outputs, required tools) apply to the answer after it.",
+    )
+    structured.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        help='JSON (vLLM\'s): {"backend": "auto" | "xgrammar", "disable_any_whitespace": '
+        'true (every JSON grammar without optional whitespace), "enable_in_reasoning": true '
+        '(grammars constrain the thinking too), "reasoning_parser": "qwen3"}.',
     )
     return parser

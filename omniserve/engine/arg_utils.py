@@ -23,6 +23,7 @@ from omniserve.config import (
     PoolerConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
 )
 from omniserve.engine.arg_checks import TASK_RUNNERS
 from omniserve.engine.arg_flags import add_engine_flags
@@ -168,6 +169,10 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     speculative_config: dict[str, Any] | str | None = None
+    structured_outputs_config: dict[str, Any] | str | None = None
+    reasoning_parser: str | None = None
+    """vLLM's: the model thinks between this parser's tags first (grammars apply after them;
+    the server splits the thinking off answers)."""
 
     def __post_init__(self) -> None:
         import torch  # (only here: the CLI parses its flags without it)
@@ -267,6 +272,9 @@ class EngineArgs:
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config)
             if self.speculative_config is not None
             else None,
+            structured_outputs_config=StructuredOutputsConfig.from_dict(
+                self.structured_outputs_config, self.reasoning_parser
+            ),
         )
         # Settings that only fail where they are used fail here, at start: --media-io-kwargs and
         # --allowed-local-media-path (numpy, PIL, av), --device (torch).

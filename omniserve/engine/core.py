@@ -191,7 +191,10 @@ class EngineCore:
                                      error=str(error) if own else None)
                 )  # fmt: skip
                 continue
-            self.structured_output.start(req_id, future.result())
+            constraint = request.sampling_params.structured_outputs
+            assert constraint is not None
+            self.structured_output.start(req_id, future.result(), constraint.after_thinking,
+                                         request.prompt_token_ids)  # fmt: skip
             self.scheduler.add_request(request)
         return failed
 

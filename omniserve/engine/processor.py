@@ -20,13 +20,13 @@ import torch
 from omniserve.config import OmniConfig
 from omniserve.config.pooler import POOLING_TYPES
 from omniserve.core.talker_scheduler import plan_talker_prompt
+from omniserve.engine.token_settings import TokenSettings
 from omniserve.inputs.data import PromptType
 from omniserve.inputs.preprocess import InputPreprocessor, ProcessedInputs
 from omniserve.lora.request import LoRARequest
 from omniserve.messages import EngineCoreRequest, SpeechRequest
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.sampling_params import (
-    THINK_TAGS,
     TOKEN_TASKS,
     PoolingParams,
     SamplingParams,
@@ -166,6 +166,9 @@ class Processor:
         text_config = model_config.hf_config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.eos_token_ids = get_eos_token_ids(model_config.model, self.tokenizer)
+        self.token_settings = TokenSettings(self.tokenizer, self.eos_token_ids,
+                                            model_config.architecture,
+                                            config.structured_outputs_config)  # fmt: skip
         sched = config.scheduler_config
         self.scheduling_policy = sched.policy
         # An item larger than this can never be encoded in one step or held in the cache.
@@ -220,15 +223,7 @@ class Processor:
             1 if pooling_only else self._resolve_max_tokens(len(token_ids), params.max_tokens)
         )
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        if not params.ignore_eos and len(self.eos_token_ids) > 1:
-            # Checkpoints often list several eos ids (e.g. <|im_end|> and <|endoftext|>);
-            # all of them end generation, as in transformers' generate.
-            extra = [t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids]
-            params = params.clone(stop_token_ids=params.stop_token_ids + extra)
-        if params.bad_words:
-            params = params.clone(bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
-        if params.thinking_token_budget is not None:
-            params = params.clone(think_token_ids=self._think_token_ids)
+        params = self.token_settings.resolve(params)
         arrival = arrival_time if arrival_time is not None else time.time()
         if params.n == 1:
             children = [(request_id, params)]
@@ -450,31 +445,6 @@ class Processor:
     @functools.cached_property
     def _assistant_header(self) -> list[int]:
         return self.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
-
-    @functools.cached_property
-    def _think_token_ids(self) -> tuple[int, int]:
-        """The ids of the thinking tags, each one token of the vocabulary, or ValueError."""
-        ids = []
-        for tag in THINK_TAGS:
-            encoded = self.tokenizer.encode(tag, add_special_tokens=False)
-            if len(encoded) != 1:
-                raise ValueError(
-                    f"thinking_token_budget: {self.model_config.architecture}'s tokenizer has "
-                    f"no {tag} token (it reads as {len(encoded)}), so there is no thinking to "
-                    "bound; omit thinking_token_budget."
-                )
-            ids.append(encoded[0])
-        return ids[0], ids[1]
-
-    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each word's tokens alone and after a space (how it reads mid-sentence), as vLLM."""
-        sequences: list[list[int]] = []
-        for word in words:
-            for text in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return sequences
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

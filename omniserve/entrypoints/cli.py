@@ -17,7 +17,6 @@ from omniserve.engine.arg_checks import (
 from omniserve.engine.arg_utils import EngineArgs, json_arg
 from omniserve.entrypoints.chat_utils import CONTENT_FORMATS
 from omniserve.entrypoints.cli_clients import add_client_args, chat, complete
-from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from omniserve.entrypoints.openai.server_args import add_server_args, check_server_args
 from omniserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from omniserve.lora.request import parse_lora_modules
@@ -357,12 +356,6 @@ def _add_serving_args(group: argparse._ArgumentGroup) -> None:
         default=1,
         help="Threads that run the HF processing of prompts with media, off "
         "the event loop (text is tokenized on a thread of its own).",
-    )
-    group.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=sorted(REASONING_PARSERS),
-        help="Split <think>...</think> off chat answers into reasoning_content.",
     )
     group.add_argument(
         "--enable-auto-tool-choice",

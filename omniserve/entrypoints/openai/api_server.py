@@ -199,7 +199,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     """
     names = list(getattr(args, "served_model_name", None) or [engine.model_config.name])
     chat_template = load_chat_template(getattr(args, "chat_template", None))
-    parser_name = getattr(args, "reasoning_parser", None)
+    parser_name = engine.config.structured_outputs_config.reasoning_parser
     auto_tools = getattr(args, "enable_auto_tool_choice", False)
     trust = getattr(args, "trust_request_chat_template", False)
     models = OpenAIServingModels(engine, names)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omniserve.sampling_params import THINK_TAGS
+from omniserve.config.structured_outputs import REASONING_TAGS, THINK_TAGS
 
 
 @dataclass(frozen=True)
@@ -64,5 +64,5 @@ class StreamingSplit:
         return 0
 
 
-REASONING_PARSERS = {"qwen3": ReasoningParser(), "deepseek_r1": ReasoningParser()}
-"""``--reasoning-parser`` names (vLLM's) -> parser; both families use ``<think>`` tags."""
+REASONING_PARSERS = {name: ReasoningParser(*tags) for name, tags in REASONING_TAGS.items()}
+"""``--reasoning-parser`` names (vLLM's) -> parser."""
