@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -133,6 +134,32 @@ def test_prompt_logprobs_match_hf(model_dir):
             assert abs(logprob.logprob - ref[pos - 1, token_id].item()) < 1e-4
         best = int(ref[pos - 1].argmax())
         assert best in entry and entry[best].rank == 1
+
+
+def test_logprobs_modes_end_to_end(model_dir):
+    """``logprobs_mode``: raw logits differ from raw logprobs by the row's log-normalizer (the
+    same for every entry of a step); processed logprobs are of the distribution drawn from (top-k
+    3: three finite entries, summing to probability 1); prompt logprobs stay the raw ones."""
+    prompt = {"prompt_token_ids": make_prompts(model_dir, [12])[0]}
+    params = SamplingParams(temperature=0.7, top_k=3, seed=5, max_tokens=6, logprobs=5,
+                            prompt_logprobs=2)  # fmt: skip
+    outputs = {}
+    for mode in ("raw_logprobs", "raw_logits", "processed_logprobs"):
+        llm = LLM(model_dir, dtype="float32", max_model_len=128, logprobs_mode=mode)
+        outputs[mode] = llm.generate(prompt, params, use_tqdm=False)[0]
+        llm.llm_engine.shutdown()
+    raw, logits, processed = outputs.values()
+    assert raw.outputs[0].token_ids == logits.outputs[0].token_ids == processed.outputs[0].token_ids
+    assert processed.prompt_logprobs == raw.prompt_logprobs
+    for step in range(6):
+        gaps = {t: logits.outputs[0].logprobs[step][t].logprob - lp.logprob
+                for t, lp in raw.outputs[0].logprobs[step].items()}  # fmt: skip
+        assert max(gaps.values()) - min(gaps.values()) < 1e-4 and min(gaps.values()) > 0
+        entries = processed.outputs[0].logprobs[step]
+        finite = [lp.logprob for lp in entries.values() if lp.logprob > -float("inf")]
+        assert len(finite) == 3 and abs(sum(math.exp(v) for v in finite) - 1) < 1e-5
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        LLM(model_dir, logprobs_mode="logits")
 
 
 def test_bad_input_is_rejected_and_engine_keeps_serving(llm):

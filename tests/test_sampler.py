@@ -474,3 +474,61 @@ def test_rows_with_no_possible_token_are_flagged() -> None:
         reported = out.reported_ids().tolist()
         assert [reported[i] for i in flagged] == [-1] * 4
         assert reported[6] == 9 and all(reported[i] >= 0 for i in (0, 4, 7))
+
+
+def _reference_processed(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Hand-computed processed logits: logit_bias, then (random rows) temperature, min-p, top-k
+    and top-p, excluded tokens at -inf."""
+    rows = []
+    for row, p in zip(logits, params, strict=True):
+        x = row.clone()
+        for token, bias in (p.logit_bias or {}).items():
+            x[token] += bias
+        if not p.greedy:
+            x = x / p.temperature
+            probs = x.softmax(-1)
+            keep = probs >= p.min_p * probs.max()
+            if p.top_k > 0:
+                keep &= x >= x.topk(p.top_k).values[-1]
+            if p.top_p < 1.0:
+                kept = torch.where(keep, probs, 0.0)
+                order = kept.argsort(descending=True)
+                before = (kept[order] / kept.sum()).cumsum(0) - kept[order] / kept.sum()
+                nucleus = torch.zeros_like(keep)
+                nucleus[order[before < p.top_p]] = True
+                keep &= nucleus
+            x = x.masked_fill(~keep, -torch.inf)
+        rows.append(x)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(
+    "mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+)
+def test_logprobs_modes(mode: str) -> None:
+    """vLLM's ``--logprobs-mode``: the raw distribution, or the one each token is drawn from."""
+    torch.manual_seed(7)
+    logits = torch.randn(5, 60) * 2
+    params = [
+        SamplingParams(temperature=0.0, logprobs=4, logit_bias={3: 5.0}),
+        SamplingParams(temperature=0.5, top_k=5, logprobs=4, seed=1),
+        SamplingParams(temperature=0.9, top_p=0.5, logprobs=4, seed=2),
+        SamplingParams(temperature=1.0, min_p=0.2, logprobs=4, seed=3),
+        SamplingParams(temperature=2.0, logprobs=4, seed=4),
+    ]
+    want = {
+        "raw_logprobs": torch.log_softmax(logits, -1),
+        "raw_logits": logits,
+        "processed_logits": _reference_processed(logits, params),
+        "processed_logprobs": torch.log_softmax(_reference_processed(logits, params), -1),
+    }[mode]
+    for _ in range(20):  # different draws: every sampled token has its reported value
+        metadata = make_metadata(params, vocab_size=60)
+        out = Sampler(mode)(logits.clone(), metadata)
+        assert out.logprobs is not None
+        sampled = out.sampled_token_ids
+        reported = out.logprobs.logprobs
+        torch.testing.assert_close(reported[:, 0], want.gather(1, sampled[:, None])[:, 0])
+        torch.testing.assert_close(reported[:, 1:], want.topk(4, -1).values)
+        if mode.startswith("processed"):
+            assert torch.isfinite(reported[:, 0]).all()  # drawn where the processed row allows

@@ -20,6 +20,7 @@ from omniserve.config.structured_outputs import StructuredOutputsConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 MM_ENCODER_ATTN_BACKENDS = ("auto", "TORCH_SDPA", "FLASH_ATTN")
 """The towers' attention (``attention/encoder.py``); auto: FLASH_ATTN on CUDA where its
 start-up check passes, else TORCH_SDPA."""
@@ -66,6 +67,11 @@ class ModelConfig:
     max_logprobs: int = 20
     """Most logprobs a request may ask for per token (vLLM's --max-logprobs; -1: no cap but the
     vocabulary's size)."""
+    logprobs_mode: str = "raw_logprobs"
+    """What sampled tokens' logprobs report (vLLM's ``LOGPROBS_MODES``): the model's own
+    distribution ("raw_*"), or the one the token was drawn from ("processed_*": after the token
+    rules, penalties, temperature, min-p, top-k and top-p); as log-probabilities or as logits.
+    Prompt logprobs are always the model's own."""
     enable_prompt_embeds: bool = False
     """Accept prompts given as embeddings (vLLM's --enable-prompt-embeds)."""
     runner: str = "generate"
@@ -201,6 +207,10 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0 (or -1: no cap), got {self.max_logprobs}.")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}."
+            )
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"quantization must be one of {sorted(QUANTIZATION_METHODS)}, got "

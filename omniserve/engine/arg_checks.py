@@ -109,10 +109,6 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
         "xgrammar is the one structured-output backend",
     ),
     "--response-role": ({"choices": ["assistant"]}, "answers are the assistant's"),
-    "--logprobs-mode": (
-        {"choices": ["raw_logprobs"]},
-        "logprobs are of the model's own distribution, before any sampling setting",
-    ),
     "--mm-processor-cache-type": (
         {"choices": ["lru"]},
         "the processor cache is an LRU in the API server's process",

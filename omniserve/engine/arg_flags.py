@@ -9,6 +9,7 @@ from omniserve import envs
 from omniserve.config import (
     ATTENTION_BACKENDS,
     DTYPE_CHOICES,
+    LOGPROBS_MODES,
     MM_ENCODER_ATTN_BACKENDS,
     QUANTIZATION_METHODS,
 )
@@ -117,6 +118,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         type=int,
         default=20,
         help="Most logprobs (and prompt_logprobs) a request may ask for per token.",
+    )
+    add(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=LOGPROBS_MODES,
+        help="What sampled tokens' logprobs report: the model's own distribution (raw_*) or "
+        "the one the token was drawn from (processed_*: after logit_bias, penalties, "
+        "temperature, min_p, top_k, top_p), as logprobs or logits. Prompt logprobs are "
+        "always the model's raw logprobs.",
     )
     add(
         "--enable-prompt-embeds",

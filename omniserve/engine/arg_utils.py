@@ -132,6 +132,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float | None = None
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
     enable_prompt_embeds: bool = False
     runner: str = "auto"
     convert: str = "auto"
@@ -201,6 +202,7 @@ class EngineArgs:
                 "override_generation_config", self.override_generation_config
             ),
             max_logprobs=self.max_logprobs,
+            logprobs_mode=self.logprobs_mode,
             enable_prompt_embeds=self.enable_prompt_embeds,
             runner=self._runner(),
             pooler_config=PoolerConfig.resolve(

@@ -4,7 +4,8 @@ Order of operations (vLLM's): a grammar's mask, raw logprobs (log_softmax of tho
 before anything else), the token rules (allowed_token_ids, then the banned ids: bad words and,
 before min_tokens, eos / stop ids; then logit_bias, which leaves a banned id at -inf), penalties,
 then greedy rows take the argmax and random rows go through temperature, min-p, top-k, top-p and
-a random draw.
+a random draw. The reported logprobs are the raw ones or, by ``logprobs_mode``, the processed
+distribution each row draws from (``processed_logits``), as logprobs or logits.
 
 CPU speed is a design goal (batch 256 x vocab 150k), so:
 
@@ -133,7 +134,8 @@ class SamplerOutput:
     sampled_token_ids: torch.Tensor
     """[num_reqs] int64, always a vocabulary id (the next step may feed it to the model)."""
     logprobs: LogprobsTensors | None
-    """Raw-distribution logprobs of the sampled tokens plus the top ``max_num_logprobs``."""
+    """Logprobs (by the sampler's ``logprobs_mode``) of the sampled tokens plus the top
+    ``max_num_logprobs``."""
     no_token: torch.Tensor
     """[num_reqs] bool: the row had no token to sample (its rules and grammar excluded every
     one, or its scores were not finite); its sampled id is a stand-in."""
@@ -171,29 +173,68 @@ def gather_logprobs(
 
 
 class Sampler(nn.Module):
-    """Samples one token per row. NOTE: float32 ``logits`` are consumed (modified in place)."""
+    """Samples one token per row. NOTE: float32 ``logits`` are consumed (modified in place).
+
+    ``logprobs_mode`` (``config.LOGPROBS_MODES``): what the reported logprobs are of."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        super().__init__()
+        self.logprobs_mode = logprobs_mode
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()  # [num_reqs, vocab]
         if metadata.grammar is not None:
             rows, allowed = metadata.grammar
             logits[rows] = logits[rows].masked_fill_(~allowed, -torch.inf)
-        raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_reqs, vocab]
+        mode = self.logprobs_mode if metadata.max_num_logprobs is not None else None
+        reported = None  # [num_reqs, vocab]
+        if mode == "raw_logprobs":
+            reported = torch.log_softmax(logits, dim=-1)
+        elif mode == "raw_logits":
+            reported = logits.clone()
         if metadata.rules is not None:
             _apply_token_rules(logits, metadata.rules)
         if metadata.penalties is not None:
             apply_penalties(logits, metadata.penalties)
+        if mode in ("processed_logprobs", "processed_logits"):
+            reported = processed_logits(logits, metadata)
+            if mode == "processed_logprobs":
+                reported = torch.log_softmax(reported, dim=-1)
         sampled = _sample(logits, metadata)
         # A draw only lands on an excluded (-inf) token when every token is excluded; a NaN
         # score fails the comparison too. One gather: no pass over the vocabulary.
         no_token = ~(logits.gather(1, sampled[:, None]).squeeze(1) > -torch.inf)
         logprobs = None
-        if raw_logprobs is not None:
+        if reported is not None:
             assert metadata.max_num_logprobs is not None
-            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+            logprobs = gather_logprobs(reported, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, logprobs, no_token)
+
+
+def processed_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The logits each row draws from (a copy), as vLLM's ``processed_logits``: random rows'
+    divided by their temperature, with the tokens min-p, top-k and top-p exclude at -inf; greedy
+    rows' as the token rules and penalties left them. Costs a vocabulary sort for top-p rows:
+    only the processed logprobs modes run it."""
+    processed = logits.clone()
+    random_rows = torch.cat([md.top_k_rows, md.nucleus_rows, md.plain_rows])
+    if random_rows.numel() == 0:
+        return processed
+    scaled = processed[random_rows] / md.temperature[random_rows, None]  # [n, vocab]
+    if md.min_p is not None:
+        row_max = scaled.max(-1, keepdim=True).values
+        scaled.masked_fill_(scaled < row_max + md.min_p[random_rows, None].log(), -torch.inf)
+    if md.top_k is not None:
+        top_k = md.top_k[random_rows]
+        cut = (top_k > 0).nonzero().squeeze(1)
+        if cut.numel():
+            values = scaled[cut].topk(min(md.max_top_k, scaled.shape[1]), dim=-1).values
+            kth = values.gather(1, (top_k[cut, None] - 1).clamp(max=values.shape[1] - 1))
+            scaled[cut] = scaled[cut].masked_fill(scaled[cut] < kth, -torch.inf)
+    if md.top_p is not None:
+        _mask_top_p(scaled, md.top_p[random_rows])
+    processed[random_rows] = scaled
+    return processed
 
 
 def banned_by_bad_words(sequences: list[list[int]], output_token_ids: list[int]) -> list[int]:

@@ -80,6 +80,7 @@ class ModelRunner:
         lora_manager: LoRAManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
         projector: Projector | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.model = model
         self.projector = projector  # the checkpoint's Dense modules after embedding pooling
@@ -94,7 +95,7 @@ class ModelRunner:
         self.input_batch = InputBatch(
             scheduler_config.max_num_seqs, max_len, self.max_num_blocks_per_req
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)
         self.proposer = (
             NgramProposer(speculative_config, max_len) if speculative_config is not None else None
         )

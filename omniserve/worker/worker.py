@@ -224,7 +224,7 @@ class Worker:
         )  # fmt: skip
         self.model_runner = ModelRunner(
             model, config.scheduler_config, config.cache_config, vocab_size, self.device,
-            self.lora_manager, config.speculative_config, projector,
+            self.lora_manager, config.speculative_config, projector, model_config.logprobs_mode,
         )  # fmt: skip
 
     def _kv_bytes_per_token(self, model: torch.nn.Module) -> int:
