@@ -154,10 +154,14 @@ def test_vllm_spellings_of_settings(tiny_checkpoint):
         EngineArgs(model=model, task="draw").create_config()
     parser = build_parser()
     parsed = parser.parse_args(["serve", "--model", model, "--dtype", "half",
-                                "--max-model-len", "1k"])  # fmt: skip
+                                "--max-model-len", "1k", "--disable-chunked-mm-input",
+                                "--logprobs-mode", "processed_logits"])  # fmt: skip
     parsed.check_flags(parser, parsed)
     assert (parsed.model, parsed.dtype, parsed.max_model_len) == (model, "half", 1000)
-    assert EngineArgs.from_cli_args(parsed).create_config().model_config.dtype == "float16"
+    config = EngineArgs.from_cli_args(parsed).create_config()
+    assert config.model_config.dtype == "float16"
+    assert config.scheduler_config.disable_chunked_mm_input
+    assert config.model_config.logprobs_mode == "processed_logits"
     for text, tokens in (("32K", 32768), ("1.5k", 1500), ("4096", 4096), ("1M", 1 << 20)):
         assert parser.parse_args(["serve", "--max-model-len", text]).max_model_len == tokens
     for argv in (["serve", "--max-model-len", "lots"], ["serve", "a", "--model", "b"]):

@@ -30,6 +30,7 @@ from omniserve.layers.linear import (
 from omniserve.layers.rotary_embedding import apply_rotary_emb, get_rope
 from omniserve.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from omniserve.layers.weight_utils import load_weights_by_route, route_stacked
+from omniserve.worker import model_loader
 from omniserve.worker.model_loader import iterate_checkpoint_weights, load_model_weights
 
 GEN = torch.Generator().manual_seed(0)
@@ -278,7 +279,7 @@ def _write_sharded(model_dir: Path, shards: list[dict[str, torch.Tensor]]) -> No
     (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
-def test_sharded_checkpoint_loads_and_errors_name_keys(tmp_path: Path) -> None:
+def test_sharded_checkpoint_loads_and_errors_name_keys(tmp_path: Path, monkeypatch) -> None:
     q, k, v, norm = randn(8, 8), randn(4, 8), randn(4, 8), randn(8)
     _write_sharded(
         tmp_path,
@@ -293,6 +294,14 @@ def test_sharded_checkpoint_loads_and_errors_name_keys(tmp_path: Path) -> None:
     model = _Tiny()
     load_model_weights(model, tmp_path)
     torch.testing.assert_close(model.qkv_proj.weight.data, torch.cat([q, k, v]))
+    # The progress bar (--use-tqdm-on-load): on a terminal, or off.
+    bars: list[object] = []
+    real_tqdm = model_loader.tqdm
+    monkeypatch.setattr(model_loader, "tqdm", lambda **kw: bars.append(kw["disable"]) or
+                        real_tqdm(**kw))  # fmt: skip
+    load_model_weights(_Tiny(), tmp_path)
+    load_model_weights(_Tiny(), tmp_path, progress_bar=False)
+    assert bars == [None, True]
     torch.testing.assert_close(model.norm.weight.data, norm)
 
     missing_v = tmp_path / "missing"

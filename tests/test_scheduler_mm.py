@@ -77,6 +77,33 @@ def test_item_is_encoded_once_whole_and_consumed_over_chunks() -> None:
     assert_all_free(scheduler)
 
 
+def test_disable_chunked_mm_input_runs_each_item_in_one_step() -> None:
+    """Windows of 16 over an item at [20, 34): [0,16), then [16,20) (cut before the item, where
+    the window would end inside it), then [20,36) with the whole item; an item at [40, 80),
+    larger than a window, is cut before too ([36,40)), then chunked from its start."""
+    scheduler = make_scheduler(max_num_batched_tokens=16, block_size=4,
+                               disable_chunked_mm_input=True)  # fmt: skip
+    worker = FakeWorker(scheduler)
+    (request,) = make_requests(1, 90, mm_positions=[[(20, 14), (40, 40)]], max_tokens=1)
+    scheduler.add_request(request)
+    windows = []
+    while scheduler.has_unfinished_requests():
+        so = _step(scheduler, worker)
+        windows.append((so.num_scheduled_tokens[request.request_id],
+                        so.scheduled_encoder_inputs.get(request.request_id, [])))  # fmt: skip
+    assert windows == [(16, []), (4, []), (16, [0]), (4, []), (16, [1]), (16, []), (16, []),
+                       (2, [])]  # fmt: skip
+    assert_all_free(scheduler)
+    # Chunked as it comes without the setting.
+    scheduler = make_scheduler(max_num_batched_tokens=16, block_size=4)
+    (request,) = make_requests(1, 90, mm_positions=[[(20, 14), (40, 40)]], max_tokens=1)
+    scheduler.add_request(request)
+    worker = FakeWorker(scheduler)
+    assert _step(scheduler, worker).num_scheduled_tokens == {"req-0": 16}
+    so = _step(scheduler, worker)
+    assert so.num_scheduled_tokens == {"req-0": 16} and so.scheduled_encoder_inputs
+
+
 def test_encoder_budget_is_shared_by_the_step_and_cuts_before_an_item() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=200, max_num_encoder_input_tokens=50)
     worker = FakeWorker(scheduler)

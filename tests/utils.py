@@ -38,9 +38,11 @@ def make_scheduler(
     max_mm_item_embeds: int = 0,
     policy: str = "fcfs",
     max_loras: int = 0,
+    disable_chunked_mm_input: bool = False,
 ) -> Scheduler:
     scheduler_config = SchedulerConfig(
         policy=policy,
+        disable_chunked_mm_input=disable_chunked_mm_input,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,

@@ -67,6 +67,8 @@ class ModelConfig:
     max_logprobs: int = 20
     """Most logprobs a request may ask for per token (vLLM's --max-logprobs; -1: no cap but the
     vocabulary's size)."""
+    use_tqdm_on_load: bool = True
+    """A progress bar over the weights as they load (on a terminal)."""
     logprobs_mode: str = "raw_logprobs"
     """What sampled tokens' logprobs report (vLLM's ``LOGPROBS_MODES``): the model's own
     distribution ("raw_*"), or the one the token was drawn from ("processed_*": after the token
@@ -430,6 +432,9 @@ class SchedulerConfig:
     """Encoder compute budget of one step, in embeddings."""
     encoder_cache_size: int = 8192
     """Capacity of the encoder-output cache, in embeddings."""
+    disable_chunked_mm_input: bool = False
+    """vLLM's: a chunk that would end inside an item's placeholder ends before it (a chunk that
+    starts at or in it is not cut, or an item over a step's budget could never run)."""
     policy: str = "fcfs"
     """"fcfs": first come, first served; "priority": by each request's priority (lower first),
     then arrival; preemption takes the last in that order (vLLM's policies)."""

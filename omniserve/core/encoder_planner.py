@@ -8,6 +8,9 @@ The scheduler's rules for encoder inputs (vLLM V1 semantics), kept apart from ``
 - An item that does not fit this step's encoder compute budget (``max_num_encoder_input_tokens``)
   or the encoder cache cuts the window just before its placeholder (precisely: before the first
   position that would need one of its embeddings; 0 tokens if the window starts past that).
+- With ``disable_chunked_mm_input``, a window that starts before an item and would end inside
+  its placeholder ends before it (vLLM's rule); a window starting at or inside it is not cut, so
+  an item larger than a step's budget still runs.
 - Progress: once an item is refused for lack of cache space, the cache is closed for the rest of
   the step: later requests take no new references (no new entries, no hits), so they only drain
   what they already hold. The first request refused (the oldest, in scheduling order) thus gets
@@ -62,6 +65,7 @@ def plan_encoder_inputs(
     encoder_budget: int,
     cache: EncoderCacheManager,
     cache_open: bool = True,
+    whole_items: bool = False,
 ) -> EncoderPlan:
     """Walk the items overlapping ``[num_computed, num_computed + num_new)`` in prompt order.
 
@@ -77,6 +81,9 @@ def plan_encoder_inputs(
             break
         if pos.end <= num_computed_tokens or cache.has_ref(request, i):
             continue  # already in the KV cache, or its output is already held for this request
+        if whole_items and num_computed_tokens < pos.offset and window_end < pos.end:
+            plan.num_new_tokens = pos.offset - num_computed_tokens
+            break
         lo, hi = pos.embeds_in(num_computed_tokens, window_end)
         if lo == hi:
             continue  # this window's part of the placeholder takes no embeddings

@@ -317,6 +317,7 @@ class Scheduler:
             budget.num_encoder_embeds,
             self.encoder_cache_manager,
             budget.encoder_cache_open,
+            self.scheduler_config.disable_chunked_mm_input,
         )
         if plan.blocked_by_cache:
             budget.encoder_cache_open = False

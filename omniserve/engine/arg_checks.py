@@ -113,6 +113,11 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
         {"choices": ["lru"]},
         "the processor cache is an LRU in the API server's process",
     ),
+    "--interleave-mm-strings": (
+        {"action": "store_true"},
+        "'string'-format chat content always keeps its parts' order (each media placeholder "
+        "where its part sits)",
+    ),
     "--api-server-count": ({"type": int, "choices": [1]}, "one API server process serves"),
     "--max-seq-len-to-capture": (
         {"type": int},

@@ -73,6 +73,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "only defaults.",
     )
     add(
+        "--use-tqdm-on-load",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="A progress bar over the weights as they load (on a terminal).",
+    )
+    add(
         "--disable-audio-output",
         action="store_true",
         help="Serve a full omni checkpoint's thinker alone (text output only; the talker "
@@ -241,6 +247,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         type=int,
         default=None,
         help="Encoder-output cache capacity, in embeddings; None: as above.",
+    )
+    mm.add_argument(
+        "--disable-chunked-mm-input",
+        action="store_true",
+        help="Never end a prefill chunk inside a media item's placeholder: end it before the "
+        "item, whose tokens then run in one later step (unless the item alone is more than a "
+        "step's budget).",
     )
     mm.add_argument(
         "--mm-encoder-attn-backend",

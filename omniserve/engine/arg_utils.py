@@ -133,6 +133,7 @@ class EngineArgs:
     gpu_memory_utilization: float | None = None
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
+    use_tqdm_on_load: bool = True
     enable_prompt_embeds: bool = False
     runner: str = "auto"
     convert: str = "auto"
@@ -148,6 +149,7 @@ class EngineArgs:
     async_scheduling: bool | None = False  # None: off
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
+    disable_chunked_mm_input: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -203,6 +205,7 @@ class EngineArgs:
             ),
             max_logprobs=self.max_logprobs,
             logprobs_mode=self.logprobs_mode,
+            use_tqdm_on_load=self.use_tqdm_on_load,
             enable_prompt_embeds=self.enable_prompt_embeds,
             runner=self._runner(),
             pooler_config=PoolerConfig.resolve(
@@ -246,6 +249,7 @@ class EngineArgs:
                 encoder_cache_size=max(8192, batched)
                 if self.encoder_cache_size is None
                 else self.encoder_cache_size,
+                disable_chunked_mm_input=self.disable_chunked_mm_input,
             ),
             multimodal_config=MultiModalConfig(
                 limit_mm_per_prompt=limits,

@@ -58,14 +58,17 @@ def checkpoint_tensor_shapes(model_dir: str | Path) -> dict[str, tuple[torch.Siz
     return shapes
 
 
-def iterate_checkpoint_weights(model_dir: str | Path) -> Iterator[tuple[str, LazyTensor]]:
+def iterate_checkpoint_weights(
+    model_dir: str | Path, progress_bar: bool = True
+) -> Iterator[tuple[str, LazyTensor]]:
     """Yield ``(name, lazy tensor)`` for every checkpoint tensor, shard by shard, with a progress
-    bar over the bytes (on a terminal) and one log line per shard; a tensor is readable until the
-    next one is yielded."""
+    bar over the bytes (on a terminal, unless not ``progress_bar``) and one log line per shard; a
+    tensor is readable until the next one is yielded."""
     files = checkpoint_files(model_dir)
     total = sum(path.stat().st_size for path in files)
     start = time.perf_counter()
-    with tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, disable=None) as bar:
+    with tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True,
+              disable=None if progress_bar else True) as bar:  # fmt: skip
         for i, path in enumerate(files, 1):
             with SafetensorsFile(path) as f:
                 for name in f.keys():
@@ -84,17 +87,21 @@ def load_model_weights(
     model_dir: str | Path,
     quantization: QuantizationConfig | None = None,
     quantized: QuantizedModel | None = None,
+    progress_bar: bool = True,
 ) -> None:
     """Fill every parameter of ``model`` from the checkpoint; ValueError names what did not match.
     ``quantized``: what ``layers.quantized_loading.quantize_layers`` made of the model, whose
-    quantized matrices outside the linear layers are gathered as they are read.
+    quantized matrices outside the linear layers are gathered as they are read. ``progress_bar``:
+    one over the bytes read (on a terminal).
 
     Tied embeddings need nothing here: a tied ``lm_head.weight`` is the embedding's parameter, so
     it is filled through ``embed_tokens`` and the model skips an ``lm_head`` key if one is stored.
     """
     if not hasattr(model, "load_weights"):
         raise TypeError(f"{type(model).__name__} has no load_weights(weights) method.")
-    weights: Iterator[tuple[str, LoadedWeight]] = iterate_checkpoint_weights(model_dir)
+    weights: Iterator[tuple[str, LoadedWeight]] = iterate_checkpoint_weights(
+        model_dir, progress_bar
+    )
     if quantization is not None:
         weights = quantized_weights(weights, quantization)
         if quantized is not None and quantized.matrices:

@@ -189,7 +189,8 @@ class Worker:
                 str(self.dtype).removeprefix("torch."),
                 config.scheduler_config.max_model_len,
             )
-        load_model_weights(model, model_config.model, quantization, quantized)
+        load_model_weights(model, model_config.model, quantization, quantized,
+                           model_config.use_tqdm_on_load)  # fmt: skip
         model.eval()
         if self.device.type == "cpu":
             self.backend_report = apply_cpu_backend(model, self.dtype)
