@@ -281,3 +281,47 @@ def test_same_image_at_another_offset_hashes_differently() -> None:
     assert at_4.block_hashes[1] != at_5.block_hashes[1]
     assert at_4.block_hashes[1] != other.block_hashes[1]
     assert at_4.block_hashes == same.block_hashes
+
+
+def test_kv_events_record_stored_removed_and_cleared_blocks() -> None:
+    """vLLM's KV events: full blocks as they are registered (one event per run, chained to
+    the block before), their removal when evicted or never written, and a reset; never the
+    partial tails, and nothing unless asked."""
+    from omniserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from omniserve.core.kv_events import external_hash as ext
+
+    kv = KVCacheManager(num_blocks=6, block_size=BLOCK_SIZE, record_events=True)
+    a = _request("a", list(range(100, 110)))  # 2 full blocks, a tail of 2
+    _admit(kv, a)
+    hashes = [ext(h) for h in a.block_hashes]
+    assert kv.take_events() == [
+        BlockStored(hashes, None, list(range(100, 108)), BLOCK_SIZE, None, "GPU")
+    ]
+    assert kv.take_events() == []
+    b = _request("b", [*range(100, 108), *range(200, 206)])  # shares 2 blocks, adds 1
+    _admit(kv, b)
+    assert kv.take_events() == [
+        BlockStored([ext(b.block_hashes[2])], hashes[1], list(range(200, 204)), BLOCK_SIZE,
+                    None, "GPU"),
+    ]  # fmt: skip
+    kv.free(a)  # its tail is cached, not published
+    kv.free(b)
+    assert kv.take_events() == []
+    c = _request("c", list(range(300, 324)))  # 6 blocks: evicts every cached one
+    _admit(kv, c)
+    events = kv.take_events()
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted([*hashes, ext(b.block_hashes[2])])
+    assert isinstance(events[-1], BlockStored) and len(events[-1].block_hashes) == 6
+    kv.free(c)
+    assert kv.reset_prefix_cache() and kv.take_events() == [AllBlocksCleared()]
+    # Blocks cached for a step that never ran (preemption) are removed again.
+    d = _request("d", list(range(400, 412)))
+    kv.allocate_slots(d, 12)
+    kv.free(d)
+    stored, *gone = kv.take_events()
+    assert isinstance(stored, BlockStored) and all(isinstance(e, BlockRemoved) for e in gone)
+    assert sorted(h for e in gone for h in e.block_hashes) == sorted(stored.block_hashes)
+    plain = KVCacheManager(num_blocks=6, block_size=BLOCK_SIZE)
+    _admit(plain, _request("a", list(range(100, 110))))
+    assert plain.take_events() == [] and plain.block_pool.events is None

@@ -329,3 +329,78 @@ def test_qwen3_coder_leaves_what_is_no_call_as_content() -> None:
     _, (call,) = reader.feed("<tool_call><function=search><parameter=limit>many"
                              "<parameter=exact>maybe</function></tool_call>", True)  # fmt: skip
     assert json.loads(call["function"]["arguments"]) == {"limit": "many", "exact": "maybe"}
+
+
+PLUGIN = '''
+import json
+
+from omniserve.entrypoints.openai.tool_parsers import (
+    ToolCallReader, call_delta, register_tool_call_parser,
+)
+
+
+@register_tool_call_parser("callline")
+class CallLines(ToolCallReader):
+    """Lines ``CALL name {json}`` are calls; the rest is content."""
+
+    def __init__(self, tools, parallel):
+        super().__init__()
+        self.text = ""
+
+    def feed(self, piece, final):
+        self.text += piece
+        if not final:
+            return "", []
+        content, calls = [], []
+        for line in self.text.splitlines():
+            if line.startswith("CALL "):
+                _, name, arguments = line.split(" ", 2)
+                calls.append(call_delta(self.num_calls, name, json.dumps(json.loads(arguments))))
+                self.num_calls += 1
+            else:
+                content.append(line)
+        return "\\n".join(content), calls
+'''
+
+
+def test_a_plugin_file_registers_a_parser(tmp_path, capsys) -> None:
+    """vLLM's ``--tool-parser-plugin``: the file's parser is a ``--tool-call-parser`` name, and
+    ``tool_choice="auto"`` requests read their answers with it; a bad file or name is refused."""
+    from omniserve.entrypoints.cli import build_parser, main
+    from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
+    from omniserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, tool_call_reader
+
+    plugin = tmp_path / "my_parsers.py"
+    plugin.write_text(PLUGIN)
+    parser = build_parser()
+    args = parser.parse_args(
+        [
+            "serve",
+            "--tool-parser-plugin",
+            str(plugin),
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "callline",
+        ]
+    )
+    args.check_flags(parser, args)  # fmt: skip
+    assert "callline" in TOOL_CALL_PARSERS
+    request = ChatCompletionRequest(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], tool_choice="auto",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    )  # fmt: skip
+    reader = tool_call_reader(request, "callline")
+    assert reader is not None
+    content, calls = reader.feed('Sure.\nCALL f {"x": 1}', final=True)
+    assert content == "Sure." and calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('nope')")
+    for flags, message in (
+        (["--tool-parser-plugin", str(tmp_path / "none.py")], "none.py: not a Python file"),
+        (["--tool-parser-plugin", str(broken)], "broken.py failed to load: RuntimeError('nope')"),
+        (["--tool-call-parser", "mistral"], "--tool-call-parser 'mistral' is none of"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["serve", *flags])
+        assert message in capsys.readouterr().err
+    del TOOL_CALL_PARSERS["callline"]

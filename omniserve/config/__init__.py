@@ -12,6 +12,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from omniserve.config.kv_events import KVEventsConfig
+from omniserve.config.lora import LoRAConfig
 from omniserve.config.pooler import PoolerConfig
 from omniserve.config.quantization import QUANTIZATION_METHODS, QuantizationConfig
 from omniserve.config.speculative import SpeculativeConfig
@@ -558,27 +560,6 @@ class MultiModalConfig:
 
 
 @dataclass(frozen=True)
-class LoRAConfig:
-    """LoRA adapters (``omniserve/lora``): present only with ``--enable-lora``."""
-
-    max_loras: int = 1
-    """Distinct adapters one step may run (each has a slot of weights on the device)."""
-    max_lora_rank: int = 16
-    """Largest rank an adapter may have (the slots are this wide)."""
-    max_cpu_loras: int | None = None
-    """Adapters kept read in host memory (None: ``max_loras``); others are read again."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_loras", "max_lora_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(
-                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})."
-            )
-
-
-@dataclass(frozen=True)
 class OmniConfig:
     """The root: every sub-config of one engine."""
 
@@ -594,6 +575,8 @@ class OmniConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )
+    kv_events_config: KVEventsConfig | None = None
+    """None: the prefix cache's changes are not published."""
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:

@@ -10,6 +10,14 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from omniserve.core.kv_events import (
+    MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    KVCacheEvent,
+    external_hash,
+)
+
 
 @dataclass(eq=False, slots=True)
 class KVCacheBlock:
@@ -19,6 +27,8 @@ class KVCacheBlock:
     ref_cnt: int = 0
     block_hash: int | None = None
     """Set while the block is registered in the prefix cache (its content is reusable)."""
+    published: bool = False
+    """Its registration was published as stored (KV events): its removal is published too."""
 
 
 class FreeBlockQueue:
@@ -62,11 +72,15 @@ class BlockPool:
     and eviction never have to choose between duplicates.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, record_events: bool = False
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}.")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.events: list[KVCacheEvent] | None = [] if record_events else None
+        """The cache's changes since they were last taken (None: not recorded)."""
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
         # block hash -> the one block registered under it (referenced or in the free queue)
@@ -119,28 +133,34 @@ class BlockPool:
                 else:
                     self.free_block_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> bool:
+    def cache_block(self, block: KVCacheBlock, block_hash: int, publish: bool = False) -> bool:
         """Register a full block under its hash, unless that content is already cached;
-        whether it was registered."""
+        whether it was registered. ``publish``: the caller records it as stored (KV events),
+        so its removal is recorded here."""
         if not self.enable_caching or block.block_hash is not None:
             return False
         if block_hash in self.hash_to_block:
             return False
         self.hash_to_block[block_hash] = block
         block.block_hash = block_hash
+        block.published = publish and self.events is not None
         return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         """Forget the block's content (it is about to be overwritten or was never written)."""
         if block.block_hash is not None:
             del self.hash_to_block[block.block_hash]
-            block.block_hash = None
+            if block.published and self.events is not None:
+                self.events.append(BlockRemoved([external_hash(block.block_hash)], MEDIUM))
+            block.block_hash, block.published = None, False
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; refused (False) while any block is still referenced."""
         if self.num_free_blocks != self.num_blocks:
             return False
         for block in self.blocks:
-            block.block_hash = None
+            block.block_hash, block.published = None, False
         self.hash_to_block.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return True

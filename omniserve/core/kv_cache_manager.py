@@ -7,6 +7,9 @@ Full blocks are shared. A request's last, partial block (its *tail*) is cached t
 request is freed, under the hash of the tokens written in it: a later request continuing those
 tokens (a beam search step, the next turn of a chat, a preempted request resuming) copies the
 tail into a block of its own instead of recomputing up to ``block_size - 1`` tokens.
+
+With ``record_events`` (``--kv-events-config``) the full blocks' registrations, removals and a
+reset are kept as vLLM's KV events (``core/kv_events.py``) for the engine to publish.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import msgspec
 
 from omniserve.config import blocks_for
 from omniserve.core.block_pool import BlockPool, KVCacheBlock
+from omniserve.core.kv_events import MEDIUM, BlockStored, KVCacheEvent, external_hash
 from omniserve.core.request import Request
 
 # Parent of a request's first block. A fixed value keeps hashes identical across processes
@@ -120,10 +124,17 @@ class KVCacheManager:
     own blocks again would inflate the hit rate).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        record_events: bool = False,
+    ) -> None:
+        """``record_events``: keep the prefix cache's changes for ``take_events`` (KV events)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, record_events)
         # req_id -> the request's blocks, in token order
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # req_id -> how many leading blocks of the request were offered to the prefix cache
@@ -221,10 +232,42 @@ class KVCacheManager:
     ) -> None:
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         num_cached = self.req_to_num_cached_blocks[request.request_id]
+        stored = []
         for i in range(num_cached, num_full):
-            if self.block_pool.cache_block(req_blocks[i], request.block_hashes[i]):
+            if self.block_pool.cache_block(req_blocks[i], request.block_hashes[i], publish=True):
                 self.newly_cached.append(req_blocks[i].block_id)
+                stored.append(i)
         self.req_to_num_cached_blocks[request.request_id] = max(num_cached, num_full)
+        if stored and self.block_pool.events is not None:
+            assert isinstance(request, Request), "only a thinker's requests cache blocks"
+            self._record_stored(request, stored)
+
+    def _record_stored(self, request: Request, indices: list[int]) -> None:
+        """One ``BlockStored`` per run of consecutive newly registered blocks of ``request``."""
+        assert self.block_pool.events is not None
+        size, hashes = self.block_size, request.block_hashes
+        lora_id = request.lora_request.lora_int_id if request.lora_request else None
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            self.block_pool.events.append(BlockStored(
+                [external_hash(hashes[i]) for i in run],
+                external_hash(hashes[first - 1]) if first else None,
+                request.all_token_ids[first * size : end * size], size, lora_id, MEDIUM,
+            ))  # fmt: skip
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call, oldest first (none unless recorded)."""
+        events = self.block_pool.events
+        if not events:
+            return []
+        self.block_pool.events = []
+        return events
 
     def take_newly_cached(self) -> list[int]:
         """Blocks offered to the prefix cache since the last call (the step being scheduled

@@ -88,6 +88,7 @@ class Scheduler:
         make_text_stop: Callable[[Request], TextStop] | None = None,
         max_loras: int = 0,
         speculative_config: SpeculativeConfig | None = None,
+        record_kv_events: bool = False,
     ) -> None:
         """``max_mm_item_embeds``: the model's largest multimodal item in embeddings (0: text
         only or unknown); start-up fails if that item could never be encoded.
@@ -96,7 +97,8 @@ class Scheduler:
         stop strings of the others, a step later).
         ``max_loras``: distinct LoRA adapters the running requests may use (0: LoRA is off).
         ``speculative_config``: drafts (from the workers) are scheduled after a request's last
-        token, unless the batch reaches its ``disable_by_batch_size``."""
+        token, unless the batch reaches its ``disable_by_batch_size``. ``record_kv_events``: keep
+        the prefix cache's changes (``kv_cache_manager.take_events``)."""
         if max_mm_item_embeds:
             check_encoder_limits(scheduler_config, max_mm_item_embeds)
         self.scheduler_config = scheduler_config
@@ -104,7 +106,7 @@ class Scheduler:
         self.block_size = cache_config.block_size
         cache_config.check_holds_one_sequence(num_blocks, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, cache_config.enable_prefix_caching
+            num_blocks, self.block_size, cache_config.enable_prefix_caching, record_kv_events
         )
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.make_text_stop = make_text_stop

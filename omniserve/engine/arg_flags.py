@@ -168,6 +168,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "else LAST, normalised).",
     )
     add(
+        "--kv-events-config",
+        default=None,
+        help="JSON (vLLM's): publish the prefix cache's changes for KV-aware routers, "
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events", "buffer_steps": 10000, '
+        '"hwm": 100000, "max_queue_size": 100000}; with -dp each engine\'s ports are these '
+        "plus its index.",
+    )
+    add(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,

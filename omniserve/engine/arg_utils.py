@@ -15,6 +15,7 @@ from omniserve import envs
 from omniserve.config import (
     GENERATION_SETTINGS,
     CacheConfig,
+    KVEventsConfig,
     LoRAConfig,
     ModelConfig,
     MultiModalConfig,
@@ -173,6 +174,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     speculative_config: dict[str, Any] | str | None = None
     structured_outputs_config: dict[str, Any] | str | None = None
+    kv_events_config: dict[str, Any] | str | None = None
     reasoning_parser: str | None = None
     """vLLM's: the model thinks between this parser's tags first (grammars apply after them;
     the server splits the thinking off answers)."""
@@ -281,6 +283,7 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig.from_dict(
                 self.structured_outputs_config, self.reasoning_parser
             ),
+            kv_events_config=KVEventsConfig.from_dict(self.kv_events_config),
         )
         # Settings that only fail where they are used fail here, at start: --media-io-kwargs and
         # --allowed-local-media-path (numpy, PIL, av), --device (torch).

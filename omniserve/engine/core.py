@@ -15,6 +15,7 @@ from omniserve.core.sched_output import SchedulerOutput
 from omniserve.core.scheduler import Scheduler
 from omniserve.core.step_failure import fail_step
 from omniserve.engine.detokenizer import IncrementalDetokenizer
+from omniserve.engine.kv_event_publisher import KVEventPublisher
 from omniserve.executor.abstract import Executor
 from omniserve.lora.request import LoRARequest, lora_stats
 from omniserve.messages import (
@@ -88,6 +89,9 @@ class EngineCore:
                 "must fit; --talker-kv-cache-memory sets it).",
                 self.talker_capacity,
             )
+        kv_events = config.kv_events_config
+        if kv_events is not None and kv_events.publisher == "null":
+            kv_events = None  # recorded only to be dropped: not recorded at all
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
@@ -96,6 +100,12 @@ class EngineCore:
             make_text_stop=self._make_text_stop,
             max_loras=config.lora_config.max_loras if config.lora_config else 0,
             speculative_config=config.speculative_config,
+            record_kv_events=kv_events is not None,
+        )
+        self.kv_events = (
+            KVEventPublisher(kv_events, engine_index, config.parallel_config.data_parallel_size > 1)
+            if kv_events is not None
+            else None
         )
         if spec := config.speculative_config:
             logger.info(
@@ -245,7 +255,13 @@ class EngineCore:
         if self._unsampled is not None:
             self._sample_launched()
         outputs.outputs = failed + outputs.outputs
+        self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """The prefix cache's changes since the last call, as one batch (``--kv-events-config``)."""
+        if self.kv_events is not None and (events := self.scheduler.kv_cache_manager.take_events()):
+            self.kv_events.publish(events)
 
     def _launch_steps(self) -> None:
         """Schedule and launch steps until one is in flight (two under async scheduling), or
@@ -354,7 +370,9 @@ class EngineCore:
         return stats
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+        reset = self.scheduler.kv_cache_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
 
     def reset_encoder_cache(self) -> None:
         """Forget the encoder outputs no running request holds (``reset_mm_cache``)."""
@@ -396,6 +414,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured_output.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.model_executor.shutdown()
 
 

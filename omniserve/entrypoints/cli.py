@@ -18,7 +18,11 @@ from omniserve.engine.arg_utils import EngineArgs, json_arg
 from omniserve.entrypoints.chat_utils import CONTENT_FORMATS
 from omniserve.entrypoints.cli_clients import add_client_args, chat, complete
 from omniserve.entrypoints.openai.server_args import add_server_args, check_server_args
-from omniserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
+from omniserve.entrypoints.openai.tool_parsers import (
+    BUILT_IN_TOOL_CALL_PARSERS,
+    TOOL_CALL_PARSERS,
+    load_tool_parser_plugin,
+)
 from omniserve.lora.request import parse_lora_modules
 
 
@@ -83,6 +87,16 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
         args.model = flag
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
+    try:
+        if args.tool_parser_plugin is not None:
+            load_tool_parser_plugin(args.tool_parser_plugin)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        parser.error(
+            f"--tool-call-parser {args.tool_call_parser!r} is none of {sorted(TOOL_CALL_PARSERS)} "
+            "(a --tool-parser-plugin file registers more)."
+        )
     if args.enable_log_outputs and not args.enable_log_requests:
         parser.error("--enable-log-outputs needs --enable-log-requests.")
     if args.lora_modules and not args.enable_lora:
@@ -366,9 +380,17 @@ def _add_serving_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=sorted(TOOL_CALL_PARSERS),
-        help="The format the model writes tool calls in (hermes: the Qwen "
-        "family's <tool_call> blocks).",
+        help="The format the model writes tool calls in: "
+        f"{', '.join(BUILT_IN_TOOL_CALL_PARSERS)} (hermes: the Qwen family's <tool_call> "
+        "blocks), or a name a --tool-parser-plugin registers.",
+    )
+    group.add_argument(
+        "--tool-parser-plugin",
+        default=None,
+        metavar="FILE",
+        help="A Python file run at start-up whose ToolCallReader subclasses, decorated with "
+        "omniserve.entrypoints.openai.tool_parsers.register_tool_call_parser(NAME), read "
+        "tool calls for --tool-call-parser NAME.",
     )
     group.add_argument(
         "--exclude-tools-when-tool-choice-none",

@@ -14,18 +14,22 @@ Three ways a request asks for calls (``tool_choice``):
 - a named function: the answer is that function's arguments (JSON, by the grammar).
 
 Each reader is fed the content as it grows and returns the new content and the new call deltas,
-so a streamed answer and a whole one are read by the same code and agree.
+so a streamed answer and a whole one are read by the same code and agree. Other formats come from
+a ``--tool-parser-plugin`` file (vLLM's flag): its ``ToolCallReader`` subclasses decorated with
+``register_tool_call_parser(name)`` become ``--tool-call-parser`` names.
 """
 
 from __future__ import annotations
 
 import abc
 import ast
+import importlib.util
 import json
 import re
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar, cast
 
 from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from omniserve.entrypoints.openai.protocol import NamedToolChoice
@@ -281,5 +285,40 @@ def tool_call_reader(
     return TOOL_CALL_PARSERS[auto_parser](tools, request.parallel_tool_calls)
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesToolCalls, "qwen3_coder": Qwen3CoderToolCalls}
-"""``--tool-call-parser`` names (vLLM's) -> the reader of that format."""
+ReaderFactory = Callable[[Mapping[str, Any], bool], ToolCallReader]
+TOOL_CALL_PARSERS: dict[str, ReaderFactory] = {
+    "hermes": HermesToolCalls,
+    "qwen3_coder": Qwen3CoderToolCalls,
+}
+"""``--tool-call-parser`` names (vLLM's, and a plugin's) -> the reader of that format."""
+BUILT_IN_TOOL_CALL_PARSERS = tuple(TOOL_CALL_PARSERS)
+
+Reader = TypeVar("Reader", bound=type[ToolCallReader])
+
+
+def register_tool_call_parser(name: str) -> Callable[[Reader], Reader]:
+    """Decorate a ``ToolCallReader`` subclass (in a ``--tool-parser-plugin`` file): ``--tool-call-
+    parser NAME`` then reads ``tool_choice="auto"`` answers with it, built per request as
+    ``cls(tools, parallel)``: the request's tools (name -> parameters' JSON schema) and its
+    ``parallel_tool_calls``."""
+
+    def register(cls: Reader) -> Reader:
+        if not (isinstance(cls, type) and issubclass(cls, ToolCallReader)):
+            raise TypeError(f"tool-call parser {name!r} must be a ToolCallReader subclass.")
+        TOOL_CALL_PARSERS[name] = cast(ReaderFactory, cls)
+        return cls
+
+    return register
+
+
+def load_tool_parser_plugin(path: str) -> None:
+    """Run a ``--tool-parser-plugin`` file, which registers its parsers; ValueError naming the
+    file when it is missing or raises."""
+    file = Path(path)
+    spec = importlib.util.spec_from_file_location(f"omniserve_tool_parser_{file.stem}", file)
+    if not file.is_file() or spec is None or spec.loader is None:
+        raise ValueError(f"--tool-parser-plugin {path}: not a Python file.")
+    try:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    except Exception as exc:
+        raise ValueError(f"--tool-parser-plugin {path} failed to load: {exc!r}") from exc
