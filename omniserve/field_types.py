@@ -117,6 +117,8 @@ def _conform(value: Any, hint: Any) -> Any:
             return _REFUSED
         same = isinstance(value, origin) and all(map(operator.is_, items, value))
         return value if same else origin(items)
+    if origin is Callable:
+        return value if callable(value) else _REFUSED
     if origin is dict:
         if not isinstance(value, dict):
             return _REFUSED
@@ -165,6 +167,8 @@ def _describe(hint: Any) -> str:
         return f"a tuple ({', '.join(map(_describe, args))})"
     if hint is Any or hint is object:
         return "a value"
+    if origin is Callable:
+        return "a function"
     return _TYPE_NAMES.get(hint, f"a {hint.__name__}")
 
 

@@ -168,3 +168,27 @@ def test_vllm_spellings_of_settings(tiny_checkpoint):
         with pytest.raises(SystemExit):
             parsed = parser.parse_args(argv)
             parsed.check_flags(parser, parsed)
+
+
+def test_hf_overrides_as_a_function(tiny_checkpoint):
+    """vLLM's callable ``hf_overrides``: the transformers config in, changed; read once as the
+    keys it changed (nested configs key by key), so every process applies the same."""
+    vl = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
+
+    def shorter(config):
+        config.text_config.max_position_embeddings = 256
+        config.image_token_id = config.image_token_id  # unchanged: not an override
+        return config
+
+    config = EngineArgs(model=vl, hf_overrides=shorter).create_config()
+    assert config.model_config.hf_overrides == {"text_config": {"max_position_embeddings": 256}}
+    assert config.model_config.max_model_len == 256
+    assert config.model_config.hf_config.text_config.max_position_embeddings == 256
+    for function, message in (
+        (lambda config: None, "must return the transformers config it was given"),
+        (lambda config: 1 / 0, "the function raised ZeroDivisionError"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(model=vl, hf_overrides=function).create_config()
+    with pytest.raises(TypeError, match="hf_overrides must be a dict .* a function or None"):
+        EngineArgs(model=vl, hf_overrides=3)  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from omniserve.config.hf_overrides import merged_overrides, set_overrides
 from omniserve.config.kv_events import KVEventsConfig
 from omniserve.config.lora import LoRAConfig
 from omniserve.config.pooler import PoolerConfig
@@ -123,7 +124,9 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file} is missing: not a Hugging Face checkpoint dir.")
-        hf_config = _merged(json.loads(config_file.read_text()), kwargs.get("hf_overrides") or {})
+        hf_config = merged_overrides(
+            json.loads(config_file.read_text()), kwargs.get("hf_overrides") or {}
+        )
         architectures = hf_config.get("architectures") or []
         if not architectures:
             raise ValueError(f"{config_file} names no 'architectures'; cannot pick a model class.")
@@ -159,7 +162,7 @@ class ModelConfig:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.model, local_files_only=True)
-        _override(config, self.hf_overrides)
+        set_overrides(config, self.hf_overrides)
         if getattr(config, "classifier_from_token", None) is not None:
             _labels_from_tokens(config, self.tokenizer)
         return config
@@ -334,29 +337,6 @@ def _labels_from_tokens(config: Any, tokenizer_dir: str) -> None:
     config.method = method
     config.classifier_token_ids = ids
     config.num_labels = 1 if method == "from_2_way_softmax" else len(tokens)
-
-
-def _merged(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``values`` with ``overrides`` set over them; a nested config (``*_config``) is merged key
-    by key."""
-    merged = dict(values)
-    for key, value in overrides.items():
-        current = merged.get(key)
-        nested = key.endswith("_config") and isinstance(value, dict) and isinstance(current, dict)
-        merged[key] = _merged(current, value) if nested else value  # type: ignore[arg-type]
-    return merged
-
-
-def _override(config: Any, overrides: dict[str, Any]) -> None:
-    """``_merged`` on a transformers config (its nested configs are config objects)."""
-    for key, value in overrides.items():
-        current = getattr(config, key, None)
-        if isinstance(value, dict) and hasattr(current, "to_dict"):
-            _override(current, value)
-        elif key == "id2label":  # transformers keys labels by int; JSON keys are strings
-            config.id2label = {int(k): v for k, v in value.items()}
-        else:
-            setattr(config, key, value)
 
 
 def _derive_max_model_len(hf_config: dict) -> int | None:

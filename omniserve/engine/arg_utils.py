@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from omniserve.config import (
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
+from omniserve.config.hf_overrides import overrides_of
 from omniserve.engine.arg_checks import TASK_RUNNERS
 from omniserve.engine.arg_flags import add_engine_flags
 from omniserve.field_types import check_types
@@ -126,7 +128,9 @@ class EngineArgs:
     """The name clients use (a list: the first; the server accepts them all)."""
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | str | None = None
-    hf_overrides: dict[str, Any] | str | None = None
+    hf_overrides: dict[str, Any] | str | Callable[[Any], Any] | None = None
+    """config.json keys set over the checkpoint's (a dict or its JSON text), or vLLM's function
+    of the transformers config returning it changed (read once, as the keys it changed)."""
     block_size: int = 16
     kv_cache_memory: str | float | None = None
     talker_kv_cache_memory: str | float | None = None
@@ -201,7 +205,9 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self._served_name(),
             generation_config=self.generation_config,
-            hf_overrides=json_arg("hf_overrides", self.hf_overrides),
+            hf_overrides=overrides_of(self.model, self.hf_overrides)
+            if callable(self.hf_overrides)
+            else json_arg("hf_overrides", self.hf_overrides),
             override_generation_config=json_arg(
                 "override_generation_config", self.override_generation_config
             ),
