@@ -1,6 +1,7 @@
 """``--kv-events-config`` (vLLM's): the prefix cache's changes published on ZeroMQ in vLLM's wire
-format, decoded here by a subscriber written as vLLM's example writes one (its own structs), with
-the replay socket answering from a sequence number; the config is checked at start."""
+format, checked here as msgpack arrays (what vLLM's subscribers' structs decode: a batch is
+``[ts, events, data_parallel_rank]``, an event ``[tag, fields...]``), with the replay socket
+answering from a sequence number; the config is checked at start."""
 
 from __future__ import annotations
 
@@ -17,52 +18,18 @@ from omniserve.config.kv_events import KVEventsConfig
 from tests.hf_reference import make_prompts
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-DECODER = msgspec.msgpack.Decoder(KVEventBatch)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _receive(sub: zmq.Socket, topic: bytes) -> tuple[int, KVEventBatch]:
+def _receive(sub: zmq.Socket, topic: bytes) -> tuple[int, list[Any]]:
+    """(sequence number, the batch as msgpack arrays)."""
     assert sub.poll(10_000), "no KV event batch arrived"
     got_topic, seq, payload = sub.recv_multipart()
     assert got_topic == topic
-    return int.from_bytes(seq, "big"), DECODER.decode(payload)
+    return int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)
 
 
 def test_events_reach_a_subscriber_and_replay(tiny_checkpoint) -> None:
@@ -81,15 +48,15 @@ def test_events_reach_a_subscriber_and_replay(tiny_checkpoint) -> None:
         prompt = make_prompts(model, [40])[0]
         llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)
         seq, batch = _receive(sub, b"kv")
-        assert seq == 0 and batch.data_parallel_rank is None and batch.ts > 0
-        (stored,) = batch.events
-        assert isinstance(stored, BlockStored) and stored.parent_block_hash is None
-        assert stored.token_ids == prompt[:32] and stored.block_size == 16
-        assert len(stored.block_hashes) == 2 and stored.medium == "GPU"
-        assert all(0 <= h < 1 << 64 for h in stored.block_hashes)
+        ts, (stored,), rank = batch
+        assert seq == 0 and ts > 0 and rank is None  # data_parallel_rank: one engine
+        tag, hashes, parent, token_ids, block_size, lora_id, medium = stored
+        assert (tag, parent, token_ids, block_size, lora_id, medium) == (
+            "BlockStored", None, prompt[:32], 16, None, "GPU")  # fmt: skip
+        assert len(hashes) == 2 and all(0 <= h < 1 << 64 for h in hashes)
         assert llm.reset_prefix_cache()
         seq, batch = _receive(sub, b"kv")
-        assert seq == 1 and batch.events == [AllBlocksCleared()]
+        assert seq == 1 and batch[1] == [["AllBlocksCleared"]]
 
         replay = context.socket(zmq.DEALER)
         replay.connect(f"tcp://127.0.0.1:{replay_port}")
@@ -101,8 +68,8 @@ def test_events_reach_a_subscriber_and_replay(tiny_checkpoint) -> None:
             if not payload:
                 assert int.from_bytes(number, "big", signed=True) == -1
                 break
-            replies.append((int.from_bytes(number, "big"), DECODER.decode(payload).events))
-        assert replies == [(0, [stored]), (1, [AllBlocksCleared()])]
+            replies.append((int.from_bytes(number, "big"), msgspec.msgpack.decode(payload)[1]))
+        assert replies == [(0, [stored]), (1, [["AllBlocksCleared"]])]
     finally:
         context.destroy(linger=0)
         llm.llm_engine.shutdown()

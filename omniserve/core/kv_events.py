@@ -1,10 +1,10 @@
 """The prefix cache's changes as vLLM publishes them (``--kv-events-config``), for KV-aware
 routers: a block's content stored, blocks removed, the whole cache cleared.
 
-The structs are vLLM's wire format (msgpack arrays, events tagged by their class name), so its
-subscribers decode them as they are. A block is named by the low 64 bits of its chained hash (an
-unsigned int, as vLLM names blocks by default); only full blocks are published, never the partial
-tails a request leaves cached.
+The structs are vLLM's wire format (msgpack arrays, ``[ts, events, data_parallel_rank]`` and
+events ``[class name, fields...]``), so its subscribers decode them as they are. A block is named
+by the low 64 bits of its chained hash (an unsigned int, as vLLM names blocks by default); only
+full blocks are published, never the partial tails a request leaves cached.
 """
 
 from __future__ import annotations
