@@ -93,3 +93,16 @@ def test_config_is_checked() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             parse(value)
+
+
+def test_an_endpoint_in_use_fails_start_up_naming_it() -> None:
+    from omniserve.engine.kv_event_publisher import KVEventPublisher
+
+    port = _free_port()
+    first = KVEventPublisher(KVEventsConfig(True, endpoint=f"tcp://*:{port}"))
+    try:
+        with pytest.raises(ValueError, match=rf"--kv-events-config: cannot open tcp://\*:{port}"):
+            KVEventPublisher(KVEventsConfig(True, endpoint=f"tcp://*:{port}"))
+    finally:
+        first.shutdown()
+    KVEventPublisher(KVEventsConfig(True, endpoint=f"tcp://*:{port}")).shutdown()  # freed

@@ -11,6 +11,7 @@ reply each, then ``[-1, b""]``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -49,12 +50,18 @@ class KVEventPublisher:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        (self._pub.bind if _binds(self.endpoint) else self._pub.connect)(self.endpoint)
         self._replay = None
-        if self.replay_endpoint is not None:
-            self._replay = self._context.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(self.replay_endpoint)
+        try:
+            (self._pub.bind if _binds(self.endpoint) else self._pub.connect)(self.endpoint)
+            if self.replay_endpoint is not None:
+                self._replay = self._context.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(self.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._context.destroy(linger=0)
+            raise ValueError(f"--kv-events-config: cannot open {self.endpoint}"
+                             f"{' / ' + self.replay_endpoint if self.replay_endpoint else ''}: "
+                             f"{exc}") from exc  # fmt: skip
         self._dropped = 0
         self._thread = threading.Thread(target=self._run, name="omniserve-kv-events", daemon=True)
         self._thread.start()
@@ -71,6 +78,14 @@ class KVEventPublisher:
                 logger.warning("KV events: the queue is full; %d batches dropped.", self._dropped)
 
     def _run(self) -> None:
+        try:
+            self._publish_queued()
+        except Exception:  # the engine goes on without its events
+            logger.exception("KV events: publishing stopped")
+        finally:
+            self._context.destroy(linger=0)
+
+    def _publish_queued(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         topic = self.config.topic.encode()
         kept: collections.deque[tuple[int, bytes]] = collections.deque(
@@ -93,10 +108,6 @@ class KVEventPublisher:
                 pass  # every subscriber is at its high-water mark: they replay what they missed
             kept.append((seq, payload))
             seq += 1
-        self._pub.close()
-        if self._replay is not None:
-            self._replay.close()
-        self._context.term()
 
     def _answer_replays(self, kept: collections.deque[tuple[int, bytes]]) -> None:
         if self._replay is None:
@@ -116,5 +127,6 @@ class KVEventPublisher:
 
     def shutdown(self) -> None:
         """Send what is queued, then close the sockets."""
-        self._queue.put(None)
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=1)
         self._thread.join(timeout=5)
