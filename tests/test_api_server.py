@@ -47,6 +47,7 @@ def server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> It
             "64MiB",
             "--max-request-body-mb",
             "2",
+            "--enable-tokenizer-info-endpoint",
         ) as running:
             yield running
 
@@ -336,6 +337,10 @@ def test_tokenize_detokenize(server: Server) -> None:
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
     text = server.post("/detokenize", {"model": MODEL, "tokens": tokens["tokens"]}).json()
     assert text == {"prompt": "hello world"}
+    # --enable-tokenizer-info-endpoint (vLLM's): the tokenizer's class, settings and template
+    info = httpx.get(server.url + "/get_tokenizer_info", headers=AUTH).json()
+    assert info["tokenizer_class"].startswith("Qwen2Tokenizer") and "{%" in info["chat_template"]
+    assert info["eos_token"] == "<|im_end|>" and "model_max_length" in info
 
 
 def test_dev_mode_routes_reset_the_caches(server: Server) -> None:

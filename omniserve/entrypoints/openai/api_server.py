@@ -33,7 +33,6 @@ from omniserve.config import is_classifier
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.engine.exceptions import EngineStoppingError
-from omniserve.entrypoints.chat_utils import locate_mm_error
 from omniserve.entrypoints.logger import RequestLogger
 from omniserve.entrypoints.openai.audio_encoding import MEDIA_TYPES
 from omniserve.entrypoints.openai.chat_protocol import (
@@ -83,7 +82,6 @@ from omniserve.entrypoints.openai.server_args import uvicorn_options
 from omniserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from omniserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from omniserve.entrypoints.openai.serving_engine import (
-    OpenAIServing,
     ServingError,
     to_serving_error,
 )
@@ -93,17 +91,10 @@ from omniserve.entrypoints.openai.serving_score import OpenAIServingScores
 from omniserve.entrypoints.openai.serving_speech import OpenAIServingSpeech
 from omniserve.entrypoints.openai.serving_transcription import OpenAIServingTranscription, Task
 from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest, VoiceList
-from omniserve.entrypoints.openai.tokenize_protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeChatRequest,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from omniserve.entrypoints.openai.tokenize_routes import tokenize_router
 from omniserve.entrypoints.openai.transcription_protocol import TranscriptionResponse, form_schema
 from omniserve.lora.request import parse_lora_modules
 from omniserve.metrics import LoggingStatLogger, PrometheusStatLogger
-from omniserve.multimodal.errors import MultiModalInputError
 
 logger = logging.getLogger(__name__)
 
@@ -315,6 +306,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         _api_router(engine, chat, completion, speech, responses, transcription, models)
     )
     app.include_router(pooling_router(pooling))
+    app.include_router(
+        tokenize_router(completion, getattr(args, "enable_tokenizer_info_endpoint", False))
+    )
     app.include_router(dev_router(engine))
     if not getattr(args, "no_playground", False):
         app.include_router(
@@ -511,44 +505,7 @@ def _api_router(
     async def delete_response(response_id: str) -> DeletedResponse:
         return await responses.delete(response_id)
 
-    @router.post("/tokenize", responses=documented())
-    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        return await _tokenize(completion, request)
-
-    @router.post("/detokenize", responses=documented())
-    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
-        completion.check_model(request.model)
-        try:
-            completion.engine.processor.check_token_ids("tokens", request.tokens)
-            return DetokenizeResponse(prompt=completion.tokenizer.decode(request.tokens))
-        except (ValueError, TypeError, OverflowError) as exc:
-            raise ServingError(f"Cannot detokenize: {exc}", param="tokens") from exc
-
     return router
-
-
-async def _tokenize(serving: OpenAIServing, request: TokenizeRequest) -> TokenizeResponse:
-    """Token ids as the engine will see them: media placeholders expanded to their tokens."""
-    serving.check_model(request.model)
-    try:
-        if isinstance(request, TokenizeChatRequest):
-            prompt = await serving.render_chat(
-                request, [tool.model_dump(exclude_none=True) for tool in request.tools or []]
-            )
-        else:
-            prompt = await serving.tokenize_text(request.prompt, request.add_special_tokens)
-        ids = prompt.token_ids
-        if prompt.mm_data:
-            try:
-                ids = await serving.engine.engine_token_ids(prompt.to_engine_input())
-            except MultiModalInputError as exc:
-                raise locate_mm_error(exc, prompt.mm_locations or {}) from exc
-    except ValueError as exc:
-        raise to_serving_error(exc) from exc
-    strs = serving.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
-    return TokenizeResponse(
-        count=len(ids), max_model_len=serving.max_model_len, tokens=ids, token_strs=strs
-    )
 
 
 async def serve(args: argparse.Namespace) -> None:

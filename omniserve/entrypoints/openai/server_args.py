@@ -84,6 +84,11 @@ def add_server_args(server: argparse._ArgumentGroup) -> None:
         help="Answer with an X-Request-Id header (the request's own, else a new one).",
     )
     add(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="Serve GET /get_tokenizer_info: the tokenizer's class, settings and chat template.",
+    )
+    add(
         "--enable-server-load-tracking",
         action="store_true",
         help="Serve GET /load: the requests in flight, for load balancers.",
