@@ -95,6 +95,23 @@ def test_onednn_linear_matches_torch(
         _close(layer(x), expected, dtype)
 
 
+def test_packing_hands_freed_weights_back_as_it_goes(monkeypatch) -> None:
+    """The originals packed copies replace are freed into the C heap, which is trimmed every
+    ``TRIM_EVERY_BYTES`` of them and at the end (glibc kept them: the process grew by ~40% of
+    the weights while packing)."""
+    from omniserve.cpu import backend
+
+    trims: list[int] = []
+    monkeypatch.setattr(backend, "_trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(backend, "TRIM_EVERY_BYTES", 2 * 512 * 256 * 4)  # two layers' weights
+    model = torch.nn.Sequential(*(_linear(512, 256, False, torch.float32, i) for i in range(5)))
+    assert apply_cpu_backend(model, torch.float32).placements == {
+        "linear: oneDNN packed float32": 5
+    }
+    assert len(trims) == 2 + 1  # after the 2nd and 4th layers, and once at the end
+    assert backend._malloc_trim() is not None  # glibc (this suite's Linux)
+
+
 def test_onednn_linear_inputs_and_errors() -> None:
     """Rows of a wider tensor, 3-D and transposed inputs, empty batches; training or a dtype
     mismatch is a clear error, not a silent wrong answer."""

@@ -5,15 +5,18 @@ Layers compute through torch by default and expose a hook for a faster implement
 ``SiluAndMul.kernel``, ``GELU.kernel``, ``Attention.backend``).
 ``apply_cpu_backend`` walks a loaded model once and sets those hooks where a kernel covers the
 layer's device, dtype and shapes; everything else stays on torch, and the report says what went
-where. Weights a kernel keeps in its own layout replace the originals layer by layer, so the
-peak is the model plus one layer. ``OMNISERVE_CPU_KERNELS=torch`` leaves the model untouched.
+where. Weights a kernel keeps in its own layout replace the originals layer by layer, and the
+freed originals go back to the OS as the walk goes (``_trim_heap``), so the peak is the model plus
+a few layers. ``OMNISERVE_CPU_KERNELS=torch`` leaves the model untouched.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -172,6 +175,34 @@ def _place_moe(layer: FusedMoE, dtype: torch.dtype) -> str:
     return f"C {_weights_name(layer.gate_up_proj.dtype, dtype)}"
 
 
+TRIM_EVERY_BYTES = 256 << 20
+"""Weight bytes replaced by kernels' own copies between two heap trims."""
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (None elsewhere)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS. glibc keeps the freed originals of weights
+    below its mmap threshold in its heap, where the packed copies of later layers do not fit
+    them, so without this the process grew by ~40% of the weights while packing and shrank
+    only afterwards (Qwen2.5-Omni-3B's thinker: 13.5 GiB at the peak against 9.8 after)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _param_bytes(module: nn.Module) -> int:
+    """Bytes of the module's own parameters in memory (meta placeholders hold none)."""
+    return sum(p.nbytes for p in module.parameters(recurse=False) if p.device.type != "meta")
+
+
 def apply_cpu_backend(model: nn.Module, dtype: torch.dtype) -> KernelPlacement:
     """Give every layer of a loaded CPU model the fastest kernel that covers it; ``dtype`` is
     the activations' (the model's: a 4-bit layer's, an activation's, which have no weight of
@@ -181,12 +212,19 @@ def apply_cpu_backend(model: nn.Module, dtype: torch.dtype) -> KernelPlacement:
         return report
     shared = _shared_parameters(model)
     attention_backend = CpuAttentionBackend()
+    released = 0  # weight bytes freed since the last trim
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, LinearBase):
-                kind = f"linear: {_place_linear(module, shared, dtype)}"
-            elif isinstance(module, FusedMoE):
-                kind = f"MoE: {_place_moe(module, dtype)}"
+            if isinstance(module, LinearBase | FusedMoE):
+                held = _param_bytes(module)
+                if isinstance(module, LinearBase):
+                    kind = f"linear: {_place_linear(module, shared, dtype)}"
+                else:
+                    kind = f"MoE: {_place_moe(module, dtype)}"
+                released += held - _param_bytes(module)
+                if released >= TRIM_EVERY_BYTES:
+                    _trim_heap()
+                    released = 0
             elif isinstance(module, Attention):
                 module.backend = attention_backend
                 kind = "attention: C decode + SDPA prefill"
@@ -213,4 +251,5 @@ def apply_cpu_backend(model: nn.Module, dtype: torch.dtype) -> KernelPlacement:
             else:
                 continue
             report.placements[kind] += 1
+    _trim_heap()
     return report
