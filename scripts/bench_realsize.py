@@ -25,6 +25,7 @@ none); every engine gets a 4 GiB KV cache and max_model_len 4096.
 
     python scripts/bench_realsize.py                                   # everything found
     python scripts/bench_realsize.py --models qwen2.5-1.5b --engines omniserve,hf
+    python scripts/bench_realsize.py --models qwen2.5-1.5b --engines omniserve,hf --rounds 3
     python scripts/bench_realsize.py --vllm-python /work/vllm-venv/bin/python --out r.json
     python scripts/bench_realsize.py --models qwen2.5-omni-3b-thinker --quantization awq \
         --engines omniserve,omniserve:dequantized,hf
@@ -501,6 +502,30 @@ def run_engine(engine: str, model_dir: Path, workload_file: Path, out: Path,
     return json.loads(out.read_text())
 
 
+def round_orders(engines: list[str], rounds: int) -> list[list[str]]:
+    """The engines' order in each round (``--rounds``): rotated by one each round, so no engine
+    always runs first (or last) while the machine's speed drifts."""
+    return [engines[r % len(engines) :] + engines[: r % len(engines)] for r in range(rounds)]
+
+
+def merge_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's results over the rounds: each workload's fastest run (the one the machine
+    disturbed least), with every round's time kept (``rounds_elapsed_s``); the fastest load and
+    first answer; the highest peak RSS."""
+    merged = dict(results[-1])
+    by_name = [{run["name"]: run for run in result["runs"]} for result in results]
+    merged["runs"] = []
+    for run in results[-1]["runs"]:
+        times = [runs[run["name"]] for runs in by_name if run["name"] in runs]
+        fastest = min(times, key=lambda r: r["elapsed_s"])
+        merged["runs"].append({**fastest, "rounds_elapsed_s": [r["elapsed_s"] for r in times]})
+    for key in ("load_s", "ready_s"):
+        merged[key] = min(result[key] for result in results)
+    merged["peak_rss_bytes"] = max(result["peak_rss_bytes"] for result in results)
+    merged["rounds"] = len(results)
+    return merged
+
+
 def _rate(run: dict[str, Any]) -> tuple[float, float]:
     """(output tokens/s, total tokens/s) of one run."""
     return (run["num_output_tokens"] / run["elapsed_s"],
@@ -510,7 +535,9 @@ def _rate(run: dict[str, Any]) -> tuple[float, float]:
 def report(name: str, results: dict[str, dict[str, Any]], costs: dict[str, float],
            roofline: dict[str, float]) -> list[str]:  # fmt: skip
     engines = list(results)
-    lines = [f"\n## {name}", "",
+    rounds = max(result.get("rounds", 1) for result in results.values())
+    lines = [f"\n## {name}", *([f"(best of {rounds} rounds, engines in rotated order)"]
+                                if rounds > 1 else []), "",
              "| run | " + " | ".join(engines) + " | omniserve / HF | omniserve / vLLM |",
              "|---" * (len(engines) + 3) + "|"]  # fmt: skip
     by_run = {e: {r["name"]: r for r in results[e]["runs"]} for e in engines}
@@ -662,6 +689,14 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None, help="Write every figure as JSON here too.")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="Run every engine this many times, in an order rotated each round, and report "
+        "each workload's fastest run (for machines whose speed drifts; every round's time is "
+        "kept in --out).",
+    )
+    parser.add_argument(
         "--profile-steps",
         action="store_true",
         help="Run each omniserve workload once more, untimed, with the runner's step timer on "
@@ -746,17 +781,19 @@ def main() -> None:
             quantized = twin = model_dir
             if args.quantization:
                 quantized, twin = build_quantized_checkpoint(model_dir, args.quantization, 128)
-            results = {}
-            for engine in engines:
-                label = engine.partition(":")[2]
-                plain = engine in ("hf", "vllm") or label == "dequantized"
-                result = run_engine(engine, twin if plain else quantized, workload_file,
-                                    Path(tmp) / f"{name}-{engine.replace(':', '-')}.json",
-                                    args.vllm_python, args.engine_timeout,
-                                    json.loads(args.variants).get(label))  # fmt: skip
-                if result is not None:
-                    results[engine] = result
-                    print_engine(engine, result)  # now, in case a later engine runs out of time
+            rounds: dict[str, list[dict[str, Any]]] = {engine: [] for engine in engines}
+            for order in round_orders(engines, args.rounds):
+                for engine in order:
+                    label = engine.partition(":")[2]
+                    plain = engine in ("hf", "vllm") or label == "dequantized"
+                    result = run_engine(engine, twin if plain else quantized, workload_file,
+                                        Path(tmp) / f"{name}-{engine.replace(':', '-')}.json",
+                                        args.vllm_python, args.engine_timeout,
+                                        json.loads(args.variants).get(label))  # fmt: skip
+                    if result is not None:
+                        rounds[engine].append(result)
+                        print_engine(engine, result)  # now, in case a later one runs out of time
+            results = {engine: merge_rounds(runs) for engine, runs in rounds.items() if runs}
             costs = {
                 **model_costs(twin),
                 "decode_bytes_per_step": model_costs(quantized)["decode_bytes_per_step"],

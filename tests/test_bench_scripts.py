@@ -233,6 +233,24 @@ def test_serving_ablation_runs_a_b_b_a_and_merges_each_level(monkeypatch):
     assert theirs.wall_time == 2.0 + 3.0 and theirs.output_tokens_per_s == 8 / 5
 
 
+def test_realsize_rounds_rotate_the_engines_and_keep_each_fastest_run():
+    """``--rounds``: no engine always goes first; each workload's fastest run is reported, with
+    every round's time; the fastest load, the highest peak RSS."""
+    bench = _load_script("bench_realsize")
+    assert bench.round_orders(["a", "b", "c"], 4) == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]  # fmt: skip
+
+    def result(b1: float, b8: float, load: float, rss: int) -> dict:
+        runs = [{"name": "b1", "elapsed_s": b1}, {"name": "b8", "elapsed_s": b8}]
+        return {"runs": runs, "load_s": load, "ready_s": load + 1, "peak_rss_bytes": rss}
+
+    merged = bench.merge_rounds([result(5.0, 9.0, 3.0, 10), result(6.0, 7.0, 2.0, 12)])
+    assert [(r["name"], r["elapsed_s"], r["rounds_elapsed_s"]) for r in merged["runs"]] == [
+        ("b1", 5.0, [5.0, 6.0]), ("b8", 7.0, [9.0, 7.0])]  # fmt: skip
+    assert (merged["load_s"], merged["ready_s"], merged["peak_rss_bytes"]) == (2.0, 3.0, 12)
+    assert merged["rounds"] == 2
+
+
 def test_long_prompt_workload_fits_the_context(tiny_checkpoint, tmp_path):
     bench = _load_script("bench_realsize")
     model_dir = tiny_checkpoint("Qwen2ForCausalLM")
