@@ -15,6 +15,7 @@ import zmq
 
 from omniserve import LLM, SamplingParams
 from omniserve.config.kv_events import KVEventsConfig
+from omniserve.engine.arg_utils import json_arg
 from tests.hf_reference import make_prompts
 
 
@@ -76,7 +77,10 @@ def test_events_reach_a_subscriber_and_replay(tiny_checkpoint) -> None:
 
 
 def test_config_is_checked() -> None:
-    parse = KVEventsConfig.from_dict
+    def parse(value: object) -> KVEventsConfig | None:
+        """As ``EngineArgs`` reads the flag: JSON text, a dict or None."""
+        return KVEventsConfig.from_dict(json_arg("kv_events_config", value))  # type: ignore[arg-type]
+
     assert parse(None) is None and parse({"enable_kv_cache_events": False}) is None
     config = parse('{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:6000"}')
     assert config is not None and config.endpoint == "tcp://*:5557"
@@ -88,8 +92,8 @@ def test_config_is_checked() -> None:
         ({"enable_kv_cache_events": True, "publisher": "kafka"}, "publisher must be one of"),
         ({"enable_kv_cache_events": True, "hwm": 0}, "hwm must be an integer >= 1"),
         ({"enable": True}, r"unknown key\(s\) \['enable'\]"),
-        ("{", "--kv-events-config is not JSON"),
-        ("[]", "must be a JSON object"),
+        ("{", "--kv-events-config must be JSON"),
+        ("[]", "--kv-events-config must be a JSON object"),
     ):
         with pytest.raises(ValueError, match=message):
             parse(value)

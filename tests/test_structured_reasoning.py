@@ -16,7 +16,7 @@ import pytest
 from omniserve import LLM, SamplingParams
 from omniserve.config import ModelConfig
 from omniserve.config.structured_outputs import StructuredOutputsConfig
-from omniserve.engine.arg_utils import EngineArgs
+from omniserve.engine.arg_utils import EngineArgs, json_arg
 from omniserve.sampling_params import StructuredOutputsParams
 from omniserve.structured_output import StructuredOutputManager, allowed_by_bitmask
 from omniserve.tokenizer import get_tokenizer
@@ -131,7 +131,11 @@ def test_without_the_tags_the_grammar_applies_from_the_start(tiny_checkpoint, ca
 
 
 def test_structured_outputs_config() -> None:
-    parse = StructuredOutputsConfig.from_dict
+    def parse(value: object, reasoning_parser: str | None = None) -> StructuredOutputsConfig:
+        """As ``EngineArgs`` reads the flag: JSON text or a dict."""
+        options = json_arg("structured_outputs_config", value)  # type: ignore[arg-type]
+        return StructuredOutputsConfig.from_dict(options, reasoning_parser)
+
     assert parse(None) == StructuredOutputsConfig()
     assert parse('{"backend": "xgrammar"}', "qwen3").thinking_tags == ("<think>", "</think>")
     assert parse({"reasoning_parser": "qwen3", "enable_in_reasoning": True}).thinking_tags is None
@@ -143,8 +147,8 @@ def test_structured_outputs_config() -> None:
         ({"reasoning_parser": "r2"}, "reasoning_parser must be one of"),
         ({"disable_fallback": "yes"}, "disable_fallback must be true or false"),
         ({"enable_in_reasoning": 1}, "enable_in_reasoning must be true or false"),
-        ("{", "is not JSON"),
-        ("[1]", "must be a JSON object"),
+        ("{", "--structured-outputs-config must be JSON"),
+        ("[1]", "--structured-outputs-config must be a JSON object"),
     ):
         with pytest.raises(ValueError, match=why):
             parse(value)

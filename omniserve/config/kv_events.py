@@ -3,7 +3,6 @@ all cleared) for KV-aware routers, in vLLM's wire format (``omniserve/core/kv_ev
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,23 +43,13 @@ class KVEventsConfig:
                 raise ValueError(f"kv_events_config.{name} must be a string.")
 
     @classmethod
-    def from_dict(cls, value: dict[str, Any] | str | None) -> KVEventsConfig | None:
-        """vLLM's dict (or its JSON text); None when events are off."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--kv-events-config is not JSON: {exc}") from None
-        if value is None:
-            return None
-        if not isinstance(value, dict):
-            raise ValueError("--kv-events-config must be a JSON object.")
+    def from_dict(cls, value: dict[str, Any]) -> KVEventsConfig | None:
+        """vLLM's dict; None when events are off."""
         known = set(cls.__dataclass_fields__)
         if unknown := sorted(value.keys() - known):
             raise ValueError(f"kv_events_config: unknown key(s) {unknown}; it takes "
                              f"{sorted(known)}.")  # fmt: skip
-        options = {k: v for k, v in value.items() if v is not None or k == "replay_endpoint"}
-        config = cls(**options)
+        config = cls(**{k: v for k, v in value.items() if v is not None})  # None: the default
         return config if config.enable_kv_cache_events else None
 
     def endpoint_of(self, engine_index: int, endpoint: str | None = None) -> str:

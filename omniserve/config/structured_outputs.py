@@ -3,7 +3,6 @@ apply. xgrammar compiles them all (``omniserve/structured_output.py``)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -55,18 +54,11 @@ class StructuredOutputsConfig:
                 raise ValueError(f"structured_outputs_config.{name} must be true or false.")
 
     @classmethod
-    def from_dict(cls, value: dict[str, Any] | str | None, reasoning_parser: str | None = None
+    def from_dict(cls, value: dict[str, Any], reasoning_parser: str | None = None
                   ) -> StructuredOutputsConfig:  # fmt: skip
-        """vLLM's dict (or its JSON text); ``reasoning_parser``: ``--reasoning-parser``, which
-        sets the dict's key of that name (both given must agree)."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--structured-outputs-config is not JSON: {exc}") from None
-        if not isinstance(value, dict | None):
-            raise ValueError("--structured-outputs-config must be a JSON object.")
-        options = dict(value or {})
+        """vLLM's dict; ``reasoning_parser``: ``--reasoning-parser``, which sets the dict's key
+        of that name (both given must agree)."""
+        options = dict(value)
         for key, why in _NO_EFFECT.items():
             if key not in options:
                 continue

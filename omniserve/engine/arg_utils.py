@@ -287,9 +287,12 @@ class EngineArgs:
             if self.speculative_config is not None
             else None,
             structured_outputs_config=StructuredOutputsConfig.from_dict(
-                self.structured_outputs_config, self.reasoning_parser
+                json_arg("structured_outputs_config", self.structured_outputs_config),
+                self.reasoning_parser,
             ),
-            kv_events_config=KVEventsConfig.from_dict(self.kv_events_config),
+            kv_events_config=KVEventsConfig.from_dict(
+                json_arg("kv_events_config", self.kv_events_config)
+            ),
         )
         # Settings that only fail where they are used fail here, at start: --media-io-kwargs and
         # --allowed-local-media-path (numpy, PIL, av), --device (torch).
