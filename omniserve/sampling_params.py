@@ -265,6 +265,9 @@ class SamplingParams:
     think_token_ids: tuple[int, int] | None = None
     """The ids of the thinking tags (``THINK_TAGS``) for ``thinking_token_budget`` (the
     Processor fills it from the tokenizer)."""
+    extra_args: dict[str, Any] | None = None
+    """Settings for custom logits processors (``omniserve.logits_processor``), which read them;
+    the engine itself does not (vLLM's; the API's ``vllm_xargs``)."""
     output_modalities: list[str] = field(default_factory=lambda: ["text"])
     """What the request produces: "text", "audio" or both. Audio needs a model that speaks (a
     full omni checkpoint); the text is generated either way (it is what is spoken)."""

@@ -40,7 +40,7 @@ LAYERS: dict[str, int] = {
     "envs": 0, "config": 0, "field_types": 0, "registry": 0, "tokenizer": 0, "outputs": 0,
     "triton_utils": 0, "process_utils": 0, "transfers": 0,
     "logger": 1, "user_registry": 1, "forward_context": 1, "sampling_params": 1,
-    "structured_output": 2,
+    "structured_output": 2, "logits_processor": 2,
     "plugins": 2, "attention": 2,
     "__init__": 2,  # the package: eagerly it imports logger alone (its public names are lazy)
     # inputs and the types that cross stage and process boundaries

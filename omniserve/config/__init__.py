@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from omniserve.config.by_value import ClassesByValue
 from omniserve.config.hf_overrides import merged_overrides, set_overrides
 from omniserve.config.kv_events import KVEventsConfig
 from omniserve.config.lora import LoRAConfig
@@ -77,6 +78,9 @@ class ModelConfig:
     distribution ("raw_*"), or the one the token was drawn from ("processed_*": after the token
     rules, penalties, temperature, min-p, top-k and top-p); as log-probabilities or as logits.
     Prompt logprobs are always the model's own."""
+    logits_processors: tuple[type, ...] = ()
+    """Custom logits processor classes (``omniserve.logits_processor``), each built in every
+    worker: those the settings name, then the ``omniserve.logits_processors`` entry points'."""
     enable_prompt_embeds: bool = False
     """Accept prompts given as embeddings (vLLM's --enable-prompt-embeds)."""
     runner: str = "generate"
@@ -203,6 +207,7 @@ class ModelConfig:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}.")
         object.__setattr__(self, "dtype", dtype)  # normalising an alias, not patching state
+        object.__setattr__(self, "logits_processors", ClassesByValue(self.logits_processors))
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -561,3 +566,12 @@ class OmniConfig:
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             self.speculative_config.check_scheduling(self.scheduler_config.async_scheduling)
+        if self.model_config.logits_processors:
+            # (vLLM's rules: a processor's batch has one row per request, and pooling samples
+            # nothing a processor could steer.)
+            if self.speculative_config is not None:
+                raise ValueError("logits_processors: custom logits processors do not run with "
+                                 "speculative decoding (--speculative-config).")  # fmt: skip
+            if self.model_config.runner == "pooling":
+                raise ValueError("logits_processors: pooling models take no custom logits "
+                                 "processors.")  # fmt: skip

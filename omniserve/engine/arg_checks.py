@@ -136,7 +136,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     ),
     "--otlp-traces-endpoint": ({}, "OpenTelemetry tracing"),
     "--collect-detailed-traces": ({}, "OpenTelemetry tracing"),
-    "--logits-processors": ({"nargs": "+"}, "custom logits processors"),
     "--calculate-kv-scales": ({"action": "store_true"}, "an fp8 KV cache"),
     "--headless": ({"action": "store_true"}, "an engine without an API server (multi-node)"),
     "--data-parallel-address": ({}, "multi-node data parallelism"),

@@ -126,6 +126,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="Most logprobs (and prompt_logprobs) a request may ask for per token.",
     )
     add(
+        "--logits-processors",
+        nargs="+",
+        default=None,
+        metavar="MODULE:CLASS",
+        help="Custom logits processors (subclasses of omniserve.logits_processor."
+        "LogitsProcessor, vLLM's interface), by module:Class; each request configures them "
+        "through vllm_xargs. Those of the omniserve.logits_processors entry points load too.",
+    )
+    add(
         "--logprobs-mode",
         default="raw_logprobs",
         choices=LOGPROBS_MODES,

@@ -138,6 +138,9 @@ class EngineArgs:
     gpu_memory_utilization: float | None = None
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
+    logits_processors: list[str | type] | None = None
+    """Custom logits processors (``omniserve.logits_processor``): classes, or their
+    ``module:Class`` names."""
     use_tqdm_on_load: bool = True
     enable_prompt_embeds: bool = False
     runner: str = "auto"
@@ -221,6 +224,7 @@ class EngineArgs:
             ),
             disable_audio_output=self.disable_audio_output,
         )
+        model_config = self._with_logits_processors(model_config)
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
         if batched is None:
@@ -303,6 +307,18 @@ class EngineArgs:
         resolve_device(model_config.device)
         _check_sampling_defaults(model_config)
         return config
+
+    def _with_logits_processors(self, model_config: ModelConfig) -> ModelConfig:
+        """``model_config`` with the processors' classes: those named (importing them here, so
+        a bad name stops start-up), then the entry points' where processors run (vLLM loads
+        none for pooling or speculative decoding; the named ones are refused there)."""
+        from omniserve.logits_processor import resolve_logits_processors
+
+        runs = model_config.runner == "generate" and self.speculative_config is None
+        classes = resolve_logits_processors(self.logits_processors or [], entry_points=runs)
+        if not classes:
+            return model_config
+        return dataclasses.replace(model_config, logits_processors=classes)
 
     def _served_name(self) -> str:
         names = self.served_model_name

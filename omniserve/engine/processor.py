@@ -23,6 +23,7 @@ from omniserve.core.talker_scheduler import plan_talker_prompt
 from omniserve.engine.token_settings import TokenSettings
 from omniserve.inputs.data import PromptType
 from omniserve.inputs.preprocess import InputPreprocessor, ProcessedInputs
+from omniserve.logits_processor import validate_request
 from omniserve.lora.request import LoRARequest
 from omniserve.messages import EngineCoreRequest, SpeechRequest
 from omniserve.multimodal.errors import MultiModalInputError
@@ -297,6 +298,13 @@ class Processor:
     def _validate_params(self, params: SamplingParams) -> None:
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
+        processors = self.model_config.logits_processors
+        if params.extra_args and not processors:
+            raise ValueError(
+                "extra_args (vllm_xargs) are not supported here: they configure custom logits "
+                "processors, and none is loaded (--logits-processors)."
+            )
+        validate_request(processors, params)
         cap = self.model_config.max_logprobs  # -1: no cap but the vocabulary
         limit = self.vocab_size if cap < 0 else min(cap, self.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):

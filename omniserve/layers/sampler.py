@@ -2,9 +2,10 @@
 
 Order of operations (vLLM's): a grammar's mask, raw logprobs (log_softmax of those logits,
 before anything else), the token rules (allowed_token_ids, then the banned ids: bad words and,
-before min_tokens, eos / stop ids; then logit_bias, which leaves a banned id at -inf), penalties,
-then greedy rows take the argmax and random rows go through temperature, min-p, top-k, top-p and
-a random draw. The reported logprobs are the raw ones or, by ``logprobs_mode``, the processed
+before min_tokens, eos / stop ids; then logit_bias, which leaves a banned id at -inf), custom
+logits processors that may change the argmax, penalties, then greedy rows take the argmax and
+random rows go through temperature, the argmax-invariant custom processors, min-p, top-k, top-p
+and a random draw. The reported logprobs are the raw ones or, by ``logprobs_mode``, the processed
 distribution each row draws from (``processed_logits``), as logprobs or logits.
 
 CPU speed is a design goal (batch 256 x vocab 150k), so:
@@ -27,11 +28,14 @@ CPU speed is a design goal (batch 256 x vocab 150k), so:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from omniserve.logits_processor import LogitsProcessor
 from omniserve.messages import LogprobsLists
 
 # Candidates taken with topk for rows truncated only by top-p / min-p, tried in turn (topk of 1k
@@ -94,6 +98,10 @@ class SamplingMetadata:
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None
     """Rows [g] under a grammar, and the ids each may sample next ([g, vocab] bool): applied
     before anything else (raw logprobs included), as vLLM masks the model's logits."""
+    processors: Sequence[LogitsProcessor] = ()
+    """Custom logits processors that may change the argmax, their batch being these rows."""
+    random_processors: Sequence[LogitsProcessor] = ()
+    """Argmax-invariant custom processors: run after temperature, unless every row is greedy."""
 
 
 @dataclass
@@ -194,8 +202,11 @@ class Sampler(nn.Module):
             reported = logits.clone()
         if metadata.rules is not None:
             _apply_token_rules(logits, metadata.rules)
+        logits = apply_processors(metadata.processors, logits)
         if metadata.penalties is not None:
             apply_penalties(logits, metadata.penalties)
+        if metadata.random_processors and not metadata.all_greedy:
+            logits, metadata = _temperature_first(logits, metadata)
         if mode in ("processed_logprobs", "processed_logits"):
             reported = processed_logits(logits, metadata)
             if mode == "processed_logprobs":
@@ -235,6 +246,35 @@ def processed_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
         _mask_top_p(scaled, md.top_p[random_rows])
     processed[random_rows] = scaled
     return processed
+
+
+def apply_processors(processors: Sequence[LogitsProcessor], logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` through each custom processor in turn; a processor may return a new tensor,
+    which must have the logits' shape and dtype."""
+    for processor in processors:
+        out = processor.apply(logits)
+        if out is not logits and (
+            not isinstance(out, torch.Tensor)
+            or out.shape != logits.shape
+            or out.dtype != logits.dtype
+        ):
+            got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else repr(out)
+            raise TypeError(f"logits processor {type(processor).__qualname__}.apply returned "
+                            f"{got}, not {logits.dtype} {list(logits.shape)} logits.")  # fmt: skip
+        logits = out
+    return logits
+
+
+def _temperature_first(
+    logits: torch.Tensor, md: SamplingMetadata
+) -> tuple[torch.Tensor, SamplingMetadata]:
+    """Divide the random rows by their temperature now (vLLM's order) and run the
+    argmax-invariant processors on every row; the metadata returned has temperature 1, so the
+    draws below do not divide again."""
+    divisor = md.temperature.clone()
+    divisor[md.greedy_rows] = 1.0
+    logits = apply_processors(md.random_processors, logits.div_(divisor[:, None]))
+    return logits, dataclasses.replace(md, temperature=torch.ones_like(md.temperature))
 
 
 def banned_by_bad_words(sequences: list[list[int]], output_token_ids: list[int]) -> list[int]:

@@ -28,7 +28,6 @@ from omniserve.layers.fused_moe import FusedMoE
 from omniserve.layers.sampler import (
     LogprobsTensors,
     Sampler,
-    SamplingMetadata,
     compute_logprobs,
 )
 from omniserve.messages import ModelRunnerOutput, PendingOutput, ReadyOutput
@@ -44,10 +43,11 @@ from omniserve.worker.encoder_runner import (
     to_device,
 )
 from omniserve.worker.input_batch import CachedRequestState, InputBatch
+from omniserve.worker.logits_processors import LogitsProcessorBatch
 from omniserve.worker.lora_manager import LoRAManager
 from omniserve.worker.pooler import Projector, pool_prompts
 from omniserve.worker.sampled_step import SampledStep
-from omniserve.worker.sampling_inputs import banned_ids, build_sampling_metadata
+from omniserve.worker.sampling_inputs import batch_sampling_metadata
 from omniserve.worker.step_timing import StepTimer
 from omniserve.worker.talker_families import create_talker_runner
 
@@ -81,6 +81,7 @@ class ModelRunner:
         speculative_config: SpeculativeConfig | None = None,
         projector: Projector | None = None,
         logprobs_mode: str = "raw_logprobs",
+        logits_processors: LogitsProcessorBatch | None = None,
     ) -> None:
         self.model = model
         self.projector = projector  # the checkpoint's Dense modules after embedding pooling
@@ -96,6 +97,7 @@ class ModelRunner:
             scheduler_config.max_num_seqs, max_len, self.max_num_blocks_per_req
         )
         self.sampler = Sampler(logprobs_mode)
+        self.logits_processors = logits_processors
         self.proposer = (
             NgramProposer(speculative_config, max_len) if speculative_config is not None else None
         )
@@ -288,8 +290,11 @@ class ModelRunner:
             masks = [grammar_bitmask[sampling_ids[j]] for j in rows]
             grammar = (firsts[rows], allowed_by_bitmask(masks, logits.shape[1]))
         with self.step_timer.part("sampler"):
-            metadata = self._sampling_metadata(np.repeat(step.rows[sampling], counts), grammar,
-                                               _ranges(np.zeros_like(counts), counts))  # fmt: skip
+            metadata = batch_sampling_metadata(
+                self.input_batch, np.repeat(step.rows[sampling], counts), self.device,
+                self.vocab_size, self._read_back, grammar, _ranges(np.zeros_like(counts), counts),
+                self.logits_processors,
+            )  # fmt: skip
             sampler_output = self.sampler(logits, metadata)
         pooled = pool_prompts(hidden_states, step.logits_indices, self.input_batch, step.req_ids,
                               step.rows, step.query_lens, step.positions, sampling, firsts,
@@ -499,72 +504,10 @@ class ModelRunner:
             drafts=so.scheduled_spec_decode_tokens,
         )
 
-    def _sampling_metadata(
-        self,
-        rows: np.ndarray,
-        grammar: tuple[np.ndarray, np.ndarray] | None = None,
-        drafts_before: np.ndarray | None = None,
-    ) -> SamplingMetadata:
-        """The sampling rows' settings. A row's tokens still in flight (the last step's) count
-        toward ``min_tokens`` as they are; penalties and bad words read their values, so when
-        such a row has one, the last step is read back first. Called once this step's forward
-        is launched, so on CUDA that wait overlaps it. ``drafts_before``: per row, how many of
-        its request's drafts precede its position; they count as the request's tokens there
-        (penalties, bad words, ``min_tokens``), as they will be if the row's token is kept."""
-        batch = self.input_batch
-        if drafts_before is None:
-            drafts_before = np.zeros(len(rows), np.int64)
-        generators, allowed, banned, bias = {}, {}, {}, {}
-        max_num_logprobs = None
-        for i, row in enumerate(rows):
-            state = batch.states[row]
-            assert state is not None
-            params = state.sampling_params
-            if batch.num_in_flight[row] and params.reads_output_tokens:
-                assert self._last_step is not None
-                self._last_step.read_back()  # every token in flight is that step's
-            if state.generator is not None:
-                generators[i] = state.generator
-            if params.logprobs is not None:
-                max_num_logprobs = max(max_num_logprobs or 0, params.logprobs)
-            ahead = int(drafts_before[i])
-            drafted = []  # the drafts follow the row's tokens
-            if ahead:
-                end = int(batch.num_tokens[row])
-                drafted = batch.token_ids[row, end : end + ahead].tolist()
-            outputs = state.output_token_ids
-            if drafted and params.bad_words_token_ids:
-                outputs = outputs + drafted
-            num_generated = len(state.output_token_ids) + int(batch.num_in_flight[row]) + ahead
-            blocked = banned_ids(params, outputs, num_generated, state.eos_token_id,
-                                 self.vocab_size)  # fmt: skip
-            if blocked:
-                banned[i] = blocked
-            if params.allowed_token_ids:
-                allowed[i] = params.allowed_token_ids
-            if state.thinking is not None and state.thinking.must_close(drafted):
-                allowed[i] = [state.thinking.end]
-            if params.logit_bias:
-                bias[i] = params.logit_bias
-        return build_sampling_metadata(
-            self.device,
-            temperature=batch.temperature[rows],
-            top_p=batch.top_p[rows],
-            top_k=batch.top_k[rows],
-            min_p=batch.min_p[rows],
-            generators=generators,
-            max_num_logprobs=max_num_logprobs,
-            repetition=batch.repetition_penalty[rows],
-            frequency=batch.frequency_penalty[rows],
-            presence=batch.presence_penalty[rows],
-            seen_tokens=lambda penalized: batch.seen_tokens(
-                rows[penalized], drafts_before[penalized]
-            ),
-            allowed=allowed,
-            banned=banned,
-            bias=bias,
-            grammar=grammar,
-        )
+    def _read_back(self) -> None:
+        """Read the last step's sampled tokens back (every token in flight is that step's)."""
+        assert self._last_step is not None
+        self._last_step.read_back()
 
     def _prompt_logprobs(
         self, step: StepInputs, hidden_states: torch.Tensor

@@ -16,6 +16,8 @@ import torch
 from omniserve.layers.sampler import Penalties, SamplingMetadata, TokenRules, banned_by_bad_words
 from omniserve.sampling_params import SAMPLING_EPS, SamplingParams
 from omniserve.transfers import upload
+from omniserve.worker.input_batch import InputBatch
+from omniserve.worker.logits_processors import LogitsProcessorBatch
 
 SeenTokens = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 """Rows -> their prompt and output token ids, each [rows, width] padded with -1."""
@@ -38,10 +40,12 @@ def build_sampling_metadata(
     banned: dict[int, list[int]] | None = None,
     bias: dict[int, dict[int, float]] | None = None,
     grammar: tuple[np.ndarray, np.ndarray] | None = None,
+    processors: LogitsProcessorBatch | None = None,
 ) -> SamplingMetadata:
     """Per-row settings (one entry per sampling row; penalties default to none) -> metadata.
     ``seen_tokens`` is asked only for the rows with a penalty; ``grammar``: rows under one and
-    the ids each may sample next ([rows, vocab] bool)."""
+    the ids each may sample next ([rows, vocab] bool); ``processors``: the custom logits
+    processors, told the rows already."""
     num_rows = len(temperature)
     random = temperature >= SAMPLING_EPS
     with_top_k = random & (top_k > 0)
@@ -76,6 +80,81 @@ def build_sampling_metadata(
         if rules
         else None,
         grammar=(tensors[-2], tensors[-1]) if masks else None,
+        processors=processors.others if processors is not None else (),
+        random_processors=processors.argmax_invariant if processors is not None else (),
+    )
+
+
+def batch_sampling_metadata(
+    batch: InputBatch,
+    rows: np.ndarray,
+    device: torch.device,
+    vocab_size: int,
+    read_back: Callable[[], None],
+    grammar: tuple[np.ndarray, np.ndarray] | None = None,
+    drafts_before: np.ndarray | None = None,
+    processors: LogitsProcessorBatch | None = None,
+) -> SamplingMetadata:
+    """The settings of the persistent batch's sampling ``rows``. A row's tokens still in flight
+    (the last step's) count toward ``min_tokens`` as they are; penalties, bad words and custom
+    logits ``processors`` read their values, so when such a row has one, ``read_back`` fetches
+    the last step first (called once this step's forward is launched, so on CUDA that wait
+    overlaps it). ``drafts_before``: per row, how many of its request's drafts precede its
+    position; they count as the request's tokens there (penalties, bad words, ``min_tokens``),
+    as they will be if the row's token is kept."""
+    if drafts_before is None:
+        drafts_before = np.zeros(len(rows), np.int64)
+    generators, allowed, banned, bias = {}, {}, {}, {}
+    max_num_logprobs = None
+    states = []
+    for i, row in enumerate(rows):
+        state = batch.states[row]
+        assert state is not None
+        states.append(state)
+        params = state.sampling_params
+        if batch.num_in_flight[row] and (params.reads_output_tokens or processors is not None):
+            read_back()
+        if state.generator is not None:
+            generators[i] = state.generator
+        if params.logprobs is not None:
+            max_num_logprobs = max(max_num_logprobs or 0, params.logprobs)
+        ahead = int(drafts_before[i])
+        drafted = []  # the drafts follow the row's tokens
+        if ahead:
+            end = int(batch.num_tokens[row])
+            drafted = batch.token_ids[row, end : end + ahead].tolist()
+        outputs = state.output_token_ids
+        if drafted and params.bad_words_token_ids:
+            outputs = outputs + drafted
+        num_generated = len(state.output_token_ids) + int(batch.num_in_flight[row]) + ahead
+        blocked = banned_ids(params, outputs, num_generated, state.eos_token_id, vocab_size)
+        if blocked:
+            banned[i] = blocked
+        if params.allowed_token_ids:
+            allowed[i] = params.allowed_token_ids
+        if state.thinking is not None and state.thinking.must_close(drafted):
+            allowed[i] = [state.thinking.end]
+        if params.logit_bias:
+            bias[i] = params.logit_bias
+    if processors is not None:  # (no drafts here: one row per request)
+        processors.update(states)
+    return build_sampling_metadata(
+        device,
+        temperature=batch.temperature[rows],
+        top_p=batch.top_p[rows],
+        top_k=batch.top_k[rows],
+        min_p=batch.min_p[rows],
+        generators=generators,
+        max_num_logprobs=max_num_logprobs,
+        repetition=batch.repetition_penalty[rows],
+        frequency=batch.frequency_penalty[rows],
+        presence=batch.presence_penalty[rows],
+        seen_tokens=lambda penalized: batch.seen_tokens(rows[penalized], drafts_before[penalized]),
+        allowed=allowed,
+        banned=banned,
+        bias=bias,
+        grammar=grammar,
+        processors=processors,
     )
 
 

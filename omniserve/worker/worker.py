@@ -32,6 +32,7 @@ from omniserve.plugins import load_plugins
 from omniserve.registry import ModelRegistry
 from omniserve.tokenizer import get_tokenizer
 from omniserve.worker.host_allocator import keep_freed_memory, release_freed_memory
+from omniserve.worker.logits_processors import LogitsProcessorBatch
 from omniserve.worker.lora_manager import LoRAManager
 from omniserve.worker.memory import (
     check_model_fits,
@@ -223,9 +224,11 @@ class Worker:
             model_config.pooler_config.dense, self.hf_config.get_text_config().hidden_size,
             self.device,
         )  # fmt: skip
+        processors = model_config.logits_processors
         self.model_runner = ModelRunner(
             model, config.scheduler_config, config.cache_config, vocab_size, self.device,
             self.lora_manager, config.speculative_config, projector, model_config.logprobs_mode,
+            LogitsProcessorBatch(processors, config, self.device) if processors else None,
         )  # fmt: skip
 
     def _kv_bytes_per_token(self, model: torch.nn.Module) -> int:

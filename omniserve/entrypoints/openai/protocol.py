@@ -154,9 +154,8 @@ class RequestModel(RequestPart):
 
 SAMPLING_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "best_of": (1, "sample n instead"),
-    "logits_processors": (None, "there are no custom logits processors"),
+    "logits_processors": (None, "they are loaded at start (--logits-processors): send vllm_xargs"),
     "kv_transfer_params": (None, "there is no KV transfer between instances"),
-    "vllm_xargs": (None, "there are no extra engine arguments per request"),
     "guided_whitespace_pattern": (
         None,
         "xgrammar takes no whitespace pattern (structured_outputs.disable_any_whitespace turns "
@@ -353,6 +352,8 @@ class SamplingRequest(PromptOptions):
     prompt_logprobs: StrictInt | None = Field(None, ge=0)
     """vLLM's: each prompt token's logprob and the top k at its position, returned as
     ``prompt_logprobs`` (not with stream, as in vLLM)."""
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    """vLLM's settings for custom logits processors (``SamplingParams.extra_args``)."""
     # vLLM's fields refused unless left at their no-op value (`unsupported`)
     best_of: StrictInt | None = None
     # vLLM's beam search: n is the beam width, the n best beams are the choices
@@ -361,7 +362,6 @@ class SamplingRequest(PromptOptions):
     """Beams are scored by their cumulative logprob over length ** length_penalty."""
     logits_processors: list[Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
-    vllm_xargs: dict[str, Any] | None = None
     guided_whitespace_pattern: Any = None
     media_io_kwargs: Any = None
     functions: Any = None
@@ -488,6 +488,7 @@ class SamplingRequest(PromptOptions):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             thinking_token_budget=self.thinking_token_budget,
+            extra_args=self.vllm_xargs,
         )
 
     @model_validator(mode="after")

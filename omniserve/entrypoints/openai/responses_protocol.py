@@ -34,7 +34,7 @@ CHAT_EXTRAS = frozenset({
     "include_stop_str_in_output", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "guided_decoding_backend", "request_id", "priority",
     "cache_salt", "mm_processor_kwargs", "chat_template_kwargs", "chat_template", "documents",
-    "add_special_tokens", "return_tokens_as_token_ids", *SAMPLING_UNSUPPORTED,
+    "add_special_tokens", "return_tokens_as_token_ids", "vllm_xargs", *SAMPLING_UNSUPPORTED,
 })  # fmt: skip
 """vLLM's extra sampling fields a Responses request may carry: handed to the chat request as
 they are, which checks them (and refuses the ones it cannot honour) with the same messages."""
