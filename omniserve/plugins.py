@@ -10,6 +10,7 @@ as its parent.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 from importlib.metadata import entry_points
@@ -34,6 +35,20 @@ def load_plugins() -> None:
     """
     _load_entry_points()
     _load_user_registry()
+
+
+def run_plugin_file(path: str, flag: str) -> None:
+    """Run a parser plugin file (``--tool-parser-plugin``, ``--reasoning-parser-plugin``),
+    which registers what it defines; ValueError naming the flag and file when it is missing or
+    raises."""
+    file = Path(path).expanduser()
+    spec = importlib.util.spec_from_file_location(f"omniserve_plugin_{file.stem}", file)
+    if not file.is_file() or spec is None or spec.loader is None:
+        raise ValueError(f"{flag} {path}: not a Python file.")
+    try:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    except Exception as exc:
+        raise ValueError(f"{flag} {path} failed to load: {exc!r}") from exc
 
 
 def _load_entry_points() -> None:

@@ -177,3 +177,56 @@ def test_config_reaches_the_requests(thinking_model, caplog) -> None:
     assert constraint is not None and constraint.disable_any_whitespace
     start, end = processor.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     assert constraint.after_thinking == (start, end)
+
+
+@pytest.fixture
+def plugin_parsers():
+    """Forgets the parsers a test's plugin file registers."""
+    from omniserve.config.structured_outputs import REASONING_TAGS
+    from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
+
+    before = set(REASONING_TAGS)
+    yield
+    for name in set(REASONING_TAGS) - before:
+        del REASONING_TAGS[name], REASONING_PARSERS[name]
+
+
+def test_reasoning_parser_plugin(thinking_model, tmp_path, plugin_parsers) -> None:
+    """A ``--reasoning-parser-plugin`` file registers a parser (its own tags); the engine's
+    grammars wait for that parser's tags, and the server's split uses it."""
+    import argparse
+
+    from omniserve.engine.processor import Processor
+    from omniserve.entrypoints.openai.reasoning import REASONING_PARSERS
+
+    plugin = tmp_path / "parsers.py"
+    plugin.write_text(
+        "from omniserve.entrypoints.openai.reasoning import ReasoningParser, "
+        "register_reasoning_parser\n"
+        "register_reasoning_parser('tagged', ReasoningParser('<think>', '</think>'))\n"
+        "register_reasoning_parser('other', ReasoningParser('<r>', '</r>'))\n"
+    )
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--reasoning-parser", "tagged", "--reasoning-parser-plugin",
+                              str(plugin)])  # fmt: skip
+    config = EngineArgs.from_cli_args(argparse.Namespace(model=thinking_model, **vars(args)))
+    config = config.create_config()
+    assert config.structured_outputs_config.reasoning_parser == "tagged"
+    processor = Processor(config)
+    processed = processor.process_inputs("r", {"prompt_token_ids": [1, 2]}, _params())
+    constraint = processed.engine_requests[0].sampling_params.structured_outputs
+    start, end = processor.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert constraint is not None and constraint.after_thinking == (start, end)
+    assert REASONING_PARSERS["other"].split("<r>why</r>\nbecause") == ("why", "because")
+    # A name no file registered, a file that fails, a parser without two tags.
+    with pytest.raises(ValueError, match="a --reasoning-parser-plugin file registers more"):
+        EngineArgs(thinking_model, reasoning_parser="unknown").create_config()
+    plugin.write_text("raise RuntimeError('broken')\n")
+    with pytest.raises(ValueError, match="--reasoning-parser-plugin .* failed to load"):
+        EngineArgs(thinking_model, reasoning_parser_plugin=str(plugin)).create_config()
+    with pytest.raises(ValueError, match="not a Python file"):
+        EngineArgs(thinking_model, reasoning_parser_plugin=str(tmp_path / "no.py")).create_config()
+    from omniserve.entrypoints.openai.reasoning import ReasoningParser, register_reasoning_parser
+
+    with pytest.raises(ValueError, match="two different, non-empty tags"):
+        register_reasoning_parser("same", ReasoningParser("<x>", "<x>"))

@@ -46,8 +46,8 @@ class StructuredOutputsConfig:
                              f"{GRAMMAR_BACKENDS}, not {self.backend!r}.")  # fmt: skip
         if self.reasoning_parser and self.reasoning_parser not in REASONING_TAGS:
             raise ValueError(
-                f"reasoning_parser must be one of {sorted(REASONING_TAGS)}, not "
-                f"{self.reasoning_parser!r}."
+                f"reasoning_parser must be one of {sorted(REASONING_TAGS)} (a "
+                f"--reasoning-parser-plugin file registers more), not {self.reasoning_parser!r}."
             )
         for name in ("disable_any_whitespace", "enable_in_reasoning"):
             if not isinstance(getattr(self, name), bool):

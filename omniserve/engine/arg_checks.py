@@ -146,7 +146,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--enable-dbo": ({"action": "store_true"}, "dual batch overlap"),
     "--skip-tokenizer-init": ({"action": "store_true"}, "serving without a tokenizer"),
     "--disable-sliding-window": ({"action": "store_true"}, "turning sliding windows off"),
-    "--reasoning-parser-plugin": ({}, "reasoning parser plugins"),
     "--enable-lora-bias": ({"action": "store_true"}, "LoRA adapters with biases"),
     "--fully-sharded-loras": ({"action": "store_true"}, "fully sharded LoRA layers"),
     "--default-mm-loras": ({}, "a default LoRA adapter per modality"),

@@ -365,10 +365,18 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     structured.add_argument(
         "--reasoning-parser",
         default=None,
-        choices=sorted(REASONING_TAGS),
+        metavar="{" + ",".join(sorted(REASONING_TAGS)) + "}",
         help="The model thinks in <think>...</think> before it answers: the server splits "
         "that off chat answers into reasoning_content, and grammars (response_format, "
-        "structured_outputs, required tools) apply to the answer after it.",
+        "structured_outputs, required tools) apply to the answer after it. A "
+        "--reasoning-parser-plugin file may register more names.",
+    )
+    structured.add_argument(
+        "--reasoning-parser-plugin",
+        default=None,
+        metavar="FILE",
+        help="A Python file that registers reasoning parsers (omniserve.entrypoints.openai."
+        "reasoning.register_reasoning_parser(name, ReasoningParser(start, end))), run first.",
     )
     structured.add_argument(
         "--structured-outputs-config",

@@ -31,6 +31,7 @@ from omniserve.config.hf_overrides import overrides_of
 from omniserve.engine.arg_checks import TASK_RUNNERS
 from omniserve.engine.arg_flags import add_engine_flags
 from omniserve.field_types import check_types
+from omniserve.plugins import run_plugin_file
 from omniserve.sampling_params import SEED_MAX, SEED_MIN
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,9 @@ class EngineArgs:
     reasoning_parser: str | None = None
     """vLLM's: the model thinks between this parser's tags first (grammars apply after them;
     the server splits the thinking off answers)."""
+    reasoning_parser_plugin: str | None = None
+    """A file that registers reasoning parsers (``register_reasoning_parser``), run before
+    ``reasoning_parser`` is looked up."""
 
     def __post_init__(self) -> None:
         import torch  # (only here: the CLI parses its flags without it)
@@ -225,6 +229,8 @@ class EngineArgs:
             disable_audio_output=self.disable_audio_output,
         )
         model_config = self._with_logits_processors(model_config)
+        if self.reasoning_parser_plugin:
+            run_plugin_file(self.reasoning_parser_plugin, "--reasoning-parser-plugin")
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
         if batched is None:

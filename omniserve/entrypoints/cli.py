@@ -21,9 +21,9 @@ from omniserve.entrypoints.openai.server_args import add_server_args, check_serv
 from omniserve.entrypoints.openai.tool_parsers import (
     BUILT_IN_TOOL_CALL_PARSERS,
     TOOL_CALL_PARSERS,
-    load_tool_parser_plugin,
 )
 from omniserve.lora.request import parse_lora_modules
+from omniserve.plugins import run_plugin_file
 
 
 def default_model() -> str:
@@ -89,7 +89,7 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes).")
     try:
         if args.tool_parser_plugin is not None:
-            load_tool_parser_plugin(args.tool_parser_plugin)
+            run_plugin_file(args.tool_parser_plugin, "--tool-parser-plugin")
     except ValueError as exc:
         parser.error(str(exc))
     if args.tool_call_parser not in (None, *TOOL_CALL_PARSERS):

@@ -65,4 +65,16 @@ class StreamingSplit:
 
 
 REASONING_PARSERS = {name: ReasoningParser(*tags) for name, tags in REASONING_TAGS.items()}
-"""``--reasoning-parser`` names (vLLM's) -> parser."""
+"""``--reasoning-parser`` names (vLLM's, and those plugins register) -> parser."""
+
+
+def register_reasoning_parser(name: str, parser: ReasoningParser) -> None:
+    """Make ``parser`` (a ``--reasoning-parser-plugin`` file's) the ``--reasoning-parser NAME``
+    parser: the server splits answers at its tags, and the engine's grammars and thinking
+    budgets wait for them (``REASONING_TAGS``)."""
+    if not isinstance(parser, ReasoningParser):
+        raise TypeError(f"reasoning parser {name!r} must be a ReasoningParser, not {parser!r}.")
+    if not (parser.start and parser.end and parser.start != parser.end):
+        raise ValueError(f"reasoning parser {name!r} needs two different, non-empty tags.")
+    REASONING_TAGS[name] = (parser.start, parser.end)
+    REASONING_PARSERS[name] = parser

@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import abc
 import ast
-import importlib.util
 import json
 import re
 import uuid
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from omniserve.entrypoints.openai.chat_protocol import ChatCompletionRequest
@@ -309,16 +307,3 @@ def register_tool_call_parser(name: str) -> Callable[[Reader], Reader]:
         return cls
 
     return register
-
-
-def load_tool_parser_plugin(path: str) -> None:
-    """Run a ``--tool-parser-plugin`` file, which registers its parsers; ValueError naming the
-    file when it is missing or raises."""
-    file = Path(path)
-    spec = importlib.util.spec_from_file_location(f"omniserve_tool_parser_{file.stem}", file)
-    if not file.is_file() or spec is None or spec.loader is None:
-        raise ValueError(f"--tool-parser-plugin {path}: not a Python file.")
-    try:
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    except Exception as exc:
-        raise ValueError(f"--tool-parser-plugin {path} failed to load: {exc!r}") from exc
