@@ -422,3 +422,96 @@ def test_cpu_kernel_adds_the_product_as_torch_does(dtype):
         torch.testing.assert_close(y.double(), expected, atol=tol, rtol=0)
     x, y = torch.zeros(MAX_ROWS + 1, k, dtype=dtype), torch.zeros(MAX_ROWS + 1, n, dtype=dtype)
     assert not kernel.add(x, a, kernel.pack(bt), y)  # a prefill's rows: torch's GEMMs
+
+
+def test_default_mm_loras_pick_the_adapter_of_the_prompts_modality(tiny_checkpoint, tmp_path):
+    """vLLM's ``default_mm_loras``: a prompt with an image and no adapter runs with the image
+    adapter, exactly as when it names that adapter (id 1, named "image"); a text prompt and a
+    video prompt run on the base model; a named adapter wins."""
+    model_dir = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
+    adapter = str(build_random_adapter(model_dir, tmp_path / "image", 4))
+    other = str(build_random_adapter(model_dir, tmp_path / "other", 4, seed=1))
+    processor = AutoProcessor.from_pretrained(model_dir)
+    image, _, video = VL_CASES[:3]
+    prompts = [_engine_prompt(processor.apply_chat_template(c.messages, add_generation_prompt=True,
+                                                            tokenize=False), c.media)
+               for c in (image, video)] + ["Hello there"]  # fmt: skip
+    base = LLM(model_dir, dtype="float32", enable_lora=True)
+    try:
+        plain = base.generate(prompts, GREEDY, use_tqdm=False)
+        named = base.generate(prompts[0], GREEDY, use_tqdm=False,
+                              lora_request=LoRARequest("image", 1, adapter))[0]  # fmt: skip
+    finally:
+        base.shutdown()
+    llm = LLM(model_dir, dtype="float32", enable_lora=True, default_mm_loras={"image": adapter})
+    try:
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+        mine = llm.generate(prompts[0], GREEDY, use_tqdm=False,
+                            lora_request=LoRARequest("other", 2, other))[0]  # fmt: skip
+    finally:
+        llm.shutdown()
+
+    def close(a: Any, b: Any) -> bool:  # (other batches: other GEMM shapes, 1e-7 apart)
+        pairs = zip(a, b, strict=True)
+        return all(x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4
+                                                 for t in x) for x, y in pairs)  # fmt: skip
+
+    sample = got[0].outputs[0]
+    assert sample.token_ids == named.outputs[0].token_ids
+    assert close(sample.logprobs, named.outputs[0].logprobs)
+    assert not close(sample.logprobs, plain[0].outputs[0].logprobs)  # the adapter is at work
+    for i in (1, 2):
+        assert got[i].outputs[0].token_ids == plain[i].outputs[0].token_ids
+        assert close(got[i].outputs[0].logprobs, plain[i].outputs[0].logprobs)
+    assert not close(mine.outputs[0].logprobs, sample.logprobs)
+
+
+def test_default_mm_lora_choice_and_settings(random_adapter, tiny_checkpoint, tmp_path):
+    from omniserve.config.lora import LoRAConfig
+    from omniserve.engine.arg_utils import EngineArgs
+    from omniserve.lora.request import default_mm_lora_requests, with_default_mm_lora
+
+    defaults = default_mm_lora_requests(LoRAConfig(default_mm_loras={"video": "/v", "audio": "/a"}))
+    assert defaults == {
+        "audio": LoRARequest("audio", 1, "/a"),
+        "video": LoRARequest("video", 2, "/v"),
+    }
+    own = LoRARequest("mine", 9, "/m")
+    assert with_default_mm_lora(own, ["audio"], defaults) is own
+    assert with_default_mm_lora(None, ["audio", "image"], defaults) == defaults["audio"]
+    assert with_default_mm_lora(None, ["audio", "video"], defaults) is None  # one adapter each
+    assert with_default_mm_lora(None, ["image"], defaults) is None
+    assert with_default_mm_lora(None, [], {}) is None
+    model_dir, adapter = tiny_checkpoint("Qwen2ForCausalLM"), str(random_adapter)
+    on = {"enable_lora": True}
+    for settings, message in (
+        ({"default_mm_loras": {"image": adapter}}, "--default-mm-loras needs --enable-lora"),
+        ({**on, "default_mm_loras": {"picture": adapter}}, "'picture' is no modality"),
+        ({**on, "default_mm_loras": {"image": str(tmp_path)}}, "adapter_config.json"),
+        ({**on, "max_lora_rank": 2, "default_mm_loras": json.dumps({"image": adapter})}, "rank"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(model_dir, **settings).create_config()
+
+
+def test_server_serves_default_mm_loras_under_their_modality() -> None:
+    """As vLLM's server: each default adapter is also a model named after its modality (so
+    ``model: "audio"`` picks it and ``/v1/models`` lists it); loaded adapters take the next ids."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from omniserve.entrypoints.openai.serving_models import OpenAIServingModels
+
+    added: list[LoRARequest] = []
+
+    async def add_lora(lora: LoRARequest) -> None:
+        added.append(lora)
+
+    defaults = {"audio": LoRARequest("audio", 1, "/a")}
+    engine = SimpleNamespace(default_mm_loras=defaults, model_config=SimpleNamespace(model="/m"),
+                             add_lora=add_lora)  # fmt: skip
+    models = OpenAIServingModels(engine, ["tiny"])  # type: ignore[arg-type]
+    assert models.resolve("audio") == LoRARequest("audio", 1, "/a", "tiny")
+    assert [card.id for card in models.cards(64, {})] == ["tiny", "audio"]
+    asyncio.run(models.load("mine", "/p"))
+    assert added == [LoRARequest("mine", 2, "/p", "tiny")]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,9 @@ class LoRAConfig:
     """Largest rank an adapter may have (the slots are this wide)."""
     max_cpu_loras: int | None = None
     """Adapters kept read in host memory (None: ``max_loras``); others are read again."""
+    default_mm_loras: dict[str, str] = field(default_factory=dict)
+    """vLLM's: modality -> the adapter (a PEFT directory) a request with media of that modality
+    runs with when it names none (``lora.request.with_default_mm_lora``)."""
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

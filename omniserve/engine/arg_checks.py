@@ -148,7 +148,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--disable-sliding-window": ({"action": "store_true"}, "turning sliding windows off"),
     "--enable-lora-bias": ({"action": "store_true"}, "LoRA adapters with biases"),
     "--fully-sharded-loras": ({"action": "store_true"}, "fully sharded LoRA layers"),
-    "--default-mm-loras": ({}, "a default LoRA adapter per modality"),
     "--video-pruning-rate": ({"type": float}, "video token pruning"),
     "--enable-ssl-refresh": ({"action": "store_true"}, "reloading TLS certificates"),
 }

@@ -351,6 +351,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=None,
         help="Adapters kept read in host memory (default: --max-loras).",
     )
+    lora.add_argument(
+        "--default-mm-loras",
+        default=None,
+        help='JSON (vLLM\'s): modality -> a PEFT adapter directory, e.g. {"audio": "DIR"}: a '
+        "request with media of one such modality that names no adapter runs with it (served "
+        "under the modality's name too).",
+    )
     parser.add_argument(
         "--speculative-config",
         default=None,

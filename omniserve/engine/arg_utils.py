@@ -180,6 +180,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    default_mm_loras: dict[str, str] | str | None = None
+    """vLLM's: modality -> the LoRA adapter requests with that modality run with by default."""
     speculative_config: dict[str, Any] | str | None = None
     structured_outputs_config: dict[str, Any] | str | None = None
     kv_events_config: dict[str, Any] | str | None = None
@@ -290,9 +292,7 @@ class EngineArgs:
                 data_parallel_size=self.data_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
-            lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
-            if self.enable_lora
-            else None,
+            lora_config=self._lora_config(),
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config)
             if self.speculative_config is not None
             else None,
@@ -312,6 +312,28 @@ class EngineArgs:
         MediaConnector(media_config(config.multimodal_config))
         resolve_device(model_config.device)
         _check_sampling_defaults(model_config)
+        return config
+
+    def _lora_config(self) -> LoRAConfig | None:
+        """``--enable-lora``'s settings; each ``--default-mm-loras`` adapter is read here, so
+        one that cannot run stops start-up."""
+        defaults = json_arg("default_mm_loras", self.default_mm_loras)
+        if not self.enable_lora:
+            if defaults:
+                raise ValueError("--default-mm-loras needs --enable-lora.")
+            return None
+        config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, defaults)
+        from omniserve.lora.adapter import read_adapter
+        from omniserve.lora.request import default_mm_lora_requests
+        from omniserve.multimodal.parse import MODALITIES
+
+        for modality, lora in default_mm_lora_requests(config).items():
+            if modality not in MODALITIES:
+                raise ValueError(f"--default-mm-loras: {modality!r} is no modality (one of "
+                                 f"{', '.join(MODALITIES)}).")  # fmt: skip
+            if not isinstance(lora.lora_path, str):
+                raise ValueError(f"--default-mm-loras: {modality}'s adapter must be a path.")
+            read_adapter(lora, self.max_lora_rank)
         return config
 
     def _with_logits_processors(self, model_config: ModelConfig) -> ModelConfig:

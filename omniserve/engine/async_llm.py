@@ -20,8 +20,13 @@ from omniserve.engine.exceptions import EngineDeadError, EngineStoppingError
 from omniserve.engine.mp_client import AsyncMPClient
 from omniserve.engine.output_processor import OutputProcessor
 from omniserve.engine.processor import start_with_engine
-from omniserve.inputs.data import PromptType
-from omniserve.lora.request import AddedAdapters, LoRARequest
+from omniserve.inputs.data import PromptType, prompt_modalities
+from omniserve.lora.request import (
+    AddedAdapters,
+    LoRARequest,
+    default_mm_lora_requests,
+    with_default_mm_lora,
+)
 from omniserve.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -74,6 +79,7 @@ class AsyncLLM:
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.adapters = AddedAdapters()
+        self.default_mm_loras = default_mm_lora_requests(config.lora_config)
         self.stat_loggers = list(stat_loggers or [])
         self._output_handler: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
@@ -121,8 +127,11 @@ class AsyncLLM:
             raise EngineDeadError("The engine core is dead.") from self.dead_error
         self._check_not_stopping()
         self._ensure_output_handler()
-        if lora_request is not None and self.adapters.is_new(lora_request):
-            await self.add_lora(lora_request)
+        loras = [with_default_mm_lora(lora_request, prompt_modalities(prompt),
+                                      self.default_mm_loras) for prompt in prompts]  # fmt: skip
+        for lora in dict.fromkeys(loras):
+            if lora is not None and self.adapters.is_new(lora):
+                await self.add_lora(lora)
         results = await asyncio.gather(
             *(
                 self.run_input_work(
@@ -132,10 +141,10 @@ class AsyncLLM:
                     params,
                     arrival_time,
                     priority,
-                    lora_request,
-                    media=isinstance(prompt, dict) and bool(prompt.get("multi_modal_data")),
+                    lora,
+                    media=bool(prompt_modalities(prompt)),
                 )
-                for request_id, prompt in zip(request_ids, prompts, strict=True)
+                for request_id, prompt, lora in zip(request_ids, prompts, loras, strict=True)
             ),
             return_exceptions=True,
         )

@@ -14,8 +14,13 @@ from omniserve.engine.core_client import EngineCoreClient, InprocClient
 from omniserve.engine.mp_client import SyncMPClient
 from omniserve.engine.output_processor import OutputProcessor
 from omniserve.engine.processor import start_with_engine
-from omniserve.inputs.data import PromptType
-from omniserve.lora.request import AddedAdapters, LoRARequest
+from omniserve.inputs.data import PromptType, prompt_modalities
+from omniserve.lora.request import (
+    AddedAdapters,
+    LoRARequest,
+    default_mm_lora_requests,
+    with_default_mm_lora,
+)
 from omniserve.messages import EngineCoreRequest
 from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import SamplingParams
@@ -37,6 +42,7 @@ class LLMEngine:
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.adapters = AddedAdapters()
+        self.default_mm_loras = default_mm_lora_requests(config.lora_config)
         self._batch: list[list[EngineCoreRequest]] | None = None
         """Request groups processed inside ``batched_adds`` and not yet sent."""
         self._batch_since = 0.0
@@ -59,6 +65,8 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request; raises ValueError/TypeError for bad input (also an
         adapter that does not load)."""
+        lora_request = with_default_mm_lora(lora_request, prompt_modalities(prompt),
+                                            self.default_mm_loras)  # fmt: skip
         if lora_request is not None and self.adapters.is_new(lora_request):
             self.add_lora(lora_request)
         processed = self.processor.process_inputs(

@@ -46,3 +46,9 @@ PROMPT_KEYS = frozenset(
 )
 """Every key a prompt dict may hold: a dict with any other is refused (a typo such as
 ``multimodal_data`` would otherwise drop the media without a word)."""
+
+
+def prompt_modalities(prompt: PromptType) -> list[str]:
+    """The modalities of the media a prompt carries (its ``multi_modal_data`` keys)."""
+    media = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    return list(media) if isinstance(media, dict) else []

@@ -11,6 +11,8 @@ from typing import Protocol
 
 import msgspec
 
+from omniserve.config.lora import LoRAConfig
+
 
 class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """An adapter by name, a positive id unique to it in this engine, and its PEFT directory."""
@@ -26,6 +28,25 @@ class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
             raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}.")
         if not self.lora_name:
             raise ValueError("lora_name must be a non-empty string.")
+
+
+def default_mm_lora_requests(config: LoRAConfig | None) -> dict[str, LoRARequest]:
+    """``--default-mm-loras`` (modality -> path) as adapters, as vLLM names them: after their
+    modality, with ids 1 to n in the modalities' alphabetical order."""
+    paths = config.default_mm_loras if config is not None else {}
+    return {modality: LoRARequest(modality, i, paths[modality])
+            for i, modality in enumerate(sorted(paths), 1)}  # fmt: skip
+
+
+def with_default_mm_lora(
+    lora: LoRARequest | None, modalities: Iterable[str], defaults: dict[str, LoRARequest]
+) -> LoRARequest | None:
+    """The adapter a request runs with: its own; else the default adapter of the one modality
+    among its media that has one (none when several do: a request runs one adapter)."""
+    if lora is not None or not defaults:
+        return lora
+    found = [defaults[m] for m in set(modalities) if m in defaults]
+    return found[0] if len(found) == 1 else None
 
 
 class HasLoRA(Protocol):

@@ -1,6 +1,7 @@
 """The names a request's ``model`` may take: the served model's, and its LoRA adapters'.
 
-Adapters come from ``--lora-modules`` at start-up and, with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``
+Adapters come from ``--default-mm-loras`` (named after their modality, as in vLLM) and
+``--lora-modules`` at start-up and, with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``
 set (vLLM's switch), from ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``. Each load
 gets a new id, so a name loaded again with other weights never shares prefix-cache blocks with
 the old ones.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 from http import HTTPStatus
+
+import msgspec
 
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.entrypoints.openai.protocol import ModelCard
@@ -23,9 +26,12 @@ class OpenAIServingModels:
     def __init__(self, engine: AsyncLLM, base_names: list[str]) -> None:
         self.engine = engine
         self.base_names = base_names
-        self.loras: dict[str, LoRARequest] = {}
+        self.loras: dict[str, LoRARequest] = {
+            name: msgspec.structs.replace(lora, base_model_name=self.model_name)
+            for name, lora in engine.default_mm_loras.items()
+        }
         self._loading: set[str] = set()
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(len(self.loras) + 1)
 
     @property
     def model_name(self) -> str:
