@@ -18,13 +18,25 @@ def get_tokenizer(path: str) -> Any:
         raise ValueError(f"Cannot load a tokenizer from {path!r}: {exc}") from exc
 
 
+def tokenizer_refusal(what: str) -> str:
+    """Why ``what`` is refused by an engine started without a tokenizer."""
+    return (f"{what} needs the tokenizer, which this engine does not load (skip_tokenizer_init, "
+            "--skip-tokenizer-init): give prompts as token ids.")  # fmt: skip
+
+
 def get_eos_token_ids(model_dir: str, tokenizer: Any) -> list[int]:
-    """Every id that ends generation: generation_config.json's eos ids, else the tokenizer's."""
-    ids: list[int] = []
-    gen_config = Path(model_dir) / "generation_config.json"
-    if gen_config.is_file():
-        eos = json.loads(gen_config.read_text()).get("eos_token_id")
-        ids = [eos] if isinstance(eos, int) else list(eos or [])
+    """Every id that ends generation: generation_config.json's eos ids, then the tokenizer's
+    (None: no tokenizer loaded; then config.json's, if generation_config.json has none)."""
+    ids = _eos_ids(Path(model_dir) / "generation_config.json")
+    if tokenizer is None:
+        return ids or _eos_ids(Path(model_dir) / "config.json")
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
+
+
+def _eos_ids(file: Path) -> list[int]:
+    if not file.is_file():
+        return []
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    return [eos] if isinstance(eos, int) else list(eos or [])

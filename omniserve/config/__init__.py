@@ -83,6 +83,9 @@ class ModelConfig:
     worker: those the settings name, then the ``omniserve.logits_processors`` entry points'."""
     enable_prompt_embeds: bool = False
     """Accept prompts given as embeddings (vLLM's --enable-prompt-embeds)."""
+    skip_tokenizer_init: bool = False
+    """Load no tokenizer (vLLM's): prompts come as token ids (or embeddings), outputs are token
+    ids; what needs text (text prompts, chat, stop strings, ...) is refused naming it."""
     runner: str = "generate"
     """"generate", or "pooling": the model answers embedding (or, a sequence classifier,
     classification) requests only (vLLM's --runner; ``from_path`` resolves "auto")."""
@@ -575,3 +578,9 @@ class OmniConfig:
             if self.model_config.runner == "pooling":
                 raise ValueError("logits_processors: pooling models take no custom logits "
                                  "processors.")  # fmt: skip
+        if (
+            self.model_config.skip_tokenizer_init
+            and self.structured_outputs_config.reasoning_parser
+        ):
+            raise ValueError("--reasoning-parser reads the model's text: it needs the tokenizer "
+                             "that --skip-tokenizer-init leaves unloaded.")  # fmt: skip

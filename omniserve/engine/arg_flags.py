@@ -150,6 +150,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "rows the decoder reads in place of token embeddings).",
     )
     add(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="Load no tokenizer: prompts are token ids (or embeddings), outputs token ids with "
+        "empty text; text prompts, chat, stop strings, bad_words, grammars and media are "
+        "refused.",
+    )
+    add(
         "--runner",
         choices=["auto", "generate", "pooling"],
         default="auto",

@@ -144,6 +144,7 @@ class EngineArgs:
     ``module:Class`` names."""
     use_tqdm_on_load: bool = True
     enable_prompt_embeds: bool = False
+    skip_tokenizer_init: bool = False
     runner: str = "auto"
     convert: str = "auto"
     task: str | None = None
@@ -224,6 +225,7 @@ class EngineArgs:
             logprobs_mode=self.logprobs_mode,
             use_tqdm_on_load=self.use_tqdm_on_load,
             enable_prompt_embeds=self.enable_prompt_embeds,
+            skip_tokenizer_init=self.skip_tokenizer_init,
             runner=self._runner(),
             pooler_config=PoolerConfig.resolve(
                 self.model, json_arg("pooler_config", self.pooler_config)

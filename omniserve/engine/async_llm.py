@@ -33,6 +33,7 @@ from omniserve.outputs import (
     RequestOutput,
 )
 from omniserve.sampling_params import PoolingParams, SamplingParams, embedding_params
+from omniserve.tokenizer import tokenizer_refusal
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,6 +95,9 @@ class AsyncLLM:
         return self.dead_error is not None
 
     async def get_tokenizer(self) -> Any:
+        """The tokenizer (ValueError for an engine started without one, as vLLM's)."""
+        if self.tokenizer is None:
+            raise ValueError(tokenizer_refusal("get_tokenizer()"))
         return self.tokenizer
 
     async def add_request(

@@ -24,6 +24,7 @@ from omniserve.lora.request import (
 from omniserve.messages import EngineCoreRequest
 from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import SamplingParams
+from omniserve.tokenizer import tokenizer_refusal
 
 ADD_BATCH_WINDOW_S = 0.05
 """Longest a batch of added requests is held before it is sent (``LLMEngine.batched_adds``)."""
@@ -52,6 +53,9 @@ class LLMEngine:
         return cls(engine_args.create_config())
 
     def get_tokenizer(self) -> Any:
+        """The tokenizer (ValueError for an engine started without one, as vLLM's)."""
+        if self.tokenizer is None:
+            raise ValueError(tokenizer_refusal("get_tokenizer()"))
         return self.tokenizer
 
     def add_request(

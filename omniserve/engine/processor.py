@@ -34,7 +34,7 @@ from omniserve.sampling_params import (
     SpeechParams,
 )
 from omniserve.structured_output import validate_structured_outputs
-from omniserve.tokenizer import get_eos_token_ids, get_tokenizer
+from omniserve.tokenizer import get_eos_token_ids, get_tokenizer, tokenizer_refusal
 
 
 class _EngineClient(Protocol):
@@ -163,7 +163,9 @@ class Processor:
         self.default_max_tokens: int | None = (
             model_config.default_sampling_params().get("max_tokens") if serving else None
         )
-        self.tokenizer: Any = get_tokenizer(model_config.tokenizer)
+        self.tokenizer: Any = (
+            None if model_config.skip_tokenizer_init else get_tokenizer(model_config.tokenizer)
+        )
         text_config = model_config.hf_config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.eos_token_ids = get_eos_token_ids(model_config.model, self.tokenizer)
@@ -174,7 +176,9 @@ class Processor:
         self.scheduling_policy = sched.policy
         # An item larger than this can never be encoded in one step or held in the cache.
         self.max_item_embeds = min(sched.max_num_encoder_input_tokens, sched.encoder_cache_size)
-        self.mm_processor = _create_mm_processor(config, self.tokenizer)
+        self.mm_processor = (
+            _create_mm_processor(config, self.tokenizer) if self.tokenizer is not None else None
+        )
         self.talker_capacity = 0
         """Talker positions the engine's speech KV pool holds (set once the engine started)."""
         self.input_preprocessor = InputPreprocessor(
@@ -298,6 +302,8 @@ class Processor:
     def _validate_params(self, params: SamplingParams) -> None:
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
+        if self.tokenizer is None:
+            _check_tokenless(params)
         processors = self.model_config.logits_processors
         if params.extra_args and not processors:
             raise ValueError(
@@ -512,6 +518,19 @@ class Processor:
 
 
 _TALKER_SETTINGS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_tokens")
+
+
+def _check_tokenless(params: SamplingParams) -> None:
+    """What an engine without a tokenizer cannot honour: settings that are text, or need it."""
+    for name, given in (
+        ("stop", params.stop),
+        ("bad_words", params.bad_words),
+        ("structured_outputs", params.structured_outputs is not None),
+        ("thinking_token_budget", params.thinking_token_budget is not None),
+        ("audio output (output_modalities)", params.wants_audio),
+    ):
+        if given:
+            raise ValueError(tokenizer_refusal(name))
 
 
 def _check_embeds_params(params: SamplingParams) -> None:

@@ -25,6 +25,7 @@ from omniserve.inputs.data import EMBEDS_SLOT, PROMPT_KEYS, PromptType
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.multimodal.inputs import MultiModalFeatureSpec, PromptEmbeds
 from omniserve.multimodal.parse import embeds_fault
+from omniserve.tokenizer import tokenizer_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class InputPreprocessor:
                 "multi_modal_data its items belong to."
             )
         mm_kwargs = prompt.get("mm_processor_kwargs")
+        if mm_data and self.tokenizer is None:
+            raise ValueError(tokenizer_refusal("multi_modal_data (the model's processor)"))
         if mm_data:
             return self._process_multimodal(
                 text, token_ids, mm_data, {} if mm_kwargs is None else mm_kwargs, uuids
@@ -240,6 +243,8 @@ class InputPreprocessor:
         self.mm_processor.info.check_request_kwargs(mm_kwargs)
 
     def _tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(tokenizer_refusal("A text prompt"))
         return list(self.tokenizer(text).input_ids)
 
 

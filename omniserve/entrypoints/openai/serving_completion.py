@@ -263,7 +263,9 @@ class OpenAIServingCompletion(OpenAIServing):
         yield SSE_DONE
 
     def _prompt_text(self, prompt: EnginePrompt) -> str:
-        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+        if prompt.text is not None:
+            return prompt.text
+        return self.text_tokenizer("echo (the prompt's text)", "echo").decode(prompt.token_ids)
 
     def _logprobs(
         self,

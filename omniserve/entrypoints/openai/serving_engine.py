@@ -64,6 +64,7 @@ from omniserve.lora.request import LoRARequest
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.outputs import Logprob, RequestOutput
 from omniserve.sampling_params import SamplingParams
+from omniserve.tokenizer import tokenizer_refusal
 
 if TYPE_CHECKING:
     from omniserve.entrypoints.openai.serving_models import OpenAIServingModels
@@ -234,6 +235,13 @@ class OpenAIServing:
         """Whether requests may bring their own chat template (rendered in jinja's sandbox)."""
         self.default_sampling = engine.model_config.default_sampling_params()
 
+    def text_tokenizer(self, what: str, param: str | None = None) -> Any:
+        """The tokenizer, which ``what`` needs; a 400 naming it where the server loads none
+        (--skip-tokenizer-init)."""
+        if self.tokenizer is None:
+            raise ServingError(tokenizer_refusal(what), param=param)
+        return self.tokenizer
+
     def check_model(self, name: str | None) -> LoRARequest | None:
         """The LoRA adapter a request's ``model`` names (None: the base model); 404 if none."""
         return self.models.resolve(name)
@@ -270,9 +278,10 @@ class OpenAIServing:
         self, text: str, add_special_tokens: bool = True, param: str = "prompt"
     ) -> EnginePrompt:
         """Token ids of ``text``, checked for length first and tokenized off the event loop."""
+        tokenizer = self.text_tokenizer(f"A text {param}", param)
         self.check_text_length(len(text), param)
         encoding = await self.engine.run_input_work(
-            functools.partial(self.tokenizer, text, add_special_tokens=add_special_tokens)
+            functools.partial(tokenizer, text, add_special_tokens=add_special_tokens)
         )
         return EnginePrompt(text, list(encoding.input_ids))
 
@@ -287,6 +296,7 @@ class OpenAIServing:
         Length limits are the engine's processor's, on the prompt with its media placeholders
         expanded (a ``ContextLengthError`` becomes a 400 naming the field).
         """
+        self.text_tokenizer("Chat (its template)", "messages")
         if request.chat_template is not None and not self.trust_request_chat_template:
             raise ServingError(
                 "A chat_template in the request needs the server started with "
@@ -383,6 +393,8 @@ class OpenAIServing:
             return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
+        if self.tokenizer is None:  # (--skip-tokenizer-init: ids are all there is)
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
     @staticmethod
@@ -498,6 +510,7 @@ class OpenAIServing:
         """Each prompt's best beams (``entrypoints.beam_search``), with its first step's output
         (its prompt as the engine saw it, for usage). The prompts' searches step together: each
         step's beams of every prompt are one batch of requests."""
+        tokenizer = self.text_tokenizer("use_beam_search (its texts)", "use_beam_search")
         try:
             params.check_width(self.engine.model_config.max_logprobs)
         except ValueError as exc:
@@ -518,7 +531,7 @@ class OpenAIServing:
                 step_prompts, params.step_params(), f"{request_id}-{number}", priority, lora_request
             )
             batch.take_step(await asyncio.gather(*(final_output(g) for g in generators)))
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
         return list(zip(batch.results(decode), batch.firsts, strict=True))
 
 

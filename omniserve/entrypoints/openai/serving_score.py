@@ -165,7 +165,8 @@ class OpenAIServingScores(OpenAIServingEmbedding):
         prompts = []
         for i, j in pairs:
             where = _where(inputs[1][0], inputs[1][1], j)
-            text = score_pair_text(self.tokenizer, texts[i], texts[offset + j], template)
+            text = score_pair_text(self.text_tokenizer("Scoring text pairs"), texts[i],
+                                   texts[offset + j], template)  # fmt: skip
             prompt = await self._prompt(text, where, request)
             prompts.append(self.apply_prompt_options(prompt, request))
         outputs = await self.pool(

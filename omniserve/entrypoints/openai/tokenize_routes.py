@@ -45,7 +45,8 @@ def tokenize_router(serving: OpenAIServing, info_endpoint: bool = False) -> APIR
         serving.check_model(request.model)
         try:
             serving.engine.processor.check_token_ids("tokens", request.tokens)
-            return DetokenizeResponse(prompt=serving.tokenizer.decode(request.tokens))
+            tokenizer = serving.text_tokenizer("/detokenize", "tokens")
+            return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
         except (ValueError, TypeError, OverflowError) as exc:
             raise ServingError(f"Cannot detokenize: {exc}", param="tokens") from exc
 
@@ -53,7 +54,8 @@ def tokenize_router(serving: OpenAIServing, info_endpoint: bool = False) -> APIR
 
         @router.get("/get_tokenizer_info", responses=documented())
         async def get_tokenizer_info() -> TokenizerInfoResponse:
-            return tokenizer_info(serving.tokenizer, serving.renderer.chat_template)
+            tokenizer = serving.text_tokenizer("/get_tokenizer_info")
+            return tokenizer_info(tokenizer, serving.renderer.chat_template)
 
     return router
 
