@@ -319,7 +319,11 @@ class Worker:
         """One worst-case item per modality this deployment takes, processed as requests are
         (the processor's dummy inputs under --limit-mm-per-prompt and --mm-processor-kwargs)."""
         model_config, mm = self.config.model_config, self.config.multimodal_config
-        if mm.skip_mm_profiling or not MULTIMODAL_REGISTRY.supports_multimodal(model_config):
+        if (
+            mm.skip_mm_profiling
+            or model_config.skip_tokenizer_init  # (media are refused: they need the tokenizer)
+            or not MULTIMODAL_REGISTRY.supports_multimodal(model_config)
+        ):
             return []
         processor = MULTIMODAL_REGISTRY.create_processor(
             model_config, get_tokenizer(model_config.tokenizer),
