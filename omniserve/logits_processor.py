@@ -12,7 +12,6 @@ API's ``vllm_xargs``); ``validate_params`` refuses bad ones when a request arriv
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 from abc import ABC, abstractmethod
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from omniserve.registry import load_class
 from omniserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -159,7 +159,8 @@ def resolve_logits_processors(
 ) -> tuple[type[LogitsProcessor], ...]:
     """The classes ``specs`` name, then (``entry_points``) those of the entry-point group, each
     once; ValueError naming a spec that is no importable ``LogitsProcessor`` subclass."""
-    classes = [_resolve(spec, "logits_processors") for spec in specs]
+    classes = [_checked(load_class(spec, "logits_processors"), f"logits_processors: {spec!r}")
+               for spec in specs]  # fmt: skip
     for point in _entry_points() if entry_points else ():
         try:
             cls = point.load()
@@ -172,23 +173,6 @@ def resolve_logits_processors(
 
 def _entry_points() -> EntryPoints:
     return _all_entry_points(group=LOGITS_PROCESSORS_GROUP)
-
-
-def _resolve(spec: Any, where: str) -> type[LogitsProcessor]:
-    if not isinstance(spec, str):
-        return _checked(spec, f"{where}: {spec!r}")
-    module, sep, name = spec.partition(":")
-    if not sep:
-        module, _, name = spec.rpartition(".")
-    if not module or not name:
-        raise ValueError(f"{where}: {spec!r} is not module:Class (or module.Class).")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except ImportError as exc:
-        raise ValueError(f"{where}: cannot import {module!r} for {spec!r}: {exc}") from exc
-    except AttributeError:
-        raise ValueError(f"{where}: module {module!r} has no {name!r} ({spec!r}).") from None
-    return _checked(cls, f"{where}: {spec!r}")
 
 
 def _checked(cls: Any, where: str) -> type[LogitsProcessor]:

@@ -45,6 +45,28 @@ def import_target(target: str) -> type:
     return obj
 
 
+def load_class(spec: object, where: str) -> type:
+    """The class a setting names: itself, ``module:Class`` or ``module.Class``; ValueError
+    naming ``where`` (the setting) when it does not import or is no class."""
+    if not isinstance(spec, str):
+        if not isinstance(spec, type):
+            raise ValueError(f"{where}: {spec!r} is not a class.")
+        return spec
+    module, sep, name = spec.partition(":")
+    if not sep:
+        module, _, name = spec.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"{where}: {spec!r} is not module:Class (or module.Class).")
+    try:
+        return import_target(f"{module}:{name}")
+    except ImportError as exc:
+        raise ValueError(f"{where}: cannot import {module!r} for {spec!r}: {exc}") from exc
+    except AttributeError:
+        raise ValueError(f"{where}: module {module!r} has no {name!r} ({spec!r}).") from None
+    except TypeError as exc:
+        raise ValueError(f"{where}: {exc}.") from None
+
+
 class _ModelRegistry:
     def __init__(self) -> None:
         self._entries: dict[str, ModelEntry] = {}

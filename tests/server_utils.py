@@ -66,6 +66,10 @@ class Server:
         return httpx.post(self.url + path, json=body, headers=headers, timeout=timeout,
                           verify=self.verify)  # fmt: skip
 
+    def get(self, path: str, *, key: str | None = API_KEY, timeout: float = 60) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.get(self.url + path, headers=headers, timeout=timeout, verify=self.verify)
+
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample of /metrics, keyed by (name, labels without model_name)."""
         text = httpx.get(self.url + "/metrics", timeout=10).text

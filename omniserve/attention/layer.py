@@ -128,6 +128,12 @@ def allocate_kv_caches(
     return caches
 
 
+def release_kv_caches(model: nn.Module) -> None:
+    """Take the paged caches back from ``model``'s attention layers (sleep mode)."""
+    for layer in get_attention_layers(model):
+        layer.kv_cache = None
+
+
 def copy_kv_blocks(caches: list[torch.Tensor], pairs: Collection[tuple[int, int]]) -> None:
     """Copy each (source, destination) block's K and V in every cache: a request whose prefix
     hit ends in another's partial block continues it in its own block."""

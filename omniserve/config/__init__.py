@@ -83,6 +83,9 @@ class ModelConfig:
     worker: those the settings name, then the ``omniserve.logits_processors`` entry points'."""
     enable_prompt_embeds: bool = False
     """Accept prompts given as embeddings (vLLM's --enable-prompt-embeds)."""
+    enable_sleep_mode: bool = False
+    """Allow ``sleep`` / ``wake_up`` (vLLM's): release the KV cache, and the weights, while the
+    engine is idle, to give their memory to another process (a trainer)."""
     skip_tokenizer_init: bool = False
     """Load no tokenizer (vLLM's): prompts come as token ids (or embeddings), outputs are token
     ids; what needs text (text prompts, chat, stop strings, ...) is refused naming it."""
@@ -469,6 +472,9 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
     """"uni" (one worker in process), "mp" (a process per rank, this machine) or "ray" (Ray
     actors, any machine of the cluster); None: "uni" for one rank, else "mp"."""
+    worker_extension_cls: str = ""
+    """vLLM's: ``module.Class`` (or ``module:Class``) whose methods every worker also has, for
+    ``collective_rpc`` to call by name ("": none)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

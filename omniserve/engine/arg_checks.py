@@ -127,7 +127,6 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
 """vLLM's flags that mean nothing here: accepted, each logged once with why."""
 MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--cpu-offload-gb": ({"type": float}, "weight offloading"),
-    "--enable-sleep-mode": ({"action": "store_true"}, "sleep mode"),
     "--kv-transfer-config": ({}, "KV transfer between instances"),
     "--enable-expert-parallel": ({"action": "store_true"}, "expert parallelism"),
     "--compilation-config": (

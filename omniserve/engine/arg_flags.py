@@ -150,6 +150,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "rows the decoder reads in place of token embeddings).",
     )
     add(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="Allow sleep / wake_up (offline LLM.sleep(level), the server's POST /sleep with "
+        "VLLM_SERVER_DEV_MODE=1): release the KV cache (level 1) and the weights (level 2; on "
+        "a GPU level 1 too) while idle; wake_up reads the weights again.",
+    )
+    add(
         "--skip-tokenizer-init",
         action="store_true",
         help="Load no tokenizer: prompts are token ids (or embeddings), outputs token ids with "
@@ -247,6 +254,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=None,
         choices=[None, "uni", "mp", "ray"],
         help="How workers run; None: uni for one rank, mp for more.",
+    )
+    add(
+        "--worker-extension-cls",
+        default="",
+        metavar="MODULE.CLASS",
+        help="A class whose methods every worker also has (vLLM's), for collective_rpc (e.g. "
+        "weight updates from a trainer) to call by name.",
     )
     mm = parser.add_argument_group("multimodal")
     mm.add_argument(

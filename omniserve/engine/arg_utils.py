@@ -145,6 +145,7 @@ class EngineArgs:
     use_tqdm_on_load: bool = True
     enable_prompt_embeds: bool = False
     skip_tokenizer_init: bool = False
+    enable_sleep_mode: bool = False
     runner: str = "auto"
     convert: str = "auto"
     task: str | None = None
@@ -164,6 +165,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    worker_extension_cls: str = ""
     limit_mm_per_prompt: MMLimits | str | None = None
     mm_processor_kwargs: dict[str, object] | str | None = None
     mm_processor_cache_gb: float = 4.0
@@ -226,6 +228,7 @@ class EngineArgs:
             use_tqdm_on_load=self.use_tqdm_on_load,
             enable_prompt_embeds=self.enable_prompt_embeds,
             skip_tokenizer_init=self.skip_tokenizer_init,
+            enable_sleep_mode=self.enable_sleep_mode,
             runner=self._runner(),
             pooler_config=PoolerConfig.resolve(
                 self.model, json_arg("pooler_config", self.pooler_config)
@@ -293,6 +296,7 @@ class EngineArgs:
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 data_parallel_size=self.data_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
+                worker_extension_cls=self.worker_extension_cls,
             ),
             lora_config=self._lora_config(),
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config)
@@ -307,12 +311,13 @@ class EngineArgs:
             ),
         )
         # Settings that only fail where they are used fail here, at start: --media-io-kwargs and
-        # --allowed-local-media-path (numpy, PIL, av), --device (torch).
+        # --allowed-local-media-path (numpy, PIL, av), --device (torch), the worker extension.
         from omniserve.multimodal.media import MediaConnector, media_config
-        from omniserve.worker.worker import resolve_device
+        from omniserve.worker.worker import resolve_device, worker_class
 
         MediaConnector(media_config(config.multimodal_config))
         resolve_device(model_config.device)
+        worker_class(self.worker_extension_cls)
         _check_sampling_defaults(model_config)
         return config
 

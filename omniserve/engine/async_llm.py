@@ -16,7 +16,12 @@ from typing import Any, TypeVar
 
 from omniserve.config import OmniConfig
 from omniserve.engine.arg_utils import EngineArgs
-from omniserve.engine.exceptions import EngineDeadError, EngineStoppingError
+from omniserve.engine.exceptions import (
+    SLEEPING,
+    EngineDeadError,
+    EngineSleepingError,
+    EngineStoppingError,
+)
 from omniserve.engine.mp_client import AsyncMPClient
 from omniserve.engine.output_processor import OutputProcessor
 from omniserve.engine.processor import start_with_engine
@@ -81,6 +86,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.adapters = AddedAdapters()
         self.default_mm_loras = default_mm_lora_requests(config.lora_config)
+        self.asleep = False  # (``sleep``)
         self.stat_loggers = list(stat_loggers or [])
         self._output_handler: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
@@ -130,6 +136,8 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise EngineDeadError("The engine core is dead.") from self.dead_error
         self._check_not_stopping()
+        if self.asleep:
+            raise EngineSleepingError(SLEEPING)
         self._ensure_output_handler()
         loras = [with_default_mm_lora(lora_request, prompt_modalities(prompt),
                                       self.default_mm_loras) for prompt in prompts]  # fmt: skip
@@ -346,6 +354,36 @@ class AsyncLLM:
         """As ``LLMEngine.reset_mm_cache``."""
         self.processor.reset_mm_cache()
         await self.engine_core.call_utility_async("reset_encoder_cache")
+
+    async def sleep(self, level: int = 1) -> None:
+        """As ``LLMEngine.sleep``: requests are refused (503 on the server) until ``wake_up``."""
+        await self.engine_core.call_utility_async("sleep", level)
+        self.asleep = True
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.engine_core.call_utility_async("wake_up", tags)
+        self.asleep = await self.is_sleeping()
+
+    async def is_sleeping(self) -> bool:
+        return await self.engine_core.call_utility_async("is_sleeping")
+
+    async def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """As ``LLMEngine.collective_rpc``."""
+        call = self.engine_core.call_utility_async("collective_rpc", method, list(args),
+                                                   kwargs or {})  # fmt: skip
+        try:
+            return await asyncio.wait_for(call, timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"collective_rpc({method!r}) did not finish within {timeout} s "
+                "(the engine core finishes it all the same)."
+            ) from None
 
     async def start_profile(self) -> None:
         """Start the workers' torch profilers (``OMNISERVE_TORCH_PROFILER_DIR``)."""

@@ -57,6 +57,8 @@ class EngineCore:
         self.config = config
         self.engine_index = engine_index
         """Data-parallel rank: which of the front end's engine cores this is."""
+        self.sleeping: list[str] = []
+        """What the workers released in ``sleep`` (empty: awake)."""
         self.num_requests_received = 0
         executor_class = executor_class or Executor.get_class(config)
         async_scheduling = config.scheduler_config.async_scheduling
@@ -168,7 +170,8 @@ class EngineCore:
             self.structured_output.remove(req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return (
+        """(False while asleep: requests added then wait for ``wake_up``.)"""
+        return not self.sleeping and (
             self.scheduler.has_unfinished_requests()
             or bool(self.grammar_waiting)
             or bool(self._in_flight)
@@ -245,6 +248,8 @@ class EngineCore:
 
         Under async scheduling the next step is scheduled and launched before this one's output
         is read back, so the device has it queued while the host works on this one's output."""
+        if self.sleeping:
+            return EngineCoreOutputs(timestamp=time.time(), engine_index=self.engine_index)
         failed = self._admit_compiled()
         self._launch_steps()
         if not self._in_flight:
@@ -412,6 +417,45 @@ class EngineCore:
         """Start or stop the workers' torch profilers (``OMNISERVE_TORCH_PROFILER_DIR``)."""
         self.model_executor.profile(is_start)
 
+    # ---- sleep mode and collective_rpc (vLLM's) ------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Release the workers' KV cache and, at level 2 (on a GPU at level 1 too), their
+        weights (``Worker.sleep``), once no request is unfinished; the prefix cache and the
+        encoder outputs go with them."""
+        if not self.config.model_config.enable_sleep_mode:
+            raise ValueError("sleep() needs the engine started with enable_sleep_mode=True "
+                             "(--enable-sleep-mode).")  # fmt: skip
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}.")
+        if self.has_unfinished_requests():
+            raise ValueError("sleep(): requests are unfinished; sleep once they have finished "
+                             "(or abort them).")  # fmt: skip
+        self.reset_prefix_cache()
+        self.scheduler.reset_encoder_cache()
+        self.sleeping = self.model_executor.collective_rpc("sleep", (level,))[0]
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` released of ``tags`` ("weights", "kv_cache"; None: both)."""
+        if tags is not None and (unknown := sorted(set(tags) - {"weights", "kv_cache"})):
+            raise ValueError(f"wake_up tags are 'weights' and 'kv_cache', not {unknown}.")
+        self.sleeping = self.model_executor.collective_rpc("wake_up", (tags,))[0]
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping)
+
+    def collective_rpc(
+        self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Call a worker method (or its ``--worker-extension-cls`` extension's) on every
+        worker; the results by rank. After ``reload_weights`` the prefix cache is dropped: the
+        old weights computed its blocks."""
+        call = (method, tuple(args or ()), dict(kwargs or {}))
+        results = self.model_executor.collective_rpc("rpc", call)
+        if method == "reload_weights":
+            self.sleeping = []
+            self.reset_prefix_cache()
+        return results
+
     def shutdown(self) -> None:
         self.structured_output.shutdown()
         if self.kv_events is not None:
@@ -433,5 +477,9 @@ UTILITY_METHODS = frozenset(
         "start_step_timing",
         "get_step_timings",
         "profile",
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "collective_rpc",
     }
 )

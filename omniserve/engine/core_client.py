@@ -38,8 +38,9 @@ class EngineCoreClient(ABC):
         """The next batch of outputs (blocks until there is one)."""
 
     @abstractmethod
-    def call_utility(self, method: str, *args: Any) -> Any:
-        """Call one of the engine core's ``UTILITY_METHODS`` and return its result."""
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """Call one of the engine core's ``UTILITY_METHODS`` and return its result;
+        TimeoutError after ``timeout`` seconds (the engine core still finishes the call)."""
 
     def reset_prefix_cache(self) -> bool:
         return self.call_utility("reset_prefix_cache")
@@ -73,7 +74,11 @@ class InprocClient(EngineCoreClient):
     def get_output(self) -> EngineCoreOutputs:
         return self.engine_core.step()
 
-    def call_utility(self, method: str, *args: Any) -> Any:
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        if timeout is not None:
+            raise ValueError("A timeout needs the engine core in a process of its own (unset "
+                             "OMNISERVE_ENABLE_MULTIPROCESSING=0): here the call runs in this "
+                             "one.")  # fmt: skip
         if method not in UTILITY_METHODS:
             raise AttributeError(f"{method!r} is not an engine core utility.")
         return getattr(self.engine_core, method)(*args)

@@ -89,6 +89,10 @@ _COMBINE_RESULTS: dict[str, Callable[[list[Any]], Any]] = {
     "start_step_timing": lambda _: None,
     "get_step_timings": combine_step_timings,
     "profile": lambda _: None,
+    "sleep": lambda _: None,
+    "wake_up": lambda _: None,
+    "is_sleeping": any,
+    "collective_rpc": lambda per_engine: [r for results in per_engine for r in results],
 }
 
 

@@ -17,6 +17,13 @@ class EngineStoppingError(Exception):
     end with this, and new ones are refused with it."""
 
 
+class EngineSleepingError(Exception):
+    """The engine sleeps (``sleep``): requests are refused until ``wake_up`` (HTTP 503)."""
+
+
+SLEEPING = "The engine is asleep (sleep mode): wake_up() before sending requests."
+
+
 class EngineDeadError(Exception):
     """The engine core process is gone. Every in-flight and later call fails with this; a new
     engine must be started."""

@@ -11,6 +11,7 @@ from omniserve import envs
 from omniserve.config import OmniConfig
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.core_client import EngineCoreClient, InprocClient
+from omniserve.engine.exceptions import SLEEPING, EngineSleepingError
 from omniserve.engine.mp_client import SyncMPClient
 from omniserve.engine.output_processor import OutputProcessor
 from omniserve.engine.processor import start_with_engine
@@ -44,6 +45,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.adapters = AddedAdapters()
         self.default_mm_loras = default_mm_lora_requests(config.lora_config)
+        self.asleep = False  # (``sleep``)
         self._batch: list[list[EngineCoreRequest]] | None = None
         """Request groups processed inside ``batched_adds`` and not yet sent."""
         self._batch_since = 0.0
@@ -69,6 +71,8 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request; raises ValueError/TypeError for bad input (also an
         adapter that does not load)."""
+        if self.asleep:
+            raise EngineSleepingError(SLEEPING)
         lora_request = with_default_mm_lora(lora_request, prompt_modalities(prompt),
                                             self.default_mm_loras)  # fmt: skip
         if lora_request is not None and self.adapters.is_new(lora_request):
@@ -140,6 +144,31 @@ class LLMEngine:
         running request holds, so the next request with the same media runs it again."""
         self.processor.reset_mm_cache()
         self.engine_core.call_utility("reset_encoder_cache")
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (``EngineCore.sleep``): requests are refused until ``wake_up``."""
+        self.engine_core.call_utility("sleep", level)
+        self.asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` released (``tags``: "weights", "kv_cache"; None: both)."""
+        self.engine_core.call_utility("wake_up", tags)
+        self.asleep = self.is_sleeping()
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.call_utility("is_sleeping")
+
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """vLLM's: call a worker method by name on every worker (``EngineCore.collective_rpc``);
+        arguments and results cross processes as msgpack (tensors too)."""
+        return self.engine_core.call_utility("collective_rpc", method, list(args), kwargs or {},
+                                             timeout=timeout)  # fmt: skip
 
     def start_step_timing(self) -> None:
         """Time the model runner's steps per part from now on (``get_step_timings`` reads)."""

@@ -327,15 +327,26 @@ class SyncMPClient(MPClient, EngineCoreClient):
         self._release_finished(item)
         return item
 
-    def call_utility(self, method: str, *args: Any) -> Any:
-        return combine_results(method, self.call_utility_per_engine(method, *args))
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        return combine_results(method, self.call_utility_per_engine(method, *args,
+                                                                    timeout=timeout))  # fmt: skip
 
-    def call_utility_per_engine(self, method: str, *args: Any) -> list[Any]:
+    def call_utility_per_engine(
+        self, method: str, *args: Any, timeout: float | None = None
+    ) -> list[Any]:
         """Call ``method`` on every engine core; their results by data-parallel rank."""
         calls = self._utility_calls(method, args)
         for engine, (request, _) in enumerate(calls):
             self._send(engine, EngineCoreRequestType.UTILITY, request)
-        return [future.result() for _, future in calls]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            return [future.result(None if deadline is None else max(deadline - time.monotonic(), 0))
+                    for _, future in calls]  # fmt: skip
+        except TimeoutError:
+            raise TimeoutError(
+                f"{method} did not finish within {timeout} s (the engine core "
+                "finishes it all the same)."
+            ) from None
 
 
 class AsyncMPClient(MPClient):

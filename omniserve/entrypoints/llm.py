@@ -385,6 +385,29 @@ class LLM:
         """Forget processed media and cached encoder outputs (vLLM's ``reset_mm_cache``)."""
         self.llm_engine.reset_mm_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (needs ``enable_sleep_mode=True``), with no request unfinished:
+        level 1 releases the KV cache (on a GPU the weights too), level 2 the weights as well;
+        requests are refused until ``wake_up``, which reads the weights again."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` released: ``tags`` "weights" and/or "kv_cache" (None: both;
+        waking the weights alone leaves the KV cache for a later ``wake_up``)."""
+        self.llm_engine.wake_up(tags)
+
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Call ``method`` of every worker (a ``Worker`` method, e.g. ``reload_weights``, or
+        one of ``worker_extension_cls``) and return their results by rank (vLLM's; methods by
+        name, arguments and results as msgpack carries them, tensors included)."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
     def start_profile(self) -> None:
         """Start the torch profiler in every worker (needs ``OMNISERVE_TORCH_PROFILER_DIR``)."""
         self.llm_engine.start_profile()

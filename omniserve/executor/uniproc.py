@@ -8,7 +8,7 @@ from omniserve.config import OmniConfig
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.executor.abstract import Executor
 from omniserve.messages import PendingOutput
-from omniserve.worker.worker import Worker
+from omniserve.worker.worker import worker_class
 
 
 class UniProcExecutor(Executor):
@@ -16,7 +16,7 @@ class UniProcExecutor(Executor):
 
     def __init__(self, config: OmniConfig) -> None:
         super().__init__(config)
-        self.worker = Worker(config, rank=0)
+        self.worker = worker_class(config.parallel_config.worker_extension_cls)(config, rank=0)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return [getattr(self.worker, method)(*args)]

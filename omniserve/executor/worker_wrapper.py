@@ -31,7 +31,7 @@ class WorkerWrapper:
 
     def init_worker(self, config: OmniConfig, init_method: str, local_rank: int) -> None:
         """Join the process group, then build the model (each rank loads only its shards)."""
-        from omniserve.worker.worker import Worker, resolve_device
+        from omniserve.worker.worker import resolve_device, worker_class
 
         device = resolve_device(config.model_config.device)
         if device.type == "cuda":
@@ -45,7 +45,7 @@ class WorkerWrapper:
             rank=self.rank,
             world_size=self.world_size,
         )
-        self.worker = Worker(config, self.rank)
+        self.worker = worker_class(config.parallel_config.worker_extension_cls)(config, self.rank)
 
     def execute_method(self, method: str, args: tuple, reply: str = REPLY_ALL) -> Any:
         """Run ``Worker.method(*args)``; ranks other than 0 return None for ``REPLY_RANK0``."""

@@ -19,6 +19,7 @@ from omniserve.attention.layer import (
     copy_kv_blocks,
     get_attention_layers,
     kv_cache_bytes_per_block,
+    release_kv_caches,
 )
 from omniserve.attention.metadata import AttentionMetadata
 from omniserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig, blocks_for
@@ -128,6 +129,16 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             self.model, num_blocks, self.block_size, dtype, self.device
         )
+
+    def release_caches(self) -> None:
+        """Drop the KV caches (the talker's too) and the encoder outputs (sleep mode): the
+        layers and the captured decode graphs hold the caches as well."""
+        release_kv_caches(self.model)
+        self.kv_caches, self.decode_graphs = [], None
+        if self.talker_runner is not None:
+            self.talker_runner.release_kv_cache()
+        if self.encoder_runner is not None:
+            self.encoder_runner.encoder_cache.clear()
 
     @torch.inference_mode()
     def profile_run(self, media: list[MultiModalFeatureSpec]) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 from omniserve.attention.layer import (
     allocate_kv_caches,
     kv_cache_bytes_per_block,
+    release_kv_caches,
 )
 from omniserve.attention.metadata import AttentionMetadata
 from omniserve.config import blocks_for
@@ -129,6 +130,10 @@ class TalkerRunner(ABC):
         self.kv_caches = allocate_kv_caches(
             self.talker, num_blocks, self.block_size, dtype, self.device
         )
+
+    def release_kv_cache(self) -> None:
+        release_kv_caches(self.talker)
+        self.kv_caches = []
 
     # ---- from the thinker --------------------------------------------------------------------
     def register(

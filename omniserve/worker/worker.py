@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import logging
 import sys
 import time
@@ -29,7 +30,7 @@ from omniserve.messages import ModelRunnerOutput, PendingOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from omniserve.plugins import load_plugins
-from omniserve.registry import ModelRegistry
+from omniserve.registry import ModelRegistry, load_class
 from omniserve.tokenizer import get_tokenizer
 from omniserve.worker.host_allocator import keep_freed_memory, release_freed_memory
 from omniserve.worker.logits_processors import LogitsProcessorBatch
@@ -48,6 +49,12 @@ from omniserve.worker.profiler import WorkerProfiler
 
 logger = logging.getLogger(__name__)
 
+_ENGINE_CALLS = frozenset({
+    "sleep", "wake_up", "rpc", "execute_model", "dispatch_model", "launch_model",
+    "dispatch_sampling", "initialize_kv_cache", "initialize_talker_kv_cache", "add_lora",
+    "remove_lora",
+})  # fmt: skip
+"""Worker methods ``collective_rpc`` may not call: the engine core's own."""
 _GPU_MEMORY_FRACTION = 0.9
 _TALKER_KV_SHARE = 0.25
 """Share of the KV budget a speaking model's talker gets (its sequences are frames, 12.5 per
@@ -91,6 +98,28 @@ def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype | None) 
     if device.type == "cuda":
         return stored if half else torch.bfloat16
     return torch.bfloat16 if half and has_native_bf16() else torch.float32
+
+
+def worker_class(extension: str) -> type[Worker]:
+    """``Worker``, or with ``--worker-extension-cls`` a Worker that also has the extension's
+    methods (vLLM's): ValueError when it does not import or would replace Worker's own."""
+    if not extension:
+        return Worker
+    cls = load_class(extension, "--worker-extension-cls")
+    clash = sorted(n for n in vars(cls) if not n.startswith("__") and hasattr(Worker, n))
+    if clash:
+        raise ValueError(f"--worker-extension-cls {extension}: {', '.join(clash)} would replace "
+                         "the worker's own.")  # fmt: skip
+    return type(cls.__name__, (Worker, cls), {})
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Hand what was just freed back (sleep mode): to the OS on a CPU, to the driver on CUDA."""
+    gc.collect()  # (a model's modules hold each other: LoRA slots, tied weights)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    else:
+        release_freed_memory()
 
 
 @contextlib.contextmanager
@@ -162,11 +191,23 @@ class Worker:
         self.dtype = resolve_dtype(
             model_config.dtype, self.device, checkpoint_dtype(self.hf_config)
         )
+        self.graph_sizes: list[int] = []  # decode batch sizes replayed from CUDA graphs
+        self._gpu_kv_budget: int | None = None  # from the memory profile, once
+        self.weights_path = model_config.model
+        """Where the weights were read from (``reload_weights`` may change it)."""
+        self.sleeping: set[str] = set()
+        """What ``sleep`` released: "kv_cache", and "weights" (``wake_up`` restores them)."""
+        self._load_model()
+
+    def _load_model(self) -> None:
+        """Build the model, read its weights from ``weights_path`` and set up its kernels, LoRA
+        slots and model runner."""
+        config, model_config = self.config, self.config.model_config
         model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
         start = time.perf_counter()
         # Parameters are created uninitialised (every one is then read from the checkpoint), so
         # building touches no memory and the fit check below comes before any real allocation.
-        stored = checkpoint_tensor_shapes(model_config.model)
+        stored = checkpoint_tensor_shapes(self.weights_path)
         with torch.device(self.device), default_dtype(self.dtype), skip_weight_init():
             model = model_cls(self.hf_config)
             quantized: QuantizedModel | None = None
@@ -190,7 +231,7 @@ class Worker:
                 str(self.dtype).removeprefix("torch."),
                 config.scheduler_config.max_model_len,
             )
-        load_model_weights(model, model_config.model, quantization, quantized,
+        load_model_weights(model, self.weights_path, quantization, quantized,
                            model_config.use_tqdm_on_load)  # fmt: skip
         model.eval()
         if self.device.type == "cpu":
@@ -210,8 +251,6 @@ class Worker:
         )
         if self.encoder_attention:
             logger.info("Encoder towers' attention: %s", self.encoder_attention)
-        self.graph_sizes: list[int] = []  # decode batch sizes replayed from CUDA graphs
-        self._gpu_kv_budget: int | None = None  # from the memory profile, once
         self.load_seconds = time.perf_counter() - start
         self.lora_manager = (
             LoRAManager(model, config.lora_config, self.dtype, self.device)
@@ -271,6 +310,7 @@ class Worker:
         return max(int(self._kv_budget_bytes() * _TALKER_KV_SHARE) // per_block, 1)
 
     def initialize_talker_kv_cache(self, num_blocks: int) -> None:
+        self.num_talker_kv_blocks = num_blocks
         if self.model_runner.talker_runner is not None:
             self.model_runner.talker_runner.initialize_kv_cache(num_blocks, self.dtype)
 
@@ -365,6 +405,8 @@ class Worker:
 
     def model_info(self) -> dict[str, Any]:
         """What this worker loaded and allocated (plain values: it crosses processes)."""
+        if "weights" in self.sleeping:
+            raise ValueError("The model sleeps (its weights were released): wake_up() first.")
         block_size = self.config.cache_config.block_size
         return {
             "architecture": self.config.model_config.architecture,
@@ -385,6 +427,61 @@ class Worker:
                 graphs.num_replays if (graphs := self.model_runner.decode_graphs) else 0
             ),
         }
+
+    # ---- sleep mode (vLLM's) ------------------------------------------------------------------
+    def sleep(self, level: int) -> list[str]:
+        """Release the KV cache and, at level 2 (at level 1 too on a GPU, as nothing here keeps
+        them in host memory), the weights; ``wake_up`` rebuilds what was released (weights
+        read again from ``weights_path``)."""
+        released = {"kv_cache", "weights"} if level == 2 or self.device.type == "cuda" else {
+            "kv_cache"}  # fmt: skip
+        if "weights" in released - self.sleeping:
+            del self.model_runner, self.lora_manager  # (every reference to the model)
+        elif "kv_cache" in released - self.sleeping:
+            self.model_runner.release_caches()
+        self.sleeping |= released
+        release_device_memory(self.device)
+        return sorted(self.sleeping)
+
+    def wake_up(self, tags: list[str] | None = None) -> list[str]:
+        """Restore what ``sleep`` released of ``tags`` ("weights", "kv_cache"; None: both):
+        the weights read again (a new model, whose layers get the KV cache once it wakes)."""
+        wanted = self.sleeping & set(tags if tags is not None else ("weights", "kv_cache"))
+        if "weights" in wanted:
+            self._load_model()
+            self.sleeping -= {"weights"}
+        elif "weights" in self.sleeping and "kv_cache" in wanted:
+            raise ValueError("wake_up(tags=['kv_cache']) needs the weights awake first.")
+        if "kv_cache" in wanted:
+            self.initialize_kv_cache(self.num_kv_blocks)
+            self.initialize_talker_kv_cache(getattr(self, "num_talker_kv_blocks", 0))
+            self.sleeping -= {"kv_cache"}
+        return sorted(self.sleeping)
+
+    def reload_weights(self, weights_path: str | None = None) -> None:
+        """Read the weights again, from ``weights_path`` (a checkpoint of this model's
+        architecture and config; None: where they were read from), rebuilding the model and
+        its KV cache: vLLM's ``collective_rpc("reload_weights")`` (the engine core then drops
+        the prefix cache, whose blocks the old weights computed)."""
+        if weights_path is not None:
+            self.weights_path = weights_path
+        if "weights" not in self.sleeping:
+            del self.model_runner, self.lora_manager
+            release_device_memory(self.device)
+        self._load_model()
+        self.sleeping.clear()
+        self.initialize_kv_cache(self.num_kv_blocks)
+        self.initialize_talker_kv_cache(getattr(self, "num_talker_kv_blocks", 0))
+
+    def rpc(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A ``collective_rpc`` call: this worker's method (or its extension's) by name; not
+        those the engine core calls itself, which keeps their state (steps, sleep, adapters)."""
+        if method.startswith("_") or not callable(getattr(self, method, None)):
+            raise ValueError(f"collective_rpc: the worker has no method {method!r}.")
+        if method in _ENGINE_CALLS:
+            raise ValueError(f"collective_rpc: the engine core calls {method} itself (sleep and "
+                             "wake_up, steps and adapters have their own calls).")  # fmt: skip
+        return getattr(self, method)(*args, **kwargs)
 
     def add_lora(self, lora: LoRARequest) -> None:
         if self.lora_manager is None:  # the engine core refuses adapters first

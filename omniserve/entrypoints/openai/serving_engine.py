@@ -20,7 +20,12 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from omniserve.engine.async_llm import AsyncLLM
-from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
+from omniserve.engine.exceptions import (
+    EngineDeadError,
+    EngineGenerateError,
+    EngineSleepingError,
+    EngineStoppingError,
+)
 from omniserve.engine.processor import TRUNCATE_REFUSAL, ContextLengthError, kept_prompt_start
 from omniserve.entrypoints.beam_search import BeamSearchBatch, BeamSearchParams, BeamSequence
 from omniserve.entrypoints.chat_utils import ChatRenderer, locate_mm_error
@@ -142,6 +147,8 @@ def to_serving_error(exc: BaseException) -> ServingError:
         )
     if isinstance(exc, EngineStoppingError):
         return ServingError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, code="server_shutting_down")
+    if isinstance(exc, EngineSleepingError):
+        return ServingError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, code="engine_sleeping")
     if isinstance(exc, EngineGenerateError):
         return ServingError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR, code="internal_error")
     if isinstance(exc, ContextLengthError):
