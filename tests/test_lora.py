@@ -436,20 +436,20 @@ def test_default_mm_loras_pick_the_adapter_of_the_prompts_modality(tiny_checkpoi
     prompts = [_engine_prompt(processor.apply_chat_template(c.messages, add_generation_prompt=True,
                                                             tokenize=False), c.media)
                for c in (image, video)] + ["Hello there"]  # fmt: skip
-    base = LLM(model_dir, dtype="float32", enable_lora=True)
-    try:
-        plain = base.generate(prompts, GREEDY, use_tqdm=False)
-        named = base.generate(prompts[0], GREEDY, use_tqdm=False,
-                              lora_request=LoRARequest("image", 1, adapter))[0]  # fmt: skip
-    finally:
-        base.shutdown()
-    llm = LLM(model_dir, dtype="float32", enable_lora=True, default_mm_loras={"image": adapter})
-    try:
-        got = llm.generate(prompts, GREEDY, use_tqdm=False)
-        mine = llm.generate(prompts[0], GREEDY, use_tqdm=False,
-                            lora_request=LoRARequest("other", 2, other))[0]  # fmt: skip
-    finally:
-        llm.shutdown()
+
+    def run(lora: LoRARequest, **settings: Any) -> tuple[list, Any]:
+        """The prompts' outputs, and the first prompt's with ``lora`` named."""
+        llm = LLM(model_dir, dtype="float32", enable_lora=True, **settings)
+        try:
+            return (
+                llm.generate(prompts, GREEDY, use_tqdm=False),
+                llm.generate(prompts[0], GREEDY, use_tqdm=False, lora_request=lora)[0],
+            )
+        finally:
+            llm.shutdown()
+
+    plain, named = run(LoRARequest("image", 1, adapter))
+    got, mine = run(LoRARequest("other", 2, other), default_mm_loras={"image": adapter})
 
     def close(a: Any, b: Any) -> bool:  # (other batches: other GEMM shapes, 1e-7 apart)
         pairs = zip(a, b, strict=True)

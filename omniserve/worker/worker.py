@@ -197,6 +197,7 @@ class Worker:
         """Where the weights were read from (``reload_weights`` may change it)."""
         self.sleeping: set[str] = set()
         """What ``sleep`` released: "kv_cache", and "weights" (``wake_up`` restores them)."""
+        self.num_kv_blocks = self.num_talker_kv_blocks = 0  # (the engine core sets them)
         self._load_model()
 
     def _load_model(self) -> None:
@@ -454,7 +455,7 @@ class Worker:
             raise ValueError("wake_up(tags=['kv_cache']) needs the weights awake first.")
         if "kv_cache" in wanted:
             self.initialize_kv_cache(self.num_kv_blocks)
-            self.initialize_talker_kv_cache(getattr(self, "num_talker_kv_blocks", 0))
+            self.initialize_talker_kv_cache(self.num_talker_kv_blocks)
             self.sleeping -= {"kv_cache"}
         return sorted(self.sleeping)
 
@@ -471,7 +472,7 @@ class Worker:
         self._load_model()
         self.sleeping.clear()
         self.initialize_kv_cache(self.num_kv_blocks)
-        self.initialize_talker_kv_cache(getattr(self, "num_talker_kv_blocks", 0))
+        self.initialize_talker_kv_cache(self.num_talker_kv_blocks)
 
     def rpc(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         """A ``collective_rpc`` call: this worker's method (or its extension's) by name; not
