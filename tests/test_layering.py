@@ -47,7 +47,7 @@ LAYERS: dict[str, int] = {
     "multimodal": 3, "lora": 3,
     "inputs": 4, "messages": 4, "processors": 4,
     # the scheduler side and the model side, independent of each other
-    "core": 5, "layers": 5, "metrics": 5, "spec_decode": 5,
+    "core": 5, "layers": 5, "metrics": 5, "tracing": 5, "spec_decode": 5,
     "cpu": 6, "cuda": 6,
     "model_zoo": 7,
     "worker": 8,

@@ -16,6 +16,7 @@ from omniserve.config.by_value import ClassesByValue
 from omniserve.config.hf_overrides import merged_overrides, set_overrides
 from omniserve.config.kv_events import KVEventsConfig
 from omniserve.config.lora import LoRAConfig
+from omniserve.config.observability import ObservabilityConfig
 from omniserve.config.pooler import PoolerConfig
 from omniserve.config.quantization import QUANTIZATION_METHODS, QuantizationConfig
 from omniserve.config.speculative import SpeculativeConfig
@@ -571,6 +572,7 @@ class OmniConfig:
     )
     kv_events_config: KVEventsConfig | None = None
     """None: the prefix cache's changes are not published."""
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:

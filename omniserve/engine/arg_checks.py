@@ -133,8 +133,10 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
         {},
         "torch.compile (decode steps replay CUDA graphs; --enforce-eager turns them off)",
     ),
-    "--otlp-traces-endpoint": ({}, "OpenTelemetry tracing"),
-    "--collect-detailed-traces": ({}, "OpenTelemetry tracing"),
+    "--collect-detailed-traces": (
+        {},
+        "detailed (model forward and execute) trace spans; --otlp-traces-endpoint traces requests",
+    ),
     "--calculate-kv-scales": ({"action": "store_true"}, "an fp8 KV cache"),
     "--headless": ({"action": "store_true"}, "an engine without an API server (multi-node)"),
     "--data-parallel-address": ({}, "multi-node data parallelism"),

@@ -200,6 +200,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "plus its index.",
     )
     add(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="Send a span per request (vLLM's llm_request, gen_ai.* attributes) to this "
+        "OpenTelemetry collector; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks grpc (default) or "
+        "http/protobuf. Needs omniserve[otel].",
+    )
+    add(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,

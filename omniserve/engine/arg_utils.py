@@ -20,6 +20,7 @@ from omniserve.config import (
     LoRAConfig,
     ModelConfig,
     MultiModalConfig,
+    ObservabilityConfig,
     OmniConfig,
     ParallelConfig,
     PoolerConfig,
@@ -188,6 +189,7 @@ class EngineArgs:
     speculative_config: dict[str, Any] | str | None = None
     structured_outputs_config: dict[str, Any] | str | None = None
     kv_events_config: dict[str, Any] | str | None = None
+    otlp_traces_endpoint: str | None = None
     reasoning_parser: str | None = None
     """vLLM's: the model thinks between this parser's tags first (grammars apply after them;
     the server splits the thinking off answers)."""
@@ -309,6 +311,7 @@ class EngineArgs:
             kv_events_config=KVEventsConfig.from_dict(
                 json_arg("kv_events_config", self.kv_events_config)
             ),
+            observability_config=ObservabilityConfig(self.otlp_traces_endpoint),
         )
         # Settings that only fail where they are used fail here, at start: --media-io-kwargs and
         # --allowed-local-media-path (numpy, PIL, av), --device (torch), the worker extension.

@@ -39,6 +39,7 @@ from omniserve.outputs import (
 )
 from omniserve.sampling_params import PoolingParams, SamplingParams, embedding_params
 from omniserve.tokenizer import tokenizer_refusal
+from omniserve.tracing import close_stat_loggers, request_tracers
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,7 +88,7 @@ class AsyncLLM:
         self.adapters = AddedAdapters()
         self.default_mm_loras = default_mm_lora_requests(config.lora_config)
         self.asleep = False  # (``sleep``)
-        self.stat_loggers = list(stat_loggers or [])
+        self.stat_loggers = list(stat_loggers or []) + request_tracers(config)
         self._output_handler: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
         self.stopping_error: EngineStoppingError | None = None
@@ -399,3 +400,4 @@ class AsyncLLM:
         for pool in (self.input_pool, self.mm_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         self.engine_core.shutdown()
+        close_stat_loggers(self.stat_loggers)

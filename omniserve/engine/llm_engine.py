@@ -26,6 +26,7 @@ from omniserve.messages import EngineCoreRequest
 from omniserve.outputs import RequestOutput
 from omniserve.sampling_params import SamplingParams
 from omniserve.tokenizer import tokenizer_refusal
+from omniserve.tracing import close_stat_loggers, request_tracers
 
 ADD_BATCH_WINDOW_S = 0.05
 """Longest a batch of added requests is held before it is sent (``LLMEngine.batched_adds``)."""
@@ -46,6 +47,7 @@ class LLMEngine:
         self.adapters = AddedAdapters()
         self.default_mm_loras = default_mm_lora_requests(config.lora_config)
         self.asleep = False  # (``sleep``)
+        self.stat_loggers = request_tracers(config)
         self._batch: list[list[EngineCoreRequest]] | None = None
         """Request groups processed inside ``batched_adds`` and not yet sent."""
         self._batch_since = 0.0
@@ -81,6 +83,8 @@ class LLMEngine:
             request_id, prompt, params, arrival_time, priority, lora_request
         )
         self.output_processor.add_processed_request(request_id, processed, params)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_new_requests(processed.engine_requests)
         if self._batch is None:
             self.engine_core.add_requests([processed.engine_requests])
             return
@@ -108,12 +112,17 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
+        child_ids = self.output_processor.abort_requests(ids)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_aborted(child_ids)
+        self.engine_core.abort_requests(child_ids)
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.get_output()
         processed = self.output_processor.process_outputs(outputs.outputs)
         self.engine_core.abort_requests(processed.reqs_to_abort)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(outputs, processed)
         return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -188,3 +197,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+        close_stat_loggers(self.stat_loggers)

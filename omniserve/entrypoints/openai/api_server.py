@@ -53,6 +53,7 @@ from omniserve.entrypoints.openai.middleware import (
     InvocationsMiddleware,
     Lifecycle,
     RequestIdMiddleware,
+    TraceContextMiddleware,
     add_error_handlers,
     error_json,
 )
@@ -331,6 +332,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     config = engine.model_config
     if getattr(args, "enable_request_id_headers", False):
         app.add_middleware(RequestIdMiddleware)
+    if engine.config.observability_config.otlp_traces_endpoint:
+        app.add_middleware(TraceContextMiddleware)
     app.add_middleware(InvocationsMiddleware, generates=config.runner == "generate",
                        classifies=is_classifier(config.architecture))  # fmt: skip
     max_body_mb = getattr(args, "max_request_body_mb", None)

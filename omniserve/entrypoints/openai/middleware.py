@@ -19,9 +19,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from omniserve.engine.exceptions import EngineDeadError, EngineGenerateError, EngineStoppingError
+from omniserve.engine.exceptions import (
+    EngineDeadError,
+    EngineGenerateError,
+    EngineSleepingError,
+    EngineStoppingError,
+)
 from omniserve.entrypoints.openai.score_protocol import FIRST_NAMES
 from omniserve.entrypoints.openai.serving_engine import ServingError, to_serving_error
+from omniserve.tracing import TRACE_HEADERS, trace_headers
 
 
 def route_path(scope: Scope) -> str:
@@ -42,7 +48,8 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(ServingError, lambda _, exc: error_json(exc))
-    for known in (ValueError, TypeError, EngineDeadError, EngineStoppingError, EngineGenerateError):
+    for known in (ValueError, TypeError, EngineDeadError, EngineStoppingError, EngineGenerateError,
+                  EngineSleepingError):  # fmt: skip
         app.add_exception_handler(known, _converted_error)
     app.add_exception_handler(Exception, _converted_error)
 
@@ -293,6 +300,25 @@ def invocation_path(body: object, generates: bool, classifies: bool) -> str:
         f"and documents (rerank), or {', '.join(FIRST_NAMES)} (score)."
         + ("" if generates else " This model does not generate text (prompt is not taken).")
     )
+
+
+class TraceContextMiddleware:
+    """``--otlp-traces-endpoint``: an HTTP request's W3C trace context headers (``traceparent``,
+    ``tracestate``) in ``TRACE_HEADERS`` while it is served, so its spans join that trace."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        token = TRACE_HEADERS.set(trace_headers(headers))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            TRACE_HEADERS.reset(token)
 
 
 class RequestIdMiddleware:
