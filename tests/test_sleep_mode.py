@@ -128,6 +128,25 @@ def test_collective_rpc_across_processes(qwen2: str, monkeypatch: Any) -> None:
         llm.shutdown()
 
 
+def test_tensor_parallel_workers_sleep_and_reload(qwen2: str) -> None:
+    """Two tensor-parallel ranks (processes): each releases and re-reads its shards."""
+    prompts = make_prompts(qwen2, [7, 12])
+    llm = LLM(qwen2, dtype="float32", max_model_len=64, enable_sleep_mode=True,
+              tensor_parallel_size=2,
+              worker_extension_cls="tests.test_sleep_mode.Probe")  # fmt: skip
+    try:
+        before = _answers(llm, prompts)
+        llm.sleep(2)
+        llm.wake_up()
+        assert _answers(llm, prompts) == before
+        assert llm.collective_rpc("reload_weights") == [None, None]
+        assert _answers(llm, prompts) == before
+        results = llm.collective_rpc("probe", args=(torch.ones(2),))
+        assert [r["rank"] for r in results] == [0, 1]
+    finally:
+        llm.shutdown()
+
+
 def test_sleep_needs_the_mode_and_an_idle_engine(qwen2: str) -> None:
     llm = LLM(qwen2, dtype="float32", max_model_len=64)
     try:
