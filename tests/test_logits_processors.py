@@ -326,6 +326,17 @@ def test_processors_steer_only_the_requests_that_ask(
         llm.llm_engine.shutdown()
 
 
+def test_processors_on_tensor_parallel_workers(qwen2: str, plain_answers: list[list[int]]) -> None:
+    llm = LLM(qwen2, dtype="float32", max_model_len=128, tensor_parallel_size=2,
+              logits_processors=[TargetToken])  # fmt: skip
+    try:
+        prompts = make_prompts(qwen2, [5, 9])
+        got = _answers(llm, prompts, [_greedy({"target_token": 4}), _greedy()])
+        assert got == [[4] * 6, plain_answers[1]]
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_extra_args_without_processors_are_refused(qwen2: str) -> None:
     llm = LLM(qwen2, dtype="float32", max_model_len=64)
     try:
