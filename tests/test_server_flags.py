@@ -20,15 +20,17 @@ from tests.server_utils import API_KEY, MODEL, Server, assert_error, launch_serv
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def _self_signed(directory: Path) -> tuple[Path, Path]:
-    """A key and a certificate for 127.0.0.1 (the certificate is its own authority)."""
+def _self_signed(directory: Path, org: str = "omniserve") -> tuple[Path, Path]:
+    """A key and a certificate for 127.0.0.1 (the certificate is its own authority), of
+    organization ``org``."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1"),
+                      x509.NameAttribute(NameOID.ORGANIZATION_NAME, org)])  # fmt: skip
     now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder().subject_name(name).issuer_name(name)
@@ -49,12 +51,20 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    key, cert = _self_signed(tmp_path_factory.mktemp("tls"))
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return _self_signed(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory, tls_files: tuple[Path, Path]
+) -> Iterator[Server]:
+    key, cert = tls_files
     with launch_server(
         tiny_checkpoint("Qwen3ForCausalLM"), tmp_path_factory.mktemp("flags"),
         "--max-model-len", "512", "--kv-cache-memory", "16MiB",
-        "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/api",
+        "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--enable-ssl-refresh",
+        "--root-path", "/api",
         "--enable-request-id-headers", "--enable-server-load-tracking",
         "--return-tokens-as-token-ids", "--enable-force-include-usage",
         "--disable-fastapi-docs", "--disable-uvicorn-access-log", "--uvicorn-log-level", "info",
@@ -115,9 +125,46 @@ def test_qwen3_coder_tool_calls(server: Server) -> None:
     assert json.loads("".join(pieces)) == arguments
 
 
+def test_a_rotated_certificate_serves_new_connections(
+    server: Server, tls_files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``--enable-ssl-refresh``: new files (written one after the other, the key first) serve
+    the next connections; then the old ones again."""
+    import ssl
+    import time
+
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    host, port = server.url.removeprefix("https://").split(":")
+
+    def served_org() -> str:
+        pem = ssl.get_server_certificate((host, int(port)))
+        name = x509.load_pem_x509_certificate(pem.encode()).subject
+        return str(name.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value)
+
+    def install(files: tuple[Path, Path], org: str) -> None:
+        for source, target in zip(files, tls_files, strict=True):
+            target.write_bytes(source.read_bytes())
+        deadline = time.monotonic() + 15
+        while served_org() != org:
+            assert time.monotonic() < deadline, f"still serving {served_org()!r}"
+            time.sleep(0.2)
+
+    original = tuple(tmp_path / f"old-{p.name}" for p in tls_files)
+    for source, copy in zip(tls_files, original, strict=True):
+        copy.write_bytes(source.read_bytes())
+    assert served_org() == "omniserve"
+    install(_self_signed(tmp_path, "rotated"), "rotated")
+    assert "Reloaded the TLS certificate cert.pem" in server.log.read_text()
+    install(original, "omniserve")  # (the other tests trust this one)
+    assert _get(server, "/health").status_code == 200
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
+        (["--enable-ssl-refresh"], "--enable-ssl-refresh reloads HTTPS files"),
         (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
         (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "--ssl-keyfile k.pem: no such"),
         (["--ssl-cert-reqs", "2"], "--ssl-cert-reqs asks for client certificates"),

@@ -149,7 +149,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--enable-lora-bias": ({"action": "store_true"}, "LoRA adapters with biases"),
     "--fully-sharded-loras": ({"action": "store_true"}, "fully sharded LoRA layers"),
     "--video-pruning-rate": ({"type": float}, "video token pruning"),
-    "--enable-ssl-refresh": ({"action": "store_true"}, "reloading TLS certificates"),
 }
 """vLLM's flags for features omniserve does not have: start-up fails naming the feature."""
 FLAG_ALIASES = {"--compilation-config": ("-O",)}

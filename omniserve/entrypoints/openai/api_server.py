@@ -92,6 +92,7 @@ from omniserve.entrypoints.openai.serving_score import OpenAIServingScores
 from omniserve.entrypoints.openai.serving_speech import OpenAIServingSpeech
 from omniserve.entrypoints.openai.serving_transcription import OpenAIServingTranscription, Task
 from omniserve.entrypoints.openai.speech_protocol import CreateSpeechRequest, VoiceList
+from omniserve.entrypoints.openai.ssl_refresh import CertificateRefresher
 from omniserve.entrypoints.openai.tokenize_routes import tokenize_router
 from omniserve.entrypoints.openai.transcription_protocol import TranscriptionResponse, form_schema
 from omniserve.lora.request import parse_lora_modules
@@ -117,17 +118,34 @@ class DrainingServer(uvicorn.Server):
         engine: AsyncLLM,
         lifecycle: Lifecycle,
         shutdown_timeout: float,
+        refresh_ssl: bool = False,
     ) -> None:
         super().__init__(config)
         self.engine = engine
         self.lifecycle = lifecycle
         self.shutdown_timeout = shutdown_timeout
+        self.refresh_ssl = refresh_ssl
+        self._refresh_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None  # held: the loop keeps tasks weakly
 
     async def serve(self, sockets: list[Any] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets)
+        config = self.config
+        if self.refresh_ssl and config.ssl is not None:  # (--enable-ssl-refresh)
+            assert config.ssl_keyfile is not None and config.ssl_certfile is not None
+            refresher = CertificateRefresher(config.ssl, config.ssl_keyfile,
+                                             config.ssl_certfile, config.ssl_ca_certs)  # fmt: skip
+            self._refresh_task = asyncio.ensure_future(refresher.run())
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.lifecycle.draining or self._loop is None:
@@ -535,7 +553,8 @@ async def serve(args: argparse.Namespace) -> None:
             timeout_keep_alive=5,
             timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
         )
-        await DrainingServer(config, engine, app.state.lifecycle, args.shutdown_timeout).serve()
+        await DrainingServer(config, engine, app.state.lifecycle, args.shutdown_timeout,
+                             getattr(args, "enable_ssl_refresh", False)).serve()  # fmt: skip
     finally:
         engine.shutdown()
 

@@ -74,6 +74,12 @@ def add_server_args(server: argparse._ArgumentGroup) -> None:
         help="Client certificates: 0 not asked, 1 optional, 2 required (Python's ssl module).",
     )
     add(
+        "--enable-ssl-refresh",
+        action="store_true",
+        help="Reload the TLS key, certificate and CA files when they change (a rotated "
+        "certificate serves new connections without a restart).",
+    )
+    add(
         "--disable-fastapi-docs",
         action="store_true",
         help="Serve no /docs, /redoc or /openapi.json.",
@@ -116,6 +122,9 @@ def check_server_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file.")
     if getattr(args, "ssl_cert_reqs", 0) and getattr(args, "ssl_ca_certs", None) is None:
         raise ValueError("--ssl-cert-reqs asks for client certificates: give --ssl-ca-certs.")
+    if getattr(args, "enable_ssl_refresh", False) and cert is None:
+        raise ValueError("--enable-ssl-refresh reloads HTTPS files: give --ssl-keyfile and "
+                         "--ssl-certfile.")  # fmt: skip
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
