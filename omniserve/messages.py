@@ -182,10 +182,30 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None
     """With finish reason ERROR: the request's own cause, for its client (an HTTP 400); None:
     the engine failed on it (the log has why)."""
+    queued_time: float = 0.0
+    scheduled_time: float = 0.0
+    """On a request's last output: when the engine core received it and first scheduled it
+    (wall-clock seconds; 0: not known), for the queue, prefill and decode times."""
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def request_phases(
+    last: EngineCoreOutput, first_token_time: float | None, last_token_time: float | None
+) -> dict[str, float]:
+    """A finished request's phases, vLLM's: queue (received to first scheduled), prefill (to
+    its first token), decode (first to last token), inference (scheduled to last token); only
+    those its times allow (none for a request never scheduled)."""
+    if not (last.queued_time and last.scheduled_time):
+        return {}
+    phases = {"queue": last.scheduled_time - last.queued_time}
+    if first_token_time is not None and last_token_time is not None:
+        phases["prefill"] = first_token_time - last.scheduled_time
+        phases["decode"] = last_token_time - first_token_time
+        phases["inference"] = last_token_time - last.scheduled_time
+    return {phase: max(seconds, 0.0) for phase, seconds in phases.items()}
 
 
 ACCEPTED_AT_KEY = "spec_decode_accepted_at:"

@@ -31,7 +31,13 @@ from prometheus_client import (
 )
 
 from omniserve.lora.request import RUNNING_KEY, WAITING_KEY
-from omniserve.messages import ACCEPTED_AT_KEY, EngineCoreOutputs, EngineCoreRequest
+from omniserve.messages import (
+    ACCEPTED_AT_KEY,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    request_phases,
+)
 
 logger = logging.getLogger(__name__)
 PREFIX = "omniserve:"
@@ -148,6 +154,14 @@ class PrometheusStatLogger:
             "Per request: (last token - first token) / (tokens - 1).",
         )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self._phases = {
+            "queue": histogram("request_queue_time_seconds",
+                               "Received by the engine core to first scheduled."),
+            "prefill": histogram("request_prefill_time_seconds", "First scheduled to first token."),
+            "decode": histogram("request_decode_time_seconds", "First token to last token."),
+            "inference": histogram("request_inference_time_seconds",
+                                   "First scheduled to last token."),
+        }  # fmt: skip
         self._max_loras = max_loras
         self._lora_info = (
             Gauge(
@@ -186,7 +200,7 @@ class PrometheusStatLogger:
             if output.new_token_ids:
                 self._record_tokens(times, len(output.new_token_ids), now)
             if output.finish_reason is not None:
-                self._finish(output.request_id, str(output.finish_reason), now)
+                self._finish(output.request_id, str(output.finish_reason), now, output)
         for request_id in getattr(processed, "reqs_to_abort", ()):
             self._finish(request_id, "stop", now)
 
@@ -247,12 +261,20 @@ class PrometheusStatLogger:
         times.num_generated += num_tokens
         self.generation_tokens.inc(num_tokens)
 
-    def _finish(self, request_id: str, reason: str, now: float) -> None:
+    def _finish(
+        self, request_id: str, reason: str, now: float, last: EngineCoreOutput | None = None
+    ) -> None:
+        """``last``: the request's last output, which carries its engine times (an abort, or
+        a stop string the front end found, has none)."""
         times = self._requests.pop(request_id, None)
         if times is None:
             return
         self._request_success.labels(self._model_name, reason).inc()
         self.e2e.observe(now - times.arrival_time)
+        if last is not None:
+            phases = request_phases(last, times.first_token_time, times.last_token_time)
+            for phase, seconds in phases.items():
+                self._phases[phase].observe(seconds)
         if times.num_generated > 1 and times.first_token_time and times.last_token_time:
             self.tpot.observe(
                 (times.last_token_time - times.first_token_time) / (times.num_generated - 1)

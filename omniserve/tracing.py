@@ -19,7 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from omniserve.config import OmniConfig
-from omniserve.messages import EngineCoreOutputs, EngineCoreRequest
+from omniserve.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    request_phases,
+)
 from omniserve.sampling_params import SamplingParams
 
 TRACE_HEADER_NAMES = ("traceparent", "tracestate")
@@ -42,7 +47,20 @@ class SpanAttributes:
     USAGE_NUM_SEQUENCES = "gen_ai.usage.num_sequences"
     LATENCY_TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
     LATENCY_E2E = "gen_ai.latency.e2e"
+    LATENCY_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
+    LATENCY_TIME_IN_MODEL_PREFILL = "gen_ai.latency.time_in_model_prefill"
+    LATENCY_TIME_IN_MODEL_DECODE = "gen_ai.latency.time_in_model_decode"
+    LATENCY_TIME_IN_MODEL_INFERENCE = "gen_ai.latency.time_in_model_inference"
     FINISH_REASON = "gen_ai.response.finish_reasons"
+
+
+_PHASE_ATTRIBUTES = {
+    "queue": SpanAttributes.LATENCY_TIME_IN_QUEUE,
+    "prefill": SpanAttributes.LATENCY_TIME_IN_MODEL_PREFILL,
+    "decode": SpanAttributes.LATENCY_TIME_IN_MODEL_DECODE,
+    "inference": SpanAttributes.LATENCY_TIME_IN_MODEL_INFERENCE,
+}
+"""``messages.request_phases``' phases -> vLLM's span attributes."""
 
 
 def trace_headers(headers: Mapping[str, str]) -> dict[str, str] | None:
@@ -60,6 +78,7 @@ class _Traced:
     parent: Any
     """The OpenTelemetry context the request's headers carried (None: a new trace)."""
     first_token_time: float | None = None
+    last_token_time: float | None = None
     num_generated: int = 0
 
 
@@ -95,9 +114,10 @@ class RequestTracer:
             if output.new_token_ids:
                 if traced.first_token_time is None:
                     traced.first_token_time = now
+                traced.last_token_time = now
                 traced.num_generated += len(output.new_token_ids)
             if output.finish_reason is not None:
-                self._finish(output.request_id, str(output.finish_reason), now)
+                self._finish(output.request_id, str(output.finish_reason), now, output)
         for request_id in getattr(processed, "reqs_to_abort", ()):  # stop strings
             self._finish(request_id, "stop", now)
 
@@ -106,7 +126,10 @@ class RequestTracer:
         for request_id in request_ids:
             self._finish(request_id, "abort", now)
 
-    def _finish(self, request_id: str, reason: str, now: float) -> None:
+    def _finish(
+        self, request_id: str, reason: str, now: float, last: EngineCoreOutput | None = None
+    ) -> None:
+        """``last``: the request's last output, with its engine times (as the stat logger's)."""
         from opentelemetry.trace import SpanKind
 
         traced = self._requests.pop(request_id, None)
@@ -130,6 +153,9 @@ class RequestTracer:
             attributes[SpanAttributes.LATENCY_TIME_TO_FIRST_TOKEN] = (
                 traced.first_token_time - traced.arrival_time
             )
+        if last is not None:
+            phases = request_phases(last, traced.first_token_time, traced.last_token_time)
+            attributes.update({_PHASE_ATTRIBUTES[phase]: s for phase, s in phases.items()})
         span = self.tracer.start_span(SPAN_NAME, context=traced.parent, kind=SpanKind.SERVER,
                                       attributes=attributes,
                                       start_time=int(traced.arrival_time * 1e9))  # fmt: skip

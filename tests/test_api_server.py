@@ -618,8 +618,17 @@ def test_metrics_move_after_traffic(server: Server) -> None:
         "time_to_first_token_seconds",
         "e2e_request_latency_seconds",
         "request_time_per_output_token_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
     ):
         assert delta(f"omniserve:{histogram}_count") == 2
+    # The phases add up: prefill and decode make the inference, inside arrival to finish.
+    phase = {name: delta(f"omniserve:request_{name}_time_seconds_sum")
+             for name in ("queue", "prefill", "decode", "inference")}  # fmt: skip
+    assert phase["prefill"] + phase["decode"] == pytest.approx(phase["inference"], abs=1e-6)
+    assert phase["queue"] + phase["inference"] <= delta("omniserve:e2e_request_latency_seconds_sum")
     assert delta("omniserve:prefix_cache_queries_total") > 0
     assert delta("omniserve:prefix_cache_hits_total") > 0  # the second prompt reused the first
     assert metric(after, "omniserve:num_requests_running") == 0

@@ -81,6 +81,11 @@ def _check_span(span: tuple, prompt_tokens: int, completion_tokens: int, request
     assert attributes["gen_ai.request.temperature"] == 0.0
     assert 0 < attributes["gen_ai.latency.time_to_first_token"] <= attributes["gen_ai.latency.e2e"]
     assert attributes["gen_ai.response.finish_reasons"] == ["length"]
+    phases = [attributes[f"gen_ai.latency.time_in_{name}"] for name in
+              ("queue", "model_prefill", "model_decode", "model_inference")]  # fmt: skip
+    queue, prefill, decode, inference = phases
+    assert min(phases) >= 0 and prefill + decode == pytest.approx(inference, abs=1e-6)
+    assert queue + inference <= attributes["gen_ai.latency.e2e"]
 
 
 def test_offline_spans_over_http(qwen2: str, http_collector: Any, monkeypatch: Any) -> None:

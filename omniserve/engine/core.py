@@ -59,6 +59,9 @@ class EngineCore:
         """Data-parallel rank: which of the front end's engine cores this is."""
         self.sleeping: list[str] = []
         """What the workers released in ``sleep`` (empty: awake)."""
+        self._times: dict[str, tuple[float, float]] = {}
+        """Request id -> when it was received and first scheduled (0: not yet), reported on
+        its last output."""
         self.num_requests_received = 0
         executor_class = executor_class or Executor.get_class(config)
         async_scheduling = config.scheduler_config.async_scheduling
@@ -140,6 +143,7 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.num_requests_received += 1
+        self._times[request.request_id] = (time.time(), 0.0)
         engine_request = Request(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -166,6 +170,7 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for req_id in request_ids:
+            self._times.pop(req_id, None)
             self.grammar_waiting.pop(req_id, None)
             self.structured_output.remove(req_id)
 
@@ -254,13 +259,20 @@ class EngineCore:
         self._launch_steps()
         if not self._in_flight:
             return EngineCoreOutputs(
-                outputs=failed, timestamp=time.time(), engine_index=self.engine_index
+                outputs=self._timed(failed), timestamp=time.time(), engine_index=self.engine_index
             )
         outputs = self._finish_oldest_step()
         if self._unsampled is not None:
             self._sample_launched()
-        outputs.outputs = failed + outputs.outputs
+        outputs.outputs = self._timed(failed + outputs.outputs)
         self._publish_kv_events()
+        return outputs
+
+    def _timed(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """``outputs``, each request's last one with when it was received and scheduled."""
+        for output in outputs:
+            if output.finished and (times := self._times.pop(output.request_id, None)):
+                output.queued_time, output.scheduled_time = times
         return outputs
 
     def _publish_kv_events(self) -> None:
@@ -281,6 +293,10 @@ class EngineCore:
             ):
                 return
             scheduler_output = self.scheduler.schedule()
+            now = time.time()
+            for new in scheduler_output.scheduled_new_reqs:  # (a resumed one keeps its first)
+                received, scheduled = self._times.get(new.req_id, (now, 0.0))
+                self._times[new.req_id] = (received, scheduled or now)
             try:
                 if self._in_flight and self._samples_under_grammar(scheduler_output):
                     # Its bitmask follows the tokens in flight: sampled once they are back.
