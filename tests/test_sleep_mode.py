@@ -230,3 +230,31 @@ def test_server_dev_routes(qwen2: str, tmp_path: Path, monkeypatch: Any) -> None
         error = assert_error(server.post("/collective_rpc", {"method": "nowhere"}), 400)
         assert "no method 'nowhere'" in error["message"]
         assert server.post("/v1/completions", body).json()["choices"][0]["text"] == want
+
+
+def test_a_speaking_model_sleeps_and_speaks_alike(tiny_checkpoint: Any) -> None:
+    """A full omni checkpoint: the talker's KV cache and weights go to sleep with the
+    thinker's, and the woken model speaks the same words and audio."""
+    model_dir = str(tiny_checkpoint("Qwen3OmniMoeForConditionalGeneration"))
+    speech = {"voice": "ethan", "temperature": 0.0, "max_tokens": 20}
+    params = SamplingParams(temperature=0.0, max_tokens=6, output_modalities=["text", "audio"],
+                            speech=speech)  # fmt: skip
+    llm = LLM(model_dir, dtype="float32", max_model_len=512, kv_cache_memory=32 << 20,
+              enable_sleep_mode=True)  # fmt: skip
+    try:
+        template = llm.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": "Say hello."}], add_generation_prompt=True, tokenize=False
+        )
+        prompt = {"prompt": template}
+        before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert before.audio is not None and before.audio.size
+        for level in (1, 2):
+            llm.sleep(level)
+            llm.wake_up()
+            after = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            assert after.token_ids == before.token_ids
+            assert after.audio is not None
+            torch.testing.assert_close(torch.from_numpy(after.audio),
+                                       torch.from_numpy(before.audio))  # fmt: skip
+    finally:
+        llm.shutdown()
