@@ -192,3 +192,38 @@ def test_hf_overrides_as_a_function(tiny_checkpoint):
             EngineArgs(model=vl, hf_overrides=function).create_config()
     with pytest.raises(TypeError, match="hf_overrides must be a dict .* a function or None"):
         EngineArgs(model=vl, hf_overrides=3)  # type: ignore[arg-type]
+
+
+def test_disable_sliding_window(tiny_checkpoint) -> None:
+    """vLLM's --disable-sliding-window: sliding layers attend fully, max_model_len capped at the
+    window; then a prompt within the window answers as with the window (greedy fp32)."""
+    from omniserve import LLM, SamplingParams
+
+    windowed = str(tiny_checkpoint("Qwen2ForCausalLM", overrides={
+        "use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}))  # fmt: skip
+    config = EngineArgs(windowed, disable_sliding_window=True).create_config().model_config
+    assert config.max_model_len == 24
+    text = config.hf_config.get_text_config()
+    assert set(text.layer_types) == {"full_attention"} and text.sliding_window is None
+    with pytest.raises(ValueError, match="exceeds the sliding window \\(24\\)"):
+        EngineArgs(windowed, disable_sliding_window=True, max_model_len=64).create_config()
+    plain = EngineArgs(str(tiny_checkpoint("Qwen2ForCausalLM")), disable_sliding_window=True)
+    assert plain.create_config().model_config.max_model_len > 24  # no window: nothing capped
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)
+    prompt = {"prompt_token_ids": list(range(10, 26))}  # 16 + 6 tokens: within the window
+    from omniserve.attention.layer import get_attention_layers
+
+    answers = []
+    for disable, windows in ((False, [None, 24]), (True, [None, None])):
+        llm = LLM(windowed, dtype="float32", max_model_len=24, disable_sliding_window=disable)
+        try:
+            worker = llm.llm_engine.engine_core.engine_core.model_executor.worker
+            layers = get_attention_layers(worker.model_runner.model)
+            assert [layer.sliding_window for layer in layers] == windows
+            answers.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0])
+        finally:
+            llm.shutdown()
+    assert answers[0].token_ids == answers[1].token_ids
+    for a, b in zip(answers[0].logprobs, answers[1].logprobs, strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)

@@ -6,6 +6,7 @@ they travel as separate results (see ``omniserve.worker.worker.KVCacheSpec``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -16,9 +17,11 @@ from omniserve.config.by_value import ClassesByValue
 from omniserve.config.hf_overrides import merged_overrides, set_overrides
 from omniserve.config.kv_events import KVEventsConfig
 from omniserve.config.lora import LoRAConfig
+from omniserve.config.multimodal import MultiModalConfig
 from omniserve.config.observability import ObservabilityConfig
 from omniserve.config.pooler import PoolerConfig
 from omniserve.config.quantization import QUANTIZATION_METHODS, QuantizationConfig
+from omniserve.config.sliding_window import sliding_window, use_full_attention
 from omniserve.config.speculative import SpeculativeConfig
 from omniserve.config.speech import SpeechConfig, speech_of
 from omniserve.config.structured_outputs import StructuredOutputsConfig
@@ -26,9 +29,6 @@ from omniserve.config.structured_outputs import StructuredOutputsConfig
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-MM_ENCODER_ATTN_BACKENDS = ("auto", "TORCH_SDPA", "FLASH_ATTN")
-"""The towers' attention (``attention/encoder.py``); auto: FLASH_ATTN on CUDA where its
-start-up check passes, else TORCH_SDPA."""
 _DTYPE_ALIASES = {
     "fp32": "float32",
     "float": "float32",
@@ -106,6 +106,8 @@ class ModelConfig:
     ``--override-generation-config``."""
     disable_audio_output: bool = False
     """Load a full omni checkpoint's thinker alone (no talker, no vocoder): text output only."""
+    disable_sliding_window: bool = False
+    """Sliding-window layers attend fully, max_model_len capped at the window (vLLM's)."""
     speech: SpeechConfig | None = None
     """Set from config.json when the model speaks (and audio output is not disabled)."""
     no_speech_reason: str = ""
@@ -142,6 +144,7 @@ class ModelConfig:
         if not architectures:
             raise ValueError(f"{config_file} names no 'architectures'; cannot pick a model class.")
         derived_len = _derive_max_model_len(hf_config)
+        requested = max_model_len
         if max_model_len is None:
             max_model_len = derived_len
         elif derived_len is not None and max_model_len > derived_len:
@@ -155,7 +158,7 @@ class ModelConfig:
         speech, no_speech_reason = speech_of(
             hf_config, architectures[0], bool(kwargs.get("disable_audio_output")), str(path)
         )
-        return ModelConfig(
+        config = ModelConfig(
             model=str(path),
             architecture=architectures[0],
             speech=speech,
@@ -165,15 +168,23 @@ class ModelConfig:
             tokenizer=str(Path(tokenizer).expanduser()) if tokenizer else str(path),
             **kwargs,
         )
+        window = None
+        if config.disable_sliding_window:
+            window = sliding_window(_transformers_config(config.model, config.hf_overrides))
+        if window is None or config.max_model_len <= window:
+            return config
+        if requested is not None:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the sliding window "
+                             f"({window}) that --disable-sliding-window caps it at.")  # fmt: skip
+        return dataclasses.replace(config, max_model_len=window)
 
     @cached_property
     def hf_config(self) -> Any:
         """The checkpoint's transformers config (local files only), loaded once per process and
         shared by the processor, the multimodal context and the worker."""
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(self.model, local_files_only=True)
-        set_overrides(config, self.hf_overrides)
+        config = _transformers_config(self.model, self.hf_overrides)
+        if self.disable_sliding_window:
+            use_full_attention(config)
         if getattr(config, "classifier_from_token", None) is not None:
             _labels_from_tokens(config, self.tokenizer)
         return config
@@ -351,6 +362,15 @@ def _labels_from_tokens(config: Any, tokenizer_dir: str) -> None:
     config.num_labels = 1 if method == "from_2_way_softmax" else len(tokens)
 
 
+def _transformers_config(model: str, overrides: dict[str, Any]) -> Any:
+    """The checkpoint's transformers config with ``overrides`` set (local files only)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model, local_files_only=True)
+    set_overrides(config, overrides)
+    return config
+
+
 def _derive_max_model_len(hf_config: dict) -> int | None:
     # Multimodal checkpoints nest the decoder config (text_config, thinker_config.text_config).
     for cfg in (
@@ -490,68 +510,6 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
-
-
-MM_PROFILE_SIZES: dict[str, tuple[str, ...]] = {
-    "image": ("width", "height"),
-    "video": ("num_frames", "width", "height"),
-    "audio": ("length",),
-}
-"""The sizes vLLM's object form of ``--limit-mm-per-prompt`` may set, per modality."""
-
-
-@dataclass(frozen=True)
-class MultiModalConfig:
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
-    """Most items per modality in one prompt, e.g. {"image": 4, "video": 1}; unset: the model's."""
-    mm_profile_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Sizes of the start-up memory profile's item per modality, each at most the largest the
-    processor takes (``--limit-mm-per-prompt``'s object form, e.g. {"image": {"count": 2,
-    "width": 512, "height": 512}}): a smaller profile leaves a GPU more for the KV cache, and
-    a larger item than profiled may then run it out of memory, as in vLLM."""
-    mm_processor_kwargs: dict[str, object] = field(default_factory=dict)
-    """Default HF processor kwargs (e.g. max_pixels, fps); requests may override them."""
-    mm_processor_cache_gb: float = 4.0
-    """Processor-output cache size in GiB (0 disables it)."""
-    allowed_local_media_path: str | None = None
-    """file:// URLs are served only from under this directory."""
-    allowed_media_domains: tuple[str, ...] = ()
-    """If set, http(s) media may only come from these hosts."""
-    allow_private_media_urls: bool = False
-    """Let http(s) media come from loopback/private addresses (off: SSRF protection)."""
-    media_io_kwargs: dict[str, dict[str, object]] = field(default_factory=dict)
-    """Per-modality media limits, e.g. {"video": {"num_frames": 16}} (``MediaConfig``)."""
-    enable_mm_embeds: bool = False
-    """Accept precomputed embeddings (``image_embeds`` / ``audio_embeds``) in place of media."""
-    mm_encoder_attn_backend: str = "auto"
-    """The towers' attention within their segments (``attention/encoder.py``): "auto",
-    "TORCH_SDPA" or "FLASH_ATTN"."""
-    skip_mm_profiling: bool = False
-    """vLLM's: the GPU start-up memory profile runs the text step only, so the KV cache takes
-    what media would need at their peak (the user's to leave room for)."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.mm_processor_cache_gb < float("inf"):
-            raise ValueError(
-                f"mm_processor_cache_gb must be a number >= 0, got {self.mm_processor_cache_gb}."
-            )
-        if self.mm_encoder_attn_backend not in MM_ENCODER_ATTN_BACKENDS:
-            raise ValueError(
-                f"mm_encoder_attn_backend must be one of {MM_ENCODER_ATTN_BACKENDS}, got "
-                f"{self.mm_encoder_attn_backend!r}."
-            )
-        for modality, limit in self.limit_mm_per_prompt.items():
-            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-                raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be an integer >= 0.")
-        for modality, sizes in self.mm_profile_sizes.items():
-            names = MM_PROFILE_SIZES.get(modality, ())
-            for name, size in sizes.items():
-                where = f"limit_mm_per_prompt[{modality!r}][{name!r}]"
-                if name not in names:
-                    takes = ", ".join(("count", *names))
-                    raise ValueError(f"{where}: not a setting of {modality} (it takes: {takes}).")
-                if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                    raise ValueError(f"{where} must be an integer >= 1, got {size!r}.")
 
 
 @dataclass(frozen=True)

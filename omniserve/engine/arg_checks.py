@@ -145,7 +145,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--data-parallel-hybrid-lb": ({"action": "store_true"}, "multi-node data parallelism"),
     "--enable-eplb": ({"action": "store_true"}, "expert-parallel load balancing"),
     "--enable-dbo": ({"action": "store_true"}, "dual batch overlap"),
-    "--disable-sliding-window": ({"action": "store_true"}, "turning sliding windows off"),
     "--enable-lora-bias": ({"action": "store_true"}, "LoRA adapters with biases"),
     "--fully-sharded-loras": ({"action": "store_true"}, "fully sharded LoRA layers"),
     "--video-pruning-rate": ({"type": float}, "video token pruning"),

@@ -10,9 +10,9 @@ from omniserve.config import (
     ATTENTION_BACKENDS,
     DTYPE_CHOICES,
     LOGPROBS_MODES,
-    MM_ENCODER_ATTN_BACKENDS,
     QUANTIZATION_METHODS,
 )
+from omniserve.config.multimodal import MM_ENCODER_ATTN_BACKENDS
 from omniserve.config.structured_outputs import REASONING_TAGS
 from omniserve.engine.arg_checks import TASK_RUNNERS, token_count, vllm_flags
 
@@ -83,6 +83,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         action="store_true",
         help="Serve a full omni checkpoint's thinker alone (text output only; the talker "
         "and vocoder are not loaded).",
+    )
+    add(
+        "--disable-sliding-window",
+        action="store_true",
+        help="Layers that attend through a sliding window attend fully, and max-model-len is "
+        "capped at the window (where the two agree).",
     )
     add(
         "--max-model-len",

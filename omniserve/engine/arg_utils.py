@@ -180,6 +180,7 @@ class EngineArgs:
     enable_mm_embeds: bool = False
     mm_encoder_attn_backend: str = "auto"
     disable_audio_output: bool = False
+    disable_sliding_window: bool = False
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -236,6 +237,7 @@ class EngineArgs:
                 self.model, json_arg("pooler_config", self.pooler_config)
             ),
             disable_audio_output=self.disable_audio_output,
+            disable_sliding_window=self.disable_sliding_window,
         )
         model_config = self._with_logits_processors(model_config)
         if self.reasoning_parser_plugin:
