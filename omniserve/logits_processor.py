@@ -13,7 +13,6 @@ API's ``vllm_xargs``); ``validate_params`` refuses bad ones when a request arriv
 from __future__ import annotations
 
 import inspect
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,8 +28,6 @@ from omniserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from omniserve.config import OmniConfig
-
-logger = logging.getLogger(__name__)
 
 LOGITS_PROCESSORS_GROUP = "omniserve.logits_processors"
 """The entry-point group whose processors every engine loads (vLLM's ``vllm.logits_processors``)."""

@@ -88,6 +88,10 @@ def test_sleep_and_wake_answer_as_before(qwen2: str, tiny_checkpoint: Any) -> No
         assert _answers(llm, prompts) == other_answers
         llm.collective_rpc("reload_weights", kwargs={"weights_path": qwen2})
         assert _answers(llm, prompts) == before
+        llm.sleep(2)
+        llm.collective_rpc("reload_weights")  # reads the weights (and the KV cache) again
+        assert not llm.llm_engine.is_sleeping()
+        assert _answers(llm, prompts) == before
         # Worker methods and the extension's, by name, tensors as arguments.
         (result,) = llm.collective_rpc("probe", args=(torch.ones(3),), kwargs={"scale": 2.0})
         assert result == {"rank": 0, "sum": 6.0}

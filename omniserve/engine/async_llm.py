@@ -379,12 +379,15 @@ class AsyncLLM:
         call = self.engine_core.call_utility_async("collective_rpc", method, list(args),
                                                    kwargs or {})  # fmt: skip
         try:
-            return await asyncio.wait_for(call, timeout)
+            results = await asyncio.wait_for(call, timeout)
         except TimeoutError:
             raise TimeoutError(
                 f"collective_rpc({method!r}) did not finish within {timeout} s "
                 "(the engine core finishes it all the same)."
             ) from None
+        if self.asleep:  # (reload_weights wakes the workers)
+            self.asleep = await self.is_sleeping()
+        return results
 
     async def start_profile(self) -> None:
         """Start the workers' torch profilers (``OMNISERVE_TORCH_PROFILER_DIR``)."""

@@ -176,8 +176,11 @@ class LLMEngine:
     ) -> list[Any]:
         """vLLM's: call a worker method by name on every worker (``EngineCore.collective_rpc``);
         arguments and results cross processes as msgpack (tensors too)."""
-        return self.engine_core.call_utility("collective_rpc", method, list(args), kwargs or {},
-                                             timeout=timeout)  # fmt: skip
+        results = self.engine_core.call_utility("collective_rpc", method, list(args),
+                                                kwargs or {}, timeout=timeout)  # fmt: skip
+        if self.asleep:  # (reload_weights wakes the workers)
+            self.asleep = self.is_sleeping()
+        return results
 
     def start_step_timing(self) -> None:
         """Time the model runner's steps per part from now on (``get_step_timings`` reads)."""

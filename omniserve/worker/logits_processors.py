@@ -25,7 +25,8 @@ class LogitsProcessorBatch:
                  device: torch.device) -> None:  # fmt: skip
         built = [cls(config, device, device.type == "cuda") for cls in classes]
         self.argmax_invariant = tuple(p for p in built if p.is_argmax_invariant())
-        """Run on sampled rows only, after temperature (skipped when every row is greedy)."""
+        """Run after temperature, unless every row is greedy (a greedy row's argmax is taken
+        either way)."""
         self.others = tuple(p for p in built if not p.is_argmax_invariant())
         """Run on every row, after the token rules, before the penalties."""
         self._at: list[CachedRequestState | None] = []
