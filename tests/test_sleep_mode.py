@@ -25,6 +25,9 @@ from tests.hf_reference import make_prompts
 from tests.server_utils import MODEL, assert_error, launch_server
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+WIDE = {"hidden_size": 512, "intermediate_size": 2048, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "num_hidden_layers": 4}  # fmt: skip
+"""A wider Qwen2 (about 70 MB of fp32 weights)."""
 
 
 class Probe:
@@ -59,6 +62,7 @@ def _answers(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 def test_sleep_and_wake_answer_as_before(qwen2: str, tiny_checkpoint: Any) -> None:
     other = str(tiny_checkpoint("Qwen2ForCausalLM", seed=1))
+    wide_checkpoint = str(tiny_checkpoint("Qwen2ForCausalLM", overrides=WIDE))
     prompts = make_prompts(qwen2, [7, 12])
     reference = LLM(other, dtype="float32", max_model_len=128)
     try:
@@ -88,6 +92,11 @@ def test_sleep_and_wake_answer_as_before(qwen2: str, tiny_checkpoint: Any) -> No
         assert _answers(llm, prompts) == other_answers
         llm.collective_rpc("reload_weights", kwargs={"weights_path": qwen2})
         assert _answers(llm, prompts) == before
+        for path, message in ((str(Path(qwen2).parent), "No model.safetensors"),
+                              (wide_checkpoint, "is no checkpoint of this model")):  # fmt: skip
+            with pytest.raises(ValueError, match=message):
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        assert _answers(llm, prompts) == before  # (nothing was dropped)
         llm.sleep(2)
         llm.collective_rpc("reload_weights")  # reads the weights (and the KV cache) again
         assert not llm.llm_engine.is_sleeping()
@@ -174,9 +183,7 @@ def test_released_memory_leaves_the_process(tiny_checkpoint: Any, monkeypatch: A
     """In process (the RSS measured is the engine's), on a wider model (about 70 MB of fp32
     weights): level 2 gives the weights back to the OS, waking takes them again."""
     monkeypatch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
-    wide = str(tiny_checkpoint("Qwen2ForCausalLM", overrides={
-        "hidden_size": 512, "intermediate_size": 2048, "num_attention_heads": 8,
-        "num_key_value_heads": 2, "num_hidden_layers": 4}))  # fmt: skip
+    wide = str(tiny_checkpoint("Qwen2ForCausalLM", overrides=WIDE))
     llm = LLM(wide, dtype="float32", max_model_len=64, enable_sleep_mode=True,
               kv_cache_memory="16MiB")  # fmt: skip
     try:

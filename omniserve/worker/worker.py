@@ -463,8 +463,16 @@ class Worker:
         """Read the weights again, from ``weights_path`` (a checkpoint of this model's
         architecture and config; None: where they were read from), rebuilding the model and
         its KV cache: vLLM's ``collective_rpc("reload_weights")`` (the engine core then drops
-        the prefix cache, whose blocks the old weights computed)."""
+        the prefix cache, whose blocks the old weights computed). A checkpoint whose tensors
+        differ in name, shape or dtype is refused before anything is dropped."""
         if weights_path is not None:
+            try:
+                new = checkpoint_tensor_shapes(weights_path)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"reload_weights: {exc}") from None
+            if new != checkpoint_tensor_shapes(self.weights_path):
+                raise ValueError(f"reload_weights: {weights_path} is no checkpoint of this "
+                                 "model (tensor names, shapes or dtypes differ).")  # fmt: skip
             self.weights_path = weights_path
         if "weights" not in self.sleeping:
             del self.model_runner, self.lora_manager
