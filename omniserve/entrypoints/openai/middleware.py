@@ -310,10 +310,8 @@ class TraceContextMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        raw = scope.get("headers", ())  # (none in a lifespan scope)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
         token = TRACE_HEADERS.set(trace_headers(headers))
         try:
             await self.app(scope, receive, send)
