@@ -427,6 +427,8 @@ def test_a_class_defined_in_the_users_script_reaches_the_engine_process(
 def test_server_takes_vllm_xargs(qwen2: str, tmp_path: Any) -> None:
     """``--logits-processors`` on the server; the OpenAI SDK sends ``vllm_xargs`` in its
     extra body, on chat and completions; a value the processor refuses is a 400."""
+    from transformers import AutoTokenizer
+
     from tests.server_utils import MODEL, assert_error, launch_server
 
     flags = ("--logits-processors", "tests.test_logits_processors:TargetToken")
@@ -443,6 +445,12 @@ def test_server_takes_vllm_xargs(qwen2: str, tmp_path: Any) -> None:
             extra_body={"vllm_xargs": {"target_token": 7}, "return_token_ids": True},
         )  # fmt: skip
         assert completion.choices[0].token_ids == [7] * 3  # type: ignore[attr-defined]
+        # The Responses API hands vllm_xargs to its chat request.
+        tokenizer = AutoTokenizer.from_pretrained(qwen2)
+        xargs = {"vllm_xargs": {"target_token": 11}}
+        response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3,
+                                           temperature=0.0, extra_body=xargs)  # fmt: skip
+        assert response.output_text == tokenizer.decode([11] * 3)
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2,
                 "vllm_xargs": {"target_token": "x"}}  # fmt: skip
         error = assert_error(server.post("/v1/completions", body), 400)
