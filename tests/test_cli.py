@@ -383,3 +383,34 @@ def test_chat_and_complete_talk_to_a_running_server(qwen3_server):
     assert status == 0 and text.strip()
     status, text = run("chat", "--model-name", "nope", "-q", "Hi")
     assert status == 1 and "Error:" in text and "nope" in text
+
+
+def test_serve_flags_from_a_config_file(tmp_path) -> None:
+    """vLLM's --config FILE: YAML of flags (either spelling), switches as booleans, lists and
+    mappings; the model from the file; the command line's own flags win."""
+    from omniserve.entrypoints.cli import build_parser
+    from omniserve.entrypoints.cli_config import with_config_file
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: /models/qwen\n"
+        "max-num-seqs: 64\n"
+        "max_model_len: 2048\n"
+        "enforce-eager: true\n"
+        "enable-prefix-caching: false\n"
+        "served-model-name: [a, b]\n"
+        "limit-mm-per-prompt: {image: 2}\n"
+    )
+    parser = build_parser()
+    argv = with_config_file(["serve", "--config", str(config), "--max-num-seqs", "8"], parser)
+    args = parser.parse_args(argv)
+    assert args.model == "/models/qwen" and args.max_num_seqs == 8  # the command line wins
+    assert args.max_model_len == 2048
+    assert args.enforce_eager and args.enable_prefix_caching is False
+    assert args.served_model_name == ["a", "b"]
+    assert json.loads(args.limit_mm_per_prompt) == {"image": 2}
+    args = parser.parse_args(with_config_file(["serve", "/other", f"--config={config}"], parser))
+    assert args.model == "/other"
+    config.write_text("- not a mapping\n")
+    with pytest.raises(ValueError, match="not a YAML mapping"):
+        with_config_file(["serve", "--config", str(config)], parser)

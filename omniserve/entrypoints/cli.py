@@ -17,6 +17,7 @@ from omniserve.engine.arg_checks import (
 from omniserve.engine.arg_utils import EngineArgs, json_arg
 from omniserve.entrypoints.chat_utils import CONTENT_FORMATS
 from omniserve.entrypoints.cli_clients import add_client_args, chat, complete
+from omniserve.entrypoints.cli_config import with_config_file
 from omniserve.entrypoints.openai.server_args import add_server_args, check_server_args
 from omniserve.entrypoints.openai.tool_parsers import (
     BUILT_IN_TOOL_CALL_PARSERS,
@@ -405,6 +406,13 @@ def _add_compat_args(group: argparse._ArgumentGroup) -> None:
         group.add_argument(flag, *FLAG_ALIASES.get(flag, ()), default=None, help=why, **kwargs)
 
 
+def _add_config_arg(parser: argparse.ArgumentParser) -> None:
+    """(``with_config_file`` reads it before the parser does.)"""
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="A YAML file of these flags (vLLM's), read first: the command "
+                        "line's own flags win.")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniserve",
@@ -430,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="The checkpoint dir as a flag (vLLM's older spelling of the positional).",
     )
+    _add_config_arg(serve)
     add_server_args(serve.add_argument_group("server"))
     _add_serving_args(serve.add_argument_group("serving"))
     EngineArgs.add_cli_args(serve)
@@ -464,6 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output-file", required=True, help="Where the answers go (path, or URL to PUT)."
     )
     batch.add_argument("--output-tmp-dir", default=None, help="Where an upload is staged.")
+    _add_config_arg(batch)
     batch.add_argument("--model", default=None, help="Checkpoint dir. None: a tiny built-in model.")
     _add_serving_args(batch.add_argument_group("serving"))
     EngineArgs.add_cli_args(batch)
@@ -505,6 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    try:
+        argv = with_config_file(list(sys.argv[1:] if argv is None else argv), parser)
+    except ValueError as exc:
+        parser.error(str(exc))
     args = parser.parse_args(argv)
     if hasattr(args, "check_flags"):
         args.check_flags(parser, args)
