@@ -227,3 +227,21 @@ def test_disable_sliding_window(tiny_checkpoint) -> None:
     for a, b in zip(answers[0].logprobs, answers[1].logprobs, strict=True):
         assert a.keys() == b.keys()
         assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+def test_cuda_graph_sizes_and_renamed_pooler_config(tiny_checkpoint) -> None:
+    import argparse
+
+    model = str(tiny_checkpoint("Qwen2ForCausalLM"))
+    assert EngineArgs(model, cuda_graph_sizes=[8, 16]).create_config().model_config \
+        .cuda_graph_sizes == (8, 16)  # fmt: skip
+    assert EngineArgs(model, max_cudagraph_capture_size=32).create_config().model_config \
+        .cuda_graph_sizes == (32,)  # fmt: skip
+    with pytest.raises(ValueError, match="are one setting"):
+        EngineArgs(model, cuda_graph_sizes=[8], max_cudagraph_capture_size=8).create_config()
+    with pytest.raises(ValueError, match="batch sizes >= 1"):
+        EngineArgs(model, cuda_graph_sizes=[0]).create_config()
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--cuda-graph-sizes", "1", "4", "--override-pooler-config",
+                              '{"pooling_type": "MEAN"}'])  # fmt: skip
+    assert args.cuda_graph_sizes == [1, 4] and args.pooler_config == '{"pooling_type": "MEAN"}'

@@ -60,10 +60,19 @@ def server(
     tiny_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory, tls_files: tuple[Path, Path]
 ) -> Iterator[Server]:
     key, cert = tls_files
+    log_config = tmp_path_factory.mktemp("logging") / "logging.json"
+    log_config.write_text(json.dumps({
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"tagged": {"format": "UVI| %(levelname)s %(message)s"}},
+        "handlers": {"default": {"class": "logging.StreamHandler", "formatter": "tagged",
+                                 "stream": "ext://sys.stderr"}},
+        "loggers": {"uvicorn": {"handlers": ["default"], "level": "INFO", "propagate": False}},
+    }))  # fmt: skip
     with launch_server(
         tiny_checkpoint("Qwen3ForCausalLM"), tmp_path_factory.mktemp("flags"),
         "--max-model-len", "512", "--kv-cache-memory", "16MiB",
         "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--enable-ssl-refresh",
+        "--log-config-file", str(log_config), "--h11-max-incomplete-event-size", "65536",
         "--root-path", "/api",
         "--enable-request-id-headers", "--enable-server-load-tracking",
         "--return-tokens-as-token-ids", "--enable-force-include-usage",
@@ -99,6 +108,10 @@ def test_https_root_path_and_the_api_switches(server: Server) -> None:
     for path in ("/docs", "/openapi.json"):
         assert _get(server, path, headers=AUTH).status_code == 404
     assert "GET /health" not in server.log.read_text()  # no access log
+    assert "UVI| INFO" in server.log.read_text()  # uvicorn's loggers as --log-config-file says
+    # --h11-max-incomplete-event-size 65536: a 40 KB header passes (uvicorn's default: 16 KiB)
+    big = _get(server, "/health", headers={"X-Big": "x" * 40_000})
+    assert big.status_code == 200
 
 
 def test_qwen3_coder_tool_calls(server: Server) -> None:
@@ -165,6 +178,7 @@ def test_a_rotated_certificate_serves_new_connections(
     ("flags", "message"),
     [
         (["--enable-ssl-refresh"], "--enable-ssl-refresh reloads HTTPS files"),
+        (["--log-config-file", "nowhere.json"], "--log-config-file nowhere.json: no such file"),
         (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
         (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "--ssl-keyfile k.pem: no such"),
         (["--ssl-cert-reqs", "2"], "--ssl-cert-reqs asks for client certificates"),

@@ -65,6 +65,9 @@ class ModelConfig:
     backend's C decode kernel on CPU), "triton" or "torch"."""
     enforce_eager: bool = False
     """Run decode steps eagerly instead of replaying captured CUDA graphs."""
+    cuda_graph_sizes: tuple[int, ...] = ()
+    """Decode batch sizes captured (vLLM's --cuda-graph-sizes): one is the ladder's top,
+    several are the sizes; (): the ladder up to max_num_seqs."""
     seed: int | None = 0
     """Seed for the engine's global RNG (requests may bring their own); None: not seeded."""
     served_model_name: str = ""

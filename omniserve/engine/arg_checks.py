@@ -123,6 +123,23 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
         {"type": int},
         "decode graphs are captured per batch size, for any sequence length",
     ),
+    "--preemption-mode": ({"choices": ["recompute"]}, "preempted requests are recomputed"),
+    "--disable-cascade-attn": ({"action": "store_true"}, "there is no cascade attention"),
+    "--disable-hybrid-kv-cache-manager": (
+        {"action": "store_true"},
+        "one KV cache manager serves every layer",
+    ),
+    "--ignore-patterns": ({"nargs": "+"}, "nothing is downloaded: models are local directories"),
+    "--config-format": (
+        {"choices": ["auto", "hf"]},
+        "config.json is read as transformers reads it",
+    ),
+    "--pt-load-map-location": ({}, "safetensors is the only format"),
+    "--tokenizer-pool-size": (
+        {"type": int},
+        "prompts are tokenized in the front end's input threads",
+    ),
+    "--lora-dtype": ({"choices": ["auto"]}, "LoRA slots are in the model's dtype"),
 }
 """vLLM's flags that mean nothing here: accepted, each logged once with why."""
 MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
@@ -148,6 +165,14 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--enable-lora-bias": ({"action": "store_true"}, "LoRA adapters with biases"),
     "--fully-sharded-loras": ({"action": "store_true"}, "fully sharded LoRA layers"),
     "--video-pruning-rate": ({"type": float}, "video token pruning"),
+    "--max-num-partial-prefills": ({"type": int}, "a cap on prompts prefilled side by side"),
+    "--max-long-partial-prefills": ({"type": int}, "a cap on prompts prefilled side by side"),
+    "--scheduler-cls": ({}, "a custom scheduler class"),
+    "--model-loader-extra-config": ({}, "model loader settings"),
+    "--mm-encoder-tp-mode": ({"choices": ["weights", "data"]}, "a tensor-parallel mode for towers"),
+    "--kv-sharing-fast-prefill": ({"action": "store_true"}, "KV-sharing fast prefill"),
+    "--stream-interval": ({"type": int}, "streaming several tokens per chunk"),
+    "--h11-max-header-count": ({"type": int}, "a cap on HTTP header count"),
 }
 """vLLM's flags for features omniserve does not have: start-up fails naming the feature."""
 FLAG_ALIASES = {"--compilation-config": ("-O",)}
@@ -195,7 +220,8 @@ TASK_RUNNERS = {"auto": "auto", "generate": "generate", "transcription": "genera
 """vLLM's older ``--task`` values and the ``--runner`` each is."""
 
 
-RENAMED_SETTINGS = {"kv_cache_memory_bytes": "kv_cache_memory"}
+RENAMED_SETTINGS = {"kv_cache_memory_bytes": "kv_cache_memory",
+                    "override_pooler_config": "pooler_config"}  # fmt: skip
 """vLLM's names of settings ``EngineArgs`` has under another name (offline and as flags)."""
 
 

@@ -50,6 +50,20 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="Run decode steps eagerly: capture no CUDA graphs (they need an attention "
         "backend without per-step host plans: Triton).",
     )
+    add(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="Decode batch sizes captured as CUDA graphs: one is the top of the ladder 1, 2, "
+        "4, 8, 16, ...; several are the sizes. Default: the ladder up to --max-num-seqs.",
+    )
+    add(
+        "--max-cudagraph-capture-size",
+        type=int,
+        default=None,
+        help="The ladder's top (vLLM's newer spelling of one --cuda-graph-sizes value).",
+    )
     add("--seed", type=int, default=0, help="Engine RNG seed.")
     add(
         "--generation-config",
@@ -190,6 +204,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     add(
         "--pooler-config",
+        *vllm_flags("pooler_config"),
         default=None,
         help='JSON: how embeddings pool, {"pooling_type": "MEAN", "normalize": true}: '
         "LAST, MEAN or CLS, and whether to L2-normalise (defaults of requests that omit "

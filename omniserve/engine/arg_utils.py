@@ -124,6 +124,9 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str = field(default_factory=envs.attention_backend)
     enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
+    """vLLM's newer spelling of a one-size ``cuda_graph_sizes``."""
     seed: int | None = 0
     max_model_len: int | None = None
     served_model_name: str | list[str] | None = None
@@ -217,6 +220,7 @@ class EngineArgs:
             device=self.device,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            cuda_graph_sizes=self._graph_sizes(),
             seed=self.seed,
             served_model_name=self._served_name(),
             generation_config=self.generation_config,
@@ -359,6 +363,16 @@ class EngineArgs:
         if not classes:
             return model_config
         return dataclasses.replace(model_config, logits_processors=classes)
+
+    def _graph_sizes(self) -> tuple[int, ...]:
+        sizes, top = self.cuda_graph_sizes or [], self.max_cudagraph_capture_size
+        if sizes and top is not None:
+            raise ValueError("--cuda-graph-sizes and --max-cudagraph-capture-size are one "
+                             "setting: give one of them.")  # fmt: skip
+        sizes = sizes or ([top] if top is not None else [])
+        if any(size < 1 for size in sizes):
+            raise ValueError(f"--cuda-graph-sizes must be batch sizes >= 1, got {sizes}.")
+        return tuple(sizes)
 
     def _served_name(self) -> str:
         names = self.served_model_name

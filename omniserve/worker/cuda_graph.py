@@ -18,7 +18,7 @@ on the same static buffers, which checks everything but the capture itself.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -33,9 +33,15 @@ MAX_GRAPH_BATCH = 512
 amortised over many rows)."""
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """vLLM's ladder: 1, 2, 4, then every multiple of 8 up to the batch limit."""
+def graph_batch_sizes(max_num_seqs: int, requested: Sequence[int] = ()) -> list[int]:
+    """vLLM's ladder: 1, 2, 4, then every multiple of 8 up to the batch limit; ``requested``
+    (vLLM's ``--cuda-graph-sizes``): one size is the ladder's top, several are the sizes (those
+    a batch can reach)."""
     top = min(max_num_seqs, MAX_GRAPH_BATCH)
+    if len(requested) > 1:
+        return sorted({size for size in requested if size <= top})
+    if requested:
+        top = min(top, requested[0])
     sizes = [size for size in (1, 2, 4) if size <= top] + list(range(8, top + 1, 8))
     if sizes[-1] != top:
         sizes.append(top)

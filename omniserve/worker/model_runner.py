@@ -8,6 +8,7 @@ each position of the draft tokens fed after them, with speculative decoding).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -206,7 +207,7 @@ class ModelRunner:
             self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions)
 
     @torch.inference_mode()
-    def capture_decode_graphs(self) -> list[int]:
+    def capture_decode_graphs(self, requested: Sequence[int] = ()) -> list[int]:
         """Capture the decode forward at each size of the ladder (after the KV cache exists);
         returns the sizes, none where a layer's attention backend plans on the host or LoRA is
         on (its token groups change with every step)."""
@@ -214,7 +215,8 @@ class ModelRunner:
             layer.backend.supports_cuda_graphs for layer in get_attention_layers(self.model)
         ):
             return []
-        self.decode_graphs = DecodeGraphs(self.model, graph_batch_sizes(self.max_num_seqs),
+        sizes = graph_batch_sizes(self.max_num_seqs, requested)  # (requested: --cuda-graph-sizes)
+        self.decode_graphs = DecodeGraphs(self.model, sizes,
                                           self.max_num_blocks_per_req, self.device,
                                           self.uses_mrope)  # fmt: skip
         self.decode_graphs.capture()

@@ -387,7 +387,9 @@ class Worker:
             logger.info("Compiled the JIT kernels in %.1f s", time.perf_counter() - start)
         if not self.config.model_config.enforce_eager:
             start = time.perf_counter()
-            self.graph_sizes = self.model_runner.capture_decode_graphs()
+            self.graph_sizes = self.model_runner.capture_decode_graphs(
+                self.config.model_config.cuda_graph_sizes
+            )
             if self.graph_sizes:
                 logger.info("Captured decode graphs for %d batch sizes (1 to %d) in %.1f s",
                             len(self.graph_sizes), self.graph_sizes[-1],

@@ -74,6 +74,20 @@ def add_server_args(server: argparse._ArgumentGroup) -> None:
         help="Client certificates: 0 not asked, 1 optional, 2 required (Python's ssl module).",
     )
     add(
+        "--log-config-file",
+        default=None,
+        metavar="FILE",
+        help="A logging configuration (JSON or YAML dictConfig, or an ini file) for uvicorn's and "
+        "omniserve's loggers, applied at start-up.",
+    )
+    add(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=None,
+        help="The largest HTTP request head (bytes) h11 buffers before refusing it "
+        "(uvicorn's default: 16 KiB).",
+    )
+    add(
         "--enable-ssl-refresh",
         action="store_true",
         help="Reload the TLS key, certificate and CA files when they change (a rotated "
@@ -116,7 +130,7 @@ def check_server_args(args: argparse.Namespace) -> None:
     key, cert = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
     if (key is None) != (cert is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both).")
-    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "log_config_file"):
         path = getattr(args, flag, None)
         if path is not None and not Path(path).is_file():
             raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file.")
@@ -138,4 +152,6 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
         "ssl_certfile": getattr(args, "ssl_certfile", None),
         "ssl_ca_certs": getattr(args, "ssl_ca_certs", None),
         "ssl_cert_reqs": getattr(args, "ssl_cert_reqs", int(ssl.CERT_NONE)),
+        **({"log_config": args.log_config_file} if getattr(args, "log_config_file", None) else {}),
+        "h11_max_incomplete_event_size": getattr(args, "h11_max_incomplete_event_size", None),
     }
