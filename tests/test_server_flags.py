@@ -20,6 +20,28 @@ from tests.server_utils import API_KEY, MODEL, Server, assert_error, launch_serv
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
+async def probe_header(request: Any, call_next: Any) -> Any:
+    """A function middleware (``--middleware tests.test_server_flags.probe_header``)."""
+    response = await call_next(request)
+    response.headers["x-probe"] = "function"
+    return response
+
+
+class ProbeMiddleware:
+    """A class middleware (pure ASGI): its header on every answer."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def send_tagged(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message["headers"], (b"x-probe-class", b"1")]}
+            await send(message)
+
+        await self.app(scope, receive, send_tagged if scope["type"] == "http" else send)
+
+
 def _self_signed(directory: Path, org: str = "omniserve") -> tuple[Path, Path]:
     """A key and a certificate for 127.0.0.1 (the certificate is its own authority), of
     organization ``org``."""
@@ -73,6 +95,8 @@ def server(
         "--max-model-len", "512", "--kv-cache-memory", "16MiB",
         "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--enable-ssl-refresh",
         "--log-config-file", str(log_config), "--h11-max-incomplete-event-size", "65536",
+        "--middleware", "tests.test_server_flags.probe_header",
+        "--middleware", "tests.test_server_flags:ProbeMiddleware",
         "--root-path", "/api",
         "--enable-request-id-headers", "--enable-server-load-tracking",
         "--return-tokens-as-token-ids", "--enable-force-include-usage",
@@ -112,6 +136,10 @@ def test_https_root_path_and_the_api_switches(server: Server) -> None:
     # --h11-max-incomplete-event-size 65536: a 40 KB header passes (uvicorn's default: 16 KiB)
     big = _get(server, "/health", headers={"X-Big": "x" * 40_000})
     assert big.status_code == 200
+    # --middleware: a function and a class, outside the API key's check (a 401 carries them)
+    assert big.headers["x-probe"] == "function" and big.headers["x-probe-class"] == "1"
+    refused = server.post("/v1/completions", body, key=None)
+    assert refused.status_code == 401 and refused.headers["x-probe-class"] == "1"
 
 
 def test_qwen3_coder_tool_calls(server: Server) -> None:
@@ -179,6 +207,7 @@ def test_a_rotated_certificate_serves_new_connections(
     [
         (["--enable-ssl-refresh"], "--enable-ssl-refresh reloads HTTPS files"),
         (["--log-config-file", "nowhere.json"], "--log-config-file nowhere.json: no such file"),
+        (["--middleware", "tests.nowhere.f"], "--middleware tests.nowhere.f: cannot import it"),
         (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
         (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "--ssl-keyfile k.pem: no such"),
         (["--ssl-cert-reqs", "2"], "--ssl-cert-reqs asks for client certificates"),

@@ -140,6 +140,13 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
         "prompts are tokenized in the front end's input threads",
     ),
     "--lora-dtype": ({"choices": ["auto"]}, "LoRA slots are in the model's dtype"),
+    "--mamba-cache-dtype": ({"choices": ["auto"]}, "no model here has Mamba layers"),
+    "--mamba-ssm-cache-dtype": ({"choices": ["auto"]}, "no model here has Mamba layers"),
+    "--mm-shm-cache-max-object-size-mb": (
+        {"type": int},
+        "the processor cache is an LRU in the API server's process",
+    ),
+    "--num-lookahead-slots": ({"type": int}, "speculative decoding sizes its own KV slots"),
 }
 """vLLM's flags that mean nothing here: accepted, each logged once with why."""
 MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
@@ -173,6 +180,31 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--kv-sharing-fast-prefill": ({"action": "store_true"}, "KV-sharing fast prefill"),
     "--stream-interval": ({"type": int}, "streaming several tokens per chunk"),
     "--h11-max-header-count": ({"type": int}, "a cap on HTTP header count"),
+    "--tool-server": ({}, "tool servers for the Responses API"),
+    "--log-error-stack": ({"action": "store_true"}, "stack traces of client errors in the log"),
+    "--tokens-only": ({"action": "store_true"}, "a tokens-only server"),
+    "--hf-config-path": ({}, "a config.json from another directory (--hf-overrides sets keys)"),
+    "--rope-scaling": ({}, "the older rope flags (--hf-overrides sets rope_scaling)"),
+    "--rope-theta": ({"type": float}, "the older rope flags (--hf-overrides sets rope_theta)"),
+    "--logits-processor-pattern": ({}, "per-request logits processors"),
+    "--override-attention-dtype": ({}, "an attention dtype of its own"),
+    "--io-processor-plugin": ({}, "input/output processor plugins"),
+    "--decode-context-parallel-size": ({"type": int}, "decode context parallelism"),
+    "--data-parallel-rank": ({"type": int}, "multi-node data parallelism"),
+    "--data-parallel-size-local": ({"type": int}, "multi-node data parallelism"),
+    "--data-parallel-backend": ({}, "multi-node data parallelism"),
+    "--dbo-decode-token-threshold": ({"type": int}, "dual batch overlap"),
+    "--eplb-config": ({}, "expert-parallel load balancing"),
+    "--expert-placement-strategy": ({}, "expert parallelism"),
+    "--ray-workers-use-nsight": ({"action": "store_true"}, "Nsight profiling of Ray workers"),
+    "--worker-cls": ({}, "a custom worker class (--worker-extension-cls adds methods)"),
+    "--enable-multimodal-encoder-data-parallel": (
+        {"action": "store_true"},
+        "a tensor-parallel mode for towers",
+    ),
+    "--prefix-caching-hash-algo": ({}, "a choice of prefix-cache hash"),
+    "--lora-extra-vocab-size": ({"type": int}, "LoRA adapters with extra vocabulary"),
+    "--additional-config": ({}, "platform-specific settings"),
 }
 """vLLM's flags for features omniserve does not have: start-up fails naming the feature."""
 FLAG_ALIASES = {"--compilation-config": ("-O",)}

@@ -55,6 +55,7 @@ from omniserve.entrypoints.openai.middleware import (
     RequestIdMiddleware,
     TraceContextMiddleware,
     add_error_handlers,
+    add_user_middleware,
     error_json,
 )
 from omniserve.entrypoints.openai.playground import playground_router
@@ -366,6 +367,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         allow_headers=getattr(args, "allowed_headers", ["*"]),
         allow_credentials=getattr(args, "allow_credentials", False),
     )
+    for path in getattr(args, "middleware", None) or []:
+        add_user_middleware(app, path)
     app.state.lifecycle = Lifecycle()
     app.add_middleware(DrainMiddleware, lifecycle=app.state.lifecycle)  # outermost: counts all
     return app

@@ -6,6 +6,7 @@ everything the routes raise."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import secrets
@@ -300,6 +301,31 @@ def invocation_path(body: object, generates: bool, classifies: bool) -> str:
         f"and documents (rerank), or {', '.join(FIRST_NAMES)} (score)."
         + ("" if generates else " This model does not generate text (prompt is not taken).")
     )
+
+
+def user_middleware(path: str) -> Any:
+    """The class or function ``--middleware module.NAME`` names; ValueError naming the path
+    when it does not import or is neither."""
+    module, sep, name = path.partition(":")
+    if not sep:
+        module, _, name = path.rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"--middleware {path}: cannot import it ({exc}).") from None
+    if not callable(target):
+        raise ValueError(f"--middleware {path} is neither a class nor a function.")
+    return target
+
+
+def add_user_middleware(app: FastAPI, path: str) -> None:
+    """vLLM's ``--middleware module.NAME``: a class as ``app.add_middleware(cls)``, a function
+    as ``@app.middleware("http")``."""
+    target = user_middleware(path)
+    if isinstance(target, type):
+        app.add_middleware(target)  # type: ignore[arg-type]  # (any ASGI middleware class)
+    else:
+        app.middleware("http")(target)
 
 
 class TraceContextMiddleware:

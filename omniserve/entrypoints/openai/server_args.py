@@ -74,6 +74,15 @@ def add_server_args(server: argparse._ArgumentGroup) -> None:
         help="Client certificates: 0 not asked, 1 optional, 2 required (Python's ssl module).",
     )
     add(
+        "--middleware",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME",
+        help="An ASGI middleware to add (repeatable, vLLM's): a class goes through "
+        "app.add_middleware, a function through @app.middleware('http'); they run before "
+        "the server's own (API key, CORS, ...).",
+    )
+    add(
         "--log-config-file",
         default=None,
         metavar="FILE",
@@ -136,6 +145,11 @@ def check_server_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file.")
     if getattr(args, "ssl_cert_reqs", 0) and getattr(args, "ssl_ca_certs", None) is None:
         raise ValueError("--ssl-cert-reqs asks for client certificates: give --ssl-ca-certs.")
+    if getattr(args, "middleware", None):
+        from omniserve.entrypoints.openai.middleware import user_middleware
+
+        for path in args.middleware:
+            user_middleware(path)
     if getattr(args, "enable_ssl_refresh", False) and cert is None:
         raise ValueError("--enable-ssl-refresh reloads HTTPS files: give --ssl-keyfile and "
                          "--ssl-certfile.")  # fmt: skip
