@@ -95,7 +95,7 @@ def server(
         "--max-model-len", "512", "--kv-cache-memory", "16MiB",
         "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--enable-ssl-refresh",
         "--log-config-file", str(log_config), "--h11-max-incomplete-event-size", "65536",
-        "--middleware", "tests.test_server_flags.probe_header",
+        "--middleware", "tests.test_server_flags.probe_header", "--log-error-stack",
         "--middleware", "tests.test_server_flags:ProbeMiddleware",
         "--root-path", "/api",
         "--enable-request-id-headers", "--enable-server-load-tracking",
@@ -140,6 +140,14 @@ def test_https_root_path_and_the_api_switches(server: Server) -> None:
     assert big.headers["x-probe"] == "function" and big.headers["x-probe-class"] == "1"
     refused = server.post("/v1/completions", body, key=None)
     assert refused.status_code == 401 and refused.headers["x-probe-class"] == "1"
+    # --log-error-stack: a client's mistake is logged with its traceback
+    assert_error(server.post("/v1/completions", {**body, "model": "nope"}), 404)
+    log = server.log.read_text()
+    assert (
+        "Error answering POST /api/v1/completions" in log
+        or "Error answering POST /v1/completions" in log
+    )
+    assert "Traceback" in log
 
 
 def test_qwen3_coder_tool_calls(server: Server) -> None:

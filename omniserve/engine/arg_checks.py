@@ -181,7 +181,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--stream-interval": ({"type": int}, "streaming several tokens per chunk"),
     "--h11-max-header-count": ({"type": int}, "a cap on HTTP header count"),
     "--tool-server": ({}, "tool servers for the Responses API"),
-    "--log-error-stack": ({"action": "store_true"}, "stack traces of client errors in the log"),
     "--tokens-only": ({"action": "store_true"}, "a tokens-only server"),
     "--hf-config-path": ({}, "a config.json from another directory (--hf-overrides sets keys)"),
     "--rope-scaling": ({}, "the older rope flags (--hf-overrides sets rope_scaling)"),

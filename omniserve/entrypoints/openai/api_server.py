@@ -268,7 +268,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
                   openapi_url="/openapi.json" if docs else None)  # fmt: skip
     app.state.models = models
-    add_error_handlers(app)
+    add_error_handlers(app, getattr(args, "log_error_stack", False))
 
     health_responses: dict[int | str, dict[str, Any]] = {
         200: {"description": "The engine is alive (empty body)", "content": None},

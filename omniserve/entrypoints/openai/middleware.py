@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
 import secrets
 import uuid
@@ -30,6 +31,8 @@ from omniserve.entrypoints.openai.score_protocol import FIRST_NAMES
 from omniserve.entrypoints.openai.serving_engine import ServingError, to_serving_error
 from omniserve.tracing import TRACE_HEADERS, trace_headers
 
+logger = logging.getLogger(__name__)
+
 
 def route_path(scope: Scope) -> str:
     """The path the routes see: uvicorn's path less ``--root-path`` (a proxy's prefix)."""
@@ -41,18 +44,24 @@ def error_json(error: ServingError) -> JSONResponse:
     return JSONResponse(error.to_response().model_dump(), status_code=error.status)
 
 
-def add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI, log_stack: bool = False) -> None:
     """Every error a route raises leaves as one OpenAI-shaped body. The errors
     ``to_serving_error`` knows (client mistakes, a dead or stopping engine) are answered by
     handlers of their own classes; only the handler of ``Exception`` is Starlette's last resort,
-    which logs the traceback of what it answers, so only our own bugs reach it."""
+    which logs the traceback of what it answers, so only our own bugs reach it. ``log_stack``
+    (vLLM's ``--log-error-stack``): the others' tracebacks are logged too."""
+
+    def answer(request: Request, exc: Exception) -> JSONResponse:
+        if log_stack:
+            logger.error("Error answering %s %s", request.method, request.url.path, exc_info=exc)
+        return error_json(to_serving_error(exc))  # (logs anything not a client mistake)
+
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
-    app.add_exception_handler(ServingError, lambda _, exc: error_json(exc))
-    for known in (ValueError, TypeError, EngineDeadError, EngineStoppingError, EngineGenerateError,
-                  EngineSleepingError):  # fmt: skip
-        app.add_exception_handler(known, _converted_error)
-    app.add_exception_handler(Exception, _converted_error)
+    for known in (ServingError, ValueError, TypeError, EngineDeadError, EngineStoppingError,
+                  EngineGenerateError, EngineSleepingError):  # fmt: skip
+        app.add_exception_handler(known, answer)
+    app.add_exception_handler(Exception, answer)
 
 
 _UNION_BRANCHES = frozenset(("str", "int", "float", "bool", "dict", "list", "none"))
@@ -106,10 +115,6 @@ def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         # a broken multipart form)
         return error_json(ServingError(f"Malformed body: {type(cause).__name__}: {cause}"))
     return error_json(ServingError(str(exc.detail), status))
-
-
-def _converted_error(_: Request, exc: Exception) -> JSONResponse:
-    return error_json(to_serving_error(exc))  # logs anything that is not a client mistake
 
 
 class APIKeyMiddleware:

@@ -83,6 +83,12 @@ def add_server_args(server: argparse._ArgumentGroup) -> None:
         "the server's own (API key, CORS, ...).",
     )
     add(
+        "--log-error-stack",
+        action="store_true",
+        help="Log the traceback of every error response, clients' mistakes too (ours are "
+        "logged always).",
+    )
+    add(
         "--log-config-file",
         default=None,
         metavar="FILE",
