@@ -69,23 +69,20 @@ class LogitsProcessor(ABC):
 
     @abstractmethod
     def __init__(self, vllm_config: OmniConfig, device: torch.device, is_pin_memory: bool) -> None:
-        raise NotImplementedError
+        """Built once per worker, with the engine's config and the worker's device."""
 
     @abstractmethod
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """``[batch_size, vocab]`` fp32 logits -> the same, changed (in place or a new tensor)."""
-        raise NotImplementedError
 
     @abstractmethod
     def is_argmax_invariant(self) -> bool:
         """True when the processor never changes a row's most likely token: it then runs only
         on sampled (not greedy) rows' logits, after their temperature. Asked once, at start."""
-        raise NotImplementedError
 
     @abstractmethod
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         """Called before each ``apply`` with the batch's changes (None: none)."""
-        raise NotImplementedError
 
 
 RequestLogitsProcessor = (
@@ -107,7 +104,6 @@ class AdapterLogitsProcessor(LogitsProcessor):
     @abstractmethod
     def new_req_logits_processor(self, params: SamplingParams) -> RequestLogitsProcessor | None:
         """The processor of a request with ``params``, or None when it takes none."""
-        raise NotImplementedError
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:

@@ -192,20 +192,40 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
-def request_phases(
-    last: EngineCoreOutput, first_token_time: float | None, last_token_time: float | None
-) -> dict[str, float]:
-    """A finished request's phases, vLLM's: queue (received to first scheduled), prefill (to
-    its first token), decode (first to last token), inference (scheduled to last token); only
-    those its times allow (none for a request never scheduled)."""
-    if not (last.queued_time and last.scheduled_time):
-        return {}
-    phases = {"queue": last.scheduled_time - last.queued_time}
-    if first_token_time is not None and last_token_time is not None:
-        phases["prefill"] = first_token_time - last.scheduled_time
-        phases["decode"] = last_token_time - first_token_time
-        phases["inference"] = last_token_time - last.scheduled_time
-    return {phase: max(seconds, 0.0) for phase, seconds in phases.items()}
+@dataclass
+class RequestTimes:
+    """An engine request's timeline as the front end's stat loggers see it (wall-clock seconds):
+    its arrival, its prompt's length, when its first and last tokens came, how many."""
+
+    arrival_time: float
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generated: int = 0
+
+    def add_tokens(self, count: int, now: float) -> float | None:
+        """``count`` tokens came ``now``; returns when the previous ones did (None: first)."""
+        previous = self.last_token_time
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        self.num_generated += count
+        return previous
+
+    def phases(self, last: EngineCoreOutput) -> dict[str, float]:
+        """The finished request's phases, vLLM's, from ``last`` (its last output, with the
+        engine core's times): queue (received to first scheduled), prefill (to its first
+        token), decode (first to last token), inference (scheduled to last token); only those
+        its times allow (none for a request never scheduled)."""
+        if not (last.queued_time and last.scheduled_time):
+            return {}
+        phases = {"queue": last.scheduled_time - last.queued_time}
+        first, final = self.first_token_time, self.last_token_time
+        if first is not None and final is not None:
+            phases["prefill"] = first - last.scheduled_time
+            phases["decode"] = final - first
+            phases["inference"] = final - last.scheduled_time
+        return {phase: max(seconds, 0.0) for phase, seconds in phases.items()}
 
 
 ACCEPTED_AT_KEY = "spec_decode_accepted_at:"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import (
@@ -36,7 +35,7 @@ from omniserve.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    request_phases,
+    RequestTimes,
 )
 
 logger = logging.getLogger(__name__)
@@ -89,22 +88,13 @@ _ENGINE_GAUGES = {  # scheduler_stats key -> (metric name, help)
 }
 
 
-@dataclass
-class _RequestTimes:
-    arrival_time: float
-    num_prompt_tokens: int
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    num_generated: int = 0
-
-
 class PrometheusStatLogger:
     """Engine load, token counts and per-request latencies, in a registry of its own."""
 
     def __init__(self, model_name: str, num_engines: int = 1, max_loras: int = 0) -> None:
         """``max_loras``: adapters per step with LoRA on (0: off, no LoRA metric)."""
         self.registry = CollectorRegistry()
-        self._requests: dict[str, _RequestTimes] = {}  # engine request id -> its timings
+        self._requests: dict[str, RequestTimes] = {}  # engine request id -> its timings
         # (engine rank, counter key) -> the engine's last cumulative value
         self._last_engine_counters: dict[tuple[int, str], float] = {}
         self._model_name = model_name
@@ -180,7 +170,7 @@ class PrometheusStatLogger:
 
     def record_new_requests(self, requests: Iterable[EngineCoreRequest]) -> None:
         for request in requests:
-            self._requests[request.request_id] = _RequestTimes(
+            self._requests[request.request_id] = RequestTimes(
                 request.arrival_time, len(request.prompt_token_ids)
             )
 
@@ -250,15 +240,13 @@ class PrometheusStatLogger:
         """The exposition body and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def _record_tokens(self, times: _RequestTimes, num_tokens: int, now: float) -> None:
-        if times.first_token_time is None:
-            times.first_token_time = now
+    def _record_tokens(self, times: RequestTimes, num_tokens: int, now: float) -> None:
+        previous = times.add_tokens(num_tokens, now)
+        if previous is None:
             self.ttft.observe(now - times.arrival_time)
             self.prompt_tokens.inc(times.num_prompt_tokens)
         else:
-            self.itl.observe(now - (times.last_token_time or now))
-        times.last_token_time = now
-        times.num_generated += num_tokens
+            self.itl.observe(now - previous)
         self.generation_tokens.inc(num_tokens)
 
     def _finish(
@@ -272,8 +260,7 @@ class PrometheusStatLogger:
         self._request_success.labels(self._model_name, reason).inc()
         self.e2e.observe(now - times.arrival_time)
         if last is not None:
-            phases = request_phases(last, times.first_token_time, times.last_token_time)
-            for phase, seconds in phases.items():
+            for phase, seconds in times.phases(last).items():
                 self._phases[phase].observe(seconds)
         if times.num_generated > 1 and times.first_token_time and times.last_token_time:
             self.tpot.observe(

@@ -23,7 +23,7 @@ from omniserve.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    request_phases,
+    RequestTimes,
 )
 from omniserve.sampling_params import SamplingParams
 
@@ -60,7 +60,7 @@ _PHASE_ATTRIBUTES = {
     "decode": SpanAttributes.LATENCY_TIME_IN_MODEL_DECODE,
     "inference": SpanAttributes.LATENCY_TIME_IN_MODEL_INFERENCE,
 }
-"""``messages.request_phases``' phases -> vLLM's span attributes."""
+"""``messages.RequestTimes.phases``' phases -> vLLM's span attributes."""
 
 
 def trace_headers(headers: Mapping[str, str]) -> dict[str, str] | None:
@@ -71,15 +71,11 @@ def trace_headers(headers: Mapping[str, str]) -> dict[str, str] | None:
 
 @dataclass
 class _Traced:
-    arrival_time: float
-    num_prompt_tokens: int
+    times: RequestTimes
     params: SamplingParams
     max_tokens: int
     parent: Any
     """The OpenTelemetry context the request's headers carried (None: a new trace)."""
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    num_generated: int = 0
 
 
 class RequestTracer:
@@ -101,8 +97,8 @@ class RequestTracer:
         parent = extract(headers) if headers else None
         for request in requests:
             self._requests[request.request_id] = _Traced(
-                request.arrival_time, len(request.prompt_token_ids), request.sampling_params,
-                request.max_tokens, parent,
+                RequestTimes(request.arrival_time, len(request.prompt_token_ids)),
+                request.sampling_params, request.max_tokens, parent,
             )  # fmt: skip
 
     def record(self, outputs: EngineCoreOutputs, processed: Any) -> None:
@@ -112,10 +108,7 @@ class RequestTracer:
             if traced is None:
                 continue
             if output.new_token_ids:
-                if traced.first_token_time is None:
-                    traced.first_token_time = now
-                traced.last_token_time = now
-                traced.num_generated += len(output.new_token_ids)
+                traced.times.add_tokens(len(output.new_token_ids), now)
             if output.finish_reason is not None:
                 self._finish(output.request_id, str(output.finish_reason), now, output)
         for request_id in getattr(processed, "reqs_to_abort", ()):  # stop strings
@@ -135,7 +128,7 @@ class RequestTracer:
         traced = self._requests.pop(request_id, None)
         if traced is None:
             return
-        params = traced.params
+        params, times = traced.params, traced.times
         attributes: dict[str, Any] = {
             SpanAttributes.REQUEST_ID: request_id,
             SpanAttributes.RESPONSE_MODEL: self.model_name,
@@ -143,22 +136,22 @@ class RequestTracer:
             SpanAttributes.REQUEST_TEMPERATURE: params.temperature,
             SpanAttributes.REQUEST_TOP_P: params.top_p,
             SpanAttributes.REQUEST_N: params.n,
-            SpanAttributes.USAGE_PROMPT_TOKENS: traced.num_prompt_tokens,
-            SpanAttributes.USAGE_COMPLETION_TOKENS: traced.num_generated,
+            SpanAttributes.USAGE_PROMPT_TOKENS: times.num_prompt_tokens,
+            SpanAttributes.USAGE_COMPLETION_TOKENS: times.num_generated,
             SpanAttributes.USAGE_NUM_SEQUENCES: 1,
-            SpanAttributes.LATENCY_E2E: now - traced.arrival_time,
+            SpanAttributes.LATENCY_E2E: now - times.arrival_time,
             SpanAttributes.FINISH_REASON: [reason],
         }
-        if traced.first_token_time is not None:
+        if times.first_token_time is not None:
             attributes[SpanAttributes.LATENCY_TIME_TO_FIRST_TOKEN] = (
-                traced.first_token_time - traced.arrival_time
+                times.first_token_time - times.arrival_time
             )
         if last is not None:
-            phases = request_phases(last, traced.first_token_time, traced.last_token_time)
-            attributes.update({_PHASE_ATTRIBUTES[phase]: s for phase, s in phases.items()})
+            attributes.update({_PHASE_ATTRIBUTES[phase]: seconds
+                               for phase, seconds in times.phases(last).items()})  # fmt: skip
         span = self.tracer.start_span(SPAN_NAME, context=traced.parent, kind=SpanKind.SERVER,
                                       attributes=attributes,
-                                      start_time=int(traced.arrival_time * 1e9))  # fmt: skip
+                                      start_time=int(times.arrival_time * 1e9))  # fmt: skip
         span.end(end_time=int(now * 1e9))
 
     def shutdown(self) -> None:

@@ -463,14 +463,14 @@ class EngineCore:
         self, method: str, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
         """Call a worker method (or its ``--worker-extension-cls`` extension's) on every
-        worker; the results by rank. After ``reload_weights`` the prefix cache is dropped: the
-        old weights computed its blocks."""
+        worker; the results by rank. A call that read the weights again (``reload_weights``)
+        drops the prefix cache: the old weights computed its blocks."""
         call = (method, tuple(args or ()), dict(kwargs or {}))
-        results = self.model_executor.collective_rpc("rpc", call)
-        if method == "reload_weights":
-            self.sleeping = []
+        replies = self.model_executor.collective_rpc("rpc", call)
+        _, reloaded, self.sleeping = replies[0]
+        if reloaded:
             self.reset_prefix_cache()
-        return results
+        return [result for result, _, _ in replies]
 
     def shutdown(self) -> None:
         self.structured_output.shutdown()

@@ -198,12 +198,15 @@ class Worker:
         self.sleeping: set[str] = set()
         """What ``sleep`` released: "kv_cache", and "weights" (``wake_up`` restores them)."""
         self.num_kv_blocks = self.num_talker_kv_blocks = 0  # (the engine core sets them)
+        self.weight_loads = 0
+        """How many times the weights were read (``rpc`` tells the engine core of a change)."""
         self._load_model()
 
     def _load_model(self) -> None:
         """Build the model, read its weights from ``weights_path`` and set up its kernels, LoRA
         slots and model runner."""
         config, model_config = self.config, self.config.model_config
+        self.weight_loads += 1
         model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
         start = time.perf_counter()
         # Parameters are created uninitialised (every one is then read from the checkpoint), so
@@ -464,8 +467,7 @@ class Worker:
     def reload_weights(self, weights_path: str | None = None) -> None:
         """Read the weights again, from ``weights_path`` (a checkpoint of this model's
         architecture and config; None: where they were read from), rebuilding the model and
-        its KV cache: vLLM's ``collective_rpc("reload_weights")`` (the engine core then drops
-        the prefix cache, whose blocks the old weights computed). A checkpoint whose tensors
+        its KV cache: vLLM's ``collective_rpc("reload_weights")``. A checkpoint whose tensors
         differ in name, shape or dtype is refused before anything is dropped."""
         if weights_path is not None:
             try:
@@ -484,15 +486,19 @@ class Worker:
         self.initialize_kv_cache(self.num_kv_blocks)
         self.initialize_talker_kv_cache(self.num_talker_kv_blocks)
 
-    def rpc(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def rpc(self, method: str, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, bool, list[str]]:
         """A ``collective_rpc`` call: this worker's method (or its extension's) by name; not
-        those the engine core calls itself, which keeps their state (steps, sleep, adapters)."""
+        those the engine core calls itself, which keeps their state (steps, sleep, adapters).
+        Returns the result, whether the call read the weights again (the engine core's prefix
+        cache then holds blocks of the old ones), and what sleeps now."""
         if method.startswith("_") or not callable(getattr(self, method, None)):
             raise ValueError(f"collective_rpc: the worker has no method {method!r}.")
         if method in _ENGINE_CALLS:
             raise ValueError(f"collective_rpc: the engine core calls {method} itself (sleep and "
                              "wake_up, steps and adapters have their own calls).")  # fmt: skip
-        return getattr(self, method)(*args, **kwargs)
+        loads = self.weight_loads
+        result = getattr(self, method)(*args, **kwargs)
+        return result, self.weight_loads != loads, sorted(self.sleeping)
 
     def add_lora(self, lora: LoRARequest) -> None:
         if self.lora_manager is None:  # the engine core refuses adapters first
