@@ -7,8 +7,9 @@ in Qwen2-VL. A video's ``<|vision_start|><|video_pad|><|vision_end|>`` becomes, 
 merge_size**2`` pads + ``<|vision_end|>``, where ``t`` is the mean time of the group's first and
 last frame (frame index / fps, the last frame repeated to fill the last group). Only the pads take
 embeddings (the range's ``is_embed``). This is the layout of Qwen's own processor and vLLM's;
-transformers 5.24's ``Qwen3VLProcessor`` replaces only the pad and so nests each group inside the
-template's markers, a layout the model was not trained on (tests pin the difference).
+transformers 5.23-5.24's ``Qwen3VLProcessor`` replaced only the pad and so nested each group
+inside the template's markers, a layout the model was not trained on (5.25 replaces the span;
+tests pin both).
 
 Timestamps follow HF on the frames' metadata: frame index / fps. A decoded file's frames carry
 the source's (their indices among its frames, its rate), so each group sits at its source frames'

@@ -18,10 +18,11 @@ import torch
 # omniserve's modality -> the keyword a Hugging Face processor takes it under
 _HF_MEDIA_KWARGS = {"image": "images", "video": "videos", "audio": "audio"}
 _BARE_VIDEO_PAD_PROCESSORS = ("Qwen3VLProcessor",)
-"""transformers 5.24's Qwen3-VL processor replaces only a video's pad, nesting its timestamped
-frame groups inside the chat template's ``<|vision_start|>..<|vision_end|>`` (Qwen's own
-processor and vLLM replace the whole span: the layout the model was trained on). Given the bare
-pad, the form its code keeps for vLLM, it lays the groups out as trained."""
+"""transformers 5.23-5.24's Qwen3-VL processor replaces only a video's pad, nesting its
+timestamped frame groups inside the chat template's ``<|vision_start|>..<|vision_end|>`` (Qwen's
+own processor, vLLM and transformers 5.25 replace the whole span: the layout the model was
+trained on). Given the bare pad, the form its code keeps for vLLM, every version lays the groups
+out as trained."""
 
 
 def hf_processor_text(processor: Any, text: str) -> str:
