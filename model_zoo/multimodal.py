@@ -13,8 +13,9 @@ layout of transformers' in-memory modules (e.g. ``model.visual.*`` /
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from typing import Any, ClassVar
 
 import torch
@@ -31,6 +32,8 @@ from model_zoo.decoder import DecoderForCausalLM, LanguageModel
 from omniserve.attention.encoder import segment_bounds
 from omniserve.layers.weight_utils import WeightRoute, load_weights_by_route, route_stacked
 from omniserve.transfers import upload
+
+logger = logging.getLogger(__name__)
 
 _DECODER_PREFIXES = ("model.", "lm_head.")
 
@@ -91,10 +94,15 @@ class MultiModalDecoderBase(LanguageModel, ABC):
     checkpoint_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
     """(checkpoint prefix, our prefix) renames for other layouts of the same weights; first
     match wins, names matching none are already ours."""
+    tower_modalities: ClassVar[dict[str, tuple[str, ...]]] = {}
+    """Each encoder module (by attribute name) -> the modalities it encodes: ``drop_towers``
+    leaves out those whose modalities are all turned off."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
+        self._dropped_prefixes: tuple[str, ...] = ()  # drop_towers'
+        self._skipped_tensors = 0
         # The composite config decides tying (transformers reads it there, not on text_config).
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         text_config = config.get_text_config()
@@ -104,6 +112,18 @@ class MultiModalDecoderBase(LanguageModel, ABC):
             tie_word_embeddings=self.tie_word_embeddings,
             rotary=self.make_rotary(text_config),
         )
+
+    def drop_towers(self, modalities_off: Set[str]) -> list[str]:
+        """Remove the encoder modules whose every modality is off (vLLM's ``--limit-mm-per-prompt``
+        0, ``--language-model-only``), before the weights are read: their parameters are never
+        allocated for real, and their checkpoint tensors are skipped when loading. Returns the
+        names removed."""
+        dropped = [name for name, modalities in self.tower_modalities.items()
+                   if set(modalities) <= modalities_off]  # fmt: skip
+        for name in dropped:
+            setattr(self, name, None)
+        self._dropped_prefixes = tuple(f"{name}." for name in dropped)
+        return dropped
 
     @classmethod
     def make_rotary(cls, text_config: PretrainedConfig) -> nn.Module | None:
@@ -150,10 +170,23 @@ class MultiModalDecoderBase(LanguageModel, ABC):
         if name.endswith(".inv_freq"):  # rotary buffers some checkpoints store
             return None
         if not name.startswith(_DECODER_PREFIXES):
+            if name.startswith(self._dropped_prefixes):
+                self._skipped_tensors += 1
+                return None
             return name, ()  # encoder parameters are whole, unfused tensors
         if self.tie_word_embeddings and name == "lm_head.weight":
             return None
         return route_stacked(name, self.text_family.stacked_params)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights_by_route(self, weights, self.route_weight)
+        return self.log_skipped_towers(load_weights_by_route(self, weights, self.route_weight))
+
+    def log_skipped_towers(self, loaded: set[str]) -> set[str]:
+        """``loaded``, after a log line of the tensors ``drop_towers`` skipped."""
+        if self._skipped_tensors:
+            logger.info(
+                "Skipped %d checkpoint tensors of %s: their modalities are turned off.",
+                self._skipped_tensors, ", ".join(p.rstrip(".") for p in self._dropped_prefixes),
+            )  # fmt: skip
+            self._skipped_tensors = 0
+        return loaded

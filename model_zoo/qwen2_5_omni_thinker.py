@@ -255,7 +255,7 @@ def load_omni_weights(
         routed = model.talker.route_weight(name.removeprefix("talker."))
         return None if routed is None else (f"talker.{routed[0]}", routed[1])
 
-    loaded = load_weights_by_route(model, weights, route)
+    loaded = model.log_skipped_towers(load_weights_by_route(model, weights, route))
     if skipped:
         logger.info(
             "Loaded the thinker of %s; skipped the speech sub-models (%s) as only text is served.",
@@ -271,6 +271,8 @@ class OmniThinkerBase(MultiModalDecoderBase):
 
     uses_mrope: ClassVar[bool] = True
     packed_attention_towers = ("visual", "audio_tower")
+    tower_modalities = {"visual": ("image", "video"), "audio_tower": ("audio",)}
+    """(A video's own soundtrack, ``use_audio_in_video``, needs audio on as well.)"""
     placeholders: ClassVar[dict[str, str]]
     # transformers' module names -> the hub names we use
     checkpoint_prefixes = (

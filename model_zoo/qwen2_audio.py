@@ -36,6 +36,7 @@ from processors.qwen2_audio import (
 )
 class Qwen2AudioForConditionalGeneration(MultiModalDecoderBase):
     text_family = Qwen2ForCausalLM
+    tower_modalities = {"audio_tower": ("audio",), "multi_modal_projector": ("audio",)}
     # hub layout (language model nested) and transformers' module names -> ours
     checkpoint_prefixes = (
         ("language_model.model.", "model."),

@@ -67,6 +67,7 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
     uses_mrope: ClassVar[bool] = True
     text_family = Qwen2ForCausalLM
     packed_attention_towers = ("visual",)
+    tower_modalities = {"visual": ("image", "video")}
     vision_tower_cls: ClassVar[type[nn.Module]] = Qwen2VisionTransformerPretrainedModel
     # transformers' module names -> the hub names we use
     checkpoint_prefixes = (("model.language_model.", "model."), ("model.visual.", "visual."))

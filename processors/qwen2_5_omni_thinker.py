@@ -331,7 +331,8 @@ class Qwen2_5OmniThinkerMultiModalProcessor(Qwen2VLMultiModalProcessor):
         """vLLM's offline form of videos with their audio: ``{"video": v, "audio": a}`` with
         ``use_audio_in_video`` and no track inside any video, audio item i the track of video i
         (only the videos have placeholders). Each track joins its video, as if the video had
-        carried it. When videos carry their tracks, audio items are clips of their own."""
+        carried it. When videos carry their tracks, audio items are clips of their own.
+        With audio turned off (its encoder is not loaded) no video may bring its track."""
         mm_items = super()._to_mm_items(mm_data, mm_kwargs)
         videos = mm_items.get("video")
         if not (
@@ -340,6 +341,7 @@ class Qwen2_5OmniThinkerMultiModalProcessor(Qwen2VLMultiModalProcessor):
             and isinstance(videos, OmniVideoProcessorItems)
             and all(track is None for track in videos.audios)
         ):
+            self._check_tracks_allowed(mm_items, mm_kwargs)
             return mm_items
         clips = mm_items.pop("audio")
         if len(clips) != len(videos):
@@ -350,7 +352,26 @@ class Qwen2_5OmniThinkerMultiModalProcessor(Qwen2VLMultiModalProcessor):
                 modality="audio",
             )
         videos.audios = list(clips.items)
+        self._check_tracks_allowed(mm_items, mm_kwargs)
         return mm_items
+
+    def _check_tracks_allowed(
+        self, mm_items: MultiModalDataItems, mm_kwargs: Mapping[str, object]
+    ) -> None:
+        videos = mm_items.get("video")
+        if (
+            uses_audio_in_video(mm_kwargs)
+            and isinstance(videos, OmniVideoProcessorItems)
+            and any(track is not None for track in videos.audios)
+            and self.info.get_allowed_mm_limits().get("audio") == 0
+        ):
+            raise MultiModalInputError(
+                "use_audio_in_video needs the audio encoder for the videos' soundtracks, and "
+                "this server turns audio off (--limit-mm-per-prompt audio: 0 or "
+                "--language-model-only)",
+                stage="process",
+                modality="video",
+            )
 
     def _call_hf_processor(
         self, mm_data: Mapping[str, Any], mm_kwargs: Mapping[str, object]

@@ -140,7 +140,8 @@ def segmented_sdpa(
 
 
 def _towers(model: nn.Module) -> list[nn.Module]:
-    return [getattr(model, name) for name in getattr(model, "packed_attention_towers", ())]
+    towers = [getattr(model, name) for name in getattr(model, "packed_attention_towers", ())]
+    return [tower for tower in towers if tower is not None]  # (None: ``drop_towers``')
 
 
 def pack_towers(model: nn.Module) -> None:

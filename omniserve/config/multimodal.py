@@ -47,6 +47,10 @@ class MultiModalConfig:
     """vLLM's: the GPU start-up memory profile runs the text step only, so the KV cache takes
     what media would need at their peak (the user's to leave room for)."""
 
+    def modalities_off(self) -> frozenset[str]:
+        """The modalities no prompt may carry (limit 0): their encoders are not even loaded."""
+        return frozenset(m for m, limit in self.limit_mm_per_prompt.items() if limit == 0)
+
     def __post_init__(self) -> None:
         if not 0 <= self.mm_processor_cache_gb < float("inf"):
             raise ValueError(

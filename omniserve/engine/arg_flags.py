@@ -14,7 +14,7 @@ from omniserve.config import (
 )
 from omniserve.config.multimodal import MM_ENCODER_ATTN_BACKENDS
 from omniserve.config.structured_outputs import REASONING_TAGS
-from omniserve.engine.arg_checks import TASK_RUNNERS, token_count, vllm_flags
+from omniserve.engine.arg_checks import TASK_RUNNERS, number_in, token_count, vllm_flags
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -342,6 +342,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--disable-mm-preprocessor-cache",
         action="store_true",
         help="vLLM's older spelling of --mm-processor-cache-gb 0.",
+    )
+    mm.add_argument(
+        "--language-model-only",
+        action="store_true",
+        help="Serve text alone: every modality's limit is 0, so the vision and audio "
+        "encoders are not loaded (as --limit-mm-per-prompt with 0 for a modality leaves out "
+        "the encoders only it needs).",
     )
     mm.add_argument(
         "--skip-mm-profiling",

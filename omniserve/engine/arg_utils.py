@@ -160,6 +160,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool | None = True  # None: on
     long_prefill_token_threshold: int = 0
+    stream_interval: int = 1
     scheduling_policy: str = "fcfs"
     async_scheduling: bool | None = False  # None: off
     max_num_encoder_input_tokens: int | None = None
@@ -176,6 +177,7 @@ class EngineArgs:
     disable_mm_preprocessor_cache: bool = False
     """vLLM's older spelling of ``mm_processor_cache_gb=0``."""
     skip_mm_profiling: bool = False
+    language_model_only: bool = False
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     allow_private_media_urls: bool = False
@@ -255,6 +257,13 @@ class EngineArgs:
                 else max(default_batched_tokens, max_len)
             )
         limits, profile_sizes = _limits(self.limit_mm_per_prompt)
+        if self.language_model_only:
+            from omniserve.multimodal.parse import MODALITIES
+
+            if on := {m: n for m, n in limits.items() if n}:
+                raise ValueError(f"--language-model-only turns every modality off, but "
+                                 f"--limit-mm-per-prompt allows {on}.")  # fmt: skip
+            limits = dict.fromkeys(MODALITIES, 0)
         config = OmniConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -273,6 +282,7 @@ class EngineArgs:
                 max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill is not False,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                stream_interval=self.stream_interval,
                 policy=self.scheduling_policy,
                 async_scheduling=bool(self.async_scheduling),
                 # Default: as large as the step's token budget, and never below 8192 embeddings.

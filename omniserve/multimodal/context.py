@@ -270,6 +270,13 @@ class BaseProcessingInfo(ABC):
                     modality=modality,
                 )
             limit = allowed[modality]
+            if limit == 0 and count:
+                raise MultiModalInputError(
+                    f"this server takes no {modality} input (--limit-mm-per-prompt "
+                    f"{modality}: 0, or --language-model-only)",
+                    stage="process",
+                    modality=modality,
+                )
             if limit is not None and count > limit:
                 raise MultiModalInputError(
                     f"{count} {modality} items given but at most {limit} per prompt are allowed "

@@ -214,6 +214,11 @@ class Worker:
         stored = checkpoint_tensor_shapes(self.weights_path)
         with torch.device(self.device), default_dtype(self.dtype), skip_weight_init():
             model = model_cls(self.hf_config)
+            off = config.multimodal_config.modalities_off()
+            drop_towers = getattr(model, "drop_towers", None)  # (multimodal models')
+            if off and drop_towers is not None and (dropped := drop_towers(off)):
+                logger.info("Not loading %s: --limit-mm-per-prompt turns %s off.",
+                            ", ".join(dropped), ", ".join(sorted(off)))  # fmt: skip
             quantized: QuantizedModel | None = None
             if (quantization := model_config.quantization_config) is not None:
                 quantized = quantize_layers(model, quantization, stored)
