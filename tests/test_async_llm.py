@@ -11,6 +11,7 @@ from omniserve import SamplingParams
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.engine.async_llm import AsyncLLM
 from omniserve.outputs import RequestOutput
+from omniserve.sampling_params import RequestOutputKind
 from tests.hf_reference import make_prompts
 
 
@@ -71,3 +72,27 @@ def test_generate_many_adds_together_and_all_or_nothing(tiny_checkpoint: Any) ->
             engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_stream_interval_batches_streamed_tokens(tiny_checkpoint: Any) -> None:
+    """--stream-interval 4: a streamed answer of 10 tokens arrives as 1 + 4 + 4 + 1 tokens,
+    the same tokens as streaming each one."""
+    model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))
+    (prompt,) = make_prompts(model_dir, [9])
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
+
+    async def stream(interval: int) -> list[list[int]]:
+        engine = AsyncLLM.from_engine_args(EngineArgs(
+            model_dir, max_model_len=256, kv_cache_memory="16MiB", stream_interval=interval
+        ))  # fmt: skip
+        try:
+            return [list(o.outputs[0].token_ids) async for o in
+                    engine.generate({"prompt_token_ids": prompt}, params, "s")]  # fmt: skip
+        finally:
+            engine.shutdown()
+
+    each, grouped = asyncio.run(stream(1)), asyncio.run(stream(4))
+    assert [len(ids) for ids in each] == [1] * 10
+    assert [len(ids) for ids in grouped] == [1, 4, 4, 1]
+    assert sum(grouped, []) == sum(each, [])

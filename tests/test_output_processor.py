@@ -270,3 +270,28 @@ def test_without_detokenization_text_stays_empty() -> None:
     completion = output.outputs[0]
     assert completion.text == "" and completion.token_ids == [3]
     assert completion.logprobs is not None and completion.logprobs[0][3].decoded_token is None
+
+
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE])
+def test_stream_interval_sends_the_first_token_then_every_few_and_the_end(
+    tokenizer: Any, kind: RequestOutputKind
+) -> None:
+    """vLLM's --stream-interval 3: outputs after tokens 1, 4, 7 and at the end (8), the held
+    tokens carried by the next output, so the deltas add up to the whole answer."""
+    processor = OutputProcessor(tokenizer, stream_interval=3)
+    add(processor, tokenizer, output_kind=kind)
+    ids = tokenizer.encode(" one two three four five six seven eight")[:8]
+    assert len(ids) == 8
+    sent: list[tuple[int, RequestOutput]] = []
+    for step, token in enumerate(ids, 1):
+        finish = FinishReason.LENGTH if step == len(ids) else None
+        for output in processor.process_outputs([out("r", [token], finish)]).request_outputs:
+            sent.append((step, output))
+    assert [step for step, _ in sent] == [1, 4, 7, 8]
+    if kind == DELTA:
+        assert [len(o.outputs[0].token_ids) for _, o in sent] == [1, 3, 3, 1]
+        assert sum((o.outputs[0].token_ids for _, o in sent), []) == ids
+        assert "".join(o.outputs[0].text for _, o in sent) == tokenizer.decode(ids)
+    else:
+        assert [len(o.outputs[0].token_ids) for _, o in sent] == [1, 4, 7, 8]
+    assert sent[-1][1].finished and not processor.has_unfinished_requests()

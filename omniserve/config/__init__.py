@@ -445,6 +445,9 @@ class SchedulerConfig:
     """Split long prompts across steps; when off a prompt must fit one step's budget."""
     long_prefill_token_threshold: int = 0
     """Cap on one request's prefill tokens per step (0: no cap), so decodes keep flowing."""
+    stream_interval: int = 1
+    """vLLM's: a streamed request's output goes out once this many new tokens are in (its
+    first token and its end at once), fewer outputs for the front end to make and send."""
     max_num_encoder_input_tokens: int = 8192
     """Encoder compute budget of one step, in embeddings."""
     encoder_cache_size: int = 8192
@@ -469,6 +472,7 @@ class SchedulerConfig:
             "max_model_len",
             "max_num_encoder_input_tokens",
             "encoder_cache_size",
+            "stream_interval",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")

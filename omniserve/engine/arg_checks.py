@@ -178,7 +178,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--model-loader-extra-config": ({}, "model loader settings"),
     "--mm-encoder-tp-mode": ({"choices": ["weights", "data"]}, "a tensor-parallel mode for towers"),
     "--kv-sharing-fast-prefill": ({"action": "store_true"}, "KV-sharing fast prefill"),
-    "--stream-interval": ({"type": int}, "streaming several tokens per chunk"),
     "--h11-max-header-count": ({"type": int}, "a cap on HTTP header count"),
     "--tool-server": ({}, "tool servers for the Responses API"),
     "--tokens-only": ({"action": "store_true"}, "a tokens-only server"),

@@ -268,6 +268,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=0,
         help="Cap one request's prefill tokens per step (0: no cap).",
     )
+    add(
+        "--stream-interval",
+        type=number_in(int, 1),
+        default=1,
+        help="Send a streamed request's output once this many new tokens are in (its first "
+        "token and its end at once): fewer, larger chunks, less front-end work per token.",
+    )
     add("--tensor-parallel-size", "-tp", type=int, default=1, help="Tensor-parallel ranks.")
     add("--pipeline-parallel-size", "-pp", type=int, default=1, help="Pipeline stages.")
     add(

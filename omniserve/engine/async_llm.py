@@ -84,7 +84,9 @@ class AsyncLLM:
             serving=True,  # vLLM's server rules for max_tokens
         )
         self.tokenizer = self.processor.tokenizer
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, config.scheduler_config.stream_interval
+        )
         self.adapters = AddedAdapters()
         self.default_mm_loras = default_mm_lora_requests(config.lora_config)
         self.asleep = False  # (``sleep``)

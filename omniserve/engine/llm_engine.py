@@ -43,7 +43,9 @@ class LLMEngine:
             config, lambda: client(config), engine_in_other_process=in_other_process
         )
         self.tokenizer = self.processor.tokenizer
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, config.scheduler_config.stream_interval
+        )
         self.adapters = AddedAdapters()
         self.default_mm_loras = default_mm_lora_requests(config.lora_config)
         self.asleep = False  # (``sleep``)

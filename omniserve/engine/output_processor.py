@@ -72,6 +72,16 @@ class _ChildState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def due(self, stream_interval: int) -> bool:
+        """Whether a streamed output should carry this child's news now: its first token, its
+        end, new audio, or ``stream_interval`` tokens not yet sent."""
+        return (
+            self.finished
+            or self.num_sent_tokens == 0
+            or len(self.token_ids) - self.num_sent_tokens >= stream_interval
+            or (self.audio_chunks is not None and len(self.audio_chunks) > self.num_sent_chunks)
+        )
+
     def completion(self, delta: bool) -> CompletionOutput:
         """This child's output now: everything so far, or only what is new (``delta``)."""
         text = ""
@@ -126,16 +136,18 @@ class _ParentState:
     def finished(self) -> bool:
         return all(child.finished for child in self.children)
 
-    def make_output(self) -> RequestOutput | None:
-        """The RequestOutput to emit after a change, or None when ``output_kind`` says wait."""
+    def make_output(self, stream_interval: int = 1) -> RequestOutput | None:
+        """The RequestOutput to emit after a change, or None when ``output_kind`` says wait
+        (or, streaming, until a child is ``due``: the news stay marked until then)."""
         kind = self.params.output_kind
         finished = self.finished
-        if not any(c.changed for c in self.children) or (
-            kind == RequestOutputKind.FINAL_ONLY and not finished
-        ):
+        changed = [c for c in self.children if c.changed]
+        if not changed or (kind == RequestOutputKind.FINAL_ONLY and not finished):
+            return None
+        if stream_interval > 1 and not any(c.due(stream_interval) for c in changed):
             return None
         delta = kind == RequestOutputKind.DELTA
-        children = [c for c in self.children if c.changed] if delta else self.children
+        children = changed if delta else self.children
         for child in self.children:
             child.changed = False
         prompt_logprobs = None
@@ -164,8 +176,10 @@ class _ParentState:
 class OutputProcessor:
     """Front-end state of every unfinished request; see the module docstring."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stream_interval: int = 1) -> None:
+        """``stream_interval``: ``SchedulerConfig.stream_interval``."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
         self._parents: dict[str, _ParentState] = {}  # request_id -> parent
         self._children: dict[str, _ChildState] = {}  # engine request id -> unfinished child
@@ -372,7 +386,7 @@ class OutputProcessor:
 
     def _emit(self, parent: _ParentState, result: OutputProcessorOutput | None) -> None:
         """Send (or collect into ``result``) the parent's output; drop it once finished."""
-        request_output = parent.make_output()
+        request_output = parent.make_output(self.stream_interval)
         if parent.finished:
             self._parents.pop(parent.request_id, None)
         if request_output is None:
