@@ -177,8 +177,9 @@ def test_run_batch_takes_the_same_vllm_flags(caplog):
     with caplog.at_level("INFO", logger="omniserve.engine.arg_checks"):
         args.check_flags(parser, args)
     assert "--trust-remote-code has no effect here" in caplog.text
-    args = parser.parse_args(["serve", "-O0"])  # vLLM's short form: no compilation
+    args = parser.parse_args(["serve", "-O0"])  # vLLM's optimization level 0: no graphs
     args.check_flags(parser, args)
+    assert args.optimization_level == 0
     assert parser.parse_args(["serve", "--shutdown-timeout", "inf"]).shutdown_timeout == float(
         "inf"
     )
@@ -197,8 +198,6 @@ def test_serve_refuses_flags_of_missing_features(capsys):
         (["--shutdown-timeout", "-1"], "argument --shutdown-timeout: -1 is not in [0, inf]"),
         (["--allowed-origins", '"http://a.com"'], "is not a JSON list of strings"),
         (["--allowed-headers", '["x", 1]'], "is not a JSON list of strings"),
-        (["--compilation-config", '{"level": 3}'], "--compilation-config: torch.compile"),
-        (["-O3"], "--compilation-config: torch.compile"),
         (["--enable-lora", "--lora-modules", "a"], "--lora-modules 'a': expected name=path"),
         (
             ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'],

@@ -25,10 +25,11 @@ def test_ladder() -> None:
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert graph_batch_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
     assert graph_batch_sizes(10_000)[-1] == MAX_GRAPH_BATCH
-    # --cuda-graph-sizes: one size is the ladder's top, several the sizes a batch can reach
-    assert graph_batch_sizes(256, [20]) == [1, 2, 4, 8, 16, 20]
-    assert graph_batch_sizes(16, [64]) == [1, 2, 4, 8, 16]
+    # a top (one --cuda-graph-sizes value), or the sizes themselves (those a batch can reach)
+    assert graph_batch_sizes(256, max_size=20) == [1, 2, 4, 8, 16, 20]
+    assert graph_batch_sizes(16, max_size=64) == [1, 2, 4, 8, 16]
     assert graph_batch_sizes(64, [32, 1, 8, 128]) == [1, 8, 32]
+    assert graph_batch_sizes(64, [8]) == [8]
 
 
 def test_padding_picks_the_next_captured_size() -> None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from omniserve.engine.arg_checks import check_vllm_only, without_vllm_only
@@ -105,10 +107,6 @@ def test_vllm_settings_of_the_python_api(caplog):
     with pytest.raises(ValueError, match="--cpu-offload-gb: weight offloading is not implemented"):
         check_vllm_only({"cpu_offload_gb": 4})
     assert without_vllm_only({"trust_remote_code": True, "seed": 1}) == {"seed": 1}
-    check_vllm_only({"compilation_config": '{"level": 0}'})  # no compilation: what runs here
-    check_vllm_only({"compilation_config": {"mode": 0}})
-    with pytest.raises(ValueError, match="--compilation-config: torch.compile"):
-        check_vllm_only({"compilation_config": '{"level": 3}'})
     # vLLM's names: logged, refused naming the feature, or renamed to this engine's
     with caplog.at_level("INFO", logger="omniserve.engine.arg_checks"):
         kept = without_vllm_only({"revision": "main", "model_impl": "auto",
@@ -233,15 +231,50 @@ def test_cuda_graph_sizes_and_renamed_pooler_config(tiny_checkpoint) -> None:
     import argparse
 
     model = str(tiny_checkpoint("Qwen2ForCausalLM"))
-    assert EngineArgs(model, cuda_graph_sizes=[8, 16]).create_config().model_config \
-        .cuda_graph_sizes == (8, 16)  # fmt: skip
-    assert EngineArgs(model, max_cudagraph_capture_size=32).create_config().model_config \
-        .cuda_graph_sizes == (32,)  # fmt: skip
-    with pytest.raises(ValueError, match="are one setting"):
+
+    def graphs(**kwargs: Any) -> tuple[bool, tuple[int, ...], int | None]:
+        config = EngineArgs(model, **kwargs).create_config().model_config
+        return config.enforce_eager, config.cuda_graph_sizes, config.max_cudagraph_capture_size
+
+    assert graphs() == (False, (), None)
+    assert graphs(cuda_graph_sizes=[8, 16]) == (False, (8, 16), None)
+    assert graphs(cuda_graph_sizes=[32]) == graphs(max_cudagraph_capture_size=32) == (
+        False, (), 32)  # fmt: skip
+    # vLLM's --compilation-config: its graph keys take effect (a one-size list is that size)
+    assert graphs(compilation_config={"cudagraph_capture_sizes": [16, 4, 4]}) == (
+        False, (4, 16), None)  # fmt: skip
+    assert graphs(compilation_config='{"cudagraph_capture_sizes": [8]}') == (False, (8,), None)
+    assert graphs(compilation_config={"max_cudagraph_capture_size": 64, "mode": 3}) == (
+        False, (), 64)  # fmt: skip
+    assert graphs(compilation_config={"cudagraph_mode": "NONE"})[0]
+    assert graphs(compilation_config={"use_cudagraph": False})[0]
+    assert graphs(optimization_level=0)[0] and not graphs(optimization_level=3)[0]
+    assert not graphs(compilation_config=3)[0]  # a bare number: torch.compile's mode
+    for bad, message in (
+        ({"cudagraph_mode": "ALL"}, "cudagraph_mode must be one of NONE, PIECEWISE"),
+        ({"cudagraph_capture_sizes": [0]}, "cudagraph_capture_sizes must be a list of batch"),
+        ({"max_cudagraph_capture_size": True}, "max_cudagraph_capture_size must be a batch"),
+        ({"use_cudagraph": "no"}, "use_cudagraph must be true or false"),
+        ({"cuda_graph_sizes": [1]}, r"unknown key\(s\) cuda_graph_sizes \(vLLM's keys: "),
+        ("{level: 3}", "--compilation-config is not JSON"),
+        ("[1]", "--compilation-config must be a JSON object"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            graphs(compilation_config=bad)
+    with pytest.raises(ValueError, match="-O/--optimization-level must be 0-3"):
+        graphs(optimization_level=4)
+    with pytest.raises(ValueError, match="--cuda-graph-sizes and --max-cudagraph-capture-size "
+                       "are one setting"):  # fmt: skip
         EngineArgs(model, cuda_graph_sizes=[8], max_cudagraph_capture_size=8).create_config()
+    with pytest.raises(ValueError, match="--cuda-graph-sizes and --compilation-config "
+                       "cudagraph_capture_sizes are one setting"):  # fmt: skip
+        graphs(cuda_graph_sizes=[8, 16], compilation_config={"cudagraph_capture_sizes": [8]})
     with pytest.raises(ValueError, match="batch sizes >= 1"):
         EngineArgs(model, cuda_graph_sizes=[0]).create_config()
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args(["--cuda-graph-sizes", "1", "4", "--override-pooler-config",
                               '{"pooling_type": "MEAN"}'])  # fmt: skip
     assert args.cuda_graph_sizes == [1, 4] and args.pooler_config == '{"pooling_type": "MEAN"}'
+    args = parser.parse_args(["-O0", "-cc", '{"cudagraph_mode": "FULL_AND_PIECEWISE"}'])
+    assert (args.optimization_level, args.compilation_config) == (
+        0, '{"cudagraph_mode": "FULL_AND_PIECEWISE"}')  # fmt: skip

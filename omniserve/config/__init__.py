@@ -66,8 +66,10 @@ class ModelConfig:
     enforce_eager: bool = False
     """Run decode steps eagerly instead of replaying captured CUDA graphs."""
     cuda_graph_sizes: tuple[int, ...] = ()
-    """Decode batch sizes captured (vLLM's --cuda-graph-sizes): one is the ladder's top,
-    several are the sizes; (): the ladder up to max_num_seqs."""
+    """The decode batch sizes captured (vLLM's several --cuda-graph-sizes, or
+    ``cudagraph_capture_sizes``); (): vLLM's ladder (``cuda_graph.graph_batch_sizes``)."""
+    max_cudagraph_capture_size: int | None = None
+    """The ladder's top (vLLM's one --cuda-graph-sizes value); None: max_num_seqs."""
     seed: int | None = 0
     """Seed for the engine's global RNG (requests may bring their own); None: not seeded."""
     served_model_name: str = ""

@@ -153,10 +153,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--cpu-offload-gb": ({"type": float}, "weight offloading"),
     "--kv-transfer-config": ({}, "KV transfer between instances"),
     "--enable-expert-parallel": ({"action": "store_true"}, "expert parallelism"),
-    "--compilation-config": (
-        {},
-        "torch.compile (decode steps replay CUDA graphs; --enforce-eager turns them off)",
-    ),
     "--collect-detailed-traces": (
         {},
         "detailed (model forward and execute) trace spans; --otlp-traces-endpoint traces requests",
@@ -205,8 +201,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--additional-config": ({}, "platform-specific settings"),
 }
 """vLLM's flags for features omniserve does not have: start-up fails naming the feature."""
-FLAG_ALIASES = {"--compilation-config": ("-O",)}
-"""vLLM's short spellings: ``-O0`` is ``--compilation-config 0``."""
 
 
 def check_vllm_only(values: dict[str, Any]) -> None:
@@ -230,17 +224,7 @@ def _dest(flag: str) -> str:
 
 
 def _asks_nothing(value: object) -> bool:
-    """A setting's value that turns its feature off: unset, false, 0, or a JSON object of zeros
-    (``--compilation-config '{"level": 0}'``, or vLLM's -O0)."""
-    if isinstance(value, str) and value.strip().isdigit():  # -O0
-        value = int(value)
-    if isinstance(value, str) and value.lstrip().startswith("{"):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            return False
-    if isinstance(value, dict):
-        return bool(value) and all(setting == 0 for setting in value.values())
+    """A setting's value that turns its feature off: unset, false or 0."""
     return value is None or value is False or value == 0
 
 

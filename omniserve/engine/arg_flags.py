@@ -15,6 +15,7 @@ from omniserve.config import (
 from omniserve.config.multimodal import MM_ENCODER_ATTN_BACKENDS
 from omniserve.config.structured_outputs import REASONING_TAGS
 from omniserve.engine.arg_checks import TASK_RUNNERS, number_in, token_count, vllm_flags
+from omniserve.engine.compilation_config import OPTIMIZATION_LEVELS
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -63,6 +64,23 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         type=int,
         default=None,
         help="The ladder's top (vLLM's newer spelling of one --cuda-graph-sizes value).",
+    )
+    add(
+        "--compilation-config",
+        "-cc",
+        default=None,
+        help="vLLM's compilation settings (JSON): cudagraph_mode (NONE: no decode graphs), "
+        "cudagraph_capture_sizes and max_cudagraph_capture_size take effect; torch.compile's "
+        "keys (mode, backend, passes, ...) change nothing here (no torch.compile runs).",
+    )
+    add(
+        "-O",
+        "--optimization-level",
+        type=int,
+        choices=OPTIMIZATION_LEVELS,
+        default=None,
+        help="vLLM's optimization level: -O0 captures no decode graphs (fastest start); "
+        "-O1 to -O3 are the default here.",
     )
     add("--seed", type=int, default=0, help="Engine RNG seed.")
     add(

@@ -31,6 +31,7 @@ from omniserve.config import (
 from omniserve.config.hf_overrides import overrides_of
 from omniserve.engine.arg_checks import TASK_RUNNERS
 from omniserve.engine.arg_flags import add_engine_flags
+from omniserve.engine.compilation_config import GraphSettings, read_compilation_config
 from omniserve.field_types import check_types
 from omniserve.plugins import run_plugin_file
 from omniserve.sampling_params import SEED_MAX, SEED_MIN
@@ -127,6 +128,10 @@ class EngineArgs:
     cuda_graph_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
     """vLLM's newer spelling of a one-size ``cuda_graph_sizes``."""
+    compilation_config: dict[str, Any] | str | int | None = None
+    """vLLM's (``engine/compilation_config.py``: its CUDA-graph keys take effect)."""
+    optimization_level: int | None = None
+    """vLLM's -O0..-O3: 0 captures no decode graphs."""
     seed: int | None = 0
     max_model_len: int | None = None
     served_model_name: str | list[str] | None = None
@@ -213,6 +218,8 @@ class EngineArgs:
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}.")
 
     def create_config(self, *, default_batched_tokens: int = 8192) -> OmniConfig:
+        graphs = read_compilation_config(self.compilation_config, self.optimization_level)
+        graph_sizes, graph_max = self._graph_sizes(graphs)
         model_config = ModelConfig.from_path(
             self.model,
             tokenizer=self.tokenizer,
@@ -221,8 +228,9 @@ class EngineArgs:
             quantization=self.quantization,
             device=self.device,
             attention_backend=self.attention_backend,
-            enforce_eager=self.enforce_eager,
-            cuda_graph_sizes=self._graph_sizes(),
+            enforce_eager=self.enforce_eager or graphs.eager,
+            cuda_graph_sizes=graph_sizes,
+            max_cudagraph_capture_size=graph_max,
             seed=self.seed,
             served_model_name=self._served_name(),
             generation_config=self.generation_config,
@@ -374,15 +382,28 @@ class EngineArgs:
             return model_config
         return dataclasses.replace(model_config, logits_processors=classes)
 
-    def _graph_sizes(self) -> tuple[int, ...]:
-        sizes, top = self.cuda_graph_sizes or [], self.max_cudagraph_capture_size
-        if sizes and top is not None:
-            raise ValueError("--cuda-graph-sizes and --max-cudagraph-capture-size are one "
-                             "setting: give one of them.")  # fmt: skip
-        sizes = sizes or ([top] if top is not None else [])
+    def _graph_sizes(self, graphs: GraphSettings) -> tuple[tuple[int, ...], int | None]:
+        """(the captured sizes, the ladder's top) from the flags that set them: several
+        --cuda-graph-sizes or ``cudagraph_capture_sizes`` are the sizes; one
+        --cuda-graph-sizes, --max-cudagraph-capture-size or ``max_cudagraph_capture_size``
+        the top."""
+        sizes = self.cuda_graph_sizes or []
         if any(size < 1 for size in sizes):
             raise ValueError(f"--cuda-graph-sizes must be batch sizes >= 1, got {sizes}.")
-        return tuple(sizes)
+        given = [
+            (name, value) for name, value in (
+                ("--cuda-graph-sizes", tuple(sizes) if len(sizes) > 1 else None),
+                ("--cuda-graph-sizes", sizes[0] if len(sizes) == 1 else None),
+                ("--max-cudagraph-capture-size", self.max_cudagraph_capture_size),
+                ("--compilation-config cudagraph_capture_sizes", graphs.sizes),
+                ("--compilation-config max_cudagraph_capture_size", graphs.max_size),
+            ) if value is not None
+        ]  # fmt: skip
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(name for name, _ in given)} are one setting: give "
+                             "one of them.")  # fmt: skip
+        value = given[0][1] if given else ()
+        return (value, None) if isinstance(value, tuple) else ((), value)
 
     def _served_name(self) -> str:
         names = self.served_model_name

@@ -8,7 +8,6 @@ import sys
 
 from omniserve.config import SpeculativeConfig
 from omniserve.engine.arg_checks import (
-    FLAG_ALIASES,
     MISSING_FEATURE_FLAGS,
     NO_EFFECT_FLAGS,
     check_vllm_only,
@@ -403,7 +402,7 @@ def _add_serving_args(group: argparse._ArgumentGroup) -> None:
 def _add_compat_args(group: argparse._ArgumentGroup) -> None:
     """vLLM's flags that mean nothing here or name a missing feature (``serve``, ``run-batch``)."""
     for flag, (kwargs, why) in {**NO_EFFECT_FLAGS, **MISSING_FEATURE_FLAGS}.items():
-        group.add_argument(flag, *FLAG_ALIASES.get(flag, ()), default=None, help=why, **kwargs)
+        group.add_argument(flag, default=None, help=why, **kwargs)
 
 
 def _add_config_arg(parser: argparse.ArgumentParser) -> None:

@@ -33,15 +33,16 @@ MAX_GRAPH_BATCH = 512
 amortised over many rows)."""
 
 
-def graph_batch_sizes(max_num_seqs: int, requested: Sequence[int] = ()) -> list[int]:
-    """vLLM's ladder: 1, 2, 4, then every multiple of 8 up to the batch limit; ``requested``
-    (vLLM's ``--cuda-graph-sizes``): one size is the ladder's top, several are the sizes (those
-    a batch can reach)."""
+def graph_batch_sizes(
+    max_num_seqs: int, requested: Sequence[int] = (), max_size: int | None = None
+) -> list[int]:
+    """vLLM's ladder: 1, 2, 4, then every multiple of 8 up to the batch limit (or
+    ``max_size``); ``requested``: the sizes instead (those a batch can reach)."""
     top = min(max_num_seqs, MAX_GRAPH_BATCH)
-    if len(requested) > 1:
-        return sorted({size for size in requested if size <= top})
     if requested:
-        top = min(top, requested[0])
+        return sorted({size for size in requested if size <= top})
+    if max_size is not None:
+        top = min(top, max_size)
     sizes = [size for size in (1, 2, 4) if size <= top] + list(range(8, top + 1, 8))
     if sizes[-1] != top:
         sizes.append(top)

@@ -207,7 +207,9 @@ class ModelRunner:
             self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions)
 
     @torch.inference_mode()
-    def capture_decode_graphs(self, requested: Sequence[int] = ()) -> list[int]:
+    def capture_decode_graphs(
+        self, requested: Sequence[int] = (), max_size: int | None = None
+    ) -> list[int]:
         """Capture the decode forward at each size of the ladder (after the KV cache exists);
         returns the sizes, none where a layer's attention backend plans on the host or LoRA is
         on (its token groups change with every step)."""
@@ -215,7 +217,7 @@ class ModelRunner:
             layer.backend.supports_cuda_graphs for layer in get_attention_layers(self.model)
         ):
             return []
-        sizes = graph_batch_sizes(self.max_num_seqs, requested)  # (requested: --cuda-graph-sizes)
+        sizes = graph_batch_sizes(self.max_num_seqs, requested, max_size)
         self.decode_graphs = DecodeGraphs(self.model, sizes,
                                           self.max_num_blocks_per_req, self.device,
                                           self.uses_mrope)  # fmt: skip

@@ -395,8 +395,9 @@ class Worker:
             logger.info("Compiled the JIT kernels in %.1f s", time.perf_counter() - start)
         if not self.config.model_config.enforce_eager:
             start = time.perf_counter()
+            model_config = self.config.model_config
             self.graph_sizes = self.model_runner.capture_decode_graphs(
-                self.config.model_config.cuda_graph_sizes
+                model_config.cuda_graph_sizes, model_config.max_cudagraph_capture_size
             )
             if self.graph_sizes:
                 logger.info("Captured decode graphs for %d batch sizes (1 to %d) in %.1f s",
