@@ -64,6 +64,8 @@ fi
 wait $GPU_TESTS; grep -E "passed|failed|FAILED|ERROR|Error" "$OUT/gpu_tests.log"
 if [ -n "${FIDELITY:-}" ]; then wait $FIDELITY; tail -15 "$OUT/fidelity.log"; fi
 wait $BUILD; tail -2 "$OUT/build.log"
+timeout -s INT 60 $PY scripts/bench_kv_cache_dtype.py --contexts 1x8192,32x2048,128x1024 \
+  2>&1 | tee "$OUT/bench-kv-cache-dtype.log"
 # One model at a time, each with its own budget, so a slow first model leaves the second its time.
 for name in ${MODELS//,/ }; do
   timeout -s INT "${BENCH_TIMEOUT:-180}" $PY scripts/bench_realsize.py --models "$name" \

@@ -354,3 +354,18 @@ def test_bench_towers_runs():
     timed = [line for line in result.stdout.splitlines() if "pairwise" in line]
     assert [line.split()[1] for line in timed] == ["vision:", "audio:"]
     assert all(float(line.rsplit(" ", 1)[1]) < 1e-2 for line in timed)  # the outputs agree
+
+
+def test_bench_kv_cache_dtype_runs():
+    """The fp8 KV cache's benchmark: a row per cache type, each with its ratio to bf16 and half
+    of bf16's bytes per token for fp8."""
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_kv_cache_dtype.py"), "--shapes", "qwen2.5-omni-3b",
+         "--contexts", "2x64", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if "qwen2.5" in line]
+    assert [row[2] for row in rows] == ["bf16", "fp8_e4m3", "fp8_e5m2"]
+    assert rows[0][5] == "1.00x" and all(row[5].endswith("x") for row in rows)
+    assert [row[6].rstrip(" |") for row in rows] == ["36", "18", "18"]

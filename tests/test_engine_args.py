@@ -100,10 +100,10 @@ def test_parse_bytes_reads_units_and_numbers():
 def test_vllm_settings_of_the_python_api(caplog):
     """``LLM(trust_remote_code=True)`` means what ``--trust-remote-code`` means: nothing here."""
     with caplog.at_level("INFO", logger="omniserve.engine.arg_checks"):
-        check_vllm_only({"trust_remote_code": True, "kv_cache_dtype": "auto", "seed": 1})
+        check_vllm_only({"trust_remote_code": True, "tokenizer_mode": "auto", "seed": 1})
     assert "--trust-remote-code has no effect here" in caplog.text
-    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
-        check_vllm_only({"kv_cache_dtype": "fp8"})
+    with pytest.raises(ValueError, match="--tokenizer-mode must be one of"):
+        check_vllm_only({"tokenizer_mode": "mistral"})
     with pytest.raises(ValueError, match="--cpu-offload-gb: weight offloading is not implemented"):
         check_vllm_only({"cpu_offload_gb": 4})
     assert without_vllm_only({"trust_remote_code": True, "seed": 1}) == {"seed": 1}

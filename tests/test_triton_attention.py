@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton")  # a dependency only on Linux x86_64 (pyproject.toml)
 
 from omniserve.attention import Attention
+from omniserve.attention.base import to_fp8
 from omniserve.attention.selector import apply_attention_backend
 from omniserve.attention.torch_backend import TorchAttentionBackend, reference_attention
 from omniserve.attention.triton_backend import TritonAttentionBackend, decode_splits, plan_tiles
@@ -26,12 +27,14 @@ Runner = Callable[..., tuple[torch.Tensor, torch.Tensor, bool]]
 
 def attend(specs: Spec, *, num_heads: int, num_kv_heads: int, head_size: int = 16,
            block_size: int = 4, dtype: torch.dtype = torch.float32, window: int | None = None,
-           seed: int = 0, unwritten: float | None = None,
-           device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, bool]:  # fmt: skip
-    """Triton's output, the fp32 reference, and whether the new keys/values reached their slots."""
+           seed: int = 0, unwritten: float | None = None, device: str = "cpu",
+           cache_dtype: torch.dtype | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor, bool]:  # fmt: skip
+    """Triton's output, the fp32 reference, and whether the new keys/values reached their slots
+    (an fp8 cache's: their bytes)."""
     batch = make_batch(specs, num_heads=num_heads, num_kv_heads=num_kv_heads,
                        head_size=head_size, block_size=block_size, dtype=dtype, seed=seed,
-                       unwritten=unwritten)  # fmt: skip
+                       unwritten=unwritten, cache_dtype=cache_dtype)  # fmt: skip
     md = batch.metadata
     for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
         setattr(md, name, getattr(md, name).to(device))
@@ -46,8 +49,13 @@ def attend(specs: Spec, *, num_heads: int, num_kv_heads: int, head_size: int = 1
         [v.float() for _, v in batch.histories], scale=scale, sliding_window=window,
     )  # fmt: skip
     slots = md.slot_mapping.cpu()
-    stored = all(torch.equal(cache[i].flatten(0, 1).cpu()[slots], new)
-                 for i, new in enumerate((batch.key, batch.value)))  # fmt: skip
+    if cache_dtype is None:
+        stored = all(torch.equal(cache[i].flatten(0, 1).cpu()[slots], new)
+                     for i, new in enumerate((batch.key, batch.value)))  # fmt: skip
+    else:
+        stored = all(torch.equal(cache[i].view(torch.uint8).flatten(0, 1).cpu()[slots],
+                                 to_fp8(new, cache_dtype).view(torch.uint8))
+                     for i, new in enumerate((batch.key, batch.value)))  # fmt: skip
     return out, expected, stored
 
 
@@ -128,6 +136,16 @@ def test_half_precision_at_real_shapes(interpreted: Runner, dtype: torch.dtype) 
     check(interpreted([(300, 1), (45, 1), (0, 7), (511, 1), (20, 40)], num_heads=32,
                       num_kv_heads=4, head_size=128, block_size=16, dtype=dtype),
           atol=3e-2)  # fmt: skip
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache(interpreted: Runner, cache_dtype: torch.dtype) -> None:
+    """--kv-cache-dtype fp8 under a bf16 model: the store rounds to the cache's format (exactly
+    here: the histories are its values) and the kernel widens what it loads, so the output is
+    the reference's on those values within bf16's rounding."""
+    check(interpreted([(300, 1), (45, 1), (0, 7), (20, 40)], num_heads=8, num_kv_heads=2,
+                      head_size=64, block_size=16, dtype=torch.bfloat16,
+                      cache_dtype=cache_dtype), atol=3e-2)  # fmt: skip
 
 
 @pytest.mark.parametrize("window", [None, 100])
@@ -217,3 +235,13 @@ def test_compiled_on_gpu(dtype: torch.dtype) -> None:
             )
     check(attend(specs, num_heads=8, num_kv_heads=2, window=33, device="cuda", dtype=dtype),
           atol=atol)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_compiled_fp8_cache_on_gpu(cache_dtype: torch.dtype) -> None:
+    """The compiled kernel over an fp8 cache (the GPU's own fp8 conversions) at real shapes."""
+    specs = [(300, 1), (45, 1), (0, 7), (511, 1), (20, 40), (0, 300), (1000, 1)]
+    check(attend(specs, num_heads=32, num_kv_heads=4, head_size=128, block_size=16,
+                 dtype=torch.bfloat16, device="cuda", cache_dtype=cache_dtype),
+          atol=3e-2)  # fmt: skip

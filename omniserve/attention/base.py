@@ -4,6 +4,11 @@ Paged KV layout (one tensor per attention layer, allocated by the model runner):
 ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_size]``; index 0 holds keys, 1 values.
 Token ``t`` of a request lives in slot ``block_table[req][t // block_size] * block_size +
 t % block_size``; the runner precomputes the slots of the new tokens as ``slot_mapping``.
+
+The cache is in the model's dtype, or in an fp8 format (``--kv-cache-dtype fp8``): keys and
+values are rounded to it as they are stored (saturating at its largest value; vLLM's default
+scale of 1, there being no calibrated scales) and widened exactly as they are read, the products
+then run as for the model's dtype.
 """
 
 from __future__ import annotations
@@ -14,6 +19,25 @@ from typing import ClassVar
 import torch
 
 from omniserve.attention.metadata import AttentionMetadata
+
+FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                 "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
+
+
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for ``CacheConfig.cache_dtype``."""
+    return FP8_KV_DTYPES.get(cache_dtype, model_dtype)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to the fp8 ``dtype``, saturating (e5m2 would round past its largest value to
+    infinity)."""
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
 
 
 class AttentionBackend(ABC):

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from omniserve.attention.base import AttentionBackend
+from omniserve.attention.base import AttentionBackend, is_fp8, to_fp8
 from omniserve.attention.metadata import AttentionMetadata
 
 KERNEL_MAX_QUERY = 8
@@ -36,7 +36,11 @@ _DECODE_KEYS_PER_CHUNK = 1 << 15
 def write_to_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter new keys/values ([num_tokens, num_kv_heads, head_size]) to their slots."""
+    """Scatter new keys/values ([num_tokens, num_kv_heads, head_size]) to their slots (an fp8
+    cache's as bytes: torch has no fp8 ``index_copy_`` on CPU)."""
+    if is_fp8(kv_cache.dtype):
+        key, value = (to_fp8(x, kv_cache.dtype).view(torch.uint8) for x in (key, value))
+        kv_cache = kv_cache.view(torch.uint8)
     kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
@@ -231,10 +235,15 @@ class TorchAttentionBackend(AttentionBackend):
         return md.plans[key]
 
     def _gather(
-        self, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Keys/values at ``slots`` -> two ``[*slots.shape, num_kv_heads, head_size]`` views of
-        the workspace, valid until the next gather."""
+        the workspace, valid until the next gather; an fp8 cache's widened to ``dtype``."""
+        if is_fp8(key_cache.dtype):
+            k, v = self._gather(key_cache.view(torch.uint8), value_cache.view(torch.uint8),
+                                slots, dtype)  # fmt: skip
+            return k.view(key_cache.dtype).to(dtype), v.view(key_cache.dtype).to(dtype)
         row_shape = key_cache.shape[1:]
         numel = slots.numel() * key_cache[0].numel()
         ws = self._workspace
@@ -283,7 +292,7 @@ class TorchAttentionBackend(AttentionBackend):
                 sliding_window=sliding_window,
             )
         for chunk in plan.decode_chunks:
-            k, v = self._gather(key_cache, value_cache, chunk.key_slots)  # [n, L, KVH, D]
+            k, v = self._gather(key_cache, value_cache, chunk.key_slots, query.dtype)
             # NOTE: padding slots may never have been written (the cache is not zeroed): clear
             # them here, since a masked NaN still poisons SDPA (NaN * 0 is NaN).
             hidden = ~chunk.key_mask.view(k.shape[0], k.shape[1], 1, 1)
@@ -295,7 +304,7 @@ class TorchAttentionBackend(AttentionBackend):
             if seq.key_slots is None:  # no cached context: the new keys are the whole sequence
                 k, v = key[seq.start : seq.end], value[seq.start : seq.end]
             else:
-                k, v = self._gather(key_cache, value_cache, seq.key_slots)  # [S, KVH, D]
+                k, v = self._gather(key_cache, value_cache, seq.key_slots, query.dtype)
             out[seq.start : seq.end] = _attend(q, k.to(q.dtype), v.to(q.dtype), seq.mask, scale)
         return out
 

@@ -10,7 +10,8 @@ sequence length and the sliding window, then folded into an online softmax in fp
 (FlashAttention's recurrence; an fp32 cache multiplies in IEEE fp32, not TF32). Decodes and
 prefill chunks are launched separately with tile heights that suit them, from one kernel source.
 A step's tiles are planned once on the host from the metadata's host copies and reused by every
-layer. The new keys and values reach their slots through a small store kernel first.
+layer. The new keys and values reach their slots through a small store kernel first (an fp8
+cache's rounded there, and widened to the query's type as the attention kernel loads them).
 
 A decode batch too small to fill the GPU (batch 1 of a 2-KV-head model is 2 programs) splits each
 request's keys into up to ``_MAX_SPLITS`` ranges walked by programs of their own, whose softmax
@@ -29,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omniserve.attention.base import AttentionBackend
+from omniserve.attention.base import AttentionBackend, is_fp8
 from omniserve.attention.metadata import AttentionMetadata
 from omniserve.transfers import upload
 from omniserve.triton_utils import INTERPRETED, dot
@@ -50,10 +51,11 @@ _INTERPRETED_MULTIPROCESSORS = 16
 def _store_kv_kernel(  # type: ignore[no-untyped-def]
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, num_kv_heads, head_size,
-    HEAD_PAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     """Program (token, KV head): that head's key and value of the token to its cache slot (a
-    negative slot is a padding row of a captured batch: nothing is written)."""
+    negative slot is a padding row of a captured batch: nothing is written); an fp8 cache's
+    saturated at ``FP8_MAX`` (0: not fp8)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -61,6 +63,9 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
     mask = (d < head_size) & (slot >= 0)
     k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
+    if FP8_MAX > 0:
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
     dst = (slot * num_kv_heads + head) * head_size + d
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
@@ -125,7 +130,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         slot = page.to(tl.int64) * block_size + n % block_size
         kv_off = (slot * num_kv_heads + kv_head)[:, None] * head_size + d[None, :]
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # (fp8: widened)
         s = dot(q, tl.trans(k), tl.zeros([ROWS, BLOCK_N], tl.float32), UPCAST, PRECISION)
         visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
         if HAS_WINDOW:
@@ -136,7 +141,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, PRECISION)
         m_i = m_new
     if SPLIT:
@@ -271,6 +276,7 @@ class TritonAttentionBackend(AttentionBackend):
                 key, value, key_cache, value_cache, metadata.slot_mapping,
                 key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                 num_kv_heads, head_size, HEAD_PAD=head_pad,
+                FP8_MAX=torch.finfo(kv_cache.dtype).max if is_fp8(kv_cache.dtype) else 0.0,
             )  # fmt: skip
         query = _unit_stride(query)
         out = torch.empty_like(query)
@@ -296,7 +302,7 @@ class TritonAttentionBackend(AttentionBackend):
                 block_table.stride(0), scale, sliding_window or 0, num_kv_heads, head_size,
                 kv_cache.shape[2], splits, GROUP=group, GROUP_PAD=group_pad, ROWS=rows,
                 HEAD_PAD=head_pad, BLOCK_N=_BLOCK_N, HAS_WINDOW=sliding_window is not None,
-                UPCAST=INTERPRETED, PRECISION="ieee" if kv_cache.dtype == torch.float32 else None,
+                UPCAST=INTERPRETED, PRECISION="ieee" if query.dtype == torch.float32 else None,
                 SPLIT=splits > 1,
             )  # fmt: skip
             if splits > 1:

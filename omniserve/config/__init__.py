@@ -388,10 +388,17 @@ def _derive_max_model_len(hf_config: dict) -> int | None:
     return None
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""vLLM's ``--kv-cache-dtype`` values here (``attention.base.kv_cache_torch_dtype``)."""
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     """Tokens per KV block."""
+    cache_dtype: str = "auto"
+    """vLLM's ``--kv-cache-dtype`` (``KV_CACHE_DTYPES``): "auto" (the model's dtype), or an
+    fp8 format for the thinker's KV cache at half of bf16's bytes ("fp8" is fp8_e4m3)."""
     kv_cache_memory_bytes: int | None = None
     """Memory for the KV cache across all layers; None: a device-dependent default."""
     talker_kv_cache_memory_bytes: int | None = None
@@ -413,6 +420,9 @@ class CacheConfig:
             )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.cache_dtype!r}.")  # fmt: skip
         for name in ("kv_cache_memory_bytes", "talker_kv_cache_memory_bytes"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive.")

@@ -9,6 +9,7 @@ from omniserve import envs
 from omniserve.config import (
     ATTENTION_BACKENDS,
     DTYPE_CHOICES,
+    KV_CACHE_DTYPES,
     LOGPROBS_MODES,
     QUANTIZATION_METHODS,
 )
@@ -130,6 +131,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "32K = 32,768); None: the model's max_position_embeddings.",
     )
     add("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
+    add(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="The KV cache's element type: auto (the model's), or fp8 (fp8_e4m3) / fp8_e5m2 "
+        "at half of bf16's bytes, twice the tokens in the same memory (keys and values "
+        "rounded as stored, scale 1; the talker's cache stays in the model's dtype).",
+    )
     add(
         "--kv-cache-memory",
         *vllm_flags("kv_cache_memory"),

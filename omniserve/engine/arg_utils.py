@@ -142,6 +142,7 @@ class EngineArgs:
     """config.json keys set over the checkpoint's (a dict or its JSON text), or vLLM's function
     of the transformers config returning it changed (read once, as the keys it changed)."""
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     kv_cache_memory: str | float | None = None
     talker_kv_cache_memory: str | float | None = None
     num_gpu_blocks_override: int | None = None
@@ -276,6 +277,7 @@ class EngineArgs:
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
+                cache_dtype=self.kv_cache_dtype,
                 kv_cache_memory_bytes=parse_bytes(self.kv_cache_memory, "kv_cache_memory"),
                 talker_kv_cache_memory_bytes=parse_bytes(
                     self.talker_kv_cache_memory, "talker_kv_cache_memory"

@@ -15,8 +15,9 @@ import torch
 from transformers import PretrainedConfig
 
 from omniserve import envs
+from omniserve.attention.base import kv_cache_torch_dtype
 from omniserve.attention.encoder import set_encoder_attention
-from omniserve.attention.layer import get_attention_layers
+from omniserve.attention.layer import kv_cache_bytes_per_block
 from omniserve.attention.selector import apply_attention_backend
 from omniserve.config import OmniConfig, QuantizationConfig
 from omniserve.core.sched_output import SchedulerOutput
@@ -191,6 +192,8 @@ class Worker:
         self.dtype = resolve_dtype(
             model_config.dtype, self.device, checkpoint_dtype(self.hf_config)
         )
+        self.kv_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
+        """The thinker's KV cache's (the talker's is in the model's dtype)."""
         self.graph_sizes: list[int] = []  # decode batch sizes replayed from CUDA graphs
         self._gpu_kv_budget: int | None = None  # from the memory profile, once
         self.weights_path = model_config.model
@@ -236,7 +239,8 @@ class Worker:
         if self.device.type == "cpu":
             check_model_fits(
                 self.weight_bytes * get_tp_size(),
-                self._kv_bytes_per_token(model) * config.scheduler_config.max_model_len,
+                kv_cache_bytes_per_block(model, 1, self.kv_dtype)
+                * config.scheduler_config.max_model_len,
                 str(self.dtype).removeprefix("torch."),
                 config.scheduler_config.max_model_len,
             )
@@ -279,17 +283,13 @@ class Worker:
             LogitsProcessorBatch(processors, config, self.device) if processors else None,
         )  # fmt: skip
 
-    def _kv_bytes_per_token(self, model: torch.nn.Module) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(2 * a.num_kv_heads * a.head_size * elem for a in get_attention_layers(model))
-
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit the memory budget, but no more than the scheduler could ever use."""
         cache, sched = self.config.cache_config, self.config.scheduler_config
         if cache.num_blocks_override is not None:
             num_blocks = cache.num_blocks_override
         else:
-            per_block = self.model_runner.kv_cache_bytes_per_block(self.dtype)
+            per_block = self.model_runner.kv_cache_bytes_per_block(self.kv_dtype)
             num_blocks = min(
                 self._thinker_kv_budget_bytes() // per_block,
                 sched.max_num_seqs * cache.blocks_for(sched.max_model_len) + 1,
@@ -388,7 +388,7 @@ class Worker:
         return items
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.model_runner.initialize_kv_cache(num_blocks, self.dtype)
+        self.model_runner.initialize_kv_cache(num_blocks, self.kv_dtype)
         self.num_kv_blocks = num_blocks
         start = time.perf_counter()
         if self.model_runner.warm_up_kernels():
@@ -428,7 +428,8 @@ class Worker:
             "lora_slot_bytes": self.lora_manager.slot_bytes if self.lora_manager else 0,
             "lora_layers": self.lora_manager.kernels() if self.lora_manager else {},
             "kv_cache_bytes": self.num_kv_blocks
-            * self.model_runner.kv_cache_bytes_per_block(self.dtype),
+            * self.model_runner.kv_cache_bytes_per_block(self.kv_dtype),
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "num_kv_tokens": self.num_kv_blocks * block_size,
             "load_seconds": self.load_seconds,
             "layer_kernels": dict(self.backend_report.placements),

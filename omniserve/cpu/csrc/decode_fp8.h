@@ -1,7 +1,8 @@
 /*
  * FP8 (e4m3fn) weights decoded to fp32 or bf16, for the kernels that read omniserve/layers/
  * quantization.py's FP8 layout (linear_fp8.c, moe.c): w[n, k] = e4m3(weight[n, k]) * scale in
- * fp32, rounded once to the activation type (bf16: to nearest even).
+ * fp32, rounded once to the activation type (bf16: to nearest even). And an fp8 KV cache's
+ * e4m3 or e5m2 bytes decoded to fp32 for paged_decode.c.
  *
  * Decoding moves each byte's bits into an fp16 (exactly 2^-8 times the e4m3 value, subnormals
  * included), which the CPU widens to fp32 (vcvtph2ps); the group's scale is taken times 2^8. The
@@ -44,6 +45,44 @@ static inline void decode32(const uint8_t *c, vec scale, vec out[2]) {
     out[1] *= scale;
 }
 #endif
+
+/* 16 e4m3 bytes (an fp8 KV cache's) -> their exact values, decode32's way. */
+static inline vec load16_e4m3(const uint8_t *c) {
+#ifdef __AVX512BW__
+    const __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const void *)c)), 7);
+    const __m256i half = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
+    return (vec)_mm512_cvtph_ps(half) * 256.0f;
+#else
+    vec out;
+    for (int i = 0; i < LANES; ++i) {
+        const uint32_t mag = c[i] & 0x7fu;
+        float value = (float)mag * 0x1p-9f; /* subnormal: mantissa * 2^-9 */
+        if (mag >= 8) {
+            const uint32_t bits = (mag << 20) + (120u << 23); /* exponent bias 7 -> 127 */
+            memcpy(&value, &bits, sizeof value);
+        }
+        out[i] = c[i] & 0x80u ? -value : value;
+    }
+    return out;
+#endif
+}
+
+/* 16 e5m2 bytes -> their exact values: e5m2 is the upper byte of an fp16. */
+static inline vec load16_e5m2(const uint8_t *c) {
+#ifdef __AVX512BW__
+    const __m256i half = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const void *)c)), 8);
+    return (vec)_mm512_cvtph_ps(half);
+#else
+    vec out;
+    for (int i = 0; i < LANES; ++i) {
+        uint16_t bits = (uint16_t)(c[i] << 8);
+        _Float16 h;
+        memcpy(&h, &bits, sizeof h);
+        out[i] = (float)h;
+    }
+    return out;
+#endif
+}
 
 /* count groups of group_size weights into w, one after the other (the decoder of decoded_linear.h and moe.c);
  * each group's scale times 2^8 undoes decode32's 2^-8 exactly. */

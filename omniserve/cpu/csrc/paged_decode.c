@@ -11,13 +11,14 @@
  * into one vector of scores (a transposing add tree), so the online softmax's max, exp and sum
  * run on vectors, and each value row is loaded once for the whole group of query heads.
  *
- * bf16 caches hold half the bytes (decode attention is bound by reading them); keys, values and
- * the query are widened to fp32 as they are loaded, the softmax and the sums run in fp32, and the
+ * bf16 caches hold half the bytes (decode attention is bound by reading them), fp8 caches (e4m3
+ * or e5m2 bytes, with an fp32 or bf16 query) a quarter of fp32's; keys, values and the query are
+ * widened to fp32 as they are loaded (fp8 exactly, decode_fp8.h), the softmax and the sums run in fp32, and the
  * output is rounded once. As in torch's CPU flash attention (what transformers' SDPA runs), the
  * probabilities that weight the values are rounded to bf16 first (the denominator sums them
  * unrounded): keeping them in fp32 would be more exact but not what the reference computes.
  *
- * Layouts (row-major, fp32 or bf16: one element type for query, cache and out):
+ * Layouts (row-major, fp32 or bf16 for query and out, the same or fp8 for the cache):
  *   query/out:  rows at query + token_rows[i] * q_row_stride, each [num_heads, head_size]
  *   key/value:  [num_blocks, block_size, num_kv_heads, head_size]
  *   block_table [num_reqs, bt_stride] int32, seq_lens [num_reqs] int32
@@ -32,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_fp8.h"
 #include "vec.h"
 
 #define MAX_TILE 4   /* query heads of a group processed together; 16 keys are scored together */
@@ -78,13 +80,29 @@ typedef struct {
 #define IDENTITY(x) (x)
 
 #define T float
+#define KV float
 #define FN(name) name##_f32
 #define LOADKV(p) load(p)
 #define FROM_T IDENTITY
 #define TO_T IDENTITY
 #define ROUND_P IDENTITY
 #include "paged_decode_impl.h"
+#undef KV
+#undef FN
+#undef LOADKV
+
+#define KV uint8_t
+#define FN(name) name##_f32_e4m3
+#define LOADKV(p) load16_e4m3(p)
+#include "paged_decode_impl.h"
+#undef FN
+#undef LOADKV
+
+#define FN(name) name##_f32_e5m2
+#define LOADKV(p) load16_e5m2(p)
+#include "paged_decode_impl.h"
 #undef T
+#undef KV
 #undef FN
 #undef LOADKV
 #undef FROM_T
@@ -92,9 +110,24 @@ typedef struct {
 #undef ROUND_P
 
 #define T bf16
+#define KV bf16
 #define FN(name) name##_bf16
 #define LOADKV(p) load_bf16(p)
 #define FROM_T from_bf16
 #define TO_T to_bf16
 #define ROUND_P(v) ((vec)(__builtin_convertvector(round_bf16(v), uvec) << 16))
+#include "paged_decode_impl.h"
+#undef KV
+#undef FN
+#undef LOADKV
+
+#define KV uint8_t
+#define FN(name) name##_bf16_e4m3
+#define LOADKV(p) load16_e4m3(p)
+#include "paged_decode_impl.h"
+#undef FN
+#undef LOADKV
+
+#define FN(name) name##_bf16_e5m2
+#define LOADKV(p) load16_e5m2(p)
 #include "paged_decode_impl.h"

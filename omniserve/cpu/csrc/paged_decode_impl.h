@@ -1,6 +1,7 @@
 /*
- * Body of the paged-decode kernel, included by paged_decode.c once per element type with T,
- * FN(name), LOADKV(p) (16 T -> vec), FROM_T and TO_T (scalar conversions) and ROUND_P (the
+ * Body of the paged-decode kernel, included by paged_decode.c once per (element type, cache type)
+ * with T (query and out), KV (the cache's elements: T, or an fp8 format's bytes), FN(name),
+ * LOADKV(p) (16 KV -> vec), FROM_T and TO_T (scalar conversions) and ROUND_P (the
  * probabilities' rounding before they weight the values) defined.
  */
 
@@ -12,13 +13,13 @@
  * block is elsewhere in the cache, which the hardware prefetcher does not follow: while scoring
  * key t, the row of key t of the next block (`ahead`, or NULL) is requested. */
 static inline __attribute__((always_inline)) void
-FN(score_keys)(const Heads *h, const T *keys, const T *ahead, int64_t n, int64_t head_size,
+FN(score_keys)(const Heads *h, const KV *keys, const KV *ahead, int64_t n, int64_t head_size,
                int64_t slot_stride, float scale, float *scores, int64_t at, const int tile) {
     vec partial[MAX_TILE][LANES];
     for (int g = 0; g < tile; ++g)
         for (int t = 0; t < LANES; ++t) partial[g][t] = (vec){0};
     for (int64_t t = 0; t < n; ++t) {
-        const T *k = keys + t * slot_stride;
+        const KV *k = keys + t * slot_stride;
         if (ahead != NULL)
             for (int64_t d = 0; d < head_size; d += LANES) __builtin_prefetch(ahead + t * slot_stride + d);
         for (int64_t d = 0; d < head_size; d += LANES) {
@@ -31,7 +32,7 @@ FN(score_keys)(const Heads *h, const T *keys, const T *ahead, int64_t n, int64_t
 
 /* acc[g] += sum over keys [0, n) of probs[g * ROW + at + t] * v_t. */
 static inline __attribute__((always_inline)) void
-FN(accumulate_values)(const Heads *h, const T *values, const T *ahead, int64_t n,
+FN(accumulate_values)(const Heads *h, const KV *values, const KV *ahead, int64_t n,
                       int64_t head_size, int64_t slot_stride, const float *probs, int64_t at,
                       const int tile) {
     if (ahead != NULL)
@@ -52,7 +53,7 @@ FN(accumulate_values)(const Heads *h, const T *values, const T *ahead, int64_t n
  * as torch's CPU flash attention takes them: score the split, take its max, fold it into the
  * running softmax (rescaling what came before), then weight the values. */
 static inline __attribute__((always_inline)) void
-FN(attend_range)(const Heads *h, const T *key_cache, const T *value_cache,
+FN(attend_range)(const Heads *h, const KV *key_cache, const KV *value_cache,
                  const int32_t *blocks, int64_t lo, int64_t hi, int64_t head_size,
                  int64_t kv_offset, int64_t slot_stride, int64_t block_size, float scale,
                  float *scores, const int tile) {
@@ -79,13 +80,13 @@ FN(attend_range)(const Heads *h, const T *key_cache, const T *value_cache,
                     for (int64_t d = 0; d < head_size; ++d) h->acc[g * head_size + d] *= rescale;
                 }
             }
-            const T *cache = pass == 0 ? key_cache : value_cache;
+            const KV *cache = pass == 0 ? key_cache : value_cache;
             for (int64_t b = split / block_size; b * block_size < split_hi; ++b) {
                 const int64_t first = b * block_size;
                 const int64_t t0 = first > split ? first : split;
                 const int64_t t1 = first + block_size < split_hi ? first + block_size : split_hi;
-                const T *rows = cache + (int64_t)blocks[b] * block_size * slot_stride + kv_offset;
-                const T *ahead = first + block_size < split_hi
+                const KV *rows = cache + (int64_t)blocks[b] * block_size * slot_stride + kv_offset;
+                const KV *ahead = first + block_size < split_hi
                     ? cache + (int64_t)blocks[b + 1] * block_size * slot_stride + kv_offset : NULL;
                 for (int64_t t = t0; t < t1; t += LANES) {
                     const int64_t n = t1 - t < LANES ? t1 - t : LANES, row = (t - first) * slot_stride;
@@ -104,7 +105,7 @@ FN(attend_range)(const Heads *h, const T *key_cache, const T *value_cache,
 /* Returns 0 on success, -1 on a block id outside [0, num_blocks), -2 on an allocation failure. */
 int FN(omniserve_paged_decode)(const T *query, int64_t q_row_stride, T *out,
                                int64_t out_row_stride, const int64_t *token_rows,
-                               const T *key_cache, const T *value_cache,
+                               const KV *key_cache, const KV *value_cache,
                                const int32_t *block_table, int64_t bt_stride,
                                const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_size, int64_t block_size,
