@@ -65,11 +65,12 @@ def make_batch(
     dtype: torch.dtype = torch.float32,
     unwritten: float | None = None,
     cache_dtype: torch.dtype | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> Batch:
     """specs: (num_context_tokens already cached, query_len) per request, in batch order.
     Slots no request has written hold random values, or ``unwritten`` (e.g. NaN: the cache is
     allocated uninitialised). An fp8 ``cache_dtype``: the histories are values it holds
-    exactly (rounded to it), the cache is of that type."""
+    exactly at ``kv_scales`` (rounded to it), the cache is of that type."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     blocks_needed = [-(-(c + q) // block_size) for c, q in specs]
@@ -93,7 +94,8 @@ def make_batch(
         k = torch.randn(seq_len, num_kv_heads, head_size, generator=gen, dtype=dtype)
         v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen, dtype=dtype)
         if cache_dtype is not None:
-            k, v = (to_fp8(x, cache_dtype).to(dtype) for x in (k, v))
+            k, v = (to_fp8(x, cache_dtype, s).float().mul(s).to(dtype)
+                    for x, s in zip((k, v), kv_scales, strict=True))  # fmt: skip
         histories.append((k, v))
         for t in range(seq_len):
             slot = block_ids[t // block_size] * block_size + t % block_size
@@ -118,7 +120,9 @@ def make_batch(
         seq_lens_cpu=seq_lens,
     )
     if cache_dtype is not None:
-        kv_cache = to_fp8(kv_cache, cache_dtype)
+        kv_cache = torch.stack(
+            [to_fp8(kv_cache[i], cache_dtype, s) for i, s in enumerate(kv_scales)]
+        )
     return Batch(
         torch.cat(queries), torch.cat(new_k), torch.cat(new_v), kv_cache, metadata, histories
     )
@@ -258,22 +262,26 @@ def test_bfloat16_decode_at_real_shapes(num_heads: int, num_kv_heads: int) -> No
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
+@pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.02, 0.5)])
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_cache_attends_its_values(
-    decode_path: str, dtype: torch.dtype, cache_dtype: torch.dtype
-) -> None:
-    """--kv-cache-dtype fp8: the new keys and values are stored rounded to it (their bytes),
-    and attention over the cache is the reference's over the histories it holds (widened
-    exactly; the kernel takes the decodes and short chunks, SDPA the prefills)."""
+    decode_path: str, dtype: torch.dtype, cache_dtype: torch.dtype,
+    kv_scales: tuple[float, float],
+) -> None:  # fmt: skip
+    """--kv-cache-dtype fp8: the new keys and values are stored divided by the layer's scales
+    and rounded (their bytes), and attention over the cache is the reference's over the
+    histories it holds (widened exactly and scaled back; the kernel takes the decodes and short
+    chunks, SDPA the prefills)."""
     specs = [(300, 1), (9, 1), (0, 7), (5, 6), (12, 3), (129, 1), (0, 1)]
     batch = make_batch(specs, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
-                       dtype=dtype, cache_dtype=cache_dtype, seed=3)  # fmt: skip
+                       dtype=dtype, cache_dtype=cache_dtype, seed=3,
+                       kv_scales=kv_scales)  # fmt: skip
     backend = BACKEND()
     assert backend.decode_kernel_supports(batch.query, batch.kv_cache) == (decode_path == "kernel")
     scale = 64**-0.5
     out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
-                          scale=scale)  # fmt: skip
+                          scale=scale, kv_scales=kv_scales)  # fmt: skip
     expected = reference_attention(
         batch.query.float(), batch.metadata.query_lens_cpu,
         [k.float() for k, _ in batch.histories], [v.float() for _, v in batch.histories],
@@ -281,8 +289,9 @@ def test_fp8_cache_attends_its_values(
     )  # fmt: skip
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=0 if atol < 1e-3 else 1e-2)
-    stored = batch.kv_cache.view(torch.uint8)[0].flatten(0, 1)[batch.metadata.slot_mapping]
-    assert torch.equal(stored, to_fp8(batch.key, cache_dtype).view(torch.uint8))
+    for i, new in enumerate((batch.key, batch.value)):
+        stored = batch.kv_cache.view(torch.uint8)[i].flatten(0, 1)[batch.metadata.slot_mapping]
+        assert torch.equal(stored, to_fp8(new, cache_dtype, kv_scales[i]).view(torch.uint8))
 
 
 def test_fp8_store_saturates() -> None:

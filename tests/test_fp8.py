@@ -266,7 +266,14 @@ def _ct(weights: dict, inputs: dict | None = None, **extra: object) -> dict:
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, "ue8m0"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "rows, cols"),
         (_ct({"strategy": "channel"}, {"dynamic": False, "strategy": "tensor"}), "static"),
-        (_ct({"strategy": "channel"}, kv_cache_scheme={"num_bits": 8}), "KV cache"),
+        (_ct({"strategy": "channel"}, kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme"),
+        (
+            _ct(
+                {"strategy": "channel"},
+                kv_cache_scheme={"num_bits": 8, "type": "float", "dynamic": True},
+            ),
+            "static fp8 KV-cache scales per tensor only",
+        ),  # fmt: skip
         (_ct({"strategy": "group", "group_size": 128}), "strategy 'group'"),
         (_ct({"strategy": "block", "block_structure": [128]}), "rows, cols"),
         ({**_ct({"strategy": "channel"}), "format": "pack-quantized"}, "pack-quantized"),

@@ -4,11 +4,16 @@ checked in test_attention.py and test_triton_attention.py."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from omniserve import LLM, SamplingParams
+from omniserve.attention import get_attention_layers
 from omniserve.engine.arg_utils import EngineArgs
 from omniserve.entrypoints.cli import build_parser
 from tests.hf_reference import make_prompts
@@ -68,3 +73,65 @@ def test_kv_cache_dtype_settings(tiny_checkpoint: Any) -> None:
     assert EngineArgs.from_cli_args(parsed).create_config().cache_config.cache_dtype == "fp8_e4m3"
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3"):
         EngineArgs(model=model, kv_cache_dtype="int8").create_config()
+
+
+def _with_scales(source: Path, target: Path, extra: dict[str, torch.Tensor]) -> str:
+    """A copy of the checkpoint ``source`` with ``extra`` tensors added."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    tensors = load_file(target / "model.safetensors")
+    save_file({**tensors, **extra}, target / "model.safetensors", metadata={"format": "pt"})
+    return str(target)
+
+
+def _layers(llm: LLM) -> list[Any]:
+    model = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner.model
+    return get_attention_layers(model)
+
+
+def test_checkpoint_kv_scales_reach_the_layers(
+    tiny_checkpoint: Any, tmp_path: Path, caplog
+) -> None:
+    """llm-compressor's KV-cache scales (``self_attn.k_scale`` / ``v_scale``, or its older
+    ``k_proj.output_scale``): each attention layer takes its own; an fp8 cache applies them, a
+    bf16 one says it does not; a scale that names no layer, or is not positive, is refused."""
+    source = tiny_checkpoint("Qwen3ForCausalLM")
+    num_layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    scales = {}
+    for i in range(num_layers):
+        scales[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.01 * (i + 1))
+        scales[f"model.layers.{i}.self_attn.v_proj.output_scale"] = torch.tensor([0.5 + i])
+    path = _with_scales(source, tmp_path / "scaled", scales)
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level("INFO"):
+        patch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+        llm = LLM(path, dtype="bfloat16", max_model_len=256, kv_cache_memory="4MiB",
+                  kv_cache_dtype="fp8")  # fmt: skip
+        assert [a.kv_scales for a in _layers(llm)] == [
+            (pytest.approx(0.01 * (i + 1)), 0.5 + i) for i in range(num_layers)]  # fmt: skip
+        (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7, 8] * 5}], GREEDY, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+        llm.llm_engine.shutdown()
+        assert f"gives {num_layers} attention layers KV-cache scales; the float8_e4m3fn KV " \
+               "cache applies them" in caplog.text  # fmt: skip
+        llm = LLM(path, dtype="bfloat16", max_model_len=256, kv_cache_memory="4MiB")
+        llm.llm_engine.shutdown()
+        assert "the bfloat16 KV cache does not use them" in caplog.text
+        for key, value, message in (
+            ("model.layers.99.self_attn.k_scale", torch.tensor(1.0), "matches no attention"),
+            ("model.layers.0.self_attn.v_scale", torch.tensor(0.0), r"is \[0.0\]: expected one"),
+        ):
+            bad = _with_scales(source, tmp_path / f"bad{len(key)}{float(value)}", {key: value})
+            with pytest.raises(ValueError, match=f"KV-cache scale '{key}' {message}"):
+                LLM(bad, dtype="bfloat16", max_model_len=256, kv_cache_memory="4MiB")
+
+
+def test_compressed_tensors_kv_cache_scheme_is_read() -> None:
+    from omniserve.config import QuantizationConfig
+
+    config = {"quant_method": "compressed-tensors", "format": "float-quantized",
+              "config_groups": {"g": {"targets": ["Linear"], "weights": {
+                  "num_bits": 8, "type": "float", "strategy": "channel"}}},
+              "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                  "dynamic": False, "symmetric": True}}  # fmt: skip
+    assert QuantizationConfig.from_hf(config).method == "fp8"

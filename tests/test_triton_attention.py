@@ -28,13 +28,14 @@ Runner = Callable[..., tuple[torch.Tensor, torch.Tensor, bool]]
 def attend(specs: Spec, *, num_heads: int, num_kv_heads: int, head_size: int = 16,
            block_size: int = 4, dtype: torch.dtype = torch.float32, window: int | None = None,
            seed: int = 0, unwritten: float | None = None, device: str = "cpu",
-           cache_dtype: torch.dtype | None = None,
+           cache_dtype: torch.dtype | None = None, kv_scales: tuple[float, float] = (1.0, 1.0),
            ) -> tuple[torch.Tensor, torch.Tensor, bool]:  # fmt: skip
     """Triton's output, the fp32 reference, and whether the new keys/values reached their slots
     (an fp8 cache's: their bytes)."""
     batch = make_batch(specs, num_heads=num_heads, num_kv_heads=num_kv_heads,
                        head_size=head_size, block_size=block_size, dtype=dtype, seed=seed,
-                       unwritten=unwritten, cache_dtype=cache_dtype)  # fmt: skip
+                       unwritten=unwritten, cache_dtype=cache_dtype,
+                       kv_scales=kv_scales)  # fmt: skip
     md = batch.metadata
     for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
         setattr(md, name, getattr(md, name).to(device))
@@ -42,7 +43,7 @@ def attend(specs: Spec, *, num_heads: int, num_kv_heads: int, head_size: int = 1
     scale = head_size**-0.5
     out = TritonAttentionBackend().forward(
         batch.query.to(device), batch.key.to(device), batch.value.to(device), cache, md,
-        scale=scale, sliding_window=window,
+        scale=scale, sliding_window=window, kv_scales=kv_scales,
     ).cpu()  # fmt: skip
     expected = reference_attention(
         batch.query.float(), md.query_lens_cpu, [k.float() for k, _ in batch.histories],
@@ -54,7 +55,7 @@ def attend(specs: Spec, *, num_heads: int, num_kv_heads: int, head_size: int = 1
                      for i, new in enumerate((batch.key, batch.value)))  # fmt: skip
     else:
         stored = all(torch.equal(cache[i].view(torch.uint8).flatten(0, 1).cpu()[slots],
-                                 to_fp8(new, cache_dtype).view(torch.uint8))
+                                 to_fp8(new, cache_dtype, kv_scales[i]).view(torch.uint8))
                      for i, new in enumerate((batch.key, batch.value)))  # fmt: skip
     return out, expected, stored
 
@@ -138,14 +139,23 @@ def test_half_precision_at_real_shapes(interpreted: Runner, dtype: torch.dtype) 
           atol=3e-2)  # fmt: skip
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_cache(interpreted: Runner, cache_dtype: torch.dtype) -> None:
-    """--kv-cache-dtype fp8 under a bf16 model: the store rounds to the cache's format (exactly
-    here: the histories are its values) and the kernel widens what it loads, so the output is
-    the reference's on those values within bf16's rounding."""
+@pytest.mark.parametrize(
+    ("cache_dtype", "kv_scales"),
+    [
+        (torch.float8_e4m3fn, (1.0, 1.0)),
+        (torch.float8_e5m2, (1.0, 1.0)),
+        (torch.float8_e4m3fn, (0.02, 0.5)),
+    ],
+)
+def test_fp8_cache(interpreted: Runner, cache_dtype: torch.dtype,
+                   kv_scales: tuple[float, float]) -> None:  # fmt: skip
+    """--kv-cache-dtype fp8 under a bf16 model: the store divides by the layer's scales and
+    rounds to the cache's format (exactly here: the histories are its values), the kernel
+    widens what it loads and scales it back, so the output is the reference's on those values
+    within bf16's rounding."""
     check(interpreted([(300, 1), (45, 1), (0, 7), (20, 40)], num_heads=8, num_kv_heads=2,
                       head_size=64, block_size=16, dtype=torch.bfloat16,
-                      cache_dtype=cache_dtype), atol=3e-2)  # fmt: skip
+                      cache_dtype=cache_dtype, kv_scales=kv_scales), atol=3e-2)  # fmt: skip
 
 
 @pytest.mark.parametrize("window", [None, 100])
@@ -242,6 +252,7 @@ def test_compiled_on_gpu(dtype: torch.dtype) -> None:
 def test_compiled_fp8_cache_on_gpu(cache_dtype: torch.dtype) -> None:
     """The compiled kernel over an fp8 cache (the GPU's own fp8 conversions) at real shapes."""
     specs = [(300, 1), (45, 1), (0, 7), (511, 1), (20, 40), (0, 300), (1000, 1)]
-    check(attend(specs, num_heads=32, num_kv_heads=4, head_size=128, block_size=16,
-                 dtype=torch.bfloat16, device="cuda", cache_dtype=cache_dtype),
-          atol=3e-2)  # fmt: skip
+    for kv_scales in ((1.0, 1.0), (0.02, 0.5)):
+        check(attend(specs, num_heads=32, num_kv_heads=4, head_size=128, block_size=16,
+                     dtype=torch.bfloat16, device="cuda", cache_dtype=cache_dtype,
+                     kv_scales=kv_scales), atol=3e-2)  # fmt: skip

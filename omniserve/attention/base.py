@@ -6,9 +6,10 @@ Token ``t`` of a request lives in slot ``block_table[req][t // block_size] * blo
 t % block_size``; the runner precomputes the slots of the new tokens as ``slot_mapping``.
 
 The cache is in the model's dtype, or in an fp8 format (``--kv-cache-dtype fp8``): keys and
-values are rounded to it as they are stored (saturating at its largest value; vLLM's default
-scale of 1, there being no calibrated scales) and widened exactly as they are read, the products
-then run as for the model's dtype.
+values are divided by the layer's scales (``kv_scales``: a checkpoint's calibrated ones, else
+vLLM's 1) and rounded to it as they are stored (saturating at its largest value), and widened
+exactly and multiplied back as they are read (folded into the softmax scale and the output), the
+products then run as for the model's dtype.
 """
 
 from __future__ import annotations
@@ -33,11 +34,18 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` rounded to the fp8 ``dtype``, saturating (e5m2 would round past its largest value to
-    infinity)."""
+def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x / scale`` rounded to the fp8 ``dtype``, saturating (e5m2 would round past its largest
+    value to infinity)."""
     limit = torch.finfo(dtype).max
+    if scale != 1.0:
+        x = x.float() / scale
     return x.clamp(-limit, limit).to(dtype)
+
+
+def fp8_scales(kv_cache: torch.Tensor, kv_scales: tuple[float, float]) -> tuple[float, float]:
+    """The (key, value) scales a cache's reads and writes apply: an fp8 cache's, else none."""
+    return kv_scales if is_fp8(kv_cache.dtype) else (1.0, 1.0)
 
 
 class AttentionBackend(ABC):
@@ -59,8 +67,10 @@ class AttentionBackend(ABC):
         *,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
-        """Store ``key``/``value`` at ``metadata.slot_mapping``, then attend.
+        """Store ``key``/``value`` at ``metadata.slot_mapping``, then attend; ``kv_scales``
+        (key, value) apply to an fp8 cache alone.
 
         query ``[num_tokens, num_heads, head_size]``, key/value ``[num_tokens, num_kv_heads,
         head_size]`` -> ``[num_tokens, num_heads, head_size]``. Query token i of a request with

@@ -44,6 +44,8 @@ class Attention(nn.Module):
         # [2, num_blocks, block_size, num_kv_heads, head_size]; a plain attribute, not a buffer,
         # so it stays out of state_dict and weight loading.
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: tuple[float, float] = (1.0, 1.0)
+        """(key, value) scales of an fp8 cache (a checkpoint's ``k_scale`` / ``v_scale``)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, H*D], k/v [N, KVH*D] -> [N, H*D]."""
@@ -67,6 +69,7 @@ class Attention(nn.Module):
                 metadata,
                 scale=self.scale,
                 sliding_window=self.sliding_window,
+                kv_scales=self.kv_scales,
             )
         return out.reshape(-1, self.num_heads * self.head_size)
 

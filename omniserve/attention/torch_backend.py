@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from omniserve.attention.base import AttentionBackend, is_fp8, to_fp8
+from omniserve.attention.base import AttentionBackend, fp8_scales, is_fp8, to_fp8
 from omniserve.attention.metadata import AttentionMetadata
 
 KERNEL_MAX_QUERY = 8
@@ -34,12 +34,17 @@ _DECODE_KEYS_PER_CHUNK = 1 << 15
 
 
 def write_to_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Scatter new keys/values ([num_tokens, num_kv_heads, head_size]) to their slots (an fp8
-    cache's as bytes: torch has no fp8 ``index_copy_`` on CPU)."""
+    cache's divided by ``kv_scales``, as bytes: torch has no fp8 ``index_copy_`` on CPU)."""
     if is_fp8(kv_cache.dtype):
-        key, value = (to_fp8(x, kv_cache.dtype).view(torch.uint8) for x in (key, value))
+        key, value = (to_fp8(x, kv_cache.dtype, s).view(torch.uint8)
+                      for x, s in zip((key, value), kv_scales, strict=True))  # fmt: skip
         kv_cache = kv_cache.view(torch.uint8)
     kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
@@ -213,8 +218,10 @@ class TorchAttentionBackend(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None,
+        value_scale: float = 1.0,
     ) -> None:
-        """Write attention for the decode tokens at ``token_rows`` of ``query`` into ``out``.
+        """Write attention for the decode tokens at ``token_rows`` of ``query`` into ``out``
+        (times ``value_scale``: an fp8 cache's values are stored divided by it).
 
         query/out ``[num_tokens, num_heads, head_size]``; token_rows ``[n]`` int64; block_table
         ``[n, max_blocks]`` int32 and seq_lens ``[n]`` int32 (contiguous) for the same n requests.
@@ -272,8 +279,13 @@ class TorchAttentionBackend(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
-        write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        kv_scales = fp8_scales(kv_cache, kv_scales)
+        write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
+        # What is read back from the cache is value / scale: the key's scale joins the softmax's,
+        # the value's multiplies the output.
+        cached_scale, value_scale = scale * kv_scales[0], kv_scales[1]
         use_kernel = self.decode_kernel_supports(query, kv_cache)
         plan = self._plan(metadata, kv_cache.shape[2], sliding_window, use_kernel)
         key_cache = kv_cache[0].flatten(0, 1)  # [num_slots, num_kv_heads, head_size]
@@ -288,8 +300,9 @@ class TorchAttentionBackend(AttentionBackend):
                 kv_cache,
                 rows.block_table,
                 rows.seq_lens,
-                scale=scale,
+                scale=cached_scale,
                 sliding_window=sliding_window,
+                value_scale=value_scale,
             )
         for chunk in plan.decode_chunks:
             k, v = self._gather(key_cache, value_cache, chunk.key_slots, query.dtype)
@@ -298,14 +311,19 @@ class TorchAttentionBackend(AttentionBackend):
             hidden = ~chunk.key_mask.view(k.shape[0], k.shape[1], 1, 1)
             k.masked_fill_(hidden, 0)
             v.masked_fill_(hidden, 0)
-            out.index_copy_(0, chunk.token_indices, _decode(query, k, v, chunk, scale))
+            rows = _decode(query, k, v, chunk, cached_scale)
+            if value_scale != 1.0:
+                rows = rows * value_scale
+            out.index_copy_(0, chunk.token_indices, rows)
         for seq in plan.prefills:
             q = query[seq.start : seq.end]  # [Q, num_heads, head_size]
             if seq.key_slots is None:  # no cached context: the new keys are the whole sequence
                 k, v = key[seq.start : seq.end], value[seq.start : seq.end]
-            else:
-                k, v = self._gather(key_cache, value_cache, seq.key_slots, query.dtype)
-            out[seq.start : seq.end] = _attend(q, k.to(q.dtype), v.to(q.dtype), seq.mask, scale)
+                out[seq.start : seq.end] = _attend(q, k, v, seq.mask, scale)
+                continue
+            k, v = self._gather(key_cache, value_cache, seq.key_slots, query.dtype)
+            rows = _attend(q, k.to(q.dtype), v.to(q.dtype), seq.mask, cached_scale)
+            out[seq.start : seq.end] = rows if value_scale == 1.0 else rows * value_scale
         return out
 
 

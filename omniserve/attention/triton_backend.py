@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omniserve.attention.base import AttentionBackend, is_fp8
+from omniserve.attention.base import AttentionBackend, fp8_scales, is_fp8
 from omniserve.attention.metadata import AttentionMetadata
 from omniserve.transfers import upload
 from omniserve.triton_utils import INTERPRETED, dot
@@ -50,12 +50,12 @@ _INTERPRETED_MULTIPROCESSORS = 16
 @triton.jit
 def _store_kv_kernel(  # type: ignore[no-untyped-def]
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, num_kv_heads, head_size,
-    HEAD_PAD: tl.constexpr, FP8_MAX: tl.constexpr,
+    stride_kt, stride_kh, stride_vt, stride_vh, num_kv_heads, head_size, inv_k_scale,
+    inv_v_scale, HEAD_PAD: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     """Program (token, KV head): that head's key and value of the token to its cache slot (a
     negative slot is a padding row of a captured batch: nothing is written); an fp8 cache's
-    saturated at ``FP8_MAX`` (0: not fp8)."""
+    times the inverse scales, saturated at ``FP8_MAX`` (0: not fp8)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -64,8 +64,8 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
     k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
     if FP8_MAX > 0:
-        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -FP8_MAX), FP8_MAX)
     dst = (slot * num_kv_heads + head) * head_size + d
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
@@ -82,14 +82,15 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     tile_req_ptr, tile_first_ptr, query_start_ptr, seq_lens_ptr, block_table_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    scale, window, num_kv_heads, head_size, block_size, num_splits,
+    scale, value_scale, window, num_kv_heads, head_size, block_size, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     """Program (tile, KV head, split): attention of the tile's (token, group head) rows over
     the split's share of the keys; with SPLIT its softmax state goes to the partial buffers for
-    ``_combine_splits_kernel``, else the output is final."""
+    ``_combine_splits_kernel``, else the output is final (times ``value_scale``: an fp8 cache's
+    values are stored divided by it; the keys' scale is folded into ``scale``)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,7 +151,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         tl.store(part_l_ptr + part, l_i)
         tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc)
     else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = acc * (value_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
         out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
@@ -159,7 +160,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(  # type: ignore[no-untyped-def]
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, tile_req_ptr, tile_first_ptr,
-    query_start_ptr, stride_ot, stride_oh, num_kv_heads, head_size, num_splits,
+    query_start_ptr, stride_ot, stride_oh, value_scale, num_kv_heads, head_size, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr,
 ):  # fmt: skip
     """Program (tile, KV head): the splits' softmax states folded into the rows' outputs (the
@@ -191,7 +192,7 @@ def _combine_splits_kernel(  # type: ignore[no-untyped-def]
         acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :])
         acc = acc * alpha[:, None] + acc_s * beta[:, None]
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * (value_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     q_rows = (q_start + token).to(tl.int64)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty),
@@ -265,8 +266,10 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         num_tokens, num_heads, head_size = query.shape
+        k_scale, v_scale = fp8_scales(kv_cache, kv_scales)
         num_kv_heads = key.shape[1]
         head_pad = max(triton.next_power_of_2(head_size), 16)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -275,7 +278,7 @@ class TritonAttentionBackend(AttentionBackend):
             _store_kv_kernel[(num_tokens, num_kv_heads)](
                 key, value, key_cache, value_cache, metadata.slot_mapping,
                 key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                num_kv_heads, head_size, HEAD_PAD=head_pad,
+                num_kv_heads, head_size, 1.0 / k_scale, 1.0 / v_scale, HEAD_PAD=head_pad,
                 FP8_MAX=torch.finfo(kv_cache.dtype).max if is_fp8(kv_cache.dtype) else 0.0,
             )  # fmt: skip
         query = _unit_stride(query)
@@ -299,7 +302,8 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.query_start_loc, metadata.seq_lens, block_table,
                 part_m, part_l, part_acc,
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-                block_table.stride(0), scale, sliding_window or 0, num_kv_heads, head_size,
+                block_table.stride(0), scale * k_scale, v_scale, sliding_window or 0,
+                num_kv_heads, head_size,
                 kv_cache.shape[2], splits, GROUP=group, GROUP_PAD=group_pad, ROWS=rows,
                 HEAD_PAD=head_pad, BLOCK_N=_BLOCK_N, HAS_WINDOW=sliding_window is not None,
                 UPCAST=INTERPRETED, PRECISION="ieee" if query.dtype == torch.float32 else None,
@@ -308,8 +312,8 @@ class TritonAttentionBackend(AttentionBackend):
             if splits > 1:
                 _combine_splits_kernel[(num_tiles, num_kv_heads)](
                     out, part_m, part_l, part_acc, tiles.req, tiles.first,
-                    metadata.query_start_loc, out.stride(0), out.stride(1), num_kv_heads,
-                    head_size, splits, GROUP=group, GROUP_PAD=group_pad, ROWS=rows,
+                    metadata.query_start_loc, out.stride(0), out.stride(1), v_scale,
+                    num_kv_heads, head_size, splits, GROUP=group, GROUP_PAD=group_pad, ROWS=rows,
                     HEAD_PAD=head_pad,
                 )  # fmt: skip
         return out

@@ -113,9 +113,16 @@ class QuantizationConfig:
         quantized on the fly or not at all (e4m3 ``weight`` and its ``weight_scale``), and 4-bit
         integers in groups (``W4A16``, ``pack-quantized``: ``weight_packed``, ``weight_scale``,
         ``weight_zero_point`` when asymmetric). Which layers are quantized is read from the
-        tensors, not from ``targets`` and ``ignore``; every group must use one scheme."""
-        for key, what in (("kv_cache_scheme", "a quantized KV cache"),
-                          ("sparsity_config", "sparse weights"),
+        tensors, not from ``targets`` and ``ignore``; every group must use one scheme. A
+        ``kv_cache_scheme`` of static 8-bit floats per tensor stores each layer's ``k_scale`` and
+        ``v_scale``, which ``--kv-cache-dtype fp8`` applies (``model_loader.kv_scales_taken``)."""
+        kv = config.get("kv_cache_scheme")
+        static_fp8 = kv and kv.get("num_bits") == 8 and kv.get("type") == "float"
+        if kv and not (static_fp8 and kv.get("strategy", "tensor") == "tensor"
+                       and not kv.get("dynamic")):  # fmt: skip
+            raise ValueError(f"compressed-tensors checkpoint with kv_cache_scheme {kv}: omniserve "
+                             "reads static fp8 KV-cache scales per tensor only.")  # fmt: skip
+        for key, what in (("sparsity_config", "sparse weights"),
                           ("transform_config", "weight transforms")):  # fmt: skip
             if config.get(key):
                 raise ValueError(

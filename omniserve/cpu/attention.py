@@ -22,7 +22,7 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURE = (
     (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR)
     + (_I64,) * 6
-    + (ctypes.c_float, _I64, ctypes.c_int)
+    + (ctypes.c_float, ctypes.c_float, _I64, ctypes.c_int)
 )
 
 
@@ -76,6 +76,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         *,
         scale: float,
         sliding_window: int | None,
+        value_scale: float = 1.0,
     ) -> None:
         _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
         status = _kernel(query.dtype, kv_cache.dtype)(
@@ -83,7 +84,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             token_rows.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
             block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
             token_rows.shape[0], query.shape[1], num_kv_heads, head_size, block_size, num_blocks,
-            scale, sliding_window or 0, torch.get_num_threads(),
+            scale, value_scale, sliding_window or 0, torch.get_num_threads(),
         )  # fmt: skip
         if status:
             raise RuntimeError(f"CPU paged-decode kernel failed: {_ERRORS.get(status, status)}.")

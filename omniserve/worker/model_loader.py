@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +22,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from omniserve.attention import Attention
 from omniserve.config import QuantizationConfig
 from omniserve.layers.quantization import quantized_weights
 from omniserve.layers.quantized_loading import QuantizedModel, dequantize_at_load
-from omniserve.layers.weight_utils import LazyTensor, LoadedWeight, SafetensorsFile
+from omniserve.layers.weight_utils import LazyTensor, LoadedWeight, SafetensorsFile, materialize
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,37 @@ def iterate_checkpoint_weights(
             )  # fmt: skip
 
 
+_KV_SCALE = re.compile(r"(.+\.self_attn)\.(?:([kv])_scale|([kv])_proj\.output_scale)")
+"""llm-compressor's KV-cache scales (``self_attn.k_scale``; older: ``k_proj.output_scale``)."""
+
+
+def kv_scales_taken(
+    weights: Iterator[tuple[str, LoadedWeight]], model: nn.Module
+) -> Iterator[tuple[str, LoadedWeight]]:
+    """``weights`` without the checkpoint's KV-cache scales, each set on the ``Attention``
+    layer of its ``self_attn`` (``kv_scales``, which an fp8 cache applies) instead of loaded as a
+    parameter. A scale whose layer cannot be found, or that is not a positive finite number, is
+    a ValueError naming it."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Attention)}
+    rename = getattr(model, "checkpoint_to_param_name", lambda name: name)
+    for name, tensor in weights:
+        match = _KV_SCALE.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        owner = rename(match.group(1).removeprefix("thinker."))
+        layer = layers.get(f"{owner}.attn")
+        value = materialize(tensor).float().reshape(-1)
+        if layer is None or value.numel() != 1 or not 0 < float(value[0]) < math.inf:
+            what = "matches no attention layer" if layer is None else f"is {value.tolist()}"
+            raise ValueError(f"KV-cache scale {name!r} {what}: expected one positive number "
+                             f"per attention layer.")  # fmt: skip
+        index = 0 if (match.group(2) or match.group(3)) == "k" else 1
+        scales = list(layer.kv_scales)
+        scales[index] = float(value[0])
+        layer.kv_scales = (scales[0], scales[1])
+
+
 def load_model_weights(
     model: nn.Module,
     model_dir: str | Path,
@@ -99,8 +133,8 @@ def load_model_weights(
     """
     if not hasattr(model, "load_weights"):
         raise TypeError(f"{type(model).__name__} has no load_weights(weights) method.")
-    weights: Iterator[tuple[str, LoadedWeight]] = iterate_checkpoint_weights(
-        model_dir, progress_bar
+    weights: Iterator[tuple[str, LoadedWeight]] = kv_scales_taken(
+        iterate_checkpoint_weights(model_dir, progress_bar), model
     )
     if quantization is not None:
         weights = quantized_weights(weights, quantization)

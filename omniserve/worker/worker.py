@@ -15,9 +15,9 @@ import torch
 from transformers import PretrainedConfig
 
 from omniserve import envs
-from omniserve.attention.base import kv_cache_torch_dtype
+from omniserve.attention.base import is_fp8, kv_cache_torch_dtype
 from omniserve.attention.encoder import set_encoder_attention
-from omniserve.attention.layer import kv_cache_bytes_per_block
+from omniserve.attention.layer import get_attention_layers, kv_cache_bytes_per_block
 from omniserve.attention.selector import apply_attention_backend
 from omniserve.config import OmniConfig, QuantizationConfig
 from omniserve.core.sched_output import SchedulerOutput
@@ -246,6 +246,11 @@ class Worker:
             )
         load_model_weights(model, self.weights_path, quantization, quantized,
                            model_config.use_tqdm_on_load)  # fmt: skip
+        if scaled := sum(a.kv_scales != (1.0, 1.0) for a in get_attention_layers(model)):
+            use = "applies them" if is_fp8(self.kv_dtype) else "does not use them"
+            logger.info("The checkpoint gives %d attention layers KV-cache scales; the %s KV "
+                        "cache %s.", scaled, str(self.kv_dtype).removeprefix("torch."),
+                        use)  # fmt: skip
         model.eval()
         if self.device.type == "cpu":
             self.backend_report = apply_cpu_backend(model, self.dtype)

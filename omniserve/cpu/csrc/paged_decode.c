@@ -22,9 +22,11 @@
  *   query/out:  rows at query + token_rows[i] * q_row_stride, each [num_heads, head_size]
  *   key/value:  [num_blocks, block_size, num_kv_heads, head_size]
  *   block_table [num_reqs, bt_stride] int32, seq_lens [num_reqs] int32
- * Query head h reads KV head h / (num_heads / num_kv_heads). With window > 0 the query (at
- * position seq_len - 1) sees keys [max(0, seq_len - window), seq_len - 1]. head_size must be a
- * multiple of 16 (the caller checks).
+ * An fp8 cache holds values divided by value_scale (the output is multiplied by it; the keys'
+ * scale is the caller's to fold into scale). Query head h reads KV head h / (num_heads /
+ * num_kv_heads). With window > 0 the query (at position seq_len - 1) sees keys
+ * [max(0, seq_len - window), seq_len - 1]. head_size must be a multiple of 16 (the caller
+ * checks).
  *
  * Built by omniserve/cpu/build.py; the per-type body is paged_decode_impl.h.
  */

@@ -109,8 +109,8 @@ int FN(omniserve_paged_decode)(const T *query, int64_t q_row_stride, T *out,
                                const int32_t *block_table, int64_t bt_stride,
                                const int32_t *seq_lens, int64_t num_reqs, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_size, int64_t block_size,
-                               int64_t num_blocks, float scale, int64_t window,
-                               int num_threads) {
+                               int64_t num_blocks, float scale, float value_scale,
+                               int64_t window, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int tile = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
     const int64_t slot_stride = num_kv_heads * head_size;
@@ -160,7 +160,7 @@ int FN(omniserve_paged_decode)(const T *query, int64_t q_row_stride, T *out,
                                  slot_stride, block_size, scale, scores, 1);
             T *dst = out + token_rows[req] * out_row_stride + head0 * head_size;
             for (int g = 0; g < tile; ++g) {
-                const float inv = 1.0f / h.denominator[g];
+                const float inv = value_scale / h.denominator[g];
                 for (int64_t d = 0; d < head_size; ++d)
                     dst[g * head_size + d] = TO_T(h.acc[g * head_size + d] * inv);
             }
