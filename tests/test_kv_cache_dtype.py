@@ -135,3 +135,43 @@ def test_compressed_tensors_kv_cache_scheme_is_read() -> None:
               "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
                                   "dynamic": False, "symmetric": True}}  # fmt: skip
     assert QuantizationConfig.from_hf(config).method == "fp8"
+
+
+def test_calculate_kv_scales_takes_them_from_the_first_step() -> None:
+    """vLLM's --calculate-kv-scales: a layer's scales are its first real step's largest key
+    and value magnitudes over 200 and 100, from the rows that write a slot only (a warm-up's
+    padding rows write none), and fixed from then on."""
+    from omniserve.attention import Attention
+    from omniserve.attention.layer import K_SCALE_CONSTANT, V_SCALE_CONSTANT
+
+    layer = Attention(2, 16, 0.25, num_kv_heads=1)
+    layer.calculate_kv_scales = True
+    k, v = torch.randn(3, 16), torch.randn(3, 16)
+    k[2], v[2] = 1e3, -1e3  # the padding row's: never a scale
+    layer._calculate_kv_scales(k, v, torch.tensor([-1, -1, -1]))  # all padding: nothing learnt
+    assert layer.calculate_kv_scales and layer.kv_scales == (1.0, 1.0)
+    layer._calculate_kv_scales(k, v, torch.tensor([8, 9, -1]))
+    want = (
+        float(k[:2].abs().max()) / K_SCALE_CONSTANT,
+        float(v[:2].abs().max()) / V_SCALE_CONSTANT,
+    )
+    assert layer.kv_scales == pytest.approx(want) and not layer.calculate_kv_scales
+
+
+def test_calculate_kv_scales_end_to_end(tiny_checkpoint: Any) -> None:
+    path = str(tiny_checkpoint("Qwen3ForCausalLM"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+        llm = LLM(path, dtype="bfloat16", max_model_len=256, kv_cache_memory="4MiB",
+                  kv_cache_dtype="fp8", calculate_kv_scales=True)  # fmt: skip
+    try:
+        layers = _layers(llm)
+        assert all(a.calculate_kv_scales and a.kv_scales == (1.0, 1.0) for a in layers)
+        (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7, 8] * 5}], GREEDY, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+        assert all(not a.calculate_kv_scales and 0 < min(a.kv_scales) and a.kv_scales != (1.0, 1.0)
+                   for a in layers)  # fmt: skip
+    finally:
+        llm.llm_engine.shutdown()
+    with pytest.raises(ValueError, match="calculate_kv_scales scales an fp8 KV cache"):
+        EngineArgs(model=path, calculate_kv_scales=True).create_config()

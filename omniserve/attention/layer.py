@@ -16,6 +16,10 @@ from omniserve.attention.selector import get_attention_backend
 from omniserve.attention.torch_backend import causal_attention
 from omniserve.forward_context import get_forward_context
 
+K_SCALE_CONSTANT = 200.0
+V_SCALE_CONSTANT = 100.0
+"""--calculate-kv-scales: an fp8 cache's scale is the largest magnitude over these (vLLM's)."""
+
 
 class Attention(nn.Module):
     """Causal self-attention over the paged cache of one decoder layer."""
@@ -46,6 +50,8 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.kv_scales: tuple[float, float] = (1.0, 1.0)
         """(key, value) scales of an fp8 cache (a checkpoint's ``k_scale`` / ``v_scale``)."""
+        self.calculate_kv_scales = False
+        """vLLM's --calculate-kv-scales: take ``kv_scales`` from the next real step."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, H*D], k/v [N, KVH*D] -> [N, H*D]."""
@@ -61,6 +67,8 @@ class Attention(nn.Module):
                 "running a forward with attention metadata."
             )
         else:
+            if self.calculate_kv_scales:
+                self._calculate_kv_scales(k, v, metadata.slot_mapping)
             out = self.backend.forward(
                 q,
                 k,
@@ -72,6 +80,20 @@ class Attention(nn.Module):
                 kv_scales=self.kv_scales,
             )
         return out.reshape(-1, self.num_heads * self.head_size)
+
+    def _calculate_kv_scales(
+        self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """The scales from this step's keys and values (the rows that write a slot: a warm-up's
+        padding rows write none), fixed from then on: the largest magnitudes over vLLM's
+        ``K_SCALE_CONSTANT`` (200) and ``V_SCALE_CONSTANT`` (100), well inside e4m3's 448. One
+        read of the device, once per layer."""
+        rows = slot_mapping >= 0
+        if not bool(rows.any()):
+            return
+        k_max, v_max = (float(x[rows].abs().max()) for x in (k, v))
+        self.kv_scales = (k_max / K_SCALE_CONSTANT or 1.0, v_max / V_SCALE_CONSTANT or 1.0)
+        self.calculate_kv_scales = False
 
     def extra_repr(self) -> str:
         return (

@@ -399,6 +399,8 @@ class CacheConfig:
     cache_dtype: str = "auto"
     """vLLM's ``--kv-cache-dtype`` (``KV_CACHE_DTYPES``): "auto" (the model's dtype), or an
     fp8 format for the thinker's KV cache at half of bf16's bytes ("fp8" is fp8_e4m3)."""
+    calculate_kv_scales: bool = False
+    """vLLM's: an fp8 cache's scales from each layer's first real step, not the checkpoint's."""
     kv_cache_memory_bytes: int | None = None
     """Memory for the KV cache across all layers; None: a device-dependent default."""
     talker_kv_cache_memory_bytes: int | None = None
@@ -423,6 +425,9 @@ class CacheConfig:
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                              f"{self.cache_dtype!r}.")  # fmt: skip
+        if self.calculate_kv_scales and self.cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales scales an fp8 KV cache: it needs "
+                             "--kv-cache-dtype fp8 (or fp8_e4m3, fp8_e5m2).")  # fmt: skip
         for name in ("kv_cache_memory_bytes", "talker_kv_cache_memory_bytes"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive.")

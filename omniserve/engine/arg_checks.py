@@ -156,10 +156,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
         {},
         "detailed (model forward and execute) trace spans; --otlp-traces-endpoint traces requests",
     ),
-    "--calculate-kv-scales": (
-        {"action": "store_true"},
-        "scales calibrated for an fp8 KV cache (--kv-cache-dtype fp8 stores at scale 1)",
-    ),
     "--headless": ({"action": "store_true"}, "an engine without an API server (multi-node)"),
     "--data-parallel-address": ({}, "multi-node data parallelism"),
     "--data-parallel-rpc-port": ({"type": int}, "multi-node data parallelism"),

@@ -143,6 +143,7 @@ class EngineArgs:
     of the transformers config returning it changed (read once, as the keys it changed)."""
     block_size: int = 16
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     kv_cache_memory: str | float | None = None
     talker_kv_cache_memory: str | float | None = None
     num_gpu_blocks_override: int | None = None
@@ -278,6 +279,7 @@ class EngineArgs:
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 cache_dtype=self.kv_cache_dtype,
+                calculate_kv_scales=self.calculate_kv_scales,
                 kv_cache_memory_bytes=parse_bytes(self.kv_cache_memory, "kv_cache_memory"),
                 talker_kv_cache_memory_bytes=parse_bytes(
                     self.talker_kv_cache_memory, "talker_kv_cache_memory"

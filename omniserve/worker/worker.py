@@ -246,7 +246,10 @@ class Worker:
             )
         load_model_weights(model, self.weights_path, quantization, quantized,
                            model_config.use_tqdm_on_load)  # fmt: skip
-        if scaled := sum(a.kv_scales != (1.0, 1.0) for a in get_attention_layers(model)):
+        if config.cache_config.calculate_kv_scales:
+            for layer in get_attention_layers(model):
+                layer.calculate_kv_scales = True
+        elif scaled := sum(a.kv_scales != (1.0, 1.0) for a in get_attention_layers(model)):
             use = "applies them" if is_fp8(self.kv_dtype) else "does not use them"
             logger.info("The checkpoint gives %d attention layers KV-cache scales; the %s KV "
                         "cache %s.", scaled, str(self.kv_dtype).removeprefix("torch."),
@@ -398,7 +401,11 @@ class Worker:
         start = time.perf_counter()
         if self.model_runner.warm_up_kernels():
             logger.info("Compiled the JIT kernels in %.1f s", time.perf_counter() - start)
-        if not self.config.model_config.enforce_eager:
+        calculating = self.config.cache_config.calculate_kv_scales
+        if calculating and self.device.type == "cuda":
+            logger.info("--calculate-kv-scales: decode steps run eagerly (captured graphs would "
+                        "keep the scales from before the first step).")  # fmt: skip
+        if not self.config.model_config.enforce_eager and not calculating:
             start = time.perf_counter()
             model_config = self.config.model_config
             self.graph_sizes = self.model_runner.capture_decode_graphs(
