@@ -462,6 +462,9 @@ class SchedulerConfig:
     """Split long prompts across steps; when off a prompt must fit one step's budget."""
     long_prefill_token_threshold: int = 0
     """Cap on one request's prefill tokens per step (0: no cap), so decodes keep flowing."""
+    scheduler_cls: str = ""
+    """vLLM's: ``module.Class``, a subclass of ``omniserve.core.scheduler.Scheduler`` the engine
+    core schedules with ("": that class)."""
     stream_interval: int = 1
     """vLLM's: a streamed request's output goes out once this many new tokens are in (its
     first token and its end at once), fewer outputs for the front end to make and send."""

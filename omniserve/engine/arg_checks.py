@@ -168,7 +168,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--video-pruning-rate": ({"type": float}, "video token pruning"),
     "--max-num-partial-prefills": ({"type": int}, "a cap on prompts prefilled side by side"),
     "--max-long-partial-prefills": ({"type": int}, "a cap on prompts prefilled side by side"),
-    "--scheduler-cls": ({}, "a custom scheduler class"),
     "--model-loader-extra-config": ({}, "model loader settings"),
     "--mm-encoder-tp-mode": ({"choices": ["weights", "data"]}, "a tensor-parallel mode for towers"),
     "--kv-sharing-fast-prefill": ({"action": "store_true"}, "KV-sharing fast prefill"),

@@ -304,6 +304,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="Cap one request's prefill tokens per step (0: no cap).",
     )
     add(
+        "--scheduler-cls",
+        default="",
+        help="module.Class: a subclass of omniserve.core.scheduler.Scheduler to schedule with "
+        "(vLLM's; its own default class name means this engine's).",
+    )
+    add(
         "--stream-interval",
         type=number_in(int, 1),
         default=1,

@@ -78,6 +78,16 @@ def _check_sampling_defaults(model_config: ModelConfig) -> None:
         raise ValueError(f"--override-generation-config: {exc}") from exc
 
 
+def _class_path(spec: str | type) -> str:
+    """A class setting as the ``module.Class`` path the engine core's process imports (vLLM's
+    settings take the class itself too)."""
+    if isinstance(spec, str):
+        return spec
+    if not isinstance(spec, type) or "<locals>" in spec.__qualname__:
+        raise ValueError(f"{spec!r}: give a class importable from its module (module.Class).")
+    return f"{spec.__module__}:{spec.__qualname__}"
+
+
 MMLimits = dict[str, int | dict[str, int]]
 
 
@@ -168,6 +178,7 @@ class EngineArgs:
     enable_chunked_prefill: bool | None = True  # None: on
     long_prefill_token_threshold: int = 0
     stream_interval: int = 1
+    scheduler_cls: str | type = ""
     scheduling_policy: str = "fcfs"
     async_scheduling: bool | None = False  # None: off
     max_num_encoder_input_tokens: int | None = None
@@ -295,6 +306,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill is not False,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 stream_interval=self.stream_interval,
+                scheduler_cls=_class_path(self.scheduler_cls),
                 policy=self.scheduling_policy,
                 async_scheduling=bool(self.async_scheduling),
                 # Default: as large as the step's token budget, and never below 8192 embeddings.
@@ -343,12 +355,14 @@ class EngineArgs:
         )
         # Settings that only fail where they are used fail here, at start: --media-io-kwargs and
         # --allowed-local-media-path (numpy, PIL, av), --device (torch), the worker extension.
+        from omniserve.engine.core import scheduler_class
         from omniserve.multimodal.media import MediaConnector, media_config
         from omniserve.worker.worker import resolve_device, worker_class
 
         MediaConnector(media_config(config.multimodal_config))
         resolve_device(model_config.device)
         worker_class(self.worker_extension_cls)
+        scheduler_class(config.scheduler_config.scheduler_cls)
         _check_sampling_defaults(model_config)
         return config
 

@@ -26,10 +26,26 @@ from omniserve.messages import (
     ModelRunnerOutput,
     PendingOutput,
 )
+from omniserve.registry import load_class
 from omniserve.structured_output import StructuredOutputManager, wait_any
 from omniserve.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
+
+VLLM_SCHEDULER = "vllm.v1.core.sched.scheduler.Scheduler"
+"""vLLM's default ``--scheduler-cls``, taken as this engine's own (configs copied from vLLM)."""
+
+
+def scheduler_class(spec: str) -> type[Scheduler]:
+    """``Scheduler``, or the subclass ``--scheduler-cls`` names (``module.Class``, vLLM's
+    setting): ValueError when it does not import or is not a ``Scheduler``."""
+    if spec in ("", VLLM_SCHEDULER):
+        return Scheduler
+    cls = load_class(spec, "--scheduler-cls")
+    if not issubclass(cls, Scheduler):
+        raise ValueError(f"--scheduler-cls {spec}: {cls.__qualname__} is not a subclass of "
+                         "omniserve.core.scheduler.Scheduler.")  # fmt: skip
+    return cls
 
 
 @dataclasses.dataclass
@@ -97,7 +113,7 @@ class EngineCore:
         kv_events = config.kv_events_config
         if kv_events is not None and kv_events.publisher == "null":
             kv_events = None  # recorded only to be dropped: not recorded at all
-        self.scheduler = Scheduler(
+        self.scheduler = scheduler_class(config.scheduler_config.scheduler_cls)(
             config.scheduler_config,
             config.cache_config,
             num_blocks,
