@@ -278,3 +278,37 @@ def test_cuda_graph_sizes_and_renamed_pooler_config(tiny_checkpoint) -> None:
     args = parser.parse_args(["-O0", "-cc", '{"cudagraph_mode": "FULL_AND_PIECEWISE"}'])
     assert (args.optimization_level, args.compilation_config) == (
         0, '{"cudagraph_mode": "FULL_AND_PIECEWISE"}')  # fmt: skip
+
+
+def test_hf_config_path_reads_another_config(tiny_checkpoint, tmp_path) -> None:
+    """vLLM's --hf-config-path: config.json from another directory (a checkpoint whose own is
+    broken, say), the weights and tokenizer still the model's."""
+    import json
+    import shutil
+
+    from omniserve import LLM, SamplingParams
+
+    source = tiny_checkpoint("Qwen3ForCausalLM")
+    model = tmp_path / "model"
+    shutil.copytree(source, model)
+    (model / "config.json").write_text("{}")  # no architectures: unusable alone
+    fixed = tmp_path / "fixed"
+    fixed.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    (fixed / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 300}))
+    with pytest.raises(ValueError, match="names no 'architectures'"):
+        EngineArgs(model=str(model)).create_config()
+    made = EngineArgs(model=str(model), hf_config_path=str(fixed)).create_config().model_config
+    assert (made.max_model_len, made.model, made.tokenizer) == (300, str(model), str(model))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    answers = []
+    for path, extra in ((source, {}), (model, {"hf_config_path": str(fixed)})):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+            llm = LLM(str(path), max_model_len=256, kv_cache_memory="4MiB", **extra)
+        answers.append(llm.generate([{"prompt_token_ids": [5, 6, 7]}], params,
+                                    use_tqdm=False)[0].outputs[0].token_ids)  # fmt: skip
+        llm.llm_engine.shutdown()
+    assert answers[0] == answers[1]
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        EngineArgs(model=str(model), hf_config_path=str(tmp_path / "none")).create_config()

@@ -99,6 +99,9 @@ class ModelConfig:
     """"generate", or "pooling": the model answers embedding (or, a sequence classifier,
     classification) requests only (vLLM's --runner; ``from_path`` resolves "auto")."""
     pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
+    hf_config_path: str = ""
+    """vLLM's ``--hf-config-path``: a directory whose config.json is read in place of the
+    checkpoint's ("": the checkpoint's own); weights, tokenizer and processor stay the model's."""
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     """vLLM's ``--hf-overrides``: config.json keys set over the checkpoint's (a nested config,
     ``text_config`` and the like, merged key by key), e.g. ``architectures``."""
@@ -139,7 +142,7 @@ class ModelConfig:
                 "checkpoints "
                 "from a local directory (no hub downloads)."
             )
-        config_file = path / "config.json"
+        config_file = Path(kwargs.get("hf_config_path") or path).expanduser() / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file} is missing: not a Hugging Face checkpoint dir.")
         hf_config = merged_overrides(
@@ -175,7 +178,7 @@ class ModelConfig:
         )
         window = None
         if config.disable_sliding_window:
-            window = sliding_window(_transformers_config(config.model, config.hf_overrides))
+            window = sliding_window(_transformers_config(config))
         if window is None or config.max_model_len <= window:
             return config
         if requested is not None:
@@ -187,7 +190,7 @@ class ModelConfig:
     def hf_config(self) -> Any:
         """The checkpoint's transformers config (local files only), loaded once per process and
         shared by the processor, the multimodal context and the worker."""
-        config = _transformers_config(self.model, self.hf_overrides)
+        config = _transformers_config(self)
         if self.disable_sliding_window:
             use_full_attention(config)
         if getattr(config, "classifier_from_token", None) is not None:
@@ -367,12 +370,16 @@ def _labels_from_tokens(config: Any, tokenizer_dir: str) -> None:
     config.num_labels = 1 if method == "from_2_way_softmax" else len(tokens)
 
 
-def _transformers_config(model: str, overrides: dict[str, Any]) -> Any:
-    """The checkpoint's transformers config with ``overrides`` set (local files only)."""
+def _transformers_config(model_config: ModelConfig) -> Any:
+    """The checkpoint's transformers config (or ``hf_config_path``'s) with the overrides set
+    (local files only); its ``_name_or_path`` the checkpoint's, where models find their other
+    files (an omni model's voices)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model, local_files_only=True)
-    set_overrides(config, overrides)
+    source = model_config.hf_config_path or model_config.model
+    config = AutoConfig.from_pretrained(source, local_files_only=True)
+    set_overrides(config, model_config.hf_overrides)
+    config._name_or_path = model_config.model
     return config
 
 

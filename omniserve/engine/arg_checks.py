@@ -174,7 +174,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--h11-max-header-count": ({"type": int}, "a cap on HTTP header count"),
     "--tool-server": ({}, "tool servers for the Responses API"),
     "--tokens-only": ({"action": "store_true"}, "a tokens-only server"),
-    "--hf-config-path": ({}, "a config.json from another directory (--hf-overrides sets keys)"),
     "--rope-scaling": ({}, "the older rope flags (--hf-overrides sets rope_scaling)"),
     "--rope-theta": ({"type": float}, "the older rope flags (--hf-overrides sets rope_theta)"),
     "--logits-processor-pattern": ({}, "per-request logits processors"),

@@ -132,6 +132,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     add("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
     add(
+        "--hf-config-path",
+        default=None,
+        help="A directory whose config.json is read in place of the model's (weights, "
+        "tokenizer and processor files stay the model's).",
+    )
+    add(
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,

@@ -149,6 +149,7 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | str | None = None
     hf_overrides: dict[str, Any] | str | Callable[[Any], Any] | None = None
+    hf_config_path: str | None = None
     """config.json keys set over the checkpoint's (a dict or its JSON text), or vLLM's function
     of the transformers config returning it changed (read once, as the keys it changed)."""
     block_size: int = 16
@@ -247,7 +248,8 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self._served_name(),
             generation_config=self.generation_config,
-            hf_overrides=overrides_of(self.model, self.hf_overrides)
+            hf_config_path=self.hf_config_path or "",
+            hf_overrides=overrides_of(self.hf_config_path or self.model, self.hf_overrides)
             if callable(self.hf_overrides)
             else json_arg("hf_overrides", self.hf_overrides),
             override_generation_config=json_arg(
