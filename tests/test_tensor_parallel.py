@@ -173,6 +173,28 @@ def test_vision_language_model_tp2_matches_hf(tiny_checkpoint):
 
 
 @pytest.mark.slow
+def test_towers_split_their_items_between_ranks(tiny_checkpoint, monkeypatch):
+    """--mm-encoder-tp-mode data: three images of different sizes split between two ranks
+    (balanced by embeddings), each rank encoding its share, the outputs gathered: the answers
+    of TP=1, which encodes all three itself."""
+    from omniserve.worker import encoder_runner
+
+    assert encoder_runner.balanced_owners([10, 40, 25, 5], 2) == [1, 0, 1, 1]
+    assert encoder_runner.balanced_owners([7], 3) == [0]
+    model_dir = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
+    processor = AutoProcessor.from_pretrained(model_dir)
+    messages = [_user(IMAGE, IMAGE, IMAGE, TEXT)]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    media = {"image": [_image(1, 112, 140), _image(2, 56, 56), _image(3, 84, 112)]}
+    prompts = [_engine_prompt(text, media)]
+    want = _generate(model_dir, prompts, tp=1)
+    got = _generate(model_dir, prompts, tp=2, mm_encoder_tp_mode="data")
+    assert _tokens(got) == _tokens(want)
+    for ours, ref in zip(got[0].outputs[0].logprobs, want[0].outputs[0].logprobs, strict=True):
+        assert all(abs(ours[t].logprob - ref[t].logprob) < 1e-4 for t in ref)
+
+
+@pytest.mark.slow
 def test_omni_moe_thinker_tp2_with_image_and_audio_matches_hf(tiny_checkpoint):
     arch = "Qwen3OmniMoeThinkerForConditionalGeneration"
     model_dir = str(tiny_checkpoint(arch))

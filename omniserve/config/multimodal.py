@@ -9,6 +9,9 @@ MM_ENCODER_ATTN_BACKENDS = ("auto", "TORCH_SDPA", "FLASH_ATTN")
 """The towers' attention (``attention/encoder.py``); auto: FLASH_ATTN on CUDA where its
 start-up check passes, else TORCH_SDPA."""
 
+MM_ENCODER_TP_MODES = ("weights", "data")
+"""``--mm-encoder-tp-mode`` (``worker/encoder_runner.py``)."""
+
 MM_PROFILE_SIZES: dict[str, tuple[str, ...]] = {
     "image": ("width", "height"),
     "video": ("num_frames", "width", "height"),
@@ -43,6 +46,9 @@ class MultiModalConfig:
     mm_encoder_attn_backend: str = "auto"
     """The towers' attention within their segments (``attention/encoder.py``): "auto",
     "TORCH_SDPA" or "FLASH_ATTN"."""
+    mm_encoder_tp_mode: str = "weights"
+    """vLLM's, under tensor parallelism: "weights", every rank encodes every item (its towers
+    whole: vLLM's shards them); "data", the ranks split each step's items of a modality."""
     skip_mm_profiling: bool = False
     """vLLM's: the GPU start-up memory profile runs the text step only, so the KV cache takes
     what media would need at their peak (the user's to leave room for)."""
@@ -56,6 +62,9 @@ class MultiModalConfig:
             raise ValueError(
                 f"mm_processor_cache_gb must be a number >= 0, got {self.mm_processor_cache_gb}."
             )
+        if self.mm_encoder_tp_mode not in MM_ENCODER_TP_MODES:
+            raise ValueError(f"mm_encoder_tp_mode must be one of {MM_ENCODER_TP_MODES}, got "
+                             f"{self.mm_encoder_tp_mode!r}.")  # fmt: skip
         if self.mm_encoder_attn_backend not in MM_ENCODER_ATTN_BACKENDS:
             raise ValueError(
                 f"mm_encoder_attn_backend must be one of {MM_ENCODER_ATTN_BACKENDS}, got "

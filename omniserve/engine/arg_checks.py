@@ -169,7 +169,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--max-num-partial-prefills": ({"type": int}, "a cap on prompts prefilled side by side"),
     "--max-long-partial-prefills": ({"type": int}, "a cap on prompts prefilled side by side"),
     "--model-loader-extra-config": ({}, "model loader settings"),
-    "--mm-encoder-tp-mode": ({"choices": ["weights", "data"]}, "a tensor-parallel mode for towers"),
     "--kv-sharing-fast-prefill": ({"action": "store_true"}, "KV-sharing fast prefill"),
     "--h11-max-header-count": ({"type": int}, "a cap on HTTP header count"),
     "--tool-server": ({}, "tool servers for the Responses API"),

@@ -13,7 +13,7 @@ from omniserve.config import (
     LOGPROBS_MODES,
     QUANTIZATION_METHODS,
 )
-from omniserve.config.multimodal import MM_ENCODER_ATTN_BACKENDS
+from omniserve.config.multimodal import MM_ENCODER_ATTN_BACKENDS, MM_ENCODER_TP_MODES
 from omniserve.config.structured_outputs import REASONING_TAGS
 from omniserve.engine.arg_checks import TASK_RUNNERS, number_in, token_count, vllm_flags
 from omniserve.engine.compilation_config import OPTIMIZATION_LEVELS
@@ -396,6 +396,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--disable-mm-preprocessor-cache",
         action="store_true",
         help="vLLM's older spelling of --mm-processor-cache-gb 0.",
+    )
+    mm.add_argument(
+        "--mm-encoder-tp-mode",
+        default="weights",
+        choices=MM_ENCODER_TP_MODES,
+        help="Under tensor parallelism: weights, every rank encodes every item (its towers "
+        "whole); data, the ranks split each step's items of a modality and gather the outputs.",
     )
     mm.add_argument(
         "--language-model-only",

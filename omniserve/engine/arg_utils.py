@@ -197,6 +197,7 @@ class EngineArgs:
     """vLLM's older spelling of ``mm_processor_cache_gb=0``."""
     skip_mm_profiling: bool = False
     language_model_only: bool = False
+    mm_encoder_tp_mode: str = "weights"
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     allow_private_media_urls: bool = False
@@ -334,6 +335,7 @@ class EngineArgs:
                 media_io_kwargs=json_arg("media_io_kwargs", self.media_io_kwargs),
                 enable_mm_embeds=self.enable_mm_embeds,
                 mm_encoder_attn_backend=self.mm_encoder_attn_backend,
+                mm_encoder_tp_mode=self.mm_encoder_tp_mode,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,

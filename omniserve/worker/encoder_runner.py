@@ -4,6 +4,12 @@ decoder the embedding slices its tokens need.
 Encoder outputs live in ``encoder_cache`` keyed by item identifier, shared by every request that
 holds the same item; the scheduler's EncoderCacheManager decides what is computed and what is
 dropped (``free_encoder_mm_hashes``), so this cache and its bookkeeping agree exactly.
+
+Under tensor parallelism every rank holds the whole towers. By default each rank encodes every
+item; with vLLM's ``--mm-encoder-tp-mode data`` (``split_items``) the ranks split a step's items
+of a modality between them, balanced by embeddings (the same split on every rank, which all see
+the same scheduler output), and gather the outputs, so each holds all of them as if it had
+encoded them itself.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from torch import nn
 
 from omniserve.core.sched_output import SchedulerOutput
+from omniserve.layers.tp import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from omniserve.multimodal.inputs import EncoderItem, MultiModalFeatureSpec
 from omniserve.transfers import host_to_device, upload
 
@@ -35,10 +42,22 @@ def to_device(items: list[dict[str, Any] | None], device: torch.device) -> list[
     return out
 
 
+def balanced_owners(sizes: list[int], num_ranks: int) -> list[int]:
+    """The rank that encodes each item: largest first, each to the least loaded rank (the
+    lowest of equals), so every rank computes the same split."""
+    loads = [0] * num_ranks
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owners[i] = min(range(num_ranks), key=lambda r: loads[r])
+        loads[owners[i]] += sizes[i]
+    return owners
+
+
 class EncoderRunner:
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, split_items: bool = False) -> None:
         self.model = model
         self.device = device
+        self.split_items = split_items and get_tp_size() > 1
         self.encoder_cache: dict[str, torch.Tensor] = {}  # identifier -> [num_embeds, hidden]
 
     def free(self, identifiers: Iterable[str]) -> None:
@@ -64,11 +83,12 @@ class EncoderRunner:
             features = [f for f in all_features if f.data is None or key not in f.data]
             given = [f for f in all_features if f.data is not None and key in f.data]
             items = to_device([f.data for f in [*features, *given]], self.device)
-            outputs = (
-                self.model.get_multimodal_embeddings(modality, items[: len(features)])
-                if features
-                else []
-            )
+            if self.split_items and len(features) > 1:
+                outputs = self._encode_split(modality, features, items[: len(features)], dtype)
+            elif features:
+                outputs = self.model.get_multimodal_embeddings(modality, items[: len(features)])
+            else:
+                outputs = []
             if len(outputs) != len(features):
                 raise RuntimeError(
                     f"The {modality} encoder returned {len(outputs)} outputs for "
@@ -82,6 +102,43 @@ class EncoderRunner:
                         f"with {feature.mm_position.num_embeds} placeholder embeddings."
                     )
                 self.encoder_cache[feature.identifier] = output
+
+    def _encode_split(
+        self,
+        modality: str,
+        features: list[MultiModalFeatureSpec],
+        items: list[EncoderItem],
+        dtype: torch.dtype,
+    ) -> list[torch.Tensor]:
+        """This rank's share of the items encoded, every rank's gathered: each rank's outputs
+        padded to the largest share's rows, one all-gather; the width (the same for a modality's
+        items) from the ranks that encoded any."""
+        rank, num_ranks = get_tp_rank(), get_tp_size()
+        sizes = [f.mm_position.num_embeds for f in features]
+        owners = balanced_owners(sizes, num_ranks)
+        mine = [i for i, owner in enumerate(owners) if owner == rank]
+        local = self.model.get_multimodal_embeddings(modality, [items[i] for i in mine])
+        if len(local) != len(mine):
+            raise RuntimeError(f"The {modality} encoder returned {len(local)} outputs for "
+                               f"{len(mine)} items.")  # fmt: skip
+        shares = [sum(s for s, o in zip(sizes, owners, strict=True) if o == r)
+                  for r in range(num_ranks)]  # fmt: skip
+        width = torch.tensor([local[0].shape[1] if local else 0], device=self.device)
+        encoding = sum(share > 0 for share in shares)
+        width_all = int(tp_all_reduce(width).item()) // encoding
+        rows = max(shares)
+        padded = torch.zeros(rows, width_all, dtype=dtype, device=self.device)
+        if local:
+            stacked = torch.cat([out.to(dtype) for out in local])
+            padded[: stacked.shape[0]] = stacked
+        gathered = tp_all_gather(padded, dim=0).view(num_ranks, rows, width_all)
+        offsets = [0] * num_ranks
+        outputs = []
+        for size, owner in zip(sizes, owners, strict=True):
+            # (a copy: the cache keeps it, not the whole padded buffer)
+            outputs.append(gathered[owner, offsets[owner] : offsets[owner] + size].clone())
+            offsets[owner] += size
+        return outputs
 
     def gather(
         self,

@@ -84,7 +84,9 @@ class ModelRunner:
         projector: Projector | None = None,
         logprobs_mode: str = "raw_logprobs",
         logits_processors: LogitsProcessorBatch | None = None,
+        split_encoder_items: bool = False,
     ) -> None:
+        """``split_encoder_items``: ``--mm-encoder-tp-mode data`` (``EncoderRunner``)."""
         self.model = model
         self.projector = projector  # the checkpoint's Dense modules after embedding pooling
         self.lora_manager = lora_manager
@@ -105,7 +107,9 @@ class ModelRunner:
         )
         self.kv_caches: list[torch.Tensor] = []
         self.encoder_runner = (
-            EncoderRunner(model, device) if getattr(model, "supports_multimodal", False) else None
+            EncoderRunner(model, device, split_encoder_items)
+            if getattr(model, "supports_multimodal", False)
+            else None
         )
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         self.talker_runner = (

@@ -289,6 +289,7 @@ class Worker:
             model, config.scheduler_config, config.cache_config, vocab_size, self.device,
             self.lora_manager, config.speculative_config, projector, model_config.logprobs_mode,
             LogitsProcessorBatch(processors, config, self.device) if processors else None,
+            config.multimodal_config.mm_encoder_tp_mode == "data",
         )  # fmt: skip
 
     def determine_num_kv_blocks(self) -> int:
