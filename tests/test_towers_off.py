@@ -15,18 +15,12 @@ from omniserve.engine.arg_utils import EngineArgs
 from omniserve.entrypoints.cli import build_parser
 from omniserve.multimodal.errors import MultiModalInputError
 from tests.test_api_multimodal import IMAGE
+from tests.test_mm_embeds import TONE, _llm
 
 QWEN2_5 = "Qwen2_5OmniThinkerForConditionalGeneration"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 AUDIO_PROMPT = "<|audio_bos|><|AUDIO|><|audio_eos|>What is it?"
 IMAGE_PROMPT = "<|vision_bos|><|IMAGE|><|vision_eos|>What is it?"
-TONE = (np.sin(np.linspace(0, 400 * np.pi, 16000)).astype(np.float32), 16000)
-
-
-def _llm(path: Any, **kwargs: Any) -> LLM:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
-        return LLM(str(path), dtype="float32", max_model_len=512, kv_cache_memory="16MiB", **kwargs)
 
 
 def _worker(llm: LLM) -> Any:
