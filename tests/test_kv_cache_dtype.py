@@ -175,3 +175,31 @@ def test_calculate_kv_scales_end_to_end(tiny_checkpoint: Any) -> None:
         llm.llm_engine.shutdown()
     with pytest.raises(ValueError, match="calculate_kv_scales scales an fp8 KV cache"):
         EngineArgs(model=path, calculate_kv_scales=True).create_config()
+
+
+def test_a_speaking_model_with_an_fp8_cache(tiny_checkpoint: Any) -> None:
+    """The talker's KV cache takes --kv-cache-dtype too (and --calculate-kv-scales' scales): a
+    full omni checkpoint answers in words and audio with both caches in fp8."""
+    model_dir = str(tiny_checkpoint("Qwen3OmniMoeForConditionalGeneration"))
+    speech = {"voice": "ethan", "temperature": 0.0, "max_tokens": 20}
+    params = SamplingParams(temperature=0.0, max_tokens=6, output_modalities=["text", "audio"],
+                            speech=speech)  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMNISERVE_ENABLE_MULTIPROCESSING", "0")
+        llm = LLM(model_dir, dtype="float32", max_model_len=512, kv_cache_memory=32 << 20,
+                  kv_cache_dtype="fp8", calculate_kv_scales=True)  # fmt: skip
+    try:
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.worker.model_runner
+        template = llm.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": "Say hello."}], add_generation_prompt=True, tokenize=False
+        )
+        (out,) = llm.generate({"prompt": template}, params, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 6
+        assert out.outputs[0].audio is not None and out.outputs[0].audio.size
+        talker_caches = runner.talker_runner.kv_caches
+        assert talker_caches and all(c.dtype == torch.float8_e4m3fn for c in talker_caches)
+        assert all(c.dtype == torch.float8_e4m3fn for c in runner.kv_caches)
+        talker_layers = get_attention_layers(runner.talker_runner.talker)
+        assert all(not a.calculate_kv_scales and a.kv_scales != (1.0, 1.0) for a in talker_layers)
+    finally:
+        llm.shutdown()

@@ -405,7 +405,8 @@ class CacheConfig:
     """Tokens per KV block."""
     cache_dtype: str = "auto"
     """vLLM's ``--kv-cache-dtype`` (``KV_CACHE_DTYPES``): "auto" (the model's dtype), or an
-    fp8 format for the thinker's KV cache at half of bf16's bytes ("fp8" is fp8_e4m3)."""
+    fp8 format for the KV caches (the thinker's and a talker's) at half of bf16's bytes ("fp8" is
+    fp8_e4m3)."""
     calculate_kv_scales: bool = False
     """vLLM's: an fp8 cache's scales from each layer's first real step, not the checkpoint's."""
     kv_cache_memory_bytes: int | None = None

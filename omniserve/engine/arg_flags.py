@@ -143,8 +143,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         choices=KV_CACHE_DTYPES,
         help="The KV cache's element type: auto (the model's), or fp8 (fp8_e4m3) / fp8_e5m2 "
         "at half of bf16's bytes, twice the tokens in the same memory (keys and values "
-        "rounded as stored, at the checkpoint's scales or 1; the talker's cache stays in the "
-        "model's dtype).",
+        "rounded as stored, at the checkpoint's scales or 1).",
     )
     add(
         "--calculate-kv-scales",

@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 from omniserve import envs
 from omniserve.attention.base import is_fp8, kv_cache_torch_dtype
 from omniserve.attention.encoder import set_encoder_attention
-from omniserve.attention.layer import get_attention_layers, kv_cache_bytes_per_block
+from omniserve.attention.layer import Attention, kv_cache_bytes_per_block
 from omniserve.attention.selector import apply_attention_backend
 from omniserve.config import OmniConfig, QuantizationConfig
 from omniserve.core.sched_output import SchedulerOutput
@@ -193,7 +193,7 @@ class Worker:
             model_config.dtype, self.device, checkpoint_dtype(self.hf_config)
         )
         self.kv_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
-        """The thinker's KV cache's (the talker's is in the model's dtype)."""
+        """The KV caches' element type (the thinker's and the talker's)."""
         self.graph_sizes: list[int] = []  # decode batch sizes replayed from CUDA graphs
         self._gpu_kv_budget: int | None = None  # from the memory profile, once
         self.weights_path = model_config.model
@@ -246,10 +246,11 @@ class Worker:
             )
         load_model_weights(model, self.weights_path, quantization, quantized,
                            model_config.use_tqdm_on_load)  # fmt: skip
+        attention = [m for m in model.modules() if isinstance(m, Attention)]  # (talker's too)
         if config.cache_config.calculate_kv_scales:
-            for layer in get_attention_layers(model):
+            for layer in attention:
                 layer.calculate_kv_scales = True
-        elif scaled := sum(a.kv_scales != (1.0, 1.0) for a in get_attention_layers(model)):
+        elif scaled := sum(a.kv_scales != (1.0, 1.0) for a in attention):
             use = "applies them" if is_fp8(self.kv_dtype) else "does not use them"
             logger.info("The checkpoint gives %d attention layers KV-cache scales; the %s KV "
                         "cache %s.", scaled, str(self.kv_dtype).removeprefix("torch."),
@@ -320,7 +321,7 @@ class Worker:
         if talker is None:
             return 0
         cache = self.config.cache_config
-        per_block = talker.kv_cache_bytes_per_block(self.dtype)
+        per_block = talker.kv_cache_bytes_per_block(self.kv_dtype)
         if cache.talker_kv_cache_memory_bytes is not None:
             return max(cache.talker_kv_cache_memory_bytes // per_block, 1)
         if cache.num_blocks_override is not None:
@@ -330,7 +331,7 @@ class Worker:
     def initialize_talker_kv_cache(self, num_blocks: int) -> None:
         self.num_talker_kv_blocks = num_blocks
         if self.model_runner.talker_runner is not None:
-            self.model_runner.talker_runner.initialize_kv_cache(num_blocks, self.dtype)
+            self.model_runner.talker_runner.initialize_kv_cache(num_blocks, self.kv_dtype)
 
     def _thinker_kv_budget_bytes(self) -> int:
         talker_own = self.config.cache_config.talker_kv_cache_memory_bytes is not None
