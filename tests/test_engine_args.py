@@ -312,3 +312,17 @@ def test_hf_config_path_reads_another_config(tiny_checkpoint, tmp_path) -> None:
     assert answers[0] == answers[1]
     with pytest.raises(FileNotFoundError, match="config.json is missing"):
         EngineArgs(model=str(model), hf_config_path=str(tmp_path / "none")).create_config()
+
+
+def test_mm_encoder_tp_mode_settings(tiny_checkpoint) -> None:
+    model = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
+
+    def mode(**kwargs: Any) -> str:
+        return (
+            EngineArgs(model=model, **kwargs).create_config().multimodal_config.mm_encoder_tp_mode
+        )
+
+    assert mode() == "weights" and mode(mm_encoder_tp_mode="data") == "data"
+    assert mode(enable_multimodal_encoder_data_parallel=True) == "data"  # vLLM's older flag
+    with pytest.raises(ValueError, match="mm_encoder_tp_mode must be one of"):
+        mode(mm_encoder_tp_mode="shards")

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from omniserve import LLM, SamplingParams
+from omniserve.config import ParallelConfig
 from omniserve.engine.exceptions import EngineSleepingError
 from omniserve.worker.worker import Worker, worker_class
 from tests.hf_reference import make_prompts
@@ -70,8 +71,10 @@ def test_sleep_and_wake_answer_as_before(qwen2: str, tiny_checkpoint: Any) -> No
     finally:
         reference.shutdown()
     llm = LLM(qwen2, dtype="float32", max_model_len=128, enable_sleep_mode=True,
-              worker_extension_cls="tests.test_sleep_mode.Probe")  # fmt: skip
+              worker_extension_cls="tests.test_sleep_mode.Probe",
+              worker_cls="tests.test_sleep_mode.OwnWorker")  # fmt: skip
     try:
+        assert llm.collective_rpc("own") == [0]  # --worker-cls's method
         before = _answers(llm, prompts)
         for level, tags in ((1, None), (2, None), (2, ["weights"])):
             llm.sleep(level)
@@ -209,14 +212,36 @@ def test_released_memory_leaves_the_process(tiny_checkpoint: Any, monkeypatch: A
         llm.shutdown()
 
 
-def test_worker_extension_classes() -> None:
-    assert worker_class("") is Worker
-    combined = worker_class("tests.test_sleep_mode:Probe")
+class OwnWorker(Worker):
+    """A --worker-cls: the engine's worker with a method of its own."""
+
+    def own(self) -> int:
+        return self.rank
+
+
+def test_worker_classes() -> None:
+    """--worker-extension-cls adds methods to the Worker, or to --worker-cls's subclass of it
+    (vLLM's own worker class names mean this engine's)."""
+
+    def parallel(**kwargs: str) -> ParallelConfig:
+        return ParallelConfig(**kwargs)
+
+    assert worker_class(parallel()) is Worker
+    assert worker_class(parallel(worker_cls="vllm.v1.worker.gpu_worker.Worker")) is Worker
+    combined = worker_class(parallel(worker_extension_cls="tests.test_sleep_mode:Probe"))
     assert issubclass(combined, Worker) and hasattr(combined, "probe")
-    with pytest.raises(ValueError, match="sleep would replace the worker's own"):
-        worker_class("tests.test_sleep_mode.Clashing")
-    with pytest.raises(ValueError, match="cannot import 'tests.nowhere'"):
-        worker_class("tests.nowhere.Probe")
+    own = parallel(worker_cls="tests.test_sleep_mode.OwnWorker",
+                   worker_extension_cls="tests.test_sleep_mode:Probe")  # fmt: skip
+    assert issubclass(worker_class(own), OwnWorker) and hasattr(worker_class(own), "probe")
+    for kwargs, message in (
+        ({"worker_extension_cls": "tests.test_sleep_mode.Clashing"},
+         "sleep would replace the worker's own"),
+        ({"worker_extension_cls": "tests.nowhere.Probe"}, "cannot import 'tests.nowhere'"),
+        ({"worker_cls": "tests.test_sleep_mode.Probe"},
+         "Probe is not a subclass of omniserve.worker.worker.Worker"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            worker_class(parallel(**kwargs))
 
 
 def test_server_dev_routes(qwen2: str, tmp_path: Path, monkeypatch: Any) -> None:

@@ -531,6 +531,9 @@ class ParallelConfig:
     worker_extension_cls: str = ""
     """vLLM's: ``module.Class`` (or ``module:Class``) whose methods every worker also has, for
     ``collective_rpc`` to call by name ("": none)."""
+    worker_cls: str = ""
+    """vLLM's: ``module.Class``, a subclass of ``omniserve.worker.worker.Worker`` every rank runs
+    ("": that class)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

@@ -186,11 +186,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--eplb-config": ({}, "expert-parallel load balancing"),
     "--expert-placement-strategy": ({}, "expert parallelism"),
     "--ray-workers-use-nsight": ({"action": "store_true"}, "Nsight profiling of Ray workers"),
-    "--worker-cls": ({}, "a custom worker class (--worker-extension-cls adds methods)"),
-    "--enable-multimodal-encoder-data-parallel": (
-        {"action": "store_true"},
-        "a tensor-parallel mode for towers",
-    ),
     "--prefix-caching-hash-algo": ({}, "a choice of prefix-cache hash"),
     "--lora-extra-vocab-size": ({"type": int}, "LoRA adapters with extra vocabulary"),
     "--additional-config": ({}, "platform-specific settings"),

@@ -344,6 +344,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="A class whose methods every worker also has (vLLM's), for collective_rpc (e.g. "
         "weight updates from a trainer) to call by name.",
     )
+    add(
+        "--worker-cls",
+        default="",
+        metavar="MODULE.CLASS",
+        help="A subclass of omniserve.worker.worker.Worker every rank runs (vLLM's; its own "
+        "worker class names, and auto, mean this engine's).",
+    )
     mm = parser.add_argument_group("multimodal")
     mm.add_argument(
         "--limit-mm-per-prompt",
@@ -402,6 +409,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         choices=MM_ENCODER_TP_MODES,
         help="Under tensor parallelism: weights, every rank encodes every item (its towers "
         "whole); data, the ranks split each step's items of a modality and gather the outputs.",
+    )
+    mm.add_argument(
+        "--enable-multimodal-encoder-data-parallel",
+        action="store_true",
+        help="vLLM's older spelling of --mm-encoder-tp-mode data.",
     )
     mm.add_argument(
         "--language-model-only",

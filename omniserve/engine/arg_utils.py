@@ -190,6 +190,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     worker_extension_cls: str = ""
+    worker_cls: str | type = ""
     limit_mm_per_prompt: MMLimits | str | None = None
     mm_processor_kwargs: dict[str, object] | str | None = None
     mm_processor_cache_gb: float = 4.0
@@ -198,6 +199,7 @@ class EngineArgs:
     skip_mm_profiling: bool = False
     language_model_only: bool = False
     mm_encoder_tp_mode: str = "weights"
+    enable_multimodal_encoder_data_parallel: bool = False
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] | None = None
     allow_private_media_urls: bool = False
@@ -335,7 +337,9 @@ class EngineArgs:
                 media_io_kwargs=json_arg("media_io_kwargs", self.media_io_kwargs),
                 enable_mm_embeds=self.enable_mm_embeds,
                 mm_encoder_attn_backend=self.mm_encoder_attn_backend,
-                mm_encoder_tp_mode=self.mm_encoder_tp_mode,
+                mm_encoder_tp_mode="data"
+                if self.enable_multimodal_encoder_data_parallel
+                else self.mm_encoder_tp_mode,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -343,6 +347,7 @@ class EngineArgs:
                 data_parallel_size=self.data_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
                 worker_extension_cls=self.worker_extension_cls,
+                worker_cls=_class_path(self.worker_cls),
             ),
             lora_config=self._lora_config(),
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config)
@@ -365,7 +370,7 @@ class EngineArgs:
 
         MediaConnector(media_config(config.multimodal_config))
         resolve_device(model_config.device)
-        worker_class(self.worker_extension_cls)
+        worker_class(config.parallel_config)
         scheduler_class(config.scheduler_config.scheduler_cls)
         _check_sampling_defaults(model_config)
         return config

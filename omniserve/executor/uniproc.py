@@ -16,7 +16,7 @@ class UniProcExecutor(Executor):
 
     def __init__(self, config: OmniConfig) -> None:
         super().__init__(config)
-        self.worker = worker_class(config.parallel_config.worker_extension_cls)(config, rank=0)
+        self.worker = worker_class(config.parallel_config)(config, rank=0)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return [getattr(self.worker, method)(*args)]

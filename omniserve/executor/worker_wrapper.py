@@ -45,7 +45,7 @@ class WorkerWrapper:
             rank=self.rank,
             world_size=self.world_size,
         )
-        self.worker = worker_class(config.parallel_config.worker_extension_cls)(config, self.rank)
+        self.worker = worker_class(config.parallel_config)(config, self.rank)
 
     def execute_method(self, method: str, args: tuple, reply: str = REPLY_ALL) -> Any:
         """Run ``Worker.method(*args)``; ranks other than 0 return None for ``REPLY_RANK0``."""

@@ -19,7 +19,7 @@ from omniserve.attention.base import is_fp8, kv_cache_torch_dtype
 from omniserve.attention.encoder import set_encoder_attention
 from omniserve.attention.layer import Attention, kv_cache_bytes_per_block
 from omniserve.attention.selector import apply_attention_backend
-from omniserve.config import OmniConfig, QuantizationConfig
+from omniserve.config import OmniConfig, ParallelConfig, QuantizationConfig
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.cpu.backend import apply_cpu_backend, keep_bf16_weights
 from omniserve.cpu.build import has_native_bf16
@@ -101,17 +101,30 @@ def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype | None) 
     return torch.bfloat16 if half and has_native_bf16() else torch.float32
 
 
-def worker_class(extension: str) -> type[Worker]:
-    """``Worker``, or with ``--worker-extension-cls`` a Worker that also has the extension's
-    methods (vLLM's): ValueError when it does not import or would replace Worker's own."""
+VLLM_WORKERS = ("auto", "vllm.v1.worker.gpu_worker.Worker", "vllm.v1.worker.cpu_worker.CPUWorker")
+"""vLLM's own ``--worker-cls`` values, taken as this engine's ``Worker``."""
+
+
+def worker_class(parallel: ParallelConfig) -> type[Worker]:
+    """``Worker``, or ``--worker-cls``'s subclass of it, and with ``--worker-extension-cls`` one
+    that also has the extension's methods (vLLM's): ValueError when a class does not import, is
+    no Worker, or would replace the worker's own methods."""
+    base: type[Worker] = Worker
+    if parallel.worker_cls not in ("", *VLLM_WORKERS):
+        named = load_class(parallel.worker_cls, "--worker-cls")
+        if not issubclass(named, Worker):
+            raise ValueError(f"--worker-cls {parallel.worker_cls}: {named.__qualname__} is not "
+                             "a subclass of omniserve.worker.worker.Worker.")  # fmt: skip
+        base = named
+    extension = parallel.worker_extension_cls
     if not extension:
-        return Worker
+        return base
     cls = load_class(extension, "--worker-extension-cls")
-    clash = sorted(n for n in vars(cls) if not n.startswith("__") and hasattr(Worker, n))
+    clash = sorted(n for n in vars(cls) if not n.startswith("__") and hasattr(base, n))
     if clash:
         raise ValueError(f"--worker-extension-cls {extension}: {', '.join(clash)} would replace "
                          "the worker's own.")  # fmt: skip
-    return type(cls.__name__, (Worker, cls), {})
+    return type(cls.__name__, (base, cls), {})
 
 
 def release_device_memory(device: torch.device) -> None:
