@@ -825,6 +825,21 @@ def test_bodies_over_the_limit_are_413s(server: Server) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_too_many_headers_are_431s(server: Server) -> None:
+    """vLLM's --h11-max-header-count (256 by default): more header fields are refused before
+    any route reads the request; fewer pass."""
+    body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 1}
+
+    def post(extra: int) -> httpx.Response:
+        headers = [("Authorization", f"Bearer {API_KEY}")]
+        headers += [(f"x-filler-{i}", "1") for i in range(extra)]
+        return httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=60)
+
+    assert post(240).status_code == 200  # (with httpx's own few)
+    error = assert_error(post(300), 431)
+    assert error["code"] == "too_many_headers" and "--h11-max-header-count" in error["message"]
+
+
 def test_text_that_cannot_fit_is_refused_before_tokenizing(server: Server) -> None:
     """A text longer than max_model_len times the longest token cannot fit: a 400 without
     tokenizing it (the event loop stays free)."""

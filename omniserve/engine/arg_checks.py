@@ -170,7 +170,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--max-long-partial-prefills": ({"type": int}, "a cap on prompts prefilled side by side"),
     "--model-loader-extra-config": ({}, "model loader settings"),
     "--kv-sharing-fast-prefill": ({"action": "store_true"}, "KV-sharing fast prefill"),
-    "--h11-max-header-count": ({"type": int}, "a cap on HTTP header count"),
     "--tool-server": ({}, "tool servers for the Responses API"),
     "--tokens-only": ({"action": "store_true"}, "a tokens-only server"),
     "--rope-scaling": ({}, "the older rope flags (--hf-overrides sets rope_scaling)"),

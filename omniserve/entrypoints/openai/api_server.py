@@ -50,6 +50,7 @@ from omniserve.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
     DrainMiddleware,
+    HeaderCountMiddleware,
     InvocationsMiddleware,
     Lifecycle,
     RequestIdMiddleware,
@@ -360,6 +361,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
         app.add_middleware(BodySizeLimitMiddleware, max_bytes=int(max_body_mb * 2**20))
     if getattr(args, "api_key", None):  # before any body is read
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    if (max_headers := getattr(args, "h11_max_header_count", None)) is not None:
+        app.add_middleware(HeaderCountMiddleware, max_headers=max_headers)  # (outermost)
     app.add_middleware(
         CORSMiddleware,
         allow_origins=getattr(args, "allowed_origins", ["*"]),

@@ -225,6 +225,29 @@ class BodyTooLarge(Exception):
     pass
 
 
+class HeaderCountMiddleware:
+    """vLLM's ``--h11-max-header-count``: a request with more header fields than this is
+    answered 431 before any route sees it (a flood of headers costs every layer that walks
+    them)."""
+
+    def __init__(self, app: ASGIApp, max_headers: int) -> None:
+        self.app = app
+        self.max_headers = max_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        count = len(scope.get("headers", ())) if scope["type"] == "http" else 0
+        if count <= self.max_headers:
+            await self.app(scope, receive, send)
+            return
+        error = ServingError(
+            f"The request has {count} header fields; this server takes at most "
+            f"{self.max_headers} (--h11-max-header-count).",
+            HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+            code="too_many_headers",
+        )
+        await error_json(error)(scope, receive, send)
+
+
 async def read_body(receive: Receive, max_bytes: float = math.inf) -> bytes | None:
     """A request's whole body, or None if the client leaves first; ``BodyTooLarge`` as soon as
     it passes ``max_bytes``."""

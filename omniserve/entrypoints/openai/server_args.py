@@ -103,6 +103,12 @@ def add_server_args(server: argparse._ArgumentGroup) -> None:
         "(uvicorn's default: 16 KiB).",
     )
     add(
+        "--h11-max-header-count",
+        type=number_in(int, 1),
+        default=256,
+        help="The most header fields a request may carry; more get a 431 (vLLM's default 256).",
+    )
+    add(
         "--enable-ssl-refresh",
         action="store_true",
         help="Reload the TLS key, certificate and CA files when they change (a rotated "
