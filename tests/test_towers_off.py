@@ -48,7 +48,7 @@ def test_omni_thinker_without_vision_loads_no_vision_tower(tiny_checkpoint: Any,
     assert model.visual is None and model.audio_tower is not None
     assert not any(name.startswith("visual.") for name, _ in model.named_parameters())
     assert worker.weight_bytes == whole_bytes - vision_bytes
-    assert "Not loading visual: --limit-mm-per-prompt turns image, video off." in caplog.text
+    assert "Not loading visual: image, video turned off (--limit-mm-per-prompt 0" in caplog.text
     assert "checkpoint tensors of visual: their modalities are turned off" in caplog.text
     assert _answers(llm, ["Hello there", audio]) == want
     image = {"prompt": IMAGE_PROMPT, "multi_modal_data": {"image": IMAGE}}

@@ -233,7 +233,8 @@ class Worker:
             off = config.multimodal_config.modalities_off()
             drop_towers = getattr(model, "drop_towers", None)  # (multimodal models')
             if off and drop_towers is not None and (dropped := drop_towers(off)):
-                logger.info("Not loading %s: --limit-mm-per-prompt turns %s off.",
+                logger.info("Not loading %s: %s turned off (--limit-mm-per-prompt 0 or "
+                            "--language-model-only).",
                             ", ".join(dropped), ", ".join(sorted(off)))  # fmt: skip
             quantized: QuantizedModel | None = None
             if (quantization := model_config.quantization_config) is not None:
