@@ -1,5 +1,6 @@
-"""--kv-cache-dtype fp8 end to end: the thinker's cache in fp8 holds twice a bf16 cache's tokens
-in the same memory, and the engine answers with it; the kernels' exactness on fp8 caches is
+"""--kv-cache-dtype fp8 end to end: a cache in fp8 holds twice a bf16 cache's tokens in the same
+memory and the engine answers with it (a speaking model's talker too); a checkpoint's KV-cache
+scales and --calculate-kv-scales' reach the layers. The kernels' exactness on fp8 caches is
 checked in test_attention.py and test_triton_attention.py."""
 
 from __future__ import annotations
