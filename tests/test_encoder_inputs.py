@@ -138,3 +138,34 @@ def test_media_steps_on_gpu_never_synchronize(
     engine.add_request("media", _engine_prompt(_text(processor, kinds), _media(kinds, 2)),
                        SamplingParams(temperature=0.0, max_tokens=6))  # fmt: skip
     steps_never_synchronizing(engine, 4)
+
+
+def test_split_encoding_when_ranks_outnumber_items(monkeypatch) -> None:
+    """--mm-encoder-tp-mode data with 4 ranks and 2 items, seen from rank 3, which encodes
+    none: it still joins the collectives with the right shapes and gets both items' outputs
+    (the collectives stubbed as the other ranks would answer)."""
+    from types import SimpleNamespace
+
+    from omniserve.worker import encoder_runner
+
+    outputs = [torch.full((3, 4), 1.0), torch.full((2, 4), 2.0)]  # rank 0's and rank 1's item
+    monkeypatch.setattr(encoder_runner, "get_tp_size", lambda: 4)
+    monkeypatch.setattr(encoder_runner, "get_tp_rank", lambda: 3)
+    monkeypatch.setattr(encoder_runner, "tp_all_reduce", lambda width: width + 2 * 4)
+
+    def all_gather(padded: torch.Tensor, dim: int) -> torch.Tensor:
+        assert padded.shape == (3, 4) and not padded.any()  # this rank's share: nothing
+        parts = [torch.zeros(3, 4) for _ in range(4)]
+        parts[0][:3], parts[1][:2] = outputs
+        return torch.cat(parts, dim=dim)
+
+    monkeypatch.setattr(encoder_runner, "tp_all_gather", all_gather)
+
+    class Model(torch.nn.Module):
+        def get_multimodal_embeddings(self, modality: str, items: list) -> list:
+            raise AssertionError("rank 3 encodes nothing")
+
+    runner = encoder_runner.EncoderRunner(Model(), torch.device("cpu"), split_items=True)
+    features = [SimpleNamespace(mm_position=SimpleNamespace(num_embeds=n)) for n in (3, 2)]
+    got = runner._encode_split("image", features, [{}, {}], torch.float32)  # type: ignore[arg-type]
+    assert [torch.equal(g, o) for g, o in zip(got, outputs, strict=True)] == [True, True]

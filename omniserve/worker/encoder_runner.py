@@ -117,7 +117,8 @@ class EncoderRunner:
         sizes = [f.mm_position.num_embeds for f in features]
         owners = balanced_owners(sizes, num_ranks)
         mine = [i for i, owner in enumerate(owners) if owner == rank]
-        local = self.model.get_multimodal_embeddings(modality, [items[i] for i in mine])
+        share = [items[i] for i in mine]  # (more ranks than items: some encode none)
+        local = self.model.get_multimodal_embeddings(modality, share) if share else []
         if len(local) != len(mine):
             raise RuntimeError(f"The {modality} encoder returned {len(local)} outputs for "
                                f"{len(mine)} items.")  # fmt: skip
