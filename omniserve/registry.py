@@ -15,6 +15,7 @@ import contextlib
 import importlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 USER_FILE_SOURCE = "user file"
 
@@ -45,6 +46,9 @@ def import_target(target: str) -> type:
     return obj
 
 
+T = TypeVar("T")
+
+
 def load_class(spec: object, where: str) -> type:
     """The class a setting names: itself, ``module:Class`` or ``module.Class``; ValueError
     naming ``where`` (the setting) when it does not import or is no class."""
@@ -65,6 +69,16 @@ def load_class(spec: object, where: str) -> type:
         raise ValueError(f"{where}: module {module!r} has no {name!r} ({spec!r}).") from None
     except TypeError as exc:
         raise ValueError(f"{where}: {exc}.") from None
+
+
+def load_subclass(spec: str, base: type[T], where: str) -> type[T]:
+    """``load_class``'s class, which must be ``base`` or a subclass of it (vLLM's settings that
+    name a scheduler or a worker class)."""
+    cls = load_class(spec, where)
+    if not issubclass(cls, base):
+        raise ValueError(f"{where} {spec}: {cls.__qualname__} is not a subclass of "
+                         f"{base.__module__}.{base.__qualname__}.")  # fmt: skip
+    return cls
 
 
 class _ModelRegistry:

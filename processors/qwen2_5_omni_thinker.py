@@ -335,36 +335,21 @@ class Qwen2_5OmniThinkerMultiModalProcessor(Qwen2VLMultiModalProcessor):
         With audio turned off (its encoder is not loaded) no video may bring its track."""
         mm_items = super()._to_mm_items(mm_data, mm_kwargs)
         videos = mm_items.get("video")
-        if not (
-            uses_audio_in_video(mm_kwargs)
-            and "audio" in mm_items
-            and isinstance(videos, OmniVideoProcessorItems)
-            and all(track is None for track in videos.audios)
-        ):
-            self._check_tracks_allowed(mm_items, mm_kwargs)
+        if not isinstance(videos, OmniVideoProcessorItems) or not uses_audio_in_video(mm_kwargs):
             return mm_items
-        clips = mm_items.pop("audio")
-        if len(clips) != len(videos):
-            raise MultiModalInputError(
-                f"with use_audio_in_video and videos without tracks, audio item i is the track "
-                f"of video i, but there are {len(clips)} audio items for {len(videos)} videos",
-                stage="process",
-                modality="audio",
-            )
-        videos.audios = list(clips.items)
-        self._check_tracks_allowed(mm_items, mm_kwargs)
-        return mm_items
-
-    def _check_tracks_allowed(
-        self, mm_items: MultiModalDataItems, mm_kwargs: Mapping[str, object]
-    ) -> None:
-        videos = mm_items.get("video")
-        if (
-            uses_audio_in_video(mm_kwargs)
-            and isinstance(videos, OmniVideoProcessorItems)
-            and any(track is not None for track in videos.audios)
-            and self.info.get_allowed_mm_limits().get("audio") == 0
-        ):
+        if "audio" in mm_items and all(track is None for track in videos.audios):
+            clips = mm_items.pop("audio")
+            if len(clips) != len(videos):
+                raise MultiModalInputError(
+                    f"with use_audio_in_video and videos without tracks, audio item i is the "
+                    f"track of video i, but there are {len(clips)} audio items for "
+                    f"{len(videos)} videos",
+                    stage="process",
+                    modality="audio",
+                )
+            videos.audios = list(clips.items)
+        has_tracks = any(track is not None for track in videos.audios)
+        if has_tracks and self.info.get_allowed_mm_limits().get("audio") == 0:
             raise MultiModalInputError(
                 "use_audio_in_video needs the audio encoder for the videos' soundtracks, and "
                 "this server turns audio off (--limit-mm-per-prompt audio: 0 or "
@@ -372,6 +357,7 @@ class Qwen2_5OmniThinkerMultiModalProcessor(Qwen2VLMultiModalProcessor):
                 stage="process",
                 modality="video",
             )
+        return mm_items
 
     def _call_hf_processor(
         self, mm_data: Mapping[str, Any], mm_kwargs: Mapping[str, object]

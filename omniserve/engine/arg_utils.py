@@ -149,9 +149,9 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | str | None = None
     hf_overrides: dict[str, Any] | str | Callable[[Any], Any] | None = None
-    hf_config_path: str | None = None
     """config.json keys set over the checkpoint's (a dict or its JSON text), or vLLM's function
     of the transformers config returning it changed (read once, as the keys it changed)."""
+    hf_config_path: str | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False

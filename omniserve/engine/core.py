@@ -26,7 +26,7 @@ from omniserve.messages import (
     ModelRunnerOutput,
     PendingOutput,
 )
-from omniserve.registry import load_class
+from omniserve.registry import load_subclass
 from omniserve.structured_output import StructuredOutputManager, wait_any
 from omniserve.tokenizer import get_tokenizer
 
@@ -41,11 +41,7 @@ def scheduler_class(spec: str) -> type[Scheduler]:
     setting): ValueError when it does not import or is not a ``Scheduler``."""
     if spec in ("", VLLM_SCHEDULER):
         return Scheduler
-    cls = load_class(spec, "--scheduler-cls")
-    if not issubclass(cls, Scheduler):
-        raise ValueError(f"--scheduler-cls {spec}: {cls.__qualname__} is not a subclass of "
-                         "omniserve.core.scheduler.Scheduler.")  # fmt: skip
-    return cls
+    return load_subclass(spec, Scheduler, "--scheduler-cls")
 
 
 @dataclasses.dataclass

@@ -31,7 +31,7 @@ from omniserve.messages import ModelRunnerOutput, PendingOutput
 from omniserve.multimodal.inputs import MultiModalFeatureSpec
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from omniserve.plugins import load_plugins
-from omniserve.registry import ModelRegistry, load_class
+from omniserve.registry import ModelRegistry, load_class, load_subclass
 from omniserve.tokenizer import get_tokenizer
 from omniserve.worker.host_allocator import keep_freed_memory, release_freed_memory
 from omniserve.worker.logits_processors import LogitsProcessorBatch
@@ -109,13 +109,9 @@ def worker_class(parallel: ParallelConfig) -> type[Worker]:
     """``Worker``, or ``--worker-cls``'s subclass of it, and with ``--worker-extension-cls`` one
     that also has the extension's methods (vLLM's): ValueError when a class does not import, is
     no Worker, or would replace the worker's own methods."""
-    base: type[Worker] = Worker
+    base = Worker
     if parallel.worker_cls not in ("", *VLLM_WORKERS):
-        named = load_class(parallel.worker_cls, "--worker-cls")
-        if not issubclass(named, Worker):
-            raise ValueError(f"--worker-cls {parallel.worker_cls}: {named.__qualname__} is not "
-                             "a subclass of omniserve.worker.worker.Worker.")  # fmt: skip
-        base = named
+        base = load_subclass(parallel.worker_cls, Worker, "--worker-cls")
     extension = parallel.worker_extension_cls
     if not extension:
         return base
