@@ -8,10 +8,17 @@ forward. After the 2x2 patch merger an item yields ``t * h * w / 4`` embeddings,
 M-RoPE positions are transformers' ``get_rope_index`` (5.x) rebuilt from the placeholder ranges:
 text advances all three axes by one per token; a vision item spans a (t, h, w) grid starting at the
 running position, after which the running position advances by ``max(h, w)`` (merged grid).
+
+A video pruned by ``--video-pruning-rate`` (``omniserve.multimodal.pruning``) keeps the positions
+of the tokens it keeps, which are known once it is encoded (the runner lays the prompt out with
+stand-ins until then, and lays it out again with them); the tokens after it, and generated tokens
+(``delta``), sit where they would after the whole video, so nothing but the video's own tokens
+depends on which are kept (nor on whether its encoder output is still cached).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -23,6 +30,7 @@ from model_zoo.multimodal import MultiModalDecoderBase
 from model_zoo.qwen2 import Qwen2ForCausalLM
 from model_zoo.towers import adopt_tower
 from omniserve.multimodal.inputs import MultiModalFeatureSpec, host_data
+from omniserve.multimodal.pruning import VideoPruning
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from processors.qwen2_vl import (
     Qwen2VLDummyInputsBuilder,
@@ -76,6 +84,33 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
         super().__init__(config)
         self.visual = adopt_tower(self.vision_tower_cls(config.vision_config))
         self.merge_size: int = config.vision_config.spatial_merge_size
+        self.video_pruning_rate = 0.0
+        self.video_pruning_per_frame = False
+
+    def set_video_pruning(self, rate: float, per_frame: bool) -> None:
+        """Prune each video's tokens (``--video-pruning-rate``), kept in the layout its processor
+        gives the prompt (``BaseProcessingInfo.video_pruning_layout``)."""
+        self.video_pruning_rate, self.video_pruning_per_frame = rate, per_frame
+
+    def video_pruning(self, feature: MultiModalFeatureSpec) -> VideoPruning | None:
+        """How the item is pruned; None: it is not (not a video, or no pruning)."""
+        if feature.modality != "video" or not self.video_pruning_rate:
+            return None
+        t, h, w = self._grid_of(feature)
+        return VideoPruning(t, h * w // self.merge_size**2, self.video_pruning_rate,
+                            self.video_pruning_per_frame,
+                            compared_width=self.config.get_text_config().hidden_size)  # fmt: skip
+
+    def kept_positions(
+        self, feature: MultiModalFeatureSpec, kept: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor | None:
+        """The item's kept rows (``kept``: the encoder's, by identifier; stand-ins until it has
+        run), or None where nothing is pruned."""
+        pruning = self.video_pruning(feature)
+        if pruning is None:
+            return None
+        rows = kept.get(feature.identifier)
+        return pruning.provisional_rows() if rows is None else rows
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> str:
@@ -104,13 +139,18 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
         return 1
 
     def get_mrope_input_positions(
-        self, prompt_token_ids: list[int], mm_features: list[MultiModalFeatureSpec]
+        self,
+        prompt_token_ids: list[int],
+        mm_features: list[MultiModalFeatureSpec],
+        kept: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, int]:
         """``([3, len(prompt)] int64 positions, delta)``; a token at p >= len(prompt) sits at
-        ``p + delta`` on all three axes (transformers' ``rope_deltas``)."""
+        ``p + delta`` on all three axes (transformers' ``rope_deltas``). ``kept``: pruned
+        videos' kept rows, by identifier (see the module doc)."""
         num_tokens = len(prompt_token_ids)
         parts: list[torch.Tensor] = []
         next_position = cursor = 0
+        extent = 0  # the largest position, pruned videos' tokens counted whole
         for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
             placeholder = feature.mm_position
             if placeholder.offset < cursor or placeholder.end > num_tokens:
@@ -121,6 +161,9 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
             item_positions = vision_positions(
                 grid, self.merge_size, next_position, self.time_interval(feature)
             )
+            extent = max(extent, int(item_positions.max()))
+            if (rows := self.kept_positions(feature, kept or {})) is not None:
+                item_positions = item_positions[:, rows]
             if item_positions.shape[1] != placeholder.length:
                 raise ValueError(
                     f"A {feature.modality} with grid {grid} takes {item_positions.shape[1]} "
@@ -133,7 +176,7 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
             cursor = placeholder.end
         parts.append(_text_positions(num_tokens - cursor, next_position))
         positions = torch.cat(parts, dim=1)  # [3, num_tokens]
-        delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
+        delta = max(int(positions.max()), extent) + 1 - num_tokens if num_tokens else 0
         return positions, delta
 
     @staticmethod

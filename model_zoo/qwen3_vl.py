@@ -21,7 +21,7 @@ into its frame groups (one run of pads each, between a timestamp and markers), e
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -136,22 +136,31 @@ class Qwen3VLForConditionalGeneration(DeepStackDecoder, Qwen2VLForConditionalGen
     vision_tower_cls: ClassVar[type[nn.Module]] = Qwen3VLVisionModel
 
     def get_mrope_input_positions(
-        self, prompt_token_ids: list[int], mm_features: list[MultiModalFeatureSpec]
+        self,
+        prompt_token_ids: list[int],
+        mm_features: list[MultiModalFeatureSpec],
+        kept: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, int]:
         """``([3, len(prompt)] int64 positions, delta)``; a token at p >= len(prompt) sits at
-        ``p + delta`` on all three axes."""
+        ``p + delta`` on all three axes. ``kept``: pruned videos' kept rows, by identifier (each
+        frame group keeps the positions of its own kept tokens; see Qwen2-VL's module doc)."""
         num_tokens = len(prompt_token_ids)
         parts: list[torch.Tensor] = []
-        position = cursor = 0
+        position = cursor = extent = 0
 
         def text(n: int) -> None:
             nonlocal position
             parts.append(torch.arange(position, position + n, dtype=torch.int64).expand(3, -1))
             position += n
 
-        def grid(t: int, h: int, w: int, length: int, where: str) -> None:
-            nonlocal position
+        def grid(
+            t: int, h: int, w: int, length: int, where: str, rows: torch.Tensor | None = None
+        ) -> None:
+            nonlocal position, extent
             positions = vision_positions((t, h, w), self.merge_size, position, 1)
+            extent = max(extent, int(positions.max()))
+            if rows is not None:  # a pruned frame group's kept tokens
+                positions = positions[:, rows]
             if positions.shape[1] != length:
                 raise ValueError(
                     f"{where} with grid {(t, h, w)} takes {positions.shape[1]} tokens, but its "
@@ -173,15 +182,23 @@ class Qwen3VLForConditionalGeneration(DeepStackDecoder, Qwen2VLForConditionalGen
                 runs = [(embed, len(list(run))) for embed, run in itertools.groupby(is_embed)]
                 if sum(1 for embed, _ in runs if embed) != t:
                     raise ValueError(f"A video of {t} frame groups has placeholder {placeholder}.")
+                rows = self.kept_positions(feature, kept or {})
+                per_frame = h * w // self.merge_size**2
+                group = 0
                 for embed, length in runs:
-                    if embed:
-                        grid(1, h, w, length, "A video frame group")
-                    else:
+                    if not embed:
                         text(length)
+                        continue
+                    mine = None
+                    if rows is not None:
+                        first = group * per_frame
+                        mine = rows[(rows >= first) & (rows < first + per_frame)] - first
+                    grid(1, h, w, length, "A video frame group", mine)
+                    group += 1
             cursor = placeholder.end
         text(num_tokens - cursor)
         positions = torch.cat(parts, dim=1)  # [3, num_tokens]
-        delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
+        delta = max(int(positions.max()), extent) + 1 - num_tokens if num_tokens else 0
         return positions, delta
 
 

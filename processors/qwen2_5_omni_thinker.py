@@ -198,7 +198,10 @@ class OmniVisionGeometry(VisionGeometry):
 
 class Qwen2_5OmniThinkerProcessingInfo(Qwen2VLProcessingInfo, Qwen2AudioProcessingInfo):
     """Qwen2-VL's vision geometry and Qwen2-Audio's extractor, read through the omni processor's
-    merged kwargs (its class-level video size overrides the video processor's own)."""
+    merged kwargs (its class-level video size overrides the video processor's own). Its videos
+    are not pruned: a soundtrack interleaves with them by time."""
+
+    video_pruning_layout = None
 
     request_kwargs = {
         **Qwen2VLProcessingInfo.request_kwargs,

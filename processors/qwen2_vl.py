@@ -1,8 +1,9 @@
 """Qwen2-VL and Qwen2.5-VL: images and videos as dynamic-resolution patch grids.
 
 Each image or video item expands its single ``<|image_pad|>`` / ``<|video_pad|>`` into
-``grid_t * grid_h * grid_w / merge_size**2`` tokens. The same classes serve Qwen2.5-VL, whose HF
-processor adds ``second_per_grid_ts`` per video (kept on the item for M-RoPE).
+``grid_t * grid_h * grid_w / merge_size**2`` tokens (a video pruned by ``--video-pruning-rate``
+into the tokens it keeps, ``omniserve.multimodal.pruning``). The same classes serve Qwen2.5-VL,
+whose HF processor adds ``second_per_grid_ts`` per video (kept on the item for M-RoPE).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
         "num_frames": RequestKwarg(int, 1, 1024),
     }
     model_bound_kwargs = frozenset({"patch_size", "merge_size", "temporal_patch_size"})
+    video_pruning_layout = "whole"
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"image": None, "video": None}
@@ -238,8 +240,12 @@ class Qwen2VLMultiModalProcessor(BaseMultiModalProcessor):
                 grid_key: str = grid_key,
                 merge: int = merge,
             ) -> list[int]:
-                grid = out_items[modality][i][grid_key]  # [1, 3] (t, h, w)
-                return [token_id] * (int(grid.prod()) // (merge * merge))
+                t, h, w = (int(n) for n in out_items[modality][i][grid_key].reshape(3))
+                if modality == "video" and (
+                    pruning := self.info.video_pruning(t, h * w // merge**2)
+                ):
+                    return [token_id] * pruning.num_kept
+                return [token_id] * (t * h * w // merge**2)
 
             updates.append(PromptReplacement(modality, token, replacement))
         return updates

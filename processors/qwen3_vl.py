@@ -6,10 +6,11 @@ in Qwen2-VL. A video's ``<|vision_start|><|video_pad|><|vision_end|>`` becomes, 
 ``temporal_patch_size`` frames, ``<{t:.1f} seconds><|vision_start|>`` + ``grid_h * grid_w /
 merge_size**2`` pads + ``<|vision_end|>``, where ``t`` is the mean time of the group's first and
 last frame (frame index / fps, the last frame repeated to fill the last group). Only the pads take
-embeddings (the range's ``is_embed``). This is the layout of Qwen's own processor and vLLM's;
-transformers 5.23-5.24's ``Qwen3VLProcessor`` replaced only the pad and so nested each group
-inside the template's markers, a layout the model was not trained on (5.25 replaces the span;
-tests pin both).
+embeddings (the range's ``is_embed``); under ``--video-pruning-rate`` each group has the pads
+of the tokens it keeps (``omniserve.multimodal.pruning``). This is the layout of Qwen's own
+processor and vLLM's; transformers 5.23-5.24's ``Qwen3VLProcessor`` replaced only the pad and
+so nested each group inside the template's markers, a layout the model was not trained on (5.25
+replaces the span; tests pin both).
 
 Timestamps follow HF on the frames' metadata: frame index / fps. A decoded file's frames carry
 the source's (their indices among its frames, its rate), so each group sits at its source frames'
@@ -69,6 +70,7 @@ class Qwen3VLProcessingInfo(Qwen2VLProcessingInfo):
         "min_pixels": RequestKwarg(int, 1, _MAX_PIXELS),
         "max_pixels": RequestKwarg(int, 1, _MAX_PIXELS),
     }
+    video_pruning_layout = "per_frame"
 
     def get_geometry(self, modality: str) -> VisionGeometry:
         """Images: Qwen2-VL's. Videos: one frame of the largest video, which is
@@ -160,11 +162,13 @@ class Qwen3VLMultiModalProcessor(Qwen2VLMultiModalProcessor):
 
         def video(i: int) -> PromptUpdateDetails:
             data = out_items["video"][i]
-            _, h, w = (int(n) for n in data["video_grid_thw"].reshape(3))
+            t, h, w = (int(n) for n in data["video_grid_thw"].reshape(3))
+            pruning = self.info.video_pruning(t, h * w // merge**2)
+            pads = pruning.quotas() if pruning is not None else [h * w // merge**2] * t
             tokens: list[int] = []
-            for seconds in data["video_timestamps"].tolist():
+            for seconds, count in zip(data["video_timestamps"].tolist(), pads, strict=True):
                 tokens += encode(f"<{seconds:.1f} seconds>", add_special_tokens=False)
-                tokens += [start, *[pad] * (h * w // merge**2), end]
+                tokens += [start, *[pad] * count, end]
             return PromptUpdateDetails.select_token_id(tokens, pad)
 
         span = (

@@ -28,7 +28,17 @@ from omniserve.layers.weight_utils import SafetensorsFile, copy_weight
 from omniserve.sampling_params import StructuredOutputsParams
 from tests.hf_reference import ReferenceOutput, assert_matches_reference, hf_greedy, make_prompts
 from tests.server_utils import launch_server
-from tests.test_fidelity_mm import IMAGE, TEXT, Case, _engine_prompt, _hf_reference, _image, _user
+from tests.test_fidelity_mm import (
+    IMAGE,
+    TEXT,
+    VIDEO,
+    Case,
+    _engine_prompt,
+    _hf_reference,
+    _image,
+    _user,
+    _video,
+)
 from tests.test_fidelity_omni import THINKERS, _hf_inputs, _media, _text
 from tests.test_fidelity_omni import _engine_prompt as _omni_engine_prompt
 
@@ -174,21 +184,23 @@ def test_vision_language_model_tp2_matches_hf(tiny_checkpoint):
 
 @pytest.mark.slow
 def test_towers_split_their_items_between_ranks(tiny_checkpoint, monkeypatch):
-    """--mm-encoder-tp-mode data: three images of different sizes split between two ranks
+    """--mm-encoder-tp-mode data: three images of different sizes and two pruned videos
+    (--video-pruning-rate, split by their rows before pruning) split between two ranks
     (balanced by embeddings), each rank encoding its share, the outputs gathered: the answers
-    of TP=1, which encodes all three itself."""
+    of TP=1, which encodes them all itself."""
     from omniserve.worker import encoder_runner
 
     assert encoder_runner.balanced_owners([10, 40, 25, 5], 2) == [1, 0, 1, 1]
     assert encoder_runner.balanced_owners([7], 3) == [0]
     model_dir = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
     processor = AutoProcessor.from_pretrained(model_dir)
-    messages = [_user(IMAGE, IMAGE, IMAGE, TEXT)]
+    messages = [_user(IMAGE, IMAGE, IMAGE, VIDEO, VIDEO, TEXT)]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    media = {"image": [_image(1, 112, 140), _image(2, 56, 56), _image(3, 84, 112)]}
+    media = {"image": [_image(1, 112, 140), _image(2, 56, 56), _image(3, 84, 112)],
+             "video": [_video(4), _video(5, frames=6)]}  # fmt: skip
     prompts = [_engine_prompt(text, media)]
-    want = _generate(model_dir, prompts, tp=1)
-    got = _generate(model_dir, prompts, tp=2, mm_encoder_tp_mode="data")
+    want = _generate(model_dir, prompts, tp=1, video_pruning_rate=0.5)
+    got = _generate(model_dir, prompts, tp=2, mm_encoder_tp_mode="data", video_pruning_rate=0.5)
     assert _tokens(got) == _tokens(want)
     for ours, ref in zip(got[0].outputs[0].logprobs, want[0].outputs[0].logprobs, strict=True):
         assert all(abs(ours[t].logprob - ref[t].logprob) < 1e-4 for t in ref)

@@ -52,6 +52,9 @@ class MultiModalConfig:
     skip_mm_profiling: bool = False
     """vLLM's: the GPU start-up memory profile runs the text step only, so the KV cache takes
     what media would need at their peak (the user's to leave room for)."""
+    video_pruning_rate: float = 0.0
+    """vLLM's: the share of each video's tokens dropped before the decoder, those most like
+    the frame group before (``omniserve.multimodal.pruning``); 0 keeps them all."""
 
     def modalities_off(self) -> frozenset[str]:
         """The modalities no prompt may carry (limit 0): their encoders are not even loaded."""
@@ -69,6 +72,10 @@ class MultiModalConfig:
             raise ValueError(
                 f"mm_encoder_attn_backend must be one of {MM_ENCODER_ATTN_BACKENDS}, got "
                 f"{self.mm_encoder_attn_backend!r}."
+            )
+        if not 0 <= self.video_pruning_rate < 1:
+            raise ValueError(
+                f"video_pruning_rate must be in [0, 1), got {self.video_pruning_rate}."
             )
         for modality, limit in self.limit_mm_per_prompt.items():
             if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:

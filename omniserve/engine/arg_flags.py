@@ -423,6 +423,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "the encoders only it needs).",
     )
     mm.add_argument(
+        "--video-pruning-rate",
+        type=float,
+        default=None,
+        help="Drop this share (0 <= rate < 1) of each video's tokens before the decoder: "
+        "those most like the same spot in the frame group before (Efficient Video Sampling; "
+        "Qwen2-VL, Qwen2.5-VL and Qwen3-VL). The first frame group is kept whole.",
+    )
+    mm.add_argument(
         "--skip-mm-profiling",
         action="store_true",
         help="The GPU start-up memory profile runs no media: the KV cache may take "

@@ -197,6 +197,7 @@ class EngineArgs:
     disable_mm_preprocessor_cache: bool = False
     """vLLM's older spelling of ``mm_processor_cache_gb=0``."""
     skip_mm_profiling: bool = False
+    video_pruning_rate: float | None = None
     language_model_only: bool = False
     mm_encoder_tp_mode: str = "weights"
     enable_multimodal_encoder_data_parallel: bool = False
@@ -331,6 +332,7 @@ class EngineArgs:
                 if self.disable_mm_preprocessor_cache
                 else self.mm_processor_cache_gb,
                 skip_mm_profiling=self.skip_mm_profiling,
+                video_pruning_rate=self.video_pruning_rate or 0.0,
                 allowed_local_media_path=self.allowed_local_media_path,
                 allowed_media_domains=tuple(self.allowed_media_domains or ()),
                 allow_private_media_urls=self.allow_private_media_urls,

@@ -565,6 +565,8 @@ def _create_mm_processor(config: OmniConfig, tokenizer: Any) -> Any | None:
     if not MULTIMODAL_REGISTRY.supports_multimodal(config.model_config):
         if any(mm.limit_mm_per_prompt.values()) or mm.mm_profile_sizes:
             raise ValueError("--limit-mm-per-prompt: this model takes no multimodal input.")
+        if mm.video_pruning_rate:
+            raise ValueError("--video-pruning-rate: this model takes no video input.")
         return None
     cache = (
         ProcessorCache(int(mm.mm_processor_cache_gb * (1 << 30)))
@@ -579,7 +581,9 @@ def _create_mm_processor(config: OmniConfig, tokenizer: Any) -> Any | None:
         profile_sizes=mm.mm_profile_sizes,
         enable_mm_embeds=mm.enable_mm_embeds,
         max_audio_seconds=media_config(mm).max_audio_seconds,
+        video_pruning_rate=mm.video_pruning_rate,
     )
     if processor is not None:  # (create_processor's None is a text model's, handled above)
         processor.info.check_limits()
+        processor.info.check_video_pruning()
     return processor

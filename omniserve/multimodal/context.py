@@ -22,6 +22,7 @@ from omniserve.config import ModelConfig
 from omniserve.multimodal.errors import MultiModalInputError
 from omniserve.multimodal.media import MediaConfig
 from omniserve.multimodal.parse import MODALITIES, MultiModalDataParser
+from omniserve.multimodal.pruning import VideoPruning
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,11 @@ class InputProcessingContext:
         profile_sizes: Mapping[str, Mapping[str, int]] | None = None,
         enable_mm_embeds: bool = False,
         max_audio_seconds: float | None = None,
+        video_pruning_rate: float = 0.0,
     ) -> None:
         self.model_config = model_config
+        self.video_pruning_rate = video_pruning_rate
+        """The share of each video's tokens dropped (``--video-pruning-rate``)."""
         self.max_audio_seconds = (
             MediaConfig().max_audio_seconds if max_audio_seconds is None else max_audio_seconds
         )
@@ -129,6 +133,9 @@ class BaseProcessingInfo(ABC):
     """HF processor options the checkpoint's encoder fixes (patch size, mel bins, windowing):
     another value would make the placeholder count disagree with what the encoder outputs, so
     not even the server's ``--mm-processor-kwargs`` may set them."""
+    video_pruning_layout: str | None = None
+    """How a pruned video's kept tokens sit in the prompt (``omniserve.multimodal.pruning``):
+    "whole", one run of pads; "per_frame", one run per frame group. None: not pruned."""
 
     def __init__(self, ctx: InputProcessingContext) -> None:
         self.ctx = ctx
@@ -248,6 +255,24 @@ class BaseProcessingInfo(ABC):
                 raise ValueError(f"--limit-mm-per-prompt: {where}.")
             if limit != 0:
                 logger.warning("--limit-mm-per-prompt: %s; its limit changes nothing.", where)
+
+    def video_pruning(self, num_frames: int, tokens_per_frame: int) -> VideoPruning | None:
+        """How a video of this merged grid is pruned (None: it is not)."""
+        if not self.ctx.video_pruning_rate or self.video_pruning_layout is None:
+            return None
+        return VideoPruning(num_frames, tokens_per_frame, self.ctx.video_pruning_rate,
+                            per_frame=self.video_pruning_layout == "per_frame")  # fmt: skip
+
+    def check_video_pruning(self) -> None:
+        """``--video-pruning-rate`` for a model whose videos are not pruned is a ValueError at
+        start-up (where it would otherwise change nothing)."""
+        if self.ctx.video_pruning_rate and (
+            self.video_pruning_layout is None or "video" not in self.get_supported_mm_limits()
+        ):
+            raise ValueError(
+                f"--video-pruning-rate: {self.ctx.model_config.architecture} does not prune video "
+                "tokens (Qwen2-VL, Qwen2.5-VL and Qwen3-VL do)."
+            )
 
     def get_allowed_mm_limits(self) -> dict[str, int | None]:
         """The model's limits tightened by ``--limit-mm-per-prompt``."""

@@ -92,12 +92,13 @@ class MultiModalRegistry:
         mm_processor_kwargs: Mapping[str, object] | None = None,
         enable_mm_embeds: bool = False,
         max_audio_seconds: float | None = None,
+        video_pruning_rate: float = 0.0,
     ) -> BaseMultiModalProcessor | None:
         """The model's multimodal processor (None for text-only architectures).
 
         ``limit_mm_per_prompt`` (with ``profile_sizes``, its object form's sizes) and
         ``mm_processor_kwargs`` are ``--limit-mm-per-prompt`` and ``--mm-processor-kwargs``
-        (defaults for every request).
+        (defaults for every request), ``video_pruning_rate`` ``--video-pruning-rate``.
         """
         factories = self.get_factories(model_config)
         if factories is None:
@@ -110,6 +111,7 @@ class MultiModalRegistry:
             profile_sizes=profile_sizes,
             enable_mm_embeds=enable_mm_embeds,
             max_audio_seconds=max_audio_seconds,
+            video_pruning_rate=video_pruning_rate,
         )
         info = factories.info(ctx)
         return factories.processor(info, factories.dummy_inputs(info), cache=cache)

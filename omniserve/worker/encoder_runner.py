@@ -5,6 +5,10 @@ Encoder outputs live in ``encoder_cache`` keyed by item identifier, shared by ev
 holds the same item; the scheduler's EncoderCacheManager decides what is computed and what is
 dropped (``free_encoder_mm_hashes``), so this cache and its bookkeeping agree exactly.
 
+A video pruned by ``--video-pruning-rate`` is encoded whole, then cut to the rows it keeps
+(``omniserve.multimodal.pruning``), which are kept beside its output (``kept_rows``, freed with
+it): its tokens' M-RoPE positions are those rows' (``lay_out_positions``).
+
 Under tensor parallelism every rank holds the whole towers. By default each rank encodes every
 item; with vLLM's ``--mm-encoder-tp-mode data`` (``split_items``) the ranks split a step's items
 of a modality between them, balanced by embeddings (the same split on every rank, which all see
@@ -24,7 +28,9 @@ from torch import nn
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.layers.tp import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from omniserve.multimodal.inputs import EncoderItem, MultiModalFeatureSpec
+from omniserve.multimodal.pruning import VideoPruning
 from omniserve.transfers import host_to_device, upload
+from omniserve.worker.input_batch import CachedRequestState
 
 
 def to_device(items: list[dict[str, Any] | None], device: torch.device) -> list[EncoderItem]:
@@ -59,10 +65,66 @@ class EncoderRunner:
         self.device = device
         self.split_items = split_items and get_tp_size() > 1
         self.encoder_cache: dict[str, torch.Tensor] = {}  # identifier -> [num_embeds, hidden]
+        self.kept_rows: dict[str, torch.Tensor] = {}  # a pruned video's identifier -> its rows
+        self.prunes_video = bool(getattr(model, "video_pruning_rate", 0.0))
 
     def free(self, identifiers: Iterable[str]) -> None:
         for identifier in identifiers:
             self.encoder_cache.pop(identifier, None)
+            self.kept_rows.pop(identifier, None)
+
+    def clear(self) -> None:
+        self.encoder_cache.clear()
+        self.kept_rows.clear()
+
+    def _pruning(self, feature: MultiModalFeatureSpec) -> VideoPruning | None:
+        return self.model.video_pruning(feature) if self.prunes_video else None
+
+    def _rows(self, feature: MultiModalFeatureSpec) -> int:
+        """Rows the encoder outputs for the item (a pruned video's before pruning)."""
+        pruning = self._pruning(feature)
+        return pruning.num_rows if pruning is not None else feature.mm_position.num_embeds
+
+    def _prune(self, feature: MultiModalFeatureSpec, output: torch.Tensor) -> torch.Tensor:
+        """A pruned video's output cut to the rows it keeps (noted in ``kept_rows``); any other
+        item's as it is."""
+        pruning = self._pruning(feature)
+        if pruning is None:
+            return output
+        rows = pruning.kept_rows(output)
+        self.kept_rows[feature.identifier] = rows
+        return output.index_select(0, rows.to(output.device))
+
+    def lay_out_positions(self, state: CachedRequestState) -> None:
+        """The request's M-RoPE prompt positions and delta; a pruned video's tokens at its kept
+        rows' positions where they are known, else at stand-ins (``mrope_stand_ins``) until
+        it is encoded (the runner then lays the prompt out again)."""
+        if not self.prunes_video:
+            state.mrope_positions, state.mrope_delta = self.model.get_mrope_input_positions(
+                state.prompt_token_ids, state.mm_features
+            )
+            return
+        state.mrope_positions, state.mrope_delta = self.model.get_mrope_input_positions(
+            state.prompt_token_ids, state.mm_features, self.kept_rows
+        )
+        state.mrope_stand_ins = {
+            f.identifier for f in state.mm_features
+            if f.identifier not in self.kept_rows and self._pruning(f) is not None
+        }  # fmt: skip
+
+    def place_window(self, state: CachedRequestState, start: int, end: int) -> None:
+        """Before the prompt window ``[start, end)`` runs: lay the prompt out again where a
+        pruned video standing in has been encoded since; one the window reaches must have been
+        (the scheduler encodes an item before its tokens run)."""
+        if state.mrope_stand_ins & self.kept_rows.keys():
+            self.lay_out_positions(state)
+        for feature in state.mm_features:
+            pos = feature.mm_position
+            if feature.identifier in state.mrope_stand_ins and pos.offset < end and pos.end > start:
+                raise RuntimeError(
+                    f"Pruned video {feature.identifier} runs before it is encoded: the "
+                    "scheduler and the worker disagree."
+                )
 
     def execute(
         self, so: SchedulerOutput, features_of: dict[str, list[MultiModalFeatureSpec]]
@@ -94,6 +156,7 @@ class EncoderRunner:
                     f"The {modality} encoder returned {len(outputs)} outputs for "
                     f"{len(features)} items."
                 )
+            outputs = [self._prune(f, out) for f, out in zip(features, outputs, strict=True)]
             outputs = [*outputs, *(item[key].to(dtype) for item in items[len(features) :])]
             for feature, output in zip([*features, *given], outputs, strict=True):
                 if output.shape[0] != feature.mm_position.num_embeds:
@@ -114,7 +177,7 @@ class EncoderRunner:
         padded to the largest share's rows, one all-gather; the width (the same for a modality's
         items) from the ranks that encoded any."""
         rank, num_ranks = get_tp_rank(), get_tp_size()
-        sizes = [f.mm_position.num_embeds for f in features]
+        sizes = [self._rows(f) for f in features]
         owners = balanced_owners(sizes, num_ranks)
         mine = [i for i, owner in enumerate(owners) if owner == rank]
         share = [items[i] for i in mine]  # (more ranks than items: some encode none)

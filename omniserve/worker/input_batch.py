@@ -57,6 +57,8 @@ class CachedRequestState:
     mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
     mrope_positions: torch.Tensor | None = None  # [3, num_prompt_tokens] for M-RoPE models
     mrope_delta: int = 0  # a generated token at position p sits at p + delta on all axes
+    mrope_stand_ins: set[str] = field(default_factory=set)
+    """Pruned videos (by identifier) whose tokens' positions stand in until they are encoded."""
     lora_request: LoRARequest | None = None
     prompt_embeds: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     """(first position, ``[n, hidden]`` rows) of each run of the prompt given as embeddings,

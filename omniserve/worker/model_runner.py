@@ -143,7 +143,7 @@ class ModelRunner:
         if self.talker_runner is not None:
             self.talker_runner.release_kv_cache()
         if self.encoder_runner is not None:
-            self.encoder_runner.encoder_cache.clear()
+            self.encoder_runner.clear()
 
     @torch.inference_mode()
     def profile_run(self, media: list[MultiModalFeatureSpec]) -> None:
@@ -256,8 +256,11 @@ class ModelRunner:
         self._launched = None
         if scheduler_output.total_num_scheduled_tokens == 0:
             return
-        step = self._prepare_inputs(scheduler_output)
         timer = self.step_timer
+        if self.encoder_runner is not None and scheduler_output.scheduled_encoder_inputs:
+            with timer.part("encoders"):  # (before the positions: pruned videos' need them)
+                self._run_encoders(scheduler_output)
+        step = self._prepare_inputs(scheduler_output)
         forward = "decode steps: forward + logits"
         if timer.enabled:
             computed = self.input_batch.num_computed_tokens[step.rows]
@@ -271,7 +274,7 @@ class ModelRunner:
             starts = self.input_batch.num_computed_tokens[step.rows]  # each window's first
             if self.encoder_runner is not None:
                 with timer.part("encoders"):
-                    inputs_embeds = self._embed_with_mm(scheduler_output, step, starts)
+                    inputs_embeds = self._embed_with_mm(step, starts)
                 input_ids = None
             if (starts < self.input_batch.prompt_embeds_end[step.rows]).any():
                 inputs_embeds = self._with_prompt_embeds(step, starts, inputs_embeds)
@@ -363,15 +366,23 @@ class ModelRunner:
                 talker.keep_hidden(req_id, positions, tapped[start : start + count])
             start += count
 
-    def _embed_with_mm(
-        self, so: SchedulerOutput, step: StepInputs, starts: np.ndarray
-    ) -> torch.Tensor:
-        """Run this step's encoder inputs, then merge the slices each window (from ``starts``)
-        needs."""
+    def _run_encoders(self, so: SchedulerOutput) -> None:
+        """Encode this step's scheduled encoder inputs into the encoder cache."""
+        assert self.encoder_runner is not None
+        batch = self.input_batch
+        features = {}
+        for req_id in so.scheduled_encoder_inputs:
+            state = batch.states[batch.req_id_to_row[req_id]]
+            assert state is not None
+            features[req_id] = state.mm_features
+        self.encoder_runner.execute(so, features)
+
+    def _embed_with_mm(self, step: StepInputs, starts: np.ndarray) -> torch.Tensor:
+        """The step's input embeddings with the encoder outputs' slices each window (from
+        ``starts``) needs merged in (this step's encoder inputs ran at its launch)."""
         assert self.encoder_runner is not None
         states = [self.input_batch.states[int(r)] for r in step.rows]
         features = [s.mm_features for s in states]  # type: ignore[union-attr]
-        self.encoder_runner.execute(so, dict(zip(step.req_ids, features, strict=True)))
         windows = list(zip(starts.tolist(), (starts + step.query_lens).tolist(), strict=True))
         mm_embeds, is_mm = self.encoder_runner.gather(windows, features, len(step.positions))
         return self.model.get_input_embeddings(step.input_ids, mm_embeds, is_mm)
@@ -398,6 +409,11 @@ class ModelRunner:
         if not self.uses_mrope:
             return positions  # [num_tokens]
         states = [self.input_batch.states[row] for row in rows.tolist()]
+        firsts = positions[np.cumsum(query_lens) - query_lens]
+        for state, first, count in zip(states, firsts.tolist(), query_lens.tolist(), strict=True):
+            if state.mrope_stand_ins:  # a pruned video not yet encoded when it was added
+                assert self.encoder_runner is not None
+                self.encoder_runner.place_window(state, first, first + count)
         deltas = np.fromiter((int(s.mrope_delta) for s in states),
                              np.int64, len(states))  # fmt: skip
         return mrope_positions(
@@ -434,7 +450,9 @@ class ModelRunner:
                     for run in new.prompt_embeds
                 ],
             )
-            if self.uses_mrope:
+            if self.uses_mrope and self.encoder_runner is not None:
+                self.encoder_runner.lay_out_positions(state)
+            elif self.uses_mrope:  # (a text model's own M-RoPE)
                 state.mrope_positions, state.mrope_delta = self.model.get_mrope_input_positions(
                     state.prompt_token_ids, state.mm_features
                 )

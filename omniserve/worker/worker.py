@@ -232,6 +232,8 @@ class Worker:
                 logger.info("Not loading %s: %s turned off (--limit-mm-per-prompt 0 or "
                             "--language-model-only).",
                             ", ".join(dropped), ", ".join(sorted(off)))  # fmt: skip
+            if rate := config.multimodal_config.video_pruning_rate:
+                self._set_video_pruning(model, rate)
             quantized: QuantizedModel | None = None
             if (quantization := model_config.quantization_config) is not None:
                 quantized = quantize_layers(model, quantization, stored)
@@ -302,6 +304,16 @@ class Worker:
             LogitsProcessorBatch(processors, config, self.device) if processors else None,
             config.multimodal_config.mm_encoder_tp_mode == "data",
         )  # fmt: skip
+
+    def _set_video_pruning(self, model: Any, rate: float) -> None:
+        """``--video-pruning-rate`` on the model, in its processor's layout of the kept tokens
+        (checked at start-up in the front end too: a model that does not prune is refused)."""
+        factories = MULTIMODAL_REGISTRY.get_factories(self.config.model_config)
+        layout = factories.info.video_pruning_layout if factories is not None else None
+        if layout is None or not hasattr(model, "set_video_pruning"):
+            raise ValueError(f"--video-pruning-rate: {type(model).__name__} does not prune "
+                             "video tokens.")  # fmt: skip
+        model.set_video_pruning(rate, per_frame=layout == "per_frame")
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit the memory budget, but no more than the scheduler could ever use."""
