@@ -39,8 +39,12 @@ def make_scheduler(
     policy: str = "fcfs",
     max_loras: int = 0,
     disable_chunked_mm_input: bool = False,
+    max_num_partial_prefills: int | None = None,
+    max_long_partial_prefills: int | None = None,
 ) -> Scheduler:
     scheduler_config = SchedulerConfig(
+        max_num_partial_prefills=max_num_partial_prefills,
+        max_long_partial_prefills=max_long_partial_prefills,
         policy=policy,
         disable_chunked_mm_input=disable_chunked_mm_input,
         max_num_seqs=max_num_seqs,

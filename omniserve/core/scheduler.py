@@ -26,6 +26,7 @@ from omniserve.core.encoder_planner import (
 from omniserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from omniserve.core.request import Request, RequestStatus
 from omniserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from omniserve.core.step_budget import StepBudget
 from omniserve.core.stop_conditions import (
     FINISH_REASONS,
     TextStop,
@@ -56,16 +57,6 @@ class _ScheduledRequest:
     """Indices of the request's multimodal items encoded this step."""
     spec_token_ids: list[int]
     """Draft tokens fed after its last token (their positions count in ``num_new_tokens``)."""
-
-
-@dataclass(slots=True)
-class _StepBudget:
-    """What is left of one step's limits while requests are scheduled in order."""
-
-    num_tokens: int
-    num_encoder_embeds: int
-    encoder_cache_open: bool = True
-    """Cleared once an item is refused for cache space: later requests take no new entries."""
 
 
 class Scheduler:
@@ -263,7 +254,7 @@ class Scheduler:
         preempted: list[Request] = []
         self.blocked_by_steps_in_flight = False
         config = self.scheduler_config
-        budget = _StepBudget(config.max_num_batched_tokens, config.max_num_encoder_input_tokens)
+        budget = StepBudget.for_step(config)
         if config.policy == "priority":  # the back of `running` is what preemption takes
             self.running.sort(key=_priority_key)
         if self.drafts_off_at:
@@ -308,7 +299,7 @@ class Scheduler:
         return min(num_new_tokens, token_budget)
 
     def _plan_encoder(
-        self, request: Request, num_computed_tokens: int, num_new_tokens: int, budget: _StepBudget
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int, budget: StepBudget
     ) -> EncoderPlan:
         if not request.mm_features or num_new_tokens <= 0:
             return EncoderPlan(num_new_tokens)
@@ -326,13 +317,15 @@ class Scheduler:
         return plan
 
     def _schedule_running(
-        self, scheduled: dict[str, _ScheduledRequest], preempted: list[Request], budget: _StepBudget
+        self, scheduled: dict[str, _ScheduledRequest], preempted: list[Request], budget: StepBudget
     ) -> None:
         """Schedule RUNNING requests in order, preempting from the back."""
         index = 0
         while index < len(self.running) and budget.num_tokens > 0:
             request = self.running[index]
-            if waits_for_tokens_in_flight(request, self.max_model_len):
+            if waits_for_tokens_in_flight(request, self.max_model_len) or not budget.seats(
+                request, request.num_computed_tokens
+            ):  # (its prefill waits for a partial-prefill seat)
                 index += 1
                 continue
             num_new_tokens = self._num_new_tokens(
@@ -368,11 +361,12 @@ class Scheduler:
         request: Request,
         plan: EncoderPlan,
         block_ids: list[int],
-        budget: _StepBudget,
+        budget: StepBudget,
         is_new: bool,
     ) -> None:
         """Record a request that got its KV slots: reserve its encoder entries, spend budget."""
         commit_encoder_plan(request, plan, self.encoder_cache_manager)
+        budget.take_seat(request, request.num_computed_tokens)
         num_hits = plan.num_hits + len(plan.share)
         self.encoder_cache_queries += len(plan.encode) + num_hits
         self.encoder_cache_hits += num_hits
@@ -422,11 +416,12 @@ class Scheduler:
     def _schedule_waiting(
         self,
         scheduled: dict[str, _ScheduledRequest],
-        budget: _StepBudget,
+        budget: StepBudget,
         max_num_seqs: int | None = None,
     ) -> None:
         """Admit WAITING requests in queue order; the first that cannot run this step stops
-        admission, except one whose LoRA adapter has no slot: it is passed over (in place)."""
+        admission, except one whose LoRA adapter has no slot or a long prompt without a
+        long-prefill seat: it is passed over (in place)."""
         config = self.scheduler_config
         kv = self.kv_cache_manager
         max_num_seqs = config.max_num_seqs if max_num_seqs is None else max_num_seqs
@@ -436,11 +431,16 @@ class Scheduler:
             if not adapter_fits(request, self.running, self.max_loras):
                 passed_over.append(self.waiting.popleft())  # the slots hold other adapters
                 continue
+            if budget.prefill_seats == 0:
+                break  # (every request admitted prefills)
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             if request.speech is not None and request.speech.reads_prompt_hidden:
                 # The talker needs the thinker's hidden states at prompt positions, which a
                 # cache hit would skip: compute the whole prompt (still cached for others).
                 hit_blocks, num_hit_tokens = KVCacheBlocks(), 0
+            if not budget.seats(request, num_hit_tokens):
+                passed_over.append(self.waiting.popleft())  # a long prompt: short ones pass
+                continue
             plan = self._plan_admission(request, num_hit_tokens, budget)
             capped = hit_limit_for_blocked_plan(request, plan, self.block_size)
             if capped < num_hit_tokens:
@@ -474,7 +474,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed_over))
 
     def _plan_admission(
-        self, request: Request, num_hit_tokens: int, budget: _StepBudget
+        self, request: Request, num_hit_tokens: int, budget: StepBudget
     ) -> EncoderPlan:
         num_new_tokens = self._num_new_tokens(request, num_hit_tokens, budget.num_tokens)
         return self._plan_encoder(request, num_hit_tokens, num_new_tokens, budget)

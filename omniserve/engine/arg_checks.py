@@ -165,8 +165,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--enable-dbo": ({"action": "store_true"}, "dual batch overlap"),
     "--enable-lora-bias": ({"action": "store_true"}, "LoRA adapters with biases"),
     "--fully-sharded-loras": ({"action": "store_true"}, "fully sharded LoRA layers"),
-    "--max-num-partial-prefills": ({"type": int}, "a cap on prompts prefilled side by side"),
-    "--max-long-partial-prefills": ({"type": int}, "a cap on prompts prefilled side by side"),
     "--model-loader-extra-config": ({}, "model loader settings"),
     "--kv-sharing-fast-prefill": ({"action": "store_true"}, "KV-sharing fast prefill"),
     "--tool-server": ({}, "tool servers for the Responses API"),

@@ -306,7 +306,22 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--long-prefill-token-threshold",
         type=int,
         default=0,
-        help="Cap one request's prefill tokens per step (0: no cap).",
+        help="Cap one request's prefill tokens per step (0: no cap; with the partial-prefill "
+        "caps, other than one at a time, 4%% of --max-model-len, as in vLLM).",
+    )
+    add(
+        "--max-num-partial-prefills",
+        type=int,
+        default=None,
+        help="Most requests prefilling in one step (decodes are not counted); the others "
+        "wait. Unset: no cap.",
+    )
+    add(
+        "--max-long-partial-prefills",
+        type=int,
+        default=None,
+        help="Most of those whose rest of the prompt exceeds --long-prefill-token-threshold, "
+        "so shorter prompts pass long ones in the queue. Unset: no cap.",
     )
     add(
         "--scheduler-cls",

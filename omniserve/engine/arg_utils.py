@@ -178,6 +178,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool | None = True  # None: on
     long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int | None = None
+    max_long_partial_prefills: int | None = None
     stream_interval: int = 1
     scheduler_cls: str | type = ""
     scheduling_policy: str = "fcfs"
@@ -311,6 +313,8 @@ class EngineArgs:
                 max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill is not False,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                max_num_partial_prefills=self.max_num_partial_prefills,
+                max_long_partial_prefills=self.max_long_partial_prefills,
                 stream_interval=self.stream_interval,
                 scheduler_cls=_class_path(self.scheduler_cls),
                 policy=self.scheduling_policy,
