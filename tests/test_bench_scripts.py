@@ -369,3 +369,23 @@ def test_bench_kv_cache_dtype_runs():
     assert [row[2] for row in rows] == ["bf16", "fp8_e4m3", "fp8_e5m2"]
     assert rows[0][5] == "1.00x" and all(row[5].endswith("x") for row in rows)
     assert [row[6].rstrip(" |") for row in rows] == ["36", "18", "18"]
+
+
+@pytest.mark.slow
+def test_bench_video_pruning_runs(tiny_checkpoint):
+    """A row per rate and one for transformers, each with the video tokens it took (the rate's
+    share dropped, none by transformers) and a ratio to rate 0."""
+    model_dir = str(tiny_checkpoint("Qwen2VLForConditionalGeneration"))
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_video_pruning.py"), "--model-dir", model_dir,
+         "--rates", "0,0.75", "--frames", "8", "--size", "112", "--decode", "3", "--rounds", "1"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    rows = [line.split(" | ") for line in lines if line.startswith("| ") and "engine" not in line]
+    assert [row[0] for row in rows] == ["| omniserve rate 0", "| omniserve rate 0.75",
+                                        "| transformers generate"]  # fmt: skip
+    video = [int(row[1]) for row in rows]
+    assert video[1] == video[0] // 4 and video[2] == video[0]
+    assert rows[0][4] == "1.00x" and "vs transformers" in result.stdout
