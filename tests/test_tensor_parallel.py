@@ -249,6 +249,41 @@ def test_quantized_moe_experts_tp2_match_hf(tiny_checkpoint):
     assert_matches_reference(outputs, hf_greedy(str(twin), prompts, MAX_TOKENS))
 
 
+class ExpertProbe:
+    """A worker extension: the experts of the worker's first MoE layer."""
+
+    def held_experts(self) -> list[int]:
+        from omniserve.layers.fused_moe import FusedMoE
+
+        worker: Any = self
+        model = worker.model_runner.model
+        return next(m for m in model.modules() if isinstance(m, FusedMoE)).expert_ids
+
+
+@pytest.mark.slow
+def test_expert_parallel_moe_tp2_matches_hf(tiny_checkpoint):
+    """--enable-expert-parallel: each rank holds half the experts whole (its 4 of 8, in blocks
+    and, for the AWQ twin, every other one), skips the pairs routed to the other's, and the
+    all-reduce adds the parts; against transformers."""
+    model_dir = str(tiny_checkpoint("Qwen3MoeForCausalLM", overrides={"moe_intermediate_size": 64}))
+    quantized, twin = build_quantized_checkpoint(model_dir, "awq", 32)
+    prompts = make_prompts(model_dir, [5, 19])
+    engine_prompts = [{"prompt_token_ids": p} for p in prompts]
+    for path, reference, placement, held in (
+        (model_dir, model_dir, "linear", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        (str(quantized), str(twin), "round_robin", [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ):
+        llm = LLM(path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True,
+                  expert_placement_strategy=placement,
+                  worker_extension_cls="tests.test_tensor_parallel.ExpertProbe")  # fmt: skip
+        try:
+            assert llm.collective_rpc("held_experts") == held
+            outputs = llm.generate(engine_prompts, GREEDY, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        assert_matches_reference(outputs, hf_greedy(reference, prompts, MAX_TOKENS))
+
+
 @pytest.mark.slow
 def test_heads_that_do_not_divide_give_a_clear_error(tiny_checkpoint, monkeypatch):
     model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))  # 4 heads, 128 MLP features

@@ -209,6 +209,25 @@ def test_interpreted_kernel_edge_inputs(interpreted: InterpretedMoE) -> None:
         interpreted(x.bfloat16(), gate_up_proj, down_proj, empty_ids.float(), empty_ids)
 
 
+def test_interpreted_kernel_skips_other_ranks_experts(interpreted: InterpretedMoE) -> None:
+    """Expert parallelism: pairs of id E (experts another rank holds) are grouped last into
+    blocks of expert -1 and add nothing; a token routed only there gets zeros."""
+    x, gate_up_proj, down_proj = make_weights(9, 3, 32, 16, torch.float32)
+    topk_weights = torch.rand(9, 2, generator=GEN)
+    topk_ids = torch.randint(0, 4, (9, 2), generator=GEN)  # 3: another rank's
+    topk_ids[0] = 3
+    alignment = align_pairs_by_expert(topk_ids, 3, 4)
+    skipped = (topk_ids.flatten() == 3).nonzero().flatten().int()
+    blocks = alignment.block_expert_ids
+    assert set(alignment.sorted_pair_ids.view(-1, 4)[blocks == -1].flatten().tolist()) >= set(
+        skipped.tolist()
+    )
+    expected = torch_fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+    out = interpreted(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert not out[0].any()
+
+
 @pytest.mark.slow
 def test_cpu_dispatch_uses_torch_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: object) -> torch.Tensor:

@@ -473,11 +473,19 @@ class ParallelConfig:
     worker_cls: str = ""
     """vLLM's: ``module.Class``, a subclass of ``omniserve.worker.worker.Worker`` every rank runs
     ("": that class)."""
+    enable_expert_parallel: bool = False
+    """vLLM's: the tensor-parallel ranks of an engine hold whole MoE experts, each its share,
+    rather than a slice of every expert (``omniserve.layers.fused_moe``)."""
+    expert_placement_strategy: str = "linear"
+    """vLLM's: which experts a rank holds: "linear", a contiguous block; "round_robin"."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.expert_placement_strategy not in ("linear", "round_robin"):
+            raise ValueError("expert_placement_strategy must be 'linear' or 'round_robin', got "
+                             f"{self.expert_placement_strategy!r}.")  # fmt: skip
         if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
             raise ValueError(
                 "distributed_executor_backend must be 'uni', 'mp' or 'ray', got "
@@ -487,6 +495,11 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def expert_placement(self) -> str | None:
+        """How the MoE experts are placed on the ranks (None: sliced by tensor parallelism)."""
+        return self.expert_placement_strategy if self.enable_expert_parallel else None
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ class CpuMoE:
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         layer = self.layer
-        num_experts, top_k = layer.num_experts, topk_ids.shape[1]
+        num_experts, top_k = layer.num_local_experts, topk_ids.shape[1]
         if (
             x.dtype != self.dtype
             or not inference_tensors(x)
@@ -131,7 +131,7 @@ class CpuMoE:
                 ids[start].data_ptr(), top_k, out[start].data_ptr(), torch.get_num_threads(),
             )  # fmt: skip
             if status == -1:
-                raise ValueError(f"MoE expert ids must lie in [0, {num_experts}).")
+                raise ValueError(f"MoE expert ids must lie in [0, {num_experts}].")
             if status:
                 raise MemoryError(f"{_STATUS.get(status, status)}.")
         return out

@@ -151,7 +151,6 @@ NO_EFFECT_FLAGS: dict[str, tuple[dict, str]] = {
 MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--cpu-offload-gb": ({"type": float}, "weight offloading"),
     "--kv-transfer-config": ({}, "KV transfer between instances"),
-    "--enable-expert-parallel": ({"action": "store_true"}, "expert parallelism"),
     "--collect-detailed-traces": (
         {},
         "detailed (model forward and execute) trace spans; --otlp-traces-endpoint traces requests",
@@ -180,7 +179,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--data-parallel-backend": ({}, "multi-node data parallelism"),
     "--dbo-decode-token-threshold": ({"type": int}, "dual batch overlap"),
     "--eplb-config": ({}, "expert-parallel load balancing"),
-    "--expert-placement-strategy": ({}, "expert parallelism"),
     "--ray-workers-use-nsight": ({"action": "store_true"}, "Nsight profiling of Ray workers"),
     "--prefix-caching-hash-algo": ({}, "a choice of prefix-cache hash"),
     "--lora-extra-vocab-size": ({"type": int}, "LoRA adapters with extra vocabulary"),

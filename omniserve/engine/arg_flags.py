@@ -366,6 +366,19 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="A subclass of omniserve.worker.worker.Worker every rank runs (vLLM's; its own "
         "worker class names, and auto, mean this engine's).",
     )
+    add(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE layers: each tensor-parallel rank holds its share of the experts whole "
+        "rather than a slice of every expert (one rank: no change).",
+    )
+    add(
+        "--expert-placement-strategy",
+        default="linear",
+        choices=["linear", "round_robin"],
+        help="With --enable-expert-parallel: a rank's experts are a contiguous block (linear) "
+        "or every tensor-parallel-size-th (round_robin).",
+    )
     mm = parser.add_argument_group("multimodal")
     mm.add_argument(
         "--limit-mm-per-prompt",

@@ -193,6 +193,8 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     worker_extension_cls: str = ""
     worker_cls: str | type = ""
+    enable_expert_parallel: bool = False
+    expert_placement_strategy: str = "linear"
     limit_mm_per_prompt: MMLimits | str | None = None
     mm_processor_kwargs: dict[str, object] | str | None = None
     mm_processor_cache_gb: float = 4.0
@@ -354,6 +356,8 @@ class EngineArgs:
                 distributed_executor_backend=self.distributed_executor_backend,
                 worker_extension_cls=self.worker_extension_cls,
                 worker_cls=_class_path(self.worker_cls),
+                enable_expert_parallel=self.enable_expert_parallel,
+                expert_placement_strategy=self.expert_placement_strategy,
             ),
             lora_config=self._lora_config(),
             speculative_config=SpeculativeConfig.from_dict(self.speculative_config)

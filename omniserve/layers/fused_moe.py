@@ -3,7 +3,11 @@
 Expert weights are stacked, ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (the layout
 transformers keeps in memory), and loaded from the per-expert checkpoint keys
 ``experts.{e}.gate_proj/up_proj/down_proj.weight``. Under tensor parallelism each rank holds a slice
-of every expert's intermediate dimension and the outputs are summed across ranks.
+of every expert's intermediate dimension and the outputs are summed across ranks; with expert
+parallelism (vLLM's ``--enable-expert-parallel``, ``expert_parallel``) each rank holds its share of
+the experts whole instead, computes the token-expert pairs routed to them (the others' ids are
+mapped to ``num_local_experts``, which every kernel skips) and the same sum adds the ranks' parts:
+the activations are replicated under tensor parallelism, so no token moves between ranks.
 
 A device backend may give a layer a ``kernel`` after loading (``omniserve.cpu`` does: the whole
 expert block in one C call), and quantized experts have one from the start
@@ -16,6 +20,7 @@ experts cost nothing.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar, Protocol
@@ -35,6 +40,36 @@ from omniserve.layers.weight_utils import (
 
 if TYPE_CHECKING:
     from omniserve.config import QuantizationConfig
+
+
+EXPERT_PLACEMENTS = ("linear", "round_robin")
+_placement: str | None = None
+
+
+@contextlib.contextmanager
+def expert_parallel(placement: str | None) -> Iterator[None]:
+    """MoE layers built inside hold whole experts, each rank its share (``placement``: "linear",
+    contiguous blocks, or "round_robin", vLLM's ``--expert-placement-strategy``); None: every
+    expert, sliced by tensor parallelism."""
+    global _placement
+    if placement is not None and placement not in EXPERT_PLACEMENTS:
+        raise ValueError(f"expert placement must be one of {EXPERT_PLACEMENTS}, not "
+                         f"{placement!r}.")  # fmt: skip
+    before, _placement = _placement, placement
+    try:
+        yield
+    finally:
+        _placement = before
+
+
+def local_experts(num_experts: int, rank: int, size: int, placement: str) -> list[int]:
+    """The experts rank ``rank`` of ``size`` holds: "linear", a contiguous block (the first
+    ``num_experts % size`` ranks one more); "round_robin", every ``size``-th."""
+    if placement == "round_robin":
+        return list(range(rank, num_experts, size))
+    base, extra = divmod(num_experts, size)
+    start = rank * base + min(rank, extra)
+    return list(range(start, start + base + (rank < extra)))
 
 
 def select_experts(
@@ -92,7 +127,8 @@ def torch_fused_experts(
     out = torch.zeros_like(x)  # [N, H]
     flat_ids = topk_ids.flatten()  # [N * top_k]
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=len(gate_up_proj)).tolist()
+    # (ids past the experts are other ranks' experts: skipped)
+    counts = torch.bincount(flat_ids, minlength=len(gate_up_proj)).tolist()[: len(gate_up_proj)]
     token_of_pair = order // topk_ids.shape[1]  # [N * top_k] token of each sorted pair
     weight_of_pair = topk_weights.flatten()[order]
     start = 0
@@ -140,11 +176,34 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size)
+        self.placement = _placement if self.tp_size > 1 else None
+        """Expert parallelism's placement (None: every expert, sliced)."""
+        self.expert_ids = (
+            local_experts(num_experts, self.tp_rank, self.tp_size, self.placement)
+            if self.placement is not None
+            else list(range(num_experts))
+        )  # the experts this rank holds, in their stacked order
+        self.num_local_experts = len(self.expert_ids)
+        self._local_index = {e: i for i, e in enumerate(self.expert_ids)}
+        # Under expert parallelism: expert id -> its stacked index, ``num_local_experts`` for
+        # another rank's (which the kernels skip).
+        expert_map = None
+        if self.placement is not None:
+            expert_map = torch.full((num_experts,), self.num_local_experts, dtype=torch.int64)
+            expert_map[self.expert_ids] = torch.arange(self.num_local_experts)
+        self.expert_map: torch.Tensor | None
+        self.register_buffer("expert_map", expert_map, persistent=False)
+        self.intermediate_size_per_partition = (
+            intermediate_size if self.placement else divide(intermediate_size, self.tp_size)
+        )
         local = self.intermediate_size_per_partition
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
-        experts = range(num_experts)
+        self.shard_start = 0 if self.placement else self.tp_rank * local
+        """Where this rank's slice of an expert's intermediate dimension starts."""
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(self.num_local_experts, 2 * local, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, local))
+        experts = range(num_experts)  # (another rank's experts are skipped by the loader)
         set_weight_loader(
             self.gate_up_proj,
             self.weight_loader,
@@ -218,10 +277,16 @@ class FusedMoE(nn.Module):
                 f"Shape mismatch for expert {expert_id} {proj}: expected {expected}, "
                 f"got {tuple(loaded.shape)}."
             )
-        target = param.data[expert_id]
+        if (index := self.local_expert(expert_id)) is None:
+            return  # another rank's expert
+        target = param.data[index]
         if proj != "down_proj":
             target = target.narrow(0, 0 if proj == "gate_proj" else local, local)
-        copy_weight(target, loaded, shard_dim, self.tp_rank * local)
+        copy_weight(target, loaded, shard_dim, self.shard_start)
+
+    def local_expert(self, expert_id: int) -> int | None:
+        """The stacked index of expert ``expert_id`` here; None where another rank holds it."""
+        return self._local_index.get(expert_id)
 
     def warm_up(self) -> None:
         """Compile the Triton kernel's variants before serving, where it is the one that runs."""
@@ -237,6 +302,8 @@ class FusedMoE(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
+        if self.expert_map is not None:  # this rank's experts; the others' ids past them
+            topk_ids = self.expert_map[topk_ids]
         if self.kernel is not None:
             out = self.kernel(x, topk_weights, topk_ids)
         else:

@@ -163,7 +163,7 @@ def quantize_experts(layer: FusedMoE, config: QuantizationConfig) -> None:
     for name, rows, cols in (("gate_up_proj", 2 * local, hidden), ("down_proj", hidden, local)):
         old = getattr(layer, name)
         groups = cols // (config.group_size or cols)
-        shape = (layer.num_experts, rows, cols if fp8 else cols // 2)
+        shape = (layer.num_local_experts, rows, cols if fp8 else cols // 2)
         codes = torch.empty(shape, dtype=torch.float8_e4m3fn if fp8 else torch.uint8,
                             device=old.device)  # fmt: skip
         param = nn.Parameter(codes, requires_grad=False)
@@ -171,7 +171,8 @@ def quantize_experts(layer: FusedMoE, config: QuantizationConfig) -> None:
         setattr(layer, name, param)
         extra = {"scales": torch.float32, "zeros": torch.uint8}
         for suffix, dtype in list(extra.items())[: 1 if fp8 else 2]:
-            buffer = torch.empty(layer.num_experts, rows, groups, dtype=dtype, device=old.device)
+            buffer = torch.empty(layer.num_local_experts, rows, groups, dtype=dtype,
+                                 device=old.device)  # fmt: skip
             layer.register_buffer(f"{name}_{suffix}", buffer, persistent=False)
     layer.quantization = config
     layer.kernel = QuantizedExpertsKernel(layer, old.dtype)
@@ -188,13 +189,14 @@ def _expert_loader(layer: FusedMoE, name: str) -> Any:
                              f"{expected}, got {tuple(loaded.shape)}.")  # fmt: skip
         if loaded.g_idx is not None:
             check_g_idx(loaded.g_idx, layer.quantization.group_size)  # type: ignore[union-attr]
-        local = layer.intermediate_size_per_partition
-        start = layer.tp_rank * local
+        if (index := layer.local_expert(expert_id)) is None:
+            return  # another rank's expert (expert parallelism)
+        local, start = layer.intermediate_size_per_partition, layer.shard_start
         for suffix, source in (("", loaded.codes), ("_scales", loaded.scales),
                                ("_zeros", loaded.zeros)):  # fmt: skip
             if source is None:
                 continue
-            dest = (getattr(layer, name + suffix) if suffix else param.data)[expert_id]
+            dest = (getattr(layer, name + suffix) if suffix else param.data)[index]
             if proj == "down_proj":  # this rank's input features (their groups; all of one)
                 width = source.shape[1] * local // layer.intermediate_size
                 source = source.narrow(1, start * width // local, width) if width else source

@@ -50,26 +50,27 @@ def align_pairs_by_expert(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> ExpertAlignment:
     """Group the pairs of ``topk_ids [N, top_k]`` by expert with torch ops that never sync.
+    Pairs of id ``E`` (another rank's experts) are grouped last, in blocks of expert -1.
 
-    The block count is bounded by ``ceil(P / block_m) + min(E, P)``: each expert that receives
-    ``c > 0`` pairs needs ``ceil(c / block_m) < c / block_m + 1`` blocks.
+    The block count is bounded by ``ceil(P / block_m) + min(E + 1, P)``: each expert that
+    receives ``c > 0`` pairs needs ``ceil(c / block_m) < c / block_m + 1`` blocks.
     """
     device = topk_ids.device
     flat_ids = topk_ids.flatten().long()  # [P]
     num_pairs = flat_ids.numel()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # [E]
-    blocks_per_expert = (counts + block_m - 1) // block_m  # [E]
-    block_end = blocks_per_expert.cumsum(0)  # [E] exclusive end block of each expert
-    first_block = block_end - blocks_per_expert  # [E]
-    first_pair = counts.cumsum(0) - counts  # [E] first position of each expert in sorted order
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # [E + 1]
+    blocks_per_expert = (counts + block_m - 1) // block_m  # [E + 1]
+    block_end = blocks_per_expert.cumsum(0)  # [E + 1] exclusive end block of each expert
+    first_block = block_end - blocks_per_expert  # [E + 1]
+    first_pair = counts.cumsum(0) - counts  # [E + 1] each expert's first position, sorted
 
     order = torch.argsort(flat_ids, stable=True)  # [P] pair ids sorted by expert
     sorted_experts = flat_ids[order]  # [P]
     rank_in_expert = torch.arange(num_pairs, device=device) - first_pair[sorted_experts]
     slots = first_block[sorted_experts] * block_m + rank_in_expert  # [P]
 
-    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    max_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts + 1, num_pairs)
     sorted_pair_ids = torch.full(
         (max_blocks * block_m,), num_pairs, dtype=torch.int32, device=device
     )
@@ -331,7 +332,8 @@ def _fused_experts(
     _grouped_gemm(
         x, gate_up_proj, act, alignment, pair_weights, block_m, pairs_per_a_row=top_k, gated=True
     )
-    pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=x.device)  # [P, H]
+    # [P, H]; zeros: the skipped pairs' rows (another rank's experts) are never written
+    pair_out = torch.zeros(num_pairs, hidden_size, dtype=torch.float32, device=x.device)
     _grouped_gemm(
         act, down_proj, pair_out, alignment, pair_weights, block_m, pairs_per_a_row=1, gated=False
     )

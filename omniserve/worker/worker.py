@@ -23,6 +23,7 @@ from omniserve.config import OmniConfig, ParallelConfig, QuantizationConfig
 from omniserve.core.sched_output import SchedulerOutput
 from omniserve.cpu.backend import apply_cpu_backend, keep_bf16_weights
 from omniserve.cpu.build import has_native_bf16
+from omniserve.layers.fused_moe import FusedMoE, expert_parallel
 from omniserve.layers.quantized_loading import QuantizedModel, quantize_layers
 from omniserve.layers.tp import get_tp_size
 from omniserve.layers.weight_utils import default_dtype
@@ -147,6 +148,18 @@ def skip_weight_init() -> Iterator[None]:
         yield
 
 
+def _log_expert_parallel(model: torch.nn.Module, rank: int) -> None:
+    moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if not moe:
+        logger.info("--enable-expert-parallel: this model has no MoE layers; no change.")
+    elif moe[0].placement is None:
+        logger.info("--enable-expert-parallel: one rank holds every expert; no change.")
+    else:
+        logger.info("Expert parallelism: rank %d holds %d of the %d experts of each of %d MoE "
+                    "layers (%s).", rank, moe[0].num_local_experts, moe[0].num_experts, len(moe),
+                    moe[0].placement)  # fmt: skip
+
+
 def _log_quantization(
     config: QuantizationConfig, quantized: QuantizedModel, dtype: torch.dtype
 ) -> None:
@@ -224,7 +237,12 @@ class Worker:
         # Parameters are created uninitialised (every one is then read from the checkpoint), so
         # building touches no memory and the fit check below comes before any real allocation.
         stored = checkpoint_tensor_shapes(self.weights_path)
-        with torch.device(self.device), default_dtype(self.dtype), skip_weight_init():
+        with (
+            torch.device(self.device),
+            default_dtype(self.dtype),
+            skip_weight_init(),
+            expert_parallel(config.parallel_config.expert_placement),
+        ):
             model = model_cls(self.hf_config)
             off = config.multimodal_config.modalities_off()
             drop_towers = getattr(model, "drop_towers", None)  # (multimodal models')
@@ -232,6 +250,8 @@ class Worker:
                 logger.info("Not loading %s: %s turned off (--limit-mm-per-prompt 0 or "
                             "--language-model-only).",
                             ", ".join(dropped), ", ".join(sorted(off)))  # fmt: skip
+            if config.parallel_config.enable_expert_parallel:
+                _log_expert_parallel(model, self.rank)
             if rate := config.multimodal_config.video_pruning_rate:
                 self._set_video_pruning(model, rate)
             quantized: QuantizedModel | None = None

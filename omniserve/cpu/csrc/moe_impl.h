@@ -101,7 +101,8 @@ static inline void FN(direct_dots)(const T *x, int64_t ldx, int mr, moe_weights 
 /* out[t] = sum over t's experts e, in increasing e, of weight * down_e(silu(gate_e x) * up_e x).
  * x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I] (moe.c's moe_weights:
  * stored rows, or codes with their zero points, scales and group size); topk [T, k]; out [T, H].
- * Returns 0, -1 on an expert id outside [0, E), -2 on an allocation failure. */
+ * An id of E is another rank's expert (expert parallelism): its pairs are skipped.
+ * Returns 0, -1 on an expert id outside [0, E], -2 on an allocation failure. */
 int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const void *gate_up_codes,
                       const uint8_t *gate_up_zeros, const float *gate_up_scales,
                       int64_t gate_up_group, const void *down_codes, const uint8_t *down_zeros,
@@ -112,9 +113,9 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const void *gat
     const moe_weights down = {down_codes, down_zeros, down_scales, down_group};
     const int64_t pairs = num_tokens * top_k;
     for (int64_t p = 0; p < pairs; ++p)
-        if (topk_ids[p] < 0 || topk_ids[p] >= E) return -1;
-    int64_t *start = calloc((size_t)E + 1, sizeof *start);
-    int64_t *fill = calloc((size_t)E, sizeof *fill);
+        if (topk_ids[p] < 0 || topk_ids[p] > E) return -1;
+    int64_t *start = calloc((size_t)E + 2, sizeof *start); /* (E: the skipped pairs, last) */
+    int64_t *fill = calloc((size_t)E + 1, sizeof *fill);
     int64_t *slot_of = malloc(sizeof *slot_of * (size_t)pairs); /* pair -> row sorted by expert */
     T *xs = malloc(sizeof *xs * (size_t)pairs * (size_t)H);      /* gathered inputs */
     T *act = malloc(sizeof *act * (size_t)pairs * (size_t)I);    /* silu(gate) * up */
@@ -127,7 +128,7 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const void *gat
         goto done;
     }
     for (int64_t p = 0; p < pairs; ++p) ++start[topk_ids[p] + 1];
-    for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+    for (int64_t e = 0; e <= E; ++e) start[e + 1] += start[e];
     for (int64_t p = 0; p < pairs; ++p) {
         const int64_t e = topk_ids[p];
         slot_of[p] = start[e] + fill[e]++;
@@ -251,6 +252,7 @@ int FN(omniserve_moe)(const T *x, int64_t num_tokens, int64_t H, const void *gat
                 vec sum = (vec){0};
                 for (int64_t j = 0; j < top_k; ++j) {
                     const int64_t p = t * top_k + order[j];
+                    if (topk_ids[p] == E) break; /* (sorted last: the rest are skipped too) */
                     sum = ROUNDV(sum + ROUNDV(load(ys + slot_of[p] * H + d) * topk_weights[p]));
                 }
                 STOREV(out + t * H + d, sum);
