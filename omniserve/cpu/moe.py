@@ -131,7 +131,8 @@ class CpuMoE:
                 ids[start].data_ptr(), top_k, out[start].data_ptr(), torch.get_num_threads(),
             )  # fmt: skip
             if status == -1:
-                raise ValueError(f"MoE expert ids must lie in [0, {num_experts}].")
+                raise ValueError(f"MoE expert ids must lie in [0, {num_experts}] ({num_experts}: "
+                                 "another rank's expert, skipped).")  # fmt: skip
             if status:
                 raise MemoryError(f"{_STATUS.get(status, status)}.")
         return out
