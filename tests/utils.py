@@ -41,6 +41,7 @@ def make_scheduler(
     disable_chunked_mm_input: bool = False,
     max_num_partial_prefills: int | None = None,
     max_long_partial_prefills: int | None = None,
+    prefix_caching_hash_algo: str = "sha256",
 ) -> Scheduler:
     scheduler_config = SchedulerConfig(
         max_num_partial_prefills=max_num_partial_prefills,
@@ -55,7 +56,8 @@ def make_scheduler(
         max_num_encoder_input_tokens=max_num_encoder_input_tokens,
         encoder_cache_size=encoder_cache_size,
     )
-    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                               prefix_caching_hash_algo=prefix_caching_hash_algo)  # fmt: skip
     return Scheduler(
         scheduler_config, cache_config, num_blocks, max_mm_item_embeds, max_loras=max_loras
     )

@@ -396,6 +396,7 @@ def _derive_max_model_len(hf_config: dict) -> int | None:
     return None
 
 
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """vLLM's ``--kv-cache-dtype`` values here (``attention.base.kv_cache_torch_dtype``)."""
 
@@ -419,6 +420,8 @@ class CacheConfig:
     """Exact number of KV blocks (tests use it to force preemption)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prefixes across requests."""
+    prefix_caching_hash_algo: str = "sha256"
+    """vLLM's: how the blocks' keys are hashed (``omniserve.core.block_hash``)."""
     gpu_memory_utilization: float | None = None
     """vLLM's: the share of the device's memory (the machine's, on a CPU) this engine may use
     for weights, KV cache and activations; the KV cache gets what the rest leaves. None: 0.9 on a
@@ -434,6 +437,10 @@ class CacheConfig:
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                              f"{self.cache_dtype!r}.")  # fmt: skip
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of "
+                             f"{', '.join(PREFIX_CACHING_HASH_ALGOS)}, got "
+                             f"{self.prefix_caching_hash_algo!r}.")  # fmt: skip
         if self.calculate_kv_scales and self.cache_dtype == "auto":
             raise ValueError("calculate_kv_scales scales an fp8 KV cache: it needs "
                              "--kv-cache-dtype fp8 (or fp8_e4m3, fp8_e5m2).")  # fmt: skip

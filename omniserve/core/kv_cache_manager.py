@@ -14,22 +14,14 @@ reset are kept as vLLM's KV events (``core/kv_events.py``) for the engine to pub
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import msgspec
-
 from omniserve.config import blocks_for
+from omniserve.core.block_hash import ROOT_BLOCK_HASH, BlockHasher, hash_block_tokens
 from omniserve.core.block_pool import BlockPool, KVCacheBlock
 from omniserve.core.kv_events import MEDIUM, BlockStored, KVCacheEvent, external_hash
 from omniserve.core.request import Request
-
-# Parent of a request's first block. A fixed value keeps hashes identical across processes
-# and restarts (Python's hash() of str is salted per process).
-ROOT_BLOCK_HASH = 0
-_HASH_BYTES = 32
 
 
 class BlockOwner(Protocol):
@@ -47,42 +39,36 @@ class BlockOwner(Protocol):
     def block_hashes(self) -> list[int]: ...
 
 
-def block_extra_keys(request: Request, start: int, end: int) -> tuple[tuple[str, int | str], ...]:
-    """What besides token ids decides the KV of tokens [start, end).
+def block_extra_keys(request: Request, start: int, end: int) -> tuple[object, ...]:
+    """What besides token ids decides the KV of tokens [start, end), in vLLM's order.
 
-    Multimodal placeholders share one token id per modality, so a block covering part of an
-    item also mixes in ``(identifier, offset - start)`` of every item overlapping it: two images
-    with identical placeholder tokens never share blocks, nor does one image placed at another
-    offset; so do runs of the prompt given as embeddings (their ids are placeholders), with
-    theirs. Identifiers are content hashes, so these keys are process-independent. The first
-    block also mixes in the request's cache salt and LoRA adapter (every later hash chains from
-    it).
+    The request's LoRA adapter (its name); multimodal placeholders share one token id per
+    modality, so a block covering part of an item also mixes in ``(identifier, offset -
+    start)`` of every item overlapping it: two images with identical placeholder tokens never
+    share blocks, nor does one image placed at another offset; the first block the request's
+    cache salt; runs of the prompt given as embeddings (their ids are placeholders) as items.
+    Identifiers are content hashes, so these keys are process-independent.
     """
-    keys: list[tuple[str, int | str]] = []
-    if start == 0 and request.cache_salt is not None:
-        keys.append(("cache_salt", request.cache_salt))
-    if start == 0 and request.lora_request is not None:
-        keys.append(("lora", request.lora_request.lora_int_id))
-    for run in request.prompt_embeds:
-        if run.offset < end and run.offset + len(run.embeds) > start:
-            keys.append((run.identifier, run.offset - start))
+    keys: list[object] = []
+    if request.lora_request is not None:
+        keys.append(request.lora_request.lora_name)
     for feature in request.mm_features:  # in prompt order
         pos = feature.mm_position
         if pos.offset >= end:
             break
         if pos.end > start:
             keys.append((feature.identifier, pos.offset - start))
+    if start == 0 and request.cache_salt:
+        keys.append(request.cache_salt)
+    for run in request.prompt_embeds:
+        if run.offset < end and run.offset + len(run.embeds) > start:
+            keys.append((run.identifier, run.offset - start))
     return tuple(keys)
 
 
-def hash_block_tokens(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple) -> int:
-    """sha256 over (parent, tokens, extra keys): each hash covers the whole prefix up to here."""
-    payload = msgspec.msgpack.encode((list(token_ids), extra_keys))
-    digest = hashlib.sha256(parent_hash.to_bytes(_HASH_BYTES, "big") + payload).digest()
-    return int.from_bytes(digest, "big")
-
-
-def update_block_hashes(request: Request, block_size: int) -> None:
+def update_block_hashes(
+    request: Request, block_size: int, hasher: BlockHasher = hash_block_tokens
+) -> None:
     """Extend ``request.block_hashes`` over every block that became full since the last call."""
     token_ids = request.all_token_ids
     num_full_blocks = len(token_ids) // block_size
@@ -91,17 +77,8 @@ def update_block_hashes(request: Request, block_size: int) -> None:
     for i in range(len(hashes), num_full_blocks):
         start, end = i * block_size, (i + 1) * block_size
         extra_keys = block_extra_keys(request, start, end)
-        parent = hash_block_tokens(parent, token_ids[start:end], extra_keys)
+        parent = hasher(parent, token_ids[start:end], extra_keys)
         hashes.append(parent)
-
-
-def _tail_hash(request: Request, index: int, start: int, end: int) -> int:
-    """The key of block ``index`` (starting at token ``start``) holding tokens [start, end)
-    only. It never equals a full block's: the hashed token lists differ in length."""
-    parent = request.block_hashes[index - 1] if index else ROOT_BLOCK_HASH
-    return hash_block_tokens(
-        parent, request.all_token_ids[start:end], block_extra_keys(request, start, end)
-    )
 
 
 @dataclass
@@ -130,9 +107,12 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         record_events: bool = False,
+        hash_algo: str = "sha256",
     ) -> None:
-        """``record_events``: keep the prefix cache's changes for ``take_events`` (KV events)."""
+        """``record_events``: keep the prefix cache's changes for ``take_events`` (KV events);
+        ``hash_algo``: the block keys' (``core/block_hash.py``)."""
         self.block_size = block_size
+        self.hasher = BlockHasher(hash_algo)
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching, record_events)
         # req_id -> the request's blocks, in token order
@@ -153,7 +133,7 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> None:
         """Hash the request's newly full blocks (nothing to do when caching is off)."""
         if self.enable_caching:
-            update_block_hashes(request, self.block_size)
+            update_block_hashes(request, self.block_size, self.hasher)
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest cached prefix of a request with no blocks yet: (blocks, number of tokens).
@@ -175,7 +155,7 @@ class KVCacheManager:
         index = len(hit_blocks)
         start = index * self.block_size
         for end in range(min(start + self.block_size, request.num_tokens) - 1, start, -1):
-            tail = self.block_pool.get_cached_block(_tail_hash(request, index, start, end))
+            tail = self.block_pool.get_cached_block(self._tail_hash(request, index, start, end))
             if tail is not None:
                 return KVCacheBlocks(hit_blocks, tail), end
         return KVCacheBlocks(hit_blocks), start
@@ -317,8 +297,16 @@ class KVCacheManager:
         end = min(written, request.num_tokens)
         index, start = end // self.block_size, end // self.block_size * self.block_size
         if end > start and index < len(req_blocks):
-            update_block_hashes(request, self.block_size)
-            self.block_pool.cache_block(req_blocks[index], _tail_hash(request, index, start, end))
+            update_block_hashes(request, self.block_size, self.hasher)
+            tail_hash = self._tail_hash(request, index, start, end)
+            self.block_pool.cache_block(req_blocks[index], tail_hash)
+
+    def _tail_hash(self, request: Request, index: int, start: int, end: int) -> int:
+        """The key of block ``index`` (starting at token ``start``) holding tokens [start, end)
+        only. It never equals a full block's: the hashed token lists differ in length."""
+        parent = request.block_hashes[index - 1] if index else ROOT_BLOCK_HASH
+        return self.hasher(parent, request.all_token_ids[start:end],
+                           block_extra_keys(request, start, end))  # fmt: skip
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]

@@ -97,8 +97,9 @@ class Scheduler:
         self.block_size = cache_config.block_size
         cache_config.check_holds_one_sequence(num_blocks, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, cache_config.enable_prefix_caching, record_kv_events
-        )
+            num_blocks, self.block_size, cache_config.enable_prefix_caching, record_kv_events,
+            cache_config.prefix_caching_hash_algo,
+        )  # fmt: skip
         self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.make_text_stop = make_text_stop
         self.max_loras = max_loras
@@ -419,9 +420,8 @@ class Scheduler:
         budget: StepBudget,
         max_num_seqs: int | None = None,
     ) -> None:
-        """Admit WAITING requests in queue order; the first that cannot run this step stops
-        admission, except one whose LoRA adapter has no slot or a long prompt without a
-        long-prefill seat: it is passed over (in place)."""
+        """Admit WAITING requests in queue order; the first that cannot run stops admission,
+        except one whose LoRA adapter has no slot or a long prompt without a seat: passed over."""
         config = self.scheduler_config
         kv = self.kv_cache_manager
         max_num_seqs = config.max_num_seqs if max_num_seqs is None else max_num_seqs

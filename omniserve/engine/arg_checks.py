@@ -180,7 +180,6 @@ MISSING_FEATURE_FLAGS: dict[str, tuple[dict, str]] = {
     "--dbo-decode-token-threshold": ({"type": int}, "dual batch overlap"),
     "--eplb-config": ({}, "expert-parallel load balancing"),
     "--ray-workers-use-nsight": ({"action": "store_true"}, "Nsight profiling of Ray workers"),
-    "--prefix-caching-hash-algo": ({}, "a choice of prefix-cache hash"),
     "--lora-extra-vocab-size": ({"type": int}, "LoRA adapters with extra vocabulary"),
     "--additional-config": ({}, "platform-specific settings"),
 }

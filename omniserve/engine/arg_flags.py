@@ -11,6 +11,7 @@ from omniserve.config import (
     DTYPE_CHOICES,
     KV_CACHE_DTYPES,
     LOGPROBS_MODES,
+    PREFIX_CACHING_HASH_ALGOS,
     QUANTIZATION_METHODS,
 )
 from omniserve.config.multimodal import MM_ENCODER_ATTN_BACKENDS, MM_ENCODER_TP_MODES
@@ -273,6 +274,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         action=argparse.BooleanOptionalAction,
         default=True,
         help="Reuse KV blocks of shared prefixes.",
+    )
+    add(
+        "--prefix-caching-hash-algo",
+        default="sha256",
+        choices=PREFIX_CACHING_HASH_ALGOS,
+        help="The blocks' keys: sha256 or xxhash (the same in every process), or vLLM's "
+        "sha256_cbor / xxhash_cbor (seeded by PYTHONHASHSEED; the keys a router computes "
+        "for vLLM find these blocks).",
     )
     add("--max-num-seqs", type=int, default=256, help="Most requests running at once.")
     add(

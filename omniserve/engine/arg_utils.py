@@ -178,6 +178,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool | None = True  # None: on
     long_prefill_token_threshold: int = 0
+    prefix_caching_hash_algo: str = "sha256"
     max_num_partial_prefills: int | None = None
     max_long_partial_prefills: int | None = None
     stream_interval: int = 1
@@ -307,6 +308,7 @@ class EngineArgs:
                 ),
                 num_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching is not False,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                 gpu_memory_utilization=self.gpu_memory_utilization,
             ),
             scheduler_config=SchedulerConfig(
