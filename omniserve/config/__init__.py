@@ -396,6 +396,8 @@ def _derive_max_model_len(hf_config: dict) -> int | None:
     return None
 
 
+EXPERT_PLACEMENTS = ("linear", "round_robin")
+"""vLLM's --expert-placement-strategy choices (``omniserve.layers.fused_moe.local_experts``)."""
 PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """vLLM's ``--kv-cache-dtype`` values here (``attention.base.kv_cache_torch_dtype``)."""
@@ -490,9 +492,9 @@ class ParallelConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if self.expert_placement_strategy not in ("linear", "round_robin"):
-            raise ValueError("expert_placement_strategy must be 'linear' or 'round_robin', got "
-                             f"{self.expert_placement_strategy!r}.")  # fmt: skip
+        if self.expert_placement_strategy not in EXPERT_PLACEMENTS:
+            raise ValueError(f"expert_placement_strategy must be one of {EXPERT_PLACEMENTS}, "
+                             f"got {self.expert_placement_strategy!r}.")  # fmt: skip
         if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
             raise ValueError(
                 "distributed_executor_backend must be 'uni', 'mp' or 'ray', got "

@@ -12,6 +12,8 @@ from omniserve.core.request import Request
 
 @dataclass(slots=True)
 class StepBudget:
+    """One step's limits, spent as requests are scheduled."""
+
     num_tokens: int
     num_encoder_embeds: int
     encoder_cache_open: bool = True

@@ -9,6 +9,7 @@ from omniserve import envs
 from omniserve.config import (
     ATTENTION_BACKENDS,
     DTYPE_CHOICES,
+    EXPERT_PLACEMENTS,
     KV_CACHE_DTYPES,
     LOGPROBS_MODES,
     PREFIX_CACHING_HASH_ALGOS,
@@ -384,7 +385,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     add(
         "--expert-placement-strategy",
         default="linear",
-        choices=["linear", "round_robin"],
+        choices=EXPERT_PLACEMENTS,
         help="With --enable-expert-parallel: a rank's experts are a contiguous block (linear) "
         "or every tensor-parallel-size-th (round_robin).",
     )

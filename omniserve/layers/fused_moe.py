@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omniserve.config import EXPERT_PLACEMENTS
 from omniserve.layers.tp import divide, get_tp_rank, get_tp_size, tp_all_reduce
 from omniserve.layers.weight_utils import (
     LoadedWeight,
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     from omniserve.config import QuantizationConfig
 
 
-EXPERT_PLACEMENTS = ("linear", "round_robin")
 _placement: str | None = None
 
 
