@@ -267,3 +267,15 @@ def test_cuda_dispatch_runs_compiled_kernel(
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     else:
         assert_half_precision_close(out, weights, topk_weights, topk_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_compiled_kernel_skips_other_ranks_experts() -> None:
+    """Expert parallelism on the GPU: ids past the experts (another rank's) add nothing."""
+    x, gate_up_proj, down_proj = (t.cuda() for t in make_weights(33, 6, 256, 160, torch.float32))
+    topk_weights = torch.rand(33, 4, generator=GEN).cuda()
+    topk_ids = torch.randint(0, 7, (33, 4), generator=GEN).cuda()  # 6: another rank's
+    out = triton_fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+    expected = torch_fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
