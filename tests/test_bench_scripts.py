@@ -389,3 +389,21 @@ def test_bench_video_pruning_runs(tiny_checkpoint):
     video = [int(row[1]) for row in rows]
     assert video[1] == video[0] // 4 and video[2] == video[0]
     assert rows[0][4] == "1.00x" and "vs transformers" in result.stdout
+
+
+@pytest.mark.slow
+def test_bench_partial_prefills_runs(tiny_checkpoint):
+    """A row per setting with the short and long prompts' time to first token and the ratios
+    to no caps (1.00x for no caps itself)."""
+    model_dir = str(tiny_checkpoint("Qwen3ForCausalLM"))
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_partial_prefills.py"), "--model-dir", model_dir,
+         "--long", "2x300", "--short", "3x16", "--max-model-len", "2048",
+         "--max-num-batched-tokens", "128", "--settings", "no caps,2 seats 1 long"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line.split(" | ") for line in result.stdout.splitlines()
+            if line.startswith("| ") and "setting" not in line]  # fmt: skip
+    assert [row[0] for row in rows] == ["| no caps", "| 2 seats 1 long"]
+    assert rows[0][3] == "1.00x" and rows[1][3].endswith("x")
