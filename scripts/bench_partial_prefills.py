@@ -18,11 +18,11 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_workers import report, run_workers
 
 SETTINGS = {
     "no caps": {},
@@ -77,22 +77,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker is not None:
         name, model_dir = json.loads(args.worker)
-        print("RESULT " + json.dumps(run_setting(model_dir, name, args)), flush=True)
+        report(run_setting(model_dir, name, args))
         return
     model_dir = args.model_dir
     if model_dir is None:
         from omniserve.checkpoint_builder import build_realsize_checkpoint
 
         model_dir = str(build_realsize_checkpoint(args.model))
-    results = []
-    for name in args.settings.split(","):
-        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker",
-                               json.dumps([name, model_dir])],
-                              capture_output=True, text=True)  # fmt: skip
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    results = run_workers(__file__, args.settings.split(","), model_dir)
     base = results[0]
     print(
         f"{Path(model_dir).name}: {args.long} long then {args.short} short prompts at once, "

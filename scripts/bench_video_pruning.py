@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_workers import report, run_workers
 
 PROMPT = ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What happens in this "
           "video?<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
@@ -122,7 +121,7 @@ def main() -> None:
             result = run_hf(model_dir, args)
         else:
             result = run_omniserve(model_dir, float(engine), args)
-        print("RESULT " + json.dumps(result), flush=True)
+        report(result)
         return
     model_dir = args.model_dir
     if model_dir is None:
@@ -130,15 +129,7 @@ def main() -> None:
 
         model_dir = str(build_realsize_checkpoint(args.model))
     engines = [*args.rates.split(","), *([] if args.no_hf else ["hf"])]
-    results = []
-    for engine in engines:
-        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--worker",
-                               json.dumps([engine, model_dir])],
-                              capture_output=True, text=True)  # fmt: skip
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            raise SystemExit(f"{engine} failed:\n{proc.stderr[-3000:]}")
-        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    results = run_workers(__file__, engines, model_dir)
     base = results[0]
     print(
         f"{Path(model_dir).name}: {args.frames} frames of {args.size} px; TTFT best of "
