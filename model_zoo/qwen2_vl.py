@@ -101,7 +101,7 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
                             self.video_pruning_per_frame,
                             compared_width=self.config.get_text_config().hidden_size)  # fmt: skip
 
-    def kept_positions(
+    def kept_rows_of(
         self, feature: MultiModalFeatureSpec, kept: Mapping[str, torch.Tensor]
     ) -> torch.Tensor | None:
         """The item's kept rows (``kept``: the encoder's, by identifier; stand-ins until it has
@@ -162,7 +162,7 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
                 grid, self.merge_size, next_position, self.time_interval(feature)
             )
             extent = max(extent, int(item_positions.max()))
-            if (rows := self.kept_positions(feature, kept or {})) is not None:
+            if (rows := self.kept_rows_of(feature, kept or {})) is not None:
                 item_positions = item_positions[:, rows]
             if item_positions.shape[1] != placeholder.length:
                 raise ValueError(

@@ -182,7 +182,7 @@ class Qwen3VLForConditionalGeneration(DeepStackDecoder, Qwen2VLForConditionalGen
                 runs = [(embed, len(list(run))) for embed, run in itertools.groupby(is_embed)]
                 if sum(1 for embed, _ in runs if embed) != t:
                     raise ValueError(f"A video of {t} frame groups has placeholder {placeholder}.")
-                rows = self.kept_positions(feature, kept or {})
+                rows = self.kept_rows_of(feature, kept or {})
                 per_frame = h * w // self.merge_size**2
                 group = 0
                 for embed, length in runs:
