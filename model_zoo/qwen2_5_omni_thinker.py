@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -183,20 +183,27 @@ def grid_positions(t_index: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 class PositionPieces:
     """The reference's bookkeeping: ``[3, n]`` pieces in prompt order, each new piece starting
-    one past the largest position of the LAST piece (not of all pieces)."""
+    one past the largest position of the LAST piece (not of all pieces). A pruned video's piece
+    counts with the largest position it had whole (``top``), so what follows it, and ``delta``,
+    sit where they would after the whole video."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.pieces: list[torch.Tensor] = []
+        self.tops: list[torch.Tensor] = []
 
     def start(self) -> torch.Tensor:
-        if not self.pieces:
+        if not self.tops:
             return torch.zeros((), dtype=self.dtype)
-        return self.pieces[-1].max() + 1
+        return self.tops[-1] + 1
 
-    def add(self, piece: torch.Tensor) -> None:
+    def add(self, piece: torch.Tensor, whole: torch.Tensor | None = None) -> None:
+        """``piece``; ``whole``: the piece it was before pruning (what counts for the next)."""
+        whole = piece if whole is None else whole
         if piece.shape[1]:
             self.pieces.append(piece)
+        if whole.shape[1]:
+            self.tops.append(whole.max())
 
     def run(self, n: int, start: torch.Tensor | None = None) -> None:
         """``n`` tokens one position apart (text, markers, audio) from ``start`` (default: next)."""
@@ -213,7 +220,7 @@ class PositionPieces:
                 f"The items' grids and placeholders give {positions.shape[1]} positions for a "
                 f"{num_tokens}-token prompt."
             )
-        return positions, positions.max() + 1 - num_tokens
+        return positions, torch.stack(self.tops).max() + 1 - num_tokens
 
 
 def thinker_rope(
@@ -291,6 +298,16 @@ class OmniThinkerBase(MultiModalDecoderBase):
         if modality not in cls.placeholders:
             raise ValueError(f"{cls.__name__} takes image, video and audio, not {modality!r}.")
         return cls.placeholders[modality]
+
+    def vision_grid(self, feature: MultiModalFeatureSpec) -> tuple[int, int, int]:
+        return grid_thw(feature)
+
+    def pruned_video_rows(self, feature: MultiModalFeatureSpec) -> np.ndarray | None:
+        """A video with its soundtrack: the rows of its interleaved output that are video."""
+        data = item_data(feature)
+        return np.flatnonzero(self.audio_in_video_order(data).numpy()) if is_audio_in_video(
+            data
+        ) else None  # fmt: skip
 
     def get_multimodal_embeddings(
         self, modality: str, items: list[dict[str, torch.Tensor]]
@@ -389,9 +406,13 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerBase):
         return (torch.arange(t) * step * self.config.position_id_per_seconds).long()
 
     def get_mrope_input_positions(
-        self, prompt_token_ids: list[int], mm_features: list[MultiModalFeatureSpec]
+        self,
+        prompt_token_ids: list[int],
+        mm_features: list[MultiModalFeatureSpec],
+        kept: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, int]:
-        """``([3, len(prompt)] int64 positions, delta)`` as transformers' ``get_rope_index``."""
+        """``([3, len(prompt)] int64 positions, delta)`` as transformers' ``get_rope_index``;
+        ``kept``: pruned videos' kept tokens, by identifier (``PositionPieces``)."""
         pieces = PositionPieces(torch.int64)
         cursor = 0
         for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
@@ -401,9 +422,10 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerBase):
             if first - markers < cursor or end + markers > len(prompt_token_ids):
                 raise ValueError(f"Placeholder {feature.mm_position} overlaps another item.")
             pieces.run(first - markers - cursor)
+            rows = self.kept_rows_of(feature, kept or {})
             if composite:
                 pieces.add(pieces.start().expand(3, 2))  # both start markers at one position
-                self._add_audio_in_video(pieces, feature)
+                self._add_audio_in_video(pieces, feature, rows)
                 pieces.add(pieces.start().expand(3, 2))  # both end markers at one position
             elif feature.modality == "audio":
                 pieces.run(end - first)
@@ -412,15 +434,19 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerBase):
                 offsets = grid_positions(
                     self.temporal_index(feature, t), h // self.merge_size, w // self.merge_size
                 )
-                pieces.add(offsets + pieces.start())
+                whole = offsets + pieces.start()
+                pieces.add(whole if rows is None else whole[:, rows], whole)
             cursor = end + markers
         pieces.run(len(prompt_token_ids) - cursor)
         positions, delta = pieces.finish(len(prompt_token_ids))
         return positions, int(delta)
 
-    def _add_audio_in_video(self, pieces: PositionPieces, feature: MultiModalFeatureSpec) -> None:
+    def _add_audio_in_video(
+        self, pieces: PositionPieces, feature: MultiModalFeatureSpec, rows: torch.Tensor | None
+    ) -> None:
         """Video and audio both from the next position, in 2-second chunks: video chunk j, then
-        audio chunk j (the reference's ``get_chunked_index`` over temporal offsets)."""
+        audio chunk j (the reference's ``get_chunked_index`` over temporal offsets); ``rows``:
+        the video tokens a pruned video keeps (each chunk keeps its own)."""
         t, h, w = grid_thw(feature)
         t_index = self.temporal_index(feature, t)
         start = pieces.start()
@@ -431,9 +457,12 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinkerBase):
         video_chunks = chunk_bounds(video[0].sub(start).tolist(), tokens_per_chunk)
         audio_chunks = chunk_bounds(range(num_audio), tokens_per_chunk)
         for j in range(max(len(video_chunks), len(audio_chunks))):
-            for chunks, positions in ((video_chunks, video), (audio_chunks, audio)):
-                if j < len(chunks):
-                    pieces.add(positions[:, chunks[j][0] : chunks[j][1]])
+            if j < len(video_chunks):
+                a, b = video_chunks[j]
+                mine = None if rows is None else rows[(rows >= a) & (rows < b)]
+                pieces.add(video[:, a:b] if mine is None else video[:, mine], video[:, a:b])
+            if j < len(audio_chunks):
+                pieces.add(audio[:, audio_chunks[j][0] : audio_chunks[j][1]])
 
 
 @MULTIMODAL_REGISTRY.register_processor(

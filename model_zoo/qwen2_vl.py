@@ -30,7 +30,6 @@ from model_zoo.multimodal import MultiModalDecoderBase
 from model_zoo.qwen2 import Qwen2ForCausalLM
 from model_zoo.towers import adopt_tower
 from omniserve.multimodal.inputs import MultiModalFeatureSpec, host_data
-from omniserve.multimodal.pruning import VideoPruning
 from omniserve.multimodal.registry import MULTIMODAL_REGISTRY
 from processors.qwen2_vl import (
     Qwen2VLDummyInputsBuilder,
@@ -84,33 +83,6 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
         super().__init__(config)
         self.visual = adopt_tower(self.vision_tower_cls(config.vision_config))
         self.merge_size: int = config.vision_config.spatial_merge_size
-        self.video_pruning_rate = 0.0
-        self.video_pruning_per_frame = False
-
-    def set_video_pruning(self, rate: float, per_frame: bool) -> None:
-        """Prune each video's tokens (``--video-pruning-rate``), kept in the layout its processor
-        gives the prompt (``BaseProcessingInfo.video_pruning_layout``)."""
-        self.video_pruning_rate, self.video_pruning_per_frame = rate, per_frame
-
-    def video_pruning(self, feature: MultiModalFeatureSpec) -> VideoPruning | None:
-        """How the item is pruned; None: it is not (not a video, or no pruning)."""
-        if feature.modality != "video" or not self.video_pruning_rate:
-            return None
-        t, h, w = self._grid_of(feature)
-        return VideoPruning(t, h * w // self.merge_size**2, self.video_pruning_rate,
-                            self.video_pruning_per_frame,
-                            compared_width=self.config.get_text_config().hidden_size)  # fmt: skip
-
-    def kept_rows_of(
-        self, feature: MultiModalFeatureSpec, kept: Mapping[str, torch.Tensor]
-    ) -> torch.Tensor | None:
-        """The item's kept rows (``kept``: the encoder's, by identifier; stand-ins until it has
-        run), or None where nothing is pruned."""
-        pruning = self.video_pruning(feature)
-        if pruning is None:
-            return None
-        rows = kept.get(feature.identifier)
-        return pruning.provisional_rows() if rows is None else rows
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> str:
@@ -157,7 +129,7 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
                 raise ValueError(f"Placeholder {placeholder} overlaps another or the prompt end.")
             parts.append(_text_positions(placeholder.offset - cursor, next_position))
             next_position += placeholder.offset - cursor
-            grid = self._grid_of(feature)
+            grid = self.vision_grid(feature)
             item_positions = vision_positions(
                 grid, self.merge_size, next_position, self.time_interval(feature)
             )
@@ -179,8 +151,7 @@ class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
         delta = max(int(positions.max()), extent) + 1 - num_tokens if num_tokens else 0
         return positions, delta
 
-    @staticmethod
-    def _grid_of(feature: MultiModalFeatureSpec) -> tuple[int, int, int]:
+    def vision_grid(self, feature: MultiModalFeatureSpec) -> tuple[int, int, int]:
         if feature.modality not in _VISION_KEYS or feature.data is None:
             raise ValueError(f"Cannot place a {feature.modality!r} item without its data.")
         t, h, w = torch.as_tensor(feature.data[_VISION_KEYS[feature.modality][1]]).reshape(3)

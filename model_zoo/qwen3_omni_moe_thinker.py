@@ -18,7 +18,7 @@ whenever they are all integral (every fps the processor defaults to) and float32
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -178,10 +178,14 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(DeepStackDecoder, OmniThinkerB
         return (torch.arange(t) * step * self.config.position_id_per_seconds).float()
 
     def get_mrope_input_positions(
-        self, prompt_token_ids: list[int], mm_features: list[MultiModalFeatureSpec]
+        self,
+        prompt_token_ids: list[int],
+        mm_features: list[MultiModalFeatureSpec],
+        kept: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, int | float]:
         """``([3, len(prompt)] positions, delta)`` as transformers' ``get_rope_index``; int64
-        and an int delta when integral, else float32 and a float delta (non-default fps)."""
+        and an int delta when integral, else float32 and a float delta (non-default fps).
+        ``kept``: pruned videos' kept tokens, by identifier (``PositionPieces``)."""
         num_tokens = len(prompt_token_ids)
         pieces = PositionPieces(torch.float32)
         cursor = 0
@@ -200,16 +204,18 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(DeepStackDecoder, OmniThinkerB
             start = start + (first - markers - cursor)
             pieces.run(markers, start)
             start = start + markers
+            rows = self.kept_rows_of(feature, kept or {})
             if feature.modality == "audio":
                 pieces.run(end - first, start)
             elif composite:
-                self._add_audio_in_video(pieces, feature, start)
+                self._add_audio_in_video(pieces, feature, start, rows)
             else:
                 t, h, w = grid_thw(feature)
                 offsets = grid_positions(
                     self.temporal_index(feature, t), h // self.merge_size, w // self.merge_size
                 )
-                pieces.add(offsets + start)
+                whole = offsets + start
+                pieces.add(whole if rows is None else whole[:, rows], whole)
             pieces.run(markers)  # end markers, one past the last piece
             cursor = end + markers
         pieces.run(num_tokens - cursor)
@@ -219,10 +225,15 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(DeepStackDecoder, OmniThinkerB
         return positions, float(delta)
 
     def _add_audio_in_video(
-        self, pieces: PositionPieces, feature: MultiModalFeatureSpec, start: torch.Tensor
+        self,
+        pieces: PositionPieces,
+        feature: MultiModalFeatureSpec,
+        start: torch.Tensor,
+        rows: torch.Tensor | None = None,
     ) -> None:
         """Video and audio positions from ``start``, merged by temporal position (video first on
-        ties); the reference's last piece is the run left after the other modality ran out."""
+        ties); the reference's last piece is the run left after the other modality ran out.
+        ``rows``: the video tokens a pruned video keeps (the others' columns dropped)."""
         t, h, w = grid_thw(feature)
         video = grid_positions(
             self.temporal_index(feature, t), h // self.merge_size, w // self.merge_size
@@ -235,8 +246,12 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(DeepStackDecoder, OmniThinkerB
         is_video = order < video.shape[1]
         switches = (is_video != is_video[-1]).nonzero()
         tail = int(switches[-1]) + 1 if switches.numel() else 0
-        pieces.add(merged[:, order[:tail]])
-        pieces.add(merged[:, order[tail:]])
+        keep = torch.ones(merged.shape[1], dtype=torch.bool)
+        if rows is not None:
+            keep[: video.shape[1]] = False
+            keep[rows] = True
+        for run in (order[:tail], order[tail:]):
+            pieces.add(merged[:, run[keep[run]]], merged[:, run])
 
 
 @MULTIMODAL_REGISTRY.register_processor(

@@ -174,7 +174,7 @@ class Qwen3VLForConditionalGeneration(DeepStackDecoder, Qwen2VLForConditionalGen
             if placeholder.offset < cursor or placeholder.end > num_tokens:
                 raise ValueError(f"Placeholder {placeholder} overlaps another or the prompt end.")
             text(placeholder.offset - cursor)
-            t, h, w = self._grid_of(feature)
+            t, h, w = self.vision_grid(feature)
             if feature.modality == "image":
                 grid(t, h, w, placeholder.length, "An image")
             else:  # frame groups: runs of pads between timestamps and markers

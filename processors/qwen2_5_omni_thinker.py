@@ -65,6 +65,7 @@ from omniserve.multimodal.processing import (
     PromptUpdateDetails,
     RequestKwarg,
 )
+from omniserve.multimodal.pruning import prune_order
 from processors.qwen2_5_omni_audio import get_feat_extract_output_lengths
 from processors.qwen2_audio import Qwen2AudioProcessingInfo
 from processors.qwen2_vl import (
@@ -198,10 +199,10 @@ class OmniVisionGeometry(VisionGeometry):
 
 class Qwen2_5OmniThinkerProcessingInfo(Qwen2VLProcessingInfo, Qwen2AudioProcessingInfo):
     """Qwen2-VL's vision geometry and Qwen2-Audio's extractor, read through the omni processor's
-    merged kwargs (its class-level video size overrides the video processor's own). Its videos
-    are not pruned: a soundtrack interleaves with them by time."""
+    merged kwargs (its class-level video size overrides the video processor's own). A pruned
+    video keeps a share per frame group, so a soundtrack's tokens keep their places among them."""
 
-    video_pruning_layout = None
+    video_pruning_layout = "per_frame"
 
     request_kwargs = {
         **Qwen2VLProcessingInfo.request_kwargs,
@@ -524,7 +525,12 @@ class Qwen2_5OmniThinkerMultiModalProcessor(Qwen2VLMultiModalProcessor):
     ) -> PromptUpdateDetails:
         """``<|audio_bos|>`` + the interleaved video/audio tokens + ``<|audio_eos|>``."""
         hf_processor = self.info.get_hf_processor()
-        order = self.audio_in_video_order(data).tolist()
+        order = self.audio_in_video_order(data)
+        t, h, w = (int(n) for n in data["video_grid_thw"].reshape(3))
+        merge = data["audio_in_video"]["merge_size"]
+        if pruning := self.info.video_pruning(t, h * w // merge**2):  # (--video-pruning-rate)
+            order = prune_order(order, pruning.tokens_per_frame, pruning.quotas())
+        order = order.tolist()
         num_frames = int(data["feature_attention_mask"].sum())
         what = f"the audio track of video item {i}"
         self._check_audio_tokens(order.count(False), num_frames, what, "video", mm_kwargs)

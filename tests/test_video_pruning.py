@@ -176,13 +176,8 @@ def test_matches_hf_on_the_kept_tokens(arch, tiny_checkpoint):
 
 
 def test_refused_where_videos_are_not_pruned(tiny_checkpoint):
-    with pytest.raises(
-        ValueError, match="--video-pruning-rate: Qwen2_5OmniThinker.*does not prune"
-    ):
-        LLM(
-            str(tiny_checkpoint("Qwen2_5OmniThinkerForConditionalGeneration")),
-            video_pruning_rate=0.5,
-        )
+    with pytest.raises(ValueError, match="--video-pruning-rate: Qwen2Audio.*does not prune"):
+        LLM(str(tiny_checkpoint("Qwen2AudioForConditionalGeneration")), video_pruning_rate=0.5)
     with pytest.raises(ValueError, match="--video-pruning-rate: this model takes no video"):
         LLM(str(tiny_checkpoint("Qwen2ForCausalLM")), video_pruning_rate=0.5)
     with pytest.raises(ValueError, match=r"video_pruning_rate must be in \[0, 1\)"):
@@ -200,3 +195,90 @@ def test_flag(tiny_checkpoint):
     config = EngineArgs.from_cli_args(parsed).create_config()
     assert config.multimodal_config.video_pruning_rate == 0.75
     assert EngineArgs(model=model).create_config().multimodal_config.video_pruning_rate == 0
+
+
+def _omni_video() -> tuple[np.ndarray, np.ndarray]:
+    """Eight 64 x 64 frames of noise and a 3 s soundtrack. (No still part here: each frame group
+    keeps its share, and among a still group's equally unchanged tokens which are kept is a tie
+    that sums in another order may break otherwise than transformers'.)"""
+    rng = np.random.default_rng(3)
+    frames = rng.integers(0, 256, (8, 64, 64, 3), dtype=np.uint8)
+    return frames, rng.standard_normal(16000 * 3).astype(np.float32)
+
+
+def _hf_omni_pruned(arch: str, model_dir: str, kind: str) -> tuple[dict, ReferenceOutput]:
+    """The engine's prompt and transformers' thinker on the kept tokens: its towers encode the
+    video (and soundtrack), its ``get_rope_index`` places the whole item, the pads of the dropped
+    video tokens leave the prompt and its positions, its decoder runs the rest."""
+    from tests.test_fidelity_omni import THINKERS, _engine_prompt, _hf_inputs, _text
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = THINKERS[arch].from_pretrained(model_dir, dtype=torch.float32).eval()
+    core, tok = model.model, processor.tokenizer
+    frames, track = _omni_video()
+    items = [(kind, (frames, track if kind == "av" else None))]
+    text = _text(processor, [kind])
+    inputs = _hf_inputs(processor, text, items)
+    video_id, audio_id = tok.convert_tokens_to_ids([tok.video_token, tok.audio_token])
+    with torch.inference_mode():
+        ids = inputs["input_ids"][0]
+        embeds = core.get_input_embeddings()(ids[None]).clone()
+        lengths = None
+        if "input_features" in inputs:
+            mask = inputs["feature_attention_mask"]
+            audio = core.get_audio_features(inputs["input_features"], mask, return_dict=True)
+            embeds[0, ids == audio_id] = audio.last_hidden_state
+            lengths = mask.sum(1)
+        features = core.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"],
+                                           return_dict=True)  # fmt: skip
+        video = _joined(features.pooler_output)
+        deepstack = getattr(features, "deepstack_features", None)
+        embeds[0, ids == video_id] = video
+        positions, _ = core.get_rope_index(
+            inputs["input_ids"], video_grid_thw=inputs["video_grid_thw"],
+            attention_mask=inputs["attention_mask"], use_audio_in_video=kind == "av",
+            audio_seqlens=lengths, second_per_grids=inputs.get("video_second_per_grid"),
+        )  # fmt: skip
+        frames_t = int(inputs["video_grid_thw"][0, 0])
+        hidden = model.config.get_text_config().hidden_size
+        kept = torch.tensor(_reference_kept(video[:, :hidden], frames_t, RATE, per_frame=True))
+        pads = torch.nonzero(ids == video_id).squeeze(1)
+        keep = torch.ones(len(ids), dtype=torch.bool)
+        keep[pads[~torch.isin(torch.arange(len(pads)), kept)]] = False
+        ids, step_embeds, step_positions = ids[keep], embeds[:, keep], positions[:, :, keep]
+        extra = {}
+        if deepstack is not None:
+            levels = [_joined(level)[kept] for level in deepstack]
+            extra = {"visual_pos_masks": (ids == video_id)[None], "deepstack_visual_embeds": levels}
+        cache, tokens, logprobs = DynamicCache(config=model.config.get_text_config()), [], []
+        next_position = positions.max() + 1  # after the whole video, pruned or not
+        for _ in range(MAX_TOKENS):
+            out = core.language_model(
+                inputs_embeds=step_embeds, position_ids=step_positions, past_key_values=cache,
+                use_cache=True, **extra,
+            )  # fmt: skip
+            scores = torch.log_softmax(model.lm_head(out.last_hidden_state[0, -1]).float(), -1)
+            tokens.append(int(scores.argmax()))
+            logprobs.append(scores)
+            step_embeds = core.get_input_embeddings()(torch.tensor([[tokens[-1]]]))
+            step_positions = next_position.expand(3, 1, 1)
+            next_position = next_position + 1
+            extra = {}
+    return _engine_prompt(text, items), ReferenceOutput(tokens, logprobs)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+@pytest.mark.parametrize(
+    "arch",
+    ["Qwen2_5OmniThinkerForConditionalGeneration", "Qwen3OmniMoeThinkerForConditionalGeneration"],
+)
+def test_omni_thinkers_match_hf_on_the_kept_tokens(arch, tiny_checkpoint):
+    """A video alone, and one with its soundtrack (``use_audio_in_video``: each frame group keeps
+    its share, the soundtrack's tokens keep their places among them), chunked through the item."""
+    model_dir = str(tiny_checkpoint(arch))
+    cases = [_hf_omni_pruned(arch, model_dir, kind) for kind in ("video", "av")]
+    llm = LLM(model_dir, dtype="float32", video_pruning_rate=RATE, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3)
+    outputs = llm.generate([prompt for prompt, _ in cases], params, use_tqdm=False)
+    assert_matches_reference(outputs, [reference for _, reference in cases], atol=2e-4)

@@ -466,7 +466,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=None,
         help="Drop this share (0 <= rate < 1) of each video's tokens before the decoder: "
         "those most like the same spot in the frame group before (Efficient Video Sampling; "
-        "Qwen2-VL, Qwen2.5-VL and Qwen3-VL). The first frame group is kept whole.",
+        "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and the omni thinkers). The first frame group is kept "
+        "whole.",
     )
     mm.add_argument(
         "--skip-mm-profiling",

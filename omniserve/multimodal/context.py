@@ -271,7 +271,7 @@ class BaseProcessingInfo(ABC):
         ):
             raise ValueError(
                 f"--video-pruning-rate: {self.ctx.model_config.architecture} does not prune video "
-                "tokens (Qwen2-VL, Qwen2.5-VL and Qwen3-VL do)."
+                "tokens (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and the omni thinkers do)."
             )
 
     def get_allowed_mm_limits(self) -> dict[str, int | None]:

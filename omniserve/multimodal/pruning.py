@@ -7,9 +7,11 @@ placeholder before anything is encoded; which tokens are kept is known once the 
 (``VideoPruning.kept_rows``). Two layouts:
 - one run of pads for the whole video (Qwen2-VL, Qwen2.5-VL): the most dissimilar tokens of the
   whole video win, so a scene change keeps more than a still shot (vLLM's rule);
-- one run per frame group between its timestamp and markers (Qwen3-VL): each later frame group
-  keeps an equal share (``frame_quotas``) of its own most dissimilar tokens, so every run's pads
-  are its own frame group's tokens.
+- one run per frame group between its timestamp and markers (Qwen3-VL), or frame groups
+  interleaved with their soundtrack by time (the omni thinkers): each later frame group keeps an
+  equal share (``frame_quotas``) of its own most dissimilar tokens, so every run's pads are its
+  own frame group's tokens and a soundtrack's tokens keep their places among them
+  (``prune_order``).
 Ties keep the earlier token. Dissimilarity is ``1 - cos`` in fp32.
 """
 
@@ -37,6 +39,16 @@ def frame_quotas(tokens_per_frame: int, num_frames: int, rate: float) -> list[in
         return [tokens_per_frame]
     share, extra = divmod(rest, later)
     return [tokens_per_frame] + [share + (i < extra) for i in range(later)]
+
+
+def prune_order(is_video: torch.Tensor, tokens_per_frame: int, quotas: list[int]) -> torch.Tensor:
+    """An item's token order (``[n]`` bool, True for a video token; a video interleaved with its
+    soundtrack) after pruning by frame-group ``quotas``: each frame group's video tokens, which
+    lie together, shrink to its quota, everything else stays where it was."""
+    index = torch.cumsum(is_video.long(), 0) - 1  # each video token's index in the video
+    frame = torch.div(index.clamp(min=0), tokens_per_frame, rounding_mode="floor")
+    kept = index % tokens_per_frame < torch.tensor(quotas)[frame.clamp(max=len(quotas) - 1)]
+    return is_video[~is_video | kept]
 
 
 @dataclass(frozen=True)

@@ -85,17 +85,28 @@ class EncoderRunner:
     def _rows(self, feature: MultiModalFeatureSpec) -> int:
         """Rows the encoder outputs for the item (a pruned video's before pruning)."""
         pruning = self._pruning(feature)
-        return pruning.num_rows if pruning is not None else feature.mm_position.num_embeds
+        dropped = pruning.num_rows - pruning.num_kept if pruning is not None else 0
+        return feature.mm_position.num_embeds + dropped
 
     def _prune(self, feature: MultiModalFeatureSpec, output: torch.Tensor) -> torch.Tensor:
-        """A pruned video's output cut to the rows it keeps (noted in ``kept_rows``); any other
+        """A pruned video's output without the video rows it drops (the kept ones, as indices
+        into the video's tokens, noted in ``kept_rows``; a soundtrack's rows all stay); any other
         item's as it is."""
         pruning = self._pruning(feature)
         if pruning is None:
             return output
-        rows = pruning.kept_rows(output)
-        self.kept_rows[feature.identifier] = rows
-        return output.index_select(0, rows.to(output.device))
+        video_rows = self.model.pruned_video_rows(feature)  # None: every row is the video's
+        if video_rows is None:
+            kept = pruning.kept_rows(output)
+            self.kept_rows[feature.identifier] = kept
+            return output.index_select(0, kept.to(output.device))
+        rows = torch.from_numpy(video_rows)
+        kept = pruning.kept_rows(output.index_select(0, rows.to(output.device)))
+        self.kept_rows[feature.identifier] = kept
+        keep = torch.ones(output.shape[0], dtype=torch.bool)
+        keep[rows] = False
+        keep[rows[kept]] = True
+        return output.index_select(0, keep.nonzero().squeeze(1).to(output.device))
 
     def lay_out_positions(self, state: CachedRequestState) -> None:
         """The request's M-RoPE prompt positions and delta; a pruned video's tokens at its kept
@@ -116,13 +127,13 @@ class EncoderRunner:
 
     def place_window(self, state: CachedRequestState, start: int, end: int) -> None:
         """Before the prompt window ``[start, end)`` runs: lay the prompt out again where a
-        pruned video standing in has been encoded since; one the window reaches must have been
-        (the scheduler encodes an item before its tokens run)."""
+        pruned video standing in has been encoded since; one whose embedding tokens the window
+        reaches must have been (the scheduler encodes an item before they run)."""
         if state.mrope_stand_ins & self.kept_rows.keys():
             self.lay_out_positions(state)
         for feature in state.mm_features:
-            pos = feature.mm_position
-            if feature.identifier in state.mrope_stand_ins and pos.offset < end and pos.end > start:
+            lo, hi = feature.mm_position.embeds_in(start, end)  # (its markers need no rows)
+            if feature.identifier in state.mrope_stand_ins and hi > lo:
                 raise RuntimeError(
                     f"Pruned video {feature.identifier} runs before it is encoded: the "
                     "scheduler and the worker disagree."
