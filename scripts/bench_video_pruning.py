@@ -5,6 +5,7 @@ slow another; every timed request carries a video the engine has not seen (no ca
 
     python scripts/bench_video_pruning.py                         # real-size Qwen2.5-VL-3B
     python scripts/bench_video_pruning.py --model qwen3-vl-2b --rates 0,0.75 --frames 16
+    python scripts/bench_video_pruning.py --model qwen2.5-omni-3b-thinker
     python scripts/bench_video_pruning.py --model-dir PATH --no-hf     # any local checkpoint
 
 The video is a still scene with a moving square, ``--frames`` frames of ``--size`` pixels a side.
@@ -23,8 +24,18 @@ from typing import Any
 import numpy as np
 from bench_workers import report, run_workers
 
-PROMPT = ("<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What happens in this "
-          "video?<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+
+def make_prompt(model_dir: str) -> str:
+    """One user turn with the video, in the model's placeholder."""
+    from omniserve.config import ModelConfig
+    from omniserve.plugins import load_plugins
+    from omniserve.registry import ModelRegistry
+
+    load_plugins()
+    architecture = ModelConfig.from_path(model_dir).architecture
+    placeholder = ModelRegistry.resolve_model_cls(architecture).get_placeholder_str("video", 0)
+    return (f"<|im_start|>user\n{placeholder}What happens in this video?<|im_end|>\n"
+            "<|im_start|>assistant\n")  # fmt: skip
 
 
 def make_video(seed: int, frames: int, size: int) -> np.ndarray:
@@ -47,10 +58,11 @@ def run_omniserve(model_dir: str, rate: float, args: argparse.Namespace) -> dict
               max_model_len=args.max_model_len, kv_cache_memory=2 << 30,
               enable_prefix_caching=False)  # fmt: skip
     load_s = time.perf_counter() - start
+    text = make_prompt(model_dir)
 
     def timed(seed: int, max_tokens: int) -> tuple[float, Any]:
         video = make_video(seed, args.frames, args.size)
-        prompt = {"prompt": PROMPT, "multi_modal_data": {"video": [video]}}
+        prompt = {"prompt": text, "multi_modal_data": {"video": [video]}}
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         begin = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -74,16 +86,19 @@ def _video_token_id(model_dir: str) -> int:
 
 def run_hf(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    import transformers
+    from transformers import AutoConfig, AutoProcessor
 
     start = time.perf_counter()
     processor = AutoProcessor.from_pretrained(model_dir)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model_cls = getattr(transformers, AutoConfig.from_pretrained(model_dir).architectures[0])
+    model = model_cls.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    text = make_prompt(model_dir)
     load_s = time.perf_counter() - start
 
     def timed(seed: int, max_tokens: int) -> tuple[float, Any]:
         begin = time.perf_counter()
-        inputs = processor(text=[PROMPT], videos=[make_video(seed, args.frames, args.size)],
+        inputs = processor(text=[text], videos=[make_video(seed, args.frames, args.size)],
                            return_tensors="pt")  # fmt: skip
         inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
                   for k, v in inputs.items()}  # fmt: skip
