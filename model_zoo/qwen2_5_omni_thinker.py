@@ -184,8 +184,8 @@ def grid_positions(t_index: torch.Tensor, h: int, w: int) -> torch.Tensor:
 class PositionPieces:
     """The reference's bookkeeping: ``[3, n]`` pieces in prompt order, each new piece starting
     one past the largest position of the LAST piece (not of all pieces). A pruned video's piece
-    counts with the largest position it had whole (``top``), so what follows it, and ``delta``,
-    sit where they would after the whole video."""
+    counts with the largest position it had whole (``add``'s ``whole``), so what follows it,
+    and ``delta``, sit where they would after the whole video."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -305,9 +305,9 @@ class OmniThinkerBase(MultiModalDecoderBase):
     def pruned_video_rows(self, feature: MultiModalFeatureSpec) -> np.ndarray | None:
         """A video with its soundtrack: the rows of its interleaved output that are video."""
         data = item_data(feature)
-        return np.flatnonzero(self.audio_in_video_order(data).numpy()) if is_audio_in_video(
-            data
-        ) else None  # fmt: skip
+        if not is_audio_in_video(data):
+            return None
+        return np.flatnonzero(self.audio_in_video_order(data).numpy())
 
     def get_multimodal_embeddings(
         self, modality: str, items: list[dict[str, torch.Tensor]]
