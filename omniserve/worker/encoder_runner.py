@@ -7,10 +7,10 @@ dropped (``free_encoder_mm_hashes``), so this cache and its bookkeeping agree ex
 
 A video pruned by ``--video-pruning-rate`` is encoded whole, then cut to the rows it keeps
 (``omniserve.multimodal.pruning``; a soundtrack interleaved with it keeps all of its own), which
-are kept beside its output (``kept_rows``, freed with
-it): its tokens' M-RoPE positions are those rows' (``lay_out_positions``), so choosing them reads
-the encoder's output back to the host, one wait for the device per pruned video. Every rank
-chooses from the same output (encoded alike, or gathered), so the ranks keep the same rows.
+are noted beside its output (``kept_rows``, freed with it): its tokens' M-RoPE positions are
+those rows' (``lay_out_positions``), so choosing them reads the encoder's output back to the
+host, one wait for the device per pruned video. Every rank chooses from the same output (encoded
+alike, or gathered), so the ranks keep the same rows.
 
 Under tensor parallelism every rank holds the whole towers. By default each rank encodes every
 item; with vLLM's ``--mm-encoder-tp-mode data`` (``split_items``) the ranks split a step's items
