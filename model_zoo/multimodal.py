@@ -83,6 +83,53 @@ def mm_rows(is_mm: torch.Tensor, mm_embeds: torch.Tensor) -> torch.Tensor:
     return torch.nonzero_static(is_mm, size=mm_embeds.shape[0]).squeeze(1)
 
 
+class PrunesVideo(ABC):
+    """The ``--video-pruning-rate`` hooks of a model with a vision tower whose processor prunes
+    videos (``omniserve.multimodal.pruning``): the worker turns pruning on, the encoder runner
+    asks how an item is pruned and which output rows are its video's, the model's M-RoPE
+    positions ask which of its tokens are kept."""
+
+    config: PretrainedConfig
+    merge_size: int
+    """Patches merged per side into one embedding."""
+    video_pruning_rate: float = 0.0
+    video_pruning_per_frame: bool = False
+
+    def set_video_pruning(self, rate: float, per_frame: bool) -> None:
+        """Prune each video's tokens (``--video-pruning-rate``), kept in the layout its processor
+        gives the prompt (``BaseProcessingInfo.video_pruning_layout``)."""
+        self.video_pruning_rate, self.video_pruning_per_frame = rate, per_frame
+
+    @abstractmethod
+    def vision_grid(self, feature: MultiModalFeatureSpec) -> tuple[int, int, int]:
+        """An image's or video's ``(t, h, w)`` patch grid."""
+
+    def video_pruning(self, feature: MultiModalFeatureSpec) -> VideoPruning | None:
+        """How the item is pruned; None: it is not (not a video, or no pruning)."""
+        if feature.modality != "video" or not self.video_pruning_rate:
+            return None
+        t, h, w = self.vision_grid(feature)
+        return VideoPruning(t, h * w // self.merge_size**2, self.video_pruning_rate,
+                            self.video_pruning_per_frame,
+                            compared_width=self.config.get_text_config().hidden_size)  # fmt: skip
+
+    def pruned_video_rows(self, feature: MultiModalFeatureSpec) -> np.ndarray | None:
+        """The rows of a pruned item's encoder output that are its video's (None: all of them;
+        a video with its soundtrack interleaves audio rows)."""
+        return None
+
+    def kept_rows_of(
+        self, feature: MultiModalFeatureSpec, kept: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor | None:
+        """The video tokens a pruned item keeps (``kept``: the encoder runner's, by identifier;
+        stand-ins until it has run), or None where nothing is pruned."""
+        pruning = self.video_pruning(feature)
+        if pruning is None:
+            return None
+        rows = kept.get(feature.identifier)
+        return pruning.provisional_rows() if rows is None else rows
+
+
 class MultiModalDecoderBase(LanguageModel, ABC):
     """Base of the ``*ForConditionalGeneration`` classes: the text family's language model, plus
     the encoders and ``get_multimodal_embeddings`` subclasses add."""
@@ -100,10 +147,6 @@ class MultiModalDecoderBase(LanguageModel, ABC):
     tower_modalities: ClassVar[dict[str, tuple[str, ...]]] = {}
     """Each encoder module (by attribute name) -> the modalities it encodes: ``drop_towers``
     leaves out those whose modalities are all turned off."""
-    merge_size: int
-    """(Models with a vision tower) patches merged per side into one embedding."""
-    video_pruning_rate: float = 0.0
-    video_pruning_per_frame: bool = False
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -131,40 +174,6 @@ class MultiModalDecoderBase(LanguageModel, ABC):
             setattr(self, name, None)
         self._dropped_prefixes = tuple(f"{name}." for name in dropped)
         return dropped
-
-    def set_video_pruning(self, rate: float, per_frame: bool) -> None:
-        """Prune each video's tokens (``--video-pruning-rate``), kept in the layout its processor
-        gives the prompt (``BaseProcessingInfo.video_pruning_layout``)."""
-        self.video_pruning_rate, self.video_pruning_per_frame = rate, per_frame
-
-    def vision_grid(self, feature: MultiModalFeatureSpec) -> tuple[int, int, int]:
-        """An image's or video's ``(t, h, w)`` patch grid (models with a vision tower)."""
-        raise NotImplementedError(f"{type(self).__name__} has no vision items.")
-
-    def video_pruning(self, feature: MultiModalFeatureSpec) -> VideoPruning | None:
-        """How the item is pruned; None: it is not (not a video, or no pruning)."""
-        if feature.modality != "video" or not self.video_pruning_rate:
-            return None
-        t, h, w = self.vision_grid(feature)
-        return VideoPruning(t, h * w // self.merge_size**2, self.video_pruning_rate,
-                            self.video_pruning_per_frame,
-                            compared_width=self.config.get_text_config().hidden_size)  # fmt: skip
-
-    def pruned_video_rows(self, feature: MultiModalFeatureSpec) -> np.ndarray | None:
-        """The rows of a pruned item's encoder output that are its video's (None: all of them;
-        a video with its soundtrack interleaves audio rows)."""
-        return None
-
-    def kept_rows_of(
-        self, feature: MultiModalFeatureSpec, kept: Mapping[str, torch.Tensor]
-    ) -> torch.Tensor | None:
-        """The video tokens a pruned item keeps (``kept``: the encoder runner's, by identifier;
-        stand-ins until it has run), or None where nothing is pruned."""
-        pruning = self.video_pruning(feature)
-        if pruning is None:
-            return None
-        rows = kept.get(feature.identifier)
-        return pruning.provisional_rows() if rows is None else rows
 
     @classmethod
     def make_rotary(cls, text_config: PretrainedConfig) -> nn.Module | None:

@@ -45,6 +45,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 from model_zoo.decoder import head_dim_of
 from model_zoo.multimodal import (
     MultiModalDecoderBase,
+    PrunesVideo,
     on_device,
 )
 from model_zoo.qwen2 import Qwen2ForCausalLM
@@ -272,7 +273,7 @@ def load_omni_weights(
     return loaded
 
 
-class OmniThinkerBase(MultiModalDecoderBase):
+class OmniThinkerBase(MultiModalDecoderBase, PrunesVideo):
     """What both omni thinkers share: encoders under their hub names (transformers' modules),
     composite audio-in-video items and the placeholder strings."""
 

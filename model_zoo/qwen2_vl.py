@@ -26,7 +26,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from model_zoo.multimodal import MultiModalDecoderBase
+from model_zoo.multimodal import MultiModalDecoderBase, PrunesVideo
 from model_zoo.qwen2 import Qwen2ForCausalLM
 from model_zoo.towers import adopt_tower
 from omniserve.multimodal.inputs import MultiModalFeatureSpec, host_data
@@ -70,7 +70,7 @@ def vision_positions(
     info=Qwen2VLProcessingInfo,
     dummy_inputs=Qwen2VLDummyInputsBuilder,
 )
-class Qwen2VLForConditionalGeneration(MultiModalDecoderBase):
+class Qwen2VLForConditionalGeneration(MultiModalDecoderBase, PrunesVideo):
     uses_mrope: ClassVar[bool] = True
     text_family = Qwen2ForCausalLM
     packed_attention_towers = ("visual",)
