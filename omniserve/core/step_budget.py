@@ -41,12 +41,16 @@ class StepBudget:
     def seats(self, request: Request, num_computed: int) -> bool:
         """Whether a seat is left for the request's window from ``num_computed``: decodes need
         none."""
+        if self.prefill_seats is None and self.long_prefill_seats is None:
+            return True  # (no caps: nothing to count)
         prefilling, long = self._prefill(request, num_computed)
         return not prefilling or (
             self.prefill_seats != 0 and not (long and self.long_prefill_seats == 0)
         )
 
     def take_seat(self, request: Request, num_computed: int) -> None:
+        if self.prefill_seats is None and self.long_prefill_seats is None:
+            return
         prefilling, long = self._prefill(request, num_computed)
         if prefilling and self.prefill_seats is not None:
             self.prefill_seats -= 1

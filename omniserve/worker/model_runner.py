@@ -409,11 +409,12 @@ class ModelRunner:
         if not self.uses_mrope:
             return positions  # [num_tokens]
         states = [self.input_batch.states[row] for row in rows.tolist()]
-        firsts = positions[np.cumsum(query_lens) - query_lens]
-        for state, first, count in zip(states, firsts.tolist(), query_lens.tolist(), strict=True):
-            if state.mrope_stand_ins:  # a pruned video not yet encoded when it was added
-                assert self.encoder_runner is not None
-                self.encoder_runner.place_window(state, first, first + count)
+        if self.encoder_runner is not None and self.encoder_runner.prunes_video:
+            firsts = positions[np.cumsum(query_lens) - query_lens]
+            for state, first, count in zip(states, firsts.tolist(), query_lens.tolist(),
+                                           strict=True):  # fmt: skip
+                if state.mrope_stand_ins:  # a pruned video not yet encoded when it was added
+                    self.encoder_runner.place_window(state, first, first + count)
         deltas = np.fromiter((int(s.mrope_delta) for s in states),
                              np.int64, len(states))  # fmt: skip
         return mrope_positions(
