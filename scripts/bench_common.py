@@ -1,13 +1,29 @@
-"""What the one-setting-per-process benchmarks share: each setting runs in a fresh process of the
-same script (``--worker``, with the same flags), one at a time, so no engine's threads, allocator
-or caches slow another, and hands its figures back as one ``RESULT`` line."""
+"""What the benchmark scripts share: timing a call (``best_of``), and running each setting in a
+fresh process of the same script (``--worker``, with the same flags), one at a time, so no
+engine's threads, allocator or caches slow another, each handing its figures back as one
+``RESULT`` line (``run_workers`` / ``report``)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
+
+
+def best_of(repeats: int, fn: Callable[[], object], sync: Callable[[], object]) -> float:
+    """The best seconds of ``repeats`` calls of ``fn``, each between two ``sync()`` calls (the
+    device's, where work runs asynchronously)."""
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def run_workers(script: str, settings: list[str], model_dir: str) -> list[dict[str, Any]]:

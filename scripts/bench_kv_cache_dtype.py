@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_common import best_of
 
 from omniserve.attention.base import AttentionBackend, to_fp8
 from omniserve.attention.metadata import AttentionMetadata
@@ -68,16 +68,8 @@ def decode_batch(batch: int, context: int, heads: tuple[int, int, int], cache_dt
 
 def time_call(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Best seconds of one call over ``repeats`` (after a warm-up)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_of(repeats, fn, torch.cuda.synchronize if device.type == "cuda" else lambda: None)
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_workers import report, run_workers
+from bench_common import report, run_workers
 
 SETTINGS = {
     "no caps": {},

@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+from bench_common import best_of
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("b1", "b8", "b32", "b128", "b1_long", "prefill_mix", "prefill", "ttft_mm")
@@ -98,18 +99,8 @@ def measure_roofline(device: str) -> dict[str, float]:
         linear = torch.nn.functional.linear
         sync = torch.cuda.synchronize if not on_cpu else lambda: None
 
-    def best_of(repeats: int, fn: Any) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    gemv_s = best_of(5, lambda: [linear(x1, w) for w in weights])
-    gemm_s = best_of(3, lambda: linear(xm, gemm_weight))
+    gemv_s = best_of(5, lambda: [linear(x1, w) for w in weights], sync)
+    gemm_s = best_of(3, lambda: linear(xm, gemm_weight), sync)
     roofline = {
         "gemv_bytes_per_s": count * 8960 * 2048 * 2 / gemv_s,
         "gemm_flops_per_s": 2 * rows * k * n / gemm_s,
@@ -118,7 +109,7 @@ def measure_roofline(device: str) -> dict[str, float]:
         src = torch.empty(4 << 30, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         roofline["gemv_bytes_per_s"] = max(
-            roofline["gemv_bytes_per_s"], 2 * src.numel() / best_of(5, lambda: dst.copy_(src))
+            roofline["gemv_bytes_per_s"], 2 * src.numel() / best_of(5, lambda: dst.copy_(src), sync)
         )
     return roofline
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_workers import report, run_workers
+from bench_common import report, run_workers
 
 
 def make_prompt(model_dir: str) -> str:

@@ -19,6 +19,8 @@ SYSTEMS = {"omniserve", "hf batched generate", "hf generate, one at a time"}
 
 
 def _load_script(name: str) -> ModuleType:
+    if str(SCRIPTS) not in sys.path:  # as when run: the scripts import their shared helpers
+        sys.path.insert(0, str(SCRIPTS))
     if name not in sys.modules:  # registered first: dataclasses look their module up by name
         spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
